@@ -1,0 +1,187 @@
+"""The `.wcodec` container: preamble, data region, JSON header. docs/FORMAT.md is the spec.
+
+    offset 0      preamble (64 bytes, little-endian; written last, so a crash leaves no magic)
+                    0  u8[8]  MAGIC
+                    8  u16    major          10 u16 minor          12 u32 flags (0)
+                   16  u64    header_offset  24 u64 header_length
+                   32  u32    header_crc32   36 u32 reserved (0)
+                   40  u64    data_offset    48 u64 file_length    56 u64 reserved (0)
+    data_offset   streams and embedded files, each STREAM_ALIGN-aligned      (DATA_ALIGN-aligned)
+    header_offset UTF-8 JSON header: {"format", "version", "metadata", "files", "tensors"}
+                  up to file_length == header_offset + header_length
+
+The header sits after the data so a writer streams tensors out in one pass and never holds a
+checkpoint in memory; readers take it from the offset the preamble gives.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import errors
+from .constants import (DATA_ALIGN, FORMAT_MAJOR, FORMAT_MINOR, MAGIC, MAX_HEADER_BYTES,
+                        PREAMBLE_SIZE, STREAM_ALIGN)
+
+_PREAMBLE = struct.Struct("<8sHHIQQIIQQQ")
+assert _PREAMBLE.size == PREAMBLE_SIZE
+
+
+@dataclass(frozen=True)
+class Preamble:
+    major: int
+    minor: int
+    header_offset: int
+    header_length: int
+    header_crc32: int
+    data_offset: int
+    file_length: int
+
+    def pack(self) -> bytes:
+        return _PREAMBLE.pack(MAGIC, self.major, self.minor, 0, self.header_offset,
+                              self.header_length, self.header_crc32, 0, self.data_offset,
+                              self.file_length, 0)
+
+
+def crc32(data) -> int:
+    return zlib.crc32(data) & 0xFFFFFFFF
+
+
+class Writer:
+    """Appends aligned blobs to a new archive; `finish(header)` writes the header and preamble.
+
+    Writes to ``path + ".tmp"`` and renames on success, so a failed compress leaves nothing."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        self._tmp = self.path + ".tmp"
+        self._f = open(self._tmp, "wb")
+        self._f.write(b"\0" * DATA_ALIGN)
+        self._pos = DATA_ALIGN
+
+    def add(self, data) -> dict:
+        """Write one blob (bytes-like); returns its {offset, length, crc32} record."""
+        pad = (-self._pos) % STREAM_ALIGN
+        self._f.write(b"\0" * pad)
+        self._pos += pad
+        view = memoryview(data).cast("B")
+        self._f.write(view)
+        record = {"offset": self._pos, "length": len(view), "crc32": crc32(view)}
+        self._pos += len(view)
+        return record
+
+    def finish(self, header: dict) -> int:
+        body = json.dumps(header, separators=(",", ":")).encode()
+        if len(body) > MAX_HEADER_BYTES:
+            raise errors.HeaderError(self.path, f"header of {len(body)} bytes exceeds {MAX_HEADER_BYTES}")
+        self._f.write(body)
+        end = self._pos + len(body)
+        pre = Preamble(FORMAT_MAJOR, FORMAT_MINOR, self._pos, len(body), crc32(body), DATA_ALIGN, end)
+        self._f.seek(0)
+        self._f.write(pre.pack())
+        self._f.close()
+        os.replace(self._tmp, self.path)
+        return end
+
+    def abort(self) -> None:
+        self._f.close()
+        if os.path.exists(self._tmp):
+            os.unlink(self._tmp)
+
+
+@dataclass
+class Reader:
+    """A validated, memory-mapped archive: preamble and header checked, streams bounds-checked."""
+
+    path: str
+    preamble: Preamble
+    header: dict
+    buf: np.ndarray = field(repr=False)        # the whole file, uint8, read-only
+    _mmap: mmap.mmap | None = field(default=None, repr=False)
+
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> "Reader":
+        path = os.fspath(path)
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+        except OSError as e:
+            raise errors.CodecError(path, f"cannot open: {e.strerror or e}") from None
+        buf = np.frombuffer(mm, dtype=np.uint8) if mm is not None else np.zeros(0, np.uint8)
+        pre = _read_preamble(path, buf)
+        header = _read_header(path, buf, pre)
+        return cls(path, pre, header, buf, mm)
+
+    def stream(self, record: dict, what: str) -> np.ndarray:
+        """The bytes of a stream record, after checking it lies inside the data region."""
+        off, length = record.get("offset"), record.get("length")
+        if not (isinstance(off, int) and isinstance(length, int)) or off < self.preamble.data_offset \
+                or length < 0 or off + length > self.preamble.header_offset:
+            raise errors.HeaderError(self.path, f"{what}: stream offset/length lie outside the data region")
+        return self.buf[off:off + length]
+
+    def checked_stream(self, record: dict, what: str, verify: bool = True) -> np.ndarray:
+        data = self.stream(record, what)
+        if verify and crc32(data) != record.get("crc32"):
+            raise errors.ChecksumError(self.path, f"{what}: stored stream fails its CRC32")
+        return data
+
+    def files(self, verify: bool = True) -> dict[str, bytes]:
+        return {name: self.checked_stream(rec, f"file {name!r}", verify).tobytes()
+                for name, rec in self.header["files"].items()}
+
+    def close(self) -> None:
+        self.buf = np.zeros(0, np.uint8)
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:        # tensors still view the map; it closes when they go
+                pass
+            self._mmap = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _read_preamble(path: str, buf: np.ndarray) -> Preamble:
+    if len(buf) < len(MAGIC) or bytes(buf[:len(MAGIC)]) != MAGIC:
+        raise errors.NotAWcodecFile(path, "not a .wcodec file (bad magic)")
+    if len(buf) < PREAMBLE_SIZE:
+        raise errors.TruncatedFile(path, f"file of {len(buf)} bytes is shorter than the preamble")
+    f = _PREAMBLE.unpack(bytes(buf[:PREAMBLE_SIZE]))
+    pre = Preamble(f[1], f[2], f[4], f[5], f[6], f[8], f[9])
+    if pre.major != FORMAT_MAJOR:
+        raise errors.UnsupportedVersion(path, f"format version {pre.major}.{pre.minor} is not supported "
+                                              f"(this reader reads {FORMAT_MAJOR}.x)")
+    if pre.file_length != len(buf):
+        kind = errors.TruncatedFile if len(buf) < pre.file_length else errors.HeaderError
+        raise kind(path, f"file is {len(buf)} bytes but its preamble says {pre.file_length}")
+    if pre.header_length > MAX_HEADER_BYTES:
+        raise errors.HeaderError(path, f"header of {pre.header_length} bytes exceeds {MAX_HEADER_BYTES}")
+    if not (PREAMBLE_SIZE <= pre.data_offset <= pre.header_offset
+            and pre.header_offset + pre.header_length == pre.file_length):
+        raise errors.HeaderError(path, "preamble offsets are inconsistent")
+    return pre
+
+
+def _read_header(path: str, buf: np.ndarray, pre: Preamble) -> dict:
+    body = buf[pre.header_offset:pre.header_offset + pre.header_length]
+    if crc32(body) != pre.header_crc32:
+        raise errors.ChecksumError(path, "header fails its CRC32")
+    try:
+        header = json.loads(body.tobytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise errors.HeaderError(path, f"header is not valid JSON: {e}") from None
+    if not isinstance(header, dict) or header.get("format") != "wcodec" \
+            or not isinstance(header.get("tensors"), list) or not isinstance(header.get("files"), dict):
+        raise errors.HeaderError(path, "header lacks format/tensors/files")
+    return header

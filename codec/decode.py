@@ -1,0 +1,168 @@
+"""`.wcodec` -> tensors: the CPU reference decoder, with checksum verification."""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from . import errors, floatcodec, planes
+from .constants import CODEC_FLOAT, STREAM_ALIGN
+from .container import Reader, crc32
+from .entries import TensorEntry
+from .parallel import WORKER_STATE, default_workers, ordered_map
+
+BATCH_ELEMENTS = 48 << 20          # elements per decode job
+
+
+@dataclass
+class Archive:
+    """An opened archive: the validated reader and its tensor entries, in file (layer) order."""
+
+    reader: Reader
+    entries: list[TensorEntry]
+
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> "Archive":
+        reader = Reader.open(path)
+        entries = [TensorEntry.from_json(reader.path, rec) for rec in reader.header["tensors"]]
+        names = [e.name for e in entries]
+        if len(set(names)) != len(names):
+            raise errors.HeaderError(reader.path, "duplicate tensor names")
+        return cls(reader, entries)
+
+    @property
+    def path(self) -> str:
+        return self.reader.path
+
+    def close(self) -> None:
+        self.reader.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+@dataclass
+class LoadedModel:
+    """What a decoded archive serves: the state dict plus the embedded model files."""
+
+    state_dict: dict[str, torch.Tensor]
+    files: dict[str, bytes]
+    header: dict = field(repr=False)
+
+    @property
+    def config(self) -> dict | None:
+        blob = self.files.get("config.json")
+        return json.loads(blob) if blob else None
+
+
+def decode_entries(archive: Archive, entries: list[TensorEntry], verify: bool = True) -> list[np.ndarray]:
+    """Decode a batch of entries to their raw little-endian bytes (uint8 arrays)."""
+    out: list[np.ndarray | None] = [None] * len(entries)
+    items, slots = [], []
+    for i, e in enumerate(entries):
+        if e.codec == CODEC_FLOAT:
+            items.append(_float_planes(archive, e, verify))
+            slots.append(i)
+        else:
+            out[i] = archive.reader.checked_stream(e.streams["raw"], f"tensor {e.name!r}", verify)
+            if len(out[i]) != e.nbytes:
+                raise errors.CorruptStreamError(archive.path, f"tensor {e.name!r}: raw stream has "
+                                                              f"{len(out[i])} bytes, not {e.nbytes}")
+    decoded = floatcodec.decode_batch([(p, layout, hi) for p, layout, hi, _ in items]) if items else []
+    for i, (sym, status), (_, layout, hi, lo) in zip(slots, decoded, items):
+        e = entries[i]
+        if status.any():
+            seg = int(np.flatnonzero(status)[0])
+            raise errors.CorruptStreamError(archive.path, f"tensor {e.name!r}: segment {seg} "
+                                                          f"fails to decode (status {int(status[seg])})")
+        out[i] = planes.join(layout, sym, hi, lo).view(np.uint8)
+    if verify:
+        for e, data in zip(entries, out):
+            if crc32(data) != e.crc32:
+                raise errors.ChecksumError(archive.path, f"tensor {e.name!r}: decoded bytes fail their CRC32")
+    return out
+
+
+def _float_planes(archive: Archive, e: TensorEntry, verify: bool):
+    layout = planes.FLOAT_LAYOUTS[e.dtype]
+    what = f"tensor {e.name!r}"
+    hi = archive.reader.checked_stream(e.streams["hi"], what, verify)
+    lo = archive.reader.checked_stream(e.streams["lo"], what, verify) if "lo" in e.streams else None
+    if len(hi) != e.numel or (lo is not None and len(lo) != 2 * e.numel):
+        raise errors.CorruptStreamError(archive.path, f"{what}: raw planes have the wrong length")
+    try:
+        parsed = floatcodec.parse_exp(archive.reader.checked_stream(e.streams["exp"], what, verify), e.params)
+    except floatcodec.StreamFault as fault:
+        raise errors.CorruptStreamError(archive.path, f"{what}: {fault}") from None
+    return parsed, layout, hi, None if lo is None else lo.view("<u2")
+
+
+def _decode_job(job) -> None:
+    path, verify, picks = job
+    archive = WORKER_STATE.get(("archive", path))
+    if archive is None:
+        archive = WORKER_STATE[("archive", path)] = Archive.open(path)
+    out = np.frombuffer(WORKER_STATE["out"], dtype=np.uint8)
+    entries = [archive.entries[i] for i, _ in picks]
+    for (_, offset), data in zip(picks, decode_entries(archive, entries, verify)):
+        out[offset:offset + len(data)] = data
+
+
+def _plan_jobs(archive: Archive, verify: bool, workers: int):
+    offsets, pos = [], 0
+    for e in archive.entries:
+        offsets.append(pos)
+        pos += -(-e.nbytes // STREAM_ALIGN) * STREAM_ALIGN
+    limit = min(BATCH_ELEMENTS, -(-sum(e.numel for e in archive.entries) // workers))
+    jobs, batch, size = [], [], 0
+    for i, e in enumerate(archive.entries):
+        if batch and size + e.numel > limit:
+            jobs.append((archive.path, verify, batch))
+            batch, size = [], 0
+        batch.append((i, offsets[i]))
+        size += e.numel
+    if batch:
+        jobs.append((archive.path, verify, batch))
+    return jobs, offsets, pos
+
+
+def load(path: str | os.PathLike, *, verify: bool = True, workers: int | None = None) -> LoadedModel:
+    """Decode a whole archive on the CPU with the NumPy reference, in parallel across tensors.
+
+    The tensors share one anonymous memory map that the worker processes write into, so the
+    decoded weights exist once."""
+    with Archive.open(path) as archive:
+        files = archive.reader.files(verify)
+        workers = workers or default_workers()
+        jobs, offsets, total = _plan_jobs(archive, verify, workers)
+        out = mmap.mmap(-1, max(total, 1))
+        try:
+            for _ in ordered_map(_decode_job, jobs, min(workers, len(jobs) or 1), state={"out": out}):
+                pass
+        finally:
+            WORKER_STATE.clear()
+        state = {e.name: _tensor_view(out, off, e) for e, off in zip(archive.entries, offsets)}
+        return LoadedModel(state, files, archive.reader.header)
+
+
+def _tensor_view(out: mmap.mmap, offset: int, e: TensorEntry) -> torch.Tensor:
+    if e.nbytes == 0:
+        return torch.empty(e.shape, dtype=e.torch_dtype)
+    flat = torch.frombuffer(out, dtype=torch.uint8, count=e.nbytes, offset=offset)
+    return flat.view(e.torch_dtype).reshape(e.shape)
+
+
+def decompress(src: str | os.PathLike, dst: str | os.PathLike, *, workers: int | None = None) -> int:
+    """Archive -> a plain .safetensors file (the embedded config goes into its metadata)."""
+    from safetensors.torch import save_file
+    model = load(src, workers=workers)
+    meta = {"format": "pt", "wcodec_source": os.path.basename(os.fspath(src))}
+    save_file(model.state_dict, os.fspath(dst), metadata=meta)
+    return sum(t.nbytes for t in model.state_dict.values())

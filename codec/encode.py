@@ -1,0 +1,115 @@
+"""Checkpoint -> `.wcodec`: streaming, batched across tensors, parallel across worker processes."""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from . import __version__, floatcodec
+from .constants import CODEC_FLOAT, CODEC_RAW, FORMAT_MAJOR, FORMAT_MINOR
+from .container import Writer, crc32
+from .entries import dtype_name
+from .parallel import default_workers, ordered_map
+from .planes import FLOAT_LAYOUTS
+from .sources import layer_index, layer_order, open_source
+
+BATCH_ELEMENTS = 48 << 20          # elements per encode job: big enough to fill the lanes
+
+
+@dataclass(frozen=True)
+class CompressStats:
+    raw_bytes: int
+    stored_bytes: int
+    file_bytes: int
+    seconds: float
+    tensors: int
+
+    @property
+    def ratio(self) -> float:
+        return self.file_bytes / max(self.raw_bytes, 1)
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.raw_bytes / 1e6 / max(self.seconds, 1e-9)
+
+
+def encode_tensors(items: list[tuple[str, str, tuple, np.ndarray]]) -> list[dict]:
+    """Encode (name, dtype, shape, raw little-endian bytes as uint8) tensors in one batch.
+    Returns records without offsets: {..., "streams": {role: bytes}}."""
+    prepared = []
+    for name, dtype, shape, data in items:
+        layout = FLOAT_LAYOUTS.get(dtype)
+        prepared.append(floatcodec.prepare(layout, data.view(layout.word)) if layout else None)
+    coded = iter(floatcodec.encode_batch([p for p in prepared if p is not None]))
+    out = []
+    for (name, dtype, shape, data), p in zip(items, prepared):
+        rec = {"name": name, "dtype": dtype, "shape": list(shape), "nbytes": int(data.nbytes),
+               "crc32": crc32(data)}
+        if p is None:
+            rec.update(codec=CODEC_RAW, streams={"raw": data.tobytes()})
+        else:
+            streams = {"exp": next(coded), "hi": p.hi.tobytes()}
+            if p.lo is not None:
+                streams["lo"] = p.lo.tobytes()
+            rec.update(codec=CODEC_FLOAT, params=p.params.to_json(), streams=streams)
+        out.append(rec)
+    return out
+
+
+def _raw_bytes(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().contiguous().cpu()
+    return t.view(torch.uint8).reshape(-1).numpy() if t.numel() else np.zeros(0, np.uint8)
+
+
+def _jobs(source, infos, path):
+    batch, size = [], 0
+    for info in infos:
+        n = math.prod(info.shape)
+        if batch and size + n > BATCH_ELEMENTS:
+            yield batch
+            batch, size = [], 0
+        data = _raw_bytes(source.load(info.name))
+        batch.append((info.name, dtype_name(path, info.name, info.dtype), tuple(info.shape), data))
+        size += n
+    if batch:
+        yield batch
+
+
+def compress(src: str | os.PathLike, dst: str | os.PathLike, *, workers: int | None = None,
+             gguf_dtype: torch.dtype = torch.bfloat16,
+             progress: Callable[[int, int], None] | None = None) -> CompressStats:
+    """Compress a checkpoint (HF folder, .safetensors or .gguf) into `dst`.
+
+    `progress(done_bytes, total_bytes)` is called after each batch is written."""
+    t0 = time.perf_counter()
+    with open_source(src, gguf_dtype=gguf_dtype) as source:
+        infos = layer_order(source.tensors())
+        total = sum(math.prod(i.shape) * i.dtype.itemsize for i in infos)
+        writer = Writer(dst)
+        try:
+            files = {name: writer.add(blob) for name, blob in sorted(source.files.items())}
+            tensors, raw, stored = [], 0, 0
+            for results in ordered_map(encode_tensors, _jobs(source, infos, src),
+                                       workers or default_workers()):
+                for rec in results:
+                    rec["streams"] = {role: writer.add(b) for role, b in rec["streams"].items()}
+                    rec["layer"] = layer_index(rec["name"])
+                    tensors.append(rec)
+                    raw += rec["nbytes"]
+                    stored += sum(s["length"] for s in rec["streams"].values())
+                if progress:
+                    progress(raw, total)
+            header = {"format": "wcodec", "version": f"{FORMAT_MAJOR}.{FORMAT_MINOR}",
+                      "metadata": {"source": os.path.basename(os.fspath(src).rstrip("/")),
+                                   "created_by": f"wcodec {__version__}"},
+                      "files": files, "tensors": tensors}
+            size = writer.finish(header)
+        except BaseException:
+            writer.abort()
+            raise
+    return CompressStats(raw, stored, size, time.perf_counter() - t0, len(tensors))

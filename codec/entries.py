@@ -1,0 +1,103 @@
+"""Tensor entries of the header: dtypes, validation, and the per-tensor record."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from . import errors
+from .constants import CODEC_FLOAT, CODEC_RAW, MAX_CTX_BITS, SEGMENT_SYMBOLS
+from .floatcodec import FloatParams
+from .planes import FLOAT_LAYOUTS
+
+# Every dtype an archive may hold; the float codec applies to FLOAT_LAYOUTS, the rest is raw.
+DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+    "float64": torch.float64, "int8": torch.int8, "uint8": torch.uint8, "int16": torch.int16,
+    "int32": torch.int32, "int64": torch.int64, "bool": torch.bool,
+    "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+STREAMS = {CODEC_RAW: ("raw",), CODEC_FLOAT: ("exp", "hi")}
+
+
+def dtype_name(path, name: str, dtype: torch.dtype) -> str:
+    if dtype not in DTYPE_NAMES:
+        raise errors.UnsupportedTensor(path, f"tensor {name!r}: dtype {dtype} cannot be stored")
+    return DTYPE_NAMES[dtype]
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    codec: str
+    layer: int | None
+    nbytes: int
+    crc32: int
+    streams: dict
+    params: FloatParams | None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def to_json(self) -> dict:
+        out = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "codec": self.codec,
+               "layer": self.layer, "nbytes": self.nbytes, "crc32": self.crc32, "streams": self.streams}
+        if self.params is not None:
+            out["params"] = self.params.to_json()
+        return out
+
+    @classmethod
+    def from_json(cls, path, rec) -> "TensorEntry":
+        """Validate one header record; any lie about sizes or types is a HeaderError."""
+        def bad(what):
+            name = rec.get("name") if isinstance(rec, dict) else None
+            return errors.HeaderError(path, f"tensor {name!r}: {what}")
+        if not isinstance(rec, dict) or not isinstance(rec.get("name"), str):
+            raise bad("record is not an object with a name")
+        dtype, shape, codec = rec.get("dtype"), rec.get("shape"), rec.get("codec")
+        if dtype not in DTYPES:
+            raise bad(f"unknown dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(_is_uint(d) for d in shape):
+            raise bad("shape is not a list of non-negative integers")
+        if codec not in STREAMS or (codec == CODEC_FLOAT and dtype not in FLOAT_LAYOUTS):
+            raise bad(f"codec {codec!r} does not apply to {dtype}")
+        itemsize = DTYPES[dtype].itemsize
+        if rec.get("nbytes") != math.prod(shape) * itemsize or not _is_uint(rec.get("crc32")):
+            raise bad("nbytes or crc32 disagree with the shape")
+        streams = rec.get("streams")
+        needed = STREAMS[codec] + (("lo",) if codec == CODEC_FLOAT and dtype == "float32" else ())
+        if not isinstance(streams, dict) or set(streams) != set(needed) \
+                or not all(isinstance(s, dict) for s in streams.values()):
+            raise bad(f"streams must be exactly {list(needed)}")
+        layer = rec.get("layer")
+        if layer is not None and not _is_uint(layer):
+            raise bad("layer is not a non-negative integer")
+        params = _params(rec.get("params"), math.prod(shape), bad) if codec == CODEC_FLOAT else None
+        return cls(rec["name"], dtype, tuple(shape), codec, layer, rec["nbytes"], rec["crc32"],
+                   streams, params)
+
+
+def _is_uint(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _params(p, n: int, bad) -> FloatParams:
+    if not isinstance(p, dict):
+        raise bad("float codec without params")
+    seg, ctx, group = p.get("segment_symbols"), p.get("ctx_bits"), p.get("table_group")
+    if seg != SEGMENT_SYMBOLS:
+        raise bad(f"segment_symbols {seg!r} is not {SEGMENT_SYMBOLS}")
+    if not (_is_uint(ctx) and ctx <= MAX_CTX_BITS and _is_uint(group) and group >= 1):
+        raise bad("ctx_bits/table_group out of range")
+    if n == 0:
+        raise bad("float codec on an empty tensor")
+    return FloatParams(n, ctx, min(group, -(-n // seg)), seg)

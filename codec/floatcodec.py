@@ -1,0 +1,240 @@
+"""The lossless float codec: exponent plane rANS-coded with context tables, other bits raw.
+
+A coded tensor has up to three streams: "exp" (the coded `sym` plane, layout below), "hi" (raw
+u8 plane) and, for fp32, "lo" (raw u16 plane). Stream "exp", little-endian:
+
+    u64 seg_offset[n_segments]       byte offset of segment i from the stream start (16-aligned)
+    u32 seg_words[n_segments]        16-bit words in segment i
+    u32 table_offset[n_tables + 1]   byte offset of table j; the last entry is the tables' end
+    tables                           tables.serialize(), 4-aligned
+    segments                         u32 state[32] | u16 word[seg_words[i]] | pad to 16
+
+Segment i holds symbols [i * S, min(n, (i + 1) * S)), S = segment_symbols. Table set g serves
+segments [g * G, (g + 1) * G), G = table_group; within a set, table c = context (planes.context).
+So symbol j of the tensor uses table ((j // S) // G) * 2**ctx_bits + ctx[j].
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import planes, rans, tables
+from .constants import (MAX_CTX_BITS, MIN_CODED_ELEMENTS, PROB_BITS, PROB_SCALE, SEGMENT_ALIGN,
+                        SEGMENT_SYMBOLS, STATE_BYTES, TABLE_GROUPS)
+
+_SEGMENT_OVERHEAD_BITS = 8 * (STATE_BYTES + 12 + SEGMENT_ALIGN // 2)
+
+
+@dataclass(frozen=True)
+class FloatParams:
+    n: int
+    ctx_bits: int
+    table_group: int
+    segment_symbols: int = SEGMENT_SYMBOLS
+
+    @property
+    def n_segments(self) -> int:
+        return -(-self.n // self.segment_symbols)
+
+    @property
+    def n_tables(self) -> int:
+        return -(-self.n_segments // self.table_group) << self.ctx_bits
+
+    def to_json(self) -> dict:
+        return {"segment_symbols": self.segment_symbols, "ctx_bits": self.ctx_bits,
+                "table_group": self.table_group}
+
+    def segment_lengths(self) -> np.ndarray:
+        lengths = np.full(self.n_segments, self.segment_symbols, dtype=np.int64)
+        if self.n % self.segment_symbols:
+            lengths[-1] = self.n % self.segment_symbols
+        return lengths
+
+    def table_rows(self, ctx: np.ndarray, first_table: int) -> np.ndarray:
+        """LUT row offset (table index * M) of every symbol, given its context (int32)."""
+        set_of_seg = np.arange(self.n_segments, dtype=np.int64) // self.table_group
+        seg_row = (first_table + (set_of_seg << self.ctx_bits)) * PROB_SCALE
+        rows = np.repeat(seg_row.astype(np.int32), self.segment_lengths())
+        rows += ctx.astype(np.int32) * PROB_SCALE
+        return rows
+
+
+@dataclass
+class Prepared:
+    """A float tensor split into planes, with its chosen parameters and tables."""
+
+    layout: planes.FloatLayout
+    params: FloatParams
+    freqs: np.ndarray                  # [n_tables, 256]
+    sym: np.ndarray
+    hi: np.ndarray
+    lo: np.ndarray | None
+
+
+def _fine_counts(sym: np.ndarray, ctx: np.ndarray, n_segments: int) -> np.ndarray:
+    """Histogram [n_segments, 2**MAX_CTX_BITS, 256] of symbols by segment and full context."""
+    key = (ctx.astype(np.uint16) << 8) | sym
+    out = np.empty((n_segments, (1 << MAX_CTX_BITS) * 256), dtype=np.int64)
+    for i in range(n_segments):
+        out[i] = np.bincount(key[i * SEGMENT_SYMBOLS:(i + 1) * SEGMENT_SYMBOLS], minlength=out.shape[1])
+    return out.reshape(n_segments, 1 << MAX_CTX_BITS, 256)
+
+
+def _grouped(fine: np.ndarray, ctx_bits: int, group: int) -> np.ndarray:
+    """Fine counts -> [n_tables, 256] for a ctx_bits / table_group choice."""
+    n_seg = fine.shape[0]
+    by_ctx = fine.reshape(n_seg, 1 << ctx_bits, -1, 256).sum(axis=2)
+    n_sets = -(-n_seg // group)
+    padded = np.zeros((n_sets * group,) + by_ctx.shape[1:], dtype=by_ctx.dtype)
+    padded[:n_seg] = by_ctx
+    return padded.reshape(n_sets, group, 1 << ctx_bits, 256).sum(axis=1).reshape(-1, 256)
+
+
+def _cost_bits(counts: np.ndarray) -> tuple[float, np.ndarray]:
+    freqs = tables.normalize(counts)
+    table_bits = 8 * (tables.serialized_size(freqs).sum() + 4 * (len(freqs) + 1))
+    return tables.cost_bits(counts, freqs) + table_bits, freqs
+
+
+def prepare(layout: planes.FloatLayout, u: np.ndarray) -> Prepared | None:
+    """Split a tensor, pick the cheapest context/table grouping; None if raw storage is cheaper."""
+    n = len(u)
+    if n < MIN_CODED_ELEMENTS:
+        return None
+    sym, hi, lo = planes.split(layout, u)
+    n_seg = -(-n // SEGMENT_SYMBOLS)
+    fine = _fine_counts(sym, planes.context(layout, hi, MAX_CTX_BITS), n_seg)
+    groups = sorted({min(g, n_seg) for g in TABLE_GROUPS} | {n_seg})
+    best = None
+    for ctx_bits in range(MAX_CTX_BITS + 1):
+        for group in groups:
+            bits, freqs = _cost_bits(_grouped(fine, ctx_bits, group))
+            if best is None or bits < best[0]:
+                best = (bits, FloatParams(n, ctx_bits, group), freqs)
+    bits, params, freqs = best
+    if bits + n_seg * _SEGMENT_OVERHEAD_BITS >= 8 * n:
+        return None
+    return Prepared(layout, params, freqs, sym, hi, lo)
+
+
+def _directory_size(p: FloatParams) -> int:
+    return 12 * p.n_segments + 4 * (p.n_tables + 1)
+
+
+def _align(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+def encode_batch(batch: list[Prepared]) -> list[bytes]:
+    """rANS-encode the exp planes of several tensors in one vectorised pass."""
+    packed = np.concatenate([_packed_symbols(p) for p in batch])
+    layout = rans.plan(np.concatenate([p.params.segment_lengths() for p in batch]))
+    states, words, counts = rans.encode(layout, packed)
+    out, seg0, word0 = [], 0, 0
+    for p in batch:
+        n_seg = p.params.n_segments
+        seg_counts = counts[seg0:seg0 + n_seg]
+        n_words = int(seg_counts.sum())
+        out.append(_assemble(p, states[seg0:seg0 + n_seg], words[word0:word0 + n_words], seg_counts))
+        seg0, word0 = seg0 + n_seg, word0 + n_words
+    return out
+
+
+def _packed_symbols(p: Prepared) -> np.ndarray:
+    """Each symbol's packed ``freq << 12 | cum`` under its own table (context within its set)."""
+    key = (planes.context(p.layout, p.hi, p.params.ctx_bits).astype(np.uint16) << 8) | p.sym
+    sets = tables.pack_encode(p.freqs).reshape(-1, (1 << p.params.ctx_bits) * 256)
+    span = p.params.table_group * p.params.segment_symbols
+    out = np.empty(p.params.n, dtype=np.uint32)
+    for g, entries in enumerate(sets):
+        np.take(entries, key[g * span:(g + 1) * span], out=out[g * span:(g + 1) * span])
+    return out
+
+
+def _assemble(p: Prepared, states: np.ndarray, words: np.ndarray, counts: np.ndarray) -> bytes:
+    table_blobs = [tables.serialize(f) for f in p.freqs]
+    table_off = _directory_size(p.params) + np.cumsum([0] + [len(b) for b in table_blobs])
+    seg_size = np.array([_align(STATE_BYTES + 2 * int(c), SEGMENT_ALIGN) for c in counts], np.int64)
+    seg_off = _align(int(table_off[-1]), SEGMENT_ALIGN) + np.cumsum(seg_size) - seg_size
+    buf = np.zeros(int(seg_off[-1] + seg_size[-1]), dtype=np.uint8)
+    buf[:8 * len(seg_off)] = seg_off.astype("<u8").view(np.uint8)
+    buf[8 * len(seg_off):12 * len(seg_off)] = counts.astype("<u4").view(np.uint8)
+    buf[12 * len(seg_off):_directory_size(p.params)] = table_off.astype("<u4").view(np.uint8)
+    buf[table_off[0]:table_off[-1]] = np.frombuffer(b"".join(table_blobs), np.uint8)
+    word0 = 0
+    for i, off in enumerate(seg_off.tolist()):
+        buf[off:off + STATE_BYTES] = states[i].astype("<u4").view(np.uint8)
+        c = int(counts[i])
+        buf[off + STATE_BYTES:off + STATE_BYTES + 2 * c] = words[word0:word0 + c].astype("<u2").view(np.uint8)
+        word0 += c
+    return buf.tobytes()
+
+
+class StreamFault(Exception):
+    """An exp stream is internally inconsistent; the archive layer names the file and tensor."""
+
+
+@dataclass
+class ParsedExp:
+    params: FloatParams
+    freqs: np.ndarray                  # [n_tables, 256]
+    states: np.ndarray                 # [n_segments, 32] u32
+    words: list[np.ndarray]            # per segment, u16 views into the stream
+
+
+def parse_exp(buf: np.ndarray, params: FloatParams) -> ParsedExp:
+    """Parse and bounds-check an exp stream (uint8 array). Raises StreamFault."""
+    n_seg, n_tab, size = params.n_segments, params.n_tables, len(buf)
+    dir_size = _directory_size(params)
+    if size < dir_size:
+        raise StreamFault(f"exp stream of {size} bytes is shorter than its {dir_size}-byte directory")
+    seg_off = buf[:8 * n_seg].view("<u8").astype(np.uint64)
+    seg_words = buf[8 * n_seg:12 * n_seg].view("<u4").astype(np.int64)
+    tab_off = buf[12 * n_seg:dir_size].view("<u4").astype(np.int64)
+    if tab_off[0] != dir_size or np.any(np.diff(tab_off) < 0) or tab_off[-1] > size:
+        raise StreamFault("table offsets are out of order or out of the stream")
+    freqs = np.zeros((n_tab, 256), dtype=np.uint32)
+    for j in range(n_tab):
+        f = tables.parse(buf, int(tab_off[j]), int(tab_off[j + 1]))
+        if isinstance(f, str):
+            raise StreamFault(f"table {j}: {f}")
+        freqs[j] = f
+    _check_segments(seg_off, seg_words, int(tab_off[-1]), size)
+    off = seg_off.astype(np.int64)
+    states = buf[off[:, None] + np.arange(STATE_BYTES)].reshape(n_seg, -1).view("<u4").reshape(n_seg, 32)
+    words = [buf[o + STATE_BYTES:o + STATE_BYTES + 2 * c].view("<u2")
+             for o, c in zip(off.tolist(), seg_words.tolist())]
+    return ParsedExp(params, freqs, states.astype(np.uint32), words)
+
+
+def _check_segments(seg_off: np.ndarray, seg_words: np.ndarray, tables_end: int, size: int) -> None:
+    if np.any(seg_off > np.uint64(size)) or np.any(seg_off % np.uint64(SEGMENT_ALIGN)):
+        raise StreamFault("a segment offset is unaligned or past the stream's end")
+    start = seg_off.astype(np.int64)
+    end = start + STATE_BYTES + 2 * seg_words
+    if start[0] < tables_end or end.max() > size or np.any(start[1:] < end[:-1]):
+        raise StreamFault("segments overlap, overlap the tables, or run past the stream's end")
+
+
+def decode_batch(items: list[tuple[ParsedExp, planes.FloatLayout, np.ndarray]]):
+    """Decode the exp planes of several tensors (parsed stream, layout, hi plane) in one pass.
+    Returns, per tensor, (sym plane, status per segment)."""
+    rows, lengths, first = [], [], 0
+    for parsed, layout, hi in items:
+        rows.append(parsed.params.table_rows(planes.context(layout, hi, parsed.params.ctx_bits), first))
+        lengths.append(parsed.params.segment_lengths())
+        first += parsed.params.n_tables
+    lut = tables.build_lut(np.concatenate([p.freqs for p, _, _ in items]))
+    seg_words = [w for p, _, _ in items for w in p.words]
+    counts = np.array([len(w) for w in seg_words], dtype=np.int64)
+    layout = rans.plan(np.concatenate(lengths))
+    syms, status = rans.decode(layout, np.concatenate([p.states for p, _, _ in items]),
+                               np.concatenate(seg_words) if seg_words else np.zeros(0, np.uint16),
+                               np.cumsum(counts) - counts, counts, np.concatenate(rows), lut)
+    out, sym0, seg0 = [], 0, 0
+    for parsed, _, _ in items:
+        n, n_seg = parsed.params.n, parsed.params.n_segments
+        out.append((syms[sym0:sym0 + n], status[seg0:seg0 + n_seg]))
+        sym0, seg0 = sym0 + n, seg0 + n_seg
+    return out

@@ -1,0 +1,78 @@
+"""Bit planes of the lossless float codec: which bits are entropy-coded, which are stored raw.
+
+Per dtype, an element splits into a coded byte `sym` (the exponent, plus for fp16 the sign and two
+mantissa bits), a raw byte `hi`, and for fp32 a raw little-endian u16 `lo`:
+
+  bf16   15 14       7 6     0          sym = exponent[7:0]
+         +--+---------+-------+          hi  = sign << 7 | mantissa[6:0]
+         |s | exp (8) | m (7) |
+         +--+---------+-------+
+
+  fp16   15 14    10 9  8 7       0      sym = the high byte: sign, exponent[4:0], mantissa[9:8]
+         +--+-------+----+--------+      hi  = mantissa[7:0]
+         |s |exp (5)| m9m8| m7..m0 |
+         +--+-------+----+--------+
+
+  fp32   31 30      23 22     16 15       0     sym = exponent[7:0]
+         +--+---------+---------+----------+     hi  = sign << 7 | mantissa[22:16]
+         |s | exp (8) | m22..16 | m15..m0  |     lo  = mantissa[15:0]
+         +--+---------+---------+----------+
+
+Context: the exponent is coded with table ``ctx`` = the top `ctx_bits` mantissa bits that `hi`
+holds (hi bits 6.. for bf16/fp32, hi bits 7.. for fp16). The decoder reads `hi` before it decodes
+`sym`, so the context costs nothing to transmit. Every bit pattern (NaN payloads, +-Inf, -0,
+denormals) splits and joins exactly: the planes are a bijection of the bits.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class FloatLayout:
+    name: str
+    torch_dtype: torch.dtype
+    word: type                 # unsigned integer view of one element
+    itemsize: int
+    ctx_top_bit: int           # index in `hi` of the highest mantissa bit
+
+
+FLOAT_LAYOUTS = {
+    "bfloat16": FloatLayout("bfloat16", torch.bfloat16, np.uint16, 2, 6),
+    "float16": FloatLayout("float16", torch.float16, np.uint16, 2, 7),
+    "float32": FloatLayout("float32", torch.float32, np.uint32, 4, 6),
+}
+
+
+def split(layout: FloatLayout, u: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Element words -> (sym u8, hi u8, lo u16 | None)."""
+    if layout.name == "float16":
+        return (u >> 8).astype(np.uint8), (u & 0xFF).astype(np.uint8), None
+    if layout.name == "bfloat16":
+        sym = ((u >> 7) & 0xFF).astype(np.uint8)
+        hi = (((u >> 8) & 0x80) | (u & 0x7F)).astype(np.uint8)
+        return sym, hi, None
+    sym = ((u >> 23) & 0xFF).astype(np.uint8)
+    hi = (((u >> 24) & 0x80) | ((u >> 16) & 0x7F)).astype(np.uint8)
+    return sym, hi, (u & 0xFFFF).astype(np.uint16)
+
+
+def join(layout: FloatLayout, sym: np.ndarray, hi: np.ndarray, lo: np.ndarray | None) -> np.ndarray:
+    """(sym, hi, lo) -> element words; the exact inverse of split."""
+    if layout.name == "float16":
+        return (sym.astype(np.uint16) << 8) | hi
+    if layout.name == "bfloat16":
+        h = hi.astype(np.uint16)
+        return ((h & 0x80) << 8) | (sym.astype(np.uint16) << 7) | (h & 0x7F)
+    h = hi.astype(np.uint32)
+    return ((h & 0x80) << 24) | (sym.astype(np.uint32) << 23) | ((h & 0x7F) << 16) | lo
+
+
+def context(layout: FloatLayout, hi: np.ndarray, ctx_bits: int) -> np.ndarray:
+    """Table index within a table set for each element: the top `ctx_bits` mantissa bits in hi."""
+    if ctx_bits == 0:
+        return np.zeros(hi.shape, dtype=np.uint8)
+    return (hi >> (layout.ctx_top_bit + 1 - ctx_bits)) & ((1 << ctx_bits) - 1)

@@ -1,0 +1,156 @@
+"""Interleaved rANS over many independent segments, vectorised with NumPy across segments and lanes.
+
+Read me first (the traps)
+-------------------------
+* rANS is LIFO: the encoder walks every segment BACKWARDS (last step first); the decoder walks
+  forwards and gets the symbols in their natural order.
+* Lane mapping: symbol j of a segment belongs to lane ``j % 32`` at step ``j // 32``. A warp
+  decodes a segment with one lane per state; each step writes 32 consecutive symbols.
+* Word order: at each step, after all lanes decoded one symbol, the lanes whose state fell below
+  L pull one 16-bit word each, in increasing lane order (a warp does this with ballot + popc).
+  The stream of a segment is therefore  [words of step 0][words of step 1]... each in lane order.
+  The encoder emits step T-1 first, so it records per-step words and concatenates them forwards.
+* Every lane's encoder starts at x = L, so every lane's decoder must end at exactly L, having used
+  exactly the segment's words: that is the per-segment corruption check.
+* Padded positions (segments shorter than the longest in a batch, partial last steps) use the
+  identity table: x stays x, no word moves. No masks in the loops.
+
+State maths (P = PROB_BITS, M = 2**P, L = 2**16):
+    encode  x -> ((x // f) << P) + (x % f) + c          after emitting x & 0xFFFF while x >= f << (32-P)
+    decode  x -> f * (x >> P) + (x & (M-1)) - c         then x = (x << 16) | word  while x < L
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .constants import LANES, PROB_BITS, PROB_SCALE, RANS_L, RENORM_BITS
+from .tables import LUT_SYM_SHIFT
+
+_EMIT_SHIFT = 32 - PROB_BITS          # x >= f << (32 - P)  <=>  (x >> (32 - P)) >= f
+_SLOT_MASK = np.uint32(PROB_SCALE - 1)
+
+STATUS_OK = 0
+STATUS_WORDS = 1                       # the segment used more or fewer words than it holds
+STATUS_STATE = 2                       # a lane did not end at L
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the segments of a batch sit in the step-major arrays [steps, rows, 32]."""
+
+    lengths: np.ndarray                # symbols per segment, caller order
+    starts: np.ndarray                 # first symbol of each segment in the caller's concatenation
+    rank: np.ndarray                   # row of each segment (longest segment first)
+    active: np.ndarray                 # active[t] = rows that still have symbols at step t
+    steps: int
+
+    @property
+    def rows(self) -> int:
+        return len(self.lengths)
+
+
+def plan(lengths: np.ndarray) -> Layout:
+    """Lay out segments of the given lengths (concatenated in caller order) step-major."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    order = np.argsort(-lengths, kind="stable")
+    rank = np.empty(len(lengths), dtype=np.int64)
+    rank[order] = np.arange(len(lengths))
+    seg_steps = (lengths + LANES - 1) // LANES
+    steps = int(seg_steps.max()) if len(lengths) else 0
+    active = len(lengths) - np.searchsorted(np.sort(seg_steps), np.arange(steps), side="right")
+    return Layout(lengths, np.cumsum(lengths) - lengths, rank, active.astype(np.int64), steps)
+
+
+def to_step_major(layout: Layout, per_symbol: np.ndarray, pad) -> np.ndarray:
+    """Caller-order symbols -> [steps, rows, 32]; positions past a segment's end hold `pad`."""
+    out = np.full((layout.steps, layout.rows, LANES), pad, dtype=per_symbol.dtype)
+    for n, start, row in zip(layout.lengths.tolist(), layout.starts.tolist(), layout.rank.tolist()):
+        full = n // LANES
+        out[:full, row, :] = per_symbol[start:start + full * LANES].reshape(full, LANES)
+        if n % LANES:
+            out[full, row, :n % LANES] = per_symbol[start + full * LANES:start + n]
+    return out
+
+
+def from_step_major(layout: Layout, arr: np.ndarray) -> np.ndarray:
+    """Inverse of to_step_major: [steps, rows, 32] -> caller-order symbols."""
+    out = np.empty(int(layout.lengths.sum()), dtype=arr.dtype)
+    for n, start, row in zip(layout.lengths.tolist(), layout.starts.tolist(), layout.rank.tolist()):
+        full = n // LANES
+        out[start:start + full * LANES] = arr[:full, row, :].reshape(-1)
+        if n % LANES:
+            out[start + full * LANES:start + n] = arr[full, row, :n % LANES]
+    return out
+
+
+def encode(layout: Layout, packed: np.ndarray):
+    """Encode a batch. `packed`: each symbol's ``freq << 12 | cum`` under its own table
+    (tables.pack_encode; u32, caller order). Returns (states [n_seg, 32] u32, words u16 concatenated in
+    caller segment order, word counts per segment)."""
+    fc_all = to_step_major(layout, packed, PROB_SCALE << PROB_BITS)     # pad: identity symbol
+    words = np.empty((layout.steps, layout.rows, LANES), dtype=np.uint16)
+    emitted = np.empty((layout.steps, layout.rows, LANES), dtype=bool)
+    x = np.full((layout.rows, LANES), RANS_L, dtype=np.uint32)
+    for t in range(layout.steps - 1, -1, -1):
+        k = layout.active[t]
+        xs, fc = x[:k], fc_all[t, :k]
+        f = fc >> PROB_BITS
+        emit = (xs >> _EMIT_SHIFT) >= f                            # x >= f << (32 - P)
+        words[t, :k] = xs                                          # low 16 bits; kept where emit
+        emitted[t, :k] = emit
+        xs = xs >> (emit.view(np.uint8) * np.uint8(RENORM_BITS))
+        q = (xs / f).astype(np.uint32)                             # exact: x < 2**32, f <= 2**12
+        x[:k] = xs + q * (PROB_SCALE - f) + (fc & _SLOT_MASK)           # x = C(s, x) = (q << P) + x % f + c
+    for t in range(layout.steps):                                  # rows past their end emit nothing
+        emitted[t, layout.active[t]:] = False
+    by_row = emitted.transpose(1, 0, 2)
+    counts_by_row = by_row.sum(axis=(1, 2))
+    flat = words.transpose(1, 0, 2)[by_row]                        # row, then step, then lane
+    row_start = np.cumsum(counts_by_row) - counts_by_row
+    pieces = [flat[row_start[r]:row_start[r] + counts_by_row[r]] for r in layout.rank]
+    return x[layout.rank], np.concatenate(pieces) if pieces else flat, counts_by_row[layout.rank]
+
+
+_LANE_PREFIX = ((np.uint64(1) << np.arange(1, LANES + 1, dtype=np.uint64)) - np.uint64(1)).astype(np.uint32)
+
+
+def decode(layout: Layout, states: np.ndarray, words: np.ndarray, word_start: np.ndarray,
+           word_count: np.ndarray, table_row: np.ndarray, lut: np.ndarray):
+    """Decode a batch. `table_row`: each symbol's LUT row offset (table index * M, caller order);
+    `lut`: the packed LUT of tables.build_lut, whose last M entries are the identity. `words`
+    holds every segment's words, segment i at [word_start[i], word_start[i] + word_count[i]).
+    Returns (symbols u8 caller order, status per segment)."""
+    row_all = to_step_major(layout, np.asarray(table_row, dtype=np.int32), 0)
+    identity = len(lut) - PROB_SCALE
+    for n, row in zip(layout.lengths.tolist(), layout.rank.tolist()):   # a partial last step's
+        if n % LANES:                                                      # padding decodes as a
+            row_all[n // LANES, row, n % LANES:] = identity                # no-op (identity table)
+    sym_all = np.empty(row_all.shape, dtype=np.uint8)
+    x = np.empty((layout.rows, LANES), dtype=np.uint32)
+    x[layout.rank] = states
+    # Word 0 is a zero that every non-renormalising lane reads; a tail of zeros as long as a
+    # segment could over-read keeps every read in bounds with no clip in the loop.
+    padded = np.zeros(1 + len(words) + layout.steps * LANES, dtype=np.uint32)
+    padded[1:1 + len(words)] = words
+    ptr = np.zeros((layout.rows, 1), dtype=np.int64)
+    ptr[layout.rank, 0] = word_start
+    for t in range(layout.steps):
+        k = layout.active[t]
+        xs = x[:k]
+        v = np.take(lut, row_all[t, :k] + (xs & _SLOT_MASK))
+        sym_all[t, :k] = v >> LUT_SYM_SHIFT
+        xs = (((v >> PROB_BITS) & _SLOT_MASK) + 1) * (xs >> PROB_BITS) + (v & _SLOT_MASK)  # x = D(x)
+        need = xs < RANS_L
+        mask = np.packbits(need, axis=1, bitorder="little").view("<u4")   # [k, 1]: bit l = lane l
+        taken = np.bitwise_count(mask & _LANE_PREFIX)                     # words taken by lanes <= l
+        pos = (ptr[:k] + taken) * need                                    # 1-based; 0 -> zero word
+        x[:k] = (xs << (need.view(np.uint8) * np.uint8(RENORM_BITS))) | np.take(padded, pos)
+        ptr[:k] += taken[:, -1:]
+    ptr = ptr[:, 0]
+    used = ptr[layout.rank] - word_start
+    status = np.where(used != word_count, STATUS_WORDS, STATUS_OK)
+    bad_state = (x[layout.rank] != RANS_L).any(axis=1)
+    status = np.where((status == STATUS_OK) & bad_state, STATUS_STATE, status)
+    return from_step_major(layout, sym_all), status

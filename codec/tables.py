@@ -1,0 +1,132 @@
+"""Frequency tables: normalisation (encoder), serialisation, parsing and decode lookup tables.
+
+Read me first
+-------------
+* A table maps the 256 byte symbols to frequencies that sum to exactly M = 2**PROB_BITS; every
+  symbol that occurs keeps a frequency >= 1, so every symbol stays codable.
+* How the encoder normalises is NOT part of the format; the decoder only checks the invariants
+  (sum == M, present symbols have freq >= 1).
+* Serialised layout (little-endian), 4-byte aligned:
+
+      +-------------------------------+------------------------------------+-----+
+      | u32 bitmap[8]  (bit s%32 of   | u16 freq[popcount(bitmap)]         | pad |
+      |  word s//32 = symbol s used)  |  in increasing symbol order        | 0-2 |
+      +-------------------------------+------------------------------------+-----+
+* Decode lookup table (LUT) of a table: for each slot in [0, M):
+      SYM[slot]  = s        with cum[s] <= slot < cum[s] + freq[s]
+      FREQ[slot] = freq[s]
+      BIAS[slot] = slot - cum[s]
+  so one decode step is ``x = FREQ[slot] * (x >> P) + BIAS[slot]`` with no search.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .constants import PROB_BITS, PROB_SCALE, TABLE_BITMAP_BYTES
+
+_SYMBOLS = np.arange(256, dtype=np.int64)
+
+
+def normalize(counts: np.ndarray) -> np.ndarray:
+    """Counts [..., 256] -> frequencies [..., 256] (uint32) summing to M along the last axis.
+
+    Each used symbol gets max(1, round(c * M / total)); the rounding surplus goes to (or the
+    deficit comes from) the most frequent symbols. Rows with no counts stay all-zero (unused).
+    """
+    counts = np.asarray(counts, dtype=np.int64)
+    c = counts.reshape(-1, 256)
+    total = c.sum(axis=1, keepdims=True)
+    f = np.where(c > 0, np.maximum(1, np.rint(c * (PROB_SCALE / np.maximum(total, 1)))), 0)
+    f = f.astype(np.int64)
+    diff = np.where(total[:, 0] > 0, PROB_SCALE - f.sum(axis=1), 0)
+    rows = np.flatnonzero(diff > 0)
+    f[rows, np.argmax(c[rows], axis=1)] += diff[rows]
+    for r in np.flatnonzero(diff < 0):
+        _take_deficit(f[r], -int(diff[r]))
+    return f.reshape(counts.shape).astype(np.uint32)
+
+
+def _take_deficit(f: np.ndarray, deficit: int) -> None:
+    for s in np.argsort(-f, kind="stable"):
+        take = min(int(f[s]) - 1, deficit)
+        f[s] -= take
+        deficit -= take
+        if deficit == 0:
+            return
+
+
+def cost_bits(counts: np.ndarray, freqs: np.ndarray) -> float:
+    """Exact coded size in bits of `counts` under `freqs` (same shape [..., 256]), tables excluded."""
+    c = np.asarray(counts, dtype=np.float64)
+    f = np.asarray(freqs, dtype=np.float64)
+    used = c > 0
+    return float(np.sum(c[used] * (PROB_BITS - np.log2(f[used]))))
+
+
+def serialized_size(freqs: np.ndarray) -> np.ndarray:
+    """Bytes each table [..., 256] takes when serialised (bitmap + u16 freqs, 4-aligned)."""
+    k = np.count_nonzero(freqs, axis=-1)
+    return TABLE_BITMAP_BYTES + ((2 * k + 3) // 4) * 4
+
+
+def serialize(freqs: np.ndarray) -> bytes:
+    """One table [256] -> bytes."""
+    f = np.asarray(freqs, dtype=np.uint32)
+    bits = np.packbits((f > 0).astype(np.uint8), bitorder="little")   # bit s%8 of byte s//8
+    body = f[f > 0].astype("<u2").tobytes()
+    pad = (-len(body)) % 4
+    return bits.tobytes() + body + b"\0" * pad
+
+
+def parse(buf: np.ndarray, offset: int, end: int) -> np.ndarray | str:
+    """Parse one table from uint8 `buf[offset:end]`; returns freq[256] (uint32) or an error text."""
+    if end - offset < TABLE_BITMAP_BYTES:
+        return "table shorter than its bitmap"
+    present = np.unpackbits(buf[offset:offset + TABLE_BITMAP_BYTES], bitorder="little").astype(bool)
+    k = int(present.sum())
+    body_end = offset + TABLE_BITMAP_BYTES + 2 * k
+    if body_end > end:
+        return "table frequencies run past the table's end"
+    f = np.zeros(256, dtype=np.uint32)
+    f[present] = buf[offset + TABLE_BITMAP_BYTES:body_end].view("<u2")
+    if k and int(f[present].min()) == 0:
+        return "a present symbol has frequency 0"
+    if k and int(f.sum()) != PROB_SCALE:
+        return f"frequencies sum to {int(f.sum())}, not {PROB_SCALE}"
+    return f
+
+
+def build_lut(freqs: np.ndarray) -> np.ndarray:
+    """Tables [T, 256] -> one flat packed LUT of (T + 1) * M uint32 entries.
+
+    Entry t * M + slot serves table t; its bits (the decoder's whole step in one load):
+
+        31      24 23           12 11            0
+        +---------+---------------+---------------+
+        |  sym s  |  freq[s] - 1  | slot - cum[s] |
+        +---------+---------------+---------------+
+
+    The extra last M entries are the identity table (freq = M, bias = slot): a decode step
+    through it leaves x unchanged and never renormalises, which is how padded lane positions
+    decode as no-ops. All-zero rows (unused tables) are identities too.
+    """
+    f = np.asarray(freqs, dtype=np.int64).reshape(-1, 256)
+    f = np.concatenate([f, np.zeros((1, 256), np.int64)])
+    unused = f.sum(axis=1) == 0
+    f[unused, 0] = PROB_SCALE                       # identity: one symbol (0) owning every slot
+    cum = np.cumsum(f, axis=1) - f
+    slot = np.tile(np.arange(PROB_SCALE, dtype=np.int64), len(f))
+    sym = np.repeat(np.tile(_SYMBOLS, len(f)), f.ravel())
+    freq = np.repeat(f.ravel(), f.ravel())
+    bias = slot - np.repeat(cum.ravel(), f.ravel())
+    return ((sym << 24) | ((freq - 1) << PROB_BITS) | bias).astype(np.uint32)
+
+
+def pack_encode(freqs: np.ndarray) -> np.ndarray:
+    """Tables [..., 256] -> the encoder's packed entries ``freq << 12 | cum`` (uint32)."""
+    f = np.asarray(freqs, dtype=np.uint32)
+    return (f << PROB_BITS) | (np.cumsum(f, axis=-1, dtype=np.uint32) - f)
+
+
+LUT_SYM_SHIFT = 24
+LUT_FIELD_MASK = PROB_SCALE - 1
