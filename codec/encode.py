@@ -16,7 +16,7 @@ from .container import Writer, crc32
 from .entries import dtype_name
 from .parallel import default_workers, ordered_map
 from .planes import FLOAT_LAYOUTS
-from .sources import layer_index, layer_order, open_source
+from .sources import CheckpointSource, StateDictSource, layer_index, layer_order, open_source
 
 BATCH_ELEMENTS = 48 << 20          # elements per encode job: big enough to fill the lanes
 
@@ -63,7 +63,7 @@ def encode_tensors(items: list[tuple[str, str, tuple, np.ndarray]]) -> list[dict
 
 def _raw_bytes(t: torch.Tensor) -> np.ndarray:
     t = t.detach().contiguous().cpu()
-    return t.view(torch.uint8).reshape(-1).numpy() if t.numel() else np.zeros(0, np.uint8)
+    return t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.zeros(0, np.uint8)
 
 
 def _jobs(source, infos, path):
@@ -86,30 +86,44 @@ def compress(src: str | os.PathLike, dst: str | os.PathLike, *, workers: int | N
     """Compress a checkpoint (HF folder, .safetensors or .gguf) into `dst`.
 
     `progress(done_bytes, total_bytes)` is called after each batch is written."""
-    t0 = time.perf_counter()
     with open_source(src, gguf_dtype=gguf_dtype) as source:
-        infos = layer_order(source.tensors())
-        total = sum(math.prod(i.shape) * i.dtype.itemsize for i in infos)
-        writer = Writer(dst)
-        try:
-            files = {name: writer.add(blob) for name, blob in sorted(source.files.items())}
-            tensors, raw, stored = [], 0, 0
-            for results in ordered_map(encode_tensors, _jobs(source, infos, src),
-                                       workers or default_workers()):
-                for rec in results:
-                    rec["streams"] = {role: writer.add(b) for role, b in rec["streams"].items()}
-                    rec["layer"] = layer_index(rec["name"])
-                    tensors.append(rec)
-                    raw += rec["nbytes"]
-                    stored += sum(s["length"] for s in rec["streams"].values())
-                if progress:
-                    progress(raw, total)
-            header = {"format": "wcodec", "version": f"{FORMAT_MAJOR}.{FORMAT_MINOR}",
-                      "metadata": {"source": os.path.basename(os.fspath(src).rstrip("/")),
-                                   "created_by": f"wcodec {__version__}"},
-                      "files": files, "tensors": tensors}
-            size = writer.finish(header)
-        except BaseException:
-            writer.abort()
-            raise
+        return compress_source(source, dst, workers=workers, progress=progress)
+
+
+def compress_state_dict(state_dict: dict[str, torch.Tensor], dst: str | os.PathLike, *,
+                        files: dict[str, bytes] | None = None, workers: int | None = None) -> CompressStats:
+    """Compress in-memory tensors (plus optional model files to embed) into `dst`."""
+    with StateDictSource(state_dict, files) as source:
+        return compress_source(source, dst, workers=workers)
+
+
+def compress_source(source: CheckpointSource, dst: str | os.PathLike, *, workers: int | None = None,
+                    progress: Callable[[int, int], None] | None = None) -> CompressStats:
+    """Stream an opened checkpoint source into `dst`, tensors in layer order."""
+    t0 = time.perf_counter()
+    src = source.path
+    infos = layer_order(source.tensors())
+    total = sum(math.prod(i.shape) * i.dtype.itemsize for i in infos)
+    writer = Writer(dst)
+    try:
+        files = {name: writer.add(blob) for name, blob in sorted(source.files.items())}
+        tensors, raw, stored = [], 0, 0
+        for results in ordered_map(encode_tensors, _jobs(source, infos, src),
+                                   workers or default_workers()):
+            for rec in results:
+                rec["streams"] = {role: writer.add(b) for role, b in rec["streams"].items()}
+                rec["layer"] = layer_index(rec["name"])
+                tensors.append(rec)
+                raw += rec["nbytes"]
+                stored += sum(s["length"] for s in rec["streams"].values())
+            if progress:
+                progress(raw, total)
+        header = {"format": "wcodec", "version": f"{FORMAT_MAJOR}.{FORMAT_MINOR}",
+                  "metadata": {"source": os.path.basename(os.fspath(src).rstrip("/")),
+                               "created_by": f"wcodec {__version__}"},
+                  "files": files, "tensors": tensors}
+        size = writer.finish(header)
+    except BaseException:
+        writer.abort()
+        raise
     return CompressStats(raw, stored, size, time.perf_counter() - t0, len(tensors))

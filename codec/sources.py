@@ -117,6 +117,29 @@ class CheckpointSource(ABC):
         return SourceError(self.path, reason)
 
 
+class StateDictSource(CheckpointSource):
+    """Tensors already in memory (tests, benchmarks, the service's own conversions)."""
+
+    def __init__(self, state_dict: dict[str, torch.Tensor], files: dict[str, bytes] | None = None,
+                 name: str = "state_dict") -> None:
+        super().__init__(Path(name))
+        self._tensors = dict(state_dict)
+        self._files = dict(files or {})
+
+    @property
+    def files(self) -> dict[str, bytes]:
+        return dict(self._files)
+
+    def tensors(self) -> list[TensorInfo]:
+        return [TensorInfo(n, t.dtype, tuple(t.shape)) for n, t in self._tensors.items()]
+
+    def load(self, name: str) -> torch.Tensor:
+        return self._tensors[name].detach().cpu().contiguous()
+
+    def close(self) -> None:
+        self._tensors = {}
+
+
 # --- safetensors -------------------------------------------------------------------------------
 
 
