@@ -13,7 +13,7 @@ from . import errors, floatcodec, planes
 from .constants import CODEC_FLOAT, STREAM_ALIGN
 from .container import Reader, crc32
 from .entries import TensorEntry
-from .parallel import WORKER_STATE, default_workers, ordered_map
+from .parallel import WORKER_STATE, balanced_limit, default_workers, ordered_map
 
 BATCH_ELEMENTS = 48 << 20          # elements per decode job
 
@@ -62,19 +62,22 @@ class LoadedModel:
         return json.loads(blob) if blob else None
 
 
-def decode_entries(archive: Archive, entries: list[TensorEntry], verify: bool = True) -> list[np.ndarray]:
-    """Decode a batch of entries to their raw little-endian bytes (uint8 arrays)."""
-    out: list[np.ndarray | None] = [None] * len(entries)
+def decode_entries(archive: Archive, entries: list[TensorEntry], verify: bool = True,
+                   outputs: list[np.ndarray] | None = None) -> list[np.ndarray]:
+    """Decode a batch of entries to their raw little-endian bytes, into `outputs` (uint8 arrays
+    of each entry's nbytes) when given."""
+    outputs = outputs or [np.empty(e.nbytes, dtype=np.uint8) for e in entries]
     items, slots = [], []
     for i, e in enumerate(entries):
         if e.codec == CODEC_FLOAT:
             items.append(_float_planes(archive, e, verify))
             slots.append(i)
-        else:
-            out[i] = archive.reader.checked_stream(e.streams["raw"], f"tensor {e.name!r}", verify)
-            if len(out[i]) != e.nbytes:
-                raise errors.CorruptStreamError(archive.path, f"tensor {e.name!r}: raw stream has "
-                                                              f"{len(out[i])} bytes, not {e.nbytes}")
+            continue
+        raw = archive.reader.checked_stream(e.streams["raw"], f"tensor {e.name!r}", verify)
+        if len(raw) != e.nbytes:
+            raise errors.CorruptStreamError(archive.path, f"tensor {e.name!r}: raw stream has "
+                                                          f"{len(raw)} bytes, not {e.nbytes}")
+        outputs[i][:] = raw
     decoded = floatcodec.decode_batch([(p, layout, hi) for p, layout, hi, _ in items]) if items else []
     for i, (sym, status), (_, layout, hi, lo) in zip(slots, decoded, items):
         e = entries[i]
@@ -82,12 +85,12 @@ def decode_entries(archive: Archive, entries: list[TensorEntry], verify: bool = 
             seg = int(np.flatnonzero(status)[0])
             raise errors.CorruptStreamError(archive.path, f"tensor {e.name!r}: segment {seg} "
                                                           f"fails to decode (status {int(status[seg])})")
-        out[i] = planes.join(layout, sym, hi, lo).view(np.uint8)
+        planes.join(layout, sym, hi, lo, out=outputs[i].view(layout.word))
     if verify:
-        for e, data in zip(entries, out):
+        for e, data in zip(entries, outputs):
             if crc32(data) != e.crc32:
                 raise errors.ChecksumError(archive.path, f"tensor {e.name!r}: decoded bytes fail their CRC32")
-    return out
+    return outputs
 
 
 def _float_planes(archive: Archive, e: TensorEntry, verify: bool):
@@ -111,8 +114,7 @@ def _decode_job(job) -> None:
         archive = WORKER_STATE[("archive", path)] = Archive.open(path)
     out = np.frombuffer(WORKER_STATE["out"], dtype=np.uint8)
     entries = [archive.entries[i] for i, _ in picks]
-    for (_, offset), data in zip(picks, decode_entries(archive, entries, verify)):
-        out[offset:offset + len(data)] = data
+    decode_entries(archive, entries, verify, [out[off:off + e.nbytes] for (_, off), e in zip(picks, entries)])
 
 
 def _plan_jobs(archive: Archive, verify: bool, workers: int):
@@ -120,7 +122,7 @@ def _plan_jobs(archive: Archive, verify: bool, workers: int):
     for e in archive.entries:
         offsets.append(pos)
         pos += -(-e.nbytes // STREAM_ALIGN) * STREAM_ALIGN
-    limit = min(BATCH_ELEMENTS, -(-sum(e.numel for e in archive.entries) // workers))
+    limit = balanced_limit(sum(e.numel for e in archive.entries), workers, BATCH_ELEMENTS)
     jobs, batch, size = [], [], 0
     for i, e in enumerate(archive.entries):
         if batch and size + e.numel > limit:

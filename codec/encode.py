@@ -14,7 +14,7 @@ from . import __version__, floatcodec
 from .constants import CODEC_FLOAT, CODEC_RAW, FORMAT_MAJOR, FORMAT_MINOR
 from .container import Writer, crc32
 from .entries import dtype_name
-from .parallel import default_workers, ordered_map
+from .parallel import WORKER_STATE, balanced_limit, default_workers, ordered_map
 from .planes import FLOAT_LAYOUTS
 from .sources import CheckpointSource, StateDictSource, layer_index, layer_order, open_source
 
@@ -66,18 +66,25 @@ def _raw_bytes(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.zeros(0, np.uint8)
 
 
-def _jobs(source, infos, path):
+def _encode_job(job: tuple[str, list]) -> list[dict]:
+    """Load (from the source the worker inherited) and encode one batch of tensors."""
+    path, infos = job
+    source = WORKER_STATE["source"]
+    return encode_tensors([(i.name, dtype_name(path, i.name, i.dtype), tuple(i.shape),
+                            _raw_bytes(source.load(i.name))) for i in infos])
+
+
+def _jobs(infos, path, limit: int):
     batch, size = [], 0
     for info in infos:
         n = math.prod(info.shape)
-        if batch and size + n > BATCH_ELEMENTS:
-            yield batch
+        if batch and size + n > limit:
+            yield path, batch
             batch, size = [], 0
-        data = _raw_bytes(source.load(info.name))
-        batch.append((info.name, dtype_name(path, info.name, info.dtype), tuple(info.shape), data))
+        batch.append(info)
         size += n
     if batch:
-        yield batch
+        yield path, batch
 
 
 def compress(src: str | os.PathLike, dst: str | os.PathLike, *, workers: int | None = None,
@@ -108,8 +115,10 @@ def compress_source(source: CheckpointSource, dst: str | os.PathLike, *, workers
     try:
         files = {name: writer.add(blob) for name, blob in sorted(source.files.items())}
         tensors, raw, stored = [], 0, 0
-        for results in ordered_map(encode_tensors, _jobs(source, infos, src),
-                                   workers or default_workers()):
+        workers = workers or default_workers()
+        limit = balanced_limit(sum(math.prod(i.shape) for i in infos), workers, BATCH_ELEMENTS)
+        jobs = list(_jobs(infos, os.fspath(src), limit))
+        for results in ordered_map(_encode_job, jobs, min(workers, len(jobs)), {"source": source}):
             for rec in results:
                 rec["streams"] = {role: writer.add(b) for role, b in rec["streams"].items()}
                 rec["layer"] = layer_index(rec["name"])
@@ -126,4 +135,6 @@ def compress_source(source: CheckpointSource, dst: str | os.PathLike, *, workers
     except BaseException:
         writer.abort()
         raise
+    finally:
+        WORKER_STATE.clear()
     return CompressStats(raw, stored, size, time.perf_counter() - t0, len(tensors))

@@ -51,14 +51,6 @@ class FloatParams:
             lengths[-1] = self.n % self.segment_symbols
         return lengths
 
-    def table_rows(self, ctx: np.ndarray, first_table: int) -> np.ndarray:
-        """LUT row offset (table index * M) of every symbol, given its context (int32)."""
-        set_of_seg = np.arange(self.n_segments, dtype=np.int64) // self.table_group
-        seg_row = (first_table + (set_of_seg << self.ctx_bits)) * PROB_SCALE
-        rows = np.repeat(seg_row.astype(np.int32), self.segment_lengths())
-        rows += ctx.astype(np.int32) * PROB_SCALE
-        return rows
-
 
 @dataclass
 class Prepared:
@@ -220,18 +212,27 @@ def _check_segments(seg_off: np.ndarray, seg_words: np.ndarray, tables_end: int,
 def decode_batch(items: list[tuple[ParsedExp, planes.FloatLayout, np.ndarray]]):
     """Decode the exp planes of several tensors (parsed stream, layout, hi plane) in one pass.
     Returns, per tensor, (sym plane, status per segment)."""
-    rows, lengths, first = [], [], 0
+    tables_parts, seg_rows, sym_rows, pad_rows, lengths, first = [], [], [], [], [], 0
     for parsed, layout, hi in items:
-        rows.append(parsed.params.table_rows(planes.context(layout, hi, parsed.params.ctx_bits), first))
-        lengths.append(parsed.params.segment_lengths())
-        first += parsed.params.n_tables
-    lut = tables.build_lut(np.concatenate([p.freqs for p, _, _ in items]))
+        p = parsed.params
+        n_ctx = 1 << p.ctx_bits
+        sets = parsed.freqs.reshape(-1, n_ctx, 256)
+        # each set is followed by an all-zero table, which build_lut makes the set's identity
+        tables_parts.append(np.concatenate([sets, np.zeros((len(sets), 1, 256), sets.dtype)], axis=1))
+        set_of_seg = np.arange(p.n_segments, dtype=np.int64) // p.table_group
+        seg_rows.append((first + set_of_seg * (n_ctx + 1)) * PROB_SCALE)
+        sym_rows.append(planes.context(layout, hi, p.ctx_bits).astype(np.uint16) * np.uint16(PROB_SCALE))
+        pad_rows.append(np.full(p.n_segments, n_ctx * PROB_SCALE, dtype=np.uint16))
+        lengths.append(p.segment_lengths())
+        first += len(sets) * (n_ctx + 1)
+    lut = tables.build_lut(np.concatenate([t.reshape(-1, 256) for t in tables_parts]))
     seg_words = [w for p, _, _ in items for w in p.words]
     counts = np.array([len(w) for w in seg_words], dtype=np.int64)
-    layout = rans.plan(np.concatenate(lengths))
-    syms, status = rans.decode(layout, np.concatenate([p.states for p, _, _ in items]),
+    syms, status = rans.decode(rans.plan(np.concatenate(lengths)),
+                               np.concatenate([p.states for p, _, _ in items]),
                                np.concatenate(seg_words) if seg_words else np.zeros(0, np.uint16),
-                               np.cumsum(counts) - counts, counts, np.concatenate(rows), lut)
+                               np.cumsum(counts) - counts, counts, np.concatenate(seg_rows),
+                               np.concatenate(sym_rows), np.concatenate(pad_rows), lut)
     out, sym0, seg0 = [], 0, 0
     for parsed, _, _ in items:
         n, n_seg = parsed.params.n, parsed.params.n_segments

@@ -53,3 +53,9 @@ def ordered_map(fn: Callable, jobs: Iterable, workers: int, state: dict | None =
                 yield pending.pop(0).result()
         for fut in pending:
             yield fut.result()
+
+
+def balanced_limit(total: int, workers: int, batch: int) -> int:
+    """Elements per job so that jobs are <= batch and their count is a multiple of `workers`."""
+    n_jobs = workers * max(1, -(-total // (workers * batch)))
+    return max(1, -(-total // n_jobs))

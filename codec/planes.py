@@ -60,15 +60,19 @@ def split(layout: FloatLayout, u: np.ndarray) -> tuple[np.ndarray, np.ndarray, n
     return sym, hi, (u & 0xFFFF).astype(np.uint16)
 
 
-def join(layout: FloatLayout, sym: np.ndarray, hi: np.ndarray, lo: np.ndarray | None) -> np.ndarray:
-    """(sym, hi, lo) -> element words; the exact inverse of split."""
+def join(layout: FloatLayout, sym: np.ndarray, hi: np.ndarray, lo: np.ndarray | None,
+         out: np.ndarray | None = None) -> np.ndarray:
+    """(sym, hi, lo) -> element words, the exact inverse of split; written into `out` if given."""
+    w = layout.word
+    out = np.empty(len(sym), dtype=w) if out is None else out
     if layout.name == "float16":
-        return (sym.astype(np.uint16) << 8) | hi
-    if layout.name == "bfloat16":
-        h = hi.astype(np.uint16)
-        return ((h & 0x80) << 8) | (sym.astype(np.uint16) << 7) | (h & 0x7F)
-    h = hi.astype(np.uint32)
-    return ((h & 0x80) << 24) | (sym.astype(np.uint32) << 23) | ((h & 0x7F) << 16) | lo
+        np.left_shift(sym, 8, out=out, dtype=w)
+        return np.bitwise_or(out, hi, out=out)
+    h = hi.astype(w)
+    np.left_shift(sym, 23 if w is np.uint32 else 7, out=out, dtype=w)           # exponent
+    np.bitwise_or(out, (h & 0x80) << (24 if w is np.uint32 else 8), out=out)    # sign
+    np.bitwise_or(out, (h & 0x7F) << (16 if w is np.uint32 else 0), out=out)    # top mantissa
+    return out if lo is None else np.bitwise_or(out, lo, out=out)
 
 
 def context(layout: FloatLayout, hi: np.ndarray, ctx_bits: int) -> np.ndarray:

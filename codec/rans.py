@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .constants import LANES, PROB_BITS, PROB_SCALE, RANS_L, RENORM_BITS
-from .tables import LUT_SYM_SHIFT
+from .tables import LUT_FREQ_SHIFT, LUT_SYM_SHIFT
 
 _EMIT_SHIFT = 32 - PROB_BITS          # x >= f << (32 - P)  <=>  (x >> (32 - P)) >= f
 _SLOT_MASK = np.uint32(PROB_SCALE - 1)
@@ -64,13 +64,18 @@ def plan(lengths: np.ndarray) -> Layout:
 
 
 def to_step_major(layout: Layout, per_symbol: np.ndarray, pad) -> np.ndarray:
-    """Caller-order symbols -> [steps, rows, 32]; positions past a segment's end hold `pad`."""
-    out = np.full((layout.steps, layout.rows, LANES), pad, dtype=per_symbol.dtype)
-    for n, start, row in zip(layout.lengths.tolist(), layout.starts.tolist(), layout.rank.tolist()):
+    """Caller-order symbols -> [steps, rows, 32]. Positions past a segment's end in its last
+    step hold `pad` (a scalar, or one value per segment). Later steps of a row are never read
+    (rows are sorted longest first and the loops slice the active prefix), so they stay unset."""
+    out = np.empty((layout.steps, layout.rows, LANES), dtype=per_symbol.dtype)
+    pads = np.broadcast_to(np.asarray(pad, dtype=per_symbol.dtype), layout.lengths.shape)
+    for n, start, row, p in zip(layout.lengths.tolist(), layout.starts.tolist(),
+                                layout.rank.tolist(), pads.tolist()):
         full = n // LANES
         out[:full, row, :] = per_symbol[start:start + full * LANES].reshape(full, LANES)
         if n % LANES:
             out[full, row, :n % LANES] = per_symbol[start + full * LANES:start + n]
+            out[full, row, n % LANES:] = p
     return out
 
 
@@ -117,39 +122,43 @@ _LANE_PREFIX = ((np.uint64(1) << np.arange(1, LANES + 1, dtype=np.uint64)) - np.
 
 
 def decode(layout: Layout, states: np.ndarray, words: np.ndarray, word_start: np.ndarray,
-           word_count: np.ndarray, table_row: np.ndarray, lut: np.ndarray):
-    """Decode a batch. `table_row`: each symbol's LUT row offset (table index * M, caller order);
-    `lut`: the packed LUT of tables.build_lut, whose last M entries are the identity. `words`
-    holds every segment's words, segment i at [word_start[i], word_start[i] + word_count[i]).
+           word_count: np.ndarray, seg_row: np.ndarray, sym_row: np.ndarray, pad_row: np.ndarray,
+           lut: np.ndarray):
+    """Decode a batch with the packed LUT of tables.build_lut.
+
+    Symbol j's LUT entry is ``lut[seg_row[seg] + sym_row[j] + slot]``: seg_row (per segment) is
+    the segment's table set, sym_row (u16, per symbol) its context table within the set. Padding
+    past a segment's end uses ``seg_row + pad_row[seg]``, which must be an identity table.
+    `words` holds every segment's words, segment i at [word_start[i], word_start[i] + word_count[i]).
     Returns (symbols u8 caller order, status per segment)."""
-    row_all = to_step_major(layout, np.asarray(table_row, dtype=np.int32), 0)
-    identity = len(lut) - PROB_SCALE
-    for n, row in zip(layout.lengths.tolist(), layout.rank.tolist()):   # a partial last step's
-        if n % LANES:                                                      # padding decodes as a
-            row_all[n // LANES, row, n % LANES:] = identity                # no-op (identity table)
-    sym_all = np.empty(row_all.shape, dtype=np.uint8)
+    row_all = to_step_major(layout, np.asarray(sym_row, dtype=np.uint16), pad_row)
+    base = np.empty((layout.rows, 1), dtype=np.int64)
+    base[layout.rank, 0] = seg_row
+    sym_all = np.empty((layout.steps, layout.rows, LANES), dtype=np.uint8)
     x = np.empty((layout.rows, LANES), dtype=np.uint32)
     x[layout.rank] = states
     # Word 0 is a zero that every non-renormalising lane reads; a tail of zeros as long as a
     # segment could over-read keeps every read in bounds with no clip in the loop.
     padded = np.zeros(1 + len(words) + layout.steps * LANES, dtype=np.uint32)
     padded[1:1 + len(words)] = words
-    ptr = np.zeros((layout.rows, 1), dtype=np.int64)
+    if len(padded) >= 2**31:
+        raise ValueError("a decode batch must hold fewer than 2**31 words")
+    ptr = np.zeros((layout.rows, 1), dtype=np.int32)
     ptr[layout.rank, 0] = word_start
     for t in range(layout.steps):
         k = layout.active[t]
         xs = x[:k]
-        v = np.take(lut, row_all[t, :k] + (xs & _SLOT_MASK))
-        sym_all[t, :k] = v >> LUT_SYM_SHIFT
-        xs = (((v >> PROB_BITS) & _SLOT_MASK) + 1) * (xs >> PROB_BITS) + (v & _SLOT_MASK)  # x = D(x)
+        v = np.take(lut, (base[:k] + row_all[t, :k]) + (xs & _SLOT_MASK), mode="wrap")
+        sym_all[t, :k] = v >> LUT_SYM_SHIFT                           # (u8 keeps the symbol's bits)
+        xs = ((v >> LUT_FREQ_SHIFT) + 1) * (xs >> PROB_BITS) + (v & _SLOT_MASK)        # x = D(x)
         need = xs < RANS_L
         mask = np.packbits(need, axis=1, bitorder="little").view("<u4")   # [k, 1]: bit l = lane l
         taken = np.bitwise_count(mask & _LANE_PREFIX)                     # words taken by lanes <= l
         pos = (ptr[:k] + taken) * need                                    # 1-based; 0 -> zero word
-        x[:k] = (xs << (need.view(np.uint8) * np.uint8(RENORM_BITS))) | np.take(padded, pos)
+        x[:k] = (xs << (need.view(np.uint8) * np.uint8(RENORM_BITS))) | np.take(padded, pos, mode="wrap")
         ptr[:k] += taken[:, -1:]
     ptr = ptr[:, 0]
-    used = ptr[layout.rank] - word_start
+    used = ptr[layout.rank].astype(np.int64) - word_start
     status = np.where(used != word_count, STATUS_WORDS, STATUS_OK)
     bad_state = (x[layout.rank] != RANS_L).any(axis=1)
     status = np.where((status == STATUS_OK) & bad_state, STATUS_STATE, status)

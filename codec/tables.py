@@ -97,29 +97,26 @@ def parse(buf: np.ndarray, offset: int, end: int) -> np.ndarray | str:
 
 
 def build_lut(freqs: np.ndarray) -> np.ndarray:
-    """Tables [T, 256] -> one flat packed LUT of (T + 1) * M uint32 entries.
+    """Tables [T, 256] -> one flat packed LUT of T * M uint32 entries (a decoder-side
+    structure, not part of the format). Entry t * M + slot serves table t:
 
-    Entry t * M + slot serves table t; its bits (the decoder's whole step in one load):
+        31           20 19      12 11            0
+        +---------------+----------+---------------+
+        |  freq[s] - 1  |  sym s   | slot - cum[s] |
+        +---------------+----------+---------------+
 
-        31      24 23           12 11            0
-        +---------+---------------+---------------+
-        |  sym s  |  freq[s] - 1  | slot - cum[s] |
-        +---------+---------------+---------------+
-
-    The extra last M entries are the identity table (freq = M, bias = slot): a decode step
-    through it leaves x unchanged and never renormalises, which is how padded lane positions
-    decode as no-ops. All-zero rows (unused tables) are identities too.
+    so one decode step is one load: ``x = (freq - 1 + 1) * (x >> P) + bias``. All-zero rows
+    (unused tables) become identity tables (freq = M, bias = slot): decoding through one leaves
+    x unchanged and never renormalises, which is how padded lane positions decode as no-ops.
     """
-    f = np.asarray(freqs, dtype=np.int64).reshape(-1, 256)
-    f = np.concatenate([f, np.zeros((1, 256), np.int64)])
-    unused = f.sum(axis=1) == 0
-    f[unused, 0] = PROB_SCALE                       # identity: one symbol (0) owning every slot
+    f = np.asarray(freqs, dtype=np.int64).reshape(-1, 256).copy()
+    f[f.sum(axis=1) == 0, 0] = PROB_SCALE           # identity: symbol 0 owns every slot, cum 0
     cum = np.cumsum(f, axis=1) - f
     slot = np.tile(np.arange(PROB_SCALE, dtype=np.int64), len(f))
     sym = np.repeat(np.tile(_SYMBOLS, len(f)), f.ravel())
     freq = np.repeat(f.ravel(), f.ravel())
     bias = slot - np.repeat(cum.ravel(), f.ravel())
-    return ((sym << 24) | ((freq - 1) << PROB_BITS) | bias).astype(np.uint32)
+    return (((freq - 1) << LUT_FREQ_SHIFT) | (sym << LUT_SYM_SHIFT) | bias).astype(np.uint32)
 
 
 def pack_encode(freqs: np.ndarray) -> np.ndarray:
@@ -128,5 +125,6 @@ def pack_encode(freqs: np.ndarray) -> np.ndarray:
     return (f << PROB_BITS) | (np.cumsum(f, axis=-1, dtype=np.uint32) - f)
 
 
-LUT_SYM_SHIFT = 24
+LUT_SYM_SHIFT = PROB_BITS          # sym sits above the bias ...
+LUT_FREQ_SHIFT = PROB_BITS + 8     # ... and freq - 1 above the symbol
 LUT_FIELD_MASK = PROB_SCALE - 1

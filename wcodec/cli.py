@@ -1,0 +1,265 @@
+"""The `wcodec` command line: compress, decompress, inspect, verify, bench.
+
+Every failure on bad input (a `CodecError`, an `OSError`, a benchmark that cannot be honest) ends
+as ONE line `wcodec: error: <message>` on stderr and exit status 1; an unusable bench device exits
+2, Ctrl-C 130. `main(argv)` returns the status, so tests call it in-process.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+
+import torch
+
+import codec
+from codec.decode import Archive, decompress, load
+from codec.encode import compress
+from codec.errors import CodecError
+from codec.parallel import default_workers
+from codec.sources import open_source
+
+from . import bench
+
+FLOAT_CHOICES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+EXIT_ERROR, EXIT_DEVICE, EXIT_INTERRUPT = 1, 2, 130
+
+
+class CliError(Exception):
+    """A failure the command reports in one line (message already names the file)."""
+
+
+def _error(message: str) -> None:
+    print(f"wcodec: error: {message}", file=sys.stderr)
+
+
+def _oserror_message(e: OSError) -> str:
+    if e.filename is not None:
+        return f"{e.filename}: {e.strerror or e}"
+    return str(e)
+
+
+# --- compress / decompress -----------------------------------------------------------------------
+
+
+def _progress_bar() -> tuple[Callable[[int, int], None], Callable[[], None]]:
+    from tqdm import tqdm
+    bar = tqdm(total=0, unit="B", unit_scale=True, file=sys.stderr, disable=None, desc="compress")
+
+    def update(done: int, total: int) -> None:
+        bar.total = total
+        bar.update(done - bar.n)
+    return update, bar.close
+
+
+def cmd_compress(args: argparse.Namespace) -> int:
+    update, close = _progress_bar()
+    try:
+        stats = compress(args.src, args.dst, workers=args.workers,
+                         gguf_dtype=FLOAT_CHOICES[args.gguf_dtype], progress=update)
+    finally:
+        close()
+    print(f"{args.dst}: {stats.tensors} tensors, raw {stats.raw_bytes} bytes -> file {stats.file_bytes} "
+          f"bytes, ratio {stats.ratio:.4f}, {stats.mb_per_s:.1f} MB/s ({stats.seconds:.2f} s)")
+    return 0
+
+
+def cmd_decompress(args: argparse.Namespace) -> int:
+    from safetensors import SafetensorError
+    try:
+        written = decompress(args.src, args.dst, workers=args.workers)
+    except SafetensorError as e:               # save_file's own untyped error on a bad destination
+        raise CliError(f"{args.dst}: cannot write ({e})") from None
+    print(f"{args.dst}: {written} bytes of tensors written")
+    return 0
+
+
+# --- inspect -------------------------------------------------------------------------------------
+
+
+def inspect_archive(path: str) -> dict:
+    """Per-tensor storage, totals and embedded files of an archive, JSON-ready."""
+    with Archive.open(path) as archive:
+        rows = [{"name": e.name, "dtype": e.dtype, "shape": list(e.shape), "codec": e.codec,
+                 "raw_bytes": e.nbytes, "stored_bytes": sum(s["length"] for s in e.streams.values())}
+                for e in archive.entries]
+        files = [{"name": n, "size": rec["length"]} for n, rec in archive.reader.header["files"].items()]
+        file_bytes = archive.reader.preamble.file_length
+        version = archive.reader.header.get("version")
+    for r in rows:
+        r["ratio"] = r["stored_bytes"] / r["raw_bytes"] if r["raw_bytes"] else 1.0
+    raw, stored = sum(r["raw_bytes"] for r in rows), sum(r["stored_bytes"] for r in rows)
+    totals = {"tensors": len(rows), "raw_bytes": raw, "stored_bytes": stored, "file_bytes": file_bytes,
+              "ratio": stored / max(raw, 1), "file_ratio": file_bytes / max(raw, 1)}
+    return {"path": path, "version": version, "tensors": rows, "totals": totals, "files": files}
+
+
+def _table(rows: list[tuple[str, ...]], right: set[int]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+            .rstrip() for r in rows]
+
+
+def format_inspect(info: dict) -> str:
+    rows = [("name", "dtype", "shape", "codec", "stored", "ratio")]
+    rows += [(r["name"], r["dtype"], "x".join(map(str, r["shape"])) or "scalar", r["codec"],
+              str(r["stored_bytes"]), f"{r['ratio']:.4f}") for r in info["tensors"]]
+    t = info["totals"]
+    lines = [f"{info['path']}: wcodec format {info['version']}", *_table(rows, {4, 5}),
+             (f"total: {t['tensors']} tensors, raw {t['raw_bytes']} bytes, stored {t['stored_bytes']} bytes "
+              f"(ratio {t['ratio']:.4f}), file {t['file_bytes']} bytes (ratio {t['file_ratio']:.4f})"),
+             f"embedded files: {len(info['files'])}"]
+    if info["files"]:
+        lines += ["  " + line for line in _table([(f["name"], str(f["size"])) for f in info["files"]], {1})]
+    return "\n".join(lines)
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    info = inspect_archive(args.file)
+    print(json.dumps(info, indent=2) if args.json else format_inspect(info))
+    return 0
+
+
+# --- verify --------------------------------------------------------------------------------------
+
+
+def tensor_mismatch(got: torch.Tensor, want: torch.Tensor) -> str | None:
+    """Why `got` is not bit-identical to `want`, or None."""
+    if got.dtype != want.dtype:
+        return f"dtype {got.dtype} but the source has {want.dtype}"
+    if tuple(got.shape) != tuple(want.shape):
+        return f"shape {list(got.shape)} but the source has {list(want.shape)}"
+    if not torch.equal(bench.raw_view(got), bench.raw_view(want)):
+        return "bytes differ from the source"
+    return None
+
+
+def compare_to_source(state: dict[str, torch.Tensor], src: str, gguf_dtype: torch.dtype) -> list[str]:
+    """One message per tensor that is missing, extra or not bit-identical to the source."""
+    problems = []
+    with open_source(src, gguf_dtype=gguf_dtype) as source:
+        names = [i.name for i in source.tensors()]
+        problems += [f"tensor {n!r} is in the source but not in the archive" for n in names if n not in state]
+        problems += [f"tensor {n!r} is not in the source {src}" for n in state if n not in set(names)]
+        for name in (n for n in names if n in state):
+            why = tensor_mismatch(state[name], source.load(name))
+            if why:
+                problems.append(f"tensor {name!r}: {why}")
+    return problems
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    state = load(args.file, verify=True, workers=args.workers).state_dict
+    if args.against is None:
+        print(f"OK: {len(state)} tensors bit-exact (every stream and tensor matches its CRC32)")
+        return 0
+    problems = compare_to_source(state, args.against, FLOAT_CHOICES[args.gguf_dtype])
+    for why in problems:
+        _error(f"{args.file}: {why}")
+    if problems:
+        return EXIT_ERROR
+    print(f"OK: {len(state)} tensors bit-exact against {args.against}")
+    return 0
+
+
+# --- bench ---------------------------------------------------------------------------------------
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    threads = args.threads or default_workers()
+    result = bench.run_bench(args.file, device=args.device, threads=threads, repeat=args.repeat,
+                             cast=FLOAT_CHOICES.get(args.cast), gguf_dtype=FLOAT_CHOICES[args.gguf_dtype])
+    print(json.dumps(result) if args.json else bench.format_table(result))
+    return 0
+
+
+# --- parser and entry point ----------------------------------------------------------------------
+
+
+def _add(sub, name: str, fn: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help=help, description=help)
+    p.set_defaults(func=fn)
+    return p
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
+def _workers(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workers", type=_positive, default=None, metavar="N",
+                   help="worker processes (default: one per CPU, at most 8)")
+
+
+def _gguf_dtype(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gguf-dtype", choices=FLOAT_CHOICES, default="bfloat16",
+                   help="dtype GGUF tensors are dequantized to (default: bfloat16)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="wcodec", description="Lossless compression of model checkpoints.")
+    parser.add_argument("--version", action="version", version=f"wcodec {codec.__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = _add(sub, "compress", cmd_compress, "compress an HF folder, .safetensors or .gguf into a .wcodec file")
+    p.add_argument("src")
+    p.add_argument("dst")
+    _workers(p)
+    _gguf_dtype(p)
+    p = _add(sub, "decompress", cmd_decompress, "decode a .wcodec file into a .safetensors file")
+    p.add_argument("src")
+    p.add_argument("dst")
+    _workers(p)
+    p = _add(sub, "inspect", cmd_inspect, "list the tensors, sizes and embedded files of a .wcodec file")
+    p.add_argument("file")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p = _add(sub, "verify", cmd_verify, "decode with checksums, optionally compare bit-exactly with a source")
+    p.add_argument("file")
+    p.add_argument("--against", metavar="SRC", help="checkpoint (HF folder, .safetensors, .gguf) to compare with")
+    _workers(p)
+    _gguf_dtype(p)
+    _bench_parser(_add(sub, "bench", cmd_bench, "measure ratio and speeds against peer codecs"))
+    return parser
+
+
+def _bench_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", help="a .wcodec file or a checkpoint (HF folder, .safetensors, .gguf)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where our decoder runs")
+    p.add_argument("--threads", type=_positive, default=None, metavar="N",
+                   help="workers/threads for every codec (default: one per CPU, at most 8)")
+    p.add_argument("--cast", choices=FLOAT_CHOICES, default=None, help="cast floating tensors first")
+    p.add_argument("--repeat", type=_positive, default=3, metavar="R", help="runs per measurement (median)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    _gguf_dtype(p)
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        return args.func(args)
+    except bench.DeviceUnavailable as e:
+        _error(str(e))
+        return EXIT_DEVICE
+    except (CodecError, bench.BenchError, CliError) as e:
+        _error(str(e))
+    except OSError as e:
+        _error(_oserror_message(e))
+    return EXIT_ERROR
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command; returns the process exit status."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:                     # --help, --version and usage errors
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_ERROR)
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        print("wcodec: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPT
