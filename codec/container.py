@@ -60,7 +60,10 @@ class Writer:
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
         self._tmp = self.path + ".tmp"
-        self._f = open(self._tmp, "wb")
+        try:
+            self._f = open(self._tmp, "wb")
+        except OSError as e:
+            raise errors.CodecError(self.path, f"cannot create: {e.strerror or e}") from None
         self._f.write(b"\0" * DATA_ALIGN)
         self._pos = DATA_ALIGN
 

@@ -163,8 +163,12 @@ def _tensor_view(out: mmap.mmap, offset: int, e: TensorEntry) -> torch.Tensor:
 
 def decompress(src: str | os.PathLike, dst: str | os.PathLike, *, workers: int | None = None) -> int:
     """Archive -> a plain .safetensors file (the embedded config goes into its metadata)."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
     model = load(src, workers=workers)
     meta = {"format": "pt", "wcodec_source": os.path.basename(os.fspath(src))}
-    save_file(model.state_dict, os.fspath(dst), metadata=meta)
+    try:
+        save_file(model.state_dict, os.fspath(dst), metadata=meta)
+    except (OSError, SafetensorError) as e:
+        raise errors.CodecError(dst, f"cannot write: {e}") from None
     return sum(t.nbytes for t in model.state_dict.values())

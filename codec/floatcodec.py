@@ -120,6 +120,8 @@ def _align(n: int, a: int) -> int:
 
 def encode_batch(batch: list[Prepared]) -> list[bytes]:
     """rANS-encode the exp planes of several tensors in one vectorised pass."""
+    if not batch:
+        return []
     packed = np.concatenate([_packed_symbols(p) for p in batch])
     layout = rans.plan(np.concatenate([p.params.segment_lengths() for p in batch]))
     states, words, counts = rans.encode(layout, packed)

@@ -87,7 +87,7 @@ def test_usage_error_exits_2_without_traceback(capsys) -> None:
 
 def test_compress_summary_is_consistent(tiny: Path, tmp_path: Path, capsys) -> None:
     dst = tmp_path / "t.wcodec"
-    code, out, err = run(capsys, "compress", tiny, dst, "--workers", "2")
+    code, out, err = run(capsys, "compress", tiny, dst, "--workers", "1")
     assert code == 0, err
     m = SUMMARY_RE.search(out.strip().splitlines()[-1])
     assert m, out
@@ -96,6 +96,12 @@ def test_compress_summary_is_consistent(tiny: Path, tmp_path: Path, capsys) -> N
     assert size == dst.stat().st_size
     assert float(m["ratio"]) == pytest.approx(size / raw, abs=1e-4)
     assert float(m["ratio"]) < 1.0 and float(m["mbps"]) > 0
+
+
+def test_compress_job_without_float_tensors(tiny: Path, tmp_path: Path, capsys) -> None:
+    """Two workers split the tiny file into the bf16 tensor and a job of raw-only tensors."""
+    code, _, err = run(capsys, "compress", tiny, tmp_path / "t.wcodec", "--workers", "2")
+    assert code == 0, err
 
 
 def test_inspect_json_matches_archive(tiny_archive: Path, capsys) -> None:
