@@ -166,7 +166,12 @@ def _assemble(p: Prepared, states: np.ndarray, words: np.ndarray, counts: np.nda
 
 
 class StreamFault(Exception):
-    """An exp stream is internally inconsistent; the archive layer names the file and tensor."""
+    """An exp stream is internally inconsistent; the archive layer names the file and tensor.
+    `table` tells a malformed frequency table from a directory that points astray."""
+
+    def __init__(self, what: str, table: bool = False):
+        super().__init__(what)
+        self.table = table
 
 
 @dataclass
@@ -192,7 +197,7 @@ def parse_exp(buf: np.ndarray, params: FloatParams) -> ParsedExp:
     for j in range(n_tab):
         f = tables.parse(buf, int(tab_off[j]), int(tab_off[j + 1]))
         if isinstance(f, str):
-            raise StreamFault(f"table {j}: {f}")
+            raise StreamFault(f"table {j}: {f}", table=True)
         freqs[j] = f
     _check_segments(seg_off, seg_words, int(tab_off[-1]), size)
     off = seg_off.astype(np.int64)

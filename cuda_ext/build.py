@@ -1,0 +1,86 @@
+"""Finding the compiled extension: ahead of time (`cuda_ext._C`, built by `pip install`), else
+JIT-compiled into a cache directory, else none (the NumPy reference decodes). Which path is live,
+and why, is logged once and reported by cuda_ext.available()."""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("wcodec.cuda_ext")
+CSRC = Path(__file__).parent / "csrc"
+CPU_SOURCES = ("decode_float.cpp",)
+CUDA_SOURCES = ("decode_float.cu",)
+DEFAULT_ARCH_LIST = "8.0;8.6;8.9;9.0;12.0"          # A100, RTX 30xx, RTX 40xx/L4, Hopper, RTX 5090
+CXX_FLAGS = ["-O3", "-fopenmp"]                       # at::parallel_for is OpenMP: without it, serial
+
+
+@dataclass(frozen=True)
+class Availability:
+    cpp: bool                 # the C++ CPU twin is registered
+    cuda: bool                # the CUDA kernels are registered and a GPU is visible
+    path: str                 # "aot", "jit" or "numpy"
+    reason: str
+
+
+def cuda_buildable() -> bool:
+    return torch.version.cuda is not None and shutil.which("nvcc") is not None \
+        and (CSRC / CUDA_SOURCES[0]).exists()
+
+
+def _cache_dir(with_cuda: bool) -> Path:
+    digest = hashlib.sha256()
+    for name in sorted(p.name for p in CSRC.iterdir()):
+        digest.update(name.encode() + (CSRC / name).read_bytes())
+    digest.update(f"{torch.__version__}|{with_cuda}".encode())
+    root = Path(os.environ.get("WCODEC_EXT_CACHE", Path.home() / ".cache" / "wcodec"))
+    return root / f"ext-{digest.hexdigest()[:16]}"
+
+
+def _jit(with_cuda: bool) -> None:
+    from torch.utils.cpp_extension import load
+    sources = [str(CSRC / s) for s in CPU_SOURCES + (CUDA_SOURCES if with_cuda else ())]
+    build_dir = _cache_dir(with_cuda)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
+    load(name="wcodec_ext_cuda" if with_cuda else "wcodec_ext", sources=sources,
+         build_directory=str(build_dir), extra_cflags=CXX_FLAGS + ["-march=native"],
+         extra_ldflags=["-fopenmp"], extra_include_paths=[str(CSRC)],
+         extra_cuda_cflags=["-O3", "--use_fast_math", "-lineinfo"], with_cuda=with_cuda,
+         is_python_module=False, verbose=False)
+
+
+def _has_cuda_kernel() -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key("wcodec::decode_float", "CUDA")
+
+
+@lru_cache(maxsize=1)
+def ensure_loaded() -> Availability:
+    """Load the extension once: AOT module, else JIT (unless WCODEC_NO_JIT=1), else NumPy."""
+    path, reason = "numpy", ""
+    try:
+        import cuda_ext._C  # noqa: F401  (registers the ops)
+        path, reason = "aot", "prebuilt cuda_ext._C"
+    except ImportError as e:
+        reason = f"no prebuilt module ({e})"
+        if os.environ.get("WCODEC_NO_JIT") != "1":
+            try:
+                _jit(cuda_buildable())
+                path, reason = "jit", f"JIT-built in {_cache_dir(cuda_buildable())}"
+            except Exception as e:          # a missing compiler must not break decoding
+                reason += f"; JIT build failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+    cpp = path != "numpy"
+    cuda = cpp and _has_cuda_kernel() and torch.cuda.is_available()
+    if cpp:
+        from . import ops
+        ops.register_fakes()
+    avail = Availability(cpp, cuda, path, reason + ("" if cuda else "; CUDA kernels: "
+                         + ("no GPU visible" if cpp and _has_cuda_kernel() else "not built")))
+    log.info("wcodec decoder: %s (%s)", path, avail.reason)
+    return avail

@@ -1,0 +1,128 @@
+// Step functions shared by the C++ twin (decode_float.cpp) and the CUDA kernels
+// (decode_float.cu). They mirror the NumPy reference in codec/ step for step:
+//   read the directory (floatcodec.parse_exp) -> build the decode table (tables.parse/build_lut)
+//   -> decode lanes (rans.decode) -> join planes (planes.join).
+// Every read of archive data is bounds-checked here; a bad stream yields a Status, never a trap.
+#pragma once
+#include <cstdint>
+#include <cstring>
+
+#include "wcodec_constants.h"
+
+#ifdef __CUDACC__
+#define WC_HD __host__ __device__ __forceinline__
+#else
+#define WC_HD inline
+#endif
+
+namespace wcodec {
+
+struct TensorDesc {             // one row of the int64 descriptor (DescField order)
+  int64_t exp_off, exp_len, hi_off, lo_off, numel, ctx_bits, table_group, dtype, first_segment;
+};
+
+WC_HD TensorDesc load_desc(const int64_t* row) {
+  return TensorDesc{row[kDescExpOff], row[kDescExpLen], row[kDescHiOff], row[kDescLoOff],
+                    row[kDescNumel], row[kDescCtxBits], row[kDescTableGroup], row[kDescDtype],
+                    row[kDescFirstSegment]};
+}
+
+WC_HD int64_t segment_count(const TensorDesc& d) { return (d.numel + kSegmentSymbols - 1) / kSegmentSymbols; }
+WC_HD int64_t table_count(const TensorDesc& d) {
+  return ((segment_count(d) + d.table_group - 1) / d.table_group) << d.ctx_bits;
+}
+WC_HD int64_t directory_bytes(const TensorDesc& d) { return 12 * segment_count(d) + 4 * (table_count(d) + 1); }
+
+// Unaligned little-endian loads (x86 and CUDA are little-endian; memcpy keeps them legal).
+template <typename T>
+WC_HD T load_le(const uint8_t* p) {
+  T v;
+  memcpy(&v, p, sizeof(T));
+  return v;
+}
+
+// ---- read the directory: where segment `seg` of a tensor lives in its exp stream ---------------
+struct SegmentRef {
+  int64_t data;      // byte offset of the segment (its 32 states) from the stream start
+  int64_t words;     // 16-bit words that follow the states
+  int64_t symbols;   // symbols of this segment
+  int64_t table0;    // index of the first table of its set
+};
+
+// Returns kOk or kDirectory. `exp` is the stream, `len` its length.
+WC_HD int read_segment(const uint8_t* exp, int64_t len, const TensorDesc& d, int64_t seg, SegmentRef* out) {
+  const int64_t nseg = segment_count(d);
+  if (d.exp_len < directory_bytes(d)) return kDirectory;
+  const uint64_t off = load_le<uint64_t>(exp + 8 * seg);
+  const int64_t words = load_le<uint32_t>(exp + 8 * nseg + 4 * seg);
+  const int64_t tables_end = load_le<uint32_t>(exp + 12 * nseg + 4 * table_count(d));
+  if (off > static_cast<uint64_t>(len) || off % kSegmentAlign != 0 ||
+      static_cast<int64_t>(off) < tables_end || static_cast<int64_t>(off) + kStateBytes + 2 * words > len)
+    return kDirectory;
+  out->data = static_cast<int64_t>(off);
+  out->words = words;
+  out->symbols = (seg + 1 < nseg) ? kSegmentSymbols : d.numel - seg * kSegmentSymbols;
+  out->table0 = (seg / d.table_group) << d.ctx_bits;
+  return kOk;
+}
+
+// ---- build the decode table --------------------------------------------------------------------
+// Table j's frequencies: bitmap of present symbols, then a u16 per present symbol.
+// Writes freq[256]; returns kOk or kTable. Checks the table lies inside [dir_end, tables_end).
+WC_HD int parse_table(const uint8_t* exp, int64_t len, const TensorDesc& d, int64_t j, uint32_t* freq) {
+  const int64_t base = 12 * segment_count(d);
+  const int64_t start = load_le<uint32_t>(exp + base + 4 * j);
+  const int64_t end = load_le<uint32_t>(exp + base + 4 * (j + 1));
+  if (start < directory_bytes(d) || end < start || end > len || end - start < kTableBitmapBytes) return kTable;
+  int64_t pos = start + kTableBitmapBytes;
+  uint32_t sum = 0;
+  for (int s = 0; s < 256; ++s) {
+    const bool present = (exp[start + s / 8] >> (s % 8)) & 1;
+    freq[s] = 0;
+    if (!present) continue;
+    if (pos + 2 > end) return kTable;
+    freq[s] = load_le<uint16_t>(exp + pos);
+    pos += 2;
+    if (freq[s] == 0) return kTable;
+    sum += freq[s];
+  }
+  return (sum == kProbScale || sum == 0) ? kOk : kTable;
+}
+
+// Decode table of one frequency table, as the C++ and CUDA decoders hold it: the symbol owning
+// each slot (u8, M entries) and, per symbol, freq << 16 | cum. A set of 4 is 20 KiB: it fits an L1
+// cache or a block's shared memory (the NumPy reference packs one u32 per slot instead, which
+// suits vectorised gathers; both compute the same step). An all-zero table decodes as the
+// identity (one symbol owning all M slots).
+struct DecodeTable {
+  uint8_t sym[kProbScale];
+  uint32_t freq_cum[256];
+};
+
+// ---- decode lanes: one rANS step ---------------------------------------------------------------
+// x = D(x): s = sym[x mod M];  x = freq[s] * (x >> P) + (x mod M) - cum[s].  Returns s; the
+// caller renormalises (x < L -> x = x << 16 | next word).
+WC_HD uint32_t rans_step(const uint8_t* sym, const uint32_t* freq_cum, uint32_t& x) {
+  const uint32_t slot = x & (kProbScale - 1);
+  const uint32_t s = sym[slot];
+  const uint32_t fc = freq_cum[s];
+  x = (fc >> 16) * (x >> kProbBits) + slot - (fc & 0xFFFF);
+  return s;
+}
+
+// The context table of an element: the top ctx_bits mantissa bits held in its hi byte.
+WC_HD constexpr uint32_t context(uint32_t hi, int64_t ctx_bits, int64_t dtype) {
+  const int top = (dtype == kFP16) ? 7 : 6;
+  return ctx_bits ? (hi >> (top + 1 - ctx_bits)) & ((1u << ctx_bits) - 1) : 0;
+}
+
+// ---- join planes (planes.join) -------------------------------------------------------------------
+WC_HD constexpr uint16_t join16(int64_t dtype, uint32_t sym, uint32_t hi) {
+  if (dtype == kFP16) return static_cast<uint16_t>((sym << 8) | hi);
+  return static_cast<uint16_t>(((hi & 0x80) << 8) | (sym << 7) | (hi & 0x7F));   // bf16
+}
+WC_HD uint32_t join32(uint32_t sym, uint32_t hi, uint32_t lo) {
+  return ((hi & 0x80) << 24) | (sym << 23) | ((hi & 0x7F) << 16) | lo;
+}
+
+}  // namespace wcodec

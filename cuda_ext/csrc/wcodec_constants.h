@@ -1,0 +1,36 @@
+// Format constants of .wcodec v1 for the C++ and CUDA decoders. codec/constants.py is the source
+// of truth; tests/cuda_ext/test_constants.py checks that every value here matches it.
+#pragma once
+#include <cstdint>
+
+namespace wcodec {
+
+constexpr int kProbBits = 12;                    // PROB_BITS: frequencies sum to M
+constexpr uint32_t kProbScale = 1u << kProbBits; // PROB_SCALE (M)
+constexpr uint32_t kRansL = 1u << 16;            // RANS_L: decoder invariant L <= x < 2^32
+constexpr int kRenormBits = 16;                  // RENORM_BITS
+constexpr int kLanes = 32;                       // LANES: one warp, one lane per state
+constexpr int64_t kSegmentSymbols = 131072;      // SEGMENT_SYMBOLS = LANES * SEGMENT_STEPS
+constexpr int kSegmentAlign = 16;                // SEGMENT_ALIGN
+constexpr int kStateBytes = 4 * kLanes;          // STATE_BYTES
+constexpr int kTableBitmapBytes = 32;            // TABLE_BITMAP_BYTES
+constexpr int kMaxCtxBits = 2;                   // MAX_CTX_BITS
+
+// Per-tensor descriptor rows (int64), built by cuda_ext/plan.py. Offsets are relative to the
+// start of the data buffer handed to the op.
+enum DescField : int {
+  kDescExpOff = 0, kDescExpLen, kDescHiOff, kDescLoOff, kDescNumel, kDescCtxBits,
+  kDescTableGroup, kDescDtype, kDescFirstSegment, kDescFields
+};
+enum DtypeCode : int { kBF16 = 0, kFP16 = 1, kFP32 = 2 };
+
+// Status per segment, turned into CorruptStreamError on the host (cuda_ext/plan.py: STATUS_TEXT).
+enum Status : int32_t {
+  kOk = 0,
+  kWords = 1,        // the segment used more or fewer words than it holds
+  kState = 2,        // a lane did not end at L
+  kDirectory = 3,    // the stream's directory points outside the stream or is misaligned
+  kTable = 4,        // a table is malformed (sum != M, present symbol with freq 0, overruns)
+};
+
+}  // namespace wcodec
