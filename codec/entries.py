@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from . import errors
-from .constants import CODEC_FLOAT, CODEC_RAW, MAX_CTX_BITS, SEGMENT_SYMBOLS
+from .constants import CODEC_FLOAT, CODEC_RAW, MAX_CTX_BITS, SEGMENT_SYMBOLS, STREAM_ALIGN
 from .floatcodec import FloatParams
 from .planes import FLOAT_LAYOUTS
 
@@ -78,6 +78,8 @@ class TensorEntry:
         if not isinstance(streams, dict) or set(streams) != set(needed) \
                 or not all(isinstance(s, dict) for s in streams.values()):
             raise bad(f"streams must be exactly {list(needed)}")
+        if not all(_is_uint(s.get("offset")) and s["offset"] % STREAM_ALIGN == 0 for s in streams.values()):
+            raise bad(f"a stream offset is not a multiple of {STREAM_ALIGN}")
         layer = rec.get("layer")
         if layer is not None and not _is_uint(layer):
             raise bad("layer is not a non-negative integer")

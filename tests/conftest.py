@@ -150,10 +150,20 @@ def small_state_dict_fixture() -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="session")
-def small_archive(tmp_path_factory: pytest.TempPathFactory) -> ArchiveBytes:
-    path = tmp_path_factory.mktemp("small") / "small.wcodec"
-    compress_state_dict(small_state_dict(), path, workers=1)
-    return ArchiveBytes(path.read_bytes())
+def archive_of(tmp_path_factory: pytest.TempPathFactory) -> Callable[[dict], ArchiveBytes]:
+    """Compress a state dict (one worker) and return the archive's bytes, ready to forge."""
+
+    def make(state_dict: dict[str, torch.Tensor]) -> ArchiveBytes:
+        path = tmp_path_factory.mktemp("archive") / "model.wcodec"
+        compress_state_dict(state_dict, path, workers=1)
+        return ArchiveBytes(path.read_bytes())
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def small_archive(archive_of) -> ArchiveBytes:
+    return archive_of(small_state_dict())
 
 
 @pytest.fixture

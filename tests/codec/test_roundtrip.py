@@ -83,10 +83,16 @@ def tensors(draw) -> torch.Tensor:
     return make_tensor(dtype, shape, draw(st.integers(0, 2**32 - 1)), kind)
 
 
+def _anchor() -> torch.Tensor:
+    """A tensor the float codec always codes: keeps every encode batch non-empty for the float
+    path, so the tests below probe what they name (see test_only_raw_tensors for that case)."""
+    return make_tensor(torch.bfloat16, (MIN_CODED_ELEMENTS,), 0, "normal")
+
+
 @settings(max_examples=80)
 @given(st.lists(tensors(), min_size=1, max_size=3))
 def test_random_tensors_round_trip(roundtrip, bit_exact, ts: list[torch.Tensor]) -> None:
-    state = {f"t{i}": t for i, t in enumerate(ts)}
+    state = {f"t{i}": t for i, t in enumerate(ts)} | {"anchor": _anchor()}
     _, model = roundtrip(state)
     bit_exact(state, model.state_dict)
 
@@ -94,11 +100,12 @@ def test_random_tensors_round_trip(roundtrip, bit_exact, ts: list[torch.Tensor])
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
 def test_edge_shapes_every_dtype(roundtrip, bit_exact, dtype: torch.dtype) -> None:
     state = {f"s{i}": make_tensor(dtype, shape, i, "mixed") for i, shape in enumerate(SHAPES)}
+    state["anchor"] = _anchor()
     path, model = roundtrip(state)
     bit_exact(state, model.state_dict)
     with Archive.open(path) as archive:
         for e in archive.entries:
-            if dtype not in FLOAT_DTYPES or e.numel < MIN_CODED_ELEMENTS:
+            if e.name != "anchor" and (dtype not in FLOAT_DTYPES or e.numel < MIN_CODED_ELEMENTS):
                 assert e.codec == CODEC_RAW, e.name
 
 
@@ -106,7 +113,7 @@ def test_edge_shapes_every_dtype(roundtrip, bit_exact, dtype: torch.dtype) -> No
 @pytest.mark.parametrize("kind", ["normal", "mixed", "bits"])
 def test_float_codec_around_min_coded_elements(roundtrip, bit_exact, dtype: torch.dtype, kind: str) -> None:
     sizes = [MIN_CODED_ELEMENTS - 1, MIN_CODED_ELEMENTS, MIN_CODED_ELEMENTS + 1, 3 * MIN_CODED_ELEMENTS + 5]
-    state = {f"n{n}": make_tensor(dtype, (n,), n, kind) for n in sizes}
+    state = {f"n{n}": make_tensor(dtype, (n,), n, kind) for n in sizes} | {"anchor": _anchor()}
     path, model = roundtrip(state)
     bit_exact(state, model.state_dict)
     codecs = {e.name: e.codec for e in Archive.open(path).entries}
@@ -128,11 +135,11 @@ def test_constant_tensor_one_frequency(roundtrip, bit_exact, dtype: torch.dtype,
 
 
 def test_segment_boundaries(roundtrip, bit_exact) -> None:
-    """Tensors one symbol short of, one past, and two segments plus a partial step past a
-    segment, for each float dtype, encoded in one batch."""
+    """Tensors one symbol short of, exactly, one past, and two segments plus a partial step past
+    a segment, for each float dtype, encoded in one batch."""
     state = {}
     for dtype in FLOAT_DTYPES:
-        for n in (SEGMENT_SYMBOLS - 1, SEGMENT_SYMBOLS + 1, 2 * SEGMENT_SYMBOLS + 33):
+        for n in (SEGMENT_SYMBOLS - 1, SEGMENT_SYMBOLS, SEGMENT_SYMBOLS + 1, 2 * SEGMENT_SYMBOLS + 33):
             state[f"{str(dtype)[6:]}.{n}"] = make_tensor(dtype, (n,), n, "mixed")
     path, model = roundtrip(state)
     bit_exact(state, model.state_dict)
@@ -150,6 +157,24 @@ def test_segments_with_different_statistics_use_several_tables(roundtrip, bit_ex
     bit_exact(state, model.state_dict)
     params = Archive.open(path).entries[0].params
     assert params.n_tables > 1 and params.table_group < params.n_segments
+
+
+ONLY_RAW = {
+    "small-ints": ({"a": torch.arange(3, dtype=torch.int8), "b": torch.ones(2, 2, dtype=torch.bool)}, 1),
+    "small-floats": ({"w": torch.randn(10, generator=torch.Generator().manual_seed(0))}, 1),
+    "random-bits": ({"w": make_tensor(torch.bfloat16, (3 * MIN_CODED_ELEMENTS,), 5, "bits")}, 1),
+    "0-d": ({"s": torch.tensor(2.5, dtype=torch.bfloat16)}, 1),
+    # a real checkpoint: with 2 workers the jobs split so that one job holds only the int8 tensor
+    "one-raw-job": ({"w": make_tensor(torch.bfloat16, (8192,), 1, "normal"),
+                     "q": torch.zeros(8192, dtype=torch.int8)}, 2),
+}
+
+
+@pytest.mark.parametrize("state,workers", list(ONLY_RAW.values()), ids=list(ONLY_RAW))
+def test_only_raw_tensors(roundtrip, bit_exact, state: dict[str, torch.Tensor], workers: int) -> None:
+    """An encode batch in which no tensor is float-coded (all stored raw)."""
+    _, model = roundtrip(state, workers=workers)
+    bit_exact(state, model.state_dict)
 
 
 def test_non_contiguous_and_empty_inputs(roundtrip, bit_exact) -> None:
@@ -184,7 +209,7 @@ def test_embedded_files_round_trip_byte_exact(roundtrip, bit_exact) -> None:
 def test_tensors_are_stored_in_layer_order(roundtrip) -> None:
     names = ["model.layers.10.x", "model.layers.1.x", "lm_head.weight", "model.embed_tokens.weight",
              "model.layers.0.x", "model.norm.weight", "model.layers.2.x"]
-    state = {n: torch.full((3,), float(i)) for i, n in enumerate(names)}
+    state = {n: make_tensor(torch.bfloat16, (MIN_CODED_ELEMENTS,), i, "normal") for i, n in enumerate(names)}
     path, _ = roundtrip(state)
     with Archive.open(path) as archive:
         assert [e.name for e in archive.entries] == [

@@ -1,0 +1,41 @@
+"""The service's one settings object: every knob is an environment variable `WCODEC_<NAME>`."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="WCODEC_", extra="ignore")
+
+    # where models live: one `<name>.wcodec` file per model
+    model_store: Path = Path("models")
+    default_model: str | None = None             # picks the model when a request names none
+    device: str | None = None                    # "cuda" / "cpu"; default: cuda when there is a GPU
+    gpu_memory_budget: int | None = Field(None, ge=0)    # bytes; on CPU: decoded bytes resident
+    admin_token: SecretStr | None = None         # bearer token for load/unload; None: open
+
+    # start-up: build the demo model into an empty store, then load `preload`
+    demo: bool = True
+    preload: list[str] | None = None             # None: the demo model, when the store holds it
+    demo_workers: int | None = Field(None, ge=1)
+
+    # loading pipeline
+    load_ring_buffers: int = Field(3, ge=2)      # host buffers between the reader and the decoder
+    verify_crc: bool = True
+
+    # generation
+    max_batch_size: int = Field(8, ge=1)
+    max_queue: int = Field(64, ge=1)             # waiting requests per model before 429
+    batch_wait_ms: float = Field(2.0, ge=0)      # how long the worker waits to fill a batch
+    max_input_tokens: int = Field(1024, ge=1)
+    max_total_tokens: int = Field(2048, ge=2)
+    default_max_new_tokens: int = Field(100, ge=1)
+    retry_after_s: int = Field(5, ge=1)          # Retry-After on 503 while a model is not ready
+
+    # `wcodec serve`
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    log_level: str = "info"

@@ -1,0 +1,126 @@
+"""CUDA decoder: bit-exact against the C++ twin and the NumPy reference, statuses on corrupt data."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import cuda_ext
+from codec.constants import SEGMENT_SYMBOLS
+from codec.decode import Archive, load
+from codec.encode import compress_state_dict
+from cuda_ext import ops, plans
+from codec.errors import CorruptStreamError
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+INT_VIEW = {2: torch.int16, 4: torch.int32}
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.reshape(-1).view(INT_VIEW[a.element_size()]).cpu(), b.reshape(-1).view(INT_VIEW[b.element_size()]).cpu())
+
+
+def fuzz_tensor(dtype: torch.dtype, n: int, seed: int) -> torch.Tensor:
+    """Weights-like values salted with every bit-pattern class: NaN payloads, +-Inf, -0, denormals."""
+    g = torch.Generator().manual_seed(seed)
+    t = (torch.randn(n, generator=g) * 0.02).to(dtype)
+    iv = INT_VIEW[t.element_size()]
+    raw = torch.randint(-2**15 if iv == torch.int16 else -2**31, 2**15 if iv == torch.int16 else 2**31 - 1,
+                        (n,), generator=g, dtype=torch.int64).to(iv)
+    pick = torch.rand(n, generator=g) < 0.05
+    out = torch.where(pick, raw, t.view(iv))
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 1e-40, -1e-45], dtype=dtype)
+    out[:len(specials)] = specials.view(iv)
+    return out.view(dtype)
+
+
+def decode_everywhere(path) -> tuple[dict, dict, dict]:
+    cuda = cuda_ext.load(path, "cuda").state_dict
+    cpp = cuda_ext.load(path, "cpu").state_dict
+    ref = load(path, workers=1).state_dict
+    return cuda, cpp, ref
+
+
+def test_extension_is_live():
+    avail = cuda_ext.available()
+    assert avail.cuda and avail.cpp, avail
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_opcheck(device):
+    (args,), _ = ops.sample_inputs(device)
+    torch.library.opcheck(torch.ops.wcodec.decode_float.default, args)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fuzz_bit_exact(dtype, tmp_path):
+    sizes = [4096, 4097, 5000, 33 * 32 + 7, SEGMENT_SYMBOLS - 1, SEGMENT_SYMBOLS, SEGMENT_SYMBOLS + 1,
+             3 * SEGMENT_SYMBOLS + 12345]
+    sizes = [max(n, 4096) for n in sizes]
+    state = {f"t{i}": fuzz_tensor(dtype, n, seed=i) for i, n in enumerate(sizes)}
+    state["matrix"] = fuzz_tensor(dtype, 333 * 1001, seed=99).reshape(333, 1001)
+    state["one"] = torch.tensor([1.5], dtype=dtype)                     # raw path, one element
+    path = tmp_path / "fuzz.wcodec"
+    compress_state_dict(state, path, workers=1)
+    cuda, cpp, ref = decode_everywhere(path)
+    for name, t in state.items():
+        assert cuda[name].is_cuda
+        assert bits_equal(cuda[name], t) and bits_equal(cpp[name], t) and bits_equal(ref[name], t), name
+
+
+def test_batch_over_2_31_elements(tmp_path):
+    """One launch whose tensors hold more than 2**31 elements in total (64-bit sizes and offsets)."""
+    n, k = 1 << 28, 9                                                    # 9 * 2**28 = 2.4e9 elements
+    g = torch.Generator(device="cuda").manual_seed(7)
+    state = {f"w{i}": (torch.randn(n, generator=g, device="cuda") * 0.02).bfloat16().cpu() for i in range(k)}
+    path = tmp_path / "big.wcodec"
+    compress_state_dict(state, path, workers=min(16, os.cpu_count() or 1))
+    with Archive.open(path) as archive:
+        p = plans.build(archive.entries, archive.path)
+        assert p.n_segments * SEGMENT_SYMBOLS >= k * n > 2**31
+    out = cuda_ext.load(path, "cuda", verify=False).state_dict
+    for name, t in state.items():
+        assert torch.equal(out[name].view(torch.int16), t.cuda().view(torch.int16)), name
+
+
+def _corrupt_exp(path, where: float) -> None:
+    with Archive.open(path) as archive:
+        rec = next(e for e in archive.entries if e.codec == "float").streams["exp"]
+    buf = bytearray(open(path, "rb").read())
+    pos = rec["offset"] + int(rec["length"] * where)
+    buf[pos] ^= 0x5A
+    open(path, "wb").write(bytes(buf))
+
+
+@pytest.mark.parametrize("where", [0.0, 0.001, 0.3, 0.9])
+def test_corrupt_stream_is_a_status_not_a_fault(where, tmp_path):
+    state = {"w": fuzz_tensor(torch.bfloat16, 2 * SEGMENT_SYMBOLS + 5, seed=3)}
+    path = tmp_path / "c.wcodec"
+    compress_state_dict(state, path, workers=1)
+    _corrupt_exp(path, where)
+    with pytest.raises(CorruptStreamError):
+        out = cuda_ext.load(path, "cuda", verify=False).state_dict     # skip CRCs: reach the kernel
+        assert not bits_equal(out["w"], state["w"]), "a flip that changes nothing must not happen here"
+    torch.cuda.synchronize()                                             # the context survived
+
+
+DEMO_PARTS = [p for p in os.environ.get("WCODEC_DEMO_GGUF", "").split(",") if p]
+
+
+@pytest.mark.skipif(not DEMO_PARTS, reason="WCODEC_DEMO_GGUF names no demo-model GGUF (parts)")
+@pytest.mark.parametrize("part", DEMO_PARTS)
+def test_demo_model_bit_exact(part, tmp_path):
+    from codec.encode import compress
+    from codec.sources import open_source
+    path = tmp_path / "demo.wcodec"
+    compress(part, path, workers=8)
+    cuda, cpp, ref = decode_everywhere(path)
+    with open_source(part) as src:
+        for info in src.tensors():
+            t = src.load(info.name)
+            assert bits_equal(cuda[info.name], t) and bits_equal(cpp[info.name], t), info.name
+            assert bits_equal(ref[info.name], t), info.name
+    print(f"demo part {os.path.basename(part)}: {len(cuda)} tensors bit-exact (cuda, c++, numpy)")
