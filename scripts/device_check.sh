@@ -16,6 +16,6 @@ t0=$(date +%s)
 python3 -c "import logging; logging.basicConfig(level=logging.INFO); import cuda_ext; print(cuda_ext.available())" 2>&1 | tail -3
 echo "build: $(( $(date +%s) - t0 ))s"
 export WCODEC_DEMO_GGUF=${1:-}
-python3 -m pytest -q -p no:cacheprovider tests/gpu -x 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+python3 -m pytest -q -p no:cacheprovider tests/gpu -rA --timeout 300 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
 compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/sanitize_sample.py 2>&1 | tee "$OUT/sanitizer.log" | tail -6
 python3 bench/quick_cuda.py 2 2>&1 | tee "$OUT/quick.log"
