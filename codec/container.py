@@ -182,9 +182,10 @@ def _read_header(path: str, buf: np.ndarray, pre: Preamble) -> dict:
         raise errors.ChecksumError(path, "header fails its CRC32")
     try:
         header = json.loads(body.tobytes().decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise errors.HeaderError(path, f"header is not valid JSON: {e}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise errors.HeaderError(path, f"header is not valid JSON: {type(e).__name__}") from None
     if not isinstance(header, dict) or header.get("format") != "wcodec" \
-            or not isinstance(header.get("tensors"), list) or not isinstance(header.get("files"), dict):
+            or not isinstance(header.get("tensors"), list) or not isinstance(header.get("files"), dict) \
+            or not all(isinstance(rec, dict) for rec in header["files"].values()):
         raise errors.HeaderError(path, "header lacks format/tensors/files")
     return header

@@ -29,6 +29,9 @@ class Archive:
     def open(cls, path: str | os.PathLike) -> "Archive":
         reader = Reader.open(path)
         entries = [TensorEntry.from_json(reader.path, rec) for rec in reader.header["tensors"]]
+        for e in entries:                      # every stream inside the data region before any use
+            for role, rec in e.streams.items():
+                reader.stream(rec, f"tensor {e.name!r}: stream {role}")
         names = [e.name for e in entries]
         if len(set(names)) != len(names):
             raise errors.HeaderError(reader.path, "duplicate tensor names")

@@ -78,8 +78,13 @@ class TensorEntry:
         if not isinstance(streams, dict) or set(streams) != set(needed) \
                 or not all(isinstance(s, dict) for s in streams.values()):
             raise bad(f"streams must be exactly {list(needed)}")
-        if not all(_is_uint(s.get("offset")) and s["offset"] % STREAM_ALIGN == 0 for s in streams.values()):
-            raise bad(f"a stream offset is not a multiple of {STREAM_ALIGN}")
+        if not all(_is_uint(s.get("offset")) and s["offset"] % STREAM_ALIGN == 0 and _is_uint(s.get("length"))
+                   for s in streams.values()):
+            raise bad(f"a stream offset or length is not a non-negative integer (offsets: multiples of {STREAM_ALIGN})")
+        n = math.prod(shape)
+        planes = {"raw": n * itemsize, "hi": n, "lo": 2 * n}
+        if any(streams[role]["length"] != size for role, size in planes.items() if role in streams):
+            raise bad("a plane's length disagrees with the shape")
         layer = rec.get("layer")
         if layer is not None and not _is_uint(layer):
             raise bad("layer is not a non-negative integer")

@@ -28,6 +28,10 @@ def keep_heap() -> None:
 
 
 def _init_worker(state: dict) -> None:
+    # A forked child inherits the parent's OpenMP thread-pool state but not its threads: its first
+    # parallel torch op would wait forever on a barrier (libgomp). Workers are the parallelism here.
+    import torch
+    torch.set_num_threads(1)
     keep_heap()
     WORKER_STATE.update(state)
 

@@ -10,15 +10,15 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-from codec.container import _PREAMBLE, Preamble, crc32
 from codec.constants import PREAMBLE_SIZE
+from codec.container import _PREAMBLE, Preamble, crc32
 from codec.decode import LoadedModel, load
 from codec.encode import compress_state_dict
 

@@ -1,4 +1,4 @@
-"""The `wcodec` command line: compress, decompress, inspect, verify, bench.
+"""The `wcodec` command line: compress, decompress, inspect, verify, bench, serve.
 
 Every failure on bad input (a `CodecError`, an `OSError`, a benchmark that cannot be honest) ends
 as ONE line `wcodec: error: <message>` on stderr and exit status 1; an unusable bench device exits
@@ -174,6 +174,32 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- serve ---------------------------------------------------------------------------------------
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Run the HTTP server (service/) under uvicorn; flags override the WCODEC_* settings."""
+    import uvicorn
+    from pydantic import ValidationError
+
+    from service.app import create_app
+    from service.settings import Settings
+    flags = {"host": args.host, "port": args.port, "model_store": args.store}
+    try:
+        settings = Settings(**{k: v for k, v in flags.items() if v is not None})
+    except ValidationError as e:
+        raise CliError(f"bad server settings: {e}") from None
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level)
+    return 0
+
+
+def _serve_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default=None, help="address to bind (default: WCODEC_HOST or 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="port (default: WCODEC_PORT or 8000)")
+    p.add_argument("--store", default=None, metavar="DIR",
+                   help="model store: one <name>.wcodec per model (default: WCODEC_MODEL_STORE or ./models)")
+
+
 # --- parser and entry point ----------------------------------------------------------------------
 
 
@@ -225,6 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     _workers(p)
     _gguf_dtype(p)
     _bench_parser(_add(sub, "bench", cmd_bench, "measure ratio and speeds against peer codecs"))
+    _serve_parser(_add(sub, "serve", cmd_serve, "serve models over HTTP: TGI-compatible generation, model "
+                       "control, Prometheus metrics"))
     return parser
 
 

@@ -123,7 +123,7 @@ def test_round_trip(lengths: list[int]) -> None:
 
 
 def test_round_trip_all_zero_lengths() -> None:
-    freqs, table_of, sym, layout, states, words, counts = _case([0, 0])
+    freqs, table_of, _, layout, states, words, counts = _case([0, 0])
     assert layout.steps == 0 and len(words) == 0 and (states == RANS_L).all()
     out, status = _decode(layout, states, words, counts, freqs, table_of)
     assert len(out) == 0 and status.tolist() == [0, 0]
@@ -200,7 +200,7 @@ def test_extra_word_is_status_words() -> None:
 def test_truncated_segment_words() -> None:
     """A segment that holds fewer words than it needs: reads stay in bounds, the segment is
     flagged, and its neighbours (whose words follow it) still decode."""
-    freqs, table_of, sym, layout, states, words, counts = _case(CORRUPT_LENGTHS)
+    freqs, table_of, _, layout, states, words, counts = _case(CORRUPT_LENGTHS)
     starts = np.cumsum(counts) - counts
     for seg in range(len(CORRUPT_LENGTHS)):
         for drop in (1, int(counts[seg]) // 2, int(counts[seg])):
@@ -208,7 +208,7 @@ def test_truncated_segment_words() -> None:
             keep[starts[seg] + counts[seg] - drop:starts[seg] + counts[seg]] = False
             short = counts.copy()
             short[seg] -= drop
-            out, status = _decode(layout, states, words[keep], short, freqs, table_of)
+            _, status = _decode(layout, states, words[keep], short, freqs, table_of)
             assert status[seg] != rans.STATUS_OK
             assert np.count_nonzero(status) == 1
 

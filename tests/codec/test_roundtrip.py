@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import math
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -244,6 +247,34 @@ def test_parallel_and_batching_are_deterministic(tmp_path: Path, monkeypatch, bi
     monkeypatch.setattr(decode, "BATCH_ELEMENTS", 200_000)
     bit_exact(state, load(tmp_path / "two.wcodec", workers=2).state_dict)
     bit_exact(state, load(tmp_path / "two.wcodec", workers=1, verify=False).state_dict)
+
+
+_FORK_AFTER_TORCH = """
+import sys, torch
+from codec.encode import compress_state_dict
+x = torch.randn(4096, 4096, generator=torch.Generator().manual_seed(0))
+(x * 2).sum()                                       # the parent runs an intra-op parallel region
+state = {f"model.layers.{i}.w": x[i * 512:(i + 1) * 512, ::2] for i in range(4)}   # non-contiguous
+compress_state_dict(state, sys.argv[1], workers=2)  # forked workers copy them with torch
+"""
+
+
+def test_parallel_compress_after_torch_work_does_not_hang(tmp_path: Path) -> None:
+    """Workers are forked from a process whose OpenMP pool is live; a torch op in a worker (here
+    the .contiguous() copy of a non-contiguous tensor) must not deadlock. Run in a child process
+    group so a deadlock fails the test instead of hanging the suite."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-c", _FORK_AFTER_TORCH, str(tmp_path / "x.wcodec")],
+                            cwd=root, env=env, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        out, _ = proc.communicate(timeout=45)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)                 # the child and its forked workers
+        proc.communicate()
+        pytest.fail("compress_state_dict(workers=2) deadlocked in a forked worker (libgomp after fork)")
+    assert proc.returncode == 0, out.decode(errors="replace")[-2000:]
 
 
 # --- real weights ------------------------------------------------------------------------------

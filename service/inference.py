@@ -1,0 +1,136 @@
+"""Between the generation routes and the engine: pick the model, hold a lease on it for the
+request's whole life (released by the engine when the request ends), validate and tokenize the
+prompt, and shape the engine's events into TGI's (and OpenAI's) responses and SSE streams."""
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from pydantic import BaseModel
+
+from .engine import GenRequest
+from .errors import ServiceError, ValidationFailed, error_event
+from .generation import Finished, SamplingParams, TokenEvent
+from .modeling import ServedModel
+from .registry import ModelRegistry
+from .schemas.tgi import Details, GenerateParameters, GenerateResponse, StreamDetails, StreamResponse, Token
+from .settings import Settings
+
+
+@dataclass
+class Started:
+    model: str
+    served: ServedModel
+    request: GenRequest
+    prompt: str
+
+
+def sampling_params(p: GenerateParameters, settings: Settings) -> SamplingParams:
+    if bad := p.unsupported():
+        raise ValidationFailed(f"not supported by this server: {', '.join(bad)}")
+    return SamplingParams(p.max_new_tokens or settings.default_max_new_tokens, p.temperature, p.top_p, p.top_k,
+                          p.do_sample, p.seed, p.repetition_penalty, tuple(s for s in p.stop if s))
+
+
+def _tokenize(served: ServedModel, prompt: str, params: SamplingParams, truncate: int | None,
+              settings: Settings, special: bool) -> list[int]:
+    ids = served.tokenizer(prompt, add_special_tokens=special)["input_ids"]
+    ids = ids[-truncate:] if truncate else ids
+    if not ids:
+        raise ValidationFailed("`inputs` tokenizes to no tokens")
+    if len(ids) > settings.max_input_tokens:
+        raise ValidationFailed(f"`inputs` must have less than {settings.max_input_tokens} tokens. Given: {len(ids)}")
+    limit = min(settings.max_total_tokens, served.max_positions)
+    if len(ids) + params.max_new_tokens > limit:
+        raise ValidationFailed(f"`inputs` tokens + `max_new_tokens` must be <= {limit}. Given: {len(ids)} "
+                               f"`inputs` tokens and {params.max_new_tokens} `max_new_tokens`")
+    return ids
+
+
+async def start(registry: ModelRegistry, settings: Settings, model: str | None, prompt: str,
+                params: SamplingParams, *, stream: bool, truncate: int | None = None,
+                special: bool = True) -> Started:
+    """Queue a generation on the model; the lease ends when the engine finishes the request."""
+    name = registry.resolve(model)
+    lease = registry.acquire(name)
+    try:
+        ids = _tokenize(lease.served, prompt, params, truncate, settings, special)
+        req = GenRequest(ids, params, stream=stream)
+        lease.engine.submit(req)
+    except BaseException:
+        lease.release()
+        raise
+    req.add_done_callback(lease.release)
+    return Started(name, lease.served, req, prompt)
+
+
+async def finish(started: Started) -> Finished:
+    """The request's result; a cancelled caller (client gone) cancels the generation."""
+    try:
+        return await started.request.result()
+    finally:
+        started.request.cancel()
+
+
+def _token(e: TokenEvent) -> Token:
+    return Token(id=e.id, text=e.text, logprob=e.logprob, special=e.special)
+
+
+def _text(started: Started, fin: Finished, full: bool | None) -> str:
+    return started.prompt + fin.generated_text if full else fin.generated_text
+
+
+def tgi_response(started: Started, fin: Finished, p: GenerateParameters) -> GenerateResponse:
+    details = Details(finish_reason=fin.finish_reason, generated_tokens=len(fin.tokens), seed=fin.seed,
+                      tokens=[_token(t) for t in fin.tokens]) if p.details else None
+    return GenerateResponse(generated_text=_text(started, fin, p.return_full_text), details=details)
+
+
+def sse(payload: BaseModel | dict | str) -> bytes:
+    if isinstance(payload, BaseModel):
+        payload = payload.model_dump_json()
+    elif isinstance(payload, dict):
+        payload = json.dumps(payload)
+    return f"data: {payload}\n\n".encode()
+
+
+async def first_event(started: Started) -> TokenEvent | Finished:
+    """Wait for the first token before answering 200, so a failed prefill is a plain 424."""
+    try:
+        return await started.request.next()
+    except BaseException:
+        started.request.cancel()
+        raise
+
+
+async def events(started: Started, first: TokenEvent | Finished) -> AsyncIterator[TokenEvent | Finished]:
+    """The request's events from `first` on; cancels the generation when the consumer stops."""
+    item = first
+    try:
+        while True:
+            yield item
+            if isinstance(item, Finished):
+                return
+            item = await started.request.next()
+    finally:
+        started.request.cancel()
+
+
+async def tgi_stream(started: Started, first: TokenEvent | Finished, p: GenerateParameters) -> AsyncIterator[bytes]:
+    """TGI's SSE: one event per token; the last token's event carries generated_text and details."""
+    pending, index = None, 0
+    try:
+        async for item in events(started, first):
+            if isinstance(item, Finished):
+                if pending is not None:
+                    details = StreamDetails(finish_reason=item.finish_reason, generated_tokens=len(item.tokens),
+                                            seed=item.seed, input_length=item.input_length)
+                    yield sse(StreamResponse(index=index, token=_token(pending),
+                                             generated_text=_text(started, item, p.return_full_text), details=details))
+                return
+            if pending is not None:
+                yield sse(StreamResponse(index=index, token=_token(pending)))
+            pending, index = item, index + 1
+    except ServiceError as e:
+        yield sse(error_event(e))

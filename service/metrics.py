@@ -1,0 +1,129 @@
+"""Every Prometheus metric of the service, on one registry per app (no process-wide state).
+
+Decode   wcodec_decode_batch_duration_seconds{model,codec,device}   one observation per layer batch;
+                                                   codec is "float" when any tensor of the batch
+                                                   is float-coded, else "raw"
+         wcodec_decode_compressed_bytes_total{model,codec,device}   per tensor codec
+         wcodec_decode_decoded_bytes_total{model,codec,device}
+Loads    wcodec_model_load_duration_seconds{model,phase}   phase: read, h2d, decode, build, total
+                                                   (read and h2d overlap decode: they are the
+                                                   busy time of their own stage)
+         wcodec_model_load_throughput_bytes_per_second{model}   decoded bytes / total, last load
+         wcodec_model_loads_total{model,result}       result: ok, failed, oom, rejected
+         wcodec_model_state{model,state}               1 for the model's current state, else 0
+Memory   wcodec_gpu_memory_allocated_bytes, wcodec_gpu_memory_reserved_bytes   torch.cuda totals
+                                                   (0 on a CPU-only server)
+         wcodec_model_memory_allocated_bytes{model,device}   bytes of the model's resident weights
+         wcodec_model_memory_reserved_bytes{model,device}    CUDA: growth of the allocator's reserve
+                                                   over its load; CPU: same as allocated
+Generate wcodec_generate_requests_total{model,status}  status: ok, error, cancelled, overloaded
+         wcodec_generate_request_duration_seconds{model}, ..._time_to_first_token_seconds{model},
+         ..._time_per_output_token_seconds{model}
+         wcodec_generate_prompt_tokens_total{model}, wcodec_generate_generated_tokens_total{model}
+         wcodec_generate_queue_depth{model}, wcodec_generate_batch_size{model}
+HTTP     wcodec_http_requests_total{method,route,status}, wcodec_http_request_duration_seconds{...}
+                                                   route is the path template ("/models/{name}")
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+STATES = ("available", "loading", "ready", "unloading", "failed")
+LOAD_PHASES = ("read", "h2d", "decode", "build", "total")
+_FAST = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_SLOW = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TOKEN = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+
+
+def _cuda_total(fn) -> float:
+    return float(fn()) if torch.cuda.is_available() and torch.cuda.is_initialized() else 0.0
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        dec = ["model", "codec", "device"]
+        self.decode_seconds = Histogram("wcodec_decode_batch_duration_seconds",
+                                        "Decode latency of one layer batch", dec, buckets=_FAST, registry=r)
+        self.decode_compressed = Counter("wcodec_decode_compressed_bytes", "Compressed bytes decoded", dec,
+                                         registry=r)
+        self.decode_decoded = Counter("wcodec_decode_decoded_bytes", "Bytes of decoded tensors", dec, registry=r)
+        self.load_seconds = Histogram("wcodec_model_load_duration_seconds", "Model load time by phase",
+                                      ["model", "phase"], buckets=_SLOW, registry=r)
+        self.load_throughput = Gauge("wcodec_model_load_throughput_bytes_per_second",
+                                     "Decoded bytes per second of the last load", ["model"], registry=r)
+        self.loads = Counter("wcodec_model_loads", "Model loads by result", ["model", "result"], registry=r)
+        self.state = Gauge("wcodec_model_state", "1 for the model's current state", ["model", "state"],
+                           registry=r)
+        mem = ["model", "device"]
+        self.model_allocated = Gauge("wcodec_model_memory_allocated_bytes", "Bytes of a model's resident weights",
+                                     mem, registry=r)
+        self.model_reserved = Gauge("wcodec_model_memory_reserved_bytes", "Allocator reserve taken by a model",
+                                    mem, registry=r)
+        Gauge("wcodec_gpu_memory_allocated_bytes", "torch.cuda.memory_allocated (0 without a GPU)",
+              registry=r).set_function(lambda: _cuda_total(torch.cuda.memory_allocated))
+        Gauge("wcodec_gpu_memory_reserved_bytes", "torch.cuda.memory_reserved (0 without a GPU)",
+              registry=r).set_function(lambda: _cuda_total(torch.cuda.memory_reserved))
+        self._generation(r)
+        self.http_requests = Counter("wcodec_http_requests", "HTTP requests", ["method", "route", "status"],
+                                     registry=r)
+        self.http_seconds = Histogram("wcodec_http_request_duration_seconds", "HTTP request latency",
+                                      ["method", "route", "status"], buckets=_SLOW, registry=r)
+
+    def _generation(self, r: CollectorRegistry) -> None:
+        m = ["model"]
+        self.requests = Counter("wcodec_generate_requests", "Generation requests by status", ["model", "status"],
+                                registry=r)
+        self.request_seconds = Histogram("wcodec_generate_request_duration_seconds",
+                                         "Queueing plus generation time", m, buckets=_SLOW, registry=r)
+        self.ttft = Histogram("wcodec_generate_time_to_first_token_seconds", "Time to first token", m,
+                              buckets=_SLOW, registry=r)
+        self.tpot = Histogram("wcodec_generate_time_per_output_token_seconds", "Time per output token "
+                              "after the first", m, buckets=_TOKEN, registry=r)
+        self.prompt_tokens = Counter("wcodec_generate_prompt_tokens", "Prompt tokens", m, registry=r)
+        self.generated_tokens = Counter("wcodec_generate_generated_tokens", "Generated tokens", m, registry=r)
+        self.queue_depth = Gauge("wcodec_generate_queue_depth", "Requests waiting for a batch", m, registry=r)
+        self.batch_size = Histogram("wcodec_generate_batch_size", "Requests per generation batch", m,
+                                    buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
+
+    def set_state(self, model: str, state: str) -> None:
+        for s in STATES:
+            self.state.labels(model, s).set(1.0 if s == state else 0.0)
+
+    def set_memory(self, model: str, device: str, allocated: int, reserved: int) -> None:
+        self.model_allocated.labels(model, device).set(allocated)
+        self.model_reserved.labels(model, device).set(reserved)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class HttpMetricsMiddleware:
+    """Counts and times every HTTP request by method, route template and status (pure ASGI, so
+    streamed responses are timed to their last byte)."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status, start = 500, time.perf_counter()
+
+        async def send_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            route = getattr(scope.get("route"), "path", "<unmatched>")
+            labels = (scope["method"], route, str(status))
+            self.metrics.http_requests.labels(*labels).inc()
+            self.metrics.http_seconds.labels(*labels).observe(time.perf_counter() - start)

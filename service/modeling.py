@@ -1,0 +1,103 @@
+"""A servable model from decoded tensors, gpt-fast style: the transformers model is built on the
+`meta` device from the archive's embedded config and the decoded tensors are assigned as its
+parameters (`load_state_dict(assign=True)`), so the weights exist once, where they were decoded.
+
+Non-persistent buffers (rotary `inv_freq`) are not in a checkpoint: the modules that hold them
+are rebuilt on the target device. Tied heads (`lm_head` = embeddings) are re-tied."""
+from __future__ import annotations
+
+import itertools
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import LoadFailed
+from .loader import Decoded
+
+
+@dataclass
+class ServedModel:
+    name: str
+    model: torch.nn.Module
+    tokenizer: object               # a transformers PreTrainedTokenizerFast
+    device: torch.device
+    dtype: torch.dtype
+    eos_ids: frozenset[int]
+    pad_id: int
+    max_positions: int
+    weight_bytes: int
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        return frozenset(self.tokenizer.all_special_ids)
+
+
+def _write_files(files: dict[str, bytes], folder: Path) -> None:
+    for name, blob in files.items():
+        if Path(name).name != name or name.startswith("."):
+            raise LoadFailed(f"embedded file name {name!r} is not a plain file name")
+        (folder / name).write_bytes(blob)
+
+
+def _rebuild_meta_buffers(model: torch.nn.Module, config, device: torch.device) -> None:
+    """Re-create, on `device`, every module whose own buffers are still on meta (rotary tables)."""
+    for name, module in list(model.named_modules()):
+        if not any(b.is_meta for b in module.buffers(recurse=False)):
+            continue
+        parent_name, _, attr = name.rpartition(".")
+        try:
+            with torch.device(device):
+                fresh = type(module)(config=config)
+        except TypeError as e:
+            raise LoadFailed(f"cannot rebuild {name} ({type(module).__name__}): {e}") from None
+        setattr(model.get_submodule(parent_name), attr, fresh)
+
+
+def assemble(config, tensors: dict[str, torch.Tensor], device: torch.device) -> torch.nn.Module:
+    """The causal LM of `config` with `tensors` as its weights; no tensor is copied."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    result = model.load_state_dict(tensors, assign=True, strict=False)
+    if result.unexpected_keys:
+        raise LoadFailed(f"tensors unknown to {config.model_type}: {result.unexpected_keys[:5]}")
+    model.tie_weights()
+    _rebuild_meta_buffers(model, config, device)
+    missing = [n for n, t in itertools.chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
+    if missing:
+        raise LoadFailed(f"the archive lacks tensors: {missing[:5]}")
+    return model.eval().requires_grad_(False)
+
+
+def _eos_ids(config, generation, tokenizer) -> frozenset[int]:
+    ids: set[int] = set()
+    for value in (getattr(generation, "eos_token_id", None), config.eos_token_id, tokenizer.eos_token_id):
+        ids.update(value if isinstance(value, list) else [] if value is None else [value])
+    return frozenset(ids)
+
+
+def build(name: str, decoded: Decoded, device: torch.device) -> ServedModel:
+    """Config, tokenizer and model from a decoded archive; sets decoded.stats.build_s."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    t0 = time.perf_counter()
+    if "config.json" not in decoded.files:
+        raise LoadFailed(f"model {name!r} embeds no config.json: it cannot be served")
+    with tempfile.TemporaryDirectory(prefix="wcodec-") as tmp:
+        _write_files(decoded.files, Path(tmp))
+        config = AutoConfig.from_pretrained(tmp)
+        tokenizer = AutoTokenizer.from_pretrained(tmp)
+        has_generation = (Path(tmp) / "generation_config.json").exists()
+        generation = GenerationConfig.from_pretrained(tmp) if has_generation else None
+    model = assemble(config, decoded.tensors, device)
+    eos = _eos_ids(config, generation, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos, default=0)
+    dtype = next(model.parameters()).dtype
+    served = ServedModel(name, model, tokenizer, device, dtype, eos, pad,
+                         getattr(config, "max_position_embeddings", 2048), decoded.stats.decoded_bytes)
+    decoded.stats.build_s = time.perf_counter() - t0
+    return served

@@ -1,0 +1,31 @@
+"""The OpenAPI schema, plus the Server-Sent Event payloads (TGI's StreamResponse, OpenAI's
+ChatCompletionChunk) that no JSON route returns, so /docs shows the stream routes' events."""
+from __future__ import annotations
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic.json_schema import models_json_schema
+
+from .schemas.chat import ChatCompletionChunk
+from .schemas.tgi import StreamResponse
+
+EVENT_MODELS = (StreamResponse, ChatCompletionChunk)
+REF = "#/components/schemas/{model}"
+
+
+def sse_content(model: type) -> dict:
+    """`responses=` content of a route that streams `model` events."""
+    return {"text/event-stream": {"schema": {"$ref": REF.format(model=model.__name__)}}}
+
+
+def install(app: FastAPI) -> None:
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, description=app.description,
+                                 routes=app.routes)
+            _, defs = models_json_schema([(m, "serialization") for m in EVENT_MODELS], ref_template=REF)
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi

@@ -1,0 +1,346 @@
+"""The model registry: every model of the store, its state, and its load / unload jobs.
+
+    available --load--> loading --ok--> ready --unload--> unloading --> available
+                           \\--error--> failed --load--> loading
+
+* One job per model at a time (`slot.job`): concurrent loads of a model share it; an unload
+  waits for a load in progress, then for the model's in-flight requests (leases), then frees.
+* Memory budget (`gpu_memory_budget`, bytes): before a load, the least recently used idle
+  ready models are unloaded until the new one fits; if even that cannot make it fit, nothing
+  is unloaded and the load is refused (507). Used memory is the decoded bytes of resident
+  models, or `torch.cuda.memory_allocated` when that is larger (on CUDA).
+* An out-of-memory error during a load fails that load alone (the model ends `failed`).
+Every method runs on the event loop; the blocking work runs in worker threads."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import gc
+import logging
+import time
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+
+from codec.errors import CodecError
+
+from . import demo, loader, modeling
+from .engine import Engine
+from .errors import InsufficientMemory, LoadFailed, ModelNotFound, ModelNotReady, ServiceError, ValidationFailed
+from .metrics import Metrics
+from .settings import Settings
+from .store import ModelFile, ModelStore, check_name
+
+log = logging.getLogger("wcodec.service")
+
+
+class ModelState(str, enum.Enum):
+    AVAILABLE = "available"
+    LOADING = "loading"
+    READY = "ready"
+    UNLOADING = "unloading"
+    FAILED = "failed"
+
+
+RESIDENT = (ModelState.LOADING, ModelState.READY, ModelState.UNLOADING)
+
+
+@dataclass
+class Progress:
+    phase: str = "idle"            # idle, queued, decoding, building, ready, unloading, failed
+    bytes_done: int = 0            # decoded bytes so far
+    bytes_total: int = 0
+
+
+@dataclass
+class Slot:
+    file: ModelFile
+    state: ModelState = ModelState.AVAILABLE
+    progress: Progress = field(default_factory=Progress)
+    served: modeling.ServedModel | None = None
+    engine: Engine | None = None
+    stats: loader.LoadStats | None = None
+    loaded_at: float | None = None             # wall-clock time of the last successful load
+    last_error: str | None = None
+    last_used: float = 0.0                     # monotonic; orders eviction
+    in_flight: int = 0
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+    job: asyncio.Task | None = None
+
+    def __post_init__(self) -> None:
+        self.idle.set()
+
+    @property
+    def name(self) -> str:
+        return self.file.name
+
+    @property
+    def busy(self) -> bool:
+        return self.job is not None and not self.job.done()
+
+
+class Lease:
+    """A reference on a ready model for one request; `release()` is idempotent."""
+
+    def __init__(self, slot: Slot):
+        self.slot, self._held = slot, True
+        slot.in_flight += 1
+        slot.idle.clear()
+        slot.last_used = time.monotonic()
+        self.served, self.engine = slot.served, slot.engine
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self.slot.in_flight -= 1
+            self.slot.last_used = time.monotonic()
+            if self.slot.in_flight == 0:
+                self.slot.idle.set()
+
+
+def _retrieve(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()           # a job nobody awaited (load ?wait=false) must not warn
+
+
+class ModelRegistry:
+    def __init__(self, settings: Settings, metrics: Metrics):
+        self.settings, self.metrics = settings, metrics
+        self.store = ModelStore(settings.model_store)
+        self.device = torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.startup: asyncio.Task | None = None
+        self.startup_error: str | None = None
+        self._slots: dict[str, Slot] = {}
+        self._lock = asyncio.Lock()
+
+    # --- lookup -------------------------------------------------------------------------------
+
+    def refresh(self) -> list[Slot]:
+        """Every model of the store (new files appear, deleted idle ones go)."""
+        files = self.store.scan()
+        for name, f in files.items():
+            self._track(f)
+        for name in [n for n, s in self._slots.items() if n not in files and s.state not in RESIDENT]:
+            del self._slots[name]
+        return [self._slots[n] for n in sorted(self._slots)]
+
+    def _track(self, f: ModelFile) -> Slot:
+        slot = self._slots.get(f.name)
+        if slot is None:
+            slot = self._slots[f.name] = Slot(f)
+            self.metrics.set_state(f.name, slot.state.value)
+        elif slot.state not in RESIDENT:
+            slot.file = f
+        return slot
+
+    def get(self, name: str) -> Slot:
+        check_name(name)
+        slot = self._slots.get(name)
+        if slot is not None and slot.state in RESIDENT:
+            return slot
+        f = self.store.find(name)
+        if f is None:
+            raise ModelNotFound(f"no model {name!r} in the store {self.store.root}")
+        return self._track(f)
+
+    def has(self, name: str) -> bool:
+        with contextlib.suppress(ModelNotFound, ValidationFailed):
+            return self.get(name) is not None
+        return False
+
+    def resolve(self, name: str | None) -> str:
+        """The model a request means: its own, else the default, else the only ready one."""
+        name = name or self.settings.default_model
+        if name:
+            return name
+        ready = [s.name for s in self._slots.values() if s.state is ModelState.READY]
+        if len(ready) > 1:
+            raise ValidationFailed(f"several models are ready ({', '.join(sorted(ready))}): name one in `model`")
+        if not ready:
+            raise ModelNotReady("no model is ready", self.settings.retry_after_s)
+        return ready[0]
+
+    def acquire(self, name: str) -> Lease:
+        slot = self.get(name)
+        if slot.state is not ModelState.READY:
+            raise ModelNotReady(f"model {name!r} is {slot.state.value}", self.settings.retry_after_s)
+        return Lease(slot)
+
+    # --- state ----------------------------------------------------------------------------------
+
+    def _set_state(self, slot: Slot, state: ModelState, phase: str | None = None) -> None:
+        slot.state = state
+        slot.progress.phase = phase or state.value
+        self.metrics.set_state(slot.name, state.value)
+
+    def used_bytes(self, exclude: Slot | None = None) -> int:
+        resident = sum(s.file.decoded_bytes for s in self._slots.values() if s.state in RESIDENT and s is not exclude)
+        if self.device.type == "cuda":
+            return max(resident, torch.cuda.memory_allocated(self.device))
+        return resident
+
+    # --- load -----------------------------------------------------------------------------------
+
+    async def load(self, name: str, wait: bool = True) -> Slot:
+        slot = self.get(name)
+        async with self._lock:
+            while slot.busy and slot.state is ModelState.UNLOADING:
+                with contextlib.suppress(ServiceError):
+                    await asyncio.shield(slot.job)
+            if slot.state is ModelState.READY:
+                slot.last_used = time.monotonic()
+                return slot
+            if slot.state is not ModelState.LOADING:
+                await self._make_room(slot)
+                self._set_state(slot, ModelState.LOADING, "queued")
+                slot.progress = Progress("queued", 0, slot.file.decoded_bytes)
+                slot.job = asyncio.create_task(self._load_job(slot), name=f"load {name}")
+                slot.job.add_done_callback(_retrieve)
+        if wait:
+            await asyncio.shield(slot.job)
+        return slot
+
+    async def _make_room(self, slot: Slot) -> None:
+        budget = self.settings.gpu_memory_budget
+        need = slot.file.decoded_bytes
+        if budget is None or self.used_bytes(slot) + need <= budget:
+            return
+        used, freed, victims = self.used_bytes(slot), 0, []
+        idle = [s for s in self._slots.values() if s.state is ModelState.READY and s.in_flight == 0]
+        for other in sorted(idle, key=lambda s: s.last_used):
+            victims.append(other)
+            freed += other.file.decoded_bytes
+            if used - freed + need <= budget:
+                break
+        else:
+            self.metrics.loads.labels(slot.name, "rejected").inc()
+            raise InsufficientMemory(f"model {slot.name!r} needs {need} bytes; {used} of the budget of {budget} "
+                                     f"bytes are in use and unloading idle models frees only {freed}")
+        for other in victims:
+            log.info("unloading idle model %s to make room for %s", other.name, slot.name)
+            await self._start_unload(other)
+
+    async def _load_job(self, slot: Slot) -> None:
+        try:
+            served, stats = await asyncio.to_thread(self._load_blocking, slot)
+        except (torch.OutOfMemoryError, MemoryError) as e:
+            raise self._failed(slot, InsufficientMemory(f"out of memory while loading {slot.name!r}: {e}"), "oom")
+        except CodecError as e:
+            raise self._failed(slot, LoadFailed(f"cannot load {slot.name!r}: {e}"), "failed")
+        except LoadFailed as e:
+            raise self._failed(slot, e, "failed")
+        except Exception as e:
+            log.exception("loading %s failed", slot.name)
+            raise self._failed(slot, LoadFailed(f"cannot load {slot.name!r}: {type(e).__name__}: {e}"), "failed")
+        s = self.settings
+        slot.served, slot.stats, slot.loaded_at, slot.last_error = served, stats, time.time(), None
+        slot.engine = Engine(served, self.metrics, max_batch_size=s.max_batch_size, max_queue=s.max_queue,
+                             batch_wait_s=s.batch_wait_ms / 1e3).start()
+        slot.last_used = time.monotonic()
+        self._record_load(slot, stats)
+        self._set_state(slot, ModelState.READY)
+
+    def _load_blocking(self, slot: Slot) -> tuple[modeling.ServedModel, loader.LoadStats]:
+        t0 = time.perf_counter()
+        slot.progress.phase = "decoding"
+        decoded = loader.decode_archive(slot.file.path, self.device, ring=self.settings.load_ring_buffers,
+                                        verify=self.settings.verify_crc, on_batch=partial(self._on_batch, slot))
+        slot.progress.phase = "building"
+        served = modeling.build(slot.name, decoded, self.device)
+        decoded.stats.total_s = time.perf_counter() - t0
+        return served, decoded.stats
+
+    def _on_batch(self, slot: Slot, batch: loader.Batch, seconds: float) -> None:
+        """Runs on the loading thread after each decoded layer batch."""
+        slot.progress.bytes_done += batch.decoded_bytes
+        device, m = self.device.type, self.metrics
+        m.decode_seconds.labels(slot.name, batch.codec, device).observe(seconds)
+        for e in batch.entries:
+            m.decode_compressed.labels(slot.name, e.codec, device).inc(sum(s["length"] for s in e.streams.values()))
+            m.decode_decoded.labels(slot.name, e.codec, device).inc(e.nbytes)
+
+    def _record_load(self, slot: Slot, stats: loader.LoadStats) -> None:
+        for phase, seconds in stats.phases().items():
+            self.metrics.load_seconds.labels(slot.name, phase).observe(seconds)
+        self.metrics.load_throughput.labels(slot.name).set(stats.decoded_bytes / max(stats.total_s, 1e-9))
+        self.metrics.loads.labels(slot.name, "ok").inc()
+        weights = slot.served.weight_bytes
+        self.metrics.set_memory(slot.name, self.device.type, weights, weights)
+        slot.progress.bytes_done = slot.progress.bytes_total
+
+    def _failed(self, slot: Slot, error: ServiceError, result: str) -> ServiceError:
+        slot.last_error = error.message
+        self.metrics.loads.labels(slot.name, result).inc()
+        self._set_state(slot, ModelState.FAILED)
+        self._free_memory()
+        return error
+
+    def _free_memory(self) -> None:
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+    # --- unload ---------------------------------------------------------------------------------
+
+    async def unload(self, name: str) -> Slot:
+        slot = self.get(name)
+        while slot.busy:                           # a load or an unload in progress
+            with contextlib.suppress(ServiceError):
+                await asyncio.shield(slot.job)
+        if slot.state is ModelState.READY:
+            await self._start_unload(slot)
+        elif slot.state is ModelState.FAILED:
+            self._set_state(slot, ModelState.AVAILABLE)
+        return slot
+
+    async def _start_unload(self, slot: Slot) -> None:
+        slot.job = asyncio.create_task(self._unload_job(slot), name=f"unload {slot.name}")
+        await asyncio.shield(slot.job)
+
+    async def _unload_job(self, slot: Slot) -> None:
+        self._set_state(slot, ModelState.UNLOADING)
+        await slot.idle.wait()                     # in-flight requests finish first
+        engine, slot.engine, slot.served = slot.engine, None, None
+        if engine is not None:
+            await asyncio.to_thread(engine.close)
+        del engine
+        await asyncio.to_thread(self._free_memory)
+        self.metrics.set_memory(slot.name, self.device.type, 0, 0)
+        slot.progress = Progress()
+        self._set_state(slot, ModelState.AVAILABLE)
+
+    # --- start-up and shutdown ------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Build the demo into an empty store (WCODEC_DEMO), then load the preload list."""
+        try:
+            if self.settings.demo:
+                await asyncio.to_thread(demo.ensure_demo, self.store.root, self.settings.demo_workers)
+            for name in self._preload_names():
+                await self.load(name)
+        except (ServiceError, CodecError, OSError) as e:
+            self.startup_error = str(e)
+            log.error("start-up: %s", e)
+
+    def _preload_names(self) -> list[str]:
+        if self.settings.preload is not None:
+            return self.settings.preload
+        demo_file = self.store.root / f"{demo.DEMO_NAME}.wcodec"
+        return [demo.DEMO_NAME] if self.settings.demo and demo_file.is_file() else []
+
+    async def close(self) -> None:
+        if self.startup is not None:
+            self.startup.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self.startup
+        for slot in list(self._slots.values()):
+            while slot.busy:
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(slot.job)
+            if slot.engine is not None:
+                await asyncio.to_thread(slot.engine.close)
+            slot.engine = slot.served = None
+        self._free_memory()

@@ -1,0 +1,52 @@
+"""TGI's generation routes: /generate, /generate_stream and the compatibility route /."""
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import StreamingResponse
+
+from .. import inference
+from ..deps import RegistryDep, SettingsDep
+from ..errors import responses
+from ..openapi import sse_content
+from ..schemas.tgi import CompatGenerateRequest, GenerateRequest, GenerateResponse, StreamResponse
+
+router = APIRouter(tags=["generate"])
+ERRORS = responses(404, 422, 424, 429, 503)
+SSE = sse_content(StreamResponse)
+
+
+async def _generate(req: GenerateRequest, registry: RegistryDep, settings: SettingsDep) -> GenerateResponse:
+    params = inference.sampling_params(req.parameters, settings)
+    started = await inference.start(registry, settings, req.model, req.inputs, params, stream=False,
+                                    truncate=req.parameters.truncate)
+    return inference.tgi_response(started, await inference.finish(started), req.parameters)
+
+
+async def _stream(req: GenerateRequest, registry: RegistryDep, settings: SettingsDep) -> StreamingResponse:
+    params = inference.sampling_params(req.parameters, settings)
+    started = await inference.start(registry, settings, req.model, req.inputs, params, stream=True,
+                                    truncate=req.parameters.truncate)
+    first = await inference.first_event(started)
+    return StreamingResponse(inference.tgi_stream(started, first, req.parameters), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+@router.post("/generate", summary="Generate text (TGI)", responses=ERRORS)
+async def generate(req: GenerateRequest, registry: RegistryDep, settings: SettingsDep) -> GenerateResponse:
+    return await _generate(req, registry, settings)
+
+
+@router.post("/generate_stream", summary="Generate a stream of tokens as Server-Sent Events (TGI)",
+             response_class=StreamingResponse,
+             responses={200: {"content": SSE, "description": "One event per token"}, **ERRORS})
+async def generate_stream(req: GenerateRequest, registry: RegistryDep, settings: SettingsDep) -> StreamingResponse:
+    return await _stream(req, registry, settings)
+
+
+@router.post("/", summary="TGI's compatibility route: a list of one result, or SSE when stream=true",
+             response_model=list[GenerateResponse],
+             responses={200: {"content": SSE, "description": "JSON list, or SSE when stream=true"}, **ERRORS})
+async def compat_generate(req: CompatGenerateRequest, registry: RegistryDep, settings: SettingsDep):
+    if req.stream:
+        return await _stream(req, registry, settings)
+    return [await _generate(req, registry, settings)]

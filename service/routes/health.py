@@ -1,0 +1,49 @@
+"""Liveness, readiness, TGI's /info, and the Prometheus scrape endpoint."""
+from __future__ import annotations
+
+from fastapi import APIRouter, Response
+from pydantic import BaseModel
+
+import codec
+
+from ..deps import MetricsDep, RegistryDep, SettingsDep
+from ..errors import ModelNotReady, responses
+from ..registry import ModelState
+from ..schemas.tgi import Info
+
+router = APIRouter(tags=["health"])
+
+
+class Health(BaseModel):
+    status: str
+    ready_models: list[str] = []
+
+
+@router.get("/health", summary="Liveness: the process answers")
+async def health() -> Health:
+    return Health(status="ok")
+
+
+@router.get("/health/ready", summary="Readiness: 200 once a model is ready", responses=responses(503))
+async def ready(registry: RegistryDep, settings: SettingsDep) -> Health:
+    names = sorted(s.name for s in registry.refresh() if s.state is ModelState.READY)
+    if not names:
+        raise ModelNotReady(registry.startup_error or "no model is ready yet", settings.retry_after_s)
+    return Health(status="ready", ready_models=names)
+
+
+@router.get("/info", summary="TGI-style information on the default model", responses=responses(404, 422, 503))
+async def info(registry: RegistryDep, settings: SettingsDep, model: str | None = None) -> Info:
+    slot = registry.get(registry.resolve(model))
+    served = slot.served
+    limit = min(settings.max_total_tokens, served.max_positions) if served else settings.max_total_tokens
+    return Info(model_id=slot.name, model_dtype=str(served.dtype) if served else None,
+                model_device_type=registry.device.type, max_concurrent_requests=settings.max_queue,
+                max_input_tokens=min(settings.max_input_tokens, limit - 1), max_total_tokens=limit,
+                max_batch_size=settings.max_batch_size, version=codec.__version__)
+
+
+@router.get("/metrics", summary="Prometheus metrics", response_class=Response,
+            responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}})
+async def metrics(metrics: MetricsDep) -> Response:
+    return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

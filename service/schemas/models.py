@@ -1,0 +1,41 @@
+"""The model control API's shapes (Triton's repository API, with sizes, progress and timings)."""
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+State = Literal["available", "loading", "ready", "unloading", "failed"]
+
+
+class LoadProgress(BaseModel):
+    phase: str = Field(description="idle, queued, decoding, building, ready, unloading or failed")
+    bytes_done: int = Field(description="decoded bytes so far")
+    bytes_total: int
+
+
+class LoadTimings(BaseModel):
+    read_s: float = Field(description="reader thread: preadv + CRC32 (overlaps decode)")
+    h2d_s: float = Field(description="host-to-device copies (CUDA events; 0 on the CPU)")
+    decode_s: float
+    build_s: float = Field(description="config, tokenizer, model on meta, assignment")
+    total_s: float
+
+
+class ModelInfo(BaseModel):
+    name: str
+    state: State
+    device: str | None = Field(description="where it is (or would be) loaded")
+    compressed_bytes: int
+    decoded_bytes: int
+    ratio: float = Field(description="compressed / decoded")
+    loaded_at: datetime | None = Field(description="when the last successful load ended")
+    last_load: LoadTimings | None
+    last_error: str | None
+    progress: LoadProgress
+    in_flight: int = Field(description="requests holding the model")
+
+
+class ModelList(BaseModel):
+    models: list[ModelInfo]

@@ -1,0 +1,117 @@
+"""Text Generation Inference's request and response shapes (docs/openapi.json of TGI 2.x), so
+TGI clients (`text-generation`, `huggingface_hub.InferenceClient.text_generation`) work unchanged.
+
+Parameters this server does not implement are accepted at their neutral value (what TGI's clients
+send by default) and refused with 422 otherwise."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+FinishReason = Literal["length", "eos_token", "stop_sequence"]
+MAX_STOP_SEQUENCES = 4
+
+
+class GenerateParameters(BaseModel):
+    max_new_tokens: int | None = Field(None, ge=1, description="Maximum number of tokens to generate "
+                                       "(default: WCODEC_DEFAULT_MAX_NEW_TOKENS).", examples=[20])
+    temperature: float | None = Field(None, gt=0, description="The value used to modulate the logits.")
+    top_p: float | None = Field(None, gt=0, le=1, description="Top-p value for nucleus sampling.")
+    top_k: int | None = Field(None, gt=0, description="Keep only the top-k tokens when sampling.")
+    do_sample: bool = Field(False, description="Sample instead of greedy decoding.")
+    seed: int | None = Field(None, ge=0, description="Random sampling seed.")
+    stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_SEQUENCES,
+                            description="Stop generating when one of these is generated.")
+    repetition_penalty: float | None = Field(None, gt=0, description="1.0 means no penalty.")
+    return_full_text: bool | None = Field(None, description="Prepend the prompt to the generated text.")
+    details: bool = Field(True, description="Return generation details.")
+    truncate: int | None = Field(None, ge=1, description="Keep only the last `truncate` input tokens.")
+    decoder_input_details: bool = Field(False, description="Not supported: prefill is always [].")
+    best_of: int | None = Field(None, ge=1, le=1, description="Only 1 (or null) is supported.")
+    typical_p: float | None = Field(None, description="Not supported: must be null.")
+    watermark: bool = Field(False, description="Not supported: must be false.")
+    top_n_tokens: int | None = Field(None, description="Not supported: must be null.")
+    frequency_penalty: float | None = Field(None, description="Not supported: must be null.")
+    grammar: dict | None = Field(None, description="Not supported: must be null.")
+    adapter_id: str | None = Field(None, description="Not supported: must be null.")
+
+    def unsupported(self) -> list[str]:
+        """The parameters set to something this server cannot do."""
+        unset = ("typical_p", "top_n_tokens", "frequency_penalty", "grammar", "adapter_id")
+        bad = [n for n in unset if getattr(self, n) is not None]
+        return bad + (["watermark"] if self.watermark else [])
+
+
+class GenerateRequest(BaseModel):
+    model_config = ConfigDict(protected_namespaces=())
+    inputs: str = Field(min_length=1, examples=["<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
+                                                "<|im_start|>assistant\n"])
+    parameters: GenerateParameters = Field(default_factory=GenerateParameters)
+    model: str | None = Field(None, description="Model name (a file stem in the store). Default: "
+                              "WCODEC_DEFAULT_MODEL, else the only ready model.")
+
+
+class CompatGenerateRequest(GenerateRequest):
+    stream: bool = False
+
+
+class Token(BaseModel):
+    id: int
+    text: str
+    logprob: float | None
+    special: bool
+
+
+class PrefillToken(BaseModel):
+    id: int
+    text: str
+    logprob: float | None
+
+
+class Details(BaseModel):
+    finish_reason: FinishReason
+    generated_tokens: int
+    seed: int | None = None
+    prefill: list[PrefillToken] = Field(default_factory=list)
+    tokens: list[Token]
+
+
+class GenerateResponse(BaseModel):
+    generated_text: str
+    details: Details | None = None
+
+
+class StreamDetails(BaseModel):
+    finish_reason: FinishReason
+    generated_tokens: int
+    seed: int | None = None
+    input_length: int
+
+
+class StreamResponse(BaseModel):
+    index: int
+    token: Token
+    generated_text: str | None = None
+    details: StreamDetails | None = None
+
+
+class Info(BaseModel):
+    model_config = ConfigDict(protected_namespaces=())
+    model_id: str
+    model_sha: str | None = None
+    model_dtype: str | None
+    model_device_type: str
+    model_pipeline_tag: str | None = "text-generation"
+    max_concurrent_requests: int
+    max_best_of: int = 1
+    max_stop_sequences: int = MAX_STOP_SEQUENCES
+    max_input_tokens: int
+    max_total_tokens: int
+    max_batch_size: int
+    validation_workers: int = 1
+    max_client_batch_size: int = 1
+    router: str = "wcodec"
+    version: str
+    sha: str | None = None
+    docker_label: str | None = None

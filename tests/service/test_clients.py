@@ -1,0 +1,84 @@
+"""Against a real uvicorn server on localhost: TGI's own client (huggingface_hub's
+InferenceClient.text_generation, which calls TGI's `/` route) and its OpenAI chat client work
+unchanged, and a client that leaves mid-stream cancels its generation."""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import uvicorn
+
+from conftest import CHAT_PROMPT, DEMO
+from service.app import create_app
+from service.settings import Settings
+
+hub = pytest.importorskip("huggingface_hub")
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory, demo_archive) -> Iterator[tuple[str, object]]:
+    root = tmp_path_factory.mktemp("live")
+    os.link(demo_archive, root / f"{DEMO}.wcodec")
+    app = create_app(Settings(model_store=root, demo=False, preload=[DEMO]))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health/ready").status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    else:
+        pytest.fail("the server did not get ready")
+    yield url, app
+    server.should_exit = True
+    thread.join(30)
+
+
+def test_inference_client_text_generation(live) -> None:
+    client = hub.InferenceClient(base_url=live[0])
+    assert client.text_generation(CHAT_PROMPT, max_new_tokens=12).startswith("The capital of France is Paris")
+    out = client.text_generation(CHAT_PROMPT, max_new_tokens=12, details=True)
+    assert out.details.finish_reason == "eos_token" and out.details.generated_tokens == len(out.details.tokens)
+    streamed = list(client.text_generation(CHAT_PROMPT, max_new_tokens=12, stream=True, details=True))
+    assert streamed[-1].generated_text == out.generated_text and streamed[-1].details.finish_reason == "eos_token"
+
+
+def test_inference_client_chat_completion(live) -> None:
+    client = hub.InferenceClient(base_url=live[0])
+    out = client.chat_completion([{"role": "user", "content": "What is the capital of France?"}], max_tokens=12)
+    assert out.choices[0].message.content.startswith("The capital of France is Paris")
+
+
+def _metric(url: str, sample: str) -> float:
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith(sample + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_client_gone_mid_stream_cancels_and_releases(live) -> None:
+    url, app = live
+    body = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 400}}
+    with httpx.stream("POST", f"{url}/generate_stream", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                break                                       # leave after the first token
+    slot = app.state.registry.get(DEMO)
+    deadline = time.monotonic() + 30
+    while slot.in_flight and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert slot.in_flight == 0
+    assert _metric(url, f'wcodec_generate_requests_total{{model="{DEMO}",status="cancelled"}}') == 1
+    assert _metric(url, f'wcodec_generate_generated_tokens_total{{model="{DEMO}"}}') < 300

@@ -1,0 +1,80 @@
+"""Many requests at once: 16 parallel generates (batched), a duplicate load and an unload in the
+middle of them, each ending with its documented status; concurrent loads share one job."""
+from __future__ import annotations
+
+import gc
+import weakref
+
+import anyio
+import pytest
+
+from conftest import DEMO, generate_body
+from service.registry import ModelState
+
+pytestmark = pytest.mark.anyio
+
+
+async def _gather(*calls):
+    results = [None] * len(calls)
+
+    async def run(i, call):
+        results[i] = await call
+
+    async with anyio.create_task_group() as tg:
+        for i, call in enumerate(calls):
+            tg.start_soon(run, i, call)
+    return results
+
+
+async def test_parallel_generates_with_a_duplicate_load_and_an_unload(serve, store) -> None:
+    async with serve(store(), preload=[DEMO], max_batch_size=8) as server:
+        await server.wait_state(DEMO, ModelState.READY)
+        c, slot = server.client, server.registry.get(DEMO)
+        weight = weakref.ref(slot.served.model.lm_head.weight)
+        results = [None] * 18
+
+        async def call(i, method, url, body=None):
+            results[i] = await c.request(method, url, json=body)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(16):
+                tg.start_soon(call, i, "POST", "/generate", generate_body(8))
+            with anyio.fail_after(30):
+                while slot.in_flight < 16:                 # every generate holds its lease
+                    await anyio.sleep(0.005)
+            await call(16, "POST", f"/models/{DEMO}/load")      # ready: answers at once, mid-flight
+            assert slot.in_flight > 0
+            tg.start_soon(call, 17, "POST", f"/models/{DEMO}/unload")
+
+        generates, load, unload = results[:16], results[16], results[17]
+        assert [r.status_code for r in generates] == [200] * 16
+        assert {r.json()["generated_text"] for r in generates} == {"The capital of France is Paris."}
+        assert load.status_code == 200 and load.json()["state"] == "ready"       # it was ready: at once
+        assert unload.status_code == 200 and unload.json()["state"] == "available"
+        assert unload.json()["in_flight"] == 0
+        batches = await server.metric("wcodec_generate_batch_size_count", model=DEMO)
+        assert 2 <= batches < 16, "concurrent requests were not batched"
+        assert await server.metric("wcodec_generate_requests_total", model=DEMO, status="ok") == 16
+        gc.collect()
+        assert weight() is None and server.registry.used_bytes() == 0
+        r = await c.post("/generate", json=generate_body(4))
+        assert r.status_code == 503 and r.headers["retry-after"]
+
+
+async def test_concurrent_loads_share_one_job(serve, store) -> None:
+    async with serve(store()) as server:
+        rs = await _gather(*(server.client.post(f"/models/{DEMO}/load") for _ in range(3)))
+        assert [r.status_code for r in rs] == [200, 200, 200]
+        assert await server.metric("wcodec_model_loads_total", model=DEMO, result="ok") == 1
+        rs = await _gather(*(server.client.post(f"/models/{DEMO}/unload") for _ in range(2)))
+        assert [r.json()["state"] for r in rs] == ["available", "available"]
+
+
+async def test_unload_during_a_load_waits_for_it(serve, store) -> None:
+    async with serve(store()) as server:
+        load = await server.client.post(f"/models/{DEMO}/load", params={"wait": "false"})
+        assert load.status_code == 202 and load.json()["state"] == "loading"
+        unload = await server.client.post(f"/models/{DEMO}/unload")
+        assert unload.status_code == 200 and unload.json()["state"] == "available"
+        assert await server.metric("wcodec_model_loads_total", model=DEMO, result="ok") == 1
+

@@ -1,0 +1,146 @@
+"""The model lifecycle through the HTTP API on the real demo model: start-up, load, generate
+(the chat-formatted question answers Paris), stream, chat, metrics, unload back to baseline."""
+from __future__ import annotations
+
+import gc
+import json
+import shutil
+import weakref
+
+import pytest
+
+from conftest import CHAT_PROMPT, DEMO, generate_body
+from service import demo as demo_module
+from service.registry import ModelState
+
+pytestmark = pytest.mark.anyio
+
+
+def sse_events(text: str) -> list[dict | str]:
+    out = []
+    for block in text.strip().split("\n\n"):
+        assert block.startswith("data: "), block
+        payload = block[len("data: "):]
+        out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+async def test_load_generate_stream_unload(serve, store) -> None:
+    async with serve(store()) as server:
+        c = server.client
+        listed = (await c.get("/models")).json()["models"]
+        assert [(m["name"], m["state"]) for m in listed] == [(DEMO, "available")]
+        assert 0.6 < listed[0]["ratio"] < 0.7 and listed[0]["decoded_bytes"] == 269030016
+
+        r = await c.post(f"/models/{DEMO}/load")
+        assert r.status_code == 200, r.text
+        info = r.json()
+        assert info["state"] == "ready" and info["device"] == "cpu" and info["loaded_at"]
+        assert info["progress"] == {"phase": "ready", "bytes_done": 269030016, "bytes_total": 269030016}
+        assert all(info["last_load"][k] > 0 for k in ("read_s", "decode_s", "build_s", "total_s"))
+        assert (await c.get("/health/ready")).json() == {"status": "ready", "ready_models": [DEMO]}
+
+        r = await c.post("/generate", json=generate_body())
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["generated_text"].startswith("The capital of France is Paris"), body
+        details = body["details"]
+        assert details["finish_reason"] == "eos_token" and details["seed"] is None
+        assert details["generated_tokens"] == len(details["tokens"]) and details["tokens"][-1]["special"]
+
+        r = await c.post("/generate_stream", json=generate_body())
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r.text)
+        assert all(e["generated_text"] is None and e["details"] is None for e in events[:-1])
+        assert "".join(e["token"]["text"] for e in events if not e["token"]["special"]) == body["generated_text"]
+        assert events[-1]["generated_text"] == body["generated_text"]
+        assert events[-1]["details"]["finish_reason"] == "eos_token"
+        assert events[-1]["details"]["input_length"] == len(server.registry.get(DEMO).served.tokenizer(CHAT_PROMPT)["input_ids"])
+
+        assert await server.metric("wcodec_decode_batch_duration_seconds_count", model=DEMO, codec="float",
+                                   device="cpu") > 0
+        assert await server.metric("wcodec_model_memory_allocated_bytes", model=DEMO, device="cpu") == 269030016
+
+        weight = weakref.ref(server.registry.get(DEMO).served.model.model.embed_tokens.weight)
+        r = await c.post(f"/models/{DEMO}/unload")
+        assert r.status_code == 200 and r.json()["state"] == "available"
+        gc.collect()
+        assert weight() is None, "the decoded weights outlive the unload"
+        assert server.registry.used_bytes() == 0
+        assert await server.metric("wcodec_model_memory_allocated_bytes", model=DEMO, device="cpu") == 0
+        assert await server.metric("wcodec_model_state", model=DEMO, state="available") == 1
+        assert (await c.post("/generate", json=generate_body())).status_code == 503
+
+
+async def test_compat_route_and_chat(serve, store) -> None:
+    async with serve(store(), preload=[DEMO]) as server:
+        await server.wait_state(DEMO, ModelState.READY)
+        c = server.client
+        r = await c.post("/", json={**generate_body(), "stream": False})
+        assert r.status_code == 200 and r.json()[0]["generated_text"].startswith("The capital of France is Paris")
+        r = await c.post("/", json={**generate_body(), "stream": True})
+        assert sse_events(r.text)[-1]["generated_text"].startswith("The capital of France is Paris")
+
+        question = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 12}
+        r = await c.post("/v1/chat/completions", json=question)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["choices"][0]["message"]["content"].startswith("The capital of France is Paris")
+        assert body["choices"][0]["finish_reason"] == "stop" and body["usage"]["completion_tokens"] > 0
+        r = await c.post("/v1/chat/completions", json={**question, "stream": True})
+        chunks = sse_events(r.text)
+        assert chunks[-1] == "[DONE]" and chunks[-2]["choices"][0]["finish_reason"] == "stop"
+        text = "".join(ch["choices"][0]["delta"]["content"] for ch in chunks[:-1])
+        assert text == body["choices"][0]["message"]["content"]
+
+        info = (await c.get("/info")).json()
+        assert info["model_id"] == DEMO and info["model_device_type"] == "cpu" and info["max_total_tokens"] > 0
+
+
+async def test_sampling_parameters_and_stops(serve, store) -> None:
+    async with serve(store(), preload=[DEMO]) as server:
+        await server.wait_state(DEMO, ModelState.READY)
+        c = server.client
+        sampled = [(await c.post("/generate", json=generate_body(8, do_sample=True, temperature=0.9, top_k=40,
+                                                                     top_p=0.9, seed=7))).json() for _ in range(2)]
+        assert sampled[0] == sampled[1] and sampled[0]["details"]["seed"] == 7
+        r = (await c.post("/generate", json=generate_body(12, stop=[" France"]))).json()
+        assert r["details"]["finish_reason"] == "stop_sequence" and r["generated_text"].endswith(" France")
+        r = (await c.post("/generate", json=generate_body(3, return_full_text=True, details=False))).json()
+        assert r["generated_text"].startswith(CHAT_PROMPT) and r.get("details") is None
+        r = (await c.post("/generate", json=generate_body(3, repetition_penalty=1.3, truncate=20))).json()
+        assert r["details"]["finish_reason"] == "length" and r["details"]["generated_tokens"] == 3
+
+
+async def test_wait_false_answers_202_with_progress(serve, store) -> None:
+    async with serve(store()) as server:
+        r = await server.client.post(f"/models/{DEMO}/load", params={"wait": "false"})
+        assert r.status_code == 202, r.text
+        assert r.json()["state"] == "loading" and r.json()["progress"]["bytes_total"] == 269030016
+        await server.wait_state(DEMO, ModelState.READY)
+        info = (await server.client.get(f"/models/{DEMO}")).json()
+        assert info["progress"]["bytes_done"] == info["progress"]["bytes_total"]
+        r = await server.client.post(f"/models/{DEMO}/load", params={"wait": "false"})
+        assert r.status_code == 200 and r.json()["state"] == "ready"
+
+
+async def test_startup_loads_the_demo_while_health_answers(serve, store) -> None:
+    async with serve(store(), demo=True, preload=None) as server:
+        assert (await server.client.get("/health")).status_code == 200
+        r = await server.client.get("/health/ready")
+        assert r.status_code == 503 and r.headers["retry-after"]
+        await server.wait_state(DEMO, ModelState.READY)
+        assert (await server.client.get("/health/ready")).status_code == 200
+        r = await server.client.post("/generate", json=generate_body())
+        assert r.json()["generated_text"].startswith("The capital of France is Paris")
+
+
+async def test_empty_store_builds_the_demo(serve, tmp_path, demo_archive, monkeypatch) -> None:
+    def fake_build(store, workers=None):            # the real build ran once, for the session
+        store.mkdir(parents=True, exist_ok=True)
+        return shutil.copy(demo_archive, store / f"{DEMO}.wcodec")
+
+    monkeypatch.setattr(demo_module, "build_demo", fake_build)
+    async with serve(tmp_path / "empty", demo=True, preload=None) as server:
+        await server.wait_state(DEMO, ModelState.READY)
+        assert (tmp_path / "empty" / f"{DEMO}.wcodec").is_file()
