@@ -188,7 +188,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         settings = Settings(**{k: v for k, v in flags.items() if v is not None})
     except ValidationError as e:
-        raise CliError(f"bad server settings: {e}") from None
+        why = "; ".join(f"WCODEC_{'.'.join(map(str, err['loc'])).upper()}: {err['msg']}" for err in e.errors())
+        raise CliError(f"bad server settings: {why}") from None
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level)
     return 0
 

@@ -76,48 +76,115 @@ __device__ int build_decode_table(const uint8_t* exp, const TensorDesc& d, int64
   return kOk;
 }
 
+// ---- asynchronous global -> shared copies (sm_80+) ---------------------------------------------
+// Copies `bytes` (0..16) valid bytes and zero-fills the rest of the 16; with 0 nothing is read.
+__device__ __forceinline__ void copy16_async(void* dst, const void* src, int bytes) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void copies_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void copies_wait() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+// A warp's staging area after its decode tables. Steps run in chunks of kChunkSteps; the hi (and
+// fp32 lo) planes of the next chunk and the words it may need are copied in while this one decodes.
+constexpr int kChunkSteps = 16;
+constexpr int kChunkSymbols = kChunkSteps * kLanes;                  // 512
+constexpr int kRingWords = 2048;                                     // 4 chunks' worst case (1 word/symbol)
+struct Staging {
+  uint8_t hi[2][kChunkSymbols];
+  uint16_t lo[2][kChunkSymbols];                                     // fp32 only (size stays fixed)
+  uint16_t ring[kRingWords];
+};
+
+// Bytes of a 16-byte piece that lie before `remaining` (0..16).
+__device__ __forceinline__ int piece_bytes(int64_t remaining) {
+  return remaining <= 0 ? 0 : remaining >= 16 ? 16 : static_cast<int>(remaining);
+}
+
+// Copy [first, last) bytes of `src` (length `len`) to `dst` in 16-byte pieces spread over the warp.
+__device__ __forceinline__ void stage_bytes(uint8_t* dst, const uint8_t* src, int64_t first, int64_t last,
+                                            int64_t len) {
+  for (int64_t p = first + 16 * (threadIdx.x & 31); p < last; p += 16 * kLanes) {
+    const int bytes = piece_bytes(len - p);
+    copy16_async(dst + (p - first), bytes ? src + p : src, bytes);
+  }
+}
+
+// Words [from, to) (multiples of 8) into the ring; past n_words the ring gets zeros, never reads.
+__device__ __forceinline__ void stage_words(uint16_t* ring, const uint8_t* words, int64_t from, int64_t to,
+                                            int64_t n_words) {
+  for (int64_t w = from + 8 * (threadIdx.x & 31); w < to; w += 8 * kLanes) {
+    const int bytes = piece_bytes(2 * (n_words - w));
+    copy16_async(ring + (w & (kRingWords - 1)), bytes ? words + 2 * w : words, bytes);
+  }
+}
+
 // ---- decode lanes + join planes -------------------------------------------------------------------
 template <int Dtype, int CtxBits>
 __device__ int decode_lanes(const uint8_t* data, const TensorDesc& d, const SegmentRef& ref, int64_t seg,
-                            const DecodeTable* set, void* out_base) {
+                            const DecodeTable* set, Staging* st, void* out_base) {
   using Word = typename std::conditional<Dtype == kFP32, uint32_t, uint16_t>::type;
   const int lane = threadIdx.x & 31;
   const uint8_t* exp = data + d.exp_off;
   const uint8_t* hi = data + d.hi_off + seg * kSegmentSymbols;
-  const uint16_t* lo = Dtype == kFP32 ? reinterpret_cast<const uint16_t*>(data + d.lo_off) + seg * kSegmentSymbols
-                                      : nullptr;
-  const uint16_t* words = reinterpret_cast<const uint16_t*>(exp + ref.data + kStateBytes);
+  const uint8_t* lo = Dtype == kFP32 ? data + d.lo_off + 2 * seg * kSegmentSymbols : nullptr;
+  const uint8_t* words = exp + ref.data + kStateBytes;
   Word* out = static_cast<Word*>(out_base) + seg * kSegmentSymbols;
   const unsigned lanes_below = (1u << lane) - 1u;
-  uint32_t x = load_le<uint32_t>(exp + ref.data + 4 * lane);
-  int64_t used = 0;
-  for (int64_t j = lane; j - lane < ref.symbols; j += 32) {
-    const bool active = j < ref.symbols;
-    const uint32_t h = active ? __ldg(hi + j) : 0u;
-    const DecodeTable& t = set[context(h, CtxBits, Dtype)];
-    const uint32_t sym = active ? rans_step(t.sym, t.freq_cum, x) : 0u;
-    const bool need = active && x < kRansL;                            // renormalise: one word
-    const unsigned mask = __ballot_sync(kFullMask, need);
-    const int64_t idx = used + __popc(mask & lanes_below);
-    if (need) x = (x << kRenormBits) | (idx < ref.words ? __ldg(words + idx) : 0u);
-    used += __popc(mask);
-    if (!active) continue;
+  const int64_t n = ref.symbols;
+  auto stage_chunk = [&](int64_t c) {
+    const int64_t first = c * kChunkSymbols;
+    stage_bytes(st->hi[c & 1], hi, first, first + kChunkSymbols, n);
     if constexpr (Dtype == kFP32)
-      out[j] = join32(sym, h, __ldg(lo + j));
-    else
-      out[j] = join16(Dtype, sym, h);
+      stage_bytes(reinterpret_cast<uint8_t*>(st->lo[c & 1]), lo, 2 * first, 2 * (first + kChunkSymbols), 2 * n);
+  };
+  uint32_t x = load_le<uint32_t>(exp + ref.data + 4 * lane);
+  int64_t used = 0, loaded = 3 * kChunkSymbols;                      // ring holds words [.., loaded)
+  stage_chunk(0);
+  stage_words(st->ring, words, 0, loaded, ref.words);
+  copies_commit();
+  for (int64_t c = 0; c * kChunkSymbols < n; ++c) {
+    copies_wait();
+    __syncwarp();
+    // This chunk reads words [used, used + 512) and chunk c+1 at most [.., used + 1024): keep the
+    // ring filled to round_down8(used) + 1536, which overwrites only words before `used`.
+    const int64_t target = (used & ~int64_t{7}) + 3 * kChunkSymbols;
+    if ((c + 1) * kChunkSymbols < n) stage_chunk(c + 1);
+    if (target > loaded) stage_words(st->ring, words, loaded, target, ref.words), loaded = target;
+    copies_commit();
+    const int64_t base = c * kChunkSymbols;
+    const uint8_t* hs = st->hi[c & 1];
+#pragma unroll 4
+    for (int k = 0; k < kChunkSteps; ++k) {
+      const int64_t j = base + k * kLanes + lane;
+      const bool active = j < n;
+      const uint32_t h = hs[k * kLanes + lane];
+      const DecodeTable& t = set[context(h, CtxBits, Dtype)];
+      const uint32_t sym = active ? rans_step(t.sym, t.freq_cum, x) : 0u;
+      const bool need = active && x < kRansL;                          // renormalise: one word
+      const unsigned mask = __ballot_sync(kFullMask, need);
+      const int64_t idx = used + __popc(mask & lanes_below);
+      if (need) x = (x << kRenormBits) | (idx < ref.words ? st->ring[idx & (kRingWords - 1)] : 0u);
+      used += __popc(mask);
+      if (!active) continue;
+      if constexpr (Dtype == kFP32)
+        out[j] = join32(sym, h, st->lo[c & 1][k * kLanes + lane]);
+      else
+        out[j] = join16(Dtype, sym, h);
+    }
   }
+  copies_wait();
   if (used != ref.words) return kWords;
   return __all_sync(kFullMask, x == kRansL) ? kOk : kState;
 }
 
 template <int Dtype>
 __device__ int decode_ctx(const uint8_t* data, const TensorDesc& d, const SegmentRef& ref, int64_t seg,
-                          const DecodeTable* set, void* out) {
+                          const DecodeTable* set, Staging* st, void* out) {
   switch (d.ctx_bits) {
-    case 0: return decode_lanes<Dtype, 0>(data, d, ref, seg, set, out);
-    case 1: return decode_lanes<Dtype, 1>(data, d, ref, seg, set, out);
-    default: return decode_lanes<Dtype, 2>(data, d, ref, seg, set, out);
+    case 0: return decode_lanes<Dtype, 0>(data, d, ref, seg, set, st, out);
+    case 1: return decode_lanes<Dtype, 1>(data, d, ref, seg, set, st, out);
+    default: return decode_lanes<Dtype, 2>(data, d, ref, seg, set, st, out);
   }
 }
 
@@ -127,7 +194,8 @@ __global__ void __launch_bounds__(32) decode_float_kernel(const uint8_t* __restr
                                                           const int64_t* __restrict__ firsts, int64_t n_tensors,
                                                           void* const* __restrict__ outs, int32_t* __restrict__ status) {
   extern __shared__ __align__(16) unsigned char smem[];
-  DecodeTable* set = reinterpret_cast<DecodeTable*>(smem);
+  Staging* staging = reinterpret_cast<Staging*>(smem);
+  DecodeTable* set = reinterpret_cast<DecodeTable*>(smem + sizeof(Staging));
   const int64_t g = blockIdx.x;
   int64_t lo = 0, hi = n_tensors - 1;                                // last tensor with first <= g
   while (lo < hi) {
@@ -142,9 +210,9 @@ __global__ void __launch_bounds__(32) decode_float_kernel(const uint8_t* __restr
   for (int c = 0; st == kOk && c < (1 << d.ctx_bits); ++c) st = build_decode_table(exp, d, ref.table0 + c, set + c);
   if (st == kOk) {
     switch (d.dtype) {
-      case kBF16: st = decode_ctx<kBF16>(data, d, ref, seg, set, outs[lo]); break;
-      case kFP16: st = decode_ctx<kFP16>(data, d, ref, seg, set, outs[lo]); break;
-      default: st = decode_ctx<kFP32>(data, d, ref, seg, set, outs[lo]); break;
+      case kBF16: st = decode_ctx<kBF16>(data, d, ref, seg, set, staging, outs[lo]); break;
+      case kFP16: st = decode_ctx<kFP16>(data, d, ref, seg, set, staging, outs[lo]); break;
+      default: st = decode_ctx<kFP32>(data, d, ref, seg, set, staging, outs[lo]); break;
     }
   }
   if ((threadIdx.x & 31) == 0) status[g] = st;
@@ -168,7 +236,10 @@ static at::Tensor decode_float_cuda(const at::Tensor& data, const at::Tensor& de
   at::Tensor meta = at::from_blob(host.data(), {static_cast<int64_t>(host.size())}, at::kLong)
                         .pin_memory().to(data.device(), /*non_blocking=*/true);
   const int64_t* m = meta.data_ptr<int64_t>();
-  const size_t smem = sizeof(DecodeTable) << max_ctx;
+  const size_t smem = sizeof(Staging) + (sizeof(DecodeTable) << max_ctx);
+  if (smem > 48 * 1024)
+    C10_CUDA_CHECK(cudaFuncSetAttribute(decode_float_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(smem)));
   auto stream = c10::cuda::getCurrentCUDAStream();
   TORCH_CHECK(n_segments < (int64_t{1} << 31), "too many segments for one launch");
   decode_float_kernel<<<static_cast<unsigned>(n_segments), 32, smem, stream>>>(

@@ -1,0 +1,220 @@
+"""Every error path, in TGI's error shape {error, error_type}: 422, 404, 503 + Retry-After, 429,
+424, 507 (budget and out-of-memory), 401/403 with the admin token, 500 for a corrupt archive,
+and model names that try to leave the store."""
+from __future__ import annotations
+
+import threading
+
+import anyio
+import pytest
+import torch
+
+from conftest import DEMO, generate_body
+from service import generation, loader
+from service.registry import ModelState
+
+pytestmark = pytest.mark.anyio
+DECODED = 269030016
+
+
+def assert_error(r, status: int, error_type: str) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error", "error_type"} and body["error_type"] == error_type and body["error"], body
+    return body
+
+
+BAD_BODIES = [
+    {"inputs": ""},
+    {"parameters": {}},
+    {"inputs": "hi", "parameters": {"max_new_tokens": 0}},
+    {"inputs": "hi", "parameters": {"top_p": 1.5}},
+    {"inputs": "hi", "parameters": {"temperature": 0}},
+    {"inputs": "hi", "parameters": {"stop": ["a", "b", "c", "d", "e"]}},
+    {"inputs": "hi", "parameters": {"best_of": 2}},
+    {"inputs": "hi", "parameters": {"typical_p": 0.5}},
+    {"inputs": "hi", "parameters": {"max_new_tokens": 5000}},
+    {"inputs": "hi", "parameters": {"truncate": 0}},
+]
+
+
+async def test_422_validation(serve, store) -> None:
+    async with serve(store(), preload=[DEMO]) as server:
+        await server.wait_state(DEMO, ModelState.READY)
+        for body in BAD_BODIES:
+            for route in ("/generate", "/generate_stream", "/"):
+                assert_error(await server.client.post(route, json=body), 422, "validation")
+        chat = {"messages": [{"role": "user", "content": "hi"}]}
+        for bad in ({"messages": []}, {**chat, "max_tokens": 0}, {**chat, "stop": ["1", "2", "3", "4", "5"]}):
+            assert_error(await server.client.post("/v1/chat/completions", json=bad), 422, "validation")
+
+
+async def test_422_not_json_and_several_ready_models(serve, store) -> None:
+    async with serve(store("a", "b"), preload=["a", "b"]) as server:
+        await server.wait_state("b", ModelState.READY)
+        r = await server.client.post("/generate", content=b"{not json", headers={"content-type": "application/json"})
+        assert_error(r, 422, "validation")
+        body = assert_error(await server.client.post("/generate", json=generate_body(2)), 422, "validation")
+        assert "several models" in body["error"]
+        assert (await server.client.post("/generate", json={**generate_body(2), "model": "b"})).status_code == 200
+
+
+async def test_404_unknown_model_and_route(serve, store) -> None:
+    async with serve(store()) as server:
+        c = server.client
+        assert_error(await c.get("/models/nope"), 404, "not_found")
+        assert_error(await c.post("/models/nope/load"), 404, "not_found")
+        assert_error(await c.post("/models/nope/unload"), 404, "not_found")
+        assert_error(await c.post("/generate", json={**generate_body(), "model": "nope"}), 404, "not_found")
+        assert_error(await c.get("/no/such/route"), 404, "not_found")
+
+
+@pytest.mark.parametrize("path", ["/models/..%2F..%2Fetc%2Fpasswd/load", "/models/a/b/load", "/models/a%2Fb/load",
+                                  "/models/%2E%2E/load", "/models/.hidden/load", "/models/a..b/load",
+                                  "/models/a%5Cb/load", "/models/a%00b/load", "/models/" + "x" * 200 + "/load"])
+async def test_names_cannot_leave_the_store(serve, store, tmp_path, path) -> None:
+    (tmp_path / "secret.wcodec").write_bytes(b"outside the store")
+    async with serve(store()) as server:
+        r = await server.client.post(path)
+        assert r.status_code in (404, 422), r.text
+        assert r.json()["error_type"] in ("not_found", "validation")
+        assert [m["name"] for m in (await server.client.get("/models")).json()["models"]] == [DEMO]
+
+
+async def test_503_with_retry_after_until_ready(serve, store) -> None:
+    async with serve(store(), retry_after_s=7) as server:
+        r = await server.client.post("/generate", json=generate_body())
+        assert_error(r, 503, "model_not_ready")
+        assert r.headers["retry-after"] == "7"
+        r = await server.client.post("/generate", json={**generate_body(), "model": DEMO})
+        assert_error(r, 503, "model_not_ready")
+        assert r.headers["retry-after"] == "7" and "available" in r.json()["error"]
+        assert_error(await server.client.get("/health/ready"), 503, "model_not_ready")
+
+
+async def test_429_when_the_queue_is_full(serve, store, monkeypatch) -> None:
+    entered, release = threading.Event(), threading.Event()
+    real = generation.generate
+
+    def held(*args, **kwargs):
+        entered.set()
+        release.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(generation, "generate", held)
+    async with serve(store(), preload=[DEMO], max_queue=1, max_batch_size=1, batch_wait_ms=0) as server:
+        await server.wait_state(DEMO, ModelState.READY)
+        results = {}
+
+        async def post(key):
+            results[key] = await server.client.post("/generate", json=generate_body(4))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(post, "running")
+            await anyio.to_thread.run_sync(entered.wait, 30)     # the worker holds the first
+            tg.start_soon(post, "queued")
+            with anyio.fail_after(10):
+                while server.registry.get(DEMO).in_flight < 2:
+                    await anyio.sleep(0.01)
+            await post("rejected")
+            release.set()
+        assert_error(results["rejected"], 429, "overloaded")
+        assert results["running"].status_code == results["queued"].status_code == 200
+        assert await server.metric("wcodec_generate_requests_total", model=DEMO, status="overloaded") == 1
+
+
+async def test_424_when_generation_fails(serve, store, monkeypatch) -> None:
+    def broken(*args, **kwargs):
+        raise RuntimeError("the device fell over")
+
+    async with serve(store(), preload=[DEMO]) as server:
+        await server.wait_state(DEMO, ModelState.READY)
+        monkeypatch.setattr(generation, "generate", broken)
+        body = assert_error(await server.client.post("/generate", json=generate_body()), 424, "generation")
+        assert "the device fell over" in body["error"]
+        assert_error(await server.client.post("/generate_stream", json=generate_body()), 424, "generation")
+        assert_error(await server.client.post("/", json={**generate_body(), "stream": True}), 424, "generation")
+        assert server.registry.get(DEMO).in_flight == 0
+        monkeypatch.undo()
+        assert (await server.client.post("/generate", json=generate_body(2))).status_code == 200
+
+
+async def test_507_when_the_model_cannot_fit(serve, store) -> None:
+    async with serve(store("small", "big"), preload=["small"], gpu_memory_budget=DECODED + 1000) as server:
+        await server.wait_state("small", ModelState.READY)
+        lease = server.registry.acquire("small")                 # busy: it may not be evicted
+        body = assert_error(await server.client.post("/models/big/load"), 507, "insufficient_memory")
+        assert "needs" in body["error"]
+        assert server.registry.get("small").state is ModelState.READY        # nothing else disturbed
+        assert server.registry.get("big").state is ModelState.AVAILABLE
+        lease.release()
+        r = await server.client.post("/models/big/load")                     # idle now: evicted
+        assert r.status_code == 200 and r.json()["state"] == "ready"
+        assert server.registry.get("small").state is ModelState.AVAILABLE
+
+
+async def test_507_budget_smaller_than_the_model(serve, store) -> None:
+    async with serve(store(), gpu_memory_budget=1000) as server:
+        assert_error(await server.client.post(f"/models/{DEMO}/load"), 507, "insufficient_memory")
+        assert_error(await server.client.post(f"/models/{DEMO}/load", params={"wait": "false"}), 507,
+                     "insufficient_memory")
+        assert (await server.client.get(f"/models/{DEMO}")).json()["state"] == "available"
+
+
+async def test_eviction_unloads_the_least_recently_used(serve, store) -> None:
+    async with serve(store("a", "b", "c"), gpu_memory_budget=2 * DECODED) as server:
+        c = server.client
+        for name in ("a", "b"):
+            assert (await c.post(f"/models/{name}/load")).status_code == 200
+        assert (await c.post("/generate", json={**generate_body(1), "model": "a"})).status_code == 200   # a: recent
+        assert (await c.post("/models/c/load")).status_code == 200
+        states = {m["name"]: m["state"] for m in (await c.get("/models")).json()["models"]}
+        assert states == {"a": "ready", "b": "available", "c": "ready"}
+
+
+async def test_out_of_memory_fails_that_load_alone(serve, store, monkeypatch) -> None:
+    real = loader.decode_archive
+
+    def oom(path, *args, **kwargs):
+        if "big" in str(path):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(loader, "decode_archive", oom)
+    async with serve(store("small", "big"), preload=["small"]) as server:
+        await server.wait_state("small", ModelState.READY)
+        body = assert_error(await server.client.post("/models/big/load"), 507, "insufficient_memory")
+        assert "out of memory" in body["error"]
+        info = (await server.client.get("/models/big")).json()
+        assert info["state"] == "failed" and "out of memory" in info["last_error"]
+        assert (await server.client.post("/generate", json={**generate_body(2), "model": "small"})).status_code == 200
+        monkeypatch.setattr(loader, "decode_archive", real)
+        assert (await server.client.post("/models/big/load")).json()["state"] == "ready"
+
+
+async def test_corrupt_archive_fails_its_load(serve, tmp_path, demo_archive) -> None:
+    data = bytearray(demo_archive.read_bytes())
+    data[len(data) // 2] ^= 0xFF                                   # inside some tensor's stream
+    root = tmp_path / "store"
+    root.mkdir()
+    (root / "bad.wcodec").write_bytes(bytes(data))
+    async with serve(root) as server:
+        body = assert_error(await server.client.post("/models/bad/load"), 500, "load_failed")
+        assert "CRC32" in body["error"]
+        assert (await server.client.get("/models/bad")).json()["state"] == "failed"
+        assert (await server.client.post("/models/bad/unload")).json()["state"] == "available"
+
+
+async def test_admin_token(serve, store) -> None:
+    async with serve(store(), admin_token="s3cret") as server:
+        c = server.client
+        r = await c.post(f"/models/{DEMO}/load")
+        assert_error(r, 401, "unauthorized")
+        assert r.headers["www-authenticate"] == "Bearer"
+        assert_error(await c.post(f"/models/{DEMO}/load", headers={"Authorization": "Bearer nope"}), 403, "forbidden")
+        assert_error(await c.post(f"/models/{DEMO}/unload", headers={"Authorization": "Bearer nope"}), 403,
+                     "forbidden")
+        assert (await c.get("/models")).status_code == 200                   # reading needs no token
+        ok = {"Authorization": "Bearer s3cret"}
+        assert (await c.post(f"/models/{DEMO}/load", headers=ok)).status_code == 200
+        assert (await c.post(f"/models/{DEMO}/unload", headers=ok)).status_code == 200

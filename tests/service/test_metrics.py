@@ -1,0 +1,45 @@
+"""/metrics: every documented family, `wcodec_` names, route templates (not raw paths) as labels."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from conftest import DEMO, generate_body
+from service.registry import ModelState
+
+pytestmark = pytest.mark.anyio
+
+FAMILIES = [
+    "wcodec_decode_batch_duration_seconds", "wcodec_decode_compressed_bytes_total", "wcodec_decode_decoded_bytes_total",
+    "wcodec_model_load_duration_seconds", "wcodec_model_load_throughput_bytes_per_second", "wcodec_model_loads_total",
+    "wcodec_model_state", "wcodec_gpu_memory_allocated_bytes", "wcodec_gpu_memory_reserved_bytes",
+    "wcodec_model_memory_allocated_bytes", "wcodec_model_memory_reserved_bytes", "wcodec_generate_requests_total",
+    "wcodec_generate_request_duration_seconds", "wcodec_generate_time_to_first_token_seconds",
+    "wcodec_generate_time_per_output_token_seconds", "wcodec_generate_prompt_tokens_total",
+    "wcodec_generate_generated_tokens_total", "wcodec_generate_queue_depth", "wcodec_generate_batch_size",
+    "wcodec_http_requests_total", "wcodec_http_request_duration_seconds",
+]
+
+
+async def test_every_family_after_a_load_and_a_generate(serve, store) -> None:
+    async with serve(store(), preload=[DEMO]) as server:
+        await server.wait_state(DEMO, ModelState.READY)
+        await server.client.post("/generate", json=generate_body(4))
+        await server.client.get(f"/models/{DEMO}")
+        text = (await server.client.get("/metrics")).text
+        samples = [line for line in text.splitlines() if line and not line.startswith("#")]
+        names = {re.match(r"[a-zA-Z_:][a-zA-Z0-9_:]*", line).group(0) for line in samples}
+        assert all(n.startswith("wcodec_") for n in names), names
+        for family in FAMILIES:
+            assert any(n == family or n.startswith(family + "_") for n in names), family
+        for phase in ("read", "h2d", "decode", "build", "total"):
+            assert await server.metric("wcodec_model_load_duration_seconds_count", model=DEMO, phase=phase) == 1
+        assert await server.metric("wcodec_gpu_memory_allocated_bytes") == 0              # CPU server
+        assert await server.metric("wcodec_model_load_throughput_bytes_per_second", model=DEMO) > 0
+        assert await server.metric("wcodec_decode_compressed_bytes_total", model=DEMO, codec="float",
+                                   device="cpu") > 0
+        assert await server.metric("wcodec_generate_time_to_first_token_seconds_count", model=DEMO) == 1
+        assert await server.metric("wcodec_generate_prompt_tokens_total", model=DEMO) > 0
+        assert await server.metric("wcodec_http_requests_total", method="GET", route="/models/{name}",
+                                   status="200") == 1

@@ -1,0 +1,55 @@
+"""The OpenAPI schema (/docs) is complete: every route, its request and response models, its
+error responses, and the stream routes' event payloads."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytestmark = pytest.mark.anyio
+
+ROUTES = {
+    ("get", "/health"): set(), ("get", "/health/ready"): {"503"}, ("get", "/info"): {"404", "422", "503"},
+    ("get", "/metrics"): set(), ("get", "/models"): set(), ("get", "/models/{name}"): {"404", "422"},
+    ("post", "/models/{name}/load"): {"202", "401", "403", "404", "422", "500", "507"},
+    ("post", "/models/{name}/unload"): {"401", "403", "404", "422"},
+    ("post", "/generate"): {"404", "422", "424", "429", "503"},
+    ("post", "/generate_stream"): {"404", "422", "424", "429", "503"},
+    ("post", "/"): {"404", "422", "424", "429", "503"},
+    ("post", "/v1/chat/completions"): {"404", "422", "424", "429", "503"},
+}
+
+
+def _refs(node) -> set[str]:
+    if isinstance(node, dict):
+        own = {node["$ref"]} if isinstance(node.get("$ref"), str) else set()
+        return own.union(*(_refs(v) for v in node.values()))
+    if isinstance(node, list):
+        return set().union(*(_refs(v) for v in node))
+    return set()
+
+
+async def test_schema_is_complete(serve, tmp_path) -> None:
+    async with serve(tmp_path) as server:
+        schema = (await server.client.get("/openapi.json")).json()
+        docs = await server.client.get("/docs")
+    assert docs.status_code == 200 and "swagger" in docs.text.lower()
+    ops = {(m, p): op for p, item in schema["paths"].items() for m, op in item.items()}
+    assert set(ops) == set(ROUTES)
+    for key, codes in ROUTES.items():
+        assert codes | {"200"} <= set(ops[key]["responses"]), key
+        for code in codes - {"202"}:
+            ref = ops[key]["responses"][code]["content"]["application/json"]["schema"]["$ref"]
+            assert ref.endswith("/ErrorResponse"), (key, code)
+    components = schema["components"]["schemas"]
+    for name in ("GenerateRequest", "GenerateParameters", "GenerateResponse", "Details", "Token", "StreamResponse",
+                 "StreamDetails", "CompatGenerateRequest", "ErrorResponse", "ModelInfo", "ModelList",
+                 "LoadProgress", "Info", "ChatRequest", "ChatCompletion", "ChatCompletionChunk"):
+        assert name in components, name
+    dangling = {r for r in _refs(schema) if r.rsplit("/", 1)[-1] not in components}
+    assert not dangling, dangling
+    sse = ops[("post", "/generate_stream")]["responses"]["200"]["content"]["text/event-stream"]["schema"]
+    assert sse["$ref"].endswith("/StreamResponse")
+    assert ops[("post", "/generate")]["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(
+        "/GenerateRequest")
+    assert "bearer" in json.dumps(schema["components"].get("securitySchemes", {})).lower()
