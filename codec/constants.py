@@ -29,7 +29,9 @@ TABLE_BITMAP_BYTES = 32             # a table begins with a 256-bit presence bit
 MAX_CTX_BITS = 2                    # the exponent is coded with one table per value of the top
                                     # ctx_bits mantissa bits (read from the raw plane first)
 MIN_CODED_ELEMENTS = 4096           # smaller float tensors are stored raw
-TABLE_GROUPS = (1, 2, 4, 8, 16)     # segments per table set the encoder may choose (0 = whole tensor)
+TABLE_GROUP_QUANTUM = 4             # table_group is a multiple of this, or covers the whole tensor:
+                                    # a GPU block of 4 warps then decodes 4 segments with one table set
+TABLE_GROUPS = (4, 8, 16)           # segments per table set the encoder may choose, besides "all"
 
 CODEC_FLOAT = "float"
 CODEC_RAW = "raw"

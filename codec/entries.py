@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from . import errors
-from .constants import CODEC_FLOAT, CODEC_RAW, MAX_CTX_BITS, SEGMENT_SYMBOLS, STREAM_ALIGN
+from .constants import CODEC_FLOAT, CODEC_RAW, MAX_CTX_BITS, SEGMENT_SYMBOLS, STREAM_ALIGN, TABLE_GROUP_QUANTUM
 from .floatcodec import FloatParams
 from .planes import FLOAT_LAYOUTS
 
@@ -105,6 +105,8 @@ def _params(p, n: int, bad) -> FloatParams:
         raise bad(f"segment_symbols {seg!r} is not {SEGMENT_SYMBOLS}")
     if not (_is_uint(ctx) and ctx <= MAX_CTX_BITS and _is_uint(group) and group >= 1):
         raise bad("ctx_bits/table_group out of range")
+    if group % TABLE_GROUP_QUANTUM and group < -(-n // seg):
+        raise bad(f"table_group {group} is neither a multiple of {TABLE_GROUP_QUANTUM} nor the whole tensor")
     if n == 0:
         raise bad("float codec on an empty tensor")
     return FloatParams(n, ctx, min(group, -(-n // seg)), seg)

@@ -12,8 +12,16 @@ from . import inference
 from .errors import ServiceError, ValidationFailed, error_event
 from .generation import Finished, SamplingParams, TokenEvent
 from .registry import ModelRegistry
-from .schemas.chat import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta, ChatMessage,
-                           ChatRequest, Usage)
+from .schemas.chat import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatDelta,
+    ChatMessage,
+    ChatRequest,
+    Usage,
+)
 from .settings import Settings
 
 FINGERPRINT = f"wcodec-{codec.__version__}"

@@ -20,7 +20,7 @@ def demo_source() -> Path | None:
     spec = importlib.util.find_spec(DEMO_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         return None
-    path = Path(list(spec.submodule_search_locations)[0]) / DEMO_FILE
+    path = Path(next(iter(spec.submodule_search_locations))) / DEMO_FILE
     return path if path.is_file() else None
 
 

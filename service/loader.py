@@ -121,7 +121,7 @@ class RingReader:
             self._free.put(slot)
         self._thread = threading.Thread(target=self._run, name="wcodec-reader", daemon=True)
 
-    def __enter__(self) -> RingReader:
+    def __enter__(self) -> RingReader:  # noqa: PYI034
         self._thread.start()
         return self
 
@@ -143,7 +143,7 @@ class RingReader:
                         _check_crcs(batch, view, self.path)
                     self.read_s += time.perf_counter() - t0
                     self._filled.put((batch, slot))
-        except BaseException as e:         # handed to the consumer, which raises it
+        except BaseException as e:  # noqa: BLE001  (handed to the consumer, which raises it)
             self._filled.put(e)
 
     def next(self) -> tuple[Batch, int]:

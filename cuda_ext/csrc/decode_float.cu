@@ -85,16 +85,26 @@ __device__ __forceinline__ void copy16_async(void* dst, const void* src, int byt
 __device__ __forceinline__ void copies_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void copies_wait() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
-// A warp's staging area after its decode tables. Steps run in chunks of kChunkSteps; the hi (and
-// fp32 lo) planes of the next chunk and the words it may need are copied in while this one decodes.
-constexpr int kChunkSteps = 16;
-constexpr int kChunkSymbols = kChunkSteps * kLanes;                  // 512
-constexpr int kRingWords = 2048;                                     // 4 chunks' worst case (1 word/symbol)
+// Per-warp staging, after the block's decode tables. Steps run in chunks of kChunkSteps; the hi
+// (and fp32 lo) planes of the next chunk and the words it may need are copied in while this one
+// decodes. Layout: hi[2][kChunkSymbols] | ring[kRingWords] u16 | lo[2][kChunkSymbols] u16 (fp32).
+constexpr int kChunkSteps = 8;
+constexpr int kChunkSymbols = kChunkSteps * kLanes;                  // 256
+constexpr int kRingWords = 4 * kChunkSymbols;                        // 4 chunks' worst case (1 word/symbol)
+constexpr int kWarpsPerBlock = 4;                                    // = TABLE_GROUP_QUANTUM: one table set
+constexpr size_t kStagingBytes = 2 * kChunkSymbols + 2 * kRingWords;
+constexpr size_t kStagingBytesFP32 = kStagingBytes + 4 * kChunkSymbols;
+
 struct Staging {
-  uint8_t hi[2][kChunkSymbols];
-  uint16_t lo[2][kChunkSymbols];                                     // fp32 only (size stays fixed)
-  uint16_t ring[kRingWords];
+  uint8_t* hi;          // [2][kChunkSymbols]
+  uint16_t* ring;       // [kRingWords]
+  uint16_t* lo;         // [2][kChunkSymbols], fp32 only
 };
+
+__device__ __forceinline__ Staging staging_of(unsigned char* base) {
+  return Staging{base, reinterpret_cast<uint16_t*>(base + 2 * kChunkSymbols),
+                 reinterpret_cast<uint16_t*>(base + kStagingBytes)};
+}
 
 // Bytes of a 16-byte piece that lie before `remaining` (0..16).
 __device__ __forceinline__ int piece_bytes(int64_t remaining) {
@@ -120,9 +130,10 @@ __device__ __forceinline__ void stage_words(uint16_t* ring, const uint8_t* words
 }
 
 // ---- decode lanes + join planes -------------------------------------------------------------------
+// One warp, one segment. Indices within a segment fit 32 bits (<= 131072 symbols and words).
 template <int Dtype, int CtxBits>
 __device__ int decode_lanes(const uint8_t* data, const TensorDesc& d, const SegmentRef& ref, int64_t seg,
-                            const DecodeTable* set, Staging* st, void* out_base) {
+                            const DecodeTable* set, const Staging& st, void* out_base) {
   using Word = typename std::conditional<Dtype == kFP32, uint32_t, uint16_t>::type;
   const int lane = threadIdx.x & 31;
   const uint8_t* exp = data + d.exp_off;
@@ -131,56 +142,58 @@ __device__ int decode_lanes(const uint8_t* data, const TensorDesc& d, const Segm
   const uint8_t* words = exp + ref.data + kStateBytes;
   Word* out = static_cast<Word*>(out_base) + seg * kSegmentSymbols;
   const unsigned lanes_below = (1u << lane) - 1u;
-  const int64_t n = ref.symbols;
-  auto stage_chunk = [&](int64_t c) {
-    const int64_t first = c * kChunkSymbols;
-    stage_bytes(st->hi[c & 1], hi, first, first + kChunkSymbols, n);
+  const int n = static_cast<int>(ref.symbols), n_words = static_cast<int>(ref.words);
+  auto stage_chunk = [&](int c) {
+    const int first = c * kChunkSymbols;
+    stage_bytes(st.hi + (c & 1) * kChunkSymbols, hi, first, first + kChunkSymbols, n);
     if constexpr (Dtype == kFP32)
-      stage_bytes(reinterpret_cast<uint8_t*>(st->lo[c & 1]), lo, 2 * first, 2 * (first + kChunkSymbols), 2 * n);
+      stage_bytes(reinterpret_cast<uint8_t*>(st.lo + (c & 1) * kChunkSymbols), lo, 2 * first,
+                  2 * (first + kChunkSymbols), 2 * n);
   };
   uint32_t x = load_le<uint32_t>(exp + ref.data + 4 * lane);
-  int64_t used = 0, loaded = 3 * kChunkSymbols;                      // ring holds words [.., loaded)
+  int used = 0, loaded = 3 * kChunkSymbols;                          // the ring holds words [.., loaded)
   stage_chunk(0);
-  stage_words(st->ring, words, 0, loaded, ref.words);
+  stage_words(st.ring, words, 0, loaded, n_words);
   copies_commit();
-  for (int64_t c = 0; c * kChunkSymbols < n; ++c) {
+  for (int c = 0; c * kChunkSymbols < n; ++c) {
     copies_wait();
     __syncwarp();
-    // This chunk reads words [used, used + 512) and chunk c+1 at most [.., used + 1024): keep the
-    // ring filled to round_down8(used) + 1536, which overwrites only words before `used`.
-    const int64_t target = (used & ~int64_t{7}) + 3 * kChunkSymbols;
+    // This chunk reads words [used, used + 256), chunk c+1 at most [.., used + 512): fill the ring
+    // to round_down8(used) + 768, which overwrites only words before `used`.
+    const int target = (used & ~7) + 3 * kChunkSymbols;
     if ((c + 1) * kChunkSymbols < n) stage_chunk(c + 1);
-    if (target > loaded) stage_words(st->ring, words, loaded, target, ref.words), loaded = target;
+    if (target > loaded) stage_words(st.ring, words, loaded, target, n_words), loaded = target;
     copies_commit();
-    const int64_t base = c * kChunkSymbols;
-    const uint8_t* hs = st->hi[c & 1];
-#pragma unroll 4
+    const int base = c * kChunkSymbols;
+    const uint8_t* hs = st.hi + (c & 1) * kChunkSymbols;
+    const bool full = base + kChunkSymbols <= n;
+#pragma unroll
     for (int k = 0; k < kChunkSteps; ++k) {
-      const int64_t j = base + k * kLanes + lane;
-      const bool active = j < n;
+      const int j = base + k * kLanes + lane;
+      const bool active = full || j < n;
       const uint32_t h = hs[k * kLanes + lane];
       const DecodeTable& t = set[context(h, CtxBits, Dtype)];
       const uint32_t sym = active ? rans_step(t.sym, t.freq_cum, x) : 0u;
       const bool need = active && x < kRansL;                          // renormalise: one word
       const unsigned mask = __ballot_sync(kFullMask, need);
-      const int64_t idx = used + __popc(mask & lanes_below);
-      if (need) x = (x << kRenormBits) | (idx < ref.words ? st->ring[idx & (kRingWords - 1)] : 0u);
+      const int idx = used + __popc(mask & lanes_below);
+      if (need) x = (x << kRenormBits) | (idx < n_words ? st.ring[idx & (kRingWords - 1)] : 0u);
       used += __popc(mask);
       if (!active) continue;
       if constexpr (Dtype == kFP32)
-        out[j] = join32(sym, h, st->lo[c & 1][k * kLanes + lane]);
+        out[j] = join32(sym, h, st.lo[(c & 1) * kChunkSymbols + k * kLanes + lane]);
       else
         out[j] = join16(Dtype, sym, h);
     }
   }
   copies_wait();
-  if (used != ref.words) return kWords;
+  if (used != n_words) return kWords;
   return __all_sync(kFullMask, x == kRansL) ? kOk : kState;
 }
 
 template <int Dtype>
 __device__ int decode_ctx(const uint8_t* data, const TensorDesc& d, const SegmentRef& ref, int64_t seg,
-                          const DecodeTable* set, Staging* st, void* out) {
+                          const DecodeTable* set, const Staging& st, void* out) {
   switch (d.ctx_bits) {
     case 0: return decode_lanes<Dtype, 0>(data, d, ref, seg, set, st, out);
     case 1: return decode_lanes<Dtype, 1>(data, d, ref, seg, set, st, out);
@@ -188,34 +201,45 @@ __device__ int decode_ctx(const uint8_t* data, const TensorDesc& d, const Segmen
   }
 }
 
-// One block = one warp = one segment. `firsts` holds each tensor's first global segment.
-__global__ void __launch_bounds__(32) decode_float_kernel(const uint8_t* __restrict__ data,
-                                                          const int64_t* __restrict__ desc,
-                                                          const int64_t* __restrict__ firsts, int64_t n_tensors,
-                                                          void* const* __restrict__ outs, int32_t* __restrict__ status) {
+// One block = 4 warps = 4 consecutive segments of one tensor, which share one table set
+// (table_group is a multiple of 4 or the whole tensor). `firsts` holds each tensor's first block.
+__global__ void __launch_bounds__(32 * kWarpsPerBlock) decode_float_kernel(
+    const uint8_t* __restrict__ data, const int64_t* __restrict__ desc, const int64_t* __restrict__ firsts,
+    int64_t n_tensors, void* const* __restrict__ outs, int32_t* __restrict__ status, size_t staging_bytes) {
   extern __shared__ __align__(16) unsigned char smem[];
-  Staging* staging = reinterpret_cast<Staging*>(smem);
-  DecodeTable* set = reinterpret_cast<DecodeTable*>(smem + sizeof(Staging));
-  const int64_t g = blockIdx.x;
-  int64_t lo = 0, hi = n_tensors - 1;                                // last tensor with first <= g
+  __shared__ int table_status;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const Staging st = staging_of(smem + warp * staging_bytes);
+  DecodeTable* set = reinterpret_cast<DecodeTable*>(smem + kWarpsPerBlock * staging_bytes);
+  const int64_t b = blockIdx.x;
+  int64_t lo = 0, hi = n_tensors - 1;                                // last tensor with first <= b
   while (lo < hi) {
     const int64_t mid = (lo + hi + 1) >> 1;
-    if (firsts[mid] <= g) lo = mid; else hi = mid - 1;
+    if (firsts[mid] <= b) lo = mid; else hi = mid - 1;
   }
   const TensorDesc d = load_desc(desc + lo * kDescFields);
   const uint8_t* exp = data + d.exp_off;
-  const int64_t seg = g - d.first_segment;
+  const int64_t seg = (b - firsts[lo]) * kWarpsPerBlock + warp;
+  const bool mine = seg < segment_count(d);                          // the tensor's last block may be short
+  const int64_t seg0 = (b - firsts[lo]) * kWarpsPerBlock;            // the block's table set is seg0's
+  if (threadIdx.x == 0) table_status = kOk;
+  __syncthreads();
+  SegmentRef ref0;
+  int st0 = read_segment(exp, d.exp_len, d, seg0, &ref0);
+  if (st0 == kOk && warp < (1 << d.ctx_bits)) st0 = build_decode_table(exp, d, ref0.table0 + warp, set + warp);
+  if (st0 != kOk && lane == 0) atomicMax(&table_status, st0);
+  __syncthreads();
+  if (!mine) return;
   SegmentRef ref;
-  int st = read_segment(exp, d.exp_len, d, seg, &ref);
-  for (int c = 0; st == kOk && c < (1 << d.ctx_bits); ++c) st = build_decode_table(exp, d, ref.table0 + c, set + c);
-  if (st == kOk) {
+  int result = table_status != kOk ? table_status : read_segment(exp, d.exp_len, d, seg, &ref);
+  if (result == kOk) {
     switch (d.dtype) {
-      case kBF16: st = decode_ctx<kBF16>(data, d, ref, seg, set, staging, outs[lo]); break;
-      case kFP16: st = decode_ctx<kFP16>(data, d, ref, seg, set, staging, outs[lo]); break;
-      default: st = decode_ctx<kFP32>(data, d, ref, seg, set, staging, outs[lo]); break;
+      case kBF16: result = decode_ctx<kBF16>(data, d, ref, seg, set, st, outs[lo]); break;
+      case kFP16: result = decode_ctx<kFP16>(data, d, ref, seg, set, st, outs[lo]); break;
+      default: result = decode_ctx<kFP32>(data, d, ref, seg, set, st, outs[lo]); break;
     }
   }
-  if ((threadIdx.x & 31) == 0) status[g] = st;
+  if (lane == 0) status[d.first_segment + seg] = result;
 }
 
 static at::Tensor decode_float_cuda(const at::Tensor& data, const at::Tensor& desc, at::TensorList outputs,
@@ -224,27 +248,34 @@ static at::Tensor decode_float_cuda(const at::Tensor& data, const at::Tensor& de
   const c10::cuda::CUDAGuard guard(data.device());
   at::Tensor status = at::empty({n_segments}, data.options().dtype(at::kInt));
   if (n_segments == 0) return status;
-  int64_t max_ctx = 0;
-  std::vector<int64_t> host(descs.size() * (kDescFields + 2));      // desc rows | firsts | out ptrs
+  int64_t max_ctx = 0, blocks = 0;
+  bool fp32 = false;
+  std::vector<int64_t> host(descs.size() * (kDescFields + 2));      // desc rows | first blocks | outputs
   const int64_t n = static_cast<int64_t>(descs.size());
   for (int64_t i = 0; i < n; ++i) {
+    const TensorDesc& d = descs[i];
+    TORCH_CHECK(d.table_group % kWarpsPerBlock == 0 || d.table_group >= segment_count(d),
+                "table_group of row ", i, " must be a multiple of ", kWarpsPerBlock, " or cover the tensor");
     std::copy_n(desc.data_ptr<int64_t>() + i * kDescFields, kDescFields, host.begin() + i * kDescFields);
-    host[n * kDescFields + i] = descs[i].first_segment;
+    host[n * kDescFields + i] = blocks;
     host[n * (kDescFields + 1) + i] = reinterpret_cast<int64_t>(outputs[i].data_ptr());
-    max_ctx = std::max(max_ctx, descs[i].ctx_bits);
+    blocks += (segment_count(d) + kWarpsPerBlock - 1) / kWarpsPerBlock;
+    max_ctx = std::max(max_ctx, d.ctx_bits);
+    fp32 = fp32 || d.dtype == kFP32;
   }
   at::Tensor meta = at::from_blob(host.data(), {static_cast<int64_t>(host.size())}, at::kLong)
                         .pin_memory().to(data.device(), /*non_blocking=*/true);
   const int64_t* m = meta.data_ptr<int64_t>();
-  const size_t smem = sizeof(Staging) + (sizeof(DecodeTable) << max_ctx);
+  const size_t staging = fp32 ? kStagingBytesFP32 : kStagingBytes;
+  const size_t smem = kWarpsPerBlock * staging + (sizeof(DecodeTable) << max_ctx);
   if (smem > 48 * 1024)
     C10_CUDA_CHECK(cudaFuncSetAttribute(decode_float_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(smem)));
   auto stream = c10::cuda::getCurrentCUDAStream();
-  TORCH_CHECK(n_segments < (int64_t{1} << 31), "too many segments for one launch");
-  decode_float_kernel<<<static_cast<unsigned>(n_segments), 32, smem, stream>>>(
+  TORCH_CHECK(blocks < (int64_t{1} << 31), "too many segments for one launch");
+  decode_float_kernel<<<static_cast<unsigned>(blocks), 32 * kWarpsPerBlock, smem, stream>>>(
       data.data_ptr<uint8_t>(), m, m + n * kDescFields, n,
-      reinterpret_cast<void* const*>(m + n * (kDescFields + 1)), status.data_ptr<int32_t>());
+      reinterpret_cast<void* const*>(m + n * (kDescFields + 1)), status.data_ptr<int32_t>(), staging);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   meta.record_stream(stream);
   return status;

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 FinishReason = Literal["length", "eos_token", "stop_sequence"]
 MAX_STOP_SEQUENCES = 4
+CHAT_EXAMPLE = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
 
 
 class GenerateParameters(BaseModel):
@@ -45,8 +46,7 @@ class GenerateParameters(BaseModel):
 
 class GenerateRequest(BaseModel):
     model_config = ConfigDict(protected_namespaces=())
-    inputs: str = Field(min_length=1, examples=["<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
-                                                "<|im_start|>assistant\n"])
+    inputs: str = Field(min_length=1, examples=[CHAT_EXAMPLE])
     parameters: GenerateParameters = Field(default_factory=GenerateParameters)
     model: str | None = Field(None, description="Model name (a file stem in the store). Default: "
                               "WCODEC_DEFAULT_MODEL, else the only ready model.")

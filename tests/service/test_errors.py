@@ -8,8 +8,8 @@ import threading
 import anyio
 import pytest
 import torch
-
 from conftest import DEMO, generate_body
+
 from service import generation, loader
 from service.registry import ModelState
 

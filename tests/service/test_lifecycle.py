@@ -8,8 +8,8 @@ import shutil
 import weakref
 
 import pytest
-
 from conftest import CHAT_PROMPT, DEMO, generate_body
+
 from service import demo as demo_module
 from service.registry import ModelState
 
@@ -23,6 +23,16 @@ def sse_events(text: str) -> list[dict | str]:
         payload = block[len("data: "):]
         out.append(payload if payload == "[DONE]" else json.loads(payload))
     return out
+
+
+def assert_stream_matches(events: list[dict], body: dict, tokenizer) -> None:
+    """TGI's stream: one event per token, the last one with the text and details of /generate."""
+    assert all(e["generated_text"] is None and e["details"] is None for e in events[:-1])
+    assert "".join(e["token"]["text"] for e in events if not e["token"]["special"]) == body["generated_text"]
+    assert [e["token"] for e in events] == body["details"]["tokens"]
+    assert events[-1]["generated_text"] == body["generated_text"]
+    assert events[-1]["details"]["finish_reason"] == "eos_token"
+    assert events[-1]["details"]["input_length"] == len(tokenizer(CHAT_PROMPT)["input_ids"])
 
 
 async def test_load_generate_stream_unload(serve, store) -> None:
@@ -50,12 +60,7 @@ async def test_load_generate_stream_unload(serve, store) -> None:
 
         r = await c.post("/generate_stream", json=generate_body())
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-        events = sse_events(r.text)
-        assert all(e["generated_text"] is None and e["details"] is None for e in events[:-1])
-        assert "".join(e["token"]["text"] for e in events if not e["token"]["special"]) == body["generated_text"]
-        assert events[-1]["generated_text"] == body["generated_text"]
-        assert events[-1]["details"]["finish_reason"] == "eos_token"
-        assert events[-1]["details"]["input_length"] == len(server.registry.get(DEMO).served.tokenizer(CHAT_PROMPT)["input_ids"])
+        assert_stream_matches(sse_events(r.text), body, server.registry.get(DEMO).served.tokenizer)
 
         assert await server.metric("wcodec_decode_batch_duration_seconds_count", model=DEMO, codec="float",
                                    device="cpu") > 0
@@ -144,3 +149,15 @@ async def test_empty_store_builds_the_demo(serve, tmp_path, demo_archive, monkey
     async with serve(tmp_path / "empty", demo=True, preload=None) as server:
         await server.wait_state(DEMO, ModelState.READY)
         assert (tmp_path / "empty" / f"{DEMO}.wcodec").is_file()
+
+
+async def test_tiny_model_anywhere(serve, tmp_path, tiny_archive) -> None:
+    """The self-contained tiny model (what the GPU tests use) loads and generates on the CPU."""
+    (tmp_path / "s").mkdir()
+    shutil.copy(tiny_archive, tmp_path / "s" / "tiny.wcodec")
+    async with serve(tmp_path / "s", preload=["tiny"]) as server:
+        await server.wait_state("tiny", ModelState.READY)
+        r = await server.client.post("/generate", json={"inputs": "What is", "parameters": {"max_new_tokens": 5}})
+        assert r.status_code == 200 and r.json()["details"]["generated_tokens"] >= 1
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        assert (await server.client.post("/v1/chat/completions", json=chat)).status_code == 200

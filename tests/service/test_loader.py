@@ -3,6 +3,7 @@ the reader, progress callbacks; on a GPU, the CUDA path and memory back to basel
 from __future__ import annotations
 
 import gc
+import itertools
 from pathlib import Path
 
 import pytest
@@ -42,7 +43,7 @@ def test_layer_batches_are_contiguous_ranges_in_file_order(demo_archive: Path) -
     assert len(batches) == 32                                 # embeddings, 30 layers, final norm
     assert [e for b in batches for e in b.entries] == entries
     assert all(len({e.layer for e in b.entries}) == 1 for b in batches)
-    assert all(a.end <= b.start for a, b in zip(batches, batches[1:]))
+    assert all(a.end <= b.start for a, b in itertools.pairwise(batches))
     assert all(b.start <= s["offset"] and s["offset"] + s["length"] <= b.end
                for b in batches for e in b.entries for s in e.streams.values())
 

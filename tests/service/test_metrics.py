@@ -4,8 +4,8 @@ from __future__ import annotations
 import re
 
 import pytest
-
 from conftest import DEMO, generate_body
+
 from service.registry import ModelState
 
 pytestmark = pytest.mark.anyio
