@@ -144,22 +144,20 @@ def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tup
     return ids, mask
 
 
-def forward(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache) -> torch.Tensor:
+def forward(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache=None):
+    """Logits of the last position [B, V] (float32) and the KV cache (created on the prefill)."""
     out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
                 use_cache=True, logits_to_keep=1)
-    return out.logits[:, -1].float()                                      # [B, V]
+    return out.logits[:, -1].float(), out.past_key_values
 
 
 @torch.inference_mode()
 def generate(served: ServedModel, rows: list[Row], on_token: Callable[[Row, TokenEvent], None],
              on_finish: Callable[[Row], None]) -> None:
     """Run `rows` to completion as one batch; callbacks fire on the calling thread."""
-    from transformers import DynamicCache
-
     ids, mask = left_pad([r.prompt_ids for r in rows], served.pad_id, served.device)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)                               # [B, S]
-    cache = DynamicCache(config=served.model.config)
-    logits = forward(served.model, ids, mask, pos, cache)                  # [B, V]
+    logits, cache = forward(served.model, ids, mask, pos)                  # [B, V]
     while rows:
         step = []
         for row, row_logits in zip(rows, logits):
@@ -178,4 +176,4 @@ def generate(served: ServedModel, rows: list[Row], on_token: Callable[[Row, Toke
             rows, mask, pos, nxt = [rows[i] for i in keep], mask[idx], pos[idx], nxt[idx]
         mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)       # [B, S + t]
         pos = pos[:, -1:] + 1                                              # [B, 1]
-        logits = forward(served.model, nxt, mask, pos, cache)
+        logits, cache = forward(served.model, nxt, mask, pos, cache)

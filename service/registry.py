@@ -65,6 +65,7 @@ class Slot:
     loaded_at: float | None = None             # wall-clock time of the last successful load
     last_error: str | None = None
     last_used: float = 0.0                     # monotonic; orders eviction
+    reserved_bytes: int = 0                    # CUDA: allocator reserve taken by its load
     in_flight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     job: asyncio.Task | None = None
@@ -120,7 +121,7 @@ class ModelRegistry:
     def refresh(self) -> list[Slot]:
         """Every model of the store (new files appear, deleted idle ones go)."""
         files = self.store.scan()
-        for name, f in files.items():
+        for f in files.values():
             self._track(f)
         for name in [n for n, s in self._slots.items() if n not in files and s.state not in RESIDENT]:
             del self._slots[name]
@@ -225,7 +226,7 @@ class ModelRegistry:
     async def _load_job(self, slot: Slot) -> None:
         try:
             served, stats = await asyncio.to_thread(self._load_blocking, slot)
-        except (torch.OutOfMemoryError, MemoryError) as e:
+        except (torch.cuda.OutOfMemoryError, MemoryError) as e:
             raise self._failed(slot, InsufficientMemory(f"out of memory while loading {slot.name!r}: {e}"), "oom")
         except CodecError as e:
             raise self._failed(slot, LoadFailed(f"cannot load {slot.name!r}: {e}"), "failed")
@@ -242,14 +243,18 @@ class ModelRegistry:
         self._record_load(slot, stats)
         self._set_state(slot, ModelState.READY)
 
+    def _reserved(self) -> int:
+        return torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
+
     def _load_blocking(self, slot: Slot) -> tuple[modeling.ServedModel, loader.LoadStats]:
-        t0 = time.perf_counter()
+        t0, reserved = time.perf_counter(), self._reserved()
         slot.progress.phase = "decoding"
         decoded = loader.decode_archive(slot.file.path, self.device, ring=self.settings.load_ring_buffers,
                                         verify=self.settings.verify_crc, on_batch=partial(self._on_batch, slot))
         slot.progress.phase = "building"
         served = modeling.build(slot.name, decoded, self.device)
         decoded.stats.total_s = time.perf_counter() - t0
+        slot.reserved_bytes = self._reserved() - reserved if self.device.type == "cuda" else served.weight_bytes
         return served, decoded.stats
 
     def _on_batch(self, slot: Slot, batch: loader.Batch, seconds: float) -> None:
@@ -266,8 +271,7 @@ class ModelRegistry:
             self.metrics.load_seconds.labels(slot.name, phase).observe(seconds)
         self.metrics.load_throughput.labels(slot.name).set(stats.decoded_bytes / max(stats.total_s, 1e-9))
         self.metrics.loads.labels(slot.name, "ok").inc()
-        weights = slot.served.weight_bytes
-        self.metrics.set_memory(slot.name, self.device.type, weights, weights)
+        self.metrics.set_memory(slot.name, self.device.type, slot.served.weight_bytes, max(slot.reserved_bytes, 0))
         slot.progress.bytes_done = slot.progress.bytes_total
 
     def _failed(self, slot: Slot, error: ServiceError, result: str) -> ServiceError:
@@ -321,9 +325,9 @@ class ModelRegistry:
                 await asyncio.to_thread(demo.ensure_demo, self.store.root, self.settings.demo_workers)
             for name in self._preload_names():
                 await self.load(name)
-        except (ServiceError, CodecError, OSError) as e:
+        except Exception as e:                     # a background task: report it, keep serving
             self.startup_error = str(e)
-            log.error("start-up: %s", e)
+            log.exception("start-up failed")
 
     def _preload_names(self) -> list[str]:
         if self.settings.preload is not None:

@@ -177,7 +177,7 @@ async def test_out_of_memory_fails_that_load_alone(serve, store, monkeypatch) ->
 
     def oom(path, *args, **kwargs):
         if "big" in str(path):
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return real(path, *args, **kwargs)
 
     monkeypatch.setattr(loader, "decode_archive", oom)
