@@ -285,6 +285,8 @@ class ModelRegistry:
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):      # the engine thread's matmul workspace
+                torch._C._cuda_clearCublasWorkspaces()
             torch.cuda.empty_cache()
 
     # --- unload ---------------------------------------------------------------------------------

@@ -130,6 +130,41 @@ __device__ __forceinline__ void stage_words(uint16_t* ring, const uint8_t* words
 }
 
 // ---- decode lanes + join planes -------------------------------------------------------------------
+// Global streaming stores: the decoded weights are not read again by this kernel.
+__device__ __forceinline__ void store_out(uint16_t* p, uint16_t v) { __stcs(reinterpret_cast<unsigned short*>(p), v); }
+__device__ __forceinline__ void store_out(uint32_t* p, uint32_t v) { __stcs(reinterpret_cast<unsigned int*>(p), v); }
+
+// One chunk of kChunkSteps steps. Full chunks (all but a segment's last) run branch-free: the
+// renormalising word is always read from the ring (which holds zeros past the segment's words)
+// and selected, so the warp never diverges around its ballot.
+template <int Dtype, int CtxBits, bool Full, typename Word>
+__device__ __forceinline__ void decode_chunk(int base, int n, const uint8_t* hs, const uint16_t* ls,
+                                             const DecodeTable* set, const uint16_t* ring, uint32_t& x,
+                                             int& used, Word* out) {
+  const int lane = threadIdx.x & 31;
+  const unsigned lanes_below = (1u << lane) - 1u;
+#pragma unroll
+  for (int k = 0; k < kChunkSteps; ++k) {
+    const int j = base + k * kLanes + lane;
+    const bool active = Full || j < n;
+    const uint32_t h = hs[k * kLanes + lane];
+    const DecodeTable& t = set[context(h, CtxBits, Dtype)];
+    uint32_t xn = x;
+    const uint32_t sym = rans_step(t.sym, t.freq_cum, xn);
+    const bool need = active && xn < kRansL;                           // renormalise: one word
+    const unsigned mask = __ballot_sync(kFullMask, need);
+    const uint32_t w = ring[(used + __popc(mask & lanes_below)) & (kRingWords - 1)];
+    x = need ? (xn << kRenormBits) | w : (active ? xn : x);
+    used += __popc(mask);
+    if (Full || active) {
+      if constexpr (Dtype == kFP32)
+        store_out(out + j, join32(sym, h, ls[k * kLanes + lane]));
+      else
+        store_out(out + j, join16(Dtype, sym, h));
+    }
+  }
+}
+
 // One warp, one segment. Indices within a segment fit 32 bits (<= 131072 symbols and words).
 template <int Dtype, int CtxBits>
 __device__ int decode_lanes(const uint8_t* data, const TensorDesc& d, const SegmentRef& ref, int64_t seg,
@@ -141,7 +176,6 @@ __device__ int decode_lanes(const uint8_t* data, const TensorDesc& d, const Segm
   const uint8_t* lo = Dtype == kFP32 ? data + d.lo_off + 2 * seg * kSegmentSymbols : nullptr;
   const uint8_t* words = exp + ref.data + kStateBytes;
   Word* out = static_cast<Word*>(out_base) + seg * kSegmentSymbols;
-  const unsigned lanes_below = (1u << lane) - 1u;
   const int n = static_cast<int>(ref.symbols), n_words = static_cast<int>(ref.words);
   auto stage_chunk = [&](int c) {
     const int first = c * kChunkSymbols;
@@ -166,25 +200,11 @@ __device__ int decode_lanes(const uint8_t* data, const TensorDesc& d, const Segm
     copies_commit();
     const int base = c * kChunkSymbols;
     const uint8_t* hs = st.hi + (c & 1) * kChunkSymbols;
-    const bool full = base + kChunkSymbols <= n;
-#pragma unroll
-    for (int k = 0; k < kChunkSteps; ++k) {
-      const int j = base + k * kLanes + lane;
-      const bool active = full || j < n;
-      const uint32_t h = hs[k * kLanes + lane];
-      const DecodeTable& t = set[context(h, CtxBits, Dtype)];
-      const uint32_t sym = active ? rans_step(t.sym, t.freq_cum, x) : 0u;
-      const bool need = active && x < kRansL;                          // renormalise: one word
-      const unsigned mask = __ballot_sync(kFullMask, need);
-      const int idx = used + __popc(mask & lanes_below);
-      if (need) x = (x << kRenormBits) | (idx < n_words ? st.ring[idx & (kRingWords - 1)] : 0u);
-      used += __popc(mask);
-      if (!active) continue;
-      if constexpr (Dtype == kFP32)
-        out[j] = join32(sym, h, st.lo[(c & 1) * kChunkSymbols + k * kLanes + lane]);
-      else
-        out[j] = join16(Dtype, sym, h);
-    }
+    const uint16_t* ls = st.lo + (c & 1) * kChunkSymbols;
+    if (base + kChunkSymbols <= n)
+      decode_chunk<Dtype, CtxBits, true>(base, n, hs, ls, set, st.ring, x, used, out);
+    else
+      decode_chunk<Dtype, CtxBits, false>(base, n, hs, ls, set, st.ring, x, used, out);
   }
   copies_wait();
   if (used != n_words) return kWords;

@@ -11,6 +11,7 @@ import torch
 from conftest import DEMO, generate_body
 
 from service import generation, loader
+from service.deps import get_settings
 from service.registry import ModelState
 
 pytestmark = pytest.mark.anyio
@@ -218,3 +219,15 @@ async def test_admin_token(serve, store) -> None:
         ok = {"Authorization": "Bearer s3cret"}
         assert (await c.post(f"/models/{DEMO}/load", headers=ok)).status_code == 200
         assert (await c.post(f"/models/{DEMO}/unload", headers=ok)).status_code == 200
+
+
+async def test_limits_come_from_the_settings_dependency(serve, store) -> None:
+    async with serve(store(), preload=[DEMO]) as server:
+        await server.wait_state(DEMO, ModelState.READY)
+        small = server.app.state.settings.model_copy(update={"max_total_tokens": 40, "max_input_tokens": 30})
+        server.app.dependency_overrides[get_settings] = lambda: small
+        body = assert_error(await server.client.post("/generate", json=generate_body(12)), 422, "validation")
+        assert "must have less than 30 tokens" in body["error"]
+        assert (await server.client.get("/info")).json()["max_total_tokens"] == 40
+        server.app.dependency_overrides.clear()
+        assert (await server.client.post("/generate", json=generate_body(2))).status_code == 200
