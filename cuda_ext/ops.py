@@ -86,6 +86,6 @@ def sample_inputs(device: str | torch.device) -> list[tuple]:
                                    rec["nbytes"], rec["crc32"], streams,
                                    FloatParams(int(np.prod(rec["shape"])), **rec["params"])))
     p = build(entries, start=0, end=len(blob))
-    data = torch.frombuffer(bytes(blob), dtype=torch.uint8).to(device)
+    data = torch.frombuffer(blob, dtype=torch.uint8).clone().to(device)
     outputs = [torch.empty(e.shape, dtype=e.torch_dtype, device=device) for e in p.float_entries]
     return [(data, p.desc, outputs, p.n_segments)], tensors

@@ -1,0 +1,42 @@
+"""The extension's constants header mirrors codec/constants.py (one format, one set of numbers)."""
+import re
+from pathlib import Path
+
+from codec import constants as C
+from cuda_ext import plan
+
+HEADER = (Path(__file__).parents[2] / "cuda_ext" / "csrc" / "wcodec_constants.h").read_text()
+
+
+def header_value(name: str) -> int:
+    m = re.search(rf"constexpr \w+ {name} = (.+?);", HEADER)
+    assert m, name
+    expr = m.group(1).replace("u <<", " <<").replace("int64_t", "").replace("{", "").replace("}", "")
+    return int(eval(expr, {"kLanes": C.LANES, "kProbBits": C.PROB_BITS}))   # noqa: S307 (our own header)
+
+
+def test_constants_match_codec():
+    assert header_value("kProbBits") == C.PROB_BITS
+    assert header_value("kProbScale") == C.PROB_SCALE
+    assert header_value("kRansL") == C.RANS_L
+    assert header_value("kRenormBits") == C.RENORM_BITS
+    assert header_value("kLanes") == C.LANES
+    assert header_value("kSegmentSymbols") == C.SEGMENT_SYMBOLS
+    assert header_value("kSegmentAlign") == C.SEGMENT_ALIGN
+    assert header_value("kStateBytes") == C.STATE_BYTES
+    assert header_value("kTableBitmapBytes") == C.TABLE_BITMAP_BYTES
+    assert header_value("kMaxCtxBits") == C.MAX_CTX_BITS
+
+
+def test_descriptor_fields_match_plan():
+    body = re.search(r"enum DescField : int \{(.+?)\};", HEADER, re.S).group(1)
+    names = [re.sub(r"^kDesc", "", n.split("=")[0].strip()) for n in body.split(",") if n.strip()]
+    camel = ["".join(p.title() for p in f.split("_")) for f in plan.DESC_FIELDS]
+    assert names == camel + ["Fields"]
+    assert re.search(r"kBF16 = (\d)", HEADER).group(1) == str(plan.DTYPE_CODES["bfloat16"])
+    assert re.search(r"kFP32 = (\d)", HEADER).group(1) == str(plan.DTYPE_CODES["float32"])
+
+
+def test_kernel_block_matches_table_group_quantum():
+    cu = (Path(__file__).parents[2] / "cuda_ext" / "csrc" / "decode_float.cu").read_text()
+    assert f"kWarpsPerBlock = {C.TABLE_GROUP_QUANTUM};" in cu
