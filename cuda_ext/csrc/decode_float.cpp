@@ -243,6 +243,17 @@ static at::Tensor decode_float_cpu(const at::Tensor& data, const at::Tensor& des
   return status;
 }
 
+#ifdef WCODEC_PYTHON_MODULE
+// Built ahead of time as the Python module cuda_ext._C: importing it registers the ops above.
+}  // namespace wcodec
+#include <Python.h>
+extern "C" PyObject* PyInit__C() {
+  static PyModuleDef def = {PyModuleDef_HEAD_INIT, "_C", "wcodec decoders (ops under torch.ops.wcodec)", -1, nullptr};
+  return PyModule_Create(&def);
+}
+namespace wcodec {
+#endif
+
 TORCH_LIBRARY(wcodec, m) {
   m.def("decode_float(Tensor data, Tensor desc, Tensor(a!)[] outputs, int n_segments) -> Tensor");
 }

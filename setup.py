@@ -1,0 +1,34 @@
+"""Builds cuda_ext._C ahead of time when torch is importable at install time (pip install
+--no-build-isolation): the CUDA kernels + C++ twin where a CUDA torch and nvcc exist, else the
+C++ twin alone. WCODEC_BUILD_EXT=0 skips it; cuda_ext then JIT-builds or falls back to NumPy."""
+import os
+import shutil
+
+from setuptools import setup
+
+CSRC = os.path.join("cuda_ext", "csrc")
+CXX = ["-O3", "-fopenmp", "-DWCODEC_PYTHON_MODULE"]
+NVCC = ["-O3", "--use_fast_math", "-lineinfo"]
+DEFAULT_ARCH_LIST = "8.0;8.6;8.9;9.0;12.0"          # keep in sync with cuda_ext/build.py
+
+
+def extensions():
+    if os.environ.get("WCODEC_BUILD_EXT", "1") == "0":
+        return {}
+    try:
+        import torch
+        from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
+    except ImportError:
+        return {}
+    cpu = [os.path.join(CSRC, "decode_float.cpp")]
+    common = dict(include_dirs=[os.path.abspath(CSRC)], extra_link_args=["-fopenmp"])
+    if torch.version.cuda and shutil.which("nvcc"):
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
+        ext = CUDAExtension("cuda_ext._C", cpu + [os.path.join(CSRC, "decode_float.cu")],
+                            extra_compile_args={"cxx": CXX, "nvcc": NVCC}, **common)
+    else:
+        ext = CppExtension("cuda_ext._C", cpu, extra_compile_args={"cxx": CXX}, **common)
+    return {"ext_modules": [ext], "cmdclass": {"build_ext": BuildExtension.with_options(use_ninja=False)}}
+
+
+setup(**extensions())
