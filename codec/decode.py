@@ -164,11 +164,13 @@ def _tensor_view(out: mmap.mmap, offset: int, e: TensorEntry) -> torch.Tensor:
     return flat.view(e.torch_dtype).reshape(e.shape)
 
 
-def decompress(src: str | os.PathLike, dst: str | os.PathLike, *, workers: int | None = None) -> int:
-    """Archive -> a plain .safetensors file (the embedded config goes into its metadata)."""
+def decompress(src: str | os.PathLike, dst: str | os.PathLike, *, workers: int | None = None,
+               loader=None) -> int:
+    """Archive -> a plain .safetensors file. `loader(path)` decodes (default: this module's load;
+    the CLI passes the extension's, which uses the C++ twin when it is built)."""
     from safetensors import SafetensorError
     from safetensors.torch import save_file
-    model = load(src, workers=workers)
+    model = (loader or (lambda p: load(p, workers=workers)))(src)
     meta = {"format": "pt", "wcodec_source": os.path.basename(os.fspath(src))}
     try:
         save_file(model.state_dict, os.fspath(dst), metadata=meta)

@@ -12,7 +12,10 @@ import os
 
 import torch
 
+from codec.container import crc32
 from codec.decode import Archive, LoadedModel
+from codec.decode import load as reference_load
+from codec.errors import ChecksumError
 
 from . import plan as plans
 from .build import Availability, ensure_loaded
@@ -51,22 +54,31 @@ def decode_plan(p: plans.Plan, data: torch.Tensor, path=None) -> dict[str, torch
     return out
 
 
-def load(path: str | os.PathLike, device: str | torch.device = "cuda", *, verify: bool = True) -> LoadedModel:
-    """Decode a whole archive onto `device`. Stream CRCs are checked on the host (verify=True);
-    the decoders' per-segment statuses are always checked."""
+def load(path: str | os.PathLike, device: str | torch.device = "cuda", *, verify: bool = True,
+         workers: int | None = None) -> LoadedModel:
+    """Decode a whole archive onto `device`: CUDA kernels, the C++ twin, or (on a CPU without the
+    twin) the parallel NumPy reference. verify=True checks every stored stream's CRC32 (on the
+    host) and, on the CPU, every decoded tensor's; per-segment statuses are always checked."""
     device = torch.device(device)
+    if device.type == "cpu" and not ensure_loaded().cpp:
+        return reference_load(path, verify=verify, workers=workers)
     with Archive.open(path) as archive:
         files = archive.reader.files(verify)
-        entries = archive.entries
-        p = plans.build(entries, archive.path)
-        host = archive.reader.buf[p.start:p.end]
+        p = plans.build(archive.entries, archive.path)
         if verify:
-            for e in entries:
-                for role, rec in e.streams.items():
+            for e in archive.entries:
+                for rec in e.streams.values():
                     archive.reader.checked_stream(rec, f"tensor {e.name!r}", verify)
-        data = torch.from_numpy(host.copy()).to(device)
+        data = torch.from_numpy(archive.reader.buf[p.start:p.end].copy()).to(device)
         tensors = decode_plan(p, data, archive.path)
-        state = {e.name: tensors[e.name] for e in entries}
+        if verify and device.type == "cpu":
+            _check_decoded(archive, tensors)
+        state = {e.name: tensors[e.name] for e in archive.entries}
         return LoadedModel(state, files, archive.reader.header)
 
 
+def _check_decoded(archive: Archive, tensors: dict[str, torch.Tensor]) -> None:
+    for e in archive.entries:
+        t = tensors[e.name]
+        if e.nbytes and crc32(t.reshape(-1).view(torch.uint8).numpy()) != e.crc32:
+            raise ChecksumError(archive.path, f"tensor {e.name!r}: decoded bytes fail their CRC32")

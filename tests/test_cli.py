@@ -226,6 +226,7 @@ def test_bench_json_on_tiny(tiny: Path, capsys) -> None:
     assert r["raw_bytes"] == raw_size(tiny_tensors())
     assert r["ratio"] == pytest.approx(r["file_bytes"] / r["raw_bytes"]) and r["ratio"] < 1
     assert r["encode_MBps"] > 0 and r["decode_MBps"] > 0
+    assert r["cpp_twin"]["decode_MBps_per_thread"] > 0 and r["cpp_twin"]["threads"] == 1
     if HAS_ZIPNN:
         z = r["peers"]["zipnn"]
         assert 0 < z["ratio"] < 1 and z["encode_MBps"] > 0 and z["decode_MBps"] > 0

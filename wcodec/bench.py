@@ -243,8 +243,29 @@ def run_bench(path: str | os.PathLike, *, device: str = "cpu", threads: int = 1,
               "cast": None if cast is None else str(cast).removeprefix("torch."),
               "tensors": len(tensors), "raw_bytes": w.raw_bytes}
     result.update(measure_ours(w, load))
+    if device == "cpu":
+        result["cpp_twin"] = measure_cpp_twin(w)
     result["peers"], result["peers_skipped"] = run_peers(w)
     return result
+
+
+def measure_cpp_twin(w: Workload) -> dict:
+    """The extension's C++ CPU twin, one thread: decode MB/s per thread (beside zipnn's)."""
+    ext = importlib.import_module("cuda_ext")
+    avail = ext.available()
+    if not avail.cpp:
+        return {"skipped": avail.reason}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with tempfile.TemporaryDirectory(prefix="wcodec-bench-") as tmp:
+            path = os.path.join(tmp, "bench.wcodec")
+            compress_state_dict(w.tensors, path, workers=w.threads)
+            model, dec_s = timed(lambda: ext.load(path, "cpu", verify=False), w.repeat)
+            check_equal(w.tensors, model.state_dict, "wcodec c++ twin")
+    finally:
+        torch.set_num_threads(threads)
+    return {"threads": 1, "decode_MBps_per_thread": w.raw_bytes / 1e6 / statistics.median(dec_s), "decode_s": dec_s}
 
 
 def format_table(result: dict) -> str:
@@ -255,6 +276,9 @@ def format_table(result: dict) -> str:
     for name, r in [("wcodec", result), *result["peers"].items()]:
         rows.append((name, r["device"], f"{r['ratio']:.4f}", f"{r['encode_MBps']:.1f}",
                      f"{r['decode_MBps']:.1f}"))
+    twin = result.get("cpp_twin", {})
+    if "decode_MBps_per_thread" in twin:
+        rows.append(("wcodec-c++", "cpu/1 thread", f"{result['ratio']:.4f}", "-", f"{twin['decode_MBps_per_thread']:.1f}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = [head] + ["  ".join(c.ljust(wd) for c, wd in zip(row, widths)).rstrip() for row in rows]
     lines += [f"{name}: skipped ({why})" for name, why in result["peers_skipped"].items()]

@@ -14,7 +14,8 @@ from collections.abc import Callable
 import torch
 
 import codec
-from codec.decode import Archive, decompress, load
+from codec.decode import Archive, decompress
+from cuda_ext import load
 from codec.encode import compress
 from codec.errors import CodecError
 from codec.parallel import default_workers
@@ -68,7 +69,7 @@ def cmd_compress(args: argparse.Namespace) -> int:
 def cmd_decompress(args: argparse.Namespace) -> int:
     from safetensors import SafetensorError
     try:
-        written = decompress(args.src, args.dst, workers=args.workers)
+        written = decompress(args.src, args.dst, loader=lambda p: load(p, "cpu", workers=args.workers))
     except SafetensorError as e:               # save_file's own untyped error on a bad destination
         raise CliError(f"{args.dst}: cannot write ({e})") from None
     print(f"{args.dst}: {written} bytes of tensors written")
@@ -150,7 +151,7 @@ def compare_to_source(state: dict[str, torch.Tensor], src: str, gguf_dtype: torc
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    state = load(args.file, verify=True, workers=args.workers).state_dict
+    state = load(args.file, "cpu", verify=True, workers=args.workers).state_dict
     if args.against is None:
         print(f"OK: {len(state)} tensors bit-exact (every stream and tensor matches its CRC32)")
         return 0
