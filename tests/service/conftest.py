@@ -3,28 +3,18 @@ demo builder), per-test stores that hard-link it, and `serve(...)`: an app with 
 running, reached through httpx's ASGI transport."""
 from __future__ import annotations
 
-import contextlib
 import os
-import re
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
-import anyio
 import httpx
 import pytest
-from fastapi import FastAPI
+from service_helpers import DEMO, Server
 
 from service.app import create_app
-from service.demo import DEMO_NAME, build_demo, demo_source
-from service.errors import ModelNotFound
-from service.registry import ModelRegistry, ModelState
+from service.demo import build_demo, demo_source
 from service.settings import Settings
-
-DEMO = DEMO_NAME
-CHAT_PROMPT = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
-               "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
 
 
 @pytest.fixture
@@ -94,34 +84,6 @@ def store(tmp_path: Path, demo_archive: Path) -> Callable[..., Path]:
     return make
 
 
-@dataclass
-class Server:
-    client: httpx.AsyncClient
-    app: FastAPI
-
-    @property
-    def registry(self) -> ModelRegistry:
-        return self.app.state.registry
-
-    async def metric(self, name: str, **labels: str) -> float:
-        """The value of one sample of /metrics (0 when absent)."""
-        text = (await self.client.get("/metrics")).text
-        want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-        for line in text.splitlines():
-            m = re.fullmatch(rf"{re.escape(name)}(?:\{{(.*)\}})? (\S+)", line)
-            if m and ",".join(sorted((m.group(1) or "").split(","))) == want:
-                return float(m.group(2))
-        return 0.0
-
-    async def wait_state(self, name: str, state: ModelState, timeout: float = 60) -> None:
-        with anyio.fail_after(timeout):
-            while True:
-                with contextlib.suppress(ModelNotFound):
-                    if self.registry.get(name).state is state:
-                        return
-                await anyio.sleep(0.02)
-
-
 @pytest.fixture
 def serve() -> Callable[..., AsyncIterator[Server]]:
     """`async with serve(store, **settings) as server:` runs the app's lifespan around the block."""
@@ -136,6 +98,3 @@ def serve() -> Callable[..., AsyncIterator[Server]]:
                 yield Server(client, app)
     return run
 
-
-def generate_body(max_new_tokens: int = 12, **parameters) -> dict:
-    return {"inputs": CHAT_PROMPT, "parameters": {"max_new_tokens": max_new_tokens, **parameters}}

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import uvicorn
-from conftest import CHAT_PROMPT, DEMO
+from service_helpers import CHAT_PROMPT, DEMO
 
 from service.app import create_app
 from service.settings import Settings

@@ -7,7 +7,7 @@ import weakref
 
 import anyio
 import pytest
-from conftest import DEMO, generate_body
+from service_helpers import DEMO, generate_body
 
 from service.registry import ModelState
 

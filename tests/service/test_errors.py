@@ -8,7 +8,7 @@ import threading
 import anyio
 import pytest
 import torch
-from conftest import DEMO, generate_body
+from service_helpers import DEMO, generate_body
 
 from service import generation, loader
 from service.deps import get_settings

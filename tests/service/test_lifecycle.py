@@ -8,7 +8,7 @@ import shutil
 import weakref
 
 import pytest
-from conftest import CHAT_PROMPT, DEMO, generate_body
+from service_helpers import CHAT_PROMPT, DEMO, generate_body
 
 from service import demo as demo_module
 from service.registry import ModelState

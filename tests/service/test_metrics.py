@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from conftest import DEMO, generate_body
+from service_helpers import DEMO, generate_body
 
 from service.registry import ModelState
 
