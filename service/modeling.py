@@ -56,12 +56,18 @@ def _rebuild_meta_buffers(model: torch.nn.Module, config, device: torch.device) 
         setattr(model.get_submodule(parent_name), attr, fresh)
 
 
-def assemble(config, tensors: dict[str, torch.Tensor], device: torch.device) -> torch.nn.Module:
-    """The causal LM of `config` with `tensors` as its weights; no tensor is copied."""
+def skeleton(config) -> torch.nn.Module:
+    """The causal LM of `config` on the meta device: structure only, no memory."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        return AutoModelForCausalLM.from_config(config)
+
+
+def assemble(config, tensors: dict[str, torch.Tensor], device: torch.device,
+             model: torch.nn.Module | None = None) -> torch.nn.Module:
+    """The causal LM of `config` with `tensors` as its weights; no tensor is copied."""
+    model = model if model is not None else skeleton(config)
     result = model.load_state_dict(tensors, assign=True, strict=False)
     if result.unexpected_keys:
         raise LoadFailed(f"tensors unknown to {config.model_type}: {result.unexpected_keys[:5]}")
@@ -80,24 +86,58 @@ def _eos_ids(config, generation, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
-def build(name: str, decoded: Decoded, device: torch.device) -> ServedModel:
-    """Config, tokenizer and model from a decoded archive; sets decoded.stats.build_s."""
+@dataclass
+class Prepared:
+    """What a model needs besides its weights; built while the weights decode."""
+
+    config: object
+    tokenizer: object
+    generation: object | None
+    model: torch.nn.Module          # on meta until finish() assigns the decoded tensors
+    seconds: float
+
+
+def prepare(name: str, files: dict[str, bytes]) -> Prepared:
+    """Config, tokenizer, generation config and the meta-device skeleton from embedded files."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     t0 = time.perf_counter()
-    if "config.json" not in decoded.files:
+    if "config.json" not in files:
         raise LoadFailed(f"model {name!r} embeds no config.json: it cannot be served")
     with tempfile.TemporaryDirectory(prefix="wcodec-") as tmp:
-        _write_files(decoded.files, Path(tmp))
+        _write_files(files, Path(tmp))
         config = AutoConfig.from_pretrained(tmp)
         tokenizer = AutoTokenizer.from_pretrained(tmp)
         has_generation = (Path(tmp) / "generation_config.json").exists()
         generation = GenerationConfig.from_pretrained(tmp) if has_generation else None
-    model = assemble(config, decoded.tensors, device)
-    eos = _eos_ids(config, generation, tokenizer)
+    return Prepared(config, tokenizer, generation, skeleton(config), time.perf_counter() - t0)
+
+
+def finish(name: str, prepared: Prepared, decoded: Decoded, device: torch.device) -> ServedModel:
+    """Assign the decoded tensors; build_s counts prepare (overlapped with decoding) and this."""
+    t0 = time.perf_counter()
+    config, tokenizer = prepared.config, prepared.tokenizer
+    model = assemble(config, decoded.tensors, device, prepared.model)
+    eos = _eos_ids(config, prepared.generation, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos, default=0)
     dtype = next(model.parameters()).dtype
     served = ServedModel(name, model, tokenizer, device, dtype, eos, pad,
                          getattr(config, "max_position_embeddings", 2048), decoded.stats.decoded_bytes)
-    decoded.stats.build_s = time.perf_counter() - t0
+    decoded.stats.build_s = prepared.seconds + time.perf_counter() - t0
     return served
+
+
+def build(name: str, decoded: Decoded, device: torch.device) -> ServedModel:
+    """Config, tokenizer and model from a decoded archive, in sequence; sets decoded.stats.build_s."""
+    return finish(name, prepare(name, decoded.files), decoded, device)
+
+
+def warm_up(device: torch.device) -> None:
+    """One-time costs paid at start-up, not at the first load: the CUDA context, the decoder
+    extension, transformers' model classes."""
+    import cuda_ext
+    from transformers import AutoModelForCausalLM  # noqa: F401
+
+    cuda_ext.available()
+    if device.type == "cuda":
+        torch.empty(1, device=device)

@@ -19,11 +19,13 @@ import enum
 import gc
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 
 import torch
 
+from codec.decode import Archive
 from codec.errors import CodecError
 
 from . import demo, loader, modeling
@@ -249,10 +251,14 @@ class ModelRegistry:
     def _load_blocking(self, slot: Slot) -> tuple[modeling.ServedModel, loader.LoadStats]:
         t0, reserved = time.perf_counter(), self._reserved()
         slot.progress.phase = "decoding"
-        decoded = loader.decode_archive(slot.file.path, self.device, ring=self.settings.load_ring_buffers,
-                                        verify=self.settings.verify_crc, on_batch=partial(self._on_batch, slot))
-        slot.progress.phase = "building"
-        served = modeling.build(slot.name, decoded, self.device)
+        with Archive.open(slot.file.path) as archive:          # the skeleton builds while weights decode
+            files = archive.reader.files(self.settings.verify_crc)
+        with ThreadPoolExecutor(1, thread_name_prefix="wcodec-prepare") as pool:
+            prepared = pool.submit(modeling.prepare, slot.name, files)
+            decoded = loader.decode_archive(slot.file.path, self.device, ring=self.settings.load_ring_buffers,
+                                            verify=self.settings.verify_crc, on_batch=partial(self._on_batch, slot))
+            slot.progress.phase = "building"
+            served = modeling.finish(slot.name, prepared.result(), decoded, self.device)
         decoded.stats.total_s = time.perf_counter() - t0
         slot.reserved_bytes = self._reserved() - reserved if self.device.type == "cuda" else served.weight_bytes
         return served, decoded.stats
@@ -323,6 +329,7 @@ class ModelRegistry:
     async def start(self) -> None:
         """Build the demo into an empty store (WCODEC_DEMO), then load the preload list."""
         try:
+            await asyncio.to_thread(modeling.warm_up, self.device)
             if self.settings.demo:
                 await asyncio.to_thread(demo.ensure_demo, self.store.root, self.settings.demo_workers)
             for name in self._preload_names():
