@@ -7,6 +7,7 @@ are rebuilt on the target device. Tied heads (`lm_head` = embeddings) are re-tie
 from __future__ import annotations
 
 import itertools
+import threading
 import tempfile
 import time
 from dataclasses import dataclass
@@ -56,12 +57,22 @@ def _rebuild_meta_buffers(model: torch.nn.Module, config, device: torch.device) 
         setattr(model.get_submodule(parent_name), attr, fresh)
 
 
+_IMPORT_LOCK = threading.Lock()
+
+
+def hf(*names: str) -> tuple:
+    """transformers classes by name. Its lazy module is not thread-safe: two threads importing
+    different names at once can fail, and loads prepare on a thread beside the start-up warm-up."""
+    with _IMPORT_LOCK:
+        import transformers
+        return tuple(getattr(transformers, n) for n in names)
+
+
 def skeleton(config) -> torch.nn.Module:
     """The causal LM of `config` on the meta device: structure only, no memory."""
-    from transformers import AutoModelForCausalLM
-
+    (auto_lm,) = hf("AutoModelForCausalLM")
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+        return auto_lm.from_config(config)
 
 
 def assemble(config, tensors: dict[str, torch.Tensor], device: torch.device,
@@ -99,8 +110,7 @@ class Prepared:
 
 def prepare(name: str, files: dict[str, bytes]) -> Prepared:
     """Config, tokenizer, generation config and the meta-device skeleton from embedded files."""
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-
+    AutoConfig, AutoTokenizer, GenerationConfig = hf("AutoConfig", "AutoTokenizer", "GenerationConfig")  # noqa: N806
     t0 = time.perf_counter()
     if "config.json" not in files:
         raise LoadFailed(f"model {name!r} embeds no config.json: it cannot be served")
@@ -136,8 +146,8 @@ def warm_up(device: torch.device) -> None:
     """One-time costs paid at start-up, not at the first load: the CUDA context, the decoder
     extension, transformers' model classes."""
     import cuda_ext
-    from transformers import AutoModelForCausalLM  # noqa: F401
 
+    hf("AutoConfig", "AutoTokenizer", "GenerationConfig", "AutoModelForCausalLM")
     cuda_ext.available()
     if device.type == "cuda":
         torch.empty(1, device=device)
