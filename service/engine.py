@@ -75,6 +75,7 @@ class Engine:
         self.served, self.metrics = served, metrics
         self.max_batch_size, self.batch_wait_s = max_batch_size, batch_wait_s
         self._queue: queue.Queue[GenRequest | None] = queue.Queue(maxsize=max_queue)
+        metrics.track_engine(served.name, max_queue)
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"wcodec-engine-{served.name}", daemon=True)
 

@@ -20,7 +20,8 @@ Generate wcodec_generate_requests_total{model,status}  status: ok, error, cancel
          wcodec_generate_request_duration_seconds{model}, ..._time_to_first_token_seconds{model},
          ..._time_per_output_token_seconds{model}
          wcodec_generate_prompt_tokens_total{model}, wcodec_generate_generated_tokens_total{model}
-         wcodec_generate_queue_depth{model}, wcodec_generate_batch_size{model}
+         wcodec_generate_queue_depth{model}, wcodec_generate_queue_capacity{model},
+         wcodec_generate_batch_size{model}
 HTTP     wcodec_http_requests_total{method,route,status}, wcodec_http_request_duration_seconds{...}
                                                    route is the path template ("/models/{name}")
 """
@@ -37,6 +38,10 @@ LOAD_PHASES = ("read", "h2d", "decode", "build", "total")
 _FAST = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _SLOW = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TOKEN = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+
+
+LOAD_RESULTS = ("ok", "failed", "oom", "rejected")
+REQUEST_STATUSES = ("ok", "error", "cancelled", "overloaded")
 
 
 def _cuda_total(fn) -> float:
@@ -87,8 +92,22 @@ class Metrics:
         self.prompt_tokens = Counter("wcodec_generate_prompt_tokens", "Prompt tokens", m, registry=r)
         self.generated_tokens = Counter("wcodec_generate_generated_tokens", "Generated tokens", m, registry=r)
         self.queue_depth = Gauge("wcodec_generate_queue_depth", "Requests waiting for a batch", m, registry=r)
+        self.queue_capacity = Gauge("wcodec_generate_queue_capacity", "Waiting requests before 429 "
+                                    "(WCODEC_MAX_QUEUE)", m, registry=r)
         self.batch_size = Histogram("wcodec_generate_batch_size", "Requests per generation batch", m,
                                     buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
+
+    def track_model(self, model: str) -> None:
+        """Create the model's labelled counters at 0: rate() and increase() never count a series'
+        first sample, so a first failed load would otherwise go unseen."""
+        for result in LOAD_RESULTS:
+            self.loads.labels(model, result)
+
+    def track_engine(self, model: str, max_queue: int) -> None:
+        """The same for a serving model's request counters; and its queue capacity."""
+        for status in REQUEST_STATUSES:
+            self.requests.labels(model, status)
+        self.queue_capacity.labels(model).set(max_queue)
 
     def set_state(self, model: str, state: str) -> None:
         for s in STATES:

@@ -133,6 +133,7 @@ class ModelRegistry:
         slot = self._slots.get(f.name)
         if slot is None:
             slot = self._slots[f.name] = Slot(f)
+            self.metrics.track_model(f.name)
             self.metrics.set_state(f.name, slot.state.value)
         elif slot.state not in RESIDENT:
             slot.file = f
