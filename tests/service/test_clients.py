@@ -14,6 +14,14 @@ import pytest
 import uvicorn
 from service_helpers import CHAT_PROMPT, DEMO
 
+
+@pytest.fixture(autouse=True)
+def loopback_clients_allowed(monkeypatch):
+    """huggingface_hub blocks every request, loopback too, when HF_HUB_OFFLINE was set at its
+    import; these clients only talk to the server under test on 127.0.0.1."""
+    import huggingface_hub.constants
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+
 from service.app import create_app
 from service.settings import Settings
 
