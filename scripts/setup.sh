@@ -13,6 +13,9 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
     pip_install torch==2.13.0               # no GPU: the local CPU build (an unpinned torch pulls GBs of CUDA)
   fi
 fi
+# Builds below run without isolation, so the build tools must be current here (fresh machines ship
+# setuptools 65): pyproject.toml asks for setuptools >= 68.
+pip_install --upgrade "setuptools>=68" wheel
 # --no-build-isolation: setup.py builds cuda_ext._C against the torch installed above (an isolated
 # build would fetch a fresh, CUDA-sized torch).
 pip_install --no-build-isolation -e ".[test]"
