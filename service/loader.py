@@ -242,12 +242,15 @@ def _decode_cuda(reader: RingReader, path: str, device: torch.device, on_batch: 
 
 
 def decode_archive(path: str | Path, device: torch.device, *, ring: int = 3, verify: bool = True,
-                   on_batch: OnBatch | None = None) -> Decoded:
-    """Every tensor of an archive, decoded onto `device` through the pipeline above."""
+                   on_batch: OnBatch | None = None, opened: tuple[list[TensorEntry], dict] | None = None) -> Decoded:
+    """Every tensor of an archive, decoded onto `device` through the pipeline above. `opened`:
+    its (entries, embedded files) when the caller has read them already."""
     t0 = time.perf_counter()
     path = os.fspath(path)
-    with Archive.open(path) as archive:
-        entries, files = archive.entries, archive.reader.files(verify)
+    if opened is None:
+        with Archive.open(path) as archive:
+            opened = archive.entries, archive.reader.files(verify)
+    entries, files = opened
     batches = layer_batches(entries)
     size = max((b.nbytes for b in batches), default=1) or 1
     pin = device.type == "cuda"

@@ -253,11 +253,12 @@ class ModelRegistry:
         t0, reserved = time.perf_counter(), self._reserved()
         slot.progress.phase = "decoding"
         with Archive.open(slot.file.path) as archive:          # the skeleton builds while weights decode
-            files = archive.reader.files(self.settings.verify_crc)
+            opened = archive.entries, archive.reader.files(self.settings.verify_crc)
         with ThreadPoolExecutor(1, thread_name_prefix="wcodec-prepare") as pool:
-            prepared = pool.submit(modeling.prepare, slot.name, files)
+            prepared = pool.submit(modeling.prepare, slot.name, opened[1])
             decoded = loader.decode_archive(slot.file.path, self.device, ring=self.settings.load_ring_buffers,
-                                            verify=self.settings.verify_crc, on_batch=partial(self._on_batch, slot))
+                                            verify=self.settings.verify_crc, on_batch=partial(self._on_batch, slot),
+                                            opened=opened)
             slot.progress.phase = "building"
             served = modeling.finish(slot.name, prepared.result(), decoded, self.device)
         decoded.stats.total_s = time.perf_counter() - t0
