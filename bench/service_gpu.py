@@ -48,9 +48,10 @@ class Server:
     def __init__(self, store: Path, verify: bool = True):
         self.port = free_port()
         env = {**os.environ, "WCODEC_MODEL_STORE": str(store), "WCODEC_DEMO": "false", "WCODEC_PRELOAD": "[]",
-               "WCODEC_VERIFY_CRC": str(verify).lower(), "WCODEC_DEVICE": "cuda"}
+               "WCODEC_VERIFY_CRC": str(verify).lower(), "WCODEC_DEVICE": "cuda", "WCODEC_LOG_LEVEL": "debug"}
+        log = open(Path(os.environ.get("OUT", "/tmp")) / f"server-verify-{verify}.log", "w")   # the load timelines
         self.proc = subprocess.Popen([sys.executable, "-m", "wcodec", "serve", "--host", "127.0.0.1",
-                                      "--port", str(self.port)], env=env)
+                                      "--port", str(self.port)], env=env, stdout=log, stderr=subprocess.STDOUT)
         self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=600)
         for _ in range(600):
             try:

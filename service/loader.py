@@ -242,7 +242,8 @@ def _decode_cuda(reader: RingReader, path: str, device: torch.device, on_batch: 
 
 
 def decode_archive(path: str | Path, device: torch.device, *, ring: int = 3, verify: bool = True,
-                   on_batch: OnBatch | None = None, opened: tuple[list[TensorEntry], dict] | None = None) -> Decoded:
+                   on_batch: OnBatch | None = None, opened: tuple[list[TensorEntry], dict] | None = None,
+                   mark: Callable[[str], None] = lambda what: None) -> Decoded:
     """Every tensor of an archive, decoded onto `device` through the pipeline above. `opened`:
     its (entries, embedded files) when the caller has read them already."""
     t0 = time.perf_counter()
@@ -256,6 +257,7 @@ def decode_archive(path: str | Path, device: torch.device, *, ring: int = 3, ver
     pin = device.type == "cuda"
     n_buffers = min(max(ring, 2), len(batches)) or 1        # CUDA holds two: one copying, one decoding
     buffers = [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for _ in range(n_buffers)]
+    mark(f"{n_buffers} ring buffers of {size >> 20} MiB allocated (pinned: {pin})")
     stats = LoadStats(compressed_bytes=sum(b.nbytes for b in batches),
                       decoded_bytes=sum(b.decoded_bytes for b in batches), batches=len(batches))
     on_batch = on_batch or (lambda batch, seconds: None)
@@ -265,4 +267,5 @@ def decode_archive(path: str | Path, device: torch.device, *, ring: int = 3, ver
         else:
             tensors = _decode_cpu(reader, path, on_batch, stats)
     stats.read_s, stats.total_s = reader.read_s, time.perf_counter() - t0
+    mark(f"{len(batches)} batches decoded")
     return Decoded(tensors, files, stats)

@@ -38,6 +38,11 @@ from .store import ModelFile, ModelStore, check_name
 log = logging.getLogger("wcodec.service")
 
 
+def _mark(name: str, t0: float, what: str) -> None:
+    """A load's timeline, at debug level (WCODEC_LOG_LEVEL=DEBUG): where a slow load spends it."""
+    log.debug("load %s: %s at %.3f s", name, what, time.perf_counter() - t0)
+
+
 class ModelState(str, enum.Enum):
     AVAILABLE = "available"
     LOADING = "loading"
@@ -252,15 +257,20 @@ class ModelRegistry:
     def _load_blocking(self, slot: Slot) -> tuple[modeling.ServedModel, loader.LoadStats]:
         t0, reserved = time.perf_counter(), self._reserved()
         slot.progress.phase = "decoding"
+        mark = partial(_mark, slot.name, t0)
         with Archive.open(slot.file.path) as archive:          # the skeleton builds while weights decode
             opened = archive.entries, archive.reader.files(self.settings.verify_crc)
+        mark("header and files read")
         with ThreadPoolExecutor(1, thread_name_prefix="wcodec-prepare") as pool:
             prepared = pool.submit(modeling.prepare, slot.name, opened[1])
             decoded = loader.decode_archive(slot.file.path, self.device, ring=self.settings.load_ring_buffers,
                                             verify=self.settings.verify_crc, on_batch=partial(self._on_batch, slot),
-                                            opened=opened)
+                                            opened=opened, mark=mark)
             slot.progress.phase = "building"
-            served = modeling.finish(slot.name, prepared.result(), decoded, self.device)
+            ready = prepared.result()
+            mark("skeleton ready")
+            served = modeling.finish(slot.name, ready, decoded, self.device)
+        mark("weights assigned")
         decoded.stats.total_s = time.perf_counter() - t0
         slot.reserved_bytes = self._reserved() - reserved if self.device.type == "cuda" else served.weight_bytes
         return served, decoded.stats

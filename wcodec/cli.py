@@ -7,6 +7,7 @@ as ONE line `wcodec: error: <message>` on stderr and exit status 1; an unusable 
 from __future__ import annotations
 
 import argparse
+import logging
 import json
 import sys
 from collections.abc import Callable
@@ -191,6 +192,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValidationError as e:
         why = "; ".join(f"WCODEC_{'.'.join(map(str, err['loc'])).upper()}: {err['msg']}" for err in e.errors())
         raise CliError(f"bad server settings: {why}") from None
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level)
     return 0
 
