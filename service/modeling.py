@@ -110,8 +110,8 @@ class Prepared:
 
 def prepare(name: str, files: dict[str, bytes]) -> Prepared:
     """Config, tokenizer, generation config and the meta-device skeleton from embedded files."""
+    t0 = time.perf_counter()              # counts a wait for transformers' import (start-up warm-up)
     AutoConfig, AutoTokenizer, GenerationConfig = hf("AutoConfig", "AutoTokenizer", "GenerationConfig")  # noqa: N806
-    t0 = time.perf_counter()
     if "config.json" not in files:
         raise LoadFailed(f"model {name!r} embeds no config.json: it cannot be served")
     with tempfile.TemporaryDirectory(prefix="wcodec-") as tmp:
