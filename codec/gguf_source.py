@@ -1,0 +1,172 @@
+"""GGUF checkpoints (llama architecture) for the .wcodec encoder: tensors dequantized one at a
+time through the memory-mapped `gguf.GGUFReader`, config and tokenizer (chat template included)
+rebuilt through transformers' GGUF support.
+
+Read me first -- the traps:
+- GGUF lists dimensions fastest-first (ggml `ne`), i.e. reversed relative to torch: a q_proj of
+  torch shape [out, in] is stored with `tensor.shape == [in, out]`. `dequantize` already returns the
+  torch (row-major) layout; `TensorInfo.shape` is `reversed(tensor.shape)`.
+- llama.cpp's converter permutes the rows of q and k (its rope pairs adjacent dims, HF pairs halves);
+  `_unpermute_rows` undoes it exactly as transformers' `LlamaTensorProcessor` does.
+- A GGUF without `output.weight` has a tied head: no `lm_head.weight` is listed and the generated
+  config.json says `tie_word_embeddings: true`.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+
+from .errors import SourceError
+from .sources import CheckpointSource, TensorInfo
+
+GGUF_ARCHITECTURES = frozenset({"llama"})
+GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+GGUF_BLOCK_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+# Precomputed from the rope scaling that transformers rebuilds from config.json; not a parameter.
+GGUF_DERIVED = frozenset({"rope_freqs.weight"})
+GGUF_NAME_RE = re.compile(r"(?:blk\.(?P<layer>\d+)\.)?(?P<stem>\w+)\.(?P<suffix>weight|bias)")
+
+
+class GGUFSource(CheckpointSource):
+    """A llama-architecture GGUF file, dequantized per tensor and renamed to HF names."""
+
+    def __init__(self, path: Path, dtype: torch.dtype) -> None:
+        super().__init__(path)
+        self._dtype = dtype
+        self._files: dict[str, bytes] | None = None
+        self._reader: gguf.GGUFReader | None = _gguf_reader(path)
+        arch = self._field("general.architecture")
+        if arch not in GGUF_ARCHITECTURES:
+            raise self._error(f"unsupported GGUF architecture {arch!r} (supported: {sorted(GGUF_ARCHITECTURES)})")
+        self._n_head = int(self._field(f"{arch}.attention.head_count"))
+        self._n_kv_head = int(self._field(f"{arch}.attention.head_count_kv", self._n_head))
+        self._by_name: dict[str, gguf.ReaderTensor] = {}
+        for tensor in self._reader.tensors:
+            if tensor.name not in GGUF_DERIVED:
+                self._by_name[self._hf_name(tensor.name)] = tensor
+        self._tied = "lm_head.weight" not in self._by_name  # no output.weight: head shares token_embd
+
+    def _field(self, key: str, default: Any = None) -> Any:
+        field = self._reader.get_field(key) if self._reader is not None else None
+        if field is None:
+            if default is None:
+                raise self._error(f"GGUF metadata lacks {key!r}")
+            return default
+        return field.contents()
+
+    def _hf_name(self, gguf_name: str) -> str:
+        match = GGUF_NAME_RE.fullmatch(gguf_name)
+        if match is None:
+            raise self._error(f"unknown GGUF tensor name {gguf_name!r}")
+        layer, stem = match["layer"], match["stem"]
+        hf_stem = (GGUF_BLOCK_NAMES if layer else GGUF_TOP_NAMES).get(stem)
+        if hf_stem is None:
+            raise self._error(f"unknown GGUF tensor name {gguf_name!r}")
+        prefix = f"model.layers.{layer}." if layer else ""
+        return f"{prefix}{hf_stem}.{match['suffix']}"
+
+    @property
+    def files(self) -> dict[str, bytes]:
+        if self._files is None:
+            self._files = _gguf_side_files(self.path, tied=self._tied)
+        return dict(self._files)
+
+    def tensors(self) -> list[TensorInfo]:
+        return [TensorInfo(n, self._dtype, _torch_shape(t)) for n, t in self._by_name.items()]
+
+    def load(self, name: str) -> torch.Tensor:
+        if self._reader is None:
+            raise self._error("source is closed")
+        tensor = self._by_name.get(name)
+        if tensor is None:
+            raise self._error(f"no tensor named {name!r}")
+        try:
+            values = torch.from_numpy(_dequantize(tensor))
+        except NotImplementedError as exc:
+            raise self._error(f"tensor {tensor.name!r}: {exc}") from exc
+        shape = _torch_shape(tensor)
+        if values.numel() != int(np.prod(shape)):
+            raise self._error(f"tensor {tensor.name!r} dequantized to {values.numel()} values, expected {shape}")
+        values = values.reshape(shape)
+        n_head = self._rope_heads(name)
+        if n_head is not None:
+            if shape[0] % (2 * n_head):
+                raise self._error(f"tensor {tensor.name!r}: {shape[0]} rows do not split into {n_head} heads")
+            values = _unpermute_rows(values, n_head)
+        return values.to(self._dtype).contiguous()
+
+    def _rope_heads(self, name: str) -> int | None:
+        """Heads whose rows llama.cpp permuted: q uses n_head, k uses n_kv_head (as in transformers)."""
+        if ".self_attn.q_proj." in name:
+            return self._n_head
+        if ".self_attn.k_proj." in name:
+            return self._n_kv_head
+        return None
+
+    def close(self) -> None:
+        self._reader = None
+        self._by_name = {}
+
+
+def _gguf_reader(path: Path) -> gguf.GGUFReader:
+    try:
+        return gguf.GGUFReader(path, "r")
+    except (ValueError, OSError, IndexError, KeyError, struct.error) as exc:
+        raise SourceError(path, f"not a readable GGUF file ({exc})") from exc
+
+
+def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
+    values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)  # float32, torch row-major order
+    return values if values.flags.writeable else values.copy()  # F32 comes back as a read-only mmap view
+
+
+def _torch_shape(tensor: gguf.ReaderTensor) -> tuple[int, ...]:
+    return tuple(int(d) for d in reversed(tensor.shape))  # ggml ne[] is fastest-first
+
+
+def _unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's `permute`: GGUF rows run (head, i, pair), HF rows (head, pair, i)."""
+    half = w.shape[0] // n_head // 2  # rope pairs per head
+    # [H, half, 2, ...] -> [H, 2, half, ...]
+    return w.reshape(n_head, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _gguf_side_files(path: Path, *, tied: bool) -> dict[str, bytes]:
+    """config.json, generation_config.json and tokenizer files, built by transformers from metadata."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    kwargs = {"gguf_file": path.name, "local_files_only": True}
+    try:
+        config = AutoConfig.from_pretrained(path.parent, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, **kwargs)
+    except (ValueError, OSError, KeyError) as exc:
+        raise SourceError(path, f"transformers cannot build config/tokenizer ({exc})") from exc
+    config.tie_word_embeddings = tied  # must match the tensors: no output.weight <=> tied head
+    files = {
+        "config.json": config.to_json_string().encode(),
+        "generation_config.json": GenerationConfig.from_model_config(config).to_json_string().encode(),
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save_pretrained(tmp)
+        files.update({p.name: p.read_bytes() for p in sorted(Path(tmp).iterdir()) if p.is_file()})
+    return files
+
+
