@@ -137,11 +137,6 @@ def finish(name: str, prepared: Prepared, decoded: Decoded, device: torch.device
     return served
 
 
-def build(name: str, decoded: Decoded, device: torch.device) -> ServedModel:
-    """Config, tokenizer and model from a decoded archive, in sequence; sets decoded.stats.build_s."""
-    return finish(name, prepare(name, decoded.files), decoded, device)
-
-
 def warm_up(device: torch.device) -> None:
     """One-time costs paid at start-up, not at the first load: the CUDA context, the decoder
     extension, transformers' model classes."""
