@@ -1,45 +1,27 @@
-"""First timing of the CUDA decoder on bf16 weights (no peers): GB/s of decoded output."""
-import sys
-import time
+"""A quick timing of the CUDA decoder (no peers) for scripts/device_check.sh: N Llama-7B layers of
+random bf16 decoded in one launch, and the device-copy ceiling. The full run is gpu_bench.py.
 
-import torch
+    python bench/quick_cuda.py [N_LAYERS]
+"""
+import sys
+import tempfile
+from pathlib import Path
+
+from gpu_bench import Ours, ceilings, layer_shapes, timed, weights
 
 import cuda_ext
-from codec.decode import Archive
-from codec.encode import compress_state_dict
-from cuda_ext import plans
 
 
-def main(path="/tmp/quick.wcodec", layers=2):
-    g = torch.Generator(device="cuda").manual_seed(0)
-    shapes = [(4096, 4096)] * 4 + [(11008, 4096), (4096, 11008), (11008, 4096)]
-    state = {f"model.layers.{i}.w{j}": (torch.randn(s, generator=g, device="cuda") * 0.02).bfloat16().cpu()
-             for i in range(layers) for j, s in enumerate(shapes)}
-    t = time.perf_counter()
-    st = compress_state_dict(state, path, workers=16)
-    print(f"encode {st.raw_bytes / 1e9:.2f} GB in {time.perf_counter() - t:.1f}s, ratio {st.ratio:.4f}")
-    with Archive.open(path) as a:
-        p = plans.build(a.entries, a.path)
-        data = torch.from_numpy(a.reader.buf[p.start:p.end].copy()).cuda()
-    out = cuda_ext.decode_plan(p, data)
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-    times = []
-    for _ in range(10):
-        ev[0].record()
-        cuda_ext.decode_plan(p, data)
-        ev[1].record()
-        torch.cuda.synchronize()
-        times.append(ev[0].elapsed_time(ev[1]) / 1e3)
-    times.sort()
-    exact = all(torch.equal(out[k].cpu().view(torch.int16), v.view(torch.int16)) for k, v in state.items())
-    print(f"decode {st.raw_bytes / times[len(times) // 2] / 1e9:.1f} GB/s median of 10 "
-          f"(best {st.raw_bytes / times[0] / 1e9:.1f}), {p.n_segments} segments, bit-exact {exact}")
-    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    y.copy_(x)
-    ev[0].record(); y.copy_(x); ev[1].record(); torch.cuda.synchronize()
-    print(f"device copy ceiling {2 * x.numel() / (ev[0].elapsed_time(ev[1]) / 1e3) / 1e12:.2f} TB/s (read+write)")
+def main(layers: int = 2) -> None:
+    state = weights(layer_shapes(layers), seed=0)
+    ours = Ours(state, Path(tempfile.mkdtemp(prefix="wcodec-quick-")), "quick")
+    print(f"encode {ours.raw / 1e9:.2f} GB in {ours.encode_s:.1f}s, ratio {ours.stats.ratio:.4f}")
+    seconds = timed(lambda: cuda_ext.decode_plan(ours.plan, ours.data))
+    out = cuda_ext.decode_plan(ours.plan, ours.data)
+    exact = all(out[k].cpu().view(-1).equal(v.view(-1)) for k, v in state.items())
+    print(f"decode {ours.raw / seconds / 1e9:.1f} GB/s median of 10, {ours.plan.n_segments} segments, bit-exact {exact}")
+    print(f"device copy ceiling {ceilings()['d2d_copy_TBps']:.2f} TB/s (read+write)")
 
 
 if __name__ == "__main__":
-    main(layers=int(sys.argv[1]) if len(sys.argv) > 1 else 2)
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 2)
