@@ -21,6 +21,7 @@ from codec.constants import PREAMBLE_SIZE
 from codec.container import _PREAMBLE, Preamble, crc32
 from codec.decode import LoadedModel, load
 from codec.encode import compress_state_dict
+from tests.tensors import assert_bit_exact
 
 # Hypothesis: fixed seed (derandomize), no deadline (NumPy first calls are slow), no database.
 settings.register_profile(
@@ -34,20 +35,6 @@ settings.load_profile("codec")
 
 
 # --- comparisons -------------------------------------------------------------------------------
-
-
-def raw_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A tensor's bytes as a flat uint8 tensor: compares NaN payloads, -0 and bools exactly."""
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def assert_bit_exact(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor]) -> None:
-    assert set(actual) == set(expected)
-    for name, ref in expected.items():
-        got = actual[name]
-        assert got.dtype == ref.dtype, name
-        assert tuple(got.shape) == tuple(ref.shape), name
-        assert torch.equal(raw_bytes(got), raw_bytes(ref)), name
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ payloads, +-Inf, -0 and denormals all occur; realistic weights come from normal 
 
 from __future__ import annotations
 
-import math
 import os
 import signal
 import subprocess
@@ -24,53 +23,16 @@ from codec import decode, encode
 from codec.constants import CODEC_FLOAT, CODEC_RAW, MIN_CODED_ELEMENTS, SEGMENT_SYMBOLS
 from codec.decode import Archive, load
 from codec.encode import compress, compress_state_dict
+from tests.tensors import make_tensor
 
 FLOAT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 RAW_DTYPES = [torch.float64, torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool,
               torch.float8_e4m3fn, torch.float8_e5m2]
 ALL_DTYPES = FLOAT_DTYPES + RAW_DTYPES
 
-# Special bit patterns per float dtype: quiet/signalling NaNs with payloads, negative NaN, +-Inf,
-# -0, the smallest denormals of both signs, the largest finite value.
-SPECIALS = {
-    torch.bfloat16: [0x7FC1, 0x7F81, 0xFFFF, 0x7F80, 0xFF80, 0x8000, 0x0001, 0x807F, 0x7F7F],
-    torch.float16: [0x7E01, 0x7C01, 0xFFFF, 0x7C00, 0xFC00, 0x8000, 0x0001, 0x83FF, 0x7BFF],
-    torch.float32: [0x7FC00001, 0x7F800001, 0xFFFFFFFF, 0x7F800000, 0xFF800000, 0x80000000,
-                    0x00000001, 0x807FFFFF, 0x7F7FFFFF],
-}
-_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-
 # Peer to beat (shared/PEERS.md, ZipNN section): real MiniLM-L6 weights cast to bf16 compress to
 # a ratio of 0.6648 with ZipNN.
 ZIPNN_MINILM_BF16_RATIO = 0.6648
-
-
-def _from_bits(bits: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(bits).view(np.uint8)).view(dtype).reshape(shape)
-
-
-def make_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int, kind: str) -> torch.Tensor:
-    """kind: "bits" (uniform random bit patterns), "normal" (weights), "mixed" (weights with
-    ~3% random bit patterns and special values)."""
-    n = math.prod(shape)
-    rng = np.random.default_rng(seed)
-    if dtype == torch.bool:
-        return torch.from_numpy(rng.integers(0, 2, n).astype(bool)).reshape(shape)
-    word = _UINT[dtype.itemsize]
-    bits = rng.integers(0, np.iinfo(word).max, size=n, dtype=word, endpoint=True)
-    if kind == "bits" or not dtype.is_floating_point:
-        return _from_bits(bits, dtype, shape)
-    gen = torch.Generator().manual_seed(seed)
-    weights = (torch.randn(n, generator=gen, dtype=torch.float64) * 0.02).to(dtype)
-    if kind == "normal" or n == 0:
-        return weights.reshape(shape)
-    out = weights.view(torch.uint8).numpy().copy().view(word)
-    noisy = rng.random(n) < 0.03
-    out[noisy] = bits[noisy]
-    specials = np.array(SPECIALS.get(dtype, [0]), dtype=word)
-    at = rng.integers(0, n, size=min(n, 4 * len(specials)))
-    out[at] = np.resize(specials, len(at))
-    return _from_bits(out, dtype, shape)
 
 
 SHAPES = [(), (0,), (0, 5), (5, 0, 3), (1,), (1, 1), (7,), (3, 5), (13, 17), (MIN_CODED_ELEMENTS - 1,),

