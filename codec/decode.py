@@ -82,7 +82,7 @@ def decode_entries(archive: Archive, entries: list[TensorEntry], verify: bool = 
                                                           f"{len(raw)} bytes, not {e.nbytes}")
         outputs[i][:] = raw
     decoded = floatcodec.decode_batch([(p, layout, hi) for p, layout, hi, _ in items]) if items else []
-    for i, (sym, status), (_, layout, hi, lo) in zip(slots, decoded, items):
+    for i, (sym, status, _, _), (_, layout, hi, lo) in zip(slots, decoded, items):
         e = entries[i]
         if status.any():
             seg = int(np.flatnonzero(status)[0])

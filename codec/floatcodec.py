@@ -216,10 +216,10 @@ def _check_segments(seg_off: np.ndarray, seg_words: np.ndarray, tables_end: int,
         raise StreamFault("segments overlap, overlap the tables, or run past the stream's end")
 
 
-def decode_batch(items: list[tuple[ParsedExp, planes.FloatLayout, np.ndarray]]):
-    """Decode the exp planes of several tensors (parsed stream, layout, hi plane) in one pass.
-    Returns, per tensor, (sym plane, status per segment)."""
-    tables_parts, seg_rows, sym_rows, pad_rows, lengths, first = [], [], [], [], [], 0
+def batch_tables(items: list[tuple[ParsedExp, planes.FloatLayout, np.ndarray]]):
+    """One LUT for a batch of tensors (parsed stream, layout, hi plane), and per tensor the LUT row
+    of each segment's table set, of each symbol's context table, and of each set's identity table."""
+    tables_parts, seg_rows, sym_rows, pad_rows, first = [], [], [], [], 0
     for parsed, layout, hi in items:
         p = parsed.params
         n_ctx = 1 << p.ctx_bits
@@ -230,19 +230,29 @@ def decode_batch(items: list[tuple[ParsedExp, planes.FloatLayout, np.ndarray]]):
         seg_rows.append((first + set_of_seg * (n_ctx + 1)) * PROB_SCALE)
         sym_rows.append(planes.context(layout, hi, p.ctx_bits).astype(np.uint16) * np.uint16(PROB_SCALE))
         pad_rows.append(np.full(p.n_segments, n_ctx * PROB_SCALE, dtype=np.uint16))
-        lengths.append(p.segment_lengths())
         first += len(sets) * (n_ctx + 1)
     lut = tables.build_lut(np.concatenate([t.reshape(-1, 256) for t in tables_parts]))
+    return lut, seg_rows, sym_rows, pad_rows
+
+
+def decode_batch(items: list[tuple[ParsedExp, planes.FloatLayout, np.ndarray]], record_every: int = 0):
+    """Decode the exp planes of several tensors (parsed stream, layout, hi plane) in one pass.
+    Returns, per tensor, rans.Decoded for its segments (with entry points every `record_every`
+    steps when > 0: codec/resident.py)."""
+    lut, seg_rows, sym_rows, pad_rows = batch_tables(items)
     seg_words = [w for p, _, _ in items for w in p.words]
     counts = np.array([len(w) for w in seg_words], dtype=np.int64)
-    syms, status = rans.decode(rans.plan(np.concatenate(lengths)),
-                               np.concatenate([p.states for p, _, _ in items]),
-                               np.concatenate(seg_words) if seg_words else np.zeros(0, np.uint16),
-                               np.cumsum(counts) - counts, counts, np.concatenate(seg_rows),
-                               np.concatenate(sym_rows), np.concatenate(pad_rows), lut)
+    res = rans.decode(rans.plan(np.concatenate([p.params.segment_lengths() for p, _, _ in items])),
+                      np.concatenate([p.states for p, _, _ in items]),
+                      np.concatenate(seg_words) if seg_words else np.zeros(0, np.uint16),
+                      np.cumsum(counts) - counts, counts, np.concatenate(seg_rows),
+                      np.concatenate(sym_rows), np.concatenate(pad_rows), lut, record_every=record_every)
     out, sym0, seg0 = [], 0, 0
     for parsed, _, _ in items:
         n, n_seg = parsed.params.n, parsed.params.n_segments
-        out.append((syms[sym0:sym0 + n], status[seg0:seg0 + n_seg]))
+        segs = slice(seg0, seg0 + n_seg)
+        out.append(rans.Decoded(res.symbols[sym0:sym0 + n], res.status[segs],
+                                None if res.entry_states is None else res.entry_states[segs],
+                                None if res.entry_words is None else res.entry_words[segs]))
         sym0, seg0 = sym0 + n, seg0 + n_seg
     return out

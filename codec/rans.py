@@ -22,6 +22,7 @@ State maths (P = PROB_BITS, M = 2**P, L = 2**16):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -121,16 +122,26 @@ def encode(layout: Layout, packed: np.ndarray):
 _LANE_PREFIX = ((np.uint64(1) << np.arange(1, LANES + 1, dtype=np.uint64)) - np.uint64(1)).astype(np.uint32)
 
 
+class Decoded(NamedTuple):
+    symbols: np.ndarray                # u8, caller order
+    status: np.ndarray                 # per segment: STATUS_OK / STATUS_WORDS / STATUS_STATE
+    entry_states: np.ndarray | None    # record_every = K: [segments, ceil(steps / K), 32] u32, the
+                                       # states before steps 0, K, 2K, ... (zero past a segment's end)
+    entry_words: np.ndarray | None     # [segments, ceil(steps / K)] words consumed before them
+
+
 def decode(layout: Layout, states: np.ndarray, words: np.ndarray, word_start: np.ndarray,
            word_count: np.ndarray, seg_row: np.ndarray, sym_row: np.ndarray, pad_row: np.ndarray,
-           lut: np.ndarray):
+           lut: np.ndarray, *, end_states: np.ndarray | None = None, record_every: int = 0) -> Decoded:
     """Decode a batch with the packed LUT of tables.build_lut.
 
     Symbol j's LUT entry is ``lut[seg_row[seg] + sym_row[j] + slot]``: seg_row (per segment) is
     the segment's table set, sym_row (u16, per symbol) its context table within the set. Padding
     past a segment's end uses ``seg_row + pad_row[seg]``, which must be an identity table.
     `words` holds every segment's words, segment i at [word_start[i], word_start[i] + word_count[i]).
-    Returns (symbols u8 caller order, status per segment)."""
+    A segment must end with its states equal to `end_states` ([segments, 32]; default all L) having
+    used exactly word_count words. `record_every` = K > 0 also records the entry points before
+    every K-th step (the resident index, codec/resident.py)."""
     row_all = to_step_major(layout, np.asarray(sym_row, dtype=np.uint16), pad_row)
     base = np.empty((layout.rows, 1), dtype=np.int64)
     base[layout.rank, 0] = seg_row
@@ -145,8 +156,14 @@ def decode(layout: Layout, states: np.ndarray, words: np.ndarray, word_start: np
         raise ValueError("a decode batch must hold fewer than 2**31 words")
     ptr = np.zeros((layout.rows, 1), dtype=np.int32)
     ptr[layout.rank, 0] = word_start
+    n_entries = -(-layout.steps // record_every) if record_every else 0
+    rec_x = np.zeros((layout.rows, n_entries, LANES), dtype=np.uint32)
+    rec_p = np.zeros((layout.rows, n_entries), dtype=np.int64)
     for t in range(layout.steps):
         k = layout.active[t]
+        if record_every and t % record_every == 0:                        # an entry point
+            rec_x[:k, t // record_every] = x[:k]
+            rec_p[:k, t // record_every] = ptr[:k, 0]
         xs = x[:k]
         v = np.take(lut, (base[:k] + row_all[t, :k]) + (xs & _SLOT_MASK), mode="wrap")
         sym_all[t, :k] = v >> LUT_SYM_SHIFT                           # (u8 keeps the symbol's bits)
@@ -160,6 +177,12 @@ def decode(layout: Layout, states: np.ndarray, words: np.ndarray, word_start: np
     ptr = ptr[:, 0]
     used = ptr[layout.rank].astype(np.int64) - word_start
     status = np.where(used != word_count, STATUS_WORDS, STATUS_OK)
-    bad_state = (x[layout.rank] != RANS_L).any(axis=1)
+    end = RANS_L if end_states is None else end_states
+    bad_state = (x[layout.rank] != end).any(axis=1)
     status = np.where((status == STATUS_OK) & bad_state, STATUS_STATE, status)
-    return from_step_major(layout, sym_all), status
+    if not record_every:
+        return Decoded(from_step_major(layout, sym_all), status, None, None)
+    seg_steps = (layout.lengths + LANES - 1) // LANES
+    live = np.arange(n_entries)[None, :] * record_every < seg_steps[:, None]     # entries inside a segment
+    rec_p = np.where(live, rec_p[layout.rank] - np.asarray(word_start, np.int64)[:, None], 0)
+    return Decoded(from_step_major(layout, sym_all), status, rec_x[layout.rank] * live[..., None], rec_p)

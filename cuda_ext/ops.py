@@ -55,7 +55,7 @@ def reference_decode_float(data: torch.Tensor, desc: torch.Tensor, outputs: list
         lo = buf[d["lo_off"]:d["lo_off"] + 2 * d["numel"]].view("<u2") if d["lo_off"] >= 0 else None
         items.append((parsed, layout, hi))
         targets.append((segs, layout, hi, lo, out))
-    for (sym, seg_status), (segs, layout, hi, lo, out) in zip(floatcodec.decode_batch(items) if items else [], targets):
+    for (sym, seg_status, _, _), (segs, layout, hi, lo, out) in zip(floatcodec.decode_batch(items) if items else [], targets):
         status[segs] = seg_status
         planes.join(layout, sym, hi, lo, out=out.view(-1).view(_word_dtype(layout)).numpy())
     return torch.from_numpy(status)

@@ -46,9 +46,10 @@ def _decode(layout: rans.Layout, states, words, counts, freqs: np.ndarray, table
     n_seg, n_tab = layout.rows, len(freqs)
     lut = tables.build_lut(np.concatenate([freqs, np.zeros((1, 256), freqs.dtype)]))
     starts = np.cumsum(counts) - counts if starts is None else starts
-    return rans.decode(layout, states, words, starts, counts, np.zeros(n_seg, np.int64),
-                       (table_of * PROB_SCALE).astype(np.uint16), np.full(n_seg, n_tab * PROB_SCALE, np.uint16),
-                       lut)
+    res = rans.decode(layout, states, words, starts, counts, np.zeros(n_seg, np.int64),
+                      (table_of * PROB_SCALE).astype(np.uint16), np.full(n_seg, n_tab * PROB_SCALE, np.uint16),
+                      lut)
+    return res.symbols, res.status
 
 
 def _case(lengths, n_tables: int = 3, seed: int = SEED):
