@@ -29,14 +29,20 @@ def main() -> None:
         data = torch.from_numpy(a.reader.buf[p.start:p.end].copy())
     outs = [torch.empty(e.shape, dtype=e.torch_dtype) for e in p.float_entries]
     raw = sum(o.nbytes for o in outs)
+    status, states, words = plans.buffers(p, "cpu", plans.MODE_BULK, 0)
+    plan = plans.device_plan(p, outs, plans.MODE_BULK, 0)
+
+    def decode():
+        ops.decode_pieces(data, p.desc, plan, outs, states, words, status, plans.MODE_BULK, 0)
+
     print(f"{args.archive}: {len(outs)} float tensors, {raw / 1e6:.1f} MB decoded, extension {avail.path}")
     for threads in args.threads:
         torch.set_num_threads(threads)
-        ops.decode_float(data, p.desc, outs, p.n_segments)                    # warm-up: touch the outputs
+        decode()                                                              # warm-up: touch the outputs
         times = []
         for _ in range(args.repeat):
             t = time.perf_counter()
-            status = ops.decode_float(data, p.desc, outs, p.n_segments)
+            decode()
             times.append(time.perf_counter() - t)
         assert int(status.abs().sum()) == 0
         print(f"threads {threads}: {raw / statistics.median(times) / 1e9:.2f} GB/s (median of {args.repeat})")

@@ -92,35 +92,48 @@ class Ours:
                 "latency_ms_one_launch": one * 1e3, "latency_ms_per_layer": per_layer * 1e3 / len(layers)}
 
 
-def dfloat11(layer: dict, repeats: int) -> dict:
-    """DFloat11's own encoder and PTX kernel (through cupy): one launch per transformer layer."""
-    import cupy as cp
-    from dfloat11 import dfloat11 as dfl
-    from dfloat11.dfloat11_utils import encode_weights, get_32bit_codec, get_codec, get_luts
-    flat = [t.flatten() for t in layer.values()]
-    _, counter = get_codec(torch.cat(flat))
-    codec, _, table = get_32bit_codec(counter)
-    luts = get_luts(table)
-    encoded, other, positions, gaps, _ = encode_weights(flat, codec, bytes_per_thread=8, threads_per_block=512)
-    n_el, n_bytes = other.numel(), encoded.numel()
-    pos = positions.numpy().view("uint32")
-    shared = 512 * 4 + 4 + int((pos[1:].astype("int64") - pos[:-1].astype("int64")).max()) * 2
-    dev = [t.contiguous().view(torch.uint8).cuda() for t in (luts, encoded, other, positions.view(torch.uint8), gaps)]
-    out = torch.empty(n_el, dtype=torch.bfloat16, device="cuda")
-    grid = (int(math.ceil(n_bytes / (512 * 8))),)
+class DFloat11:
+    """DFloat11's own encoder and PTX kernel (through cupy) over a list of tensors, decoded by one
+    launch into one output (its own granularity: a transformer block)."""
 
-    def launch():
-        dfl._decode(grid=grid, block=(512,), shared_mem=shared,
-                    args=[dev[0].data_ptr(), dev[1].data_ptr(), dev[2].data_ptr(), dev[3].data_ptr(),
-                          dev[4].data_ptr(), out.data_ptr(), luts.shape[0], n_bytes, n_el])
-    with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
-        launch()
+    def __init__(self, tensors: list[torch.Tensor]):
+        from dfloat11.dfloat11_utils import encode_weights, get_32bit_codec, get_codec, get_luts
+        flat = [t.flatten() for t in tensors]
+        _, counter = get_codec(torch.cat(flat))
+        codec, _, table = get_32bit_codec(counter)
+        luts = get_luts(table)
+        encoded, other, positions, gaps, _ = encode_weights(flat, codec, bytes_per_thread=8, threads_per_block=512)
+        self.n_el, self.n_bytes, self.n_luts = other.numel(), encoded.numel(), luts.shape[0]
+        pos = positions.numpy().view("uint32")
+        self.shared = 512 * 4 + 4 + int((pos[1:].astype("int64") - pos[:-1].astype("int64")).max()) * 2
+        self.dev = [t.contiguous().view(torch.uint8).cuda() for t in (luts, encoded, other, positions.view(torch.uint8), gaps)]
+        self.out = torch.empty(self.n_el, dtype=torch.bfloat16, device="cuda")
+        self.grid = (int(math.ceil(self.n_bytes / (512 * 8))),)
+        self.stored = sum(t.numel() for t in self.dev)
+        self.expected = torch.cat(flat)
+
+    def launch(self) -> None:
+        import cupy as cp
+        from dfloat11 import dfloat11 as dfl
+        with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+            dfl._decode(grid=self.grid, block=(512,), shared_mem=self.shared,
+                        args=[d.data_ptr() for d in self.dev] + [self.out.data_ptr(), self.n_luts, self.n_bytes, self.n_el])
+
+    def bit_exact(self) -> bool:
+        self.launch()
         torch.cuda.synchronize()
-        exact = torch.equal(out.cpu().view(torch.int16), torch.cat(flat).view(torch.int16))
-        per = timed(launch)
-    stored = encoded.numel() + other.numel() + positions.numel() * positions.element_size() + gaps.numel() + luts.numel() * luts.element_size()
-    raw = 2 * n_el
-    return {"ratio": stored / raw, "bit_exact": exact, "GBps_launch_per_layer": raw / per / 1e9,
+        return torch.equal(self.out.cpu().view(torch.int16), self.expected.view(torch.int16))
+
+    @property
+    def ratio(self) -> float:
+        return self.stored / (2 * self.n_el)
+
+
+def dfloat11(layer: dict, repeats: int) -> dict:
+    """One launch per transformer layer."""
+    d = DFloat11(list(layer.values()))
+    exact, per = d.bit_exact(), timed(d.launch)
+    return {"ratio": d.ratio, "bit_exact": exact, "GBps_launch_per_layer": 2 * d.n_el / per / 1e9,
             "latency_ms_per_layer": per * 1e3, "layers_decoded": repeats}
 
 

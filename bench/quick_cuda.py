@@ -1,28 +1,27 @@
-"""A quick timing of the CUDA decoder (no peers) for scripts/device_check.sh: N Llama-7B layers of
-random bf16 decoded in one launch, and the device-copy ceiling. The full run is gpu_bench.py.
+"""A quick timing of our decoder alone (no peers) for scripts/device_check.sh: one trained-like
+Llama-3-8B layer decoded from the resident form (per layer, per tensor) and in bulk. The full run,
+beside DFloat11 and nvCOMP, is fine_decode.py.
 
-    python bench/quick_cuda.py [N_LAYERS]
+    python bench/quick_cuda.py [ENTRY_STEPS]
 """
+import json
 import sys
 import tempfile
 from pathlib import Path
 
-import torch
-from gpu_bench import Ours, ceilings, layer_shapes, timed, weights
+from fine_decode import LAYER_8B, Resident, trained_like
 
-import cuda_ext
+from cuda_ext import plans
 
 
-def main(layers: int = 2) -> None:
-    state = weights(layer_shapes(layers), seed=0)
-    ours = Ours(state, Path(tempfile.mkdtemp(prefix="wcodec-quick-")), "quick")
-    print(f"encode {ours.raw / 1e9:.2f} GB in {ours.encode_s:.1f}s, ratio {ours.stats.ratio:.4f}")
-    seconds = timed(lambda: cuda_ext.decode_plan(ours.plan, ours.data))
-    out = cuda_ext.decode_plan(ours.plan, ours.data)
-    exact = all(out[k].cpu().view(torch.int16).equal(v.view(torch.int16)) for k, v in state.items())
-    print(f"decode {ours.raw / seconds / 1e9:.1f} GB/s median of 10, {ours.plan.n_segments} segments, bit-exact {exact}")
-    print(f"device copy ceiling {ceilings()['d2d_copy_TBps']:.2f} TB/s (read+write)")
+def main(entry_steps: int = 256) -> None:
+    layer = trained_like(LAYER_8B, seed=1)
+    ours = Resident(layer, Path(tempfile.mkdtemp(prefix="wcodec-quick-")), "quick", entry_steps)
+    print(f"entry_steps {entry_steps}: ratios {json.dumps(ours.ratios)}, record {ours.record_GBps:.0f} GB/s")
+    for label, names in (("layer_8B", list(LAYER_8B)), ("q_4096x4096", ["q"]), ("k_1024x4096", ["k"])):
+        print(label, "indexed", json.dumps(ours.measure(names)))
+        print(label, "bulk   ", json.dumps(ours.measure(names, plans.MODE_BULK)))
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 2)
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 256)

@@ -15,6 +15,9 @@ Read me first (the traps)
 * Entry p holds the 32 lane states before the piece's first step and the words of its segment
   consumed before it. A piece decodes from its entry and must end exactly at the next entry of
   its segment, or at L with all the segment's words used: every piece is checked, like a segment.
+* A segment's first piece starts from the segment's own stored states, not from its entry: rANS
+  decoders can resynchronise after a perturbed state, so a corrupt entry is caught by the piece
+  that must END at it. With that, every entry a decoder reads is checked by another piece.
 """
 from __future__ import annotations
 
@@ -95,9 +98,11 @@ def decode_pieces(items: list[tuple[floatcodec.ParsedExp, planes.FloatLayout, np
         for p in np.asarray(ids, np.int64).tolist():
             pc = piece(parsed.params, index.entry_steps, p)
             seg_words = parsed.words[pc.segment]
-            w0 = int(index.words[p]) if pc.symbols else 0
+            head = p % pieces_per_segment(index.entry_steps) == 0         # starts from the stream's states
+            w0 = int(index.words[p]) if pc.symbols and not head else 0
             w1 = len(seg_words) if pc.end_entry is None else int(index.words[pc.end_entry])
-            start = index.states[p] if pc.symbols else np.full(LANES, RANS_L, np.uint32)
+            start = (parsed.states[pc.segment] if head else index.states[p]) if pc.symbols else \
+                np.full(LANES, RANS_L, np.uint32)
             end = np.full(LANES, RANS_L, np.uint32) if pc.end_entry is None else index.states[pc.end_entry]
             lengths.append(pc.symbols)
             states.append(start)

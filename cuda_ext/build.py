@@ -57,7 +57,7 @@ def _jit(with_cuda: bool) -> None:
 
 
 def _has_cuda_kernel() -> bool:
-    return torch._C._dispatch_has_kernel_for_dispatch_key("wcodec::decode_float", "CUDA")
+    return torch._C._dispatch_has_kernel_for_dispatch_key("wcodec::decode_pieces", "CUDA")
 
 
 @lru_cache(maxsize=1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from codec import floatcodec, planes
+from codec import floatcodec, planes, resident
 from codec.constants import SEGMENT_SYMBOLS
 from codec.floatcodec import FloatParams
 
@@ -15,12 +15,21 @@ _LAYOUT_BY_CODE = {code: planes.FLOAT_LAYOUTS[name] for name, code in DTYPE_CODE
 STATUS_DIRECTORY, STATUS_TABLE = 3, 4
 
 
-def decode_float(data: torch.Tensor, desc: torch.Tensor, outputs: list[torch.Tensor],
-                 n_segments: int) -> torch.Tensor:
-    """Decode every float tensor described by `desc` (CPU int64 [n, 9], plan.DESC_FIELDS) from
-    the uint8 `data` into `outputs` (preallocated, contiguous, on data's device), on the current
-    stream. Returns an int32 status per segment (0 = ok); never raises on bad archive data."""
-    return torch.ops.wcodec.decode_float.default(data, desc, outputs, n_segments)
+BULK, RECORD, INDEXED = 0, 1, 2       # wcodec_constants.h Mode
+
+
+def decode_pieces(data: torch.Tensor, desc: torch.Tensor, plan: torch.Tensor, outputs: list[torch.Tensor],
+                  entry_states: torch.Tensor, entry_words: torch.Tensor, status: torch.Tensor, mode: int,
+                  entry_steps: int) -> None:
+    """Decode every unit of the float tensors in `desc` (CPU int64 [n, 9], plan.DESC_FIELDS) from
+    the uint8 `data` into `outputs` (caller-owned, contiguous, on data's device), on the current
+    stream, allocating nothing. `plan` is desc's device plan (plan.device_plan; ignored on the CPU).
+    mode BULK decodes whole segments, RECORD also writes the resident index (entry_states int32
+    [entries * 32], entry_words int32 [entries]) every entry_steps steps, INDEXED decodes pieces
+    of entry_steps steps from it (codec/resident.py). `status` (int32) gets one code per segment
+    (per piece for INDEXED), 0 = ok; bad archive data never raises."""
+    torch.ops.wcodec.decode_pieces.default(data, desc, plan, outputs, entry_states, entry_words, status,
+                                           mode, entry_steps)
 
 
 def register_fakes() -> None:
@@ -28,37 +37,53 @@ def register_fakes() -> None:
     if getattr(register_fakes, "done", False):
         return
 
-    @torch.library.register_fake("wcodec::decode_float")
-    def _(data, desc, outputs, n_segments):
-        return data.new_empty((n_segments,), dtype=torch.int32)
+    @torch.library.register_fake("wcodec::decode_pieces")
+    def _(data, desc, plan, outputs, entry_states, entry_words, status, decode_mode, entry_steps):
+        return None
 
     register_fakes.done = True
 
 
-def reference_decode_float(data: torch.Tensor, desc: torch.Tensor, outputs: list[torch.Tensor],
-                           n_segments: int) -> torch.Tensor:
+def _tensor_items(buf: np.ndarray, row: list[int]):
+    """(parsed exp | StreamFault, layout, hi, lo) of one descriptor row."""
+    d = dict(zip(DESC_FIELDS, row))
+    layout = _LAYOUT_BY_CODE[d["dtype"]]
+    params = FloatParams(d["numel"], d["ctx_bits"], d["table_group"], SEGMENT_SYMBOLS)
+    hi = buf[d["hi_off"]:d["hi_off"] + d["numel"]]
+    lo = buf[d["lo_off"]:d["lo_off"] + 2 * d["numel"]].view("<u2") if d["lo_off"] >= 0 else None
+    try:
+        parsed = floatcodec.parse_exp(buf[d["exp_off"]:d["exp_off"] + d["exp_len"]], params)
+    except floatcodec.StreamFault as fault:
+        parsed = fault
+    return d, parsed, layout, hi, lo
+
+
+def reference_decode_pieces(data: torch.Tensor, desc: torch.Tensor, plan: torch.Tensor, outputs: list[torch.Tensor],
+                            entry_states: torch.Tensor, entry_words: torch.Tensor, status: torch.Tensor, mode: int,
+                            entry_steps: int) -> None:
     """The NumPy reference (codec/) behind the op's interface: CPU tensors only."""
-    buf = data.numpy()
-    status = np.zeros(n_segments, dtype=np.int32)
-    items, targets = [], []
+    buf, st = data.numpy(), status.numpy()
+    per = resident.pieces_per_segment(entry_steps) if mode != BULK else 1
+    states = entry_states.numpy().view(np.uint32).reshape(-1, 32) if mode != BULK else None
+    words = entry_words.numpy().view(np.uint32) if mode != BULK else None
     for row, out in zip(desc.tolist(), outputs):
-        d = dict(zip(DESC_FIELDS, row))
-        layout = _LAYOUT_BY_CODE[d["dtype"]]
-        params = FloatParams(d["numel"], d["ctx_bits"], d["table_group"], SEGMENT_SYMBOLS)
-        segs = slice(d["first_segment"], d["first_segment"] + params.n_segments)
-        try:
-            parsed = floatcodec.parse_exp(buf[d["exp_off"]:d["exp_off"] + d["exp_len"]], params)
-        except floatcodec.StreamFault as fault:
-            status[segs] = STATUS_TABLE if fault.table else STATUS_DIRECTORY
+        d, parsed, layout, hi, lo = _tensor_items(buf, row)
+        n_seg = -(-d["numel"] // SEGMENT_SYMBOLS)
+        first = d["first_segment"] * (per if mode == INDEXED else 1)
+        units = slice(first, first + n_seg * (per if mode == INDEXED else 1))
+        if isinstance(parsed, floatcodec.StreamFault):
+            st[units] = STATUS_TABLE if parsed.table else STATUS_DIRECTORY
             continue
-        hi = buf[d["hi_off"]:d["hi_off"] + d["numel"]]
-        lo = buf[d["lo_off"]:d["lo_off"] + 2 * d["numel"]].view("<u2") if d["lo_off"] >= 0 else None
-        items.append((parsed, layout, hi))
-        targets.append((segs, layout, hi, lo, out))
-    for (sym, seg_status, _, _), (segs, layout, hi, lo, out) in zip(floatcodec.decode_batch(items) if items else [], targets):
-        status[segs] = seg_status
+        entries = slice(d["first_segment"] * per, (d["first_segment"] + n_seg) * per)
+        if mode == INDEXED:
+            index = resident.Index(entry_steps, states[entries], words[entries])
+            (sym, st[units]), = resident.decode_pieces([(parsed, layout, hi, index, np.arange(n_seg * per))])
+        elif mode == RECORD:
+            ((res, index),) = resident.build([(parsed, layout, hi)], entry_steps)
+            sym, st[units], states[entries], words[entries] = res.symbols, res.status, index.states, index.words
+        else:
+            (sym, st[units], _, _), = floatcodec.decode_batch([(parsed, layout, hi)])
         planes.join(layout, sym, hi, lo, out=out.view(-1).view(_word_dtype(layout)).numpy())
-    return torch.from_numpy(status)
 
 
 def _word_dtype(layout: planes.FloatLayout) -> torch.dtype:
@@ -66,9 +91,10 @@ def _word_dtype(layout: planes.FloatLayout) -> torch.dtype:
 
 
 def sample_inputs(device: str | torch.device) -> list[tuple]:
-    """Small archives' worth of op arguments (every dtype, multi-segment, a partial segment)."""
+    """Small archives' worth of op arguments (every dtype, multi-segment, a partial segment), in
+    each mode; the INDEXED call reads the index that the RECORD call before it writes."""
     from codec.encode import encode_tensors
-    from .plan import build
+    from .plan import build, buffers, device_plan
     from codec.entries import TensorEntry
     g = torch.Generator().manual_seed(0)
     tensors = {"bf16": torch.randn(SEGMENT_SYMBOLS + 999, generator=g).bfloat16(),
@@ -87,5 +113,10 @@ def sample_inputs(device: str | torch.device) -> list[tuple]:
                                    FloatParams(int(np.prod(rec["shape"])), **rec["params"])))
     p = build(entries, start=0, end=len(blob))
     data = torch.frombuffer(blob, dtype=torch.uint8).clone().to(device)
-    outputs = [torch.empty(e.shape, dtype=e.torch_dtype, device=device) for e in p.float_entries]
-    return [(data, p.desc, outputs, p.n_segments)], tensors
+    _, states, words = buffers(p, data.device, RECORD, 256)
+    args = []
+    for mode, steps in ((BULK, 0), (RECORD, 256), (INDEXED, 256)):
+        outputs = [torch.empty(e.shape, dtype=e.torch_dtype, device=device) for e in p.float_entries]
+        status = buffers(p, data.device, mode, steps)[0]
+        args.append((data, p.desc, device_plan(p, outputs, mode, steps), outputs, states, words, status, mode, steps))
+    return args, tensors

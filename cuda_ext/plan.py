@@ -11,13 +11,13 @@ from dataclasses import dataclass
 import torch
 
 from codec import errors
-from codec.constants import CODEC_FLOAT
+from codec.constants import CODEC_FLOAT, SEGMENT_STEPS
 from codec.entries import TensorEntry
 
 DESC_FIELDS = ("exp_off", "exp_len", "hi_off", "lo_off", "numel", "ctx_bits", "table_group",
                "dtype", "first_segment")
 DTYPE_CODES = {"bfloat16": 0, "float16": 1, "float32": 2}
-STATUS_TEXT = {1: "used more or fewer words than it holds", 2: "a lane did not end at L",
+STATUS_TEXT = {1: "used more or fewer words than it holds", 2: "a lane did not end where it must",
                3: "its directory points outside the stream", 4: "a frequency table is malformed"}
 
 
@@ -34,6 +34,23 @@ class Plan:
     @property
     def n_segments(self) -> int:
         return sum(e.params.n_segments for e in self.float_entries)
+
+    @property
+    def segment_span(self) -> int:
+        """Segments that status and index buffers must cover: a plan made by select() keeps its
+        tensors' places in its parent's."""
+        first = DESC_FIELDS.index("first_segment")
+        return max((row[first] + e.params.n_segments for e, row in zip(self.float_entries, self.desc.tolist())),
+                   default=0)
+
+
+def select(plan: Plan, names) -> Plan:
+    """The tensors `names` of a plan, as a plan over the same data whose tensors keep their
+    first_segment: it decodes with the parent's resident index (one tensor of a layer, say)."""
+    names = set(names)
+    keep = [i for i, e in enumerate(plan.float_entries) if e.name in names]
+    return Plan(plan.start, plan.end, [plan.float_entries[i] for i in keep], plan.desc[keep].contiguous(),
+                [(e, off) for e, off in plan.raw_entries if e.name in names])
 
 
 def _rel(entry: TensorEntry, role: str, start: int, end: int, path) -> int:
@@ -71,17 +88,50 @@ def build(entries: list[TensorEntry], path=None, start: int | None = None, end: 
     return Plan(start, end, floats, desc, raws)
 
 
-def raise_on_status(plan: Plan, status: torch.Tensor, path) -> None:
-    """Turn the decoders' per-segment status into the codec's typed error."""
+MODE_BULK, MODE_RECORD, MODE_INDEXED = 0, 1, 2      # wcodec_constants.h Mode
+WARPS_PER_BLOCK = 4                                  # decode_float.cu kWarpsPerBlock
+
+
+def units_per_segment(mode: int, entry_steps: int) -> int:
+    return SEGMENT_STEPS // entry_steps if mode == MODE_INDEXED else 1
+
+
+def device_plan(plan: Plan, outputs: list[torch.Tensor], mode: int, entry_steps: int) -> torch.Tensor:
+    """What the CUDA kernel reads, built once per (plan, outputs, mode): desc rows | the first
+    block of each tensor | output pointers (int64, on the outputs' device). The caller keeps
+    `outputs` alive as long as it launches with this plan."""
+    per = units_per_segment(mode, entry_steps)
+    blocks = [-(-e.params.n_segments * per // WARPS_PER_BLOCK) for e in plan.float_entries]
+    firsts = [sum(blocks[:i]) for i in range(len(blocks))]
+    host = torch.cat([plan.desc.reshape(-1), torch.tensor(firsts, dtype=torch.int64),
+                      torch.tensor([o.data_ptr() for o in outputs], dtype=torch.int64)])
+    device = outputs[0].device if outputs else torch.device("cpu")
+    return host.to(device) if device.type == "cuda" else host
+
+
+def buffers(plan: Plan, device, mode: int, entry_steps: int):
+    """(status, entry_states, entry_words) sized for a plan: one status per unit, and in RECORD /
+    INDEXED mode the resident index (int32; empty in BULK mode)."""
+    per = SEGMENT_STEPS // entry_steps if mode != MODE_BULK else 0
+    n = plan.segment_span
+    return (torch.zeros(n * units_per_segment(mode, entry_steps), dtype=torch.int32, device=device),
+            torch.zeros(n * per * 32, dtype=torch.int32, device=device),
+            torch.zeros(n * per, dtype=torch.int32, device=device))
+
+
+def raise_on_status(plan: Plan, status: torch.Tensor, path, per: int = 1) -> None:
+    """Turn the decoders' status per segment (per piece: `per` pieces a segment) into the codec's
+    typed error."""
     status = status.cpu()
     bad = torch.nonzero(status).flatten()
     if len(bad) == 0:
         return
-    seg = int(bad[0])
+    unit = int(bad[0])
+    what = "segment" if per == 1 else "piece"
     for e, row in zip(plan.float_entries, plan.desc.tolist()):
-        first = row[DESC_FIELDS.index("first_segment")]
-        if first <= seg < first + e.params.n_segments:
-            code = int(status[seg])
-            raise errors.CorruptStreamError(path, f"tensor {e.name!r}: segment {seg - first} "
+        first = row[DESC_FIELDS.index("first_segment")] * per
+        if first <= unit < first + e.params.n_segments * per:
+            code = int(status[unit])
+            raise errors.CorruptStreamError(path, f"tensor {e.name!r}: {what} {unit - first} "
                                                   f"{STATUS_TEXT.get(code, f'status {code}')}")
-    raise errors.CorruptStreamError(path, f"segment {seg}: status {int(status[seg])}")
+    raise errors.CorruptStreamError(path, f"{what} {unit}: status {int(status[unit])}")

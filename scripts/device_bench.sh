@@ -11,8 +11,8 @@ stage build timeout 300 python3 -c "import cuda_ext; print(cuda_ext.available())
 so=$(ls $WCODEC_EXT_CACHE/*/wcodec_ext_cuda.so | head -1)
 cuobjdump -sass "$so" > "$OUT/decode_float.sass" 2>&1
 echo "SASS lines: $(wc -l < "$OUT/decode_float.sass")"
-stage ncu timeout 200 ncu --clock-control none -k regex:decode_float --launch-count 1 --section SpeedOfLight \
+stage ncu timeout 200 ncu --clock-control none -k regex:decode_kernel --launch-count 1 --section SpeedOfLight \
   --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
-  python3 bench/quick_cuda.py 2 > "$OUT/ncu.txt" 2>&1
+  python3 bench/quick_cuda.py 256 > "$OUT/ncu.txt" 2>&1
 grep -E "Duration|Achieved Occupancy|Theoretical Occupancy|Issued Warp Per|Stall|Warp Cycles Per Issued|Registers|Shared Memory Config|Block Limit" "$OUT/ncu.txt" | head -30
-stage bench timeout ${BENCH_TIMEOUT:-420} python3 bench/gpu_bench.py --layers 6 --model-layers 32 --json "$OUT/gpu_bench.json"
+stage bench timeout ${BENCH_TIMEOUT:-500} python3 bench/fine_decode.py --layers 6 --model-layers 32 --json "$OUT/fine_decode.json"

@@ -18,4 +18,4 @@ stage gpu-tests timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu -
 grep -E "passed|failed|PASSED|FAILED|ERROR|demo part" "$OUT/gpu_tests.log" | tail -25
 stage sanitizer timeout 240 compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/sanitize_sample.py > "$OUT/sanitizer.log" 2>&1
 grep -E "ERROR SUMMARY|sample decode|Error|error" "$OUT/sanitizer.log" | tail -8
-stage quick timeout 240 python3 bench/quick_cuda.py ${QUICK_LAYERS:-6}
+stage quick timeout 240 python3 bench/quick_cuda.py ${ENTRY_STEPS:-256}

@@ -66,6 +66,43 @@ WC_HD int read_segment(const uint8_t* exp, int64_t len, const TensorDesc& d, int
   return kOk;
 }
 
+// ---- units: what one warp (CUDA) or one task (C++) decodes ---------------------------------------
+// kBulk / kRecord: unit u = segment u. kIndexed: unit u = piece u (codec/resident.py: segment
+// u / P, steps [sub * K, min((sub + 1) * K, segment steps)), sub = u % P, P = kSegmentSteps / K).
+struct Unit {
+  int64_t seg;          // segment of the tensor
+  int64_t t0, t1;       // steps [t0, t1) of that segment; empty when t0 >= t1
+  int64_t entry;        // global index entry it starts from; -1: the segment's own stored states
+                        // (every segment's first piece, so that each entry read is also checked
+                        // as the end of the piece before it)
+  int64_t end_entry;    // kIndexed: global entry it must end at; -1: at L, with every word used
+  int64_t status;       // where its status goes
+};
+
+WC_HD int64_t pieces_per_segment(int64_t mode, int64_t entry_steps) {
+  return mode == kIndexed ? kSegmentSteps / entry_steps : 1;
+}
+WC_HD int64_t unit_count(const TensorDesc& d, int64_t mode, int64_t entry_steps) {
+  return segment_count(d) * pieces_per_segment(mode, entry_steps);
+}
+WC_HD int64_t segment_symbols(const TensorDesc& d, int64_t seg) {
+  const int64_t rest = d.numel - seg * kSegmentSymbols;
+  return rest < kSegmentSymbols ? rest : kSegmentSymbols;
+}
+WC_HD Unit unit_of(const TensorDesc& d, int64_t mode, int64_t entry_steps, int64_t u) {
+  const int64_t per = pieces_per_segment(mode, entry_steps);
+  const int64_t seg = u / per, sub = u % per;
+  const int64_t steps = (segment_symbols(d, seg) + kLanes - 1) / kLanes;
+  if (mode != kIndexed) return Unit{seg, 0, steps, -1, -1, d.first_segment + u};
+  const int64_t t0 = sub * entry_steps, t1 = t0 + entry_steps < steps ? t0 + entry_steps : steps;
+  const int64_t entry = d.first_segment * per + u;
+  return Unit{seg, t0, t1, sub ? entry : -1, (sub + 1 < per && t1 < steps) ? entry + 1 : -1, entry};
+}
+// kRecord: the global index entry before step t (a multiple of entry_steps) of segment seg.
+WC_HD int64_t record_entry(const TensorDesc& d, int64_t entry_steps, int64_t seg, int64_t t) {
+  return (d.first_segment + seg) * (kSegmentSteps / entry_steps) + t / entry_steps;
+}
+
 // ---- build the decode table --------------------------------------------------------------------
 // Table j's frequencies: bitmap of present symbols, then a u16 per present symbol.
 // Writes freq[256]; returns kOk or kTable. Checks the table lies inside [dir_end, tables_end).
@@ -89,7 +126,18 @@ WC_HD int parse_table(const uint8_t* exp, int64_t len, const TensorDesc& d, int6
   return (sum == kProbScale || sum == 0) ? kOk : kTable;
 }
 
-// Decode table of one frequency table, as the C++ and CUDA decoders hold it: the symbol owning
+// The packed decode-table entry of tables.build_lut: (freq - 1) << 20 | sym << 12 | (slot - cum).
+// One step is then one load: x = (freq - 1 + 1) * (x >> P) + bias.
+constexpr int kLutSymShift = kProbBits, kLutFreqShift = kProbBits + 8;
+WC_HD constexpr uint32_t lut_entry(uint32_t freq, uint32_t sym, uint32_t bias) {
+  return ((freq - 1) << kLutFreqShift) | (sym << kLutSymShift) | bias;
+}
+WC_HD uint32_t rans_step_packed(uint32_t v, uint32_t& x) {
+  x = ((v >> kLutFreqShift) + 1) * (x >> kProbBits) + (v & (kProbScale - 1));
+  return (v >> kLutSymShift) & 0xFF;
+}
+
+// Decode table of one frequency table, as the C++ decoder holds it: the symbol owning
 // each slot (u8, M entries) and, per symbol, freq << 16 | cum. A set of 4 is 20 KiB: it fits an L1
 // cache or a block's shared memory (the NumPy reference packs one u32 per slot instead, which
 // suits vectorised gathers; both compute the same step). An all-zero table decodes as the

@@ -135,66 +135,103 @@ static bool has_avx512() {
 }
 #endif
 
+// Steps [t, stop) of a unit: AVX-512 for whole steps, the scalar loop for the rest.
 template <int Dtype, int CtxBits, typename Word>
-static int decode_lanes(const uint8_t* data, const TensorDesc& d, const SegmentRef& ref, int64_t seg,
-                        const DecodeTable* lut, Word* out) {
+static void decode_steps(const uint8_t* hi, const uint8_t* lo, const DecodeTable* lut, const uint8_t* words,
+                         int64_t n_words, int64_t& used, uint32_t* x, int64_t n, int64_t t, int64_t stop, Word* out) {
+  int64_t j0 = t * kLanes;
+  const int64_t end = std::min(stop * kLanes, n);
+#if defined(__x86_64__)
+  if (has_avx512() && end - j0 >= kLanes)
+    j0 += decode_full_steps_avx512<Dtype, CtxBits>(hi + j0, Dtype == kFP32 ? lo + 2 * j0 : nullptr, lut, words,
+                                                   n_words, used, x, (end - j0) / kLanes, out + j0);
+#endif
+  for (; j0 < end; j0 += kLanes) {
+    const int lanes = static_cast<int>(std::min<int64_t>(kLanes, end - j0));
+    const uint8_t* lo_step = Dtype == kFP32 ? lo + 2 * j0 : nullptr;
+    if (lanes == kLanes && used >= 0 && used + kLanes <= n_words)
+      decode_step<Dtype, CtxBits, false>(kLanes, hi + j0, lo_step, lut, words, n_words, used, x, out + j0);
+    else
+      decode_step<Dtype, CtxBits, true>(lanes, hi + j0, lo_step, lut, words, n_words, used, x, out + j0);
+  }
+}
+
+struct IndexView {                 // the resident index (kRecord writes it, kIndexed reads it)
+  uint32_t* states;                // [entries, 32]
+  uint32_t* words;                 // [entries]
+};
+
+// Decode steps [u.t0, u.t1) of one segment into `out` (the segment's first element) and check its
+// end: L with every word used, or the next entry of the index.
+template <int Dtype, int CtxBits, typename Word>
+static int decode_unit(const uint8_t* data, const TensorDesc& d, const SegmentRef& ref, const Unit& u, int64_t mode,
+                       int64_t entry_steps, const DecodeTable* lut, IndexView index, Word* out) {
+  if (u.t0 >= u.t1) return kOk;                                    // a piece past a short segment's end
   const uint8_t* exp = data + d.exp_off;
-  const uint8_t* hi = data + d.hi_off + seg * kSegmentSymbols;
-  const uint8_t* lo = Dtype == kFP32 ? data + d.lo_off + 2 * seg * kSegmentSymbols : nullptr;
+  const uint8_t* hi = data + d.hi_off + u.seg * kSegmentSymbols;
+  const uint8_t* lo = Dtype == kFP32 ? data + d.lo_off + 2 * u.seg * kSegmentSymbols : nullptr;
   const uint8_t* words = exp + ref.data + kStateBytes;
   uint32_t x[kLanes];
-  for (int l = 0; l < kLanes; ++l) x[l] = load_le<uint32_t>(exp + ref.data + 4 * l);
-  int64_t used = 0, j0 = 0;
-#if defined(__x86_64__)
-  if (has_avx512())                                    // every full step; the scalar loop ends it
-    j0 = decode_full_steps_avx512<Dtype, CtxBits>(hi, lo, lut, words, ref.words, used, x, ref.symbols / kLanes, out);
-#endif
-  for (; j0 < ref.symbols; j0 += kLanes) {
-    const int lanes = static_cast<int>(std::min<int64_t>(kLanes, ref.symbols - j0));
-    const uint8_t* lo_step = Dtype == kFP32 ? lo + 2 * j0 : nullptr;
-    if (lanes == kLanes && used + kLanes <= ref.words)
-      decode_step<Dtype, CtxBits, false>(kLanes, hi + j0, lo_step, lut, words, ref.words, used, x, out + j0);
-    else
-      decode_step<Dtype, CtxBits, true>(lanes, hi + j0, lo_step, lut, words, ref.words, used, x, out + j0);
-  }
-  if (used != ref.words) return kWords;
+  int64_t used = u.entry >= 0 ? index.words[u.entry] : 0;
   for (int l = 0; l < kLanes; ++l)
-    if (x[l] != kRansL) return kState;
+    x[l] = u.entry >= 0 ? index.states[u.entry * kLanes + l] : load_le<uint32_t>(exp + ref.data + 4 * l);
+  for (int64_t t = u.t0; t < u.t1;) {
+    const int64_t stop = mode == kRecord ? std::min(u.t1, (t / entry_steps + 1) * entry_steps) : u.t1;
+    if (mode == kRecord) {                                         // an entry point of the index
+      const int64_t e = record_entry(d, entry_steps, u.seg, t);
+      std::copy_n(x, kLanes, index.states + e * kLanes);
+      index.words[e] = static_cast<uint32_t>(used);
+    }
+    decode_steps<Dtype, CtxBits>(hi, lo, lut, words, ref.words, used, x, ref.symbols, t, stop, out);
+    t = stop;
+  }
+  const bool to_entry = u.end_entry >= 0;
+  if (used != (to_entry ? static_cast<int64_t>(index.words[u.end_entry]) : ref.words)) return kWords;
+  for (int l = 0; l < kLanes; ++l)
+    if (x[l] != (to_entry ? index.states[u.end_entry * kLanes + l] : kRansL)) return kState;
   return kOk;
 }
 
 template <int Dtype, typename Word>
-static int decode_lanes_ctx(const uint8_t* data, const TensorDesc& d, const SegmentRef& ref, int64_t seg,
-                            const DecodeTable* lut, void* base) {
-  Word* out = static_cast<Word*>(base) + seg * kSegmentSymbols;
+static int decode_unit_ctx(const uint8_t* data, const TensorDesc& d, const SegmentRef& ref, const Unit& u,
+                           int64_t mode, int64_t entry_steps, const DecodeTable* lut, IndexView index, void* base) {
+  Word* out = static_cast<Word*>(base) + u.seg * kSegmentSymbols;
   switch (d.ctx_bits) {
-    case 0: return decode_lanes<Dtype, 0>(data, d, ref, seg, lut, out);
-    case 1: return decode_lanes<Dtype, 1>(data, d, ref, seg, lut, out);
-    default: return decode_lanes<Dtype, 2>(data, d, ref, seg, lut, out);
+    case 0: return decode_unit<Dtype, 0>(data, d, ref, u, mode, entry_steps, lut, index, out);
+    case 1: return decode_unit<Dtype, 1>(data, d, ref, u, mode, entry_steps, lut, index, out);
+    default: return decode_unit<Dtype, 2>(data, d, ref, u, mode, entry_steps, lut, index, out);
   }
 }
 
-static int decode_segment(const uint8_t* data, const TensorDesc& d, const SegmentRef& ref, int64_t seg,
-                          const DecodeTable* lut, void* base) {
+static int decode_any(const uint8_t* data, const TensorDesc& d, const SegmentRef& ref, const Unit& u, int64_t mode,
+                      int64_t entry_steps, const DecodeTable* lut, IndexView index, void* base) {
   switch (d.dtype) {
-    case kBF16: return decode_lanes_ctx<kBF16, uint16_t>(data, d, ref, seg, lut, base);
-    case kFP16: return decode_lanes_ctx<kFP16, uint16_t>(data, d, ref, seg, lut, base);
-    default: return decode_lanes_ctx<kFP32, uint32_t>(data, d, ref, seg, lut, base);
+    case kBF16: return decode_unit_ctx<kBF16, uint16_t>(data, d, ref, u, mode, entry_steps, lut, index, base);
+    case kFP16: return decode_unit_ctx<kFP16, uint16_t>(data, d, ref, u, mode, entry_steps, lut, index, base);
+    default: return decode_unit_ctx<kFP32, uint32_t>(data, d, ref, u, mode, entry_steps, lut, index, base);
   }
 }
 
 // Checks a caller's arguments (not archive data: that yields statuses). Returns the descriptors.
-std::vector<TensorDesc> check_args(const at::Tensor& data, const at::Tensor& desc,
-                                   at::TensorList outputs, int64_t n_segments) {
+std::vector<TensorDesc> check_pieces_args(const at::Tensor& data, const at::Tensor& desc, at::TensorList outputs,
+                                          const at::Tensor& entry_states, const at::Tensor& entry_words,
+                                          const at::Tensor& status, int64_t mode, int64_t entry_steps) {
   TORCH_CHECK(data.scalar_type() == at::kByte && data.dim() == 1 && data.is_contiguous(),
               "data must be a contiguous 1-D uint8 tensor");
   TORCH_CHECK(desc.scalar_type() == at::kLong && desc.device().is_cpu() && desc.dim() == 2 &&
                   desc.size(1) == kDescFields && desc.is_contiguous(),
               "desc must be a contiguous CPU int64 tensor [n, ", int(kDescFields), "]");
   TORCH_CHECK(static_cast<int64_t>(outputs.size()) == desc.size(0), "one output per descriptor row");
+  TORCH_CHECK(mode >= kBulk && mode <= kIndexed, "mode must be 0 (bulk), 1 (record) or 2 (indexed)");
+  TORCH_CHECK(mode == kBulk || (entry_steps >= kMinEntrySteps && entry_steps <= kSegmentSteps &&
+                                (entry_steps & (entry_steps - 1)) == 0),
+              "entry_steps must be a power of two in [", kMinEntrySteps, ", ", kSegmentSteps, "]");
+  TORCH_CHECK(status.scalar_type() == at::kInt && status.is_contiguous() && status.device() == data.device(),
+              "status must be a contiguous int32 tensor on data's device");
   std::vector<TensorDesc> out;
-  int64_t first = 0;
+  int64_t entries = 0, statuses = 0;
   const int64_t size = data.numel();
+  const int64_t per = mode == kBulk ? 1 : kSegmentSteps / entry_steps;
   for (int64_t i = 0; i < desc.size(0); ++i) {
     const TensorDesc d = load_desc(desc.data_ptr<int64_t>() + i * kDescFields);
     const at::Tensor& o = outputs[i];
@@ -202,45 +239,58 @@ std::vector<TensorDesc> check_args(const at::Tensor& data, const at::Tensor& des
     TORCH_CHECK(d.dtype >= kBF16 && d.dtype <= kFP32 && o.scalar_type() == want, "output ", i, " has the wrong dtype");
     TORCH_CHECK(o.is_contiguous() && o.numel() == d.numel && d.numel > 0 && o.device() == data.device(),
                 "output ", i, " must be contiguous, on data's device, with numel ", d.numel);
-    TORCH_CHECK(d.ctx_bits >= 0 && d.ctx_bits <= kMaxCtxBits && d.table_group >= 1, "bad params in row ", i);
-    TORCH_CHECK(d.first_segment == first, "first_segment of row ", i, " must be ", first);
+    TORCH_CHECK(d.ctx_bits >= 0 && d.ctx_bits <= kMaxCtxBits && d.table_group >= 1 && d.first_segment >= 0,
+                "bad params in row ", i);
     TORCH_CHECK(d.exp_off >= 0 && d.exp_len >= 0 && d.exp_off + d.exp_len <= size && d.hi_off >= 0 &&
                     d.hi_off + d.numel <= size && (d.dtype != kFP32 || (d.lo_off >= 0 && d.lo_off + 2 * d.numel <= size)),
                 "streams of row ", i, " lie outside data");
-    first += segment_count(d);
+    entries = std::max(entries, (d.first_segment + segment_count(d)) * per);
+    statuses = std::max(statuses, (d.first_segment + segment_count(d)) * pieces_per_segment(mode, entry_steps));
     out.push_back(d);
   }
-  TORCH_CHECK(first == n_segments, "n_segments must be ", first);
+  TORCH_CHECK(status.numel() >= statuses, "status needs ", statuses, " entries");
+  if (mode != kBulk) {
+    TORCH_CHECK(entry_states.scalar_type() == at::kInt && entry_words.scalar_type() == at::kInt &&
+                    entry_states.is_contiguous() && entry_words.is_contiguous() &&
+                    entry_states.device() == data.device() && entry_words.device() == data.device(),
+                "the index is two contiguous int32 tensors on data's device");
+    TORCH_CHECK(entry_states.numel() >= entries * kLanes && entry_words.numel() >= entries,
+                "the index needs ", entries, " entries");
+  }
   return out;
 }
 
-static at::Tensor decode_float_cpu(const at::Tensor& data, const at::Tensor& desc, at::TensorList outputs,
-                                   int64_t n_segments) {
-  const std::vector<TensorDesc> descs = check_args(data, desc, outputs, n_segments);
-  at::Tensor status = at::zeros({n_segments}, data.options().dtype(at::kInt));
+static void decode_pieces_cpu(const at::Tensor& data, const at::Tensor& desc, const at::Tensor& /*plan*/,
+                              at::TensorList outputs, const at::Tensor& entry_states, const at::Tensor& entry_words,
+                              const at::Tensor& status, int64_t mode, int64_t entry_steps) {
+  const std::vector<TensorDesc> descs =
+      check_pieces_args(data, desc, outputs, entry_states, entry_words, status, mode, entry_steps);
+  std::vector<int64_t> firsts;                                       // first unit of each tensor
+  int64_t total = 0;
+  for (const auto& d : descs) firsts.push_back(total), total += unit_count(d, mode, entry_steps);
   int32_t* st = status.data_ptr<int32_t>();
   const uint8_t* bytes = data.data_ptr<uint8_t>();
-  std::vector<int64_t> firsts;
-  for (const auto& d : descs) firsts.push_back(d.first_segment);
-  at::parallel_for(0, n_segments, 1, [&](int64_t begin, int64_t end) {
+  const IndexView index{mode == kBulk ? nullptr : reinterpret_cast<uint32_t*>(entry_states.data_ptr()),
+                        mode == kBulk ? nullptr : reinterpret_cast<uint32_t*>(entry_words.data_ptr())};
+  const int64_t grain = mode == kIndexed ? kSegmentSteps / entry_steps : 1;   // a segment's pieces share tables
+  at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
     std::vector<DecodeTable> lut;
     int64_t cached_tensor = -1, cached_table = -1;
     for (int64_t g = begin; g < end; ++g) {
       const int64_t t = std::upper_bound(firsts.begin(), firsts.end(), g) - firsts.begin() - 1;
       const TensorDesc& d = descs[t];
       const uint8_t* exp = bytes + d.exp_off;
+      const Unit u = unit_of(d, mode, entry_steps, g - firsts[t]);
       SegmentRef ref;
-      const int64_t seg = g - d.first_segment;
-      if ((st[g] = read_segment(exp, d.exp_len, d, seg, &ref)) != kOk) continue;
+      if ((st[u.status] = read_segment(exp, d.exp_len, d, u.seg, &ref)) != kOk) continue;
       if (t != cached_tensor || ref.table0 != cached_table) {
         cached_tensor = -1;
-        if ((st[g] = build_decode_tables(exp, d, ref.table0, lut)) != kOk) continue;
+        if ((st[u.status] = build_decode_tables(exp, d, ref.table0, lut)) != kOk) continue;
         cached_tensor = t, cached_table = ref.table0;
       }
-      st[g] = decode_segment(bytes, d, ref, seg, lut.data(), outputs[t].data_ptr());
+      st[u.status] = decode_any(bytes, d, ref, u, mode, entry_steps, lut.data(), index, outputs[t].data_ptr());
     }
   });
-  return status;
 }
 
 #ifdef WCODEC_PYTHON_MODULE
@@ -254,10 +304,14 @@ extern "C" PyObject* PyInit__C() {
 namespace wcodec {
 #endif
 
+// decode_pieces: decode the units of every tensor in `desc` into `outputs` (caller-owned), on the
+// current stream, allocating nothing. `plan` is desc's device plan (cuda_ext.plan.device_plan;
+// unused on the CPU). Modes and the index: wcodec_constants.h Mode, codec/resident.py.
 TORCH_LIBRARY(wcodec, m) {
-  m.def("decode_float(Tensor data, Tensor desc, Tensor(a!)[] outputs, int n_segments) -> Tensor");
+  m.def("decode_pieces(Tensor data, Tensor desc, Tensor plan, Tensor(a!)[] outputs, Tensor(b!) entry_states, "
+        "Tensor(c!) entry_words, Tensor(d!) status, int decode_mode, int entry_steps) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(wcodec, CPU, m) { m.impl("decode_float", &decode_float_cpu); }
+TORCH_LIBRARY_IMPL(wcodec, CPU, m) { m.impl("decode_pieces", &decode_pieces_cpu); }
 
 }  // namespace wcodec

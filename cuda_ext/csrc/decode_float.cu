@@ -1,9 +1,13 @@
 // CUDA twin of decode_float.cpp: the same steps (read the directory -> build the decode tables ->
-// decode lanes -> join planes), spread over threads: one warp decodes one segment, one lane per
-// rANS state, exactly the lane/word order of docs/FORMAT.md §3. The warp builds its table set in
-// shared memory, then each step is two shared-memory loads, a multiply-add, and a ballot + popc
-// to hand out the renormalisation words in lane order. Archive data never traps: every read is
-// bounded and each segment reports a status.
+// decode lanes -> join planes), spread over threads. One warp decodes one unit -- a whole segment,
+// or in kIndexed mode one piece of it started from the resident index (codec/resident.py) -- one
+// lane per rANS state, in the lane/word order of docs/FORMAT.md §3. A block of 4 warps decodes 4
+// units that share a table set; it first builds that set's packed decode tables in shared memory
+// (one u32 per slot, tables.build_lut's layout), so a step is one shared load, a multiply-add, and
+// a ballot + popc that hands out the renormalisation words in lane order. Hi bytes are loaded one
+// chunk of 8 steps ahead, words straight from global memory (L1). Archive data never traps: every
+// read is bounded and each unit reports a status. Launches run on the current stream and allocate
+// nothing: the caller owns the outputs, the index, the status and the device plan.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -17,13 +21,21 @@
 namespace wcodec {
 
 constexpr unsigned kFullMask = 0xFFFFFFFFu;
+constexpr int kWarpsPerBlock = 4;                  // = TABLE_GROUP_QUANTUM: one table set per block
+constexpr int kChunk = static_cast<int>(kMinEntrySteps);   // steps per unrolled chunk
+constexpr int kCumWords = 260;                     // per-warp scratch: cum[257]
+constexpr size_t kTableBytes = sizeof(uint32_t) * kProbScale;
 
-std::vector<TensorDesc> check_args(const at::Tensor& data, const at::Tensor& desc, at::TensorList outputs,
-                                   int64_t n_segments);   // decode_float.cpp
+std::vector<TensorDesc> check_pieces_args(const at::Tensor& data, const at::Tensor& desc, at::TensorList outputs,
+                                          const at::Tensor& entry_states, const at::Tensor& entry_words,
+                                          const at::Tensor& status, int64_t mode, int64_t entry_steps);  // .cpp
 
-// ---- build the decode tables (warp-parallel) ------------------------------------------------------
-// Lane l owns symbols [8l, 8l + 8): their presence bits are byte l of the bitmap. Returns kOk/kTable.
-__device__ int build_decode_table(const uint8_t* exp, const TensorDesc& d, int64_t j, DecodeTable* t) {
+// ---- build the decode table (warp-parallel) ------------------------------------------------------
+// Lane l owns symbols [8l, 8l + 8): their presence bits are byte l of the bitmap. The warp scans
+// frequencies into cum[257] (scratch), then each lane fills 128 consecutive slots, walking the
+// symbols. Returns kOk / kTable; an unused (all-zero) table becomes the identity.
+__device__ int build_decode_table(const uint8_t* exp, const TensorDesc& d, int64_t j, uint32_t* lut,
+                                  uint32_t* cum_s) {
   const int lane = threadIdx.x & 31;
   const int64_t base = 12 * segment_count(d);
   const int64_t start = load_le<uint32_t>(exp + base + 4 * j);
@@ -55,252 +67,231 @@ __device__ int build_decode_table(const uint8_t* exp, const TensorDesc& d, int64
   cum -= sum;
   ok = __all_sync(kFullMask, ok) && (total == kProbScale || total == 0);
   if (!ok) return kTable;
-  for (int k = 0; k < 8; ++k) {
-    const int s = 8 * lane + k;
-    // an unused (all-zero) table is the identity: symbol 0 owns [0, M), every other cum is M
-    t->freq_cum[s] = total ? (freq[k] << 16) | cum : (s == 0 ? kProbScale << 16 : kProbScale);
-    cum += freq[k];
+  if (total == 0) {                                                  // identity: x stays x
+    for (uint32_t slot = lane; slot < kProbScale; slot += 32) lut[slot] = lut_entry(kProbScale, 0, slot);
+    __syncwarp();
+    return kOk;
   }
+  for (int k = 0; k < 8; ++k) cum_s[8 * lane + k] = cum, cum += freq[k];
+  if (lane == 0) cum_s[256] = kProbScale;
   __syncwarp();
-  // The symbol owning a slot is the last s with cum[s] <= slot: cum never decreases, and an absent
-  // symbol shares its cum with the next symbol, so the last such s is always a present one.
-  for (uint32_t slot = lane; slot < kProbScale; slot += 32) {
-    uint32_t lo = 0, hi = 255;
-    while (lo < hi) {
-      const uint32_t mid = (lo + hi + 1) >> 1;
-      if ((t->freq_cum[mid] & 0xFFFF) <= slot) lo = mid; else hi = mid - 1;
-    }
-    t->sym[slot] = static_cast<uint8_t>(lo);
+  // The symbol owning a slot is the last s with cum[s] <= slot: an absent symbol shares its cum
+  // with the next one, so the walk never stops on it.
+  uint32_t slot = (kProbScale / 32) * lane, s = 0;
+  for (uint32_t lo = 0, hi = 255; lo < hi;) {
+    const uint32_t mid = (lo + hi + 1) >> 1;
+    if (cum_s[mid] <= slot) lo = mid; else hi = mid - 1;
+    s = lo;
+  }
+  for (int k = 0; k < static_cast<int>(kProbScale / 32); ++k, ++slot) {
+    while (cum_s[s + 1] <= slot) ++s;
+    const uint32_t c = cum_s[s];
+    lut[slot] = lut_entry(cum_s[s + 1] - c, s, slot - c);
   }
   __syncwarp();
   return kOk;
 }
 
-// ---- asynchronous global -> shared copies (sm_80+) ---------------------------------------------
-// Copies `bytes` (0..16) valid bytes and zero-fills the rest of the 16; with 0 nothing is read.
-__device__ __forceinline__ void copy16_async(void* dst, const void* src, int bytes) {
-  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(bytes));
-}
-__device__ __forceinline__ void copies_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void copies_wait() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+// ---- decode lanes + join planes -------------------------------------------------------------------
+template <int Dtype>
+using WordOf = typename std::conditional<Dtype == kFP32, uint32_t, uint16_t>::type;
 
-// Per-warp staging, after the block's decode tables. Steps run in chunks of kChunkSteps; the hi
-// (and fp32 lo) planes of the next chunk and the words it may need are copied in while this one
-// decodes. Layout: hi[2][kChunkSymbols] | ring[kRingWords] u16 | lo[2][kChunkSymbols] u16 (fp32).
-constexpr int kChunkSteps = 8;
-constexpr int kChunkSymbols = kChunkSteps * kLanes;                  // 256
-constexpr int kRingWords = 4 * kChunkSymbols;                        // 4 chunks' worst case (1 word/symbol)
-constexpr int kWarpsPerBlock = 4;                                    // = TABLE_GROUP_QUANTUM: one table set
-constexpr size_t kStagingBytes = 2 * kChunkSymbols + 2 * kRingWords;
-constexpr size_t kStagingBytesFP32 = kStagingBytes + 4 * kChunkSymbols;
-
-struct Staging {
-  uint8_t* hi;          // [2][kChunkSymbols]
-  uint16_t* ring;       // [kRingWords]
-  uint16_t* lo;         // [2][kChunkSymbols], fp32 only
+struct Lane {                      // one lane's view of the unit it decodes
+  uint32_t x;                      // rANS state
+  int wpos;                        // words of the segment consumed (warp-uniform)
 };
 
-__device__ __forceinline__ Staging staging_of(unsigned char* base) {
-  return Staging{base, reinterpret_cast<uint16_t*>(base + 2 * kChunkSymbols),
-                 reinterpret_cast<uint16_t*>(base + kStagingBytes)};
-}
-
-// Bytes of a 16-byte piece that lie before `remaining` (0..16).
-__device__ __forceinline__ int piece_bytes(int64_t remaining) {
-  return remaining <= 0 ? 0 : remaining >= 16 ? 16 : static_cast<int>(remaining);
-}
-
-// Copy [first, last) bytes of `src` (length `len`) to `dst` in 16-byte pieces spread over the warp.
-__device__ __forceinline__ void stage_bytes(uint8_t* dst, const uint8_t* src, int64_t first, int64_t last,
-                                            int64_t len) {
-  for (int64_t p = first + 16 * (threadIdx.x & 31); p < last; p += 16 * kLanes) {
-    const int bytes = piece_bytes(len - p);
-    copy16_async(dst + (p - first), bytes ? src + p : src, bytes);
+// Hi (and fp32 lo) values of one chunk, loaded a chunk ahead. Past the segment's end: zero.
+template <int Dtype, bool Full>
+__device__ __forceinline__ void load_chunk(const uint8_t* hi, const uint16_t* lo, int base, int n,
+                                           uint32_t (&h)[kChunk], uint32_t (&l)[kChunk]) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int k = 0; k < kChunk; ++k) {
+    const int j = base + k * kLanes + lane;
+    const bool in = Full || j < n;
+    h[k] = in ? __ldg(hi + j) : 0u;
+    if constexpr (Dtype == kFP32) l[k] = in ? __ldg(lo + j) : 0u;
   }
 }
 
-// Words [from, to) (multiples of 8) into the ring; past n_words the ring gets zeros, never reads.
-__device__ __forceinline__ void stage_words(uint16_t* ring, const uint8_t* words, int64_t from, int64_t to,
-                                            int64_t n_words) {
-  for (int64_t w = from + 8 * (threadIdx.x & 31); w < to; w += 8 * kLanes) {
-    const int bytes = piece_bytes(2 * (n_words - w));
-    copy16_async(ring + (w & (kRingWords - 1)), bytes ? words + 2 * w : words, bytes);
-  }
-}
-
-// ---- decode lanes + join planes -------------------------------------------------------------------
-// Global streaming stores: the decoded weights are not read again by this kernel.
-__device__ __forceinline__ void store_out(uint16_t* p, uint16_t v) { __stcs(reinterpret_cast<unsigned short*>(p), v); }
-__device__ __forceinline__ void store_out(uint32_t* p, uint32_t v) { __stcs(reinterpret_cast<unsigned int*>(p), v); }
-
-// One chunk of kChunkSteps steps. Full chunks (all but a segment's last) run branch-free: the
-// renormalising word is always read from the ring (which holds zeros past the segment's words)
-// and selected, so the warp never diverges around its ballot.
-template <int Dtype, int CtxBits, bool Full, typename Word>
-__device__ __forceinline__ void decode_chunk(int base, int n, const uint8_t* hs, const uint16_t* ls,
-                                             const DecodeTable* set, const uint16_t* ring, uint32_t& x,
-                                             int& used, Word* out) {
+// One chunk of kChunk steps. `Full` chunks (every symbol inside the segment) skip the end checks.
+template <int Dtype, int CtxBits, bool Full>
+__device__ __forceinline__ void decode_chunk(const uint32_t* lut, const uint16_t* words, int n_words, int base,
+                                             int n, const uint32_t (&h)[kChunk], const uint32_t (&l)[kChunk],
+                                             Lane& st, WordOf<Dtype>* out) {
   const int lane = threadIdx.x & 31;
   const unsigned lanes_below = (1u << lane) - 1u;
 #pragma unroll
-  for (int k = 0; k < kChunkSteps; ++k) {
+  for (int k = 0; k < kChunk; ++k) {
     const int j = base + k * kLanes + lane;
     const bool active = Full || j < n;
-    const uint32_t h = hs[k * kLanes + lane];
-    const DecodeTable& t = set[context(h, CtxBits, Dtype)];
-    uint32_t xn = x;
-    const uint32_t sym = rans_step(t.sym, t.freq_cum, xn);
+    uint32_t xn = st.x;
+    const uint32_t sym = rans_step_packed(lut[(context(h[k], CtxBits, Dtype) << kProbBits) | (st.x & (kProbScale - 1))], xn);
     const bool need = active && xn < kRansL;                           // renormalise: one word
     const unsigned mask = __ballot_sync(kFullMask, need);
-    const uint32_t w = ring[(used + __popc(mask & lanes_below)) & (kRingWords - 1)];
-    x = need ? (xn << kRenormBits) | w : (active ? xn : x);
-    used += __popc(mask);
+    const int pos = st.wpos + __popc(mask & lanes_below);
+    const uint32_t w = (need && pos < n_words) ? __ldg(words + pos) : 0u;   // bounded: zeros past the end
+    st.x = need ? (xn << kRenormBits) | w : (active ? xn : st.x);
+    st.wpos += __popc(mask);
     if (Full || active) {
       if constexpr (Dtype == kFP32)
-        store_out(out + j, join32(sym, h, ls[k * kLanes + lane]));
+        out[j] = join32(sym, h[k], l[k]);
       else
-        store_out(out + j, join16(Dtype, sym, h));
+        out[j] = join16(Dtype, sym, h[k]);
     }
   }
 }
 
-// One warp, one segment. Indices within a segment fit 32 bits (<= 131072 symbols and words).
+struct Index {                      // the resident index (kRecord writes it, kIndexed reads it)
+  uint32_t* states;                 // [entries, 32]
+  uint32_t* words;                  // [entries]
+};
+
+// Decode steps [u.t0, u.t1) of one segment. Returns the unit's status.
 template <int Dtype, int CtxBits>
-__device__ int decode_lanes(const uint8_t* data, const TensorDesc& d, const SegmentRef& ref, int64_t seg,
-                            const DecodeTable* set, const Staging& st, void* out_base) {
-  using Word = typename std::conditional<Dtype == kFP32, uint32_t, uint16_t>::type;
+__device__ int decode_unit(const uint8_t* data, const TensorDesc& d, const SegmentRef& ref, const Unit& u,
+                           int64_t mode, int64_t entry_steps, const uint32_t* lut, Index index, void* out_base) {
   const int lane = threadIdx.x & 31;
   const uint8_t* exp = data + d.exp_off;
-  const uint8_t* hi = data + d.hi_off + seg * kSegmentSymbols;
-  const uint8_t* lo = Dtype == kFP32 ? data + d.lo_off + 2 * seg * kSegmentSymbols : nullptr;
-  const uint8_t* words = exp + ref.data + kStateBytes;
-  Word* out = static_cast<Word*>(out_base) + seg * kSegmentSymbols;
+  const int64_t seg0 = u.seg * kSegmentSymbols;
+  const uint8_t* hi = data + d.hi_off + seg0;
+  const uint16_t* lo = Dtype == kFP32 ? reinterpret_cast<const uint16_t*>(data + d.lo_off) + seg0 : nullptr;
+  const uint16_t* words = reinterpret_cast<const uint16_t*>(exp + ref.data + kStateBytes);
+  WordOf<Dtype>* out = static_cast<WordOf<Dtype>*>(out_base) + seg0;
   const int n = static_cast<int>(ref.symbols), n_words = static_cast<int>(ref.words);
-  auto stage_chunk = [&](int c) {
-    const int first = c * kChunkSymbols;
-    stage_bytes(st.hi + (c & 1) * kChunkSymbols, hi, first, first + kChunkSymbols, n);
-    if constexpr (Dtype == kFP32)
-      stage_bytes(reinterpret_cast<uint8_t*>(st.lo + (c & 1) * kChunkSymbols), lo, 2 * first,
-                  2 * (first + kChunkSymbols), 2 * n);
-  };
-  uint32_t x = load_le<uint32_t>(exp + ref.data + 4 * lane);
-  int used = 0, loaded = 3 * kChunkSymbols;                          // the ring holds words [.., loaded)
-  stage_chunk(0);
-  stage_words(st.ring, words, 0, loaded, n_words);
-  copies_commit();
-  for (int c = 0; c * kChunkSymbols < n; ++c) {
-    copies_wait();
-    __syncwarp();
-    // This chunk reads words [used, used + 256), chunk c+1 at most [.., used + 512): fill the ring
-    // to round_down8(used) + 768, which overwrites only words before `used`.
-    const int target = (used & ~7) + 3 * kChunkSymbols;
-    if ((c + 1) * kChunkSymbols < n) stage_chunk(c + 1);
-    if (target > loaded) stage_words(st.ring, words, loaded, target, n_words), loaded = target;
-    copies_commit();
-    const int base = c * kChunkSymbols;
-    const uint8_t* hs = st.hi + (c & 1) * kChunkSymbols;
-    const uint16_t* ls = st.lo + (c & 1) * kChunkSymbols;
-    if (base + kChunkSymbols <= n)
-      decode_chunk<Dtype, CtxBits, true>(base, n, hs, ls, set, st.ring, x, used, out);
-    else
-      decode_chunk<Dtype, CtxBits, false>(base, n, hs, ls, set, st.ring, x, used, out);
+  if (u.t0 >= u.t1) return kOk;                                      // a piece past a short segment's end
+  Lane st;
+  if (u.entry >= 0) {
+    st = Lane{index.states[u.entry * kLanes + lane], static_cast<int>(min(index.words[u.entry], 1u << 30))};
+  } else {
+    st = Lane{load_le<uint32_t>(exp + ref.data + 4 * lane), 0};
   }
-  copies_wait();
-  if (used != n_words) return kWords;
-  return __all_sync(kFullMask, x == kRansL) ? kOk : kState;
+  uint32_t h[kChunk], l[kChunk], hn[kChunk], ln[kChunk];
+  const int t0 = static_cast<int>(u.t0), t1 = static_cast<int>(u.t1);
+  if (t0 < t1) load_chunk<Dtype, false>(hi, lo, t0 * kLanes, n, h, l);
+  for (int t = t0; t < t1; t += kChunk) {
+    const int base = t * kLanes, next = base + kChunk * kLanes;
+    if (t + kChunk < t1) {
+      if (next + kChunk * kLanes <= n) load_chunk<Dtype, true>(hi, lo, next, n, hn, ln);
+      else load_chunk<Dtype, false>(hi, lo, next, n, hn, ln);
+    }
+    if (mode == kRecord && t % entry_steps == 0) {                   // an entry point of the index
+      const int64_t e = record_entry(d, entry_steps, u.seg, t);
+      index.states[e * kLanes + lane] = st.x;
+      if (lane == 0) index.words[e] = static_cast<uint32_t>(st.wpos);
+    }
+    if (next <= n)
+      decode_chunk<Dtype, CtxBits, true>(lut, words, n_words, base, n, h, l, st, out);
+    else
+      decode_chunk<Dtype, CtxBits, false>(lut, words, n_words, base, n, h, l, st, out);
+#pragma unroll
+    for (int k = 0; k < kChunk; ++k) h[k] = hn[k], l[k] = ln[k];
+  }
+  const bool to_entry = u.end_entry >= 0;
+  const uint32_t want_x = to_entry ? index.states[u.end_entry * kLanes + lane] : kRansL;
+  const int64_t want_words = to_entry ? static_cast<int64_t>(index.words[u.end_entry]) : ref.words;
+  if (st.wpos != want_words) return kWords;
+  return __all_sync(kFullMask, st.x == want_x) ? kOk : kState;
 }
 
 template <int Dtype>
-__device__ int decode_ctx(const uint8_t* data, const TensorDesc& d, const SegmentRef& ref, int64_t seg,
-                          const DecodeTable* set, const Staging& st, void* out) {
+__device__ int decode_ctx(const uint8_t* data, const TensorDesc& d, const SegmentRef& ref, const Unit& u,
+                          int64_t mode, int64_t entry_steps, const uint32_t* lut, Index index, void* out) {
   switch (d.ctx_bits) {
-    case 0: return decode_lanes<Dtype, 0>(data, d, ref, seg, set, st, out);
-    case 1: return decode_lanes<Dtype, 1>(data, d, ref, seg, set, st, out);
-    default: return decode_lanes<Dtype, 2>(data, d, ref, seg, set, st, out);
+    case 0: return decode_unit<Dtype, 0>(data, d, ref, u, mode, entry_steps, lut, index, out);
+    case 1: return decode_unit<Dtype, 1>(data, d, ref, u, mode, entry_steps, lut, index, out);
+    default: return decode_unit<Dtype, 2>(data, d, ref, u, mode, entry_steps, lut, index, out);
   }
 }
 
-// One block = 4 warps = 4 consecutive segments of one tensor, which share one table set
-// (table_group is a multiple of 4 or the whole tensor). `firsts` holds each tensor's first block.
-__global__ void __launch_bounds__(32 * kWarpsPerBlock) decode_float_kernel(
-    const uint8_t* __restrict__ data, const int64_t* __restrict__ desc, const int64_t* __restrict__ firsts,
-    int64_t n_tensors, void* const* __restrict__ outs, int32_t* __restrict__ status, size_t staging_bytes) {
-  extern __shared__ __align__(16) unsigned char smem[];
+// The device plan (cuda_ext/plan.py: device_plan): desc rows | first block of each tensor |
+// output pointers, all int64.
+struct DevicePlan {
+  const int64_t* desc;
+  const int64_t* firsts;
+  void* const* outs;
+  int64_t n;
+};
+
+// One block = 4 warps = 4 consecutive units of one tensor, which share one table set (table_group
+// is a multiple of 4 or the whole tensor, and a segment's pieces are a multiple of 4 or 1).
+__global__ void __launch_bounds__(32 * kWarpsPerBlock) decode_kernel(
+    const uint8_t* __restrict__ data, DevicePlan plan, Index index, int32_t* __restrict__ status, int64_t mode,
+    int64_t entry_steps) {
+  extern __shared__ __align__(16) uint32_t smem[];                   // cum [4][260] | tables [2^ctx][M]
   __shared__ int table_status;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const Staging st = staging_of(smem + warp * staging_bytes);
-  DecodeTable* set = reinterpret_cast<DecodeTable*>(smem + kWarpsPerBlock * staging_bytes);
   const int64_t b = blockIdx.x;
-  int64_t lo = 0, hi = n_tensors - 1;                                // last tensor with first <= b
+  int64_t lo = 0, hi = plan.n - 1;                                   // last tensor with first <= b
   while (lo < hi) {
     const int64_t mid = (lo + hi + 1) >> 1;
-    if (firsts[mid] <= b) lo = mid; else hi = mid - 1;
+    if (plan.firsts[mid] <= b) lo = mid; else hi = mid - 1;
   }
-  const TensorDesc d = load_desc(desc + lo * kDescFields);
+  const TensorDesc d = load_desc(plan.desc + lo * kDescFields);
   const uint8_t* exp = data + d.exp_off;
-  const int64_t seg = (b - firsts[lo]) * kWarpsPerBlock + warp;
-  const bool mine = seg < segment_count(d);                          // the tensor's last block may be short
-  const int64_t seg0 = (b - firsts[lo]) * kWarpsPerBlock;            // the block's table set is seg0's
+  const int64_t u0 = (b - plan.firsts[lo]) * kWarpsPerBlock, u = u0 + warp;
+  const bool mine = u < unit_count(d, mode, entry_steps);            // the tensor's last block may be short
   if (threadIdx.x == 0) table_status = kOk;
   __syncthreads();
   SegmentRef ref0;
-  int st0 = read_segment(exp, d.exp_len, d, seg0, &ref0);
-  if (st0 == kOk && warp < (1 << d.ctx_bits)) st0 = build_decode_table(exp, d, ref0.table0 + warp, set + warp);
+  int st0 = read_segment(exp, d.exp_len, d, unit_of(d, mode, entry_steps, u0).seg, &ref0);
+  if (st0 == kOk && warp < (1 << d.ctx_bits))
+    st0 = build_decode_table(exp, d, ref0.table0 + warp, smem + kWarpsPerBlock * kCumWords + warp * kProbScale,
+                             smem + warp * kCumWords);
   if (st0 != kOk && lane == 0) atomicMax(&table_status, st0);
   __syncthreads();
   if (!mine) return;
+  const Unit un = unit_of(d, mode, entry_steps, u);
+  const uint32_t* luts = smem + kWarpsPerBlock * kCumWords;
   SegmentRef ref;
-  int result = table_status != kOk ? table_status : read_segment(exp, d.exp_len, d, seg, &ref);
+  int result = table_status != kOk ? table_status : read_segment(exp, d.exp_len, d, un.seg, &ref);
   if (result == kOk) {
     switch (d.dtype) {
-      case kBF16: result = decode_ctx<kBF16>(data, d, ref, seg, set, st, outs[lo]); break;
-      case kFP16: result = decode_ctx<kFP16>(data, d, ref, seg, set, st, outs[lo]); break;
-      default: result = decode_ctx<kFP32>(data, d, ref, seg, set, st, outs[lo]); break;
+      case kBF16: result = decode_ctx<kBF16>(data, d, ref, un, mode, entry_steps, luts, index, plan.outs[lo]); break;
+      case kFP16: result = decode_ctx<kFP16>(data, d, ref, un, mode, entry_steps, luts, index, plan.outs[lo]); break;
+      default: result = decode_ctx<kFP32>(data, d, ref, un, mode, entry_steps, luts, index, plan.outs[lo]); break;
     }
   }
-  if (lane == 0) status[d.first_segment + seg] = result;
+  if (lane == 0) status[un.status] = result;
 }
 
-static at::Tensor decode_float_cuda(const at::Tensor& data, const at::Tensor& desc, at::TensorList outputs,
-                                    int64_t n_segments) {
-  const std::vector<TensorDesc> descs = check_args(data, desc, outputs, n_segments);
-  const c10::cuda::CUDAGuard guard(data.device());
-  at::Tensor status = at::empty({n_segments}, data.options().dtype(at::kInt));
-  if (n_segments == 0) return status;
-  int64_t max_ctx = 0, blocks = 0;
-  bool fp32 = false;
-  std::vector<int64_t> host(descs.size() * (kDescFields + 2));      // desc rows | first blocks | outputs
+static void decode_pieces_cuda(const at::Tensor& data, const at::Tensor& desc, const at::Tensor& plan,
+                               at::TensorList outputs, const at::Tensor& entry_states, const at::Tensor& entry_words,
+                               const at::Tensor& status, int64_t mode, int64_t entry_steps) {
+  const std::vector<TensorDesc> descs =
+      check_pieces_args(data, desc, outputs, entry_states, entry_words, status, mode, entry_steps);
   const int64_t n = static_cast<int64_t>(descs.size());
-  for (int64_t i = 0; i < n; ++i) {
-    const TensorDesc& d = descs[i];
+  TORCH_CHECK(plan.scalar_type() == at::kLong && plan.device() == data.device() && plan.is_contiguous() &&
+                  plan.numel() == n * (kDescFields + 2),
+              "plan must be the device plan of desc (cuda_ext.plan.device_plan), on data's device");
+  int64_t blocks = 0, max_ctx = 0;
+  for (const TensorDesc& d : descs) {
     TORCH_CHECK(d.table_group % kWarpsPerBlock == 0 || d.table_group >= segment_count(d),
-                "table_group of row ", i, " must be a multiple of ", kWarpsPerBlock, " or cover the tensor");
-    std::copy_n(desc.data_ptr<int64_t>() + i * kDescFields, kDescFields, host.begin() + i * kDescFields);
-    host[n * kDescFields + i] = blocks;
-    host[n * (kDescFields + 1) + i] = reinterpret_cast<int64_t>(outputs[i].data_ptr());
-    blocks += (segment_count(d) + kWarpsPerBlock - 1) / kWarpsPerBlock;
+                "table_group must be a multiple of ", kWarpsPerBlock, " or cover the tensor");
+    blocks += (unit_count(d, mode, entry_steps) + kWarpsPerBlock - 1) / kWarpsPerBlock;
     max_ctx = std::max(max_ctx, d.ctx_bits);
-    fp32 = fp32 || d.dtype == kFP32;
   }
-  at::Tensor meta = at::from_blob(host.data(), {static_cast<int64_t>(host.size())}, at::kLong)
-                        .pin_memory().to(data.device(), /*non_blocking=*/true);
-  const int64_t* m = meta.data_ptr<int64_t>();
-  const size_t staging = fp32 ? kStagingBytesFP32 : kStagingBytes;
-  const size_t smem = kWarpsPerBlock * staging + (sizeof(DecodeTable) << max_ctx);
-  if (smem > 48 * 1024)
-    C10_CUDA_CHECK(cudaFuncSetAttribute(decode_float_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(smem)));
-  auto stream = c10::cuda::getCurrentCUDAStream();
-  TORCH_CHECK(blocks < (int64_t{1} << 31), "too many segments for one launch");
-  decode_float_kernel<<<static_cast<unsigned>(blocks), 32 * kWarpsPerBlock, smem, stream>>>(
-      data.data_ptr<uint8_t>(), m, m + n * kDescFields, n,
-      reinterpret_cast<void* const*>(m + n * (kDescFields + 1)), status.data_ptr<int32_t>(), staging);
+  if (blocks == 0) return;
+  TORCH_CHECK(blocks < (int64_t{1} << 31), "too many units for one launch");
+  const c10::cuda::CUDAGuard guard(data.device());
+  const size_t smem = (kTableBytes << max_ctx) + kWarpsPerBlock * kCumWords * sizeof(uint32_t);
+  static bool attr_set[64] = {};                                     // per device: the largest case
+  const int dev = data.get_device();
+  if (dev >= 64 || !attr_set[dev]) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>((kTableBytes << kMaxCtxBits) + kWarpsPerBlock * kCumWords * 4)));
+    if (dev < 64) attr_set[dev] = true;
+  }
+  const int64_t* p = plan.data_ptr<int64_t>();
+  const DevicePlan dp{p, p + n * kDescFields, reinterpret_cast<void* const*>(p + n * (kDescFields + 1)), n};
+  const Index index{mode == kBulk ? nullptr : reinterpret_cast<uint32_t*>(entry_states.data_ptr()),
+                    mode == kBulk ? nullptr : reinterpret_cast<uint32_t*>(entry_words.data_ptr())};
+  decode_kernel<<<static_cast<unsigned>(blocks), 32 * kWarpsPerBlock, smem, c10::cuda::getCurrentCUDAStream()>>>(
+      data.data_ptr<uint8_t>(), dp, index, status.data_ptr<int32_t>(), mode, entry_steps);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  meta.record_stream(stream);
-  return status;
 }
 
-TORCH_LIBRARY_IMPL(wcodec, CUDA, m) { m.impl("decode_float", &decode_float_cuda); }
+TORCH_LIBRARY_IMPL(wcodec, CUDA, m) { m.impl("decode_pieces", &decode_pieces_cuda); }
 
 }  // namespace wcodec

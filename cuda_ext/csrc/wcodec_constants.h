@@ -10,6 +10,7 @@ constexpr uint32_t kProbScale = 1u << kProbBits; // PROB_SCALE (M)
 constexpr uint32_t kRansL = 1u << 16;            // RANS_L: decoder invariant L <= x < 2^32
 constexpr int kRenormBits = 16;                  // RENORM_BITS
 constexpr int kLanes = 32;                       // LANES: one warp, one lane per state
+constexpr int64_t kSegmentSteps = 4096;          // SEGMENT_STEPS: symbols per lane in a full segment
 constexpr int64_t kSegmentSymbols = 131072;      // SEGMENT_SYMBOLS = LANES * SEGMENT_STEPS
 constexpr int kSegmentAlign = 16;                // SEGMENT_ALIGN
 constexpr int kStateBytes = 4 * kLanes;          // STATE_BYTES
@@ -24,7 +25,13 @@ enum DescField : int {
 };
 enum DtypeCode : int { kBF16 = 0, kFP16 = 1, kFP32 = 2 };
 
-// Status per segment, turned into CorruptStreamError on the host (cuda_ext/plan.py: STATUS_TEXT).
+// What one launch decodes (codec/resident.py): whole segments from the file's states; the same
+// while recording the resident index every entry_steps steps; or pieces of entry_steps steps,
+// each started from its index entry and checked against the next.
+enum Mode : int64_t { kBulk = 0, kRecord = 1, kIndexed = 2 };
+constexpr int64_t kMinEntrySteps = 8;            // a GPU warp decodes in chunks of 8 steps
+
+// Status per segment (per piece in kIndexed mode), turned into CorruptStreamError on the host (cuda_ext/plan.py: STATUS_TEXT).
 enum Status : int32_t {
   kOk = 0,
   kWords = 1,        // the segment used more or fewer words than it holds

@@ -26,6 +26,17 @@ def test_constants_match_codec():
     assert header_value("kStateBytes") == C.STATE_BYTES
     assert header_value("kTableBitmapBytes") == C.TABLE_BITMAP_BYTES
     assert header_value("kMaxCtxBits") == C.MAX_CTX_BITS
+    assert header_value("kSegmentSteps") == C.SEGMENT_STEPS
+
+
+def test_modes_and_lut_layout_match():
+    from codec import tables
+    assert [int(v) for v in re.findall(r"k(?:Bulk|Record|Indexed) = (\d)", HEADER)] == \
+        [plan.MODE_BULK, plan.MODE_RECORD, plan.MODE_INDEXED]
+    common = (Path(__file__).parents[2] / "cuda_ext" / "csrc" / "decode_common.h").read_text()
+    assert "kLutSymShift = kProbBits, kLutFreqShift = kProbBits + 8" in common
+    assert (tables.LUT_SYM_SHIFT, tables.LUT_FREQ_SHIFT) == (C.PROB_BITS, C.PROB_BITS + 8)
+    assert header_value("kMinEntrySteps") == 8
 
 
 def test_descriptor_fields_match_plan():
@@ -40,3 +51,4 @@ def test_descriptor_fields_match_plan():
 def test_kernel_block_matches_table_group_quantum():
     cu = (Path(__file__).parents[2] / "cuda_ext" / "csrc" / "decode_float.cu").read_text()
     assert f"kWarpsPerBlock = {C.TABLE_GROUP_QUANTUM};" in cu
+    assert plan.WARPS_PER_BLOCK == C.TABLE_GROUP_QUANTUM

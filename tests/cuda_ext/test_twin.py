@@ -17,6 +17,7 @@ from codec.constants import MIN_CODED_ELEMENTS, SEGMENT_SYMBOLS
 from codec.decode import Archive
 from codec.encode import compress_state_dict
 from cuda_ext import ops, plans
+from tests.decoding import MODES, every_mode, run_op
 from tests.tensors import make_tensor, raw_bytes
 
 
@@ -27,16 +28,28 @@ def twin():
     return avail
 
 
-def both(path):
-    """Decode every float tensor of an archive with the twin and with the reference."""
+ENTRY_STEPS = (8, 256)
+
+
+def both(path, entry_steps: int = 256):
+    """Decode every float tensor of an archive with the twin and with the reference, in every mode
+    (bulk, recording the resident index, and in pieces from that index)."""
     with Archive.open(path) as archive:
         p = plans.build(archive.entries, archive.path)
         data = torch.from_numpy(archive.reader.buf[p.start:p.end].copy())
-    outs = {}
-    for name, fn in (("twin", ops.decode_float), ("numpy", ops.reference_decode_float)):
-        o = [torch.empty(e.shape, dtype=e.torch_dtype) for e in p.float_entries]
-        outs[name] = (fn(data, p.desc, o, p.n_segments), o)
-    return p, outs
+    return p, {name: every_mode(fn, data, p, entry_steps)
+               for name, fn in (("twin", ops.decode_pieces), ("numpy", ops.reference_decode_pieces))}
+
+
+def assert_same_everywhere(p, outs, state) -> None:
+    """Every decoder in every mode: status 0 and the original bits; both record the same index."""
+    for name, modes in outs.items():
+        for mode, (status, outputs, _) in modes.items():
+            assert int(status.abs().sum()) == 0, (name, mode)
+            for e, t in zip(p.float_entries, outputs):
+                assert torch.equal(raw_bytes(t), raw_bytes(state[e.name].contiguous())), (name, mode, e.name)
+    for a, b in zip(outs["twin"][plans.MODE_RECORD][2], outs["numpy"][plans.MODE_RECORD][2]):
+        assert torch.equal(a, b)
 
 
 def weights(dtype, n, seed, kind="normal"):
@@ -52,11 +65,9 @@ CASES = [(dt, n, kind) for dt in (torch.bfloat16, torch.float16, torch.float32)
 def test_twin_matches_reference(dtype, n, kind, tmp_path):
     state = {"w": weights(dtype, n, seed=n, kind=kind), "v": weights(dtype, 9000, seed=1)}
     compress_state_dict(state, tmp_path / "a.wcodec", workers=1)
-    p, outs = both(tmp_path / "a.wcodec")
-    (st_t, out_t), (st_n, out_n) = outs["twin"], outs["numpy"]
-    assert int(st_t.abs().sum()) == 0 and int(st_n.abs().sum()) == 0
-    for e, a, b in zip(p.float_entries, out_t, out_n):
-        assert torch.equal(raw_bytes(a), raw_bytes(b)) and torch.equal(raw_bytes(a), raw_bytes(state[e.name]))
+    for steps in ENTRY_STEPS:
+        p, outs = both(tmp_path / "a.wcodec", steps)
+        assert_same_everywhere(p, outs, state)
 
 
 def test_twin_on_real_weights(tmp_path):
@@ -70,14 +81,13 @@ def test_twin_on_real_weights(tmp_path):
         compress_state_dict(state, tmp_path / f"{name}.wcodec", workers=1)
         p, outs = both(tmp_path / f"{name}.wcodec")
         assert len(p.float_entries) > 30
-        for e, a, b in zip(p.float_entries, outs["twin"][1], outs["numpy"][1]):
-            assert torch.equal(raw_bytes(a), raw_bytes(b)) and torch.equal(raw_bytes(a), raw_bytes(state[e.name].contiguous())), e.name
+        assert_same_everywhere(p, outs, state)
 
 
 def test_twin_reports_corrupt_segments_like_the_reference(tmp_path):
     state = {"w": weights(torch.bfloat16, 3 * SEGMENT_SYMBOLS, seed=5)}
     compress_state_dict(state, tmp_path / "c.wcodec", workers=1)
-    p, _ = both(tmp_path / "c.wcodec")
+    p, good = both(tmp_path / "c.wcodec")
     with Archive.open(tmp_path / "c.wcodec") as archive:
         data = torch.from_numpy(archive.reader.buf[p.start:p.end].copy())
     exp_off, exp_len = int(p.desc[0, 0]), int(p.desc[0, 1])
@@ -85,14 +95,42 @@ def test_twin_reports_corrupt_segments_like_the_reference(tmp_path):
     for pos in rng.integers(exp_off, exp_off + exp_len, 12):
         bad = data.clone()
         bad[int(pos)] ^= 0x41
-        st_t = ops.decode_float(bad, p.desc, [torch.empty(3 * SEGMENT_SYMBOLS, dtype=torch.bfloat16)], p.n_segments)
-        st_n = ops.reference_decode_float(bad, p.desc, [torch.empty(3 * SEGMENT_SYMBOLS, dtype=torch.bfloat16)], p.n_segments)
-        assert (st_t != 0).any() == (st_n != 0).any(), int(pos)
+        for mode in MODES:
+            index = good["twin"][plans.MODE_RECORD][2] if mode == plans.MODE_INDEXED else None
+            st_t = run_op(ops.decode_pieces, bad, p, mode, 256 if mode else 0, index)[0]
+            st_n = run_op(ops.reference_decode_pieces, bad, p, mode, 256 if mode else 0, index)[0]
+            assert torch.equal(st_t, st_n), (int(pos), mode)
+
+
+def test_corrupt_index_entries_are_caught(tmp_path):
+    """A flipped bit in any entry the decoder reads fails the piece that must end there."""
+    state = {"w": weights(torch.bfloat16, 2 * SEGMENT_SYMBOLS + 4000, seed=6)}
+    compress_state_dict(state, tmp_path / "i.wcodec", workers=1)
+    p, outs = both(tmp_path / "i.wcodec", 256)
+    with Archive.open(tmp_path / "i.wcodec") as archive:
+        data = torch.from_numpy(archive.reader.buf[p.start:p.end].copy())
+    states, words = outs["twin"][plans.MODE_RECORD][2]
+    rng = np.random.default_rng(1)
+    for entry in (1, 5, 16, 17, 31, 32):                  # 16, 32: first pieces, which start from the stream
+        for field in ("state", "words"):
+            s2, w2 = states.clone(), words.clone()
+            if field == "state":
+                s2[entry * 32 + int(rng.integers(32))] ^= 1 << int(rng.integers(32))
+            else:
+                w2[entry] += 1
+            st_t = run_op(ops.decode_pieces, data, p, plans.MODE_INDEXED, 256, (s2, w2))[0]
+            st_n = run_op(ops.reference_decode_pieces, data, p, plans.MODE_INDEXED, 256, (s2, w2))[0]
+            assert torch.equal(st_t, st_n), (entry, field)
+            if entry % 16:
+                assert int(st_t[entry - 1]) != 0, (entry, field)
+            else:
+                assert int(st_t.abs().sum()) == 0, "a segment's first entry is never read"
 
 
 def test_opcheck_cpu():
-    (args,), _ = ops.sample_inputs("cpu")
-    torch.library.opcheck(torch.ops.wcodec.decode_float.default, args)
+    args, _ = ops.sample_inputs("cpu")
+    for a in args:
+        torch.library.opcheck(torch.ops.wcodec.decode_pieces.default, a)
 
 
 def test_scalar_path_matches_simd_path(tmp_path):

@@ -12,6 +12,7 @@ from codec.decode import Archive, load
 from codec.encode import compress_state_dict
 from codec.errors import CorruptStreamError
 from cuda_ext import ops, plans
+from tests.decoding import MODES, every_mode, run_op
 from tests.tensors import make_tensor, same_bits
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -34,8 +35,70 @@ def test_extension_is_live():
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_opcheck(device):
-    (args,), _ = ops.sample_inputs(device)
-    torch.library.opcheck(torch.ops.wcodec.decode_float.default, args)
+    args, _ = ops.sample_inputs(device)
+    for a in args:
+        torch.library.opcheck(torch.ops.wcodec.decode_pieces.default, a)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("entry_steps", [8, 64, 256, 4096])
+def test_every_mode_matches_the_twin(dtype, entry_steps, tmp_path):
+    """Bulk, recording the index, and pieces from it: CUDA and the C++ twin give the same bits,
+    record the same index, and decode pieces at odd sizes and piece boundaries."""
+    sizes = [4096, 33 * 32 + 7, 256 * 32 - 1, 256 * 32 + 1, SEGMENT_SYMBOLS + 1, 2 * SEGMENT_SYMBOLS + 8 * 32 * 5 + 3]
+    state = {f"t{i}": fuzz_tensor(dtype, n, seed=40 + i) for i, n in enumerate(sizes)}
+    path = tmp_path / "m.wcodec"
+    compress_state_dict(state, path, workers=1)
+    with Archive.open(path) as archive:
+        p = plans.build(archive.entries, archive.path)
+        data = torch.from_numpy(archive.reader.buf[p.start:p.end].copy())
+    cpu = every_mode(ops.decode_pieces, data, p, entry_steps)
+    gpu = every_mode(ops.decode_pieces, data.cuda(), p, entry_steps)
+    for mode in MODES:
+        assert int(gpu[mode][0].abs().sum()) == 0 and int(cpu[mode][0].abs().sum()) == 0, mode
+        for e, a, b in zip(p.float_entries, gpu[mode][1], cpu[mode][1]):
+            assert same_bits(a, b) and same_bits(b, state[e.name]), (mode, e.name)
+    for a, b in zip(gpu[plans.MODE_RECORD][2], cpu[plans.MODE_RECORD][2]):
+        assert torch.equal(a.cpu(), b)
+
+
+def test_corrupt_index_entry_is_a_status(tmp_path):
+    state = {"w": fuzz_tensor(torch.bfloat16, 2 * SEGMENT_SYMBOLS, seed=8)}
+    path = tmp_path / "i.wcodec"
+    compress_state_dict(state, path, workers=1)
+    with Archive.open(path) as archive:
+        p = plans.build(archive.entries, archive.path)
+        data = torch.from_numpy(archive.reader.buf[p.start:p.end].copy()).cuda()
+    states, words = run_op(ops.decode_pieces, data, p, plans.MODE_RECORD, 256)[2]
+    for entry in (1, 7, 18):
+        s2, w2 = states.clone(), words.clone()
+        s2[entry * 32 + 9] ^= 1 << 20
+        w2[entry + 1] -= 1
+        status = run_op(ops.decode_pieces, data, p, plans.MODE_INDEXED, 256, (s2, w2))[0].cpu()
+        assert int(status[entry - 1]) != 0 and int(status[entry]) != 0, entry
+    torch.cuda.synchronize()
+
+
+def test_prepared_launch_allocates_nothing(tmp_path):
+    """The hot path: a Prepared INDEXED launch into caller-owned outputs makes no allocation."""
+    state = {"q": fuzz_tensor(torch.bfloat16, 512 * 1024, seed=2).reshape(512, 1024)}
+    path = tmp_path / "p.wcodec"
+    compress_state_dict(state, path, workers=1)
+    with Archive.open(path) as archive:
+        p = plans.build(archive.entries, archive.path)
+        data = torch.from_numpy(archive.reader.buf[p.start:p.end].copy()).cuda()
+    _, index = cuda_ext.build_index(p, data, 256)
+    out = [torch.empty(512, 1024, dtype=torch.bfloat16, device="cuda")]
+    job = cuda_ext.Prepared(p, data, out, plans.MODE_INDEXED, index)
+    job.run()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    for _ in range(10):
+        job.run()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == before
+    job.check()
+    assert same_bits(out[0], state["q"])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,0 +1,29 @@
+"""Running the decode op (C++ twin, CUDA, or the NumPy reference behind the same interface) in each
+of its modes, for the twin and GPU suites."""
+from __future__ import annotations
+
+import torch
+
+from cuda_ext import plans
+
+MODES = (plans.MODE_BULK, plans.MODE_RECORD, plans.MODE_INDEXED)
+
+
+def run_op(fn, data: torch.Tensor, p: plans.Plan, mode: int, entry_steps: int = 0, index=None):
+    """Decode plan `p` with `fn` (ops.decode_pieces or ops.reference_decode_pieces) in `mode` into
+    fresh outputs. Returns (status, outputs, index); INDEXED reads `index`, RECORD writes a new one."""
+    outputs = [torch.empty(e.shape, dtype=e.torch_dtype, device=data.device) for e in p.float_entries]
+    status, states, words = plans.buffers(p, data.device, mode, entry_steps)
+    if index is not None:
+        states, words = index
+    fn(data, p.desc, plans.device_plan(p, outputs, mode, entry_steps), outputs, states, words, status, mode,
+       entry_steps)
+    return status, outputs, (states, words)
+
+
+def every_mode(fn, data: torch.Tensor, p: plans.Plan, entry_steps: int) -> dict:
+    """{mode: (status, outputs, index)}: BULK, RECORD, then INDEXED from the index RECORD wrote."""
+    out = {plans.MODE_BULK: run_op(fn, data, p, plans.MODE_BULK)}
+    out[plans.MODE_RECORD] = run_op(fn, data, p, plans.MODE_RECORD, entry_steps)
+    out[plans.MODE_INDEXED] = run_op(fn, data, p, plans.MODE_INDEXED, entry_steps, out[plans.MODE_RECORD][2])
+    return out
