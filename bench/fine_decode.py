@@ -32,13 +32,14 @@ LAYER_8B = {"q": (4096, 4096), "k": (1024, 4096), "v": (1024, 4096), "o": (4096,
             "gate": (14336, 4096), "up": (14336, 4096), "down": (4096, 14336)}
 
 
-def trained_like(shapes: dict, seed: int) -> dict:
-    g = torch.Generator(device="cuda").manual_seed(seed)
+def trained_like(shapes: dict, seed: int, device: str = "cuda") -> dict:
+    """bf16 weights (on the CPU) with per-row log-normal scales and rare outliers, made on `device`."""
+    g = torch.Generator(device=device).manual_seed(seed)
     out = {}
     for name, (rows, cols) in shapes.items():
-        scale = 0.02 * torch.exp(0.35 * torch.randn(rows, 1, generator=g, device="cuda"))
-        w = torch.randn(rows, cols, generator=g, device="cuda") * scale
-        w = torch.where(torch.rand(rows, cols, generator=g, device="cuda") < 1e-4, w * 8, w)
+        scale = 0.02 * torch.exp(0.35 * torch.randn(rows, 1, generator=g, device=device))
+        w = torch.randn(rows, cols, generator=g, device=device) * scale
+        w = torch.where(torch.rand(rows, cols, generator=g, device=device) < 1e-4, w * 8, w)
         out[name] = w.bfloat16().cpu()
     return out
 

@@ -36,6 +36,8 @@ from codec.decode import Archive
 from codec.entries import TensorEntry
 from cuda_ext import plans
 
+from . import resident
+
 
 @dataclass(frozen=True)
 class Batch:
@@ -77,6 +79,7 @@ class Decoded:
     tensors: dict[str, torch.Tensor]
     files: dict[str, bytes]
     stats: LoadStats = field(default_factory=LoadStats)
+    layers: list[resident.CompressedLayer] = field(default_factory=list)   # compressed-resident mode
 
 
 OnBatch = Callable[[Batch, float], None]
@@ -175,16 +178,35 @@ class RingReader:
         self._free.put(slot)
 
 
+DecodeFn = Callable[[Batch, torch.Tensor, str], dict[str, torch.Tensor]]
+
+
 def _decode(batch: Batch, data: torch.Tensor, path: str) -> dict[str, torch.Tensor]:
     return cuda_ext.decode_plan(plans.build(batch.entries, path, batch.start, batch.end), data, path)
 
 
-def _decode_cpu(reader: RingReader, path: str, on_batch: OnBatch, stats: LoadStats) -> dict[str, torch.Tensor]:
+def _keeping(layers: list[resident.CompressedLayer]) -> DecodeFn:
+    """Compressed-resident mode: a decoder layer's float tensors stay compressed (their bytes kept
+    on the device, with the resident index); everything else is decoded as usual."""
+    def decode(batch: Batch, data: torch.Tensor, path: str) -> dict[str, torch.Tensor]:
+        layer = batch.entries[0].layer
+        if layer is None or batch.codec != CODEC_FLOAT:
+            return _decode(batch, data, path)
+        kept = data.clone() if data.device.type == "cpu" else data       # the CPU ring buffer is reused
+        compressed, raw = resident.keep_layer(layer, plans.build(batch.entries, path, batch.start, batch.end),
+                                              kept, path)
+        layers.append(compressed)
+        return raw
+    return decode
+
+
+def _decode_cpu(reader: RingReader, path: str, on_batch: OnBatch, stats: LoadStats,
+                decode: DecodeFn) -> dict[str, torch.Tensor]:
     tensors = {}
     for _ in reader.batches:
         batch, slot = reader.next()
         t0 = time.perf_counter()
-        tensors.update(_decode(batch, reader.host(batch, slot), path))
+        tensors.update(decode(batch, reader.host(batch, slot), path))
         seconds = time.perf_counter() - t0
         reader.release(slot)
         stats.decode_s += seconds
@@ -213,12 +235,12 @@ def _stage(reader: RingReader, copy_stream: torch.cuda.Stream, device: torch.dev
 
 
 def _decode_staged(s: _Staged, reader: RingReader, compute: torch.cuda.Stream, path: str,
-                   on_batch: OnBatch, stats: LoadStats) -> dict[str, torch.Tensor]:
+                   on_batch: OnBatch, stats: LoadStats, decode: DecodeFn) -> dict[str, torch.Tensor]:
     t0 = time.perf_counter()
     compute.wait_event(s.copied)
     with torch.cuda.stream(compute):
         s.data.record_stream(compute)      # allocated on the copy stream, read on this one
-        out = _decode(s.batch, s.data, path)
+        out = decode(s.batch, s.data, path)
     compute.synchronize()
     seconds = time.perf_counter() - t0
     stats.h2d_s += s.started.elapsed_time(s.copied) / 1e3
@@ -229,23 +251,24 @@ def _decode_staged(s: _Staged, reader: RingReader, compute: torch.cuda.Stream, p
 
 
 def _decode_cuda(reader: RingReader, path: str, device: torch.device, on_batch: OnBatch,
-                 stats: LoadStats) -> dict[str, torch.Tensor]:
+                 stats: LoadStats, decode: DecodeFn) -> dict[str, torch.Tensor]:
     copy_stream, compute = torch.cuda.Stream(device), torch.cuda.Stream(device)
     tensors: dict[str, torch.Tensor] = {}
     pending: _Staged | None = None
     for k in range(len(reader.batches) + 1):
         staged = _stage(reader, copy_stream, device) if k < len(reader.batches) else None
         if pending is not None:             # batch k-1 decodes while batch k copies
-            tensors.update(_decode_staged(pending, reader, compute, path, on_batch, stats))
+            tensors.update(_decode_staged(pending, reader, compute, path, on_batch, stats, decode))
         pending = staged
     return tensors
 
 
 def decode_archive(path: str | Path, device: torch.device, *, ring: int = 3, verify: bool = True,
                    on_batch: OnBatch | None = None, opened: tuple[list[TensorEntry], dict] | None = None,
-                   mark: Callable[[str], None] = lambda what: None) -> Decoded:
+                   mark: Callable[[str], None] = lambda what: None, compressed: bool = False) -> Decoded:
     """Every tensor of an archive, decoded onto `device` through the pipeline above. `opened`:
-    its (entries, embedded files) when the caller has read them already."""
+    its (entries, embedded files) when the caller has read them already. `compressed`: keep the
+    decoder layers' float tensors compressed on the device (Decoded.layers; service/resident.py)."""
     t0 = time.perf_counter()
     path = os.fspath(path)
     if opened is None:
@@ -261,11 +284,13 @@ def decode_archive(path: str | Path, device: torch.device, *, ring: int = 3, ver
     stats = LoadStats(compressed_bytes=sum(b.nbytes for b in batches),
                       decoded_bytes=sum(b.decoded_bytes for b in batches), batches=len(batches))
     on_batch = on_batch or (lambda batch, seconds: None)
+    layers: list[resident.CompressedLayer] = []
+    decode = _keeping(layers) if compressed else _decode
     with RingReader(path, batches, buffers, verify) as reader:
         if device.type == "cuda":
-            tensors = _decode_cuda(reader, path, device, on_batch, stats)
+            tensors = _decode_cuda(reader, path, device, on_batch, stats, decode)
         else:
-            tensors = _decode_cpu(reader, path, on_batch, stats)
+            tensors = _decode_cpu(reader, path, on_batch, stats, decode)
     stats.read_s, stats.total_s = reader.read_s, time.perf_counter() - t0
     mark(f"{len(batches)} batches decoded")
-    return Decoded(tensors, files, stats)
+    return Decoded(tensors, files, stats, layers)

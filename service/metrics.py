@@ -15,6 +15,8 @@ Memory   wcodec_gpu_memory_allocated_bytes, wcodec_gpu_memory_reserved_bytes   t
                                                    (0 on a CPU-only server)
          wcodec_model_memory_allocated_bytes{model,device}   bytes of the model's resident weights
          wcodec_model_memory_reserved_bytes{model,device}    CUDA: growth of the allocator's reserve
+         wcodec_model_resident_bytes{model,mode}             its weights' bytes by resident mode
+Resident wcodec_forward_decode_duration_seconds{model,mode}  layer decodes per forward (compressed mode)
                                                    over its load; CPU: same as allocated
 Generate wcodec_generate_requests_total{model,status}  status: ok, error, cancelled, overloaded
          wcodec_generate_request_duration_seconds{model}, ..._time_to_first_token_seconds{model},
@@ -67,6 +69,12 @@ class Metrics:
         mem = ["model", "device"]
         self.model_allocated = Gauge("wcodec_model_memory_allocated_bytes", "Bytes of a model's resident weights",
                                      mem, registry=r)
+        self.resident_bytes = Gauge("wcodec_model_resident_bytes", "Device bytes of a model's weights by "
+                                    "resident mode (decoded tensors, compressed streams, index, scratch)",
+                                    ["model", "mode"], registry=r)
+        self.forward_decode_seconds = Histogram("wcodec_forward_decode_duration_seconds",
+                                                "Layer decode time per forward pass (compressed-resident models)",
+                                                ["model", "mode"], buckets=_FAST, registry=r)
         self.model_reserved = Gauge("wcodec_model_memory_reserved_bytes", "Allocator reserve taken by a model",
                                     mem, registry=r)
         Gauge("wcodec_gpu_memory_allocated_bytes", "torch.cuda.memory_allocated (0 without a GPU)",

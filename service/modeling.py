@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from . import resident
 from .errors import LoadFailed
 from .loader import Decoded
 
@@ -29,7 +30,9 @@ class ServedModel:
     eos_ids: frozenset[int]
     pad_id: int
     max_positions: int
-    weight_bytes: int
+    weight_bytes: int               # device bytes of its weights in the resident mode below
+    resident: str = "decoded"       # "compressed": decoder layers decoded per forward (service/resident.py)
+    schedule: object | None = None  # resident.LayerSchedule in compressed mode
 
     @property
     def special_ids(self) -> frozenset[int]:
@@ -123,16 +126,27 @@ def prepare(name: str, files: dict[str, bytes]) -> Prepared:
     return Prepared(config, tokenizer, generation, skeleton(config), time.perf_counter() - t0)
 
 
-def finish(name: str, prepared: Prepared, decoded: Decoded, device: torch.device) -> ServedModel:
-    """Assign the decoded tensors; build_s counts prepare (overlapped with decoding) and this."""
+def finish(name: str, prepared: Prepared, decoded: Decoded, device: torch.device, slots: int = 2,
+           on_forward=None) -> ServedModel:
+    """Assign the decoded tensors; build_s counts prepare (overlapped with decoding) and this.
+    Layers the loader kept compressed get a decode schedule (`slots` scratch slots on CUDA)."""
     t0 = time.perf_counter()
     config, tokenizer = prepared.config, prepared.tokenizer
-    model = assemble(config, decoded.tensors, device, prepared.model)
+    tensors, schedule = decoded.tensors, None
+    if decoded.layers:
+        schedule = resident.attach(prepared.model, decoded.layers, device, slots, on_forward)
+        tensors = {**tensors, **schedule.placeholders()}
+    model = assemble(config, tensors, device, prepared.model)
+    weight_bytes = sum(t.nbytes for t in decoded.tensors.values())
+    if schedule is not None:
+        schedule.install()
+        weight_bytes += schedule.compressed_bytes + schedule.scratch_bytes
     eos = _eos_ids(config, prepared.generation, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos, default=0)
     dtype = next(model.parameters()).dtype
     served = ServedModel(name, model, tokenizer, device, dtype, eos, pad,
-                         getattr(config, "max_position_embeddings", 2048), decoded.stats.decoded_bytes)
+                         getattr(config, "max_position_embeddings", 2048), weight_bytes,
+                         "compressed" if schedule is not None else "decoded", schedule)
     decoded.stats.build_s = prepared.seconds + time.perf_counter() - t0
     return served
 

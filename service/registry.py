@@ -28,7 +28,7 @@ import torch
 from codec.decode import Archive
 from codec.errors import CodecError
 
-from . import demo, loader, modeling
+from . import demo, loader, modeling, resident
 from .engine import Engine
 from .errors import InsufficientMemory, LoadFailed, ModelNotFound, ModelNotReady, ServiceError, ValidationFailed
 from .metrics import Metrics
@@ -73,6 +73,8 @@ class Slot:
     last_error: str | None = None
     last_used: float = 0.0                     # monotonic; orders eviction
     reserved_bytes: int = 0                    # CUDA: allocator reserve taken by its load
+    resident: str = "decoded"                  # resident mode of its current / last load
+    resident_bytes: int = 0                    # device bytes of its weights (an estimate while loading)
     in_flight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     job: asyncio.Task | None = None
@@ -185,14 +187,16 @@ class ModelRegistry:
         self.metrics.set_state(slot.name, state.value)
 
     def used_bytes(self, exclude: Slot | None = None) -> int:
-        resident = sum(s.file.decoded_bytes for s in self._slots.values() if s.state in RESIDENT and s is not exclude)
+        resident = sum(s.resident_bytes for s in self._slots.values() if s.state in RESIDENT and s is not exclude)
         if self.device.type == "cuda":
             return max(resident, torch.cuda.memory_allocated(self.device))
         return resident
 
     # --- load -----------------------------------------------------------------------------------
 
-    async def load(self, name: str, wait: bool = True) -> Slot:
+    async def load(self, name: str, wait: bool = True, resident: str | None = None) -> Slot:
+        """Load a model (shared with a load in progress). `resident`: "decoded" or "compressed"
+        (default: the settings'); a ready model is returned as it is, in its mode."""
         slot = self.get(name)
         async with self._lock:
             while slot.busy and slot.state is ModelState.UNLOADING:
@@ -202,6 +206,8 @@ class ModelRegistry:
                 slot.last_used = time.monotonic()
                 return slot
             if slot.state is not ModelState.LOADING:
+                slot.resident = resident or self.settings.resident
+                slot.resident_bytes = self._estimate(slot)
                 await self._make_room(slot)
                 self._set_state(slot, ModelState.LOADING, "queued")
                 slot.progress = Progress("queued", 0, slot.file.decoded_bytes)
@@ -211,16 +217,24 @@ class ModelRegistry:
             await asyncio.shield(slot.job)
         return slot
 
+    def _estimate(self, slot: Slot) -> int:
+        """Device bytes the load will take, from the archive's header."""
+        if slot.resident == "decoded":
+            return slot.file.decoded_bytes
+        with Archive.open(slot.file.path) as archive:
+            slots = self.settings.resident_slots if self.device.type == "cuda" else 1
+            return resident.estimate_bytes(archive.entries, slots)
+
     async def _make_room(self, slot: Slot) -> None:
         budget = self.settings.gpu_memory_budget
-        need = slot.file.decoded_bytes
+        need = slot.resident_bytes
         if budget is None or self.used_bytes(slot) + need <= budget:
             return
         used, freed, victims = self.used_bytes(slot), 0, []
         idle = [s for s in self._slots.values() if s.state is ModelState.READY and s.in_flight == 0]
         for other in sorted(idle, key=lambda s: s.last_used):
             victims.append(other)
-            freed += other.file.decoded_bytes
+            freed += other.resident_bytes
             if used - freed + need <= budget:
                 break
         else:
@@ -265,11 +279,13 @@ class ModelRegistry:
             prepared = pool.submit(modeling.prepare, slot.name, opened[1])
             decoded = loader.decode_archive(slot.file.path, self.device, ring=self.settings.load_ring_buffers,
                                             verify=self.settings.verify_crc, on_batch=partial(self._on_batch, slot),
-                                            opened=opened, mark=mark)
+                                            opened=opened, mark=mark, compressed=slot.resident == "compressed")
             slot.progress.phase = "building"
             ready = prepared.result()
             mark("skeleton ready")
-            served = modeling.finish(slot.name, ready, decoded, self.device)
+            on_forward = self.metrics.forward_decode_seconds.labels(slot.name, slot.resident).observe
+            served = modeling.finish(slot.name, ready, decoded, self.device, self.settings.resident_slots, on_forward)
+            slot.resident_bytes = served.weight_bytes
         mark("weights assigned")
         decoded.stats.total_s = time.perf_counter() - t0
         slot.reserved_bytes = self._reserved() - reserved if self.device.type == "cuda" else served.weight_bytes
@@ -290,6 +306,8 @@ class ModelRegistry:
         self.metrics.load_throughput.labels(slot.name).set(stats.decoded_bytes / max(stats.total_s, 1e-9))
         self.metrics.loads.labels(slot.name, "ok").inc()
         self.metrics.set_memory(slot.name, self.device.type, slot.served.weight_bytes, max(slot.reserved_bytes, 0))
+        for mode in ("decoded", "compressed"):
+            self.metrics.resident_bytes.labels(slot.name, mode).set(slot.served.weight_bytes if mode == slot.resident else 0)
         slot.progress.bytes_done = slot.progress.bytes_total
 
     def _failed(self, slot: Slot, error: ServiceError, result: str) -> ServiceError:
@@ -333,6 +351,7 @@ class ModelRegistry:
         del engine
         await asyncio.to_thread(self._free_memory)
         self.metrics.set_memory(slot.name, self.device.type, 0, 0)
+        self.metrics.resident_bytes.labels(slot.name, slot.resident).set(0)
         slot.progress = Progress()
         self._set_state(slot, ModelState.AVAILABLE)
 

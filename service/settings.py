@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -25,6 +26,10 @@ class Settings(BaseSettings):
     # loading pipeline
     load_ring_buffers: int = Field(3, ge=2)      # host buffers between the reader and the decoder
     verify_crc: bool = True
+    # how a loaded model's decoder layers live on the device (docs/RESIDENT.md): "decoded" bf16, or
+    # "compressed" (decoded into `resident_slots` scratch slots one layer ahead of use)
+    resident: Literal["decoded", "compressed"] = "decoded"
+    resident_slots: int = Field(2, ge=1)         # CUDA; the CPU decodes in place with one
 
     # generation
     max_batch_size: int = Field(8, ge=1)

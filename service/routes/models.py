@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 from datetime import datetime, timezone
+from typing import Literal
 
 from fastapi import APIRouter, Query, Response, status
 
 from ..deps import AdminDep, ModelName, RegistryDep
 from ..errors import responses
-from ..registry import ModelState, Slot
+from ..registry import RESIDENT, ModelState, Slot
 from ..schemas.models import LoadProgress, LoadTimings, ModelInfo, ModelList
 
 router = APIRouter(prefix="/models", tags=["models"])
@@ -19,10 +20,12 @@ def model_info(slot: Slot, device: str) -> ModelInfo:
                           total_s=s.total_s) if s else None
     loaded_at = datetime.fromtimestamp(slot.loaded_at, timezone.utc) if slot.loaded_at else None
     p = slot.progress
+    loaded = slot.state in RESIDENT
     return ModelInfo(name=slot.name, state=slot.state.value, device=device, compressed_bytes=f.compressed_bytes,
                      decoded_bytes=f.decoded_bytes, ratio=round(f.ratio, 6), loaded_at=loaded_at,
                      last_load=timings, last_error=slot.last_error or f.error, in_flight=slot.in_flight,
-                     progress=LoadProgress(phase=p.phase, bytes_done=p.bytes_done, bytes_total=p.bytes_total))
+                     progress=LoadProgress(phase=p.phase, bytes_done=p.bytes_done, bytes_total=p.bytes_total),
+                     resident=slot.resident if loaded else None, resident_bytes=slot.resident_bytes if loaded else None)
 
 
 @router.get("", summary="Every model in the store, with its state and sizes")
@@ -39,8 +42,11 @@ async def get_model(name: ModelName, registry: RegistryDep) -> ModelInfo:
              dependencies=[AdminDep], responses={202: {"model": ModelInfo, "description": "Loading started"},
                                                  **responses(401, 403, 404, 422, 500, 507)})
 async def load_model(name: ModelName, registry: RegistryDep, response: Response,
-                     wait: bool = Query(True, description="answer once the model is ready")) -> ModelInfo:
-    slot = await registry.load(name, wait=wait)
+                     wait: bool = Query(True, description="answer once the model is ready"),
+                     resident: Literal["decoded", "compressed"] | None = Query(
+                         None, description="decoder layers decoded once (default: WCODEC_RESIDENT), or kept "
+                                           "compressed on the device and decoded just before use")) -> ModelInfo:
+    slot = await registry.load(name, wait=wait, resident=resident)
     if slot.state is not ModelState.READY:
         response.status_code = status.HTTP_202_ACCEPTED
     return model_info(slot, registry.device.type)

@@ -35,6 +35,10 @@ class ModelInfo(BaseModel):
     last_error: str | None
     progress: LoadProgress
     in_flight: int = Field(description="requests holding the model")
+    resident: Literal["decoded", "compressed"] | None = Field(
+        None, description="how its decoder layers live on the device while loaded (docs/RESIDENT.md)")
+    resident_bytes: int | None = Field(None, description="device bytes its weights take while loaded: decoded "
+                                                          "tensors, kept compressed streams, index and scratch")
 
 
 class ModelList(BaseModel):
