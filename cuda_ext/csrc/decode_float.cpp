@@ -14,6 +14,7 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 #define WCODEC_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,popcnt")))
+#define WCODEC_AVX2 __attribute__((target("avx2,popcnt")))
 #endif
 
 #include "decode_common.h"
@@ -126,11 +127,102 @@ WCODEC_AVX512 static int64_t decode_full_steps_avx512(const uint8_t* hi, const u
   return full_steps * kLanes;
 }
 
+// The same step on AVX2 (no AVX-512): 32 lanes as four vectors of 8. AVX2 has no vpexpandd, so
+// the words a vector's lanes take are spread by a permutation: kExpand8[mask] gives each lane that
+// renormalises the rank of its word among the next popcount(mask) words.
+struct Expand8 {
+  alignas(32) int32_t idx[256][8];
+  Expand8() {
+    for (int m = 0; m < 256; ++m)
+      for (int l = 0, r = 0; l < 8; ++l) idx[m][l] = ((m >> l) & 1) ? r++ : 0;
+  }
+};
+static const Expand8 kExpand8;
+
+// The next `count` (<= 8) words as u32 lanes, zeros past the stream's end: never a read beyond it.
+WCODEC_AVX2 static inline __m256i next_words_avx2(const uint8_t* words, int64_t n_words, int64_t used) {
+  if (used >= 0 && used + 8 <= n_words)
+    return _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(words + 2 * used)));
+  alignas(16) uint16_t tail[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  const int64_t avail = std::min<int64_t>(8, std::max<int64_t>(0, n_words - used));
+  if (avail > 0) memcpy(tail, words + 2 * used, 2 * avail);
+  return _mm256_cvtepu16_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(tail)));
+}
+
+template <int Dtype, int CtxBits>
+WCODEC_AVX2 static inline __m256i decode_vector_avx2(const uint8_t* hi, const DecodeTable* set, const uint8_t* words,
+                                                     int64_t n_words, int64_t& used, __m256i& x, __m256i& h) {
+  const int* base = reinterpret_cast<const int*>(set);
+  h = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(hi)));
+  const __m256i ctx = CtxBits ? _mm256_and_si256(_mm256_srli_epi32(h, (Dtype == kFP16 ? 8 : 7) - CtxBits),
+                                                 _mm256_set1_epi32((1 << CtxBits) - 1))
+                              : _mm256_setzero_si256();
+  const __m256i table = _mm256_mullo_epi32(ctx, _mm256_set1_epi32(sizeof(DecodeTable)));
+  const __m256i slot = _mm256_and_si256(x, _mm256_set1_epi32(kProbScale - 1));
+  const __m256i sym = _mm256_and_si256(_mm256_i32gather_epi32(base, _mm256_add_epi32(table, slot), 1),
+                                       _mm256_set1_epi32(0xFF));
+  const __m256i fc_at = _mm256_add_epi32(_mm256_add_epi32(table, _mm256_set1_epi32(kProbScale)), _mm256_slli_epi32(sym, 2));
+  const __m256i fc = _mm256_i32gather_epi32(base, fc_at, 1);
+  x = _mm256_sub_epi32(_mm256_add_epi32(_mm256_mullo_epi32(_mm256_srli_epi32(fc, 16), _mm256_srli_epi32(x, kProbBits)),
+                                        slot), _mm256_and_si256(fc, _mm256_set1_epi32(0xFFFF)));   // x = D(x)
+  const __m256i need = _mm256_cmpeq_epi32(_mm256_srli_epi32(x, kRenormBits), _mm256_setzero_si256());   // x < L
+  const int mask = _mm256_movemask_ps(_mm256_castsi256_ps(need));
+  const __m256i w = _mm256_permutevar8x32_epi32(next_words_avx2(words, n_words, used),
+                                                _mm256_load_si256(reinterpret_cast<const __m256i*>(kExpand8.idx[mask])));
+  x = _mm256_blendv_epi8(x, _mm256_or_si256(_mm256_slli_epi32(x, kRenormBits), w), need);
+  used += _mm_popcnt_u32(static_cast<unsigned>(mask));
+  return sym;
+}
+
+// planes.join of 8 lanes, as u32
+template <int Dtype>
+WCODEC_AVX2 static inline __m256i join_avx2(__m256i sym, __m256i h, const uint8_t* lo) {
+  const __m256i sign = _mm256_and_si256(h, _mm256_set1_epi32(0x80)), mant = _mm256_and_si256(h, _mm256_set1_epi32(0x7F));
+  if constexpr (Dtype == kFP16) return _mm256_or_si256(_mm256_slli_epi32(sym, 8), h);
+  if constexpr (Dtype == kBF16)
+    return _mm256_or_si256(_mm256_or_si256(_mm256_slli_epi32(sign, 8), _mm256_slli_epi32(sym, 7)), mant);
+  const __m256i l = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lo)));
+  return _mm256_or_si256(_mm256_or_si256(_mm256_slli_epi32(sign, 24), _mm256_slli_epi32(sym, 23)),
+                         _mm256_or_si256(_mm256_slli_epi32(mant, 16), l));
+}
+
+template <int Dtype, int CtxBits, typename Word>
+WCODEC_AVX2 static int64_t decode_full_steps_avx2(const uint8_t* hi, const uint8_t* lo, const DecodeTable* set,
+                                                  const uint8_t* words, int64_t n_words, int64_t& used,
+                                                  uint32_t* x_lanes, int64_t full_steps, Word* out) {
+  __m256i x[4];
+  for (int v = 0; v < 4; ++v) x[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x_lanes + 8 * v));
+  for (int64_t t = 0; t < full_steps; ++t) {
+    __m256i joined[4];
+    for (int v = 0; v < 4; ++v) {
+      __m256i h;
+      const __m256i sym = decode_vector_avx2<Dtype, CtxBits>(hi + t * kLanes + 8 * v, set, words, n_words, used, x[v], h);
+      joined[v] = join_avx2<Dtype>(sym, h, Dtype == kFP32 ? lo + 2 * (t * kLanes + 8 * v) : nullptr);
+    }
+    Word* o = out + t * kLanes;
+    if constexpr (Dtype == kFP32) {
+      for (int v = 0; v < 4; ++v) _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 8 * v), joined[v]);
+    } else {                                          // pack pairs to u16; packus interleaves 128-bit halves
+      for (int v = 0; v < 4; v += 2)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 8 * v),
+                            _mm256_permute4x64_epi64(_mm256_packus_epi32(joined[v], joined[v + 1]), 0xD8));
+    }
+  }
+  for (int v = 0; v < 4; ++v) _mm256_storeu_si256(reinterpret_cast<__m256i*>(x_lanes + 8 * v), x[v]);
+  return full_steps * kLanes;
+}
+
 // WCODEC_CPU_SIMD=0 forces the scalar path (tests run both).
+static bool simd_allowed() {
+  return !(std::getenv("WCODEC_CPU_SIMD") && std::string(std::getenv("WCODEC_CPU_SIMD")) == "0");
+}
 static bool has_avx512() {
   static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vl") &&
-                          !(std::getenv("WCODEC_CPU_SIMD") && std::string(std::getenv("WCODEC_CPU_SIMD")) == "0");
+                          __builtin_cpu_supports("avx512vl") && simd_allowed();
+  return yes;
+}
+static bool has_avx2() {
+  static const bool yes = __builtin_cpu_supports("avx2") && simd_allowed();
   return yes;
 }
 #endif
@@ -145,6 +237,9 @@ static void decode_steps(const uint8_t* hi, const uint8_t* lo, const DecodeTable
   if (has_avx512() && end - j0 >= kLanes)
     j0 += decode_full_steps_avx512<Dtype, CtxBits>(hi + j0, Dtype == kFP32 ? lo + 2 * j0 : nullptr, lut, words,
                                                    n_words, used, x, (end - j0) / kLanes, out + j0);
+  else if (has_avx2() && end - j0 >= kLanes)
+    j0 += decode_full_steps_avx2<Dtype, CtxBits>(hi + j0, Dtype == kFP32 ? lo + 2 * j0 : nullptr, lut, words,
+                                                 n_words, used, x, (end - j0) / kLanes, out + j0);
 #endif
   for (; j0 < end; j0 += kLanes) {
     const int lanes = static_cast<int>(std::min<int64_t>(kLanes, end - j0));
