@@ -1,15 +1,17 @@
-"""Compressed-resident weights: the decoder layers' streams stay on the device and each layer is
-decoded into a small pool of scratch slots just before it runs (docs/RESIDENT.md). Read me first.
+"""Compressed-resident weights: the decoder layers' streams stay on the device and each module's
+weights are decoded into a small ring of scratch slots just before the module runs
+(docs/RESIDENT.md). Read me first.
 
-    side stream     decode L0 -> slot 0 | decode L1 -> slot 1 |(waits: L0 done) decode L2 -> slot 0 |
-    compute stream       wait L0 | L0 forward | wait L1 | L1 forward | wait L2 | L2 forward ...
+    side stream     decode q -> slot 0 | decode k -> slot 1 |(waits: q done) decode v -> slot 0 |
+    compute stream       wait q | q_proj | wait k | k_proj | wait v | v_proj ...
 
-* The model is transformers' own, untouched. A forward pre-hook on decoder layer i waits for its
-  decode, points the layer's parameters at its slot (the slot tensors are the parameters; no
-  copy), and queues the decode of layer i + 1; a forward hook records when the slot is free.
-* Layer i decodes into slot i % slots. A decode waits, on the side stream, for the slot's last
-  user to finish; a layer whose slot is still held by the running layer (layer 0 of the next
-  forward when the layer count is odd) is decoded at its own pre-hook instead.
+* The model is transformers' own, untouched. A unit is one module's compressed tensors (a Linear's
+  weight): a forward pre-hook waits for the unit's decode, points the module's parameters at its
+  slot (the slot views are the parameters; no copy) and queues the next unit's decode; a forward
+  hook records when the slot is free again. Slots are one Linear large, not one layer: a 7B
+  model's ring is 2 x 90 MB, so the weights stay under 0.70 of bf16.
+* The next unit is the one that ran after this one last time (the first forward follows archive
+  order), so any execution order is served; a unit with no free slot decodes at its own pre-hook.
 * Decodes are prepared launches (cuda_ext.Prepared, mode INDEXED: pieces of the resident index,
   codec/resident.py): no allocation, no host work but the launch. Their statuses are copied to
   pinned memory on the side stream and checked once the forward's decodes have completed.
@@ -28,6 +30,7 @@ from codec.constants import CODEC_FLOAT, LANES, SEGMENT_STEPS
 from cuda_ext import plans
 
 ENTRY_STEPS = 256                  # the resident index's piece: 32 x 256 weights
+ALIGN = 256                        # each tensor's place in a slot
 
 
 @dataclass
@@ -50,12 +53,13 @@ def estimate_bytes(entries, slots: int) -> int:
     kept = [e for e in entries if e.layer is not None and e.codec == CODEC_FLOAT]
     streams = sum(r["length"] for e in kept for r in e.streams.values())
     index = sum(e.params.n_segments * (SEGMENT_STEPS // ENTRY_STEPS) * (LANES + 1) * 4 for e in kept)
-    per_layer: dict[int, int] = {}
+    per_module: dict[str, int] = {}
     for e in kept:
-        per_layer[e.layer] = per_layer.get(e.layer, 0) + e.nbytes
+        module = e.name.rpartition(".")[0]
+        per_module[module] = per_module.get(module, 0) + -(-e.nbytes // ALIGN) * ALIGN
     kept_ids = {id(e) for e in kept}
     rest = sum(e.nbytes for e in entries if id(e) not in kept_ids)
-    return streams + index + slots * max(per_layer.values(), default=0) + rest
+    return streams + index + slots * max(per_module.values(), default=0) + rest
 
 
 def keep_layer(index: int, plan: plans.Plan, data: torch.Tensor, path=None) -> tuple[CompressedLayer, dict]:
@@ -68,88 +72,96 @@ def keep_layer(index: int, plan: plans.Plan, data: torch.Tensor, path=None) -> t
         {k: v for k, v in tensors.items() if k not in floats}
 
 
-def slot_spec(layers: list[CompressedLayer], prefixes: dict[int, str]) -> dict[str, tuple[tuple, torch.dtype]]:
-    """{name relative to its layer: (shape, dtype)} over every compressed layer; the layers must agree."""
-    spec: dict[str, tuple[tuple, torch.dtype]] = {}
+@dataclass
+class Unit:
+    """The compressed tensors of one module (a Linear's weight, bias): decoded together, just before
+    the module runs, into one slot of the ring."""
+
+    module: torch.nn.Module
+    leaves: list[tuple[str, int, tuple, torch.dtype]]   # attribute, byte offset in a slot, shape, dtype
+    plan: plans.Plan
+    layer: CompressedLayer
+    nbytes: int
+
+
+def units_of(model: torch.nn.Module, layers: list[CompressedLayer]) -> list[Unit]:
+    """One unit per module that owns compressed tensors, in archive order."""
+    out = []
     for c in layers:
+        by_module: dict[str, list] = {}
         for e in c.plan.float_entries:
-            rel, want = e.name[len(prefixes[c.index]):], (tuple(e.shape), e.torch_dtype)
-            if spec.setdefault(rel, want) != want:
-                raise ValueError(f"{e.name}: {want} differs from the other layers' {spec[rel]}")
-    return spec
-
-
-def layer_prefix(layer: CompressedLayer) -> str:
-    """"model.layers.3." for layer 3: its tensors' common name prefix up to the layer number."""
-    name = layer.plan.float_entries[0].name
-    marker = f".{layer.index}."
-    return name[:name.index(marker) + len(marker)]
+            by_module.setdefault(e.name.rpartition(".")[0], []).append(e)
+        for path, entries in by_module.items():
+            leaves, size = [], 0
+            for e in entries:
+                leaves.append((e.name.rpartition(".")[2], size, tuple(e.shape), e.torch_dtype))
+                size += -(-e.nbytes // ALIGN) * ALIGN
+            out.append(Unit(model.get_submodule(path), leaves, plans.select(c.plan, [e.name for e in entries]),
+                            c, size))
+    return out
 
 
 def attach(model: torch.nn.Module, layers: list[CompressedLayer], device: torch.device, slots: int,
-           on_forward: Callable[[float], None] | None = None) -> "LayerSchedule":
-    """A schedule for `model`'s compressed layers (not yet installed: see LayerSchedule)."""
-    prefixes = {c.index: layer_prefix(c) for c in layers}
-    modules = {i: model.get_submodule(p[:-1]) for i, p in prefixes.items()}
-    return LayerSchedule(modules, prefixes, layers, device, slots, on_forward)
+           on_forward: Callable[[float], None] | None = None) -> "UnitSchedule":
+    """A schedule for `model`'s compressed layers (not yet installed: see UnitSchedule)."""
+    return UnitSchedule(units_of(model, layers), device, slots, on_forward)
 
 
-class LayerSchedule:
-    """Decodes each compressed layer into a scratch slot one layer ahead of its use."""
+class UnitSchedule:
+    """Decodes each unit into a free slot of a ring, one unit ahead of its use.
 
-    def __init__(self, modules: dict[int, torch.nn.Module], prefixes: dict[int, str], layers: list[CompressedLayer],
-                 device: torch.device, slots: int = 2, on_forward: Callable[[float], None] | None = None):
+    A slot is free once the unit that held it has run (its forward hook records a CUDA event that
+    the next decode into the slot waits for). The unit to prefetch is the one that ran after this
+    one last time (the first forward follows archive order), so any execution order works."""
+
+    def __init__(self, units: list[Unit], device: torch.device, slots: int = 2,
+                 on_forward: Callable[[float], None] | None = None):
         self.cuda = device.type == "cuda"
-        self.n_slots = slots if self.cuda else 1
-        self.modules, self.layers, self.on_forward = modules, layers, on_forward or (lambda seconds: None)
-        spec = slot_spec(layers, prefixes)
-        self.slots = [{rel: torch.empty(shape, dtype=dtype, device=device) for rel, (shape, dtype) in spec.items()}
-                      for _ in range(self.n_slots)]
-        self.prefixes = prefixes
-        self.targets = [self._targets(modules[c.index], prefixes[c.index], c) for c in layers]
-        self.jobs = [[cuda_ext.Prepared(c.plan, c.data, [slot[t[2]] for t in targets], plans.MODE_INDEXED, c.entries)
-                      for slot in self.slots] for c, targets in zip(layers, self.targets)]
-        self.params = [{name: torch.nn.Parameter(t, requires_grad=False) for name, t in slot.items()}
-                       for slot in self.slots]
-        self.holder: list[int | None] = [None] * self.n_slots
-        self.issued = [False] * len(layers)
-        self.seconds = 0.0
+        self.units, self.on_forward = units, on_forward or (lambda seconds: None)
+        self.n_slots = max(slots, 1) if self.cuda else 1
+        size = max(u.nbytes for u in units)
+        self.slots = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(self.n_slots)]
+        self.params = [[[torch.nn.Parameter(self._view(slot, off, shape, dtype), requires_grad=False)
+                         for _, off, shape, dtype in u.leaves] for slot in self.slots] for u in units]
+        self.jobs = [[cuda_ext.Prepared(u.plan, u.layer.data, [p.data for p in self.params[k][s]], plans.MODE_INDEXED,
+                                        u.layer.entries) for s in range(self.n_slots)] for k, u in enumerate(units)]
+        self.next_of = {k: (k + 1) % len(units) for k in range(len(units))}
+        self.free, self.slot_of = list(range(self.n_slots)), [-1] * len(units)
+        self.issued, self.prev, self.first = [False] * len(units), None, None
+        self.seconds, self.handles = 0.0, []
         if self.cuda:
             self.side = torch.cuda.Stream(device)
-            self.decoded = [torch.cuda.Event() for _ in layers]
+            self.decoded = [torch.cuda.Event() for _ in units]
             self.released = [torch.cuda.Event() for _ in range(self.n_slots)]
             self.host_status = [[torch.zeros_like(j.status, device="cpu").pin_memory() for j in row] for row in self.jobs]
-            self.groups: list[list[tuple[torch.cuda.Event, torch.cuda.Event, int, int]]] = [[]]   # per forward
-        self.handles = []
+            self.groups: list[list[tuple]] = [[]]                  # each forward's decodes
 
     @staticmethod
-    def _targets(module: torch.nn.Module, prefix: str, layer: CompressedLayer):
-        """(submodule, attribute, name relative to the layer) of each of the layer's float tensors."""
-        out = []
-        for e in layer.plan.float_entries:
-            rel = e.name[len(prefix):]
-            parent, _, leaf = rel.rpartition(".")
-            out.append((module.get_submodule(parent) if parent else module, leaf, rel))
-        return out
+    def _view(slot: torch.Tensor, offset: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        n = int(torch.Size(shape).numel()) * torch.empty(0, dtype=dtype).element_size()
+        return slot[offset:offset + n].view(dtype).view(shape)
+
+    @property
+    def layers(self) -> list[CompressedLayer]:
+        return list({id(u.layer): u.layer for u in self.units}.values())
 
     @property
     def scratch_bytes(self) -> int:
-        return sum(t.nbytes for slot in self.slots for t in slot.values())
+        return sum(s.nbytes for s in self.slots)
 
     @property
     def compressed_bytes(self) -> int:
         return sum(c.nbytes for c in self.layers)
 
     def placeholders(self) -> dict[str, torch.Tensor]:
-        """Every compressed parameter pointed at slot 0, for building the model (nothing on meta)."""
-        return {self.prefixes[c.index] + rel: self.slots[0][rel] for c, targets in zip(self.layers, self.targets)
-                for _, _, rel in targets}
+        """Every compressed parameter, pointed at slot 0, for building the model (nothing on meta)."""
+        return {e.name: p.data for k, u in enumerate(self.units)
+                for e, p in zip(u.plan.float_entries, self.params[k][0])}
 
     def install(self) -> None:
-        for k, c in enumerate(self.layers):
-            module = self.modules[c.index]
-            self.handles.append(module.register_forward_pre_hook(lambda m, a, k=k: self._before(k)))
-            self.handles.append(module.register_forward_hook(lambda m, a, o, k=k: self._after(k)))
+        for k, u in enumerate(self.units):
+            self.handles.append(u.module.register_forward_pre_hook(lambda m, a, k=k: self._before(k)))
+            self.handles.append(u.module.register_forward_hook(lambda m, a, o, k=k: self._after(k)))
 
     def remove(self) -> None:
         for h in self.handles:
@@ -158,40 +170,39 @@ class LayerSchedule:
 
     # ---- the hooks ---------------------------------------------------------------------------
     def _before(self, k: int) -> None:
-        slot = k % self.n_slots
-        if k == 0 and self.cuda:
-            self._harvest()
-            self.groups.append([])
+        if self.first is None:
+            self.first = k
+        if k == self.first:
+            self._forward_starts()
+        if self.prev is not None:
+            self.next_of[self.prev] = k                         # learn the execution order
+        self.prev = k
         if not self.issued[k]:
             self._issue(k)
         if self.cuda:
             torch.cuda.current_stream().wait_event(self.decoded[k])
         self.issued[k] = False
-        for (module, leaf, rel) in self.targets[k]:
-            module._parameters[leaf] = self.params[slot][rel]
-        self.holder[slot] = k
-        nxt = (k + 1) % len(self.layers)
-        if self.cuda and not self.issued[nxt] and self.holder[nxt % self.n_slots] is None:
+        for (leaf, _, _, _), p in zip(self.units[k].leaves, self.params[k][self.slot_of[k]]):
+            self.units[k].module._parameters[leaf] = p
+        nxt = self.next_of[k]
+        if self.cuda and self.free and not self.issued[nxt]:
             self._issue(nxt)
 
     def _after(self, k: int) -> None:
-        slot = k % self.n_slots
+        slot = self.slot_of[k]
         if self.cuda:
             self.released[slot].record(torch.cuda.current_stream())
-        self.holder[slot] = None
-        if k == len(self.layers) - 1 and not self.cuda:
-            self.on_forward(self.seconds)
-            self.seconds = 0.0
+        self.free.append(slot)
 
     def _issue(self, k: int) -> None:
-        slot = k % self.n_slots
+        slot = self.free.pop(0)
+        self.slot_of[k], self.issued[k] = slot, True
         job = self.jobs[k][slot]
         if not self.cuda:
             t0 = time.perf_counter()
             job.run()
             job.check()
             self.seconds += time.perf_counter() - t0
-            self.issued[k] = True
             return
         with torch.cuda.stream(self.side):
             self.side.wait_event(self.released[slot])
@@ -202,15 +213,19 @@ class LayerSchedule:
             end.record(self.side)
             self.decoded[k].record(self.side)
         self.groups[-1].append((start, end, k, slot))
-        self.issued[k] = True
 
-    def _harvest(self) -> None:
-        """Earlier forwards' decodes, once complete: one time observation each, and their statuses
-        (a decode's status is read before its slot is decoded into again: that waits for this)."""
+    def _forward_starts(self) -> None:
+        """One observation per earlier forward: its decode time, once its decodes completed (on the
+        GPU, with their statuses: a decode's status is read before its slot is reused, which waits
+        for the forward that reads it)."""
+        if not self.cuda:
+            if self.seconds:
+                self.on_forward(self.seconds)
+            self.seconds = 0.0
+            return
         while self.groups and self.groups[0] and self.groups[0][-1][1].query():
             group = self.groups.pop(0)
             for _, _, k, slot in group:
-                job = self.jobs[k][slot]
-                plans.raise_on_status(job.plan, self.host_status[k][slot], job.path)
+                plans.raise_on_status(self.jobs[k][slot].plan, self.host_status[k][slot], self.jobs[k][slot].path)
             self.on_forward(sum(a.elapsed_time(b) for a, b, _, _ in group) / 1e3)
-        self.groups = [g for g in self.groups if g] or [[]]
+        self.groups = [g for g in self.groups if g] + [[]]

@@ -53,6 +53,7 @@ def test_compressed_mode_keeps_layers_compressed(both_modes) -> None:
     assert decoded.schedule is None and decoded.resident == "decoded"
     assert compressed.resident == "compressed" and len(schedule.layers) == compressed.model.config.num_hidden_layers
     assert len(schedule.slots) == 1                                        # the CPU decodes in place
+    assert len(schedule.units) == 7 * len(schedule.layers)                  # q k v o gate up down
     # the demo's tied 49152 x 576 embedding (21 % of its weights) stays decoded; its layers are ~0.67
     layer_bytes = sum(e.nbytes for c in schedule.layers for e in c.plan.float_entries)
     assert schedule.compressed_bytes < 0.69 * layer_bytes
