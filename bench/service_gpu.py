@@ -45,10 +45,11 @@ def free_port() -> int:
 class Server:
     """`wcodec serve` in a subprocess over a store, no demo build, no preloads."""
 
-    def __init__(self, store: Path, verify: bool = True):
+    def __init__(self, store: Path, verify: bool = True, budget: int | None = None):
         self.port = free_port()
         env = {**os.environ, "WCODEC_MODEL_STORE": str(store), "WCODEC_DEMO": "false", "WCODEC_PRELOAD": "[]",
-               "WCODEC_VERIFY_CRC": str(verify).lower(), "WCODEC_DEVICE": "cuda", "WCODEC_LOG_LEVEL": "debug"}
+               "WCODEC_VERIFY_CRC": str(verify).lower(), "WCODEC_DEVICE": "cuda", "WCODEC_LOG_LEVEL": "debug",
+               **({"WCODEC_GPU_MEMORY_BUDGET": str(budget)} if budget else {})}
         log = open(Path(os.environ.get("OUT", "/tmp")) / f"server-verify-{verify}.log", "w")   # the load timelines
         self.proc = subprocess.Popen([sys.executable, "-m", "wcodec", "serve", "--host", "127.0.0.1",
                                       "--port", str(self.port)], env=env, stdout=log, stderr=subprocess.STDOUT)

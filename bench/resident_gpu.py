@@ -1,0 +1,114 @@
+"""Compressed-resident mode on a GPU, a 7B-shaped model, decoded vs compressed in one run:
+weight memory, exactness, decode tokens/s at batch 1 and 32, and the memory-budget case through
+the server (decoded load 507, compressed load 200 and generates).
+
+    python bench/resident_gpu.py --part PART1.gguf [--steps 64] [--json OUT]
+
+PART1.gguf: any demo GGUF part (scripts/gguf_subset.py), for its tokenizer files. The model is
+Llama-2-7B-shaped with random bf16 weights (bench/service_gpu.py's).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from pathlib import Path
+
+import torch
+from service_gpu import LLAMA7B, Server, seven_b_state
+
+from codec.encode import compress_state_dict
+from codec.sources import open_source
+from service import loader, modeling
+
+
+def build(part: str, store: Path) -> Path:
+    with open_source(part) as src:
+        tokenizer = {k: v for k, v in src.files.items() if k.startswith(("tokenizer", "special"))}
+    store.mkdir(parents=True, exist_ok=True)
+    path = store / "llama7b.wcodec"
+    compress_state_dict(seven_b_state(), path, workers=16,
+                        files={"config.json": json.dumps(LLAMA7B).encode(), **tokenizer})
+    return path
+
+
+def load(path: Path, compressed: bool) -> tuple[modeling.ServedModel, int]:
+    gc.collect()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    decoded = loader.decode_archive(path, torch.device("cuda"), compressed=compressed)
+    served = modeling.finish("llama7b", modeling.prepare("llama7b", decoded.files), decoded, torch.device("cuda"))
+    del decoded
+    gc.collect()
+    torch.cuda.synchronize()
+    return served, torch.cuda.memory_allocated() - base
+
+
+def greedy(served: modeling.ServedModel, batch: int, steps: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Greedy decoding of `steps` tokens from a fixed 32-token prompt per row: tokens, the first
+    steps' logits, and decode tokens/s (prefill excluded)."""
+    (DynamicCache,) = modeling.hf("DynamicCache")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ids = torch.randint(3, 32000, (batch, 32), generator=g, device="cuda")
+    cache, tokens, logits = DynamicCache(), [], []
+    with torch.inference_mode():
+        out = served.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for step in range(steps):
+            out = served.model(input_ids=nxt, past_key_values=cache, use_cache=True)
+            if step < 4:
+                logits.append(out.logits[:, -1].float())
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            tokens.append(nxt)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - t
+    return torch.cat(tokens, 1), torch.stack(logits, 1), batch * steps / seconds
+
+
+def budget_case(store: Path, raw: int) -> dict:
+    """The server with a budget under the bf16 weights: decoded refused (507), compressed serves."""
+    server = Server(store, budget=int(0.8 * raw))
+    try:
+        decoded = server.client.post("/models/llama7b/load", params={"resident": "decoded"})
+        compressed = server.client.post("/models/llama7b/load", params={"resident": "compressed"})
+        gen = server.client.post("/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 8}})
+        return {"budget": int(0.8 * raw), "decoded_status": decoded.status_code,
+                "compressed_status": compressed.status_code, "compressed_info": compressed.json(),
+                "generate_status": gen.status_code}
+    finally:
+        server.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--part", required=True)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    path = build(args.part, Path("/tmp/store_resident"))
+    res = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M")}
+    runs = {}
+    for mode in ("decoded", "compressed"):
+        served, allocated = load(path, mode == "compressed")
+        runs[mode] = {"allocated_bytes": allocated, "weight_bytes": served.weight_bytes,
+                      "batch": {b: greedy(served, b, args.steps) for b in (1, 32)}}
+        del served
+    raw = runs["decoded"]["allocated_bytes"]
+    res["memory_ratio"] = runs["compressed"]["allocated_bytes"] / raw
+    for b in (1, 32):
+        (t_d, l_d, s_d), (t_c, l_c, s_c) = runs["decoded"]["batch"][b], runs["compressed"]["batch"][b]
+        res[f"batch{b}"] = {"tokens_equal": bool(torch.equal(t_d, t_c)), "logits_equal": bool(torch.equal(l_d, l_c)),
+                            "decoded_tok_s": s_d, "compressed_tok_s": s_c, "speed_ratio": s_c / s_d}
+    res["allocated_bytes"] = {m: r["allocated_bytes"] for m, r in runs.items()}
+    print(json.dumps(res, indent=1), flush=True)
+    res["budget"] = budget_case(path.parent, raw)
+    print(json.dumps(res["budget"], indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
