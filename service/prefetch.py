@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from codec.container import Reader
 from codec.errors import CodecError
 
+from .names import DEMO_NAME, SUFFIX, valid_name
 from .reading import ArchiveFile, Blob, Blobs, align_down, align_up, read_range
 from .timeline import Timeline
 
@@ -92,7 +93,10 @@ class EarlyRead:
         self.blobs.wait_until(end)
 
     def release(self) -> None:
+        if self.pool is None:
+            return
         self.pool.shutdown(wait=True, cancel_futures=True)
+        self.pool = None
         self.file.close()
         try:
             self.view.release()
@@ -116,3 +120,11 @@ def start_early_reads(paths: dict[str, str], *, verify: bool, threads: int, dire
         except (OSError, CodecError, LookupError, TypeError, AttributeError) as e:
             log.info("early read of %s skipped: %s", name, e)     # the load reports it, typed
     return out
+
+
+def preload_paths(settings) -> dict[str, str]:
+    """{name: path} of the archives `settings` preloads that exist now: WCODEC_PRELOAD, else the
+    demo model when it is in the store. Invalid or absent names are left to the load to report."""
+    names = settings.preload if settings.preload is not None else ([DEMO_NAME] if settings.demo else [])
+    paths = {name: os.path.join(settings.model_store, name + SUFFIX) for name in names if valid_name(name)}
+    return {name: path for name, path in paths.items() if os.path.isfile(path)}

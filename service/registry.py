@@ -34,13 +34,15 @@ from .errors import InsufficientMemory, LoadFailed, ModelNotFound, ModelNotReady
 from .metrics import Metrics
 from .settings import Settings
 from .store import ModelFile, ModelStore, check_name
+from .timeline import Timeline
 
 log = logging.getLogger("wcodec.service")
 
 
-def _mark(name: str, t0: float, what: str) -> None:
-    """A load's timeline, at debug level (WCODEC_LOG_LEVEL=DEBUG): where a slow load spends it."""
+def _mark(timeline: Timeline, name: str, t0: float, what: str) -> None:
+    """A load's timeline, at debug level (WCODEC_LOG_LEVEL=DEBUG) and on the process's timeline."""
     log.debug("load %s: %s at %.3f s", name, what, time.perf_counter() - t0)
+    timeline.mark(f"load {name}: {what}")
 
 
 class ModelState(str, enum.Enum):
@@ -114,8 +116,11 @@ def _retrieve(task: asyncio.Task) -> None:
 
 
 class ModelRegistry:
-    def __init__(self, settings: Settings, metrics: Metrics):
+    def __init__(self, settings: Settings, metrics: Metrics, *, timeline: Timeline | None = None,
+                 early: dict | None = None):
         self.settings, self.metrics = settings, metrics
+        self.timeline = timeline or Timeline()
+        self.early = dict(early or {})             # name -> prefetch.EarlyRead, consumed by its first load
         self.store = ModelStore(settings.model_store)
         self.device = torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.startup: asyncio.Task | None = None
@@ -257,15 +262,18 @@ class ModelRegistry:
     def _load_blocking(self, slot: Slot) -> tuple[modeling.ServedModel, loader.LoadStats]:
         t0, reserved = time.perf_counter(), self._reserved()
         slot.progress.phase = "decoding"
-        mark = partial(_mark, slot.name, t0)
+        mark = partial(_mark, self.timeline, slot.name, t0)
+        mark("started")
         with Archive.open(slot.file.path) as archive:          # the skeleton builds while weights decode
             opened = archive.entries, archive.reader.files(self.settings.verify_crc)
         mark("header and files read")
         with ThreadPoolExecutor(1, thread_name_prefix="wcodec-prepare") as pool:
             prepared = pool.submit(modeling.prepare, slot.name, opened[1])
-            decoded = loader.decode_archive(slot.file.path, self.device, ring=self.settings.load_ring_buffers,
-                                            verify=self.settings.verify_crc, on_batch=partial(self._on_batch, slot),
-                                            opened=opened, mark=mark)
+            s = self.settings
+            decoded = loader.decode_archive(slot.file.path, self.device, ring=s.load_ring_buffers,
+                                            verify=s.verify_crc, on_batch=partial(self._on_batch, slot),
+                                            opened=opened, mark=mark, early=self.early.pop(slot.name, None),
+                                            direct=s.direct_io(), threads=s.read_threads())
             slot.progress.phase = "building"
             ready = prepared.result()
             mark("skeleton ready")
@@ -341,14 +349,18 @@ class ModelRegistry:
     async def start(self) -> None:
         """Build the demo into an empty store (WCODEC_DEMO), then load the preload list."""
         try:
-            await asyncio.to_thread(modeling.warm_up, self.device)
+            await asyncio.to_thread(modeling.warm_up, self.device, self.timeline)
             if self.settings.demo:
                 await asyncio.to_thread(demo.ensure_demo, self.store.root, self.settings.demo_workers)
             for name in self._preload_names():
                 await self.load(name)
+            self.timeline.mark("start-up: preloads done")
         except Exception as e:                     # a background task: report it, keep serving
             self.startup_error = str(e)
             log.exception("start-up failed")
+        finally:
+            while self.early:                      # preloads that did not use theirs
+                self.early.popitem()[1].release()
 
     def _preload_names(self) -> list[str]:
         if self.settings.preload is not None:
