@@ -7,6 +7,9 @@ model modules pull in torch._dynamo, sympy and scipy: seconds on the start-up's 
 * The call is the one the engine makes of a transformers model:
   `model(input_ids, attention_mask, position_ids, past_key_values, use_cache, logits_to_keep)`
   -> `.logits`, `.past_key_values` (a KVCache: update, get_seq_length, batch_select_indices, crop).
+* `LlamaForCausalLM(config, device="meta")` allocates nothing and runs no initialiser: in torch
+  2.13 the first random init on `meta` imports torch._dynamo (seconds), so modules here never
+  initialise; the decoded tensors are assigned over them.
 * `LlamaConfig.parse(config.json)` returns None for anything this file does not implement
   exactly (another activation, sliding windows, a rope type other than default/linear/llama3):
   such models are served by transformers' own classes (service/modeling.py).
@@ -92,10 +95,23 @@ def inv_freq(c: LlamaConfig, device=None) -> tuple[torch.Tensor, float]:
     return freq, 1.0
 
 
+class Linear(nn.Linear):
+    def reset_parameters(self) -> None:         # weights are assigned, never initialised
+        pass
+
+
+class Embedding(nn.Embedding):
+    def reset_parameters(self) -> None:
+        pass
+
+
 class Rotary(nn.Module):
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: LlamaConfig, device=None):
         super().__init__()
-        freq, self.scale = inv_freq(config)
+        if str(device) == "meta":               # a placeholder; modeling.assemble rebuilds it on the device
+            freq, self.scale = torch.empty(config.head_dim // 2, device="meta"), 1.0
+        else:
+            freq, self.scale = inv_freq(config, device)
         self.inv_freq = nn.Buffer(freq, persistent=False)
 
     @torch.no_grad()
@@ -111,9 +127,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
+    def __init__(self, size: int, eps: float, device=None):
         super().__init__()
-        self.weight, self.eps = nn.Parameter(torch.ones(size)), eps
+        self.weight, self.eps = nn.Parameter(torch.ones(size, device=device)), eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.to(torch.float32)
@@ -150,13 +166,14 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    def __init__(self, c: LlamaConfig, layer: int):
+    def __init__(self, c: LlamaConfig, layer: int, device=None):
         super().__init__()
         self.layer, self.heads, self.kv_heads, self.head_dim = layer, c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=c.qkv_bias)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.qkv_bias)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.qkv_bias)
-        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
+        e, q, kv = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        self.q_proj = Linear(e, q, bias=c.qkv_bias, device=device)
+        self.k_proj = Linear(e, kv, bias=c.qkv_bias, device=device)
+        self.v_proj = Linear(e, kv, bias=c.qkv_bias, device=device)
+        self.o_proj = Linear(q, e, bias=c.o_bias, device=device)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
                 cache: KVCache | None) -> torch.Tensor:
@@ -176,22 +193,22 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, c: LlamaConfig):
+    def __init__(self, c: LlamaConfig, device=None):
         super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
+        self.gate_proj = Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias, device=device)
+        self.up_proj = Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias, device=device)
+        self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Layer(nn.Module):
-    def __init__(self, c: LlamaConfig, layer: int):
+    def __init__(self, c: LlamaConfig, layer: int, device=None):
         super().__init__()
-        self.self_attn, self.mlp = Attention(c, layer), MLP(c)
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn, self.mlp = Attention(c, layer, device), MLP(c, device)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, device)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, device)
 
     def forward(self, x, cos, sin, mask, cache):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
@@ -199,12 +216,12 @@ class Layer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, c: LlamaConfig):
+    def __init__(self, c: LlamaConfig, device=None):
         super().__init__()
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(Layer(c, i) for i in range(c.num_hidden_layers))
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.rotary_emb = Rotary(c)
+        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, device=device)
+        self.layers = nn.ModuleList(Layer(c, i, device) for i in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, device)
+        self.rotary_emb = Rotary(c, device)
 
 
 @dataclass
@@ -224,11 +241,11 @@ def causal_mask(mask: torch.Tensor, q_len: int) -> torch.Tensor:
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: LlamaConfig, device=None):
         super().__init__()
         self.config = config
-        self.model = Backbone(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = Backbone(config, device)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, device=device)
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:

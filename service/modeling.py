@@ -149,8 +149,7 @@ def prepare(name: str, files: dict[str, bytes]) -> Prepared:
             tokenizer = auto_tokenizer.from_pretrained(tmp)
     blob = files.get("generation_config.json")
     generation = SimpleNamespace(**json.loads(blob)) if blob else None
-    with torch.device("meta"):
-        model = llama.LlamaForCausalLM(native)
+    model = llama.LlamaForCausalLM(native, device="meta")
     return Prepared(native, tokenizer, generation, model, time.perf_counter() - t0)
 
 
