@@ -21,7 +21,10 @@
 from __future__ import annotations
 
 import collections
+import functools
+import importlib.util
 import itertools
+import logging
 import os
 import queue
 import threading
@@ -42,6 +45,8 @@ from cuda_ext import plans
 
 from .prefetch import EarlyRead
 from .reading import ALIGN, ArchiveFile, Blob, Blobs, align_down, align_up, read_range
+
+log = logging.getLogger("wcodec.service")
 
 
 @dataclass(frozen=True)
@@ -273,6 +278,16 @@ def _decode_cuda(reader: RingReader, path: str, device: torch.device, on_batch: 
     return tensors
 
 
+@functools.lru_cache(maxsize=1)
+def note_gpudirect() -> bool:
+    """Say once in the log whether GPUDirect Storage (kvikio) could read straight into GPU memory.
+    This loader reads through pinned host memory either way (kvikio is not used yet)."""
+    present = importlib.util.find_spec("kvikio") is not None
+    log.info("GPUDirect Storage: kvikio %s; archives are read through pinned host memory",
+             "is installed but not used by this loader yet" if present else "is absent")
+    return present
+
+
 def read_threads() -> int:
     return min(16, 2 * (os.cpu_count() or 1))
 
@@ -287,6 +302,8 @@ def decode_archive(path: str | Path, device: torch.device, *, ring: int = 3, ver
     O_DIRECT, None uses it for bytes not in the page cache."""
     t0 = time.perf_counter()
     path = os.fspath(path)
+    if device.type == "cuda":
+        note_gpudirect()
     if opened is None:
         with Archive.open(path) as archive:
             opened = archive.entries, archive.reader.files(verify)

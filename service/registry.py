@@ -28,7 +28,7 @@ import torch
 from codec.decode import Archive
 from codec.errors import CodecError
 
-from . import demo, loader, modeling
+from . import demo, loader, modeling, prefetch, preload
 from .engine import Engine
 from .errors import InsufficientMemory, LoadFailed, ModelNotFound, ModelNotReady, ServiceError, ValidationFailed
 from .metrics import Metrics
@@ -120,7 +120,7 @@ class ModelRegistry:
                  early: dict | None = None):
         self.settings, self.metrics = settings, metrics
         self.timeline = timeline or Timeline()
-        self.early = dict(early or {})             # name -> prefetch.EarlyRead, consumed by its first load
+        self.early = dict(early or {})             # name -> prefetch.EarlyRead or preload.EarlyLoad (first load)
         self.store = ModelStore(settings.model_store)
         self.device = torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.startup: asyncio.Task | None = None
@@ -264,24 +264,36 @@ class ModelRegistry:
         slot.progress.phase = "decoding"
         mark = partial(_mark, self.timeline, slot.name, t0)
         mark("started")
-        with Archive.open(slot.file.path) as archive:          # the skeleton builds while weights decode
+        early = self.early.pop(slot.name, None)
+        if isinstance(early, preload.EarlyLoad) and early.matches(slot.file.path, self.device):
+            decoded, ready = early.take(partial(self._on_batch, slot))      # decoded since torch's import
+            t0 = early.started
+        else:
+            decoded, ready = self._decode_and_prepare(slot, mark, early)
+        slot.progress.phase = "building"
+        mark("skeleton ready")
+        served = modeling.finish(slot.name, ready, decoded, self.device)
+        mark("weights assigned")
+        decoded.stats.total_s = time.perf_counter() - t0
+        slot.reserved_bytes = self._reserved() - reserved if self.device.type == "cuda" else served.weight_bytes
+        return served, decoded.stats
+
+    def _decode_and_prepare(self, slot: Slot, mark, early) -> tuple[loader.Decoded, modeling.Prepared]:
+        """Decode the weights while the skeleton is built on another thread."""
+        with Archive.open(slot.file.path) as archive:
             opened = archive.entries, archive.reader.files(self.settings.verify_crc)
         mark("header and files read")
+        if isinstance(early, preload.EarlyLoad):              # of another file or device: not used
+            early.release()
+        early = early if isinstance(early, prefetch.EarlyRead) else None
         with ThreadPoolExecutor(1, thread_name_prefix="wcodec-prepare") as pool:
             prepared = pool.submit(modeling.prepare, slot.name, opened[1])
             s = self.settings
             decoded = loader.decode_archive(slot.file.path, self.device, ring=s.load_ring_buffers,
                                             verify=s.verify_crc, on_batch=partial(self._on_batch, slot),
-                                            opened=opened, mark=mark, early=self.early.pop(slot.name, None),
+                                            opened=opened, mark=mark, early=early,
                                             direct=s.direct_io(), threads=s.read_threads())
-            slot.progress.phase = "building"
-            ready = prepared.result()
-            mark("skeleton ready")
-            served = modeling.finish(slot.name, ready, decoded, self.device)
-        mark("weights assigned")
-        decoded.stats.total_s = time.perf_counter() - t0
-        slot.reserved_bytes = self._reserved() - reserved if self.device.type == "cuda" else served.weight_bytes
-        return served, decoded.stats
+            return decoded, prepared.result()
 
     def _on_batch(self, slot: Slot, batch: loader.Batch, seconds: float) -> None:
         """Runs on the loading thread after each decoded layer batch."""

@@ -3,9 +3,11 @@
     0  the interpreter starts (the timeline's zero is the process's own start)
     1  settings; then each preloaded model's archive starts reading into memory on a thread
        pool (service/prefetch.py: no torch), verified as it arrives
-    2  import torch; a warm-up thread makes the CUDA context and loads the decoder extension
-    3  import the service (fastapi, uvicorn), build the app; uvicorn starts; the lifespan loads
-       the preloaded models from the early reads while the model skeletons are built
+    2  import torch; then, per preloaded model, a thread (service/preload.py) makes the CUDA
+       context, loads the decoder extension and decodes the model from its early read while
+       its tokenizer and meta skeleton are built
+    3  meanwhile the main thread imports the service (fastapi, uvicorn) and builds the app;
+       uvicorn starts; the lifespan's load of each preloaded model takes the early load's result
 Only what the forward pass needs is imported on the way (service/modeling.py). With
 WCODEC_LOG_LEVEL=debug the timeline is logged once the preloads are done; GET /health/startup
 serves it."""
@@ -42,10 +44,23 @@ def _settings(args: argparse.Namespace, timeline: Timeline):
         return None
 
 
-def _start_early_reads(settings, timeline: Timeline) -> dict:
+def _start_early_reads(settings, timeline: Timeline) -> tuple[dict, dict]:
     from service import prefetch
-    return prefetch.start_early_reads(prefetch.preload_paths(settings), verify=settings.verify_crc, threads=settings.read_threads(),
-                                      direct=settings.direct_io(), timeline=timeline) if settings.early_read else {}
+    paths = prefetch.preload_paths(settings) if settings.early_read else {}
+    return paths, prefetch.start_early_reads(paths, verify=settings.verify_crc, threads=settings.read_threads(),
+                                             direct=settings.direct_io(), timeline=timeline)
+
+
+def _start_early_loads(settings, paths: dict, reads: dict, timeline: Timeline) -> dict:
+    """Decode each preloaded model on its own thread from now on; else only warm up."""
+    import torch
+
+    from service.preload import start_early_loads
+    device = torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if paths:
+        return start_early_loads(reads, paths, settings, device, timeline)
+    threading.Thread(target=_warm_up, args=(settings, timeline), name="wcodec-warm-up", daemon=True).start()
+    return reads
 
 
 def _warm_up(settings, timeline: Timeline) -> None:
@@ -63,10 +78,10 @@ def run(args: argparse.Namespace, timeline: Timeline | None = None) -> int:
     if settings is None:
         return EXIT_ERROR
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    early = _start_early_reads(settings, timeline)
+    paths, reads = _start_early_reads(settings, timeline)
     with timeline.span("import torch"):
         import torch  # noqa: F401
-    threading.Thread(target=_warm_up, args=(settings, timeline), name="wcodec-warm-up", daemon=True).start()
+    early = _start_early_loads(settings, paths, reads, timeline)
     with timeline.span("import uvicorn, fastapi and the service"):
         import uvicorn
 
