@@ -12,6 +12,11 @@
 
 The header sits after the data so a writer streams tensors out in one pass and never holds a
 checkpoint in memory; readers take it from the offset the preamble gives.
+
+Checksums (docs/FORMAT.md §4): every stored blob's record carries "crc32" (format 1.0) and, from
+format 1.1, "xxh3" (XXH3-64 as 16 hex digits), which runs at memory speed and releases the GIL,
+so readers verify it in parallel threads as bytes arrive. A reader checks "xxh3" when a record
+has it, else "crc32"; a 1.0 reader ignores "xxh3" and checks "crc32", so 1.1 files stay readable.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
+import xxhash
 
 from . import errors
 from .constants import (DATA_ALIGN, FORMAT_MAJOR, FORMAT_MINOR, MAGIC, MAX_HEADER_BYTES,
@@ -30,6 +36,8 @@ from .constants import (DATA_ALIGN, FORMAT_MAJOR, FORMAT_MINOR, MAGIC, MAX_HEADE
 
 _PREAMBLE = struct.Struct("<8sHHIQQIIQQQ")
 assert _PREAMBLE.size == PREAMBLE_SIZE
+CHECKSUM_MINOR = 1                  # the minor version that added "xxh3" to blob records
+XXH3_HEX = 16
 
 
 @dataclass(frozen=True)
@@ -50,6 +58,26 @@ class Preamble:
 
 def crc32(data) -> int:
     return zlib.crc32(data) & 0xFFFFFFFF
+
+
+def xxh3(data) -> str:
+    """XXH3-64 of a blob, 16 lowercase hex digits (the GIL is released above 64 KiB)."""
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+def checksums(data) -> dict:
+    """The checksum fields of a blob record."""
+    return {"crc32": crc32(data), "xxh3": xxh3(data)}
+
+
+def checksum_fault(data, record: dict) -> str | None:
+    """None when `data` matches its record's checksum: "xxh3" when present, else "crc32";
+    otherwise the name of the checksum that fails. A malformed "xxh3" counts as failing."""
+    want = record.get("xxh3")
+    if want is not None:
+        ok = isinstance(want, str) and len(want) == XXH3_HEX and xxh3(data) == want
+        return None if ok else "XXH3-64"
+    return None if crc32(data) == record.get("crc32") else "CRC32"
 
 
 class Writer:
@@ -74,17 +102,20 @@ class Writer:
         self._pos += pad
         view = memoryview(data).cast("B")
         self._f.write(view)
-        record = {"offset": self._pos, "length": len(view), "crc32": crc32(view)}
+        record = {"offset": self._pos, "length": len(view), **checksums(view)}
         self._pos += len(view)
         return record
 
     def finish(self, header: dict) -> int:
+        """Write the header (its "version" set to the preamble's) and the preamble."""
+        minor = max(FORMAT_MINOR, CHECKSUM_MINOR)
+        header = {**header, "version": f"{FORMAT_MAJOR}.{minor}"}
         body = json.dumps(header, separators=(",", ":")).encode()
         if len(body) > MAX_HEADER_BYTES:
             raise errors.HeaderError(self.path, f"header of {len(body)} bytes exceeds {MAX_HEADER_BYTES}")
         self._f.write(body)
         end = self._pos + len(body)
-        pre = Preamble(FORMAT_MAJOR, FORMAT_MINOR, self._pos, len(body), crc32(body), DATA_ALIGN, end)
+        pre = Preamble(FORMAT_MAJOR, minor, self._pos, len(body), crc32(body), DATA_ALIGN, end)
         self._f.seek(0)
         self._f.write(pre.pack())
         self._f.close()
@@ -131,8 +162,9 @@ class Reader:
 
     def checked_stream(self, record: dict, what: str, verify: bool = True) -> np.ndarray:
         data = self.stream(record, what)
-        if verify and crc32(data) != record.get("crc32"):
-            raise errors.ChecksumError(self.path, f"{what}: stored stream fails its CRC32")
+        fault = checksum_fault(data, record) if verify else None
+        if fault:
+            raise errors.ChecksumError(self.path, f"{what}: stored stream fails its {fault} checksum")
         return data
 
     def files(self, verify: bool = True) -> dict[str, bytes]:

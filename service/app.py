@@ -1,6 +1,7 @@
 """`create_app(settings)`: the FastAPI application. Nothing heavy happens at import or at
 creation; the lifespan builds the model registry and starts, in the background, the demo
-build and the preloads, so /health answers while models load."""
+build and the preloads, so /health answers while models load. `wcodec serve` passes its
+start-up timeline and the early reads of the preloaded archives (wcodec/serve.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -17,6 +18,7 @@ from .metrics import HttpMetricsMiddleware, Metrics
 from .registry import ModelRegistry
 from .routes import chat, generate, health, models
 from .settings import Settings
+from .timeline import Timeline
 
 log = logging.getLogger("wcodec.service")
 DESCRIPTION = ("Serves `.wcodec` models: decoded onto the GPU (or the CPU) at load time, generation "
@@ -25,19 +27,26 @@ DESCRIPTION = ("Serves `.wcodec` models: decoded onto the GPU (or the CPU) at lo
 
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-    registry = ModelRegistry(app.state.settings, app.state.metrics)
+    timeline: Timeline = app.state.timeline
+    registry = ModelRegistry(app.state.settings, app.state.metrics, timeline=timeline, early=app.state.early)
+    app.state.early = {}                        # the registry owns (and releases) them now
     registry.refresh()
     app.state.registry = registry
+    timeline.mark("lifespan: registry ready, start-up task begins")
     registry.startup = asyncio.create_task(registry.start(), name="wcodec start-up")
+    registry.startup.add_done_callback(lambda _: timeline.log(log))
     try:
         yield
     finally:
         await registry.close()
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, *, timeline: Timeline | None = None,
+               early: dict | None = None) -> FastAPI:
     app = FastAPI(title="wcodec", version=codec.__version__, description=DESCRIPTION, lifespan=lifespan)
     app.state.settings = settings or Settings()
+    app.state.timeline = timeline or Timeline()
+    app.state.early = early or {}
     app.state.metrics = Metrics()
     errors.install(app)
     openapi.install(app)

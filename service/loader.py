@@ -1,13 +1,17 @@
 """Disk -> device: the pipelined loader. Read me first.
 
-    reader thread                 copy stream (CUDA)            compute stream (CUDA) / CPU
-    preadv batch k+2 -> ring  ->  H2D batch k+1 (pinned, async)  ->  decode_plan(batch k)
+    reader thread + pool          copy stream (CUDA)            compute stream (CUDA) / CPU
+    read batch k+2 -> ring    ->  H2D batch k+1 (pinned, async)  ->  decode_plan(batch k)
 
 * A batch is the consecutive entries of one layer. The archive is in layer order, so a batch's
-  streams are one contiguous byte range [start, end): one `preadv` into one ring buffer.
-* The ring holds `ring` host buffers, each as large as the largest batch; pinned only when
-  the target is CUDA. The reader verifies every stream's CRC32 in its own thread (zlib.crc32
-  releases the GIL) and blocks when no buffer is free: memory stays bounded.
+  streams are one contiguous byte range [start, end), read (service/reading.py) in pieces by a
+  pool of threads into one ring buffer: page-cache hits with a memcpy, the rest with O_DIRECT.
+* Every stream is verified (XXH3-64 from format 1.1, else CRC32) by the pool thread that read its
+  last piece, so checks overlap reads. Up to one batch per ring buffer is in flight.
+* The ring holds `ring` host buffers, each as large as the largest batch's aligned window;
+  pinned only when the target is CUDA. The reader blocks when no buffer is free: memory stays
+  bounded. With an early read (service/prefetch.py: the archive read at process start), batches
+  come from that memory instead of the file.
 * On CUDA the copy of batch k+1 is queued on the copy stream before batch k is decoded on the
   compute stream (which waits on the copy's event), so read, H2D and decode overlap. A host
   buffer returns to the ring once its copy event has completed. On the CPU the decoder reads
@@ -16,27 +20,34 @@
 """
 from __future__ import annotations
 
+import collections
+import functools
+import importlib.util
 import itertools
+import logging
 import os
 import queue
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 import cuda_ext
-from codec import errors
 from codec.constants import CODEC_FLOAT
 from codec.decode import Archive
 from codec.entries import TensorEntry
 from cuda_ext import plans
 
 from . import resident
+from .prefetch import EarlyRead
+from .reading import ALIGN, ArchiveFile, Blob, Blobs, align_down, align_up, read_range
+
+log = logging.getLogger("wcodec.service")
 
 
 @dataclass(frozen=True)
@@ -95,49 +106,39 @@ def layer_batches(entries: list[TensorEntry]) -> list[Batch]:
     return out
 
 
-READ_PIECE = 16 << 20              # a batch is read (and CRC-checked) in pieces by a thread pool
+def _blobs(batch: Batch) -> list[Blob]:
+    return [Blob(rec["offset"], rec["length"], rec, f"tensor {e.name!r}: stream {role}")
+            for e in batch.entries for role, rec in e.streams.items()]
 
 
-def _pread_into(fd: int, view: memoryview, offset: int, path: str) -> None:
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n == 0:
-            raise errors.TruncatedFile(path, f"file ends before byte {offset + len(view)}")
-        done += n
+def _aligned_buffer(nbytes: int, pin: bool) -> torch.Tensor:
+    """uint8 host memory starting on an ALIGN boundary (O_DIRECT reads into it)."""
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
+    skip = -raw.data_ptr() % ALIGN
+    return raw[skip:skip + nbytes]
 
 
-def _pread_parallel(pool: ThreadPoolExecutor, fd: int, view: memoryview, offset: int, path: str) -> None:
-    """preadv releases the GIL: page-cache copies scale with threads."""
-    pieces = [pool.submit(_pread_into, fd, view[i:i + READ_PIECE], offset + i, path)
-              for i in range(0, len(view), READ_PIECE)]
-    for piece in pieces:
-        piece.result()
-
-
-def _check_crcs(pool: ThreadPoolExecutor, batch: Batch, view: memoryview, path: str) -> None:
-    """zlib.crc32 releases the GIL too: every stream of the batch is checked in parallel."""
-    checks = [(e, role, rec, pool.submit(zlib.crc32, view[rec["offset"] - batch.start:
-                                                       rec["offset"] - batch.start + rec["length"]]))
-              for e in batch.entries for role, rec in e.streams.items()]
-    for e, role, rec, crc in checks:
-        if crc.result() & 0xFFFFFFFF != rec["crc32"]:
-            raise errors.ChecksumError(path, f"tensor {e.name!r}: stored stream {role} fails its CRC32")
+def _window(batch: Batch) -> tuple[int, int]:
+    return align_down(batch.start), align_up(batch.end)
 
 
 class RingReader:
-    """Reads batches into a ring of host buffers on its own thread; `next()` hands them over in
-    order, `release(slot)` gives a buffer back. A read error is raised by `next()`."""
+    """Reads batches into a ring of host buffers on its own thread, up to one batch per buffer in
+    flight; `next()` hands them over in order, `release(slot)` gives a buffer back. A read or
+    checksum error is raised by `next()`. With `early` (the archive already read into memory at
+    start-up), a batch is copied from there (CUDA: into a pinned buffer) or, on the CPU, used in
+    place (slot None)."""
 
-    def __init__(self, path: str, batches: list[Batch], buffers: list[torch.Tensor], verify: bool):
-        self.path, self.batches, self.buffers, self.verify = path, batches, buffers, verify
+    def __init__(self, file: ArchiveFile, batches: list[Batch], buffers: list[torch.Tensor], verify: bool,
+                 threads: int, early: EarlyRead | None = None):
+        self.file, self.batches, self.buffers, self.verify, self.early = file, batches, buffers, verify, early
         self.read_s = 0.0
         self._free: queue.Queue[int | None] = queue.Queue()
-        self._filled: queue.Queue[tuple[Batch, int] | BaseException] = queue.Queue()
+        self._filled: queue.Queue[tuple[Batch, int | None] | BaseException] = queue.Queue()
         for slot in range(len(buffers)):
             self._free.put(slot)
         self._thread = threading.Thread(target=self._run, name="wcodec-reader", daemon=True)
-        self._pool = ThreadPoolExecutor(min(16, os.cpu_count() or 1), thread_name_prefix="wcodec-read")
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="wcodec-read")
 
     def __enter__(self) -> RingReader:  # noqa: PYI034
         self._thread.start()
@@ -146,36 +147,71 @@ class RingReader:
     def __exit__(self, *exc) -> None:
         self._free.put(None)               # wakes a reader waiting for a buffer: it stops
         self._thread.join()
-        self._pool.shutdown()
+        self._pool.shutdown(cancel_futures=True)
+
+    def _copy_early(self, buf: memoryview, base: int, a: int, b: int) -> None:
+        self.early.wait_until(b)
+        src = np.frombuffer(self.early.view, np.uint8, b - a, a - self.early.base)
+        np.copyto(np.frombuffer(buf, np.uint8, b - a, a - base), src)      # releases the GIL
+
+    def _start(self, batch: Batch, slot: int | None) -> tuple[float, list]:
+        t0 = time.perf_counter()
+        if slot is None:                                 # CPU, early: decoded in place
+            return t0, [self._pool.submit(self.early.wait_until, batch.end)]
+        base, end = _window(batch)
+        buf = memoryview(self.buffers[slot].numpy())[:end - base]
+        from_early = self.early is not None
+        blobs = Blobs(self.file.path, _blobs(batch), self.verify and not from_early)
+        return t0, read_range(self._pool, self.file, buf, base, batch.start, batch.end, blobs,
+                              self._copy_early if from_early else None)
+
+    def _hand_over(self, item: tuple[Batch, int | None, float, list]) -> None:
+        batch, slot, t0, futures = item
+        for f in futures:
+            f.result()
+        self.read_s += time.perf_counter() - t0
+        self._filled.put((batch, slot))
+
+    def _slot(self, inflight: collections.deque) -> int | None:
+        if self.early is not None and not self.buffers:
+            return -1
+        while inflight:                                  # no free buffer: hand the oldest over first
+            try:
+                return self._free.get_nowait()
+            except queue.Empty:
+                self._hand_over(inflight.popleft())
+        return self._free.get()
 
     def _run(self) -> None:
+        inflight: collections.deque = collections.deque()
         try:
-            with open(self.path, "rb", buffering=0) as f:
-                for batch in self.batches:
-                    slot = self._free.get()
-                    if slot is None:
-                        return
-                    t0 = time.perf_counter()
-                    view = memoryview(self.buffers[slot].numpy()[:batch.nbytes])
-                    _pread_parallel(self._pool, f.fileno(), view, batch.start, self.path)
-                    if self.verify:
-                        _check_crcs(self._pool, batch, view, self.path)
-                    self.read_s += time.perf_counter() - t0
-                    self._filled.put((batch, slot))
+            for batch in self.batches:
+                slot = self._slot(inflight)
+                if slot is None:
+                    return
+                slot = None if slot == -1 else slot
+                inflight.append((batch, slot, *self._start(batch, slot)))
+            while inflight:
+                self._hand_over(inflight.popleft())
         except BaseException as e:  # noqa: BLE001  (handed to the consumer, which raises it)
             self._filled.put(e)
 
-    def next(self) -> tuple[Batch, int]:
+    def next(self) -> tuple[Batch, int | None]:
         item = self._filled.get()
         if isinstance(item, BaseException):
             raise item
         return item
 
-    def host(self, batch: Batch, slot: int) -> torch.Tensor:
-        return self.buffers[slot][:batch.nbytes]
+    def host(self, batch: Batch, slot: int | None) -> torch.Tensor:
+        if slot is None:
+            return torch.frombuffer(self.early.view, dtype=torch.uint8, count=batch.nbytes,
+                                    offset=batch.start - self.early.base)
+        base = align_down(batch.start)
+        return self.buffers[slot][batch.start - base:batch.end - base]
 
-    def release(self, slot: int) -> None:
-        self._free.put(slot)
+    def release(self, slot: int | None) -> None:
+        if slot is not None:
+            self._free.put(slot)
 
 
 DecodeFn = Callable[[Batch, torch.Tensor, str], dict[str, torch.Tensor]]
@@ -263,34 +299,61 @@ def _decode_cuda(reader: RingReader, path: str, device: torch.device, on_batch: 
     return tensors
 
 
+@functools.lru_cache(maxsize=1)
+def note_gpudirect() -> bool:
+    """Say once in the log whether GPUDirect Storage (kvikio) could read straight into GPU memory.
+    This loader reads through pinned host memory either way (kvikio is not used yet)."""
+    present = importlib.util.find_spec("kvikio") is not None
+    log.info("GPUDirect Storage: kvikio %s; archives are read through pinned host memory",
+             "is installed but not used by this loader yet" if present else "is absent")
+    return present
+
+
+def read_threads() -> int:
+    return min(16, 2 * (os.cpu_count() or 1))
+
+
 def decode_archive(path: str | Path, device: torch.device, *, ring: int = 3, verify: bool = True,
                    on_batch: OnBatch | None = None, opened: tuple[list[TensorEntry], dict] | None = None,
-                   mark: Callable[[str], None] = lambda what: None, compressed: bool = False) -> Decoded:
+                   mark: Callable[[str], None] = lambda what: None, early: EarlyRead | None = None,
+                   direct: bool | None = None, threads: int | None = None, compressed: bool = False) -> Decoded:
     """Every tensor of an archive, decoded onto `device` through the pipeline above. `opened`:
-    its (entries, embedded files) when the caller has read them already. `compressed`: keep the
-    decoder layers' float tensors compressed on the device (Decoded.layers; service/resident.py)."""
+    its (entries, embedded files) when the caller has read them already; `early`: the archive's
+    bytes read at start-up (used only if it is of this very file); `direct`: False never uses
+    O_DIRECT, None uses it for bytes not in the page cache. `compressed`: keep the decoder layers'
+    float tensors compressed on the device (Decoded.layers; service/resident.py)."""
     t0 = time.perf_counter()
     path = os.fspath(path)
+    if device.type == "cuda":
+        note_gpudirect()
     if opened is None:
         with Archive.open(path) as archive:
             opened = archive.entries, archive.reader.files(verify)
     entries, files = opened
     batches = layer_batches(entries)
-    size = max((b.nbytes for b in batches), default=1) or 1
+    early = early if early is not None and early.matches(path) else None
+    in_place = early is not None and device.type == "cpu"
+    size = max((align_up(b.end) - align_down(b.start) for b in batches), default=ALIGN) or ALIGN
     pin = device.type == "cuda"
-    n_buffers = min(max(ring, 2), len(batches)) or 1        # CUDA holds two: one copying, one decoding
-    buffers = [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for _ in range(n_buffers)]
-    mark(f"{n_buffers} ring buffers of {size >> 20} MiB allocated (pinned: {pin})")
+    n_buffers = 0 if in_place else min(max(ring, 2), len(batches)) or 1   # CUDA: one copying, one decoding
+    buffers = [_aligned_buffer(size, pin) for _ in range(n_buffers)]
+    mark(f"{n_buffers} ring buffers of {size >> 20} MiB allocated (pinned: {pin}; early read: {early is not None})")
     stats = LoadStats(compressed_bytes=sum(b.nbytes for b in batches),
                       decoded_bytes=sum(b.decoded_bytes for b in batches), batches=len(batches))
     on_batch = on_batch or (lambda batch, seconds: None)
     layers: list[resident.CompressedLayer] = []
     decode = _keeping(layers) if compressed else _decode
-    with RingReader(path, batches, buffers, verify) as reader:
-        if device.type == "cuda":
-            tensors = _decode_cuda(reader, path, device, on_batch, stats, decode)
-        else:
-            tensors = _decode_cpu(reader, path, on_batch, stats, decode)
+    file = ArchiveFile(path, direct)
+    try:
+        with RingReader(file, batches, buffers, verify, threads or read_threads(), early) as reader:
+            if device.type == "cuda":
+                tensors = _decode_cuda(reader, path, device, on_batch, stats, decode)
+            else:
+                tensors = _decode_cpu(reader, path, on_batch, stats, decode)
+    finally:
+        file.close()
+        if early is not None:
+            early.release()
     stats.read_s, stats.total_s = reader.read_s, time.perf_counter() - t0
     mark(f"{len(batches)} batches decoded")
     return Decoded(tensors, files, stats, layers)

@@ -24,16 +24,22 @@ Generate wcodec_generate_requests_total{model,status}  status: ok, error, cancel
          wcodec_generate_prompt_tokens_total{model}, wcodec_generate_generated_tokens_total{model}
          wcodec_generate_queue_depth{model}, wcodec_generate_queue_capacity{model},
          wcodec_generate_batch_size{model}
+Start-up wcodec_process_start_to_ready_seconds        from the process's start (the kernel's record) to
+                                                   the first model ready: /health/ready's first 200;
+                                                   NaN until then
 HTTP     wcodec_http_requests_total{method,route,status}, wcodec_http_request_duration_seconds{...}
                                                    route is the path template ("/models/{name}")
 """
 from __future__ import annotations
 
+import math
 import time
 
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .timeline import process_age
 
 STATES = ("available", "loading", "ready", "unloading", "failed")
 LOAD_PHASES = ("read", "h2d", "decode", "build", "total")
@@ -81,6 +87,10 @@ class Metrics:
               registry=r).set_function(lambda: _cuda_total(torch.cuda.memory_allocated))
         Gauge("wcodec_gpu_memory_reserved_bytes", "torch.cuda.memory_reserved (0 without a GPU)",
               registry=r).set_function(lambda: _cuda_total(torch.cuda.memory_reserved))
+        self.start_to_ready = Gauge("wcodec_process_start_to_ready_seconds", "Seconds from the process's start "
+                                    "to its first ready model (NaN until then)", registry=r)
+        self.start_to_ready.set(math.nan)
+        self.ready_after: float | None = None
         self._generation(r)
         self.http_requests = Counter("wcodec_http_requests", "HTTP requests", ["method", "route", "status"],
                                      registry=r)
@@ -120,6 +130,9 @@ class Metrics:
     def set_state(self, model: str, state: str) -> None:
         for s in STATES:
             self.state.labels(model, s).set(1.0 if s == state else 0.0)
+        if state == "ready" and self.ready_after is None:
+            self.ready_after = process_age()
+            self.start_to_ready.set(self.ready_after)
 
     def set_memory(self, model: str, device: str, allocated: int, reserved: int) -> None:
         self.model_allocated.labels(model, device).set(allocated)

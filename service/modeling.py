@@ -1,30 +1,38 @@
-"""A servable model from decoded tensors, gpt-fast style: the transformers model is built on the
-`meta` device from the archive's embedded config and the decoded tensors are assigned as its
-parameters (`load_state_dict(assign=True)`), so the weights exist once, where they were decoded.
+"""A servable model from decoded tensors, gpt-fast style: the model is built on the `meta` device
+from the archive's embedded config and the decoded tensors are assigned as its parameters
+(`load_state_dict(assign=True)`), so the weights exist once, where they were decoded.
+
+Only what the forward pass needs is imported: Llama-family models (service/llama.py) and
+generic fast tokenizers (service/tokenizer.py) never import transformers; other architectures
+and tokenizers use transformers' Auto classes, imported on first use.
 
 Non-persistent buffers (rotary `inv_freq`) are not in a checkpoint: the modules that hold them
 are rebuilt on the target device. Tied heads (`lm_head` = embeddings) are re-tied."""
 from __future__ import annotations
 
 import itertools
-import threading
+import json
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
-from . import resident
+from . import llama, resident
 from .errors import LoadFailed
 from .loader import Decoded
+from .timeline import Timeline
+from .tokenizer import Tokenizer
 
 
 @dataclass
 class ServedModel:
     name: str
     model: torch.nn.Module
-    tokenizer: object               # a transformers PreTrainedTokenizerFast
+    tokenizer: object               # service.tokenizer.Tokenizer or a transformers PreTrainedTokenizerFast
     device: torch.device
     dtype: torch.dtype
     eos_ids: frozenset[int]
@@ -111,19 +119,40 @@ class Prepared:
     seconds: float
 
 
-def prepare(name: str, files: dict[str, bytes]) -> Prepared:
-    """Config, tokenizer, generation config and the meta-device skeleton from embedded files."""
-    t0 = time.perf_counter()              # counts a wait for transformers' import (start-up warm-up)
+def _hf_prepare(files: dict[str, bytes], tokenizer: object | None) -> tuple[object, object, object | None]:
+    """Config, tokenizer and generation config through transformers' Auto classes."""
     AutoConfig, AutoTokenizer, GenerationConfig = hf("AutoConfig", "AutoTokenizer", "GenerationConfig")  # noqa: N806
-    if "config.json" not in files:
-        raise LoadFailed(f"model {name!r} embeds no config.json: it cannot be served")
     with tempfile.TemporaryDirectory(prefix="wcodec-") as tmp:
         _write_files(files, Path(tmp))
         config = AutoConfig.from_pretrained(tmp)
-        tokenizer = AutoTokenizer.from_pretrained(tmp)
+        tokenizer = tokenizer or AutoTokenizer.from_pretrained(tmp)
         has_generation = (Path(tmp) / "generation_config.json").exists()
         generation = GenerationConfig.from_pretrained(tmp) if has_generation else None
-    return Prepared(config, tokenizer, generation, skeleton(config), time.perf_counter() - t0)
+    return config, tokenizer, generation
+
+
+def prepare(name: str, files: dict[str, bytes]) -> Prepared:
+    """Config, tokenizer, generation config and the meta-device skeleton from embedded files."""
+    t0 = time.perf_counter()
+    if "config.json" not in files:
+        raise LoadFailed(f"model {name!r} embeds no config.json: it cannot be served")
+    try:
+        native = llama.LlamaConfig.parse(json.loads(files["config.json"]))
+    except (ValueError, KeyError, TypeError) as e:
+        raise LoadFailed(f"model {name!r}: config.json is not valid: {type(e).__name__}: {e}") from None
+    tokenizer = Tokenizer.from_files(files)
+    if native is None:
+        config, tokenizer, generation = _hf_prepare(files, tokenizer)
+        return Prepared(config, tokenizer, generation, skeleton(config), time.perf_counter() - t0)
+    if tokenizer is None:
+        (auto_tokenizer,) = hf("AutoTokenizer")
+        with tempfile.TemporaryDirectory(prefix="wcodec-") as tmp:
+            _write_files(files, Path(tmp))
+            tokenizer = auto_tokenizer.from_pretrained(tmp)
+    blob = files.get("generation_config.json")
+    generation = SimpleNamespace(**json.loads(blob)) if blob else None
+    model = llama.LlamaForCausalLM(native, device="meta")
+    return Prepared(native, tokenizer, generation, model, time.perf_counter() - t0)
 
 
 def finish(name: str, prepared: Prepared, decoded: Decoded, device: torch.device, slots: int = 2,
@@ -151,12 +180,27 @@ def finish(name: str, prepared: Prepared, decoded: Decoded, device: torch.device
     return served
 
 
-def warm_up(device: torch.device) -> None:
-    """One-time costs paid at start-up, not at the first load: the CUDA context, the decoder
-    extension, transformers' model classes."""
-    import cuda_ext
+def device_of(settings) -> torch.device:
+    """Where models are decoded and run: WCODEC_DEVICE, else CUDA when there is a GPU."""
+    return torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
-    hf("AutoConfig", "AutoTokenizer", "GenerationConfig", "AutoModelForCausalLM")
-    cuda_ext.available()
-    if device.type == "cuda":
-        torch.empty(1, device=device)
+
+_WARM_LOCK = threading.Lock()
+_WARMED: set[str] = set()                  # device types warmed up in this process
+
+
+def warm_up(device: torch.device, timeline: Timeline | None = None) -> None:
+    """One-time costs paid at start-up, not at the first load: the decoder extension and the CUDA
+    context. `wcodec serve` starts this on a thread right after torch's import; the lifespan calls
+    it again, which waits for that one and then returns."""
+    timeline = timeline or Timeline()
+    with _WARM_LOCK:
+        if device.type in _WARMED:
+            return
+        with timeline.span("warm-up: import cuda_ext (decoder extension)"):
+            import cuda_ext
+            cuda_ext.available()
+        if device.type == "cuda":
+            with timeline.span("warm-up: CUDA context"):
+                torch.empty(1, device=device)
+        _WARMED.add(device.type)

@@ -28,19 +28,21 @@ import torch
 from codec.decode import Archive
 from codec.errors import CodecError
 
-from . import demo, loader, modeling, resident
+from . import demo, loader, modeling, prefetch, preload, resident
 from .engine import Engine
 from .errors import InsufficientMemory, LoadFailed, ModelNotFound, ModelNotReady, ServiceError, ValidationFailed
 from .metrics import Metrics
 from .settings import Settings
 from .store import ModelFile, ModelStore, check_name
+from .timeline import Timeline
 
 log = logging.getLogger("wcodec.service")
 
 
-def _mark(name: str, t0: float, what: str) -> None:
-    """A load's timeline, at debug level (WCODEC_LOG_LEVEL=DEBUG): where a slow load spends it."""
+def _mark(timeline: Timeline, name: str, t0: float, what: str) -> None:
+    """A load's timeline, at debug level (WCODEC_LOG_LEVEL=DEBUG) and on the process's timeline."""
     log.debug("load %s: %s at %.3f s", name, what, time.perf_counter() - t0)
+    timeline.mark(f"load {name}: {what}")
 
 
 class ModelState(str, enum.Enum):
@@ -116,8 +118,11 @@ def _retrieve(task: asyncio.Task) -> None:
 
 
 class ModelRegistry:
-    def __init__(self, settings: Settings, metrics: Metrics):
+    def __init__(self, settings: Settings, metrics: Metrics, *, timeline: Timeline | None = None,
+                 early: dict | None = None):
         self.settings, self.metrics = settings, metrics
+        self.timeline = timeline or Timeline()
+        self.early = dict(early or {})             # name -> prefetch.EarlyRead or preload.EarlyLoad (first load)
         self.store = ModelStore(settings.model_store)
         self.device = torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.startup: asyncio.Task | None = None
@@ -271,25 +276,42 @@ class ModelRegistry:
     def _load_blocking(self, slot: Slot) -> tuple[modeling.ServedModel, loader.LoadStats]:
         t0, reserved = time.perf_counter(), self._reserved()
         slot.progress.phase = "decoding"
-        mark = partial(_mark, slot.name, t0)
-        with Archive.open(slot.file.path) as archive:          # the skeleton builds while weights decode
-            opened = archive.entries, archive.reader.files(self.settings.verify_crc)
-        mark("header and files read")
-        with ThreadPoolExecutor(1, thread_name_prefix="wcodec-prepare") as pool:
-            prepared = pool.submit(modeling.prepare, slot.name, opened[1])
-            decoded = loader.decode_archive(slot.file.path, self.device, ring=self.settings.load_ring_buffers,
-                                            verify=self.settings.verify_crc, on_batch=partial(self._on_batch, slot),
-                                            opened=opened, mark=mark, compressed=slot.resident == "compressed")
-            slot.progress.phase = "building"
-            ready = prepared.result()
-            mark("skeleton ready")
-            on_forward = self.metrics.forward_decode_seconds.labels(slot.name, slot.resident).observe
-            served = modeling.finish(slot.name, ready, decoded, self.device, self.settings.resident_slots, on_forward)
-            slot.resident_bytes = served.weight_bytes
+        mark = partial(_mark, self.timeline, slot.name, t0)
+        mark("started")
+        early = self.early.pop(slot.name, None)
+        if (isinstance(early, preload.EarlyLoad) and early.matches(slot.file.path, self.device)
+                and early.compressed == (slot.resident == "compressed")):
+            decoded, ready = early.take(partial(self._on_batch, slot))      # decoded since torch's import
+            t0 = early.started
+        else:
+            decoded, ready = self._decode_and_prepare(slot, mark, early)
+        slot.progress.phase = "building"
+        mark("skeleton ready")
+        on_forward = self.metrics.forward_decode_seconds.labels(slot.name, slot.resident).observe
+        served = modeling.finish(slot.name, ready, decoded, self.device, self.settings.resident_slots, on_forward)
+        slot.resident_bytes = served.weight_bytes
         mark("weights assigned")
         decoded.stats.total_s = time.perf_counter() - t0
         slot.reserved_bytes = self._reserved() - reserved if self.device.type == "cuda" else served.weight_bytes
         return served, decoded.stats
+
+    def _decode_and_prepare(self, slot: Slot, mark, early) -> tuple[loader.Decoded, modeling.Prepared]:
+        """Decode the weights while the skeleton is built on another thread."""
+        with Archive.open(slot.file.path) as archive:
+            opened = archive.entries, archive.reader.files(self.settings.verify_crc)
+        mark("header and files read")
+        if isinstance(early, preload.EarlyLoad):              # of another file or device: not used
+            early.release()
+        early = early if isinstance(early, prefetch.EarlyRead) else None
+        with ThreadPoolExecutor(1, thread_name_prefix="wcodec-prepare") as pool:
+            prepared = pool.submit(modeling.prepare, slot.name, opened[1])
+            s = self.settings
+            decoded = loader.decode_archive(slot.file.path, self.device, ring=s.load_ring_buffers,
+                                            verify=s.verify_crc, on_batch=partial(self._on_batch, slot),
+                                            opened=opened, mark=mark, early=early,
+                                            direct=s.direct_io(), threads=s.read_threads(),
+                                            compressed=slot.resident == "compressed")
+            return decoded, prepared.result()
 
     def _on_batch(self, slot: Slot, batch: loader.Batch, seconds: float) -> None:
         """Runs on the loading thread after each decoded layer batch."""
@@ -360,14 +382,18 @@ class ModelRegistry:
     async def start(self) -> None:
         """Build the demo into an empty store (WCODEC_DEMO), then load the preload list."""
         try:
-            await asyncio.to_thread(modeling.warm_up, self.device)
+            await asyncio.to_thread(modeling.warm_up, self.device, self.timeline)
             if self.settings.demo:
                 await asyncio.to_thread(demo.ensure_demo, self.store.root, self.settings.demo_workers)
             for name in self._preload_names():
                 await self.load(name)
+            self.timeline.mark("start-up: preloads done")
         except Exception as e:                     # a background task: report it, keep serving
             self.startup_error = str(e)
             log.exception("start-up failed")
+        finally:
+            while self.early:                      # preloads that did not use theirs
+                self.early.popitem()[1].release()
 
     def _preload_names(self) -> list[str]:
         if self.settings.preload is not None:

@@ -25,11 +25,21 @@ class Settings(BaseSettings):
 
     # loading pipeline
     load_ring_buffers: int = Field(3, ge=2)      # host buffers between the reader and the decoder
-    verify_crc: bool = True
+    verify_crc: bool = True                      # every stored stream's checksum (XXH3-64, else CRC32)
+    load_read_threads: int | None = Field(None, ge=1)    # reads in flight; default min(16, 2 x CPUs)
+    load_direct_io: str = Field("auto", pattern="^(auto|off)$")   # auto: O_DIRECT for bytes not in the page cache
+    early_read: bool = True                      # `wcodec serve` reads preloaded archives from its first instant
     # how a loaded model's decoder layers live on the device (docs/RESIDENT.md): "decoded" bf16, or
-    # "compressed" (decoded into `resident_slots` scratch slots one layer ahead of use)
+    # "compressed" (each module's weights decoded into a ring of `resident_slots` slots just before use)
     resident: Literal["decoded", "compressed"] = "decoded"
     resident_slots: int = Field(2, ge=1)         # CUDA; the CPU decodes in place with one
+
+    def read_threads(self) -> int:
+        import os
+        return self.load_read_threads or min(16, 2 * (os.cpu_count() or 1))
+
+    def direct_io(self) -> bool | None:
+        return None if self.load_direct_io == "auto" else False
 
     # generation
     max_batch_size: int = Field(8, ge=1)

@@ -4,22 +4,19 @@ Names are validated before any path is built from them: a plain stem of letters,
 '_' and '-', not starting with a dot, so no name can point outside the store."""
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from codec.decode import Archive
 from codec.errors import CodecError
 
 from .errors import InvalidModelName
+from .names import NAME_PATTERN, SUFFIX, valid_name
 
-SUFFIX = ".wcodec"
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
-_NAME = re.compile(NAME_PATTERN)
+__all__ = ["NAME_PATTERN", "SUFFIX", "ModelFile", "ModelStore", "check_name"]
 
 
 def check_name(name: str) -> str:
-    if not _NAME.fullmatch(name) or ".." in name:
+    if not valid_name(name):
         raise InvalidModelName(f"invalid model name {name!r}: use letters, digits, '.', '_' and '-' "
                                "(not starting with '.')")
     return name
@@ -57,7 +54,7 @@ class ModelStore:
         found = {}
         paths = sorted(self.root.glob(f"*{SUFFIX}")) if self.root.is_dir() else []
         for path in paths:
-            if _NAME.fullmatch(path.stem) and path.is_file():
+            if valid_name(path.stem) and path.is_file():
                 found[path.stem] = self._describe(path)
         self._cache = found
         return found
@@ -71,9 +68,11 @@ class ModelStore:
         cached = self._cache.get(path.stem)
         if cached and cached.mtime_ns == stat.st_mtime_ns and cached.compressed_bytes == stat.st_size:
             return cached
+        from codec.decode import Archive         # imports torch: not on `wcodec serve`'s first steps
         try:
             with Archive.open(path) as archive:
                 decoded = sum(e.nbytes for e in archive.entries)
             return ModelFile(path.stem, path, stat.st_size, decoded, stat.st_mtime_ns)
         except CodecError as e:
             return ModelFile(path.stem, path, stat.st_size, 0, stat.st_mtime_ns, str(e))
+

@@ -18,7 +18,7 @@ import torch
 from hypothesis import HealthCheck, settings
 
 from codec.constants import PREAMBLE_SIZE
-from codec.container import _PREAMBLE, Preamble, crc32
+from codec.container import _PREAMBLE, Preamble, checksums, crc32
 from codec.decode import LoadedModel, load
 from codec.encode import compress_state_dict
 from tests.tensors import assert_bit_exact
@@ -121,13 +121,13 @@ class ArchiveBytes:
         return self.data[rec["offset"]:rec["offset"] + rec["length"]]
 
     def with_stream(self, name: str, role: str, new: bytes) -> bytes:
-        """Replace a stream's bytes in place (no longer than before), fixing its length and CRC."""
+        """Replace a stream's bytes in place (no longer than before), fixing its length and checksums."""
         header = self.header
         rec = self.tensor(name, header)["streams"][role]
         assert len(new) <= rec["length"]
         start = rec["offset"] - PREAMBLE_SIZE
         region = self.region[:start] + new + self.region[start + len(new):]
-        rec.update(length=len(new), crc32=crc32(new))
+        rec.update(length=len(new), **checksums(new))
         return self.with_header(header, region)
 
 

@@ -162,7 +162,7 @@ def test_verify_detects_a_flipped_byte(tiny_archive: Path, tmp_path: Path, role:
     data[rec["offset"] + rec["length"] // 2] ^= 0x10
     bad = tmp_path / "flipped.wcodec"
     bad.write_bytes(bytes(data))
-    assert_one_error_line(*run(capsys, "verify", bad), str(bad), "CRC32")
+    assert_one_error_line(*run(capsys, "verify", bad), str(bad), "checksum")
 
 
 def test_decompress_roundtrip(tiny_archive: Path, tmp_path: Path, capsys, bit_exact) -> None:

@@ -1,6 +1,6 @@
 """`python -m wcodec`: the same command line as the `wcodec` console script."""
 import sys
 
-from .cli import main
+from .entry import main
 
 sys.exit(main())

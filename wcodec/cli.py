@@ -7,7 +7,6 @@ as ONE line `wcodec: error: <message>` on stderr and exit status 1; an unusable 
 from __future__ import annotations
 
 import argparse
-import logging
 import json
 import sys
 from collections.abc import Callable
@@ -181,27 +180,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Run the HTTP server (service/) under uvicorn; flags override the WCODEC_* settings."""
-    import uvicorn
-    from pydantic import ValidationError
-
-    from service.app import create_app
-    from service.settings import Settings
-    flags = {"host": args.host, "port": args.port, "model_store": args.store}
-    try:
-        settings = Settings(**{k: v for k, v in flags.items() if v is not None})
-    except ValidationError as e:
-        why = "; ".join(f"WCODEC_{'.'.join(map(str, err['loc'])).upper()}: {err['msg']}" for err in e.errors())
-        raise CliError(f"bad server settings: {why}") from None
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level)
-    return 0
+    from . import serve
+    return serve.run(args)
 
 
 def _serve_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default=None, help="address to bind (default: WCODEC_HOST or 127.0.0.1)")
-    p.add_argument("--port", type=int, default=None, help="port (default: WCODEC_PORT or 8000)")
-    p.add_argument("--store", default=None, metavar="DIR",
-                   help="model store: one <name>.wcodec per model (default: WCODEC_MODEL_STORE or ./models)")
+    from .serve import add_arguments
+    add_arguments(p)
 
 
 # --- parser and entry point ----------------------------------------------------------------------

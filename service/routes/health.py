@@ -1,8 +1,8 @@
 """Liveness, readiness, TGI's /info, and the Prometheus scrape endpoint."""
 from __future__ import annotations
 
-from fastapi import APIRouter, Response
-from pydantic import BaseModel
+from fastapi import APIRouter, Request, Response
+from pydantic import BaseModel, Field
 
 import codec
 
@@ -17,6 +17,20 @@ router = APIRouter(tags=["health"])
 class Health(BaseModel):
     status: str
     ready_models: list[str] = []
+    process_start_to_ready_s: float | None = None     # the first model's: wcodec_process_start_to_ready_seconds
+
+
+class TimelineEntry(BaseModel):
+    name: str
+    start: float = Field(description="seconds after the process started")
+    end: float
+    seconds: float
+    thread: str
+
+
+class Startup(BaseModel):
+    process_start_to_ready_s: float | None
+    timeline: list[TimelineEntry]
 
 
 @router.get("/health", summary="Liveness: the process answers")
@@ -29,7 +43,14 @@ async def ready(registry: RegistryDep, settings: SettingsDep) -> Health:
     names = sorted(s.name for s in registry.refresh() if s.state is ModelState.READY)
     if not names:
         raise ModelNotReady(registry.startup_error or "no model is ready yet", settings.retry_after_s)
-    return Health(status="ready", ready_models=names)
+    return Health(status="ready", ready_models=names, process_start_to_ready_s=registry.metrics.ready_after)
+
+
+@router.get("/health/startup", summary="The start-up timeline: every phase and import, seconds after the "
+            "process started")
+async def startup(request: Request, registry: RegistryDep) -> Startup:
+    return Startup(process_start_to_ready_s=registry.metrics.ready_after,
+                   timeline=request.app.state.timeline.as_json())
 
 
 @router.get("/info", summary="TGI-style information on the default model", responses=responses(404, 422, 503))

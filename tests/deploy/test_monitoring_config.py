@@ -27,6 +27,7 @@ REQUIRED_METRICS = {
     "tokens/s": "wcodec_generate_generated_tokens_total",
     "queue depth": "wcodec_generate_queue_depth",
     "batch size": "wcodec_generate_batch_size_bucket",
+    "process start to ready": "wcodec_process_start_to_ready_seconds",
 }
 
 
@@ -89,7 +90,7 @@ def test_every_panel_queries_prometheus_filtered_by_the_variables() -> None:
     for q in panel_queries(dash):
         for name, matchers in SELECTOR.findall(q.expr):
             assert 'instance=~"$instance"' in matchers, (q.panel, name)
-            if not name.startswith(("wcodec_gpu_", "wcodec_http_")):   # the only families without `model`
+            if not name.startswith(("wcodec_gpu_", "wcodec_http_", "wcodec_process_")):   # families without `model`
                 assert 'model=~"$model"' in matchers, (q.panel, name)
             assert name in exposed, (q.panel, name)
 

@@ -48,7 +48,10 @@ async def test_load_generate_stream_unload(serve, store) -> None:
         assert info["state"] == "ready" and info["device"] == "cpu" and info["loaded_at"]
         assert info["progress"] == {"phase": "ready", "bytes_done": 269030016, "bytes_total": 269030016}
         assert all(info["last_load"][k] > 0 for k in ("read_s", "decode_s", "build_s", "total_s"))
-        assert (await c.get("/health/ready")).json() == {"status": "ready", "ready_models": [DEMO]}
+        ready = (await c.get("/health/ready")).json()
+        gauge = await server.metric("wcodec_process_start_to_ready_seconds")
+        assert ready == {"status": "ready", "ready_models": [DEMO], "process_start_to_ready_s": pytest.approx(gauge)}
+        assert gauge > 0
 
         r = await c.post("/generate", json=generate_body())
         assert r.status_code == 200, r.text

@@ -95,3 +95,49 @@ def test_cuda_pipeline_is_bit_exact_and_frees_its_memory(demo_archive: Path) -> 
     gc.collect()
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated(device) == baseline
+
+
+def _early(path: Path, verify: bool = True):
+    from service.prefetch import EarlyRead
+    from service.timeline import Timeline
+    return EarlyRead(str(path), verify=verify, threads=2, direct=None, timeline=Timeline())
+
+
+def test_early_read_feeds_the_cpu_pipeline_bit_exact(small: Path) -> None:
+    early = _early(small)
+    decoded = decode_archive(small, torch.device("cpu"), early=early)
+    assert_same(decoded.tensors, cuda_ext.load(small, "cpu").state_dict)
+
+
+def test_early_read_of_another_file_is_not_used(small: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "copy.wcodec"
+    copy.write_bytes(small.read_bytes())
+    early = _early(copy)
+    copy.write_bytes(small.read_bytes())                 # replaced after the early read began
+    assert not early.matches(str(copy)) and not early.matches(str(small))
+    assert_same(decode_archive(small, torch.device("cpu"), early=early).tensors,
+                cuda_ext.load(small, "cpu").state_dict)
+
+
+def test_early_read_checks_checksums(small: Path, tmp_path: Path) -> None:
+    with Archive.open(small) as archive:
+        rec = next(e for e in archive.entries if e.name == "model.layers.1.mlp.weight").streams["exp"]
+    data = bytearray(small.read_bytes())
+    data[rec["offset"] + 3] ^= 0x01
+    bad = tmp_path / "bad.wcodec"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(ChecksumError, match="model.layers.1.mlp.weight.*exp.*XXH3-64"):
+        decode_archive(bad, torch.device("cpu"), early=_early(bad))
+
+
+def test_reads_from_the_disk_with_o_direct(demo_archive: Path, tmp_path: Path) -> None:
+    """The demo's pages dropped from the page cache: pieces are read with O_DIRECT, bit-exact."""
+    import os
+    copy = tmp_path / "cold.wcodec"
+    copy.write_bytes(demo_archive.read_bytes())
+    fd = os.open(copy, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    decoded = decode_archive(copy, torch.device("cpu"), direct=None)
+    assert_same(decoded.tensors, cuda_ext.load(demo_archive, "cpu").state_dict)

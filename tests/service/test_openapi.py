@@ -9,7 +9,7 @@ import pytest
 pytestmark = pytest.mark.anyio
 
 ROUTES = {
-    ("get", "/health"): set(), ("get", "/health/ready"): {"503"}, ("get", "/info"): {"404", "422", "503"},
+    ("get", "/health"): set(), ("get", "/health/ready"): {"503"}, ("get", "/health/startup"): set(), ("get", "/info"): {"404", "422", "503"},
     ("get", "/metrics"): set(), ("get", "/models"): set(), ("get", "/models/{name}"): {"404", "422"},
     ("post", "/models/{name}/load"): {"202", "401", "403", "404", "422", "500", "507"},
     ("post", "/models/{name}/unload"): {"401", "403", "404", "422"},

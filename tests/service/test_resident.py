@@ -7,7 +7,7 @@ import pytest
 import torch
 from service_helpers import DEMO, generate_body
 
-from service import loader, modeling
+from service import generation, loader, modeling
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about rivers.", "2 + 2 =",
            "List three primary colors:", "Translate 'good morning' to French:"]
@@ -20,21 +20,19 @@ def served(path, compressed: bool) -> modeling.ServedModel:
 
 
 def greedy(model: modeling.ServedModel, prompts: list[str], steps: int = 32):
-    """Greedy tokens and every step's logits for a left-padded batch, with a KV cache."""
-    (DynamicCache,) = modeling.hf("DynamicCache")
+    """Greedy tokens and every step's logits for a left-padded batch, with a KV cache, through the
+    service's own forward step."""
     tok = model.tokenizer
     enc = [tok(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False))
            ["input_ids"] for p in prompts]
     width = max(len(e) for e in enc)
     ids = torch.tensor([[model.pad_id] * (width - len(e)) + e for e in enc])
     mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in enc])
-    cache, tokens, logits = DynamicCache(), [], []
+    cache, tokens, logits = None, [], []
     with torch.inference_mode():
         for _ in range(steps):
             pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
-            out = model.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                              use_cache=True, logits_to_keep=1)
-            step = out.logits[:, -1].float()
+            step, cache = generation.forward(model.model, ids, mask, pos, cache)
             logits.append(step)
             ids = step.argmax(-1, keepdim=True)
             tokens.append(ids[:, 0])

@@ -1,0 +1,271 @@
+"""Llama-family causal LMs (llama, mistral, qwen2) in plain PyTorch, gpt-fast style: the forward
+pass and nothing else. Serving such a model imports torch and this file, not transformers, whose
+model modules pull in torch._dynamo, sympy and scipy: seconds on the start-up's critical path.
+
+* Module names are transformers' LlamaForCausalLM's, so checkpoint keys load unchanged; the
+  numerics follow it (RMSNorm in float32, rotary tables in float32, SDPA attention).
+* The call is the one the engine makes of a transformers model:
+  `model(input_ids, attention_mask, position_ids, past_key_values, use_cache, logits_to_keep)`
+  -> `.logits`, `.past_key_values` (a KVCache: update, get_seq_length, batch_select_indices, crop).
+* `LlamaForCausalLM(config, device="meta")` allocates nothing and runs no initialiser: in torch
+  2.13 the first random init on `meta` imports torch._dynamo (seconds), so modules here never
+  initialise; the decoded tensors are assigned over them.
+* `LlamaConfig.parse(config.json)` returns None for anything this file does not implement
+  exactly (another activation, sliding windows, a rope type other than default/linear/llama3):
+  such models are served by transformers' own classes (service/modeling.py).
+
+    ids [B, S]   x [B, S, E]   q [B, H, S, D]   k, v [B, KV, T, D]   mask [B, 1, S, T] (True: attend)
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+
+MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+def _rope(d: dict) -> tuple[float, dict] | None:
+    """(theta, scaling) from transformers 5's rope_parameters or 4's rope_theta/rope_scaling."""
+    params = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", d.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    return (theta, {**params, "rope_type": kind}) if kind in ("default", "linear", "llama3") else None
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope: dict = field(hash=False)
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+
+    @classmethod
+    def parse(cls, d: dict) -> LlamaConfig | None:
+        kind = d.get("model_type")
+        rope = _rope(d)
+        window = d.get("sliding_window") if kind != "qwen2" or d.get("use_sliding_window") else None
+        if kind not in MODEL_TYPES or rope is None or d.get("hidden_act", "silu") != "silu" or window \
+                or d.get("pretraining_tp", 1) != 1:
+            return None
+        heads = d["num_attention_heads"]
+        bias = bool(d.get("attention_bias", False))
+        return cls(kind, d["vocab_size"], d["hidden_size"], d["intermediate_size"], d["num_hidden_layers"], heads,
+                   d.get("num_key_value_heads") or heads, d.get("head_dim") or d["hidden_size"] // heads,
+                   d.get("rms_norm_eps", 1e-6), rope[0], rope[1], d.get("max_position_embeddings", 2048),
+                   bool(d.get("tie_word_embeddings", False)), bias or kind == "qwen2",
+                   bias, bool(d.get("mlp_bias", False)), d.get("eos_token_id"), d.get("pad_token_id"),
+                   d.get("bos_token_id"))
+
+
+def inv_freq(c: LlamaConfig, device=None) -> tuple[torch.Tensor, float]:
+    """Rotary inverse frequencies [D/2] (float32) and the cos/sin scale, as transformers computes them."""
+    d = c.head_dim
+    freq = 1.0 / (c.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / d))
+    kind = c.rope["rope_type"]
+    if kind == "linear":
+        freq = freq / c.rope["factor"]
+    elif kind == "llama3":                      # long wavelengths slowed by `factor`, short ones kept, smooth between
+        factor, lo, hi = c.rope["factor"], c.rope["low_freq_factor"], c.rope["high_freq_factor"]
+        old = c.rope["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / freq
+        scaled = torch.where(wavelen > old / lo, freq / factor, freq)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
+        freq = torch.where(medium, smoothed, scaled)
+    return freq, 1.0
+
+
+class Linear(nn.Linear):
+    def reset_parameters(self) -> None:         # weights are assigned, never initialised
+        pass
+
+
+class Embedding(nn.Embedding):
+    def reset_parameters(self) -> None:
+        pass
+
+
+class Rotary(nn.Module):
+    def __init__(self, config: LlamaConfig, device=None):
+        super().__init__()
+        if str(device) == "meta":               # a placeholder; modeling.assemble rebuilds it on the device
+            freq, self.scale = torch.empty(config.head_dim // 2, device="meta"), 1.0
+        else:
+            freq, self.scale = inv_freq(config, device)
+        self.inv_freq = nn.Buffer(freq, persistent=False)
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = pos[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)    # [B, S, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)                                                # [B, S, D]
+        return (emb.cos() * self.scale).to(x.dtype), (emb.sin() * self.scale).to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, device=None):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(size, device=device)), eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class KVCache:
+    """Keys and values per layer, [B, KV, T, D] each, grown by concatenation (like DynamicCache)."""
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer == len(self.keys):
+            self.keys.append(k)
+            self.values.append(v)
+        else:
+            self.keys[layer] = torch.cat([self.keys[layer], k], dim=2)
+            self.values[layer] = torch.cat([self.values[layer], v], dim=2)
+        return self.keys[layer], self.values[layer]
+
+    def get_seq_length(self, layer: int = 0) -> int:
+        return self.keys[layer].shape[2] if layer < len(self.keys) else 0
+
+    def batch_select_indices(self, idx: torch.Tensor) -> None:
+        self.keys = [k[idx] for k in self.keys]
+        self.values = [v[idx] for v in self.values]
+
+    def crop(self, length: int) -> None:
+        self.keys = [k[:, :, :length] for k in self.keys]
+        self.values = [v[:, :, :length] for v in self.values]
+
+
+class Attention(nn.Module):
+    def __init__(self, c: LlamaConfig, layer: int, device=None):
+        super().__init__()
+        self.layer, self.heads, self.kv_heads, self.head_dim = layer, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        e, q, kv = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        self.q_proj = Linear(e, q, bias=c.qkv_bias, device=device)
+        self.k_proj = Linear(e, kv, bias=c.qkv_bias, device=device)
+        self.v_proj = Linear(e, kv, bias=c.qkv_bias, device=device)
+        self.o_proj = Linear(q, e, bias=c.o_bias, device=device)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                cache: KVCache | None) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)         # [B, H, S, D]
+        k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)         # [B, KV, S, D]
+        v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer)                                  # [B, KV, T, D]
+        if self.kv_heads != self.heads:
+            k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)            # [B, H, T, D]
+            v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim ** -0.5)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, c: LlamaConfig, device=None):
+        super().__init__()
+        self.gate_proj = Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias, device=device)
+        self.up_proj = Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias, device=device)
+        self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, c: LlamaConfig, layer: int, device=None):
+        super().__init__()
+        self.self_attn, self.mlp = Attention(c, layer, device), MLP(c, device)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, device)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, device)
+
+    def forward(self, x, cos, sin, mask, cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, c: LlamaConfig, device=None):
+        super().__init__()
+        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, device=device)
+        self.layers = nn.ModuleList(Layer(c, i, device) for i in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, device)
+        self.rotary_emb = Rotary(c, device)
+
+
+@dataclass
+class CausalLMOutput:
+    logits: torch.Tensor                       # [B, S or logits_to_keep, V]
+    past_key_values: KVCache | None
+
+
+def causal_mask(mask: torch.Tensor, q_len: int) -> torch.Tensor:
+    """[B, T] (1: a real token) -> [B, 1, q_len, T] bool: causal, no padding keys; a query always
+    sees itself, so a padding row is never empty (no NaN in SDPA)."""
+    t = mask.shape[1]
+    keys = torch.arange(t, device=mask.device)                                     # [T]
+    queries = torch.arange(t - q_len, t, device=mask.device)[:, None]              # [S, 1]
+    allowed = (keys <= queries)[None, None] & mask[:, None, None, :].bool()        # [B, 1, S, T]
+    return allowed | (keys == queries)[None, None]
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: LlamaConfig, device=None):
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config, device)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, device=device)
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, past_key_values: KVCache | None = None,
+                use_cache: bool = True, logits_to_keep: int = 0, **_) -> CausalLMOutput:
+        b, s = input_ids.shape
+        cache = past_key_values if past_key_values is not None else (KVCache() if use_cache else None)
+        past = cache.get_seq_length() if cache is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(past, past + s, device=input_ids.device).expand(b, s)
+        if attention_mask is None:
+            attention_mask = torch.ones(b, past + s, dtype=torch.long, device=input_ids.device)
+        mask = causal_mask(attention_mask, s)
+        x = self.model.embed_tokens(input_ids)                                     # [B, S, E]
+        cos, sin = self.model.rotary_emb(x, position_ids)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, mask, cache)
+        x = self.model.norm(x)
+        x = x[:, -logits_to_keep:] if logits_to_keep else x
+        return CausalLMOutput(self.lm_head(x), cache)

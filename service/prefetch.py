@@ -1,0 +1,130 @@
+"""Early reads: a preloaded model's archive read into memory (and verified) from the first instant
+of `wcodec serve`, while Python imports torch and the service and CUDA starts. No torch here.
+
+The load that follows (service/loader.py) takes its layers from this memory as they arrive
+instead of from the file; if the file changed since, or anything here failed, it reads the file
+itself (a bad archive then fails the load with the same typed error). An archive larger than
+half the available memory is not read early."""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from codec.container import Reader
+from codec.errors import CodecError
+
+from .names import DEMO_NAME, SUFFIX, valid_name
+from .reading import ArchiveFile, Blob, Blobs, align_down, align_up, read_range
+from .timeline import Timeline
+
+log = logging.getLogger("wcodec.service")
+
+
+def available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _identity(path: str) -> tuple[int, int, int]:
+    st = os.stat(path)
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _blobs(reader: Reader) -> list[Blob]:
+    out = []
+    for t in reader.header["tensors"]:
+        for role, rec in t["streams"].items():
+            what = f"tensor {t['name']!r}: stream {role}"
+            reader.stream(rec, what)                # bounds-checked: HeaderError otherwise
+            out.append(Blob(rec["offset"], rec["length"], rec, what))
+    return out
+
+
+class EarlyRead:
+    """The data region of one archive, read by `threads` tasks into anonymous memory."""
+
+    def __init__(self, path: str, *, verify: bool, threads: int, direct: bool | None, timeline: Timeline):
+        self.path, self.identity, self.timeline = path, _identity(path), timeline
+        with Reader.open(path) as reader:
+            start, end = reader.preamble.data_offset, reader.preamble.header_offset
+            self.blobs = Blobs(path, _blobs(reader), verify)
+        self.base = align_down(start)
+        self.nbytes = end - start
+        self.buf = mmap.mmap(-1, max(align_up(end) - self.base, 1))
+        self.view = memoryview(self.buf)
+        self.file = ArchiveFile(path, direct)
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="wcodec-early")
+        self._left, self._lock = 0, threading.Lock()
+        self._t0 = time.perf_counter()
+        futures = read_range(self.pool, self.file, self.view, self.base, start, end, self.blobs)
+        self._left = len(futures)
+        for f in futures:
+            f.add_done_callback(self._piece_finished)
+        timeline.mark(f"early read {os.path.basename(path)}: {self.nbytes / 1e6:.0f} MB, {len(futures)} pieces, "
+                      f"O_DIRECT {'available' if self.file.direct else 'unavailable'}")
+
+    def _piece_finished(self, _) -> None:
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            seconds = time.perf_counter() - self._t0
+            self.timeline.mark(f"early read {os.path.basename(self.path)}: done, "
+                               f"{self.nbytes / max(seconds, 1e-9) / 1e9:.2f} GB/s")
+
+    def matches(self, path: str) -> bool:
+        """Whether this read is of the file now at `path` (same inode, size and mtime)."""
+        try:
+            return os.path.abspath(path) == os.path.abspath(self.path) and _identity(path) == self.identity
+        except OSError:
+            return False
+
+    def wait_until(self, end: int) -> None:
+        self.blobs.wait_until(end)
+
+    def release(self) -> None:
+        if self.pool is None:
+            return
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.pool = None
+        self.file.close()
+        try:
+            self.view.release()
+            self.buf.close()
+        except BufferError:                        # a tensor still views it: it goes with that tensor
+            pass
+
+
+def start_early_reads(paths: dict[str, str], *, verify: bool, threads: int, direct: bool | None,
+                      timeline: Timeline) -> dict[str, EarlyRead]:
+    """Start reading each model's archive; models that cannot be read early are left out."""
+    out, budget = {}, available_memory() // 2
+    for name, path in paths.items():
+        try:
+            size = os.path.getsize(path)
+            if size > budget:
+                log.info("early read of %s skipped: %d bytes exceed half the available memory", name, size)
+                continue
+            out[name] = EarlyRead(path, verify=verify, threads=threads, direct=direct, timeline=timeline)
+            budget -= size
+        except (OSError, CodecError, LookupError, TypeError, AttributeError) as e:
+            log.info("early read of %s skipped: %s", name, e)     # the load reports it, typed
+    return out
+
+
+def preload_paths(settings) -> dict[str, str]:
+    """{name: path} of the archives `settings` preloads that exist now: WCODEC_PRELOAD, else the
+    demo model when it is in the store. Invalid or absent names are left to the load to report."""
+    names = settings.preload if settings.preload is not None else ([DEMO_NAME] if settings.demo else [])
+    paths = {name: os.path.join(settings.model_store, name + SUFFIX) for name in names if valid_name(name)}
+    return {name: path for name, path in paths.items() if os.path.isfile(path)}

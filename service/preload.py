@@ -1,0 +1,101 @@
+"""Early loads: a preloaded model decoded (and its skeleton built) right after torch's import, on
+its own thread, while the main thread still imports the service and uvicorn starts. The registry
+takes the result when its start-up loads that model (`take`), instead of loading it again.
+
+    early read (prefetch.py, from the first instant) -> decode_archive(early=...)  ┐
+                                                        prepare (tokenizer, meta) ┘-> take() -> finish()
+
+Errors are kept and raised by `take()`, so a corrupt archive fails its load, typed, exactly as a
+load started by the registry would; `release()` drops a result nobody took."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from .prefetch import EarlyRead
+from .timeline import Timeline
+
+
+class EarlyLoad:
+    def __init__(self, name: str, path: str, device: torch.device, settings, early: EarlyRead | None,
+                 timeline: Timeline):
+        self.name, self.path, self.device, self.timeline = name, path, device, timeline
+        self.identity = os.stat(path).st_mtime_ns, os.stat(path).st_size
+        self.compressed = settings.resident == "compressed"         # preloads use the default resident mode
+        self.started = time.perf_counter()
+        self.batches: list[tuple[object, float]] = []
+        self._result: Future = Future()
+        self._thread = threading.Thread(target=self._run, args=(settings, early), name=f"wcodec-early-load-{name}",
+                                        daemon=True)
+        self._thread.start()
+
+    def _mark(self, what: str) -> None:
+        self.timeline.mark(f"early load {self.name}: {what}")
+
+    def _run(self, settings, early: EarlyRead | None) -> None:
+        try:
+            self._result.set_result(self._load(settings, early))
+        except BaseException as e:  # noqa: BLE001  (raised by take())
+            if early is not None:
+                early.release()
+            self._result.set_exception(e)
+
+    def _load(self, settings, early: EarlyRead | None):
+        import cuda_ext
+        from codec.decode import Archive
+
+        from . import loader
+        with self.timeline.span("early load: import cuda_ext (decoder extension)"):
+            cuda_ext.available()
+        if self.device.type == "cuda":
+            with self.timeline.span("early load: CUDA context"):
+                torch.empty(1, device=self.device)
+        with Archive.open(self.path) as archive:
+            opened = archive.entries, archive.reader.files(settings.verify_crc)
+        self._mark("header and files read")
+        with ThreadPoolExecutor(1, thread_name_prefix="wcodec-prepare") as pool:
+            prepared = pool.submit(self._prepare, opened[1])
+            decoded = loader.decode_archive(self.path, self.device, ring=settings.load_ring_buffers,
+                                            verify=settings.verify_crc, opened=opened, early=early,
+                                            on_batch=lambda batch, seconds: self.batches.append((batch, seconds)),
+                                            mark=self._mark, direct=settings.direct_io(),
+                                            threads=settings.read_threads(), compressed=self.compressed)
+            ready = prepared.result()
+        self._mark("weights decoded, skeleton ready")
+        return decoded, ready
+
+    def _prepare(self, files: dict[str, bytes]):
+        from . import modeling
+        with self.timeline.span(f"early load {self.name}: tokenizer and skeleton"):
+            return modeling.prepare(self.name, files)
+
+    def matches(self, path, device: torch.device) -> bool:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return False
+        return os.path.abspath(path) == os.path.abspath(self.path) and device == self.device \
+            and (st.st_mtime_ns, st.st_size) == self.identity
+
+    def take(self, on_batch: Callable[[object, float], None]):
+        """(Decoded, Prepared) once ready; replays the per-batch callbacks; raises the load's error."""
+        decoded, ready = self._result.result()
+        for batch, seconds in self.batches:
+            on_batch(batch, seconds)
+        return decoded, ready
+
+    def release(self) -> None:
+        self._thread.join()
+        self._result = Future()
+
+
+def start_early_loads(early_reads: dict[str, EarlyRead], paths: dict[str, str], settings, device: torch.device,
+                      timeline: Timeline) -> dict[str, EarlyLoad]:
+    """An early load per preloaded model (each with its early read, if any)."""
+    return {name: EarlyLoad(name, path, device, settings, early_reads.pop(name, None), timeline)
+            for name, path in paths.items()}

@@ -1,0 +1,108 @@
+"""`wcodec serve`: start-up as one timeline. Read me first.
+
+    0  the interpreter starts (the timeline's zero is the process's own start)
+    1  settings; then each preloaded model's archive starts reading into memory on a thread
+       pool (service/prefetch.py: no torch), verified as it arrives
+    2  import torch; then, per preloaded model, a thread (service/preload.py) makes the CUDA
+       context, loads the decoder extension and decodes the model from its early read while
+       its tokenizer and meta skeleton are built
+    3  meanwhile the main thread imports the service (fastapi, uvicorn) and builds the app;
+       uvicorn starts; the lifespan's load of each preloaded model takes the early load's result
+Only what the forward pass needs is imported on the way (service/modeling.py). With
+WCODEC_LOG_LEVEL=debug the timeline is logged once the preloads are done; GET /health/startup
+serves it."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import threading
+
+from service.timeline import Timeline
+
+EXIT_ERROR = 1
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default=None, help="address to bind (default: WCODEC_HOST or 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="port (default: WCODEC_PORT or 8000)")
+    p.add_argument("--store", default=None, metavar="DIR",
+                   help="model store: one <name>.wcodec per model (default: WCODEC_MODEL_STORE or ./models)")
+
+
+def _settings(args: argparse.Namespace, timeline: Timeline):
+    with timeline.span("import pydantic (settings)"):
+        from pydantic import ValidationError
+
+        from service.settings import Settings
+    flags = {"host": args.host, "port": args.port, "model_store": args.store}
+    try:
+        return Settings(**{k: v for k, v in flags.items() if v is not None})
+    except ValidationError as e:
+        why = "; ".join(f"WCODEC_{'.'.join(map(str, err['loc'])).upper()}: {err['msg']}" for err in e.errors())
+        print(f"wcodec: error: bad server settings: {why}", file=sys.stderr)
+        return None
+
+
+def _start_early_reads(settings, timeline: Timeline) -> tuple[dict, dict]:
+    from service import prefetch
+    paths = prefetch.preload_paths(settings) if settings.early_read else {}
+    return paths, prefetch.start_early_reads(paths, verify=settings.verify_crc, threads=settings.read_threads(),
+                                             direct=settings.direct_io(), timeline=timeline)
+
+
+def _start_early_loads(settings, paths: dict, reads: dict, timeline: Timeline) -> dict:
+    """Decode each preloaded model on its own thread from now on; else only warm up."""
+    import torch
+
+    from service.preload import start_early_loads
+    device = torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if paths:
+        return start_early_loads(reads, paths, settings, device, timeline)
+    threading.Thread(target=_warm_up, args=(settings, timeline), name="wcodec-warm-up", daemon=True).start()
+    return reads
+
+
+def _warm_up(settings, timeline: Timeline) -> None:
+    from service.modeling import device_of, warm_up
+    try:
+        warm_up(device_of(settings), timeline)
+    except Exception:                        # the lifespan's own warm-up reports it
+        logging.getLogger("wcodec.service").debug("early warm-up failed", exc_info=True)
+
+
+def run(args: argparse.Namespace, timeline: Timeline | None = None) -> int:
+    timeline = timeline or Timeline()
+    timeline.mark("wcodec serve: python is up")
+    settings = _settings(args, timeline)
+    if settings is None:
+        return EXIT_ERROR
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    paths, reads = _start_early_reads(settings, timeline)
+    with timeline.span("import torch"):
+        import torch  # noqa: F401
+    early = _start_early_loads(settings, paths, reads, timeline)
+    with timeline.span("import uvicorn, fastapi and the service"):
+        import uvicorn
+
+        from service.app import create_app
+    app = create_app(settings, timeline=timeline, early=early)
+    timeline.mark("app created; uvicorn starts")
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    timeline = Timeline()
+    parser = argparse.ArgumentParser(prog="wcodec serve", description="serve models over HTTP: TGI-compatible "
+                                     "generation, model control, Prometheus metrics")
+    add_arguments(parser)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_ERROR)
+    try:
+        return run(args, timeline)
+    except KeyboardInterrupt:
+        print("wcodec: interrupted", file=sys.stderr)
+        return 130
