@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import threading
 import shutil
 from dataclasses import dataclass
 from functools import lru_cache
@@ -60,9 +61,18 @@ def _has_cuda_kernel() -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key("wcodec::decode_pieces", "CUDA")
 
 
-@lru_cache(maxsize=1)
+_LOAD_LOCK = threading.Lock()
+
+
 def ensure_loaded() -> Availability:
-    """Load the extension once: AOT module, else JIT (unless WCODEC_NO_JIT=1), else NumPy."""
+    """Load the extension once: AOT module, else JIT (unless WCODEC_NO_JIT=1), else NumPy. Thread
+    safe: an early load and the start-up warm-up may ask at the same time."""
+    with _LOAD_LOCK:
+        return _load()
+
+
+@lru_cache(maxsize=1)
+def _load() -> Availability:
     path, reason = "numpy", ""
     try:
         import cuda_ext._C  # noqa: F401  (registers the ops)
