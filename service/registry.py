@@ -28,7 +28,7 @@ import torch
 from codec.decode import Archive
 from codec.errors import CodecError
 
-from . import demo, loader, modeling
+from . import demo, loader, memory, modeling
 from .engine import Engine
 from .errors import InsufficientMemory, LoadFailed, ModelNotFound, ModelNotReady, ServiceError, ValidationFailed
 from .metrics import Metrics
@@ -122,6 +122,7 @@ class ModelRegistry:
         self.startup_error: str | None = None
         self._slots: dict[str, Slot] = {}
         self._lock = asyncio.Lock()
+        memory.tune_allocator()                    # an unloaded model's host memory goes back (memory.py)
 
     # --- lookup -------------------------------------------------------------------------------
 
@@ -306,6 +307,7 @@ class ModelRegistry:
             if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):      # the engine thread's matmul workspace
                 torch._C._cuda_clearCublasWorkspaces()
             torch.cuda.empty_cache()
+        memory.release()
 
     # --- unload ---------------------------------------------------------------------------------
 

@@ -211,10 +211,12 @@ def mutate(archive: ArchiveBytes, rng: random.Random) -> tuple[bytes, bytes, str
         else:
             width = rng.choice([4, 8])
             at = max(start, at - at % width)
+            n = min(width, end - at)
             word = rng.choice([0, (1 << 8 * width) - 1, rng.getrandbits(8 * width)])
-            data[at:at + width] = word.to_bytes(width, "little")[:max(0, min(width, end - at))]
+            data[at:at + n] = word.to_bytes(width, "little")[:n]
         edits.append(f"{kind}@{at}")
     plain = bytes(data)
+    assert len(plain) == len(archive.data)
     touched = False
     for t in header["tensors"]:
         for rec in t["streams"].values():
