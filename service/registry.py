@@ -329,10 +329,12 @@ class ModelRegistry:
     async def _unload_job(self, slot: Slot) -> None:
         self._set_state(slot, ModelState.UNLOADING)
         await slot.idle.wait()                     # in-flight requests finish first
-        engine, slot.engine, slot.served = slot.engine, None, None
+        engine, served, slot.engine, slot.served = slot.engine, slot.served, None, None
         if engine is not None:
             await asyncio.to_thread(engine.close)
-        del engine
+        if served is not None:                     # a request still unwinding may hold `served`:
+            served.model.to("meta")                # it keeps a skeleton, the weights go now
+        del engine, served
         await asyncio.to_thread(self._free_memory)
         self.metrics.set_memory(slot.name, self.device.type, 0, 0)
         slot.progress = Progress()
