@@ -41,6 +41,7 @@ class StormReport:
     hangs: list[str] = field(default_factory=list)
     transport_errors: list[str] = field(default_factory=list)
     bad_streams: list[str] = field(default_factory=list)
+    samples: list[str] = field(default_factory=list)          # the first 5xx answers, for the record
 
     def problems(self) -> list[str]:
         return [f"{name}: {items[:5]}" for name, items in (
@@ -103,6 +104,8 @@ class _Client:
     async def _plain(self, action: str, method: str, path: str, body: dict | None = None) -> httpx.Response:
         response = await self.http.request(method, path, json=body)
         self._record(action, method, path, response.status_code)
+        if response.status_code >= 500 and len(self.report.samples) < 20:
+            self.report.samples.append(f"{method} {path} {response.status_code}: {response.text[:160]}")
         return response
 
     async def _stream(self, action: str, path: str, body: dict, hang_up: bool, check) -> None:
@@ -134,21 +137,21 @@ class _Client:
     async def one(self) -> None:
         m, roll = self.model, self.rng.random()
         table = [
-            (0.28, lambda: self._plain("generate", "POST", "/generate", self._generate_body())),
-            (0.18, lambda: self._stream("generate_stream", "/generate_stream", self._generate_body(),
+            (0.30, lambda: self._plain("generate", "POST", "/generate", self._generate_body())),
+            (0.20, lambda: self._stream("generate_stream", "/generate_stream", self._generate_body(),
                                         self.rng.random() < 0.5, check_tgi_stream)),
             (0.08, lambda: self._plain("chat", "POST", "/v1/chat/completions", self._chat_body(False))),
-            (0.06, lambda: self._stream("chat_stream", "/v1/chat/completions", self._chat_body(True),
+            (0.07, lambda: self._stream("chat_stream", "/v1/chat/completions", self._chat_body(True),
                                         self.rng.random() < 0.5, check_chat_stream)),
             (0.08, lambda: self._plain("models", "GET", "/models")),
             (0.08, lambda: self._plain("metrics", "GET", "/metrics")),
             (0.03, lambda: self._plain("model", "GET", f"/models/{m}")),
-            (0.06, lambda: self._plain("load", "POST", f"/models/{m}/load")),
-            (0.05, lambda: self._plain("load_nowait", "POST", f"/models/{m}/load?wait=false")),
-            (0.03, lambda: self._plain("unload", "POST", f"/models/{m}/unload")),
-            (0.04, lambda: self._plain("invalid", "POST", "/generate", {"inputs": "x", "parameters":
+            (0.03, lambda: self._plain("load", "POST", f"/models/{m}/load")),
+            (0.03, lambda: self._plain("load_nowait", "POST", f"/models/{m}/load?wait=false")),
+            (0.01, lambda: self._plain("unload", "POST", f"/models/{m}/unload")),
+            (0.05, lambda: self._plain("invalid", "POST", "/generate", {"inputs": "x", "parameters":
                                                                          {"max_new_tokens": 0}})),
-            (0.03, lambda: self._plain("health", "GET", "/health/ready")),
+            (0.04, lambda: self._plain("health", "GET", "/health/ready")),
         ]
         for weight, call in table:
             roll -= weight
@@ -178,6 +181,16 @@ async def run_storm(url: str, model: str, *, clients: int = 32, seconds: float =
                            .run(t0 + seconds) for i in range(clients)))
     report.seconds = time.monotonic() - t0
     return report
+
+
+async def wait_ready(url: str, timeout: float = 300) -> None:
+    """Until /health/ready answers 200 (the preloaded model is ready)."""
+    deadline = time.monotonic() + timeout
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        while (await http.get("/health/ready")).status_code != 200:
+            if time.monotonic() > deadline:
+                raise TimeoutError("no model became ready")
+            await asyncio.sleep(0.2)
 
 
 async def settle(url: str, timeout: float = 120) -> list[dict]:
