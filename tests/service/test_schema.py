@@ -6,6 +6,7 @@ any generated request finishes in seconds on a CPU."""
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 import schemathesis
@@ -21,7 +22,7 @@ from service_helpers import DEMO
 from tests.faults.server import ServerProcess
 from tests.faults.storm import wait_ready
 
-EXAMPLES = 12                    # per operation; the long form runs more
+EXAMPLES = int(os.environ.get("WCODEC_SCHEMA_EXAMPLES", "12"))      # per operation; the long form: 50
 LIMITS = {"WCODEC_MAX_INPUT_TOKENS": "40", "WCODEC_MAX_TOTAL_TOKENS": "48", "WCODEC_DEFAULT_MAX_NEW_TOKENS": "4"}
 
 
