@@ -111,11 +111,10 @@ def part_crash(work: Path, args) -> dict:
         dst.parent.mkdir(exist_ok=True)
         compress_runs.append({"after_s": after} | crash.kill_compress(src, dst, after))
     ok = all(r["store_intact"] and "Paris" in r["next_start_answer"] and r["state_at_kill"] == "loading"
-             for r in server_runs) and all(r["accepted"] == ([] if not r["finished"] else ["out.wcodec"])
-                                           for r in compress_runs)
+             for r in server_runs) and not any(r["accepted_partial"] for r in compress_runs)
     return {"server_kills": server_runs, "compress_kills": compress_runs,
             "compress_killed": sum(not r["finished"] for r in compress_runs),
-            "accepted_partial_files": sum(len(r["accepted"]) for r in compress_runs if not r["finished"]), "ok": ok}
+            "accepted_partial_files": sum(len(r["accepted_partial"]) for r in compress_runs), "ok": ok}
 
 
 def part_schema(work: Path, args) -> dict:

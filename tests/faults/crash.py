@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from codec.decode import Archive
+from codec.decode import Archive, load
 from codec.errors import CodecError
 
 from .server import REPO, ServerProcess
@@ -52,7 +52,7 @@ def reader_accepts(path: Path) -> bool:
 
 def kill_compress(src: Path, dst: Path, after_s: float) -> dict:
     """Run `wcodec compress src dst`, kill -9 its whole process group after `after_s` seconds;
-    which files it left and whether a reader accepts any of them."""
+    which files it left, which a reader opens, and which of those are not the complete archive."""
     proc = subprocess.Popen([sys.executable, "-m", "wcodec", "compress", str(src), str(dst), "--workers", "2"],
                             cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
@@ -64,5 +64,16 @@ def kill_compress(src: Path, dst: Path, after_s: float) -> dict:
         proc.wait(30)
         finished = False
     left = sorted(p for p in dst.parent.iterdir() if p.name.startswith(dst.name))
-    return {"finished": finished, "left": [p.name for p in left],
-            "accepted": [p.name for p in left if reader_accepts(p)]}
+    accepted = [p for p in left if reader_accepts(p)]
+    return {"finished": finished, "left": [p.name for p in left], "accepted": [p.name for p in accepted],
+            "accepted_partial": [p.name for p in accepted if p != dst or not complete(p)]}
+
+
+def complete(path: Path) -> bool:
+    """Every tensor decodes and matches its CRC32: the archive the compress meant to write (a kill
+    after the rename, while the process was exiting, leaves it)."""
+    try:
+        load(path, workers=1)
+        return True
+    except CodecError:
+        return False
