@@ -42,6 +42,8 @@ class StormReport:
     transport_errors: list[str] = field(default_factory=list)
     bad_streams: list[str] = field(default_factory=list)
     samples: list[str] = field(default_factory=list)          # the first 5xx answers, for the record
+    unload_every_s: float = 15.0
+    last_unload: float = 0.0
 
     def problems(self) -> list[str]:
         return [f"{name}: {items[:5]}" for name, items in (
@@ -124,6 +126,16 @@ class _Client:
         if (why := check(lines)) is not None:
             self.report.bad_streams.append(f"{path}: {why}")
 
+    async def _unload(self) -> None:
+        """At most one unload every `unload_every_s` (a reload takes seconds on a CPU; more would
+        leave the model mostly unloaded); a client that comes sooner lists the models instead."""
+        now = time.monotonic()
+        if now - self.report.last_unload < self.report.unload_every_s:
+            await self._plain("models", "GET", "/models")
+            return
+        self.report.last_unload = now
+        await self._plain("unload", "POST", f"/models/{self.model}/unload")
+
     def _generate_body(self) -> dict:
         params = {"max_new_tokens": self.rng.randint(1, 8)}
         if self.rng.random() < 0.3:
@@ -143,12 +155,12 @@ class _Client:
             (0.08, lambda: self._plain("chat", "POST", "/v1/chat/completions", self._chat_body(False))),
             (0.07, lambda: self._stream("chat_stream", "/v1/chat/completions", self._chat_body(True),
                                         self.rng.random() < 0.5, check_chat_stream)),
-            (0.08, lambda: self._plain("models", "GET", "/models")),
+            (0.06, lambda: self._plain("models", "GET", "/models")),
             (0.08, lambda: self._plain("metrics", "GET", "/metrics")),
             (0.03, lambda: self._plain("model", "GET", f"/models/{m}")),
             (0.03, lambda: self._plain("load", "POST", f"/models/{m}/load")),
             (0.03, lambda: self._plain("load_nowait", "POST", f"/models/{m}/load?wait=false")),
-            (0.01, lambda: self._plain("unload", "POST", f"/models/{m}/unload")),
+            (0.03, self._unload),
             (0.05, lambda: self._plain("invalid", "POST", "/generate", {"inputs": "x", "parameters":
                                                                          {"max_new_tokens": 0}})),
             (0.04, lambda: self._plain("health", "GET", "/health/ready")),
@@ -172,10 +184,11 @@ class _Client:
 
 
 async def run_storm(url: str, model: str, *, clients: int = 32, seconds: float = 20, seed: int = 0,
-                    timeout: float = 120) -> StormReport:
+                    timeout: float = 120, unload_every_s: float = 15.0) -> StormReport:
     """Run the storm; a request still unanswered `timeout` s after it was sent counts as a hang."""
     templates = await asyncio.to_thread(lambda: documented_statuses(openapi(url)))
-    report = StormReport(clients)
+    report = StormReport(clients, unload_every_s=unload_every_s)
+    report.last_unload = time.monotonic()         # the first unload comes after `unload_every_s`
     t0 = time.monotonic()
     await asyncio.gather(*(_Client(report, url, model, templates, random.Random(seed * 1000 + i), timeout)
                            .run(t0 + seconds) for i in range(clients)))
