@@ -118,13 +118,17 @@ def part_crash(work: Path, args) -> dict:
 
 
 def part_schema(work: Path, args) -> dict:
-    env = {**os.environ, "WCODEC_SCHEMA_EXAMPLES": str(args.examples)}
+    record = work / "schema-statuses.txt"
+    record.unlink(missing_ok=True)
+    env = {**os.environ, "WCODEC_SCHEMA_EXAMPLES": str(args.examples), "WCODEC_SCHEMA_RECORD": str(record)}
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/service/test_schema.py",
                            "-k", "keeps_its_schema"], cwd=REPO, env=env, capture_output=True, text=True, timeout=3000)
     tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-300:]
     counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|subtests passed|subtests failed)", tail)}
-    return {"examples_per_operation": args.examples, "result": tail, "counts": counts,
+    lines = record.read_text().splitlines() if record.exists() else []
+    return {"examples_per_operation": args.examples, "requests": len(lines),
+            "statuses": dict(sorted(collections.Counter(lines).items())), "result": tail, "counts": counts,
             "seconds": round(time.perf_counter() - t0), "ok": proc.returncode == 0}
 
 
