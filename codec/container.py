@@ -213,7 +213,10 @@ def _read_header(path: str, buf: np.ndarray, pre: Preamble) -> dict:
     if crc32(body) != pre.header_crc32:
         raise errors.ChecksumError(path, "header fails its CRC32")
     try:
-        header = json.loads(body.tobytes().decode("utf-8"))
+        header = json.loads(body.tobytes().decode("utf-8"), object_pairs_hook=_unique_keys)
+    except _DuplicateKey as e:
+        raise errors.HeaderError(path, f"header repeats the key {e}: it would mean different things "
+                                       "to different readers") from None
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise errors.HeaderError(path, f"header is not valid JSON: {type(e).__name__}") from None
     if not isinstance(header, dict) or header.get("format") != "wcodec" \
@@ -221,3 +224,19 @@ def _read_header(path: str, buf: np.ndarray, pre: Preamble) -> dict:
             or not all(isinstance(rec, dict) for rec in header["files"].values()):
         raise errors.HeaderError(path, "header lacks format/tensors/files")
     return header
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """json.loads' object hook: a key twice in one object (`json` would keep the last) is a lie."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _DuplicateKey(repr(key))
+            seen.add(key)
+    return out

@@ -32,9 +32,12 @@ class Archive:
         for e in entries:                      # every stream inside the data region before any use
             for role, rec in e.streams.items():
                 reader.stream(rec, f"tensor {e.name!r}: stream {role}")
+        for name, rec in reader.header["files"].items():
+            reader.stream(rec, f"file {name!r}")
         names = [e.name for e in entries]
         if len(set(names)) != len(names):
             raise errors.HeaderError(reader.path, "duplicate tensor names")
+        _check_disjoint(reader, entries)
         return cls(reader, entries)
 
     @property
@@ -49,6 +52,18 @@ class Archive:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _check_disjoint(reader: Reader, entries: list[TensorEntry]) -> None:
+    """No byte of the data region belongs to two streams or files. Streams that shared bytes would
+    let a small file claim any number of tensors (decoded size is bounded by the file's only when
+    each stored byte is read once)."""
+    records = [(f"tensor {e.name!r}: stream {role}", rec) for e in entries for role, rec in e.streams.items()]
+    records += [(f"file {name!r}", rec) for name, rec in reader.header["files"].items()]
+    spans = sorted((rec["offset"], rec["offset"] + rec["length"], what) for what, rec in records if rec["length"])
+    for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+        if start < end:
+            raise errors.HeaderError(reader.path, f"{second} overlaps {first}")
 
 
 @dataclass

@@ -20,6 +20,7 @@ DTYPES: dict[str, torch.dtype] = {
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 STREAMS = {CODEC_RAW: ("raw",), CODEC_FLOAT: ("exp", "hi")}
+MAX_DIM = (1 << 63) - 1             # a dimension is an int64 for torch (a zero elsewhere hides any product)
 
 
 def dtype_name(path, name: str, dtype: torch.dtype) -> str:
@@ -66,12 +67,12 @@ class TensorEntry:
         dtype, shape, codec = rec.get("dtype"), rec.get("shape"), rec.get("codec")
         if dtype not in DTYPES:
             raise bad(f"unknown dtype {dtype!r}")
-        if not isinstance(shape, list) or not all(_is_uint(d) for d in shape):
-            raise bad("shape is not a list of non-negative integers")
+        if not isinstance(shape, list) or not all(_is_uint(d) and d <= MAX_DIM for d in shape):
+            raise bad(f"shape is not a list of integers in [0, {MAX_DIM}]")
         if codec not in STREAMS or (codec == CODEC_FLOAT and dtype not in FLOAT_LAYOUTS):
             raise bad(f"codec {codec!r} does not apply to {dtype}")
         itemsize = DTYPES[dtype].itemsize
-        if rec.get("nbytes") != math.prod(shape) * itemsize or not _is_uint(rec.get("crc32")):
+        if rec.get("nbytes") != math.prod(shape) * itemsize or not _is_crc(rec.get("crc32")):
             raise bad("nbytes or crc32 disagree with the shape")
         streams = rec.get("streams")
         needed = STREAMS[codec] + (("lo",) if codec == CODEC_FLOAT and dtype == "float32" else ())
@@ -79,8 +80,9 @@ class TensorEntry:
                 or not all(isinstance(s, dict) for s in streams.values()):
             raise bad(f"streams must be exactly {list(needed)}")
         if not all(_is_uint(s.get("offset")) and s["offset"] % STREAM_ALIGN == 0 and _is_uint(s.get("length"))
-                   for s in streams.values()):
-            raise bad(f"a stream offset or length is not a non-negative integer (offsets: multiples of {STREAM_ALIGN})")
+                   and _is_crc(s.get("crc32")) for s in streams.values()):
+            raise bad(f"a stream offset or length is not a non-negative integer (offsets: multiples of {STREAM_ALIGN}) "
+                      "or its crc32 is not a u32")
         n = math.prod(shape)
         planes = {"raw": n * itemsize, "hi": n, "lo": 2 * n}
         if any(streams[role]["length"] != size for role, size in planes.items() if role in streams):
@@ -95,6 +97,10 @@ class TensorEntry:
 
 def _is_uint(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _is_crc(v) -> bool:
+    return _is_uint(v) and v <= 0xFFFFFFFF
 
 
 def _params(p, n: int, bad) -> FloatParams:

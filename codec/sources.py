@@ -1,8 +1,10 @@
 """Streaming readers of model checkpoints for the .wcodec encoder.
 
 Read me first -- the traps:
-- Nothing here unpickles. `.bin`/`.pt`/`.pth`/`.ckpt`/`.pkl` (and files that look like pickles or
-  torch zip archives) are refused: loading them can run arbitrary code.
+- Nothing here unpickles. Files that look like pickles or torch zip archives, and `.bin`/`.pt`/
+  `.pth`/`.ckpt`/`.pkl` files that are not safetensors or GGUF by content, are refused: loading
+  them can run arbitrary code. The content decides first: a safetensors file's first byte is the
+  low byte of its header length, which may be 0x80, the pickle protocol byte (`_sniff`).
 - Tensors are read one at a time through memory maps (`safe_open`, `GGUFReader`); `tensors()` reads
   only headers, `load(name)` materializes one tensor.
 - GGUF files are read by codec/gguf_source.py (its own traps are listed there).
@@ -213,18 +215,29 @@ def _open_hf_folder(folder: Path) -> SafetensorsSource:
 
 
 def _sniff(path: Path) -> str:
-    """'gguf', 'safetensors', 'pickle' or 'unknown', from the first bytes of the file."""
+    """'gguf', 'safetensors', 'pickle' or 'unknown', from the first bytes of the file.
+
+    The safetensors layout is tested first: its first 8 bytes are a header length, any value,
+    so a valid file may begin with 0x80 (a low byte of 0x80) or even with the zip magic (a
+    header of 0x04034B50 bytes). GGUF and zip magics and the pickle protocol byte are fixed
+    strings and say nothing once the layout fits."""
     with path.open("rb") as f:
         head = f.read(9)
+    if _is_safetensors_layout(head, path.stat().st_size):
+        return "safetensors"
     if head[:4] == GGUF_MAGIC:
         return "gguf"
     if head[:4] == ZIP_MAGIC or head[:1] == bytes([PICKLE_PROTO]):
         return "pickle"
-    if len(head) == 9 and head[8:9] == b"{":
-        (header_len,) = struct.unpack("<Q", head[:8])  # u64 little-endian JSON header length
-        if header_len + 8 <= path.stat().st_size:
-            return "safetensors"
     return "unknown"
+
+
+def _is_safetensors_layout(head: bytes, size: int) -> bool:
+    """u64 little-endian JSON header length n, then the header's '{', and n + 8 within the file."""
+    if len(head) < 9 or head[8:9] != b"{":
+        return False
+    (header_len,) = struct.unpack("<Q", head[:8])
+    return 2 <= header_len <= size - 8
 
 
 def open_source(path: str | os.PathLike[str], *, gguf_dtype: torch.dtype = torch.bfloat16) -> CheckpointSource:
@@ -234,8 +247,8 @@ def open_source(path: str | os.PathLike[str], *, gguf_dtype: torch.dtype = torch
         raise SourceError(p, "no such file or directory")
     if p.is_dir():
         return _open_hf_folder(p)
-    kind = _sniff(p)
-    if p.suffix.lower() in PICKLE_SUFFIXES or kind == "pickle":
+    kind = _sniff(p)              # the content decides; a pickle suffix refuses only what is neither
+    if kind == "pickle" or (kind == "unknown" and p.suffix.lower() in PICKLE_SUFFIXES):
         raise SourceError(p, "pickle checkpoints are refused (loading them can run code); convert to safetensors")
     if kind == "gguf":
         from .gguf_source import GGUFSource  # lazily: only GGUF users need the gguf package

@@ -102,6 +102,8 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    if exc.status_code == 400:                 # FastAPI's "error parsing the body" (not UTF-8, say): a
+        return JSONResponse(_body(f"invalid request body: {exc.detail}", "validation"), 422)   # 422, as for bad JSON
     error_type = "not_found" if exc.status_code == 404 else "http"
     return JSONResponse(_body(str(exc.detail), error_type), exc.status_code, headers=exc.headers)
 

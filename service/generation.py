@@ -159,14 +159,15 @@ def generate(served: ServedModel, rows: list[Row], on_token: Callable[[Row, Toke
     pos = (mask.cumsum(-1) - 1).clamp(min=0)                               # [B, S]
     logits, cache = forward(served.model, ids, mask, pos)                  # [B, V]
     while rows:
-        step = []
-        for row, row_logits in zip(rows, logits):
+        step, keep = [], []
+        for i, (row, row_logits) in enumerate(zip(rows, logits)):
             token, logprob = sample(row_logits, row)
             on_token(row, row.push(token, logprob))
             step.append(token)
-            if row.done:
-                on_finish(row)
-        keep = [i for i, row in enumerate(rows) if not row.done]
+            if row.done:                # read once: the event loop may cancel the row at any moment,
+                on_finish(row)          # and a row that leaves the batch unfinished never answers
+            else:
+                keep.append(i)
         if not keep:
             return
         nxt = torch.tensor(step, device=served.device)[:, None]           # [B, 1]

@@ -28,7 +28,7 @@ import torch
 from codec.decode import Archive
 from codec.errors import CodecError
 
-from . import demo, loader, modeling, prefetch, preload, resident
+from . import demo, loader, memory, modeling, prefetch, preload, resident
 from .engine import Engine
 from .errors import InsufficientMemory, LoadFailed, ModelNotFound, ModelNotReady, ServiceError, ValidationFailed
 from .metrics import Metrics
@@ -129,6 +129,7 @@ class ModelRegistry:
         self.startup_error: str | None = None
         self._slots: dict[str, Slot] = {}
         self._lock = asyncio.Lock()
+        memory.tune_allocator()                    # an unloaded model's host memory goes back (memory.py)
 
     # --- lookup -------------------------------------------------------------------------------
 
@@ -346,6 +347,7 @@ class ModelRegistry:
             if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):      # the engine thread's matmul workspace
                 torch._C._cuda_clearCublasWorkspaces()
             torch.cuda.empty_cache()
+        memory.release()
 
     # --- unload ---------------------------------------------------------------------------------
 
@@ -367,10 +369,15 @@ class ModelRegistry:
     async def _unload_job(self, slot: Slot) -> None:
         self._set_state(slot, ModelState.UNLOADING)
         await slot.idle.wait()                     # in-flight requests finish first
-        engine, slot.engine, slot.served = slot.engine, None, None
+        engine, served, slot.engine, slot.served = slot.engine, slot.served, None, None
         if engine is not None:
             await asyncio.to_thread(engine.close)
-        del engine
+        if served is not None:                     # a request still unwinding may hold `served`:
+            served.model.to("meta")                # it keeps a skeleton, the weights go now
+            if served.schedule is not None:        # compressed mode: hooks, slots, kept streams
+                served.schedule.remove()
+                served.schedule = None
+        del engine, served
         await asyncio.to_thread(self._free_memory)
         self.metrics.set_memory(slot.name, self.device.type, 0, 0)
         self.metrics.resident_bytes.labels(slot.name, slot.resident).set(0)

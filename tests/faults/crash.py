@@ -1,0 +1,79 @@
+"""Crash safety: kill -9 in the middle of a server's load and of `wcodec compress`.
+
+* A server killed while it loads a model leaves the store as it was (same bytes, no new files),
+  and the next server start loads the model.
+* `wcodec compress` killed at any moment never leaves a file that a reader accepts: the archive
+  is written to DST.tmp with the preamble (the magic) last, then renamed.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from codec.decode import Archive, load
+from codec.errors import CodecError
+
+from .server import REPO, ServerProcess
+
+
+def digest(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+def kill_during_load(store: Path, model: str, after_bytes: int, log: Path | None = None) -> dict:
+    """Start a server, load `model` (wait=false), kill -9 once `after_bytes` are decoded."""
+    with ServerProcess(store, env={"WCODEC_DEVICE": "cpu"}, log=log) as server:
+        r = httpx.post(f"{server.url}/models/{model}/load", params={"wait": "false"}, timeout=60)
+        assert r.status_code == 202, r.text
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            info = httpx.get(f"{server.url}/models/{model}", timeout=30).json()
+            if info["progress"]["bytes_done"] >= after_bytes or info["state"] != "loading":
+                break
+            time.sleep(0.01)
+        status = server.kill(signal.SIGKILL)
+    return {"state_at_kill": info["state"], "bytes_done": info["progress"]["bytes_done"], "exit": status}
+
+
+def reader_accepts(path: Path) -> bool:
+    try:
+        with Archive.open(path):
+            return True
+    except CodecError:
+        return False
+
+
+def kill_compress(src: Path, dst: Path, after_s: float) -> dict:
+    """Run `wcodec compress src dst`, kill -9 its whole process group after `after_s` seconds;
+    which files it left, which a reader opens, and which of those are not the complete archive."""
+    proc = subprocess.Popen([sys.executable, "-m", "wcodec", "compress", str(src), str(dst), "--workers", "2"],
+                            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        proc.wait(after_s)
+        finished = True
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        finished = False
+    left = sorted(p for p in dst.parent.iterdir() if p.name.startswith(dst.name))
+    accepted = [p for p in left if reader_accepts(p)]
+    return {"finished": finished, "left": [p.name for p in left], "accepted": [p.name for p in accepted],
+            "accepted_partial": [p.name for p in accepted if p != dst or not complete(p)]}
+
+
+def complete(path: Path) -> bool:
+    """Every tensor decodes and matches its CRC32: the archive the compress meant to write (a kill
+    after the rename, while the process was exiting, leaves it)."""
+    try:
+        load(path, workers=1)
+        return True
+    except CodecError:
+        return False
