@@ -29,7 +29,7 @@ from codec.decode import Archive
 from codec.errors import CodecError
 
 from . import demo, loader, modeling, resident
-from .engine import Engine, Limits
+from .engine import Engine, Limits, compute
 from .errors import InsufficientMemory, LoadFailed, ModelNotFound, ModelNotReady, ServiceError, ValidationFailed
 from .metrics import Metrics
 from .settings import Settings
@@ -285,6 +285,7 @@ class ModelRegistry:
             mark("skeleton ready")
             on_forward = self.metrics.forward_decode_seconds.labels(slot.name, slot.resident).observe
             served = modeling.finish(slot.name, ready, decoded, self.device, self.settings.resident_slots, on_forward)
+            served = compute.for_cpu(served, self.settings.cpu_dtype)
             slot.resident_bytes = served.weight_bytes
         mark("weights assigned")
         decoded.stats.total_s = time.perf_counter() - t0

@@ -37,6 +37,7 @@ class Settings(BaseSettings):
                                                  # row, the rest for prompts (chunked beyond it)
     max_queue: int = Field(64, ge=1)             # waiting requests per model before 429
     batch_wait_ms: float = Field(2.0, ge=0)      # how long an idle engine waits for a burst to arrive
+    cpu_dtype: Literal["auto", "model", "float32"] = "auto"   # CPU compute dtype (service/engine/compute.py)
     max_input_tokens: int = Field(1024, ge=1)
     max_total_tokens: int = Field(2048, ge=2)
     default_max_new_tokens: int = Field(100, ge=1)
