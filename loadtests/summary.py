@@ -73,6 +73,7 @@ def text(r: dict) -> str:
         f"latency    p50 {_s(r['latency_s']['p50'])}   p99 {_s(r['latency_s']['p99'])}",
         f"TTFT       p50 {_s(r['ttft_s']['p50'])}   p99 {_s(r['ttft_s']['p99'])}",
         f"tokens/s   {r['tokens_per_s']:.1f}   ({r['tokens_per_request']:.1f} tokens per completed request)",
-        f"server     {srv['requests']}" + (f", {rows:.1f} rows and {toks:.1f} tokens per step" if rows and toks else ""),
+        f"server     {srv['requests']}" + (f", {rows:.1f} rows and {toks:.1f} tokens per step"
+                                             if rows and toks else ""),
     ]
     return "\n".join(lines)

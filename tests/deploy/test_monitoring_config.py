@@ -27,6 +27,8 @@ REQUIRED_METRICS = {
     "tokens/s": "wcodec_generate_generated_tokens_total",
     "queue depth": "wcodec_generate_queue_depth",
     "batch size": "wcodec_generate_batch_size_bucket",
+    "batch size in tokens": "wcodec_generate_batch_tokens_bucket",
+    "inter-token latency": "wcodec_generate_inter_token_latency_seconds_bucket",
 }
 
 
