@@ -36,9 +36,13 @@ CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_
           "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
 
 
-def state(seed: int = 7) -> dict[str, torch.Tensor]:
-    """Trained-like random weights [out, in], made on the GPU (bf16, then to the host)."""
-    c, g = CONFIG, torch.Generator(device="cuda").manual_seed(seed)
+SMOKE = {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 4}                            # --smoke: the same path, small, on the CPU
+
+
+def state(config: dict, device: str, seed: int = 7) -> dict[str, torch.Tensor]:
+    """Trained-like random weights [out, in], made on `device` (bf16, then to the host)."""
+    c, g = config, torch.Generator(device=device).manual_seed(seed)
     e, f, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
     shapes = {"model.embed_tokens.weight": (v, e), "model.norm.weight": (e,), "lm_head.weight": (v, e)}
     for i in range(c["num_hidden_layers"]):
@@ -47,19 +51,19 @@ def state(seed: int = 7) -> dict[str, torch.Tensor]:
         shapes |= {p + "mlp.gate_proj.weight": (f, e), p + "mlp.up_proj.weight": (f, e),
                    p + "mlp.down_proj.weight": (e, f), p + "input_layernorm.weight": (e,),
                    p + "post_attention_layernorm.weight": (e,)}
-    return {n: ((1.0 if len(s) == 1 else 0.0) + 0.02 * torch.randn(s, generator=g, device="cuda"))
+    return {n: ((1.0 if len(s) == 1 else 0.0) + 0.02 * torch.randn(s, generator=g, device=device))
             .bfloat16().cpu() for n, s in shapes.items()}
 
 
-def build(store: Path, tokenizer: Path) -> float:
+def build(store: Path, tokenizer: Path, config: dict, device: str) -> float:
     path = store / f"{NAME}.wcodec"
     if path.exists():
         return 0.0
     t0 = time.perf_counter()
     store.mkdir(parents=True, exist_ok=True)
     files = {p.name: p.read_bytes() for p in tokenizer.iterdir() if p.is_file()}
-    compress_state_dict(state(), path.with_suffix(".tmp"), workers=os.cpu_count(),
-                        files={**files, "config.json": json.dumps(CONFIG).encode()})
+    compress_state_dict(state(config, device), path.with_suffix(".tmp"), workers=os.cpu_count(),
+                        files={**files, "config.json": json.dumps(config).encode()})
     path.with_suffix(".tmp").rename(path)
     return time.perf_counter() - t0
 
@@ -70,9 +74,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve(store: Path, out: Path) -> tuple[subprocess.Popen, str]:
+def serve(store: Path, out: Path, device: str) -> tuple[subprocess.Popen, str]:
     url = f"http://127.0.0.1:{free_port()}"
-    env = {**os.environ, "WCODEC_MODEL_STORE": str(store), "WCODEC_DEMO": "false", "WCODEC_DEVICE": "cuda",
+    env = {**os.environ, "WCODEC_MODEL_STORE": str(store), "WCODEC_DEMO": "false", "WCODEC_DEVICE": device,
            "WCODEC_PRELOAD": json.dumps([NAME]), "WCODEC_LOG_LEVEL": "warning"}
     proc = subprocess.Popen([sys.executable, "-m", "wcodec", "serve", "--host", "127.0.0.1", "--port",
                              url.rsplit(":", 1)[1]], env=env, cwd=ROOT, stdout=(out / "server.log").open("wb"),
@@ -105,10 +109,12 @@ def main() -> None:
     ap.add_argument("--users", type=int, default=64)
     ap.add_argument("--duration", type=float, default=60.0)
     ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--smoke", action="store_true", help="a 2-layer model on the CPU: checks the path, no figures")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    build_s = build(args.store, args.tokenizer)
-    proc, url = serve(args.store, args.out)
+    config, device = ({**CONFIG, **SMOKE}, "cpu") if args.smoke else (CONFIG, "cuda")
+    build_s = build(args.store, args.tokenizer, config, device)
+    proc, url = serve(args.store, args.out, device)
     try:
         warm = httpx.post(f"{url}/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 8}},
                           timeout=300)
@@ -118,7 +124,8 @@ def main() -> None:
     finally:
         proc.terminate()
         proc.wait(60)
-    summary = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "build_s": build_s,
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke)"
+    summary = {"device": name, "date": time.strftime("%Y-%m-%d"), "build_s": build_s,
                "tokens_per_s_1": one["tokens_per_s"], f"tokens_per_s_{args.users}": many["tokens_per_s"],
                "ratio": many["tokens_per_s"] / max(one["tokens_per_s"], 1e-9),
                "errors": one["errors"] + many["errors"], "runs": {"1": one, str(args.users): many}}
