@@ -1,8 +1,7 @@
-"""Batched generation, gpt-fast style: prefill one left-padded batch, then decode one token per
-step for every running row; a row leaves the batch (and the KV cache) as soon as it finishes.
+"""One request's decoding state (`Row`) and how a token is chosen for it; the batching itself is
+service/engine/.
 
     ids, mask   [B, S]    left-padded prompts, 1 where a token is real
-    pos         [B, S]    position ids: cumsum(mask) - 1, so padding does not shift positions
     logits      [B, V]    float32, last position only
 
 Sampling follows TGI: greedy unless `do_sample` or a warper (temperature != 1, top_k, top_p < 1)
@@ -10,7 +9,6 @@ is set; a sampled row gets a seed (the request's, or a random one that the detai
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -144,37 +142,15 @@ def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tup
     return ids, mask
 
 
-def forward(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache=None):
-    """Logits of the last position [B, V] (float32) and the KV cache (created on the prefill)."""
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                use_cache=True, logits_to_keep=1)
-    return out.logits[:, -1].float(), out.past_key_values
-
-
-@torch.inference_mode()
-def generate(served: ServedModel, rows: list[Row], on_token: Callable[[Row, TokenEvent], None],
-             on_finish: Callable[[Row], None]) -> None:
-    """Run `rows` to completion as one batch; callbacks fire on the calling thread."""
-    ids, mask = left_pad([r.prompt_ids for r in rows], served.pad_id, served.device)
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)                               # [B, S]
-    logits, cache = forward(served.model, ids, mask, pos)                  # [B, V]
-    while rows:
-        step, keep = [], []
-        for i, (row, row_logits) in enumerate(zip(rows, logits)):
-            token, logprob = sample(row_logits, row)
-            on_token(row, row.push(token, logprob))
-            step.append(token)
-            if row.done:                # read once: the event loop may cancel the row at any moment,
-                on_finish(row)          # and a row that leaves the batch unfinished never answers
-            else:
-                keep.append(i)
-        if not keep:
-            return
-        nxt = torch.tensor(step, device=served.device)[:, None]           # [B, 1]
-        if len(keep) < len(rows):
-            idx = torch.tensor(keep, device=served.device)
-            cache.batch_select_indices(idx)
-            rows, mask, pos, nxt = [rows[i] for i in keep], mask[idx], pos[idx], nxt[idx]
-        mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)       # [B, S + t]
-        pos = pos[:, -1:] + 1                                              # [B, 1]
-        logits, cache = forward(served.model, nxt, mask, pos, cache)
+def sample_rows(logits: torch.Tensor, rows: list[Row]) -> list[tuple[int, float]]:
+    """One (token, logprob) per row from logits [B, V]: plain greedy rows with one argmax and one
+    device-to-host copy between them, the others (sampling, penalty) one by one with `sample`."""
+    plain = [i for i, r in enumerate(rows) if r.history is None and not r.params.sampling]
+    out: list[tuple[int, float] | None] = [None] * len(rows)
+    if plain:
+        sub = logits[torch.tensor(plain, device=logits.device)] if len(plain) < len(rows) else logits   # [G, V]
+        tokens = sub.argmax(-1)                                                                         # [G]
+        logprobs = sub.log_softmax(-1).gather(-1, tokens[:, None])[:, 0]                               # [G]
+        for i, token, logprob in zip(plain, tokens.tolist(), logprobs.tolist()):
+            out[i] = (token, logprob)
+    return [o if o is not None else sample(logits[i], rows[i]) for i, o in enumerate(out)]

@@ -22,8 +22,12 @@ Generate wcodec_generate_requests_total{model,status}  status: ok, error, cancel
          wcodec_generate_request_duration_seconds{model}, ..._time_to_first_token_seconds{model},
          ..._time_per_output_token_seconds{model}
          wcodec_generate_prompt_tokens_total{model}, wcodec_generate_generated_tokens_total{model}
-         wcodec_generate_queue_depth{model}, wcodec_generate_queue_capacity{model},
-         wcodec_generate_batch_size{model}
+         wcodec_generate_inter_token_latency_seconds{model}   one observation per token after the first
+         wcodec_generate_queue_depth{model}    requests waiting to join the running batch
+         wcodec_generate_queue_capacity{model}
+         wcodec_generate_batch_size{model}     rows decoded per step (continuous batching: one
+                                                   observation per step that did work)
+         wcodec_generate_batch_tokens{model}   tokens fed per step: decoded rows + prompt tokens
 Start-up wcodec_process_start_to_ready_seconds        from the process's start (the kernel's record) to
                                                    the first model ready: /health/ready's first 200;
                                                    NaN until then
@@ -112,8 +116,13 @@ class Metrics:
         self.queue_depth = Gauge("wcodec_generate_queue_depth", "Requests waiting for a batch", m, registry=r)
         self.queue_capacity = Gauge("wcodec_generate_queue_capacity", "Waiting requests before 429 "
                                     "(WCODEC_MAX_QUEUE)", m, registry=r)
-        self.batch_size = Histogram("wcodec_generate_batch_size", "Requests per generation batch", m,
-                                    buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
+        self.itl = Histogram("wcodec_generate_inter_token_latency_seconds", "Time between two tokens of "
+                             "a request", m, buckets=_TOKEN, registry=r)
+        self.batch_size = Histogram("wcodec_generate_batch_size", "Rows decoded per step of the running batch",
+                                    m, buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
+        self.batch_tokens = Histogram("wcodec_generate_batch_tokens", "Tokens fed to the model per step "
+                                      "(decoded rows + prompt tokens)", m,
+                                      buckets=(1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096), registry=r)
 
     def track_model(self, model: str) -> None:
         """Create the model's labelled counters at 0: rate() and increase() never count a series'

@@ -29,7 +29,7 @@ from codec.decode import Archive
 from codec.errors import CodecError
 
 from . import demo, loader, memory, modeling, prefetch, preload, resident
-from .engine import Engine
+from .engine import Engine, Limits, compute
 from .errors import InsufficientMemory, LoadFailed, ModelNotFound, ModelNotReady, ServiceError, ValidationFailed
 from .metrics import Metrics
 from .settings import Settings
@@ -265,8 +265,8 @@ class ModelRegistry:
             raise self._failed(slot, LoadFailed(f"cannot load {slot.name!r}: {type(e).__name__}: {e}"), "failed")
         s = self.settings
         slot.served, slot.stats, slot.loaded_at, slot.last_error = served, stats, time.time(), None
-        slot.engine = Engine(served, self.metrics, max_batch_size=s.max_batch_size, max_queue=s.max_queue,
-                             batch_wait_s=s.batch_wait_ms / 1e3).start()
+        slot.engine = Engine(served, self.metrics, Limits(s.max_batch_size, s.max_batch_tokens, s.max_queue,
+                                                          s.batch_wait_ms / 1e3)).start()
         slot.last_used = time.monotonic()
         self._record_load(slot, stats)
         self._set_state(slot, ModelState.READY)
@@ -290,6 +290,7 @@ class ModelRegistry:
         mark("skeleton ready")
         on_forward = self.metrics.forward_decode_seconds.labels(slot.name, slot.resident).observe
         served = modeling.finish(slot.name, ready, decoded, self.device, self.settings.resident_slots, on_forward)
+        served = compute.for_cpu(served, self.settings.cpu_dtype)
         slot.resident_bytes = served.weight_bytes
         mark("weights assigned")
         decoded.stats.total_s = time.perf_counter() - t0

@@ -42,9 +42,12 @@ class Settings(BaseSettings):
         return None if self.load_direct_io == "auto" else False
 
     # generation
-    max_batch_size: int = Field(8, ge=1)
+    max_batch_size: int = Field(64, ge=1)        # rows in a model's running batch
+    max_batch_tokens: int = Field(512, ge=1)     # tokens one step feeds the model: a token per running
+                                                 # row, the rest for prompts (chunked beyond it)
     max_queue: int = Field(64, ge=1)             # waiting requests per model before 429
-    batch_wait_ms: float = Field(2.0, ge=0)      # how long the worker waits to fill a batch
+    batch_wait_ms: float = Field(2.0, ge=0)      # how long an idle engine waits for a burst to arrive
+    cpu_dtype: Literal["auto", "model", "float32"] = "auto"   # CPU compute dtype (service/engine/compute.py)
     max_input_tokens: int = Field(1024, ge=1)
     max_total_tokens: int = Field(2048, ge=2)
     default_max_new_tokens: int = Field(100, ge=1)

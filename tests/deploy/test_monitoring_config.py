@@ -28,6 +28,10 @@ REQUIRED_METRICS = {
     "queue depth": "wcodec_generate_queue_depth",
     "batch size": "wcodec_generate_batch_size_bucket",
     "process start to ready": "wcodec_process_start_to_ready_seconds",
+    "batch size in tokens": "wcodec_generate_batch_tokens_bucket",
+    "inter-token latency": "wcodec_generate_inter_token_latency_seconds_bucket",
+    "resident bytes by mode": "wcodec_model_resident_bytes",
+    "forward decode time": "wcodec_forward_decode_duration_seconds_bucket",
 }
 
 

@@ -52,8 +52,10 @@ async def test_parallel_generates_with_a_duplicate_load_and_an_unload(serve, sto
         assert load.status_code == 200 and load.json()["state"] == "ready"       # it was ready: at once
         assert unload.status_code == 200 and unload.json()["state"] == "available"
         assert unload.json()["in_flight"] == 0
-        batches = await server.metric("wcodec_generate_batch_size_count", model=DEMO)
-        assert 2 <= batches < 16, "concurrent requests were not batched"
+        steps = await server.metric("wcodec_generate_batch_size_count", model=DEMO)
+        rows = await server.metric("wcodec_generate_batch_size_sum", model=DEMO)
+        assert rows / steps > 2, "concurrent requests were not batched"
+        assert await server.metric("wcodec_generate_batch_size_bucket", model=DEMO, le="8.0") == steps  # max 8
         assert await server.metric("wcodec_generate_requests_total", model=DEMO, status="ok") == 16
         gc.collect()
         assert weight() is None and server.registry.used_bytes() == 0

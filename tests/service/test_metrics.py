@@ -18,6 +18,7 @@ FAMILIES = [
     "wcodec_generate_request_duration_seconds", "wcodec_generate_time_to_first_token_seconds",
     "wcodec_generate_time_per_output_token_seconds", "wcodec_generate_prompt_tokens_total",
     "wcodec_generate_generated_tokens_total", "wcodec_generate_queue_depth", "wcodec_generate_batch_size",
+    "wcodec_generate_batch_tokens", "wcodec_generate_inter_token_latency_seconds",
     "wcodec_http_requests_total", "wcodec_http_request_duration_seconds",
 ]
 
@@ -40,6 +41,9 @@ async def test_every_family_after_a_load_and_a_generate(serve, store) -> None:
         assert await server.metric("wcodec_decode_compressed_bytes_total", model=DEMO, codec="float",
                                    device="cpu") > 0
         assert await server.metric("wcodec_generate_time_to_first_token_seconds_count", model=DEMO) == 1
+        assert await server.metric("wcodec_generate_inter_token_latency_seconds_count", model=DEMO) == 3   # 4 tokens
+        assert await server.metric("wcodec_generate_batch_tokens_sum", model=DEMO) \
+            == await server.metric("wcodec_generate_prompt_tokens_total", model=DEMO) + 3   # prefill, 3 decodes
         assert await server.metric("wcodec_generate_prompt_tokens_total", model=DEMO) > 0
         assert await server.metric("wcodec_http_requests_total", method="GET", route="/models/{name}",
                                    status="200") == 1

@@ -7,7 +7,7 @@ import pytest
 import torch
 from service_helpers import DEMO, generate_body
 
-from service import generation, loader, modeling
+from service import loader, modeling
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about rivers.", "2 + 2 =",
            "List three primary colors:", "Translate 'good morning' to French:"]
@@ -26,8 +26,7 @@ def encode(model: modeling.ServedModel, prompts: list[str]) -> list[list[int]]:
 
 
 def greedy(model: modeling.ServedModel, enc: list[list[int]], steps: int = 32):
-    """Greedy tokens and every step's logits for a left-padded batch, with a KV cache, through the
-    service's own forward step."""
+    """Greedy tokens and every step's logits for a left-padded batch, with a KV cache."""
     width = max(len(e) for e in enc)
     ids = torch.tensor([[model.pad_id] * (width - len(e)) + e for e in enc])
     mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in enc])
@@ -35,7 +34,9 @@ def greedy(model: modeling.ServedModel, enc: list[list[int]], steps: int = 32):
     with torch.inference_mode():
         for _ in range(steps):
             pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
-            step, cache = generation.forward(model.model, ids, mask, pos, cache)
+            out = model.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                              use_cache=True, logits_to_keep=1)
+            step, cache = out.logits[:, -1].float(), out.past_key_values
             logits.append(step)
             ids = step.argmax(-1, keepdim=True)
             tokens.append(ids[:, 0])

@@ -1,0 +1,96 @@
+"""The KV cache of a batch whose rows come and go: one transformers `DynamicCache`, left-padded.
+
+Read me first. Every row's real tokens sit at the right end of the cache; the columns before them
+are padding, masked out of attention:
+
+    layer.keys, layer.values   [B, H, S, D]   row b's real tokens are its last lengths[b] columns
+    lengths                    [B]            real tokens per row; also the next token's position
+    mask()                     [B, S]         1 where a column is one of the row's real tokens
+
+Prefill (left-padded prompts) and every decoding step (one column for every row) keep that true,
+so the mask is never stored, only derived from `lengths`. Three operations change the rows:
+`merge` appends the rows of another batch (the narrower side is left-padded with zero columns),
+`select` keeps some rows (their KV leaves with them), and `trim` drops leading columns that are
+padding for every remaining row.
+
+Why transformers' `DynamicCache` and not its continuous-batching manager
+(`transformers.generation.continuous_batching`, paged attention): that manager seeds sampling for
+the whole process (`torch.manual_seed`), so TGI's per-request `seed` could not reproduce a
+request; per-request sampling covers only processors switched on in the generation config when it
+starts, and has no repetition penalty; and it owns the thread, the queue (a blocking put, no 429)
+and the scheduler, which here belong to the engine. `DynamicCache` already selects rows
+(`batch_select_indices`); what it lacks, adding rows of another length, is `merge` below.
+The cache is created without the model's config, so every layer is a full `DynamicLayer`: a
+sliding-window layer would drop columns on its own and break the right alignment (the model's
+mask still applies its window, so only memory is lost).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class PaddedKV:
+    def __init__(self, device: torch.device, rows: int = 0):
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache()
+        self.lengths = torch.zeros(rows, dtype=torch.long, device=device)  # [B]
+        self.width = 0                                                       # S
+
+    @property
+    def rows(self) -> int:
+        return self.lengths.numel()
+
+    def mask(self) -> torch.Tensor:
+        cols = torch.arange(self.width, device=self.lengths.device)        # [S]
+        return (cols >= self.width - self.lengths[:, None]).long()        # [B, S]
+
+    def forward(self, model: torch.nn.Module, ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        """Feed `ids` [B, q] (`real` [B, q]: 1 for a token, 0 for left padding); return the last
+        position's logits [B, V] in float32. The cache grows by q columns."""
+        real = real.long()
+        mask = torch.cat([self.mask(), real], dim=1)                        # [B, S + q]
+        pos = (self.lengths[:, None] + real.cumsum(-1) - 1).clamp(min=0)    # [B, q]
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=self.cache,
+                    use_cache=True, logits_to_keep=1)
+        self.lengths = self.lengths + real.sum(-1)
+        self.width += ids.shape[1]
+        return out.logits[:, -1].float()
+
+    def select(self, keep: list[int]) -> None:
+        """Keep rows `keep` (in that order); the others' KV is freed."""
+        if len(keep) == self.rows:
+            return
+        idx = torch.tensor(keep, dtype=torch.long, device=self.lengths.device)
+        if self.width:
+            self.cache.batch_select_indices(idx)
+        self.lengths = self.lengths[idx]
+
+    def trim(self) -> None:
+        """Drop the leading columns that no remaining row uses."""
+        width = int(self.lengths.max()) if self.rows else 0
+        drop = self.width - width
+        if drop > 0:
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[..., drop:, :], layer.values[..., drop:, :]
+            self.width = width
+        if not self.rows:
+            self.cache, self.width = type(self.cache)(), 0
+
+    def merge(self, other: PaddedKV) -> None:
+        """Append `other`'s rows after this batch's."""
+        if not self.rows:
+            self.cache, self.lengths, self.width = other.cache, other.lengths, other.width
+            return
+        width = max(self.width, other.width)
+        for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
+            mine.keys = torch.cat([_left_pad(mine.keys, width), _left_pad(theirs.keys, width)])
+            mine.values = torch.cat([_left_pad(mine.values, width), _left_pad(theirs.values, width)])
+        self.lengths = torch.cat([self.lengths, other.lengths])
+        self.width = width
+
+
+def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
+    """[B, H, S, D] -> [B, H, width, D], zero columns in front."""
+    return F.pad(t, (0, 0, width - t.shape[-2], 0)) if t.shape[-2] < width else t

@@ -1,0 +1,175 @@
+"""The engine of one ready model: a worker thread that runs its `Batcher` one step after another
+while there is work, and sleeps when there is none.
+
+Requests cross threads in one direction each: the event loop `submit`s a `GenRequest` (its `Row`
+joins the batcher's waiting line; more than `max_queue` waiting -> 429); the worker hands tokens
+and the final result back with `loop.call_soon_threadsafe`, so every `asyncio` object is touched
+on the loop alone."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..errors import GenerationFailed, ModelNotReady, QueueFull, ServiceError
+from ..generation import Finished, Row, SamplingParams, TokenEvent
+from ..metrics import Metrics
+from ..modeling import ServedModel
+from .batcher import Batcher
+
+log = logging.getLogger("wcodec.service")
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_rows: int           # WCODEC_MAX_BATCH_SIZE: rows in the running batch
+    max_tokens: int         # WCODEC_MAX_BATCH_TOKENS: tokens one step feeds the model
+    max_queue: int          # WCODEC_MAX_QUEUE: waiting requests before 429
+    batch_wait_s: float     # WCODEC_BATCH_WAIT_MS: an idle engine waits this long for a burst
+
+
+class GenRequest:
+    """A request in flight: created on the event loop, fed by the worker thread."""
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, *, stream: bool = False):
+        self.prompt_ids, self.params, self.stream = prompt_ids, params, stream
+        self.loop = asyncio.get_running_loop()
+        self.created = time.perf_counter()
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.row: Row | None = None
+        self._events: asyncio.Queue[TokenEvent | Finished | ServiceError] = asyncio.Queue()
+        self._callbacks: list[Callable[[], None]] = []
+        self._done = False                       # the loop has seen the outcome
+        self.outcome_sent = False                # the worker has sent it
+
+    # --- the loop's side ---
+    def add_done_callback(self, fn: Callable[[], None]) -> None:
+        self._callbacks.append(fn)
+
+    def cancel(self) -> None:
+        if self.row is not None:
+            self.row.cancelled = True
+
+    async def next(self) -> TokenEvent | Finished:
+        item = await self._events.get()
+        if isinstance(item, ServiceError):
+            raise item
+        return item
+
+    async def result(self) -> Finished:
+        while not isinstance(item := await self.next(), Finished):
+            pass
+        return item
+
+    def _deliver(self, item) -> None:
+        self._events.put_nowait(item)
+        if isinstance(item, (Finished, ServiceError)) and not self._done:
+            self._done = True
+            for fn in self._callbacks:
+                fn()
+
+    # --- the worker's side ---
+    def put(self, item: TokenEvent | Finished | ServiceError) -> None:
+        self.loop.call_soon_threadsafe(self._deliver, item)
+
+
+class Engine:
+    def __init__(self, served: ServedModel, metrics: Metrics, limits: Limits):
+        self.served, self.metrics, self.limits = served, metrics, limits
+        self.batcher = Batcher(served, max_rows=limits.max_rows, max_tokens=limits.max_tokens,
+                               on_token=self._on_token, on_finish=lambda row: self._finish(row.owner, row.finished()))
+        self._lock = threading.Lock()            # submit's check-then-append against close
+        self._wake = threading.Event()
+        self._closed = False
+        metrics.track_engine(served.name, limits.max_queue)
+        self._thread = threading.Thread(target=self._run, name=f"wcodec-engine-{served.name}", daemon=True)
+
+    def start(self) -> Engine:
+        self._thread.start()
+        return self
+
+    def submit(self, req: GenRequest) -> None:
+        name, waiting = self.served.name, self.batcher.waiting
+        with self._lock:
+            if self._closed:
+                raise ModelNotReady(f"model {name!r} is unloading", 1)
+            if len(waiting) >= self.limits.max_queue:
+                self.metrics.requests.labels(name, "overloaded").inc()
+                raise QueueFull(f"model {name!r} has {len(waiting)} requests waiting")
+            req.row = Row(req.prompt_ids, req.params, self.served, owner=req)
+            self.batcher.add(req.row)
+        self.metrics.prompt_tokens.labels(name).inc(len(req.prompt_ids))
+        self.metrics.queue_depth.labels(name).set(len(waiting))
+        self._wake.set()
+
+    def close(self) -> None:
+        """No new requests; those still waiting fail with 503; the running ones finish; then the
+        worker stops."""
+        with self._lock:
+            self._closed = True
+        self._wake.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.clear()
+            if self._closed:
+                self._fail_waiting()
+            if self.batcher.idle:
+                if self._closed:
+                    return
+                self._wake.wait()
+                time.sleep(self.limits.batch_wait_s)         # let a burst arrive and prefill as one group
+                continue
+            self._step()
+
+    def _fail_waiting(self) -> None:
+        while self.batcher.waiting:
+            row = self.batcher.waiting.popleft()
+            self._finish(row.owner, ModelNotReady(f"model {self.served.name!r} was unloaded", 1))
+
+    def _step(self) -> None:
+        m, name = self.metrics, self.served.name
+        try:
+            step = self.batcher.step()
+        except Exception as e:                   # a failed step fails its rows, not the server
+            log.exception("generation failed on model %s", name)
+            for row in self.batcher.reset():
+                self._finish(row.owner, GenerationFailed(f"generation failed: {type(e).__name__}: {e}"))
+            return
+        m.queue_depth.labels(name).set(len(self.batcher.waiting))
+        if step.tokens:
+            m.batch_size.labels(name).observe(step.rows)
+            m.batch_tokens.labels(name).observe(step.tokens)
+
+    def _on_token(self, row: Row, event: TokenEvent) -> None:
+        req, now, name = row.owner, time.perf_counter(), self.served.name
+        if req.first_token_at is None:
+            req.first_token_at = now
+            self.metrics.ttft.labels(name).observe(now - req.created)
+        else:
+            self.metrics.itl.labels(name).observe(now - req.last_token_at)
+        req.last_token_at = now
+        if req.stream:
+            req.put(event)
+
+    def _finish(self, req: GenRequest, outcome: Finished | ServiceError) -> None:
+        if req.outcome_sent:
+            return
+        req.outcome_sent = True
+        name, now = self.served.name, time.perf_counter()
+        if isinstance(outcome, Finished):
+            status = "cancelled" if outcome.finish_reason is None else "ok"
+            n = len(outcome.tokens)
+            self.metrics.generated_tokens.labels(name).inc(n)
+            if n > 1 and req.first_token_at is not None:
+                self.metrics.tpot.labels(name).observe((now - req.first_token_at) / (n - 1))
+        else:
+            status = "error"
+        self.metrics.requests.labels(name, status).inc()
+        self.metrics.request_seconds.labels(name).observe(now - req.created)
+        req.put(outcome)
