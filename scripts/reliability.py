@@ -15,6 +15,7 @@ import json
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -108,7 +109,8 @@ def part_crash(work: Path, args) -> dict:
     compress_runs = []
     for i, after in enumerate([0.3, 0.8, 1.5, 2.5, 3.5, 5.0, 6.5, 8.0, 10.0, 30.0]):
         dst = work / f"compress{i}" / "out.wcodec"
-        dst.parent.mkdir(exist_ok=True)
+        shutil.rmtree(dst.parent, ignore_errors=True)
+        dst.parent.mkdir()
         compress_runs.append({"after_s": after} | crash.kill_compress(src, dst, after))
     ok = all(r["store_intact"] and "Paris" in r["next_start_answer"] and r["state_at_kill"] == "loading"
              for r in server_runs) and not any(r["accepted_partial"] for r in compress_runs)

@@ -1,8 +1,9 @@
 """The storm: N concurrent clients for a fixed time against a running server, each picking
 requests at random (seeded): /generate, /generate_stream (some hang up mid-stream),
-/v1/chat/completions, load, unload, load?wait=false, GET /models, /metrics, and a few invalid
-bodies. Every answer's status is checked against what the OpenAPI schema documents for its
-route; every request has a deadline, so a hang is counted, never waited out.
+/v1/chat/completions, load, load?wait=false, GET /models, /metrics and a few invalid bodies,
+while an admin unloads the model every `unload_every_s`. Every answer's status is checked against
+what the OpenAPI schema documents for its route; every request has a deadline, so a hang is
+counted, never waited out.
 
     report = asyncio.run(run_storm(url, model, clients=32, seconds=20))
     report.problems()   # [] when: only documented statuses, no unexpected 5xx, no hang,
@@ -42,8 +43,6 @@ class StormReport:
     transport_errors: list[str] = field(default_factory=list)
     bad_streams: list[str] = field(default_factory=list)
     samples: list[str] = field(default_factory=list)          # the first 5xx answers, for the record
-    unload_every_s: float = 15.0
-    last_unload: float = 0.0
 
     def problems(self) -> list[str]:
         return [f"{name}: {items[:5]}" for name, items in (
@@ -126,16 +125,6 @@ class _Client:
         if (why := check(lines)) is not None:
             self.report.bad_streams.append(f"{path}: {why}")
 
-    async def _unload(self) -> None:
-        """At most one unload every `unload_every_s` (a reload takes seconds on a CPU; more would
-        leave the model mostly unloaded); a client that comes sooner lists the models instead."""
-        now = time.monotonic()
-        if now - self.report.last_unload < self.report.unload_every_s:
-            await self._plain("models", "GET", "/models")
-            return
-        self.report.last_unload = now
-        await self._plain("unload", "POST", f"/models/{self.model}/unload")
-
     def _generate_body(self) -> dict:
         params = {"max_new_tokens": self.rng.randint(1, 8)}
         if self.rng.random() < 0.3:
@@ -160,7 +149,7 @@ class _Client:
             (0.03, lambda: self._plain("model", "GET", f"/models/{m}")),
             (0.03, lambda: self._plain("load", "POST", f"/models/{m}/load")),
             (0.03, lambda: self._plain("load_nowait", "POST", f"/models/{m}/load?wait=false")),
-            (0.03, self._unload),
+            (0.03, lambda: self._plain("model", "GET", f"/models/{m}")),
             (0.05, lambda: self._plain("invalid", "POST", "/generate", {"inputs": "x", "parameters":
                                                                          {"max_new_tokens": 0}})),
             (0.04, lambda: self._plain("health", "GET", "/health/ready")),
@@ -182,15 +171,28 @@ class _Client:
             while time.monotonic() < deadline:
                 await self.one()
 
+    async def unloads(self, deadline: float, every_s: float) -> None:
+        """The admin: one unload every `every_s` seconds (clients load it again; more unloads would
+        leave a CPU's model mostly reloading)."""
+        async with self.http:
+            while time.monotonic() + every_s < deadline:
+                await asyncio.sleep(every_s)
+                try:
+                    await asyncio.wait_for(self._plain("unload", "POST", f"/models/{self.model}/unload"),
+                                           self.timeout + 5)
+                except (asyncio.TimeoutError, httpx.TimeoutException):
+                    self.report.hangs.append("unload")
+
 
 async def run_storm(url: str, model: str, *, clients: int = 32, seconds: float = 20, seed: int = 0,
                     timeout: float = 120, unload_every_s: float = 15.0) -> StormReport:
     """Run the storm; a request still unanswered `timeout` s after it was sent counts as a hang."""
     templates = await asyncio.to_thread(lambda: documented_statuses(openapi(url)))
-    report = StormReport(clients, unload_every_s=unload_every_s)
-    report.last_unload = time.monotonic()         # the first unload comes after `unload_every_s`
+    report = StormReport(clients)
     t0 = time.monotonic()
-    await asyncio.gather(*(_Client(report, url, model, templates, random.Random(seed * 1000 + i), timeout)
+    admin = _Client(report, url, model, templates, random.Random(seed), timeout)
+    await asyncio.gather(admin.unloads(t0 + seconds, unload_every_s),
+                         *(_Client(report, url, model, templates, random.Random(seed * 1000 + i), timeout)
                            .run(t0 + seconds) for i in range(clients)))
     report.seconds = time.monotonic() - t0
     return report
