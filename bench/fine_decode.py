@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from gpu_bench import DFloat11, ceilings, seven_b
+from gpu_bench import DFloat11, ceilings, seven_b, timed
 
 import cuda_ext
 from codec.decode import Archive
@@ -45,17 +44,8 @@ def trained_like(shapes: dict, seed: int, device: str = "cuda") -> dict:
 
 
 def single(fn, n: int = 50) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
+    """Median seconds of one launch between two events (gpu_bench.timed), over n runs."""
+    return timed(fn, n)
 
 
 def queued(fn, k: int = 20, n: int = 10) -> float:
