@@ -290,8 +290,8 @@ class ModelRegistry:
         mark("skeleton ready")
         on_forward = self.metrics.forward_decode_seconds.labels(slot.name, slot.resident).observe
         served = modeling.finish(slot.name, ready, decoded, self.device, self.settings.resident_slots, on_forward)
+        slot.resident_bytes = served.weight_bytes          # the budget counts the archive's dtype (README)
         served = compute.for_cpu(served, self.settings.cpu_dtype)
-        slot.resident_bytes = served.weight_bytes
         mark("weights assigned")
         decoded.stats.total_s = time.perf_counter() - t0
         slot.reserved_bytes = self._reserved() - reserved if self.device.type == "cuda" else served.weight_bytes
