@@ -3,15 +3,7 @@
 # and a timing; each stage time-boxed, full logs under $OUT.
 # Usage (repo root, device machine): bash scripts/device_check.sh [demo-part.gguf,...]
 set -uo pipefail
-export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} WCODEC_EXT_CACHE=${WCODEC_EXT_CACHE:-/tmp/wcodec-ext}
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD
-if ls .whl*/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl*/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-fi
-stage() { local t0=$SECONDS; echo "== $1"; shift; "$@"; echo "   ($((SECONDS - t0))s, rc=$?)"; }
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+source "$(dirname "$0")/device_env.sh"
 stage build timeout 300 python3 -c "import logging; logging.basicConfig(level=logging.INFO); import cuda_ext; print(cuda_ext.available())"
 export WCODEC_DEMO_GGUF=${1:-}
 stage gpu-tests timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu -rA --timeout 240 > "$OUT/gpu_tests.log" 2>&1

