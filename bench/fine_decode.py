@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import torch
-from gpu_bench import DFloat11, ceilings, seven_b, timed
+from gpu_bench import DFloat11, ceilings, seven_b, timed, weights
 
 import cuda_ext
 from codec.decode import Archive
@@ -29,18 +29,6 @@ from cuda_ext import plans
 
 LAYER_8B = {"q": (4096, 4096), "k": (1024, 4096), "v": (1024, 4096), "o": (4096, 4096),
             "gate": (14336, 4096), "up": (14336, 4096), "down": (4096, 14336)}
-
-
-def trained_like(shapes: dict, seed: int, device: str = "cuda") -> dict:
-    """bf16 weights (on the CPU) with per-row log-normal scales and rare outliers, made on `device`."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    out = {}
-    for name, (rows, cols) in shapes.items():
-        scale = 0.02 * torch.exp(0.35 * torch.randn(rows, 1, generator=g, device=device))
-        w = torch.randn(rows, cols, generator=g, device=device) * scale
-        w = torch.where(torch.rand(rows, cols, generator=g, device=device) < 1e-4, w * 8, w)
-        out[name] = w.bfloat16().cpu()
-    return out
 
 
 def single(fn, n: int = 50) -> float:
@@ -139,7 +127,7 @@ def main() -> None:
            "torch": torch.__version__, "entry_steps": args.entry_steps, "ceilings": ceilings()}
     print(json.dumps(res), flush=True)
     work = Path(tempfile.mkdtemp(prefix="wcodec-fine-"))
-    layer = trained_like(LAYER_8B, seed=1)
+    layer = weights(LAYER_8B, seed=1)
     ours = Resident(layer, work, "layer", args.entry_steps)
     res["ratio"] = {"ours": ours.ratios}
     res["matmul_ms_batch1"], res["matmul_ms_batch16"] = matmuls_ms(layer, 1), matmuls_ms(layer, 16)
@@ -153,7 +141,7 @@ def main() -> None:
     res["ratio"]["nvcomp_ans"] = res["layer_8B"]["nvcomp_ans"].get("ratio")
     print("ratio", json.dumps(res["ratio"]), "record GB/s", round(ours.record_GBps, 1), flush=True)
     del ours
-    many = trained_like({f"l{i}.{k}": s for i in range(args.layers) for k, s in LAYER_8B.items()}, seed=2)
+    many = weights({f"l{i}.{k}": s for i in range(args.layers) for k, s in LAYER_8B.items()}, seed=2)
     bulk = Resident(many, work, "bulk", args.entry_steps)
     res["bulk"] = {"layers": args.layers, "GB": bulk.raw / 1e9, "ratio": bulk.ratios,
                    "record_GBps": bulk.record_GBps,

@@ -9,13 +9,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-from fine_decode import LAYER_8B, Resident, trained_like
+from fine_decode import LAYER_8B, Resident
+from gpu_bench import weights
 
 from cuda_ext import plans
 
 
 def main(entry_steps: int = 256) -> None:
-    layer = trained_like(LAYER_8B, seed=1)
+    layer = weights(LAYER_8B, seed=1)
     ours = Resident(layer, Path(tempfile.mkdtemp(prefix="wcodec-quick-")), "quick", entry_steps)
     print(f"entry_steps {entry_steps}: ratios {json.dumps(ours.ratios)}, record {ours.record_GBps:.0f} GB/s")
     for label, names in (("layer_8B", list(LAYER_8B)), ("q_4096x4096", ["q"]), ("k_1024x4096", ["k"])):

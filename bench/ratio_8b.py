@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 import torch
-from fine_decode import LAYER_8B, trained_like
+from fine_decode import LAYER_8B
+from gpu_bench import weights
 
 import cuda_ext
 from codec.decode import Archive
@@ -73,7 +74,7 @@ def main() -> None:
     ap.add_argument("--entry-steps", type=int, default=256)
     ap.add_argument("--no-dfloat11", action="store_true")
     args = ap.parse_args()
-    layer = trained_like(LAYER_8B, seed=1, device="cpu")
+    layer = weights(LAYER_8B, seed=1, device="cpu")
     res = {"date": time.strftime("%Y-%m-%d %H:%M"), "weights": "trained-like Llama-3-8B layer (CPU generator, seed 1)",
            "raw_MB": sum(t.nbytes for t in layer.values()) / 1e6, "ours": ours(layer, args.entry_steps),
            "zipnn": zipnn(layer)}

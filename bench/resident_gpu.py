@@ -2,10 +2,10 @@
 weight memory, exactness, decode tokens/s at batch 1 and 32, and the memory-budget case through
 the server (decoded load 507, compressed load 200 and generates).
 
-    python bench/resident_gpu.py --part PART1.gguf [--steps 64] [--json OUT]
+    python bench/resident_gpu.py --tokenizer DIR [--steps 64] [--json OUT]
 
-PART1.gguf: any demo GGUF part (scripts/gguf_subset.py), for its tokenizer files. The model is
-Llama-2-7B-shaped with random bf16 weights (bench/service_gpu.py's).
+DIR: the demo model's tokenizer files (scripts/demo_tokenizer.py). The model is Llama-2-7B-shaped
+with trained-like random bf16 weights (bench/service_gpu.py's).
 """
 from __future__ import annotations
 
@@ -19,13 +19,12 @@ import torch
 from service_gpu import LLAMA7B, Server, seven_b_state
 
 from codec.encode import compress_state_dict
-from codec.sources import open_source
 from service import loader, modeling
+from service.llama import KVCache
 
 
-def build(part: str, store: Path) -> Path:
-    with open_source(part) as src:
-        tokenizer = {k: v for k, v in src.files.items() if k.startswith(("tokenizer", "special"))}
+def build(tokenizer_dir: Path, store: Path) -> Path:
+    tokenizer = {p.name: p.read_bytes() for p in tokenizer_dir.iterdir() if p.is_file()}
     store.mkdir(parents=True, exist_ok=True)
     path = store / "llama7b.wcodec"
     compress_state_dict(seven_b_state(), path, workers=16,
@@ -48,10 +47,9 @@ def load(path: Path, compressed: bool) -> tuple[modeling.ServedModel, int]:
 def greedy(served: modeling.ServedModel, batch: int, steps: int) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Greedy decoding of `steps` tokens from a fixed 32-token prompt per row: tokens, the first
     steps' logits, and decode tokens/s (prefill excluded)."""
-    (DynamicCache,) = modeling.hf("DynamicCache")
     g = torch.Generator(device="cuda").manual_seed(0)
     ids = torch.randint(3, 32000, (batch, 32), generator=g, device="cuda")
-    cache, tokens, logits = DynamicCache(), [], []
+    cache, tokens, logits = KVCache(), [], []
     with torch.inference_mode():
         out = served.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
@@ -84,11 +82,11 @@ def budget_case(store: Path, raw: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--part", required=True)
+    ap.add_argument("--tokenizer", type=Path, required=True)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--json")
     args = ap.parse_args()
-    path = build(args.part, Path("/tmp/store_resident"))
+    path = build(args.tokenizer, Path("/tmp/store_resident"))
     res = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M")}
     runs = {}
     for mode in ("decoded", "compressed"):

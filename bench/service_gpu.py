@@ -26,6 +26,8 @@ from pathlib import Path
 import httpx
 import torch
 
+from gpu_bench import weights
+
 from codec.encode import compress_state_dict
 from codec.sources import open_source
 
@@ -77,7 +79,6 @@ class Server:
 
 
 def seven_b_state(seed: int = 7) -> dict:
-    g = torch.Generator(device="cuda").manual_seed(seed)
     shapes = {"model.embed_tokens.weight": (32000, 4096), "model.norm.weight": (4096,), "lm_head.weight": (32000, 4096)}
     for i in range(32):
         p = f"model.layers.{i}."
@@ -86,7 +87,7 @@ def seven_b_state(seed: int = 7) -> dict:
                        p + "mlp.gate_proj.weight": (11008, 4096), p + "mlp.up_proj.weight": (11008, 4096),
                        p + "mlp.down_proj.weight": (4096, 11008), p + "input_layernorm.weight": (4096,),
                        p + "post_attention_layernorm.weight": (4096,)})
-    return {n: (torch.randn(s, generator=g, device="cuda") * 0.02).bfloat16().cpu() for n, s in shapes.items()}
+    return weights(shapes, seed)
 
 
 def warm(path: Path) -> None:

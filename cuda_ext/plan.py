@@ -90,10 +90,18 @@ def build(entries: list[TensorEntry], path=None, start: int | None = None, end: 
 
 MODE_BULK, MODE_RECORD, MODE_INDEXED = 0, 1, 2      # wcodec_constants.h Mode
 WARPS_PER_BLOCK = 4                                  # decode_float.cu kWarpsPerBlock
+INDEXED_WARPS_PER_BLOCK = 8                          # decode_float.cu kIndexedWarpsPerBlock
 
 
 def units_per_segment(mode: int, entry_steps: int) -> int:
     return SEGMENT_STEPS // entry_steps if mode == MODE_INDEXED else 1
+
+
+def warps_per_block(mode: int, entry_steps: int) -> int:
+    """Warps of one kernel block (decode_float.cu: warps_per_block): 8 when every block of 8
+    units holds pieces of one segment (sharing its tables), else 4."""
+    return INDEXED_WARPS_PER_BLOCK if units_per_segment(mode, entry_steps) % INDEXED_WARPS_PER_BLOCK == 0 \
+        else WARPS_PER_BLOCK
 
 
 def device_plan(plan: Plan, outputs: list[torch.Tensor], mode: int, entry_steps: int) -> torch.Tensor:
@@ -101,7 +109,8 @@ def device_plan(plan: Plan, outputs: list[torch.Tensor], mode: int, entry_steps:
     block of each tensor | output pointers (int64, on the outputs' device). The caller keeps
     `outputs` alive as long as it launches with this plan."""
     per = units_per_segment(mode, entry_steps)
-    blocks = [-(-e.params.n_segments * per // WARPS_PER_BLOCK) for e in plan.float_entries]
+    warps = warps_per_block(mode, entry_steps)
+    blocks = [-(-e.params.n_segments * per // warps) for e in plan.float_entries]
     firsts = [sum(blocks[:i]) for i in range(len(blocks))]
     host = torch.cat([plan.desc.reshape(-1), torch.tensor(firsts, dtype=torch.int64),
                       torch.tensor([o.data_ptr() for o in outputs], dtype=torch.int64)])

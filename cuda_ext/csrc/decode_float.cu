@@ -5,9 +5,9 @@
 // units that share a table set; it first builds that set's packed decode tables in shared memory
 // (one u32 per slot, tables.build_lut's layout), so a step is one shared load, a multiply-add, and
 // a ballot + popc that hands out the renormalisation words in lane order. Hi bytes are loaded one
-// chunk of 8 steps ahead, words straight from global memory (L1). Archive data never traps: every
-// read is bounded and each unit reports a status. Launches run on the current stream and allocate
-// nothing: the caller owns the outputs, the index, the status and the device plan.
+// chunk of 8 steps ahead, renormalisation words through a register window (Lane). Archive data
+// never traps: every read is bounded and each unit reports a status. Launches run on the current
+// stream and allocate nothing: the caller owns the outputs, the index, the status and the device plan.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -22,6 +22,10 @@ namespace wcodec {
 
 constexpr unsigned kFullMask = 0xFFFFFFFFu;
 constexpr int kWarpsPerBlock = 4;                  // = TABLE_GROUP_QUANTUM: one table set per block
+// Indexed pieces of entry_steps <= 256 come 16 (or more) to a segment, so a block of 16 warps
+// decodes 16 pieces of one segment with one table set: 4x the warps per shared-memory table.
+constexpr int kIndexedWarpsPerBlock = 8;
+constexpr int kTableBuilders = 1 << kMaxCtxBits;   // warps that build a block's tables (one each)
 constexpr int kChunk = static_cast<int>(kMinEntrySteps);   // steps per unrolled chunk
 constexpr int kCumWords = 260;                     // per-warp scratch: cum[257]
 constexpr size_t kTableBytes = sizeof(uint32_t) * kProbScale;
@@ -96,21 +100,40 @@ __device__ int build_decode_table(const uint8_t* exp, const TensorDesc& d, int64
 template <int Dtype>
 using WordOf = typename std::conditional<Dtype == kFP32, uint32_t, uint16_t>::type;
 
-struct Lane {                      // one lane's view of the unit it decodes
+// One lane's view of the unit it decodes. The renormalisation words come from a register window
+// of 96 words, [wbase, wbase + 96), word wbase + 32 k + lane in w[k]; a step takes at most 32 words
+// through two shuffles, and each 32 consumed words shift the window and load the next 32 (about
+// six steps ahead of use): a step never waits on a global load.
+struct Lane {
   uint32_t x;                      // rANS state
   int wpos;                        // words of the segment consumed (warp-uniform)
+  int wbase;                       // first word of the window (warp-uniform; wbase <= wpos < wbase + 32)
+  uint32_t w0, w1, w2;             // the window
 };
+
+__device__ __forceinline__ uint32_t load_word(const uint16_t* words, int n_words, int pos) {
+  return pos < n_words ? __ldg(words + pos) : 0u;                   // bounded: zeros past the end
+}
+
+__device__ __forceinline__ void fill_window(const uint16_t* words, int n_words, Lane& st) {
+  const int lane = threadIdx.x & 31;
+  st.wbase = st.wpos;
+  st.w0 = load_word(words, n_words, st.wbase + lane);
+  st.w1 = load_word(words, n_words, st.wbase + 32 + lane);
+  st.w2 = load_word(words, n_words, st.wbase + 64 + lane);
+}
 
 // Hi (and fp32 lo) values of one chunk, loaded a chunk ahead. Past the segment's end: zero.
 template <int Dtype, bool Full>
 __device__ __forceinline__ void load_chunk(const uint8_t* hi, const uint16_t* lo, int base, int n,
-                                           uint32_t (&h)[kChunk], uint32_t (&l)[kChunk]) {
+                                           uint32_t (&h)[kChunk / 4], uint32_t (&l)[kChunk]) {
   const int lane = threadIdx.x & 31;
 #pragma unroll
   for (int k = 0; k < kChunk; ++k) {
     const int j = base + k * kLanes + lane;
     const bool in = Full || j < n;
-    h[k] = in ? __ldg(hi + j) : 0u;
+    const uint32_t v = in ? __ldg(hi + j) : 0u;                      // four hi bytes a register
+    h[k / 4] = (k % 4) ? h[k / 4] | (v << (8 * (k % 4))) : v;
     if constexpr (Dtype == kFP32) l[k] = in ? __ldg(lo + j) : 0u;
   }
 }
@@ -118,7 +141,7 @@ __device__ __forceinline__ void load_chunk(const uint8_t* hi, const uint16_t* lo
 // One chunk of kChunk steps. `Full` chunks (every symbol inside the segment) skip the end checks.
 template <int Dtype, int CtxBits, bool Full>
 __device__ __forceinline__ void decode_chunk(const uint32_t* lut, const uint16_t* words, int n_words, int base,
-                                             int n, const uint32_t (&h)[kChunk], const uint32_t (&l)[kChunk],
+                                             int n, const uint32_t (&h)[kChunk / 4], const uint32_t (&l)[kChunk],
                                              Lane& st, WordOf<Dtype>* out) {
   const int lane = threadIdx.x & 31;
   const unsigned lanes_below = (1u << lane) - 1u;
@@ -127,18 +150,24 @@ __device__ __forceinline__ void decode_chunk(const uint32_t* lut, const uint16_t
     const int j = base + k * kLanes + lane;
     const bool active = Full || j < n;
     uint32_t xn = st.x;
-    const uint32_t sym = rans_step_packed(lut[(context(h[k], CtxBits, Dtype) << kProbBits) | (st.x & (kProbScale - 1))], xn);
+    const uint32_t hk = (h[k / 4] >> (8 * (k % 4))) & 0xFFu;
+    const uint32_t sym = rans_step_packed(lut[(context(hk, CtxBits, Dtype) << kProbBits) | (st.x & (kProbScale - 1))], xn);
     const bool need = active && xn < kRansL;                           // renormalise: one word
     const unsigned mask = __ballot_sync(kFullMask, need);
-    const int pos = st.wpos + __popc(mask & lanes_below);
-    const uint32_t w = (need && pos < n_words) ? __ldg(words + pos) : 0u;   // bounded: zeros past the end
-    st.x = need ? (xn << kRenormBits) | w : (active ? xn : st.x);
+    const int off = st.wpos - st.wbase + __popc(mask & lanes_below);  // < 64: in w0 or w1
+    const uint32_t a = __shfl_sync(kFullMask, st.w0, off & 31), b = __shfl_sync(kFullMask, st.w1, off & 31);
+    st.x = need ? (xn << kRenormBits) | (off < 32 ? a : b) : (active ? xn : st.x);
     st.wpos += __popc(mask);
+    if (st.wpos - st.wbase >= 32) {                                   // warp-uniform: shift the window
+      st.wbase += 32;
+      st.w0 = st.w1, st.w1 = st.w2;
+      st.w2 = load_word(words, n_words, st.wbase + 64 + lane);
+    }
     if (Full || active) {
       if constexpr (Dtype == kFP32)
-        out[j] = join32(sym, h[k], l[k]);
+        out[j] = join32(sym, hk, l[k]);
       else
-        out[j] = join16(Dtype, sym, h[k]);
+        out[j] = join16(Dtype, sym, hk);
     }
   }
 }
@@ -163,11 +192,14 @@ __device__ int decode_unit(const uint8_t* data, const TensorDesc& d, const Segme
   if (u.t0 >= u.t1) return kOk;                                      // a piece past a short segment's end
   Lane st;
   if (u.entry >= 0) {
-    st = Lane{index.states[u.entry * kLanes + lane], static_cast<int>(min(index.words[u.entry], 1u << 30))};
+    st.x = index.states[u.entry * kLanes + lane];
+    st.wpos = static_cast<int>(min(index.words[u.entry], 1u << 30));
   } else {
-    st = Lane{load_le<uint32_t>(exp + ref.data + 4 * lane), 0};
+    st.x = load_le<uint32_t>(exp + ref.data + 4 * lane);
+    st.wpos = 0;
   }
-  uint32_t h[kChunk], l[kChunk], hn[kChunk], ln[kChunk];
+  fill_window(words, n_words, st);
+  uint32_t h[kChunk / 4], l[kChunk], hn[kChunk / 4], ln[kChunk];
   const int t0 = static_cast<int>(u.t0), t1 = static_cast<int>(u.t1);
   if (t0 < t1) load_chunk<Dtype, false>(hi, lo, t0 * kLanes, n, h, l);
   for (int t = t0; t < t1; t += kChunk) {
@@ -186,7 +218,10 @@ __device__ int decode_unit(const uint8_t* data, const TensorDesc& d, const Segme
     else
       decode_chunk<Dtype, CtxBits, false>(lut, words, n_words, base, n, h, l, st, out);
 #pragma unroll
-    for (int k = 0; k < kChunk; ++k) h[k] = hn[k], l[k] = ln[k];
+    for (int k = 0; k < kChunk; ++k) {
+      if (k % 4 == 0) h[k / 4] = hn[k / 4];
+      l[k] = ln[k];
+    }
   }
   const bool to_entry = u.end_entry >= 0;
   const uint32_t want_x = to_entry ? index.states[u.end_entry * kLanes + lane] : kRansL;
@@ -214,9 +249,17 @@ struct DevicePlan {
   int64_t n;
 };
 
-// One block = 4 warps = 4 consecutive units of one tensor, which share one table set (table_group
-// is a multiple of 4 or the whole tensor, and a segment's pieces are a multiple of 4 or 1).
-__global__ void __launch_bounds__(32 * kWarpsPerBlock) decode_kernel(
+// Warps per block for a launch: kIndexedWarpsPerBlock when every block of them holds pieces of one
+// segment (cuda_ext/plan.py: warps_per_block mirrors this), else kWarpsPerBlock.
+int64_t warps_per_block(int64_t mode, int64_t entry_steps) {
+  return pieces_per_segment(mode, entry_steps) % kIndexedWarpsPerBlock == 0 ? kIndexedWarpsPerBlock : kWarpsPerBlock;
+}
+
+// One block = W warps = W consecutive units of one tensor, which share one table set (W = 4:
+// table_group is a multiple of 4 or the whole tensor, and a segment's pieces are a multiple of 4
+// or 1; W = 16: the units are pieces of one segment).
+template <int W>
+__global__ void __launch_bounds__(32 * W, W == kWarpsPerBlock ? 1 : 3) decode_kernel(
     const uint8_t* __restrict__ data, DevicePlan plan, Index index, int32_t* __restrict__ status, int64_t mode,
     int64_t entry_steps) {
   extern __shared__ __align__(16) uint32_t smem[];                   // cum [4][260] | tables [2^ctx][M]
@@ -230,20 +273,20 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock) decode_kernel(
   }
   const TensorDesc d = load_desc(plan.desc + lo * kDescFields);
   const uint8_t* exp = data + d.exp_off;
-  const int64_t u0 = (b - plan.firsts[lo]) * kWarpsPerBlock, u = u0 + warp;
+  const int64_t u0 = (b - plan.firsts[lo]) * W, u = u0 + warp;
   const bool mine = u < unit_count(d, mode, entry_steps);            // the tensor's last block may be short
   if (threadIdx.x == 0) table_status = kOk;
   __syncthreads();
   SegmentRef ref0;
   int st0 = read_segment(exp, d.exp_len, d, unit_of(d, mode, entry_steps, u0).seg, &ref0);
   if (st0 == kOk && warp < (1 << d.ctx_bits))
-    st0 = build_decode_table(exp, d, ref0.table0 + warp, smem + kWarpsPerBlock * kCumWords + warp * kProbScale,
+    st0 = build_decode_table(exp, d, ref0.table0 + warp, smem + kTableBuilders * kCumWords + warp * kProbScale,
                              smem + warp * kCumWords);
   if (st0 != kOk && lane == 0) atomicMax(&table_status, st0);
   __syncthreads();
   if (!mine) return;
   const Unit un = unit_of(d, mode, entry_steps, u);
-  const uint32_t* luts = smem + kWarpsPerBlock * kCumWords;
+  const uint32_t* luts = smem + kTableBuilders * kCumWords;
   SegmentRef ref;
   int result = table_status != kOk ? table_status : read_segment(exp, d.exp_len, d, un.seg, &ref);
   if (result == kOk) {
@@ -265,30 +308,39 @@ static void decode_pieces_cuda(const at::Tensor& data, const at::Tensor& desc, c
   TORCH_CHECK(plan.scalar_type() == at::kLong && plan.device() == data.device() && plan.is_contiguous() &&
                   plan.numel() == n * (kDescFields + 2),
               "plan must be the device plan of desc (cuda_ext.plan.device_plan), on data's device");
+  const int64_t warps = warps_per_block(mode, entry_steps);
   int64_t blocks = 0, max_ctx = 0;
   for (const TensorDesc& d : descs) {
     TORCH_CHECK(d.table_group % kWarpsPerBlock == 0 || d.table_group >= segment_count(d),
                 "table_group must be a multiple of ", kWarpsPerBlock, " or cover the tensor");
-    blocks += (unit_count(d, mode, entry_steps) + kWarpsPerBlock - 1) / kWarpsPerBlock;
+    blocks += (unit_count(d, mode, entry_steps) + warps - 1) / warps;
     max_ctx = std::max(max_ctx, d.ctx_bits);
   }
   if (blocks == 0) return;
   TORCH_CHECK(blocks < (int64_t{1} << 31), "too many units for one launch");
   const c10::cuda::CUDAGuard guard(data.device());
-  const size_t smem = (kTableBytes << max_ctx) + kWarpsPerBlock * kCumWords * sizeof(uint32_t);
+  const size_t smem = (kTableBytes << max_ctx) + kTableBuilders * kCumWords * sizeof(uint32_t);
   static bool attr_set[64] = {};                                     // per device: the largest case
   const int dev = data.get_device();
   if (dev >= 64 || !attr_set[dev]) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>((kTableBytes << kMaxCtxBits) + kWarpsPerBlock * kCumWords * 4)));
+    const int most = static_cast<int>((kTableBytes << kMaxCtxBits) + kTableBuilders * kCumWords * 4);
+    C10_CUDA_CHECK(cudaFuncSetAttribute(decode_kernel<kWarpsPerBlock>, cudaFuncAttributeMaxDynamicSharedMemorySize, most));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(decode_kernel<kIndexedWarpsPerBlock>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, most));
     if (dev < 64) attr_set[dev] = true;
   }
   const int64_t* p = plan.data_ptr<int64_t>();
   const DevicePlan dp{p, p + n * kDescFields, reinterpret_cast<void* const*>(p + n * (kDescFields + 1)), n};
   const Index index{mode == kBulk ? nullptr : reinterpret_cast<uint32_t*>(entry_states.data_ptr()),
                     mode == kBulk ? nullptr : reinterpret_cast<uint32_t*>(entry_words.data_ptr())};
-  decode_kernel<<<static_cast<unsigned>(blocks), 32 * kWarpsPerBlock, smem, c10::cuda::getCurrentCUDAStream()>>>(
-      data.data_ptr<uint8_t>(), dp, index, status.data_ptr<int32_t>(), mode, entry_steps);
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  const unsigned grid = static_cast<unsigned>(blocks);
+  if (warps == kIndexedWarpsPerBlock)
+    decode_kernel<kIndexedWarpsPerBlock><<<grid, 32 * kIndexedWarpsPerBlock, smem, stream>>>(
+        data.data_ptr<uint8_t>(), dp, index, status.data_ptr<int32_t>(), mode, entry_steps);
+  else
+    decode_kernel<kWarpsPerBlock><<<grid, 32 * kWarpsPerBlock, smem, stream>>>(
+        data.data_ptr<uint8_t>(), dp, index, status.data_ptr<int32_t>(), mode, entry_steps);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

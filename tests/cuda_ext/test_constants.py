@@ -52,3 +52,7 @@ def test_kernel_block_matches_table_group_quantum():
     cu = (Path(__file__).parents[2] / "cuda_ext" / "csrc" / "decode_float.cu").read_text()
     assert f"kWarpsPerBlock = {C.TABLE_GROUP_QUANTUM};" in cu
     assert plan.WARPS_PER_BLOCK == C.TABLE_GROUP_QUANTUM
+    assert f"kIndexedWarpsPerBlock = {plan.INDEXED_WARPS_PER_BLOCK};" in cu
+    assert "return pieces_per_segment(mode, entry_steps) % kIndexedWarpsPerBlock == 0 ? kIndexedWarpsPerBlock" in cu
+    assert [plan.warps_per_block(m, k) for m, k in [(plan.MODE_INDEXED, 256), (plan.MODE_INDEXED, 1024),
+                                                   (plan.MODE_BULK, 256), (plan.MODE_RECORD, 8)]] == [8, 4, 4, 4]

@@ -31,8 +31,10 @@ def cuda_decoder() -> None:
 
 @pytest.mark.anyio
 @pytest.mark.timeout(900)
+@pytest.mark.parametrize("resident", ["decoded", "compressed"])
 @pytest.mark.parametrize("archive", ["tiny_archive", "demo_archive"])
-async def test_allocated_returns_to_baseline_after_every_unload(serve, tmp_path, request, archive: str) -> None:
+async def test_allocated_returns_to_baseline_after_every_unload(serve, tmp_path, request, archive: str,
+                                                                resident: str) -> None:
     (tmp_path / "store").mkdir()
     os.link(request.getfixturevalue(archive), tmp_path / "store" / "m.wcodec")
     torch.cuda.synchronize()
@@ -41,7 +43,8 @@ async def test_allocated_returns_to_baseline_after_every_unload(serve, tmp_path,
     async with serve(tmp_path / "store") as server:
         name = "m"
         for _ in range(CYCLES):
-            assert (await server.client.post(f"/models/{name}/load")).status_code == 200
+            r = await server.client.post(f"/models/{name}/load", params={"resident": resident})
+            assert r.status_code == 200 and r.json()["resident"] == resident, r.text
             body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 2}}
             assert (await server.client.post("/generate", json=body)).status_code == 200
             assert (await server.client.post(f"/models/{name}/unload")).status_code == 200
@@ -49,7 +52,7 @@ async def test_allocated_returns_to_baseline_after_every_unload(serve, tmp_path,
             torch.cuda.synchronize()
             allocated.append(torch.cuda.memory_allocated())
             reserved.append(torch.cuda.memory_reserved())
-    print({"cycles": CYCLES, "baseline": baseline, "allocated": sorted(set(allocated)),
+    print({"resident": resident, "cycles": CYCLES, "baseline": baseline, "allocated": sorted(set(allocated)),
            "reserved_mb": [r >> 20 for r in reserved[:3]] + [r >> 20 for r in reserved[-2:]]})
     assert allocated == [baseline] * CYCLES
     assert reserved[-1] <= reserved[2], [r >> 20 for r in reserved]
