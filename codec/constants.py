@@ -35,3 +35,4 @@ TABLE_GROUPS = (4, 8, 16)           # segments per table set the encoder may cho
 
 CODEC_FLOAT = "float"
 CODEC_RAW = "raw"
+CODEC_GGUF = "gguf"                 # GGUF quantized blocks kept as stored (codec/gguf_blocks.py)

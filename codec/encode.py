@@ -10,12 +10,11 @@ from typing import Callable
 import numpy as np
 import torch
 
-from . import __version__, floatcodec
-from .constants import CODEC_FLOAT, CODEC_RAW, FORMAT_MAJOR, FORMAT_MINOR
+from . import __version__, codecs, floatcodec, gguf_blocks
+from .constants import FORMAT_MAJOR, FORMAT_MINOR
 from .container import Writer, crc32
-from .entries import dtype_name
+from .entries import DTYPES, dtype_name
 from .parallel import WORKER_STATE, balanced_limit, default_workers, ordered_map
-from .planes import FLOAT_LAYOUTS
 from .sources import CheckpointSource, StateDictSource, layer_index, layer_order, open_source
 
 BATCH_ELEMENTS = 48 << 20          # elements per encode job: big enough to fill the lanes
@@ -38,27 +37,32 @@ class CompressStats:
         return self.raw_bytes / 1e6 / max(self.seconds, 1e-9)
 
 
-def encode_tensors(items: list[tuple[str, str, tuple, np.ndarray]]) -> list[dict]:
-    """Encode (name, dtype, shape, raw little-endian bytes as uint8) tensors in one batch.
-    Returns records without offsets: {..., "streams": {role: bytes}}."""
-    prepared = []
-    for name, dtype, shape, data in items:
-        layout = FLOAT_LAYOUTS.get(dtype)
-        prepared.append(floatcodec.prepare(layout, data.view(layout.word)) if layout else None)
-    coded = iter(floatcodec.encode_batch([p for p in prepared if p is not None]))
+def encode_tensors(items: list[tuple[str, str, tuple, object]]) -> list[dict]:
+    """Encode (name, dtype, shape, payload) tensors in one batch; a payload is the tensor's raw
+    little-endian bytes (uint8) or its GGUF blocks (gguf_blocks.Blocks), whose entry decodes to
+    `dtype`. Every coded plane of the batch is rANS-coded in one pass. Returns records without
+    offsets: {..., "streams": {role: bytes}}."""
+    encodings = [codecs.encode(dtype, payload) for _, dtype, _, payload in items]
+    coded = iter(floatcodec.encode_batch([p for enc in encodings for p in enc.coded.values()]))
     out = []
-    for (name, dtype, shape, data), p in zip(items, prepared):
-        rec = {"name": name, "dtype": dtype, "shape": list(shape), "nbytes": int(data.nbytes),
-               "crc32": crc32(data)}
-        if p is None:
-            rec.update(codec=CODEC_RAW, streams={"raw": data.tobytes()})
-        else:
-            streams = {"exp": next(coded), "hi": p.hi.tobytes()}
-            if p.lo is not None:
-                streams["lo"] = p.lo.tobytes()
-            rec.update(codec=CODEC_FLOAT, params=p.params.to_json(), streams=streams)
+    for (name, dtype, shape, payload), enc in zip(items, encodings):
+        decoded = _decoded_bytes(dtype, shape, payload)
+        rec = {"name": name, "dtype": dtype, "shape": list(shape), "nbytes": int(decoded.nbytes),
+               "crc32": crc32(decoded), "codec": enc.codec}
+        if enc.params is not None:
+            rec["params"] = enc.params
+        blobs = {role: next(coded) for role in enc.coded}
+        rec["streams"] = {role: blobs[role] if role in blobs else enc.raw[role].tobytes() for role in enc.roles}
         out.append(rec)
     return out
+
+
+def _decoded_bytes(dtype: str, shape: tuple, payload) -> np.ndarray:
+    """What the entry decodes to (its CRC32 is stored): GGUF blocks are dequantized here."""
+    if isinstance(payload, gguf_blocks.Blocks):
+        t = gguf_blocks.dequantize(payload.block, payload.data, tuple(shape), DTYPES[dtype])
+        return t.reshape(-1).view(torch.uint8).numpy()
+    return payload
 
 
 def _raw_bytes(t: torch.Tensor) -> np.ndarray:
@@ -70,8 +74,14 @@ def _encode_job(job: tuple[str, list]) -> list[dict]:
     """Load (from the source the worker inherited) and encode one batch of tensors."""
     path, infos = job
     source = WORKER_STATE["source"]
-    return encode_tensors([(i.name, dtype_name(path, i.name, i.dtype), tuple(i.shape),
-                            _raw_bytes(source.load(i.name))) for i in infos])
+    return encode_tensors([(i.name, dtype_name(path, i.name, i.dtype), tuple(i.shape), _payload(source, i.name))
+                           for i in infos])
+
+
+def _payload(source: CheckpointSource, name: str):
+    """A tensor's stored form: a source that keeps quantized blocks hands them over as they are."""
+    blocks = source.load_blocks(name)
+    return blocks if blocks is not None else _raw_bytes(source.load(name))
 
 
 def _jobs(infos, path, limit: int):
@@ -88,12 +98,14 @@ def _jobs(infos, path, limit: int):
 
 
 def compress(src: str | os.PathLike, dst: str | os.PathLike, *, workers: int | None = None,
-             gguf_dtype: torch.dtype = torch.bfloat16,
+             gguf_dtype: torch.dtype = torch.bfloat16, gguf_keep: bool = True,
              progress: Callable[[int, int], None] | None = None) -> CompressStats:
-    """Compress a checkpoint (HF folder, .safetensors or .gguf) into `dst`.
+    """Compress a checkpoint (HF folder, .safetensors or .gguf) into `dst`. A GGUF file's
+    quantized tensors keep their blocks (codec gguf, dequantized to `gguf_dtype` at load), or with
+    gguf_keep=False are stored dense in `gguf_dtype`.
 
     `progress(done_bytes, total_bytes)` is called after each batch is written."""
-    with open_source(src, gguf_dtype=gguf_dtype) as source:
+    with open_source(src, gguf_dtype=gguf_dtype, gguf_keep=gguf_keep) as source:
         return compress_source(source, dst, workers=workers, progress=progress)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from codec import floatcodec, planes, resident
+from codec import floatcodec, gguf_blocks, planes, resident
 from codec.constants import SEGMENT_SYMBOLS
 from codec.floatcodec import FloatParams
 
@@ -32,6 +32,19 @@ def decode_pieces(data: torch.Tensor, desc: torch.Tensor, plan: torch.Tensor, ou
                                            mode, entry_steps)
 
 
+def decode_bytes(data: torch.Tensor, desc: torch.Tensor, outputs: list[torch.Tensor], status: torch.Tensor) -> None:
+    """Decode byte planes coded alone (desc rows as decode_pieces': ctx_bits 0, dtype plan.BYTES_CODE,
+    hi_off = lo_off = -1) from `data` into `outputs` (caller-owned, 1-byte elements, on data's device),
+    on the current stream. `status` (int32) gets one code per segment at first_segment + i."""
+    torch.ops.wcodec.decode_bytes.default(data, desc, outputs, status)
+
+
+def dequantize_blocks(planes: list[torch.Tensor], ggml_type: int, out: torch.Tensor) -> None:
+    """GGUF planes of one tensor (uint8, codec/gguf_blocks.py order) -> `out` (bfloat16, float16 or
+    float32): gguf's dequantization, then torch's CPU cast, bit for bit."""
+    torch.ops.wcodec.dequantize_blocks.default(planes, ggml_type, out)
+
+
 def register_fakes() -> None:
     """Meta implementations for torch.compile / opcheck; called once the library is loaded."""
     if getattr(register_fakes, "done", False):
@@ -39,6 +52,14 @@ def register_fakes() -> None:
 
     @torch.library.register_fake("wcodec::decode_pieces")
     def _(data, desc, plan, outputs, entry_states, entry_words, status, decode_mode, entry_steps):
+        return None
+
+    @torch.library.register_fake("wcodec::decode_bytes")
+    def _(data, desc, outputs, status):
+        return None
+
+    @torch.library.register_fake("wcodec::dequantize_blocks")
+    def _(planes, ggml_type, out):
         return None
 
     register_fakes.done = True
@@ -84,6 +105,34 @@ def reference_decode_pieces(data: torch.Tensor, desc: torch.Tensor, plan: torch.
         else:
             (sym, st[units], _, _), = floatcodec.decode_batch([(parsed, layout, hi)])
         planes.join(layout, sym, hi, lo, out=out.view(-1).view(_word_dtype(layout)).numpy())
+
+
+def reference_decode_bytes(data: torch.Tensor, desc: torch.Tensor, outputs: list[torch.Tensor],
+                           status: torch.Tensor) -> None:
+    """The NumPy reference of decode_bytes: every row's segments in one rans.decode pass."""
+    buf, st = data.numpy(), status.numpy()
+    items, where = [], []
+    for row, out in zip(desc.tolist(), outputs):
+        d = dict(zip(DESC_FIELDS, row))
+        params = FloatParams(d["numel"], 0, d["table_group"], SEGMENT_SYMBOLS)
+        segs = slice(d["first_segment"], d["first_segment"] + params.n_segments)
+        try:
+            items.append((floatcodec.parse_exp(buf[d["exp_off"]:d["exp_off"] + d["exp_len"]], params), None, None))
+        except floatcodec.StreamFault as fault:
+            st[segs] = STATUS_TABLE if fault.table else STATUS_DIRECTORY
+            continue
+        where.append((segs, out))
+    for (sym, seg_status, _, _), (segs, out) in zip(floatcodec.decode_batch(items) if items else [], where):
+        st[segs] = seg_status
+        out.reshape(-1).view(torch.uint8).numpy()[:] = sym
+
+
+def reference_dequantize_blocks(planes: list[torch.Tensor], ggml_type: int, out: torch.Tensor) -> None:
+    """The NumPy reference of dequantize_blocks: gguf_blocks.join, then gguf's own dequantizer."""
+    bt = next(t for t in gguf_blocks.BLOCK_TYPES.values() if t.code == ggml_type)
+    n_blocks = out.numel() // bt.block_size
+    blocks = gguf_blocks.join(bt, {name: p.numpy() for name, p in zip(bt.plane_names, planes)}, n_blocks)
+    out.copy_(gguf_blocks.dequantize(bt, blocks, tuple(out.shape), out.dtype))
 
 
 def _word_dtype(layout: planes.FloatLayout) -> torch.dtype:
