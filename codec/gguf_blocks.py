@@ -105,7 +105,8 @@ def n_blocks(bt: BlockType, numel: int) -> int:
 def dequantize(bt: BlockType, blocks: np.ndarray, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Blocks in row order -> the served tensor: gguf's float32 dequantization, cast to `dtype`."""
     import gguf                            # only GGUF archives need the gguf package
-    values = gguf.quants.dequantize(np.ascontiguousarray(blocks).reshape(-1), gguf.GGMLQuantizationType(bt.code))
+    with np.errstate(all="ignore"):        # NaN / inf scales are data, not mistakes
+        values = gguf.quants.dequantize(np.ascontiguousarray(blocks).reshape(-1), gguf.GGMLQuantizationType(bt.code))
     return torch.from_numpy(np.ascontiguousarray(values)).reshape(shape).to(dtype)
 
 

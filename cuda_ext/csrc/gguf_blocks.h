@@ -111,7 +111,7 @@ GB_HD uint16_t f32_to_f16(float f) {
   if (exp >= 0x47800000u) return sign | 0x7C00u;                                   // overflow -> inf
   if (exp <= 0x38000000u) {                                                         // f16 denormal or 0
     if (exp < 0x33000000u) return sign;                                             // under half the least
-    const uint32_t shift = 113u - (exp >> 23);
+    const uint32_t shift = 126u - (exp >> 23);                                     // 14 .. 24
     sig |= 0x00800000u;
     uint32_t h = sig >> shift;
     const uint32_t rem = sig & ((1u << shift) - 1u), half = 1u << (shift - 1);
