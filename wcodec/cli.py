@@ -58,8 +58,8 @@ def _progress_bar() -> tuple[Callable[[int, int], None], Callable[[], None]]:
 def cmd_compress(args: argparse.Namespace) -> int:
     update, close = _progress_bar()
     try:
-        stats = compress(args.src, args.dst, workers=args.workers,
-                         gguf_dtype=FLOAT_CHOICES[args.gguf_dtype], progress=update)
+        stats = compress(args.src, args.dst, workers=args.workers, gguf_dtype=FLOAT_CHOICES[args.gguf_dtype],
+                         gguf_keep=args.gguf == "blocks", progress=update)
     finally:
         close()
     print(f"{args.dst}: {stats.tensors} tensors, raw {stats.raw_bytes} bytes -> file {stats.file_bytes} "
@@ -84,7 +84,9 @@ def inspect_archive(path: str) -> dict:
     """Per-tensor storage, totals and embedded files of an archive, JSON-ready."""
     with Archive.open(path) as archive:
         rows = [{"name": e.name, "dtype": e.dtype, "shape": list(e.shape), "codec": e.codec,
-                 "raw_bytes": e.nbytes, "stored_bytes": sum(s["length"] for s in e.streams.values())}
+                 "detail": e.codec_row.describe(e), "raw_bytes": e.nbytes,
+                 "stored_bytes": sum(s["length"] for s in e.streams.values()),
+                 "streams": {role: s["length"] for role, s in e.streams.items()}}
                 for e in archive.entries]
         files = [{"name": n, "size": rec["length"]} for n, rec in archive.reader.header["files"].items()]
         file_bytes = archive.reader.preamble.file_length
@@ -104,9 +106,9 @@ def _table(rows: list[tuple[str, ...]], right: set[int]) -> list[str]:
 
 
 def format_inspect(info: dict) -> str:
-    rows = [("name", "dtype", "shape", "codec", "stored", "ratio")]
+    rows = [("name", "dtype", "shape", "codec", "stored", "ratio", "detail")]
     rows += [(r["name"], r["dtype"], "x".join(map(str, r["shape"])) or "scalar", r["codec"],
-              str(r["stored_bytes"]), f"{r['ratio']:.4f}") for r in info["tensors"]]
+              str(r["stored_bytes"]), f"{r['ratio']:.4f}", r["detail"]) for r in info["tensors"]]
     t = info["totals"]
     lines = [f"{info['path']}: wcodec format {info['version']}", *_table(rows, {4, 5}),
              (f"total: {t['tensors']} tensors, raw {t['raw_bytes']} bytes, stored {t['stored_bytes']} bytes "
@@ -233,6 +235,12 @@ def _gguf_dtype(p: argparse.ArgumentParser) -> None:
                    help="dtype GGUF tensors are dequantized to (default: bfloat16)")
 
 
+def _gguf_mode(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gguf", choices=("blocks", "dense"), default="blocks",
+                   help="GGUF quantized tensors: keep their blocks, dequantized to --gguf-dtype at load "
+                        "(default), or store them dequantized")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="wcodec", description="Lossless compression of model checkpoints.")
     parser.add_argument("--version", action="version", version=f"wcodec {codec.__version__}")
@@ -242,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dst")
     _workers(p)
     _gguf_dtype(p)
+    _gguf_mode(p)
     p = _add(sub, "decompress", cmd_decompress, "decode a .wcodec file into a .safetensors file")
     p.add_argument("src")
     p.add_argument("dst")
