@@ -24,7 +24,8 @@ def extensions():
     common = dict(include_dirs=[os.path.abspath(CSRC)], extra_link_args=["-fopenmp"])
     if torch.version.cuda and shutil.which("nvcc"):
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
-        ext = CUDAExtension("cuda_ext._C", cpu + [os.path.join(CSRC, "decode_float.cu")],
+        cuda = [os.path.join(CSRC, name) for name in ("decode_float.cu", "decode_quant.cu")]
+        ext = CUDAExtension("cuda_ext._C", cpu + cuda,
                             extra_compile_args={"cxx": CXX, "nvcc": NVCC}, **common)
     else:
         ext = CppExtension("cuda_ext._C", cpu, extra_compile_args={"cxx": CXX}, **common)

@@ -69,17 +69,3 @@ def compress_blocks(path, quantized: dict[str, tuple], dense: dict[str, torch.Te
                     workers: int = 1):
     with BlocksSource(dense or {}, quantized) as source:
         return compress_source(source, path, workers=workers)
-
-
-def fp8_weights(w: torch.Tensor, dtype: torch.dtype, scales: str) -> torch.Tensor:
-    """A 2-D weight cast to fp8 as checkpoints are: divided by per-row or per-128x128-block scales
-    that map each group's largest magnitude to the format's largest finite value."""
-    top = torch.finfo(dtype).max
-    w = w.float()
-    if scales == "row":
-        return (w / (w.abs().amax(1, keepdim=True) / top)).to(dtype)
-    rows, cols = w.shape
-    padded = torch.nn.functional.pad(w, (0, -cols % 128, 0, -rows % 128))
-    b = padded.reshape(padded.shape[0] // 128, 128, padded.shape[1] // 128, 128)
-    q = (b / (b.abs().amax((1, 3), keepdim=True) / top).clamp_min(1e-30)).to(dtype)
-    return q.reshape(padded.shape)[:rows, :cols].contiguous()

@@ -25,6 +25,7 @@ from codec.sources import open_source
 from . import bench
 
 FLOAT_CHOICES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+CAST_CHOICES = FLOAT_CHOICES | {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 EXIT_ERROR, EXIT_DEVICE, EXIT_INTERRUPT = 1, 2, 130
 
 
@@ -173,7 +174,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     threads = args.threads or default_workers()
     result = bench.run_bench(args.file, device=args.device, threads=threads, repeat=args.repeat,
-                             cast=FLOAT_CHOICES.get(args.cast), gguf_dtype=FLOAT_CHOICES[args.gguf_dtype])
+                             cast=CAST_CHOICES.get(args.cast), gguf_dtype=FLOAT_CHOICES[args.gguf_dtype],
+                             fp8_scales=args.fp8_scales)
     print(json.dumps(result) if args.json else bench.format_table(result))
     return 0
 
@@ -274,7 +276,10 @@ def _bench_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where our decoder runs")
     p.add_argument("--threads", type=_positive, default=None, metavar="N",
                    help="workers/threads for every codec (default: one per CPU, at most 8)")
-    p.add_argument("--cast", choices=FLOAT_CHOICES, default=None, help="cast floating tensors first")
+    p.add_argument("--cast", choices=CAST_CHOICES, default=None,
+                   help="cast floating tensors first; fp8 keeps the 2-D weights, cast with --fp8-scales")
+    p.add_argument("--fp8-scales", choices=bench.FP8_SCALES, default="row",
+                   help="fp8 casts divide by per-row or per-128x128-block scales first (default: row)")
     p.add_argument("--repeat", type=_positive, default=3, metavar="R", help="runs per measurement (median)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     _gguf_dtype(p)

@@ -38,6 +38,21 @@ static int build_byte_table(const uint8_t* exp, const TensorDesc& d, int64_t j, 
 }
 
 // ---- decode lanes: one segment, symbols straight to the output bytes ------------------------------
+// One step: `lanes` lanes in lane order, each renormalising with the next word (branch-free: the
+// word is loaded whether or not it is taken). `Checked` bounds every word read; the fast path runs
+// only when a whole step cannot run past the segment's words.
+template <bool Checked>
+static inline void decode_byte_step(int lanes, const DecodeTable& t, const uint8_t* words, int64_t n_words,
+                                    int64_t& used, uint32_t* x, uint8_t* out) {
+  for (int l = 0; l < lanes; ++l) {
+    out[l] = static_cast<uint8_t>(rans_step(t.sym, t.freq_cum, x[l]));         // x = D(x)
+    const uint32_t need = x[l] < kRansL;                                        // renormalise: one word
+    const uint32_t w = (!Checked || used < n_words) ? load_le<uint16_t>(words + 2 * used) : 0u;
+    x[l] = need ? (x[l] << kRenormBits) | w : x[l];
+    used += need;
+  }
+}
+
 static int decode_byte_segment(const uint8_t* exp, const SegmentRef& ref, const DecodeTable& t, uint8_t* out) {
   const uint8_t* words = exp + ref.data + kStateBytes;
   uint32_t x[kLanes];
@@ -45,14 +60,10 @@ static int decode_byte_segment(const uint8_t* exp, const SegmentRef& ref, const 
   int64_t used = 0;
   for (int64_t j0 = 0; j0 < ref.symbols; j0 += kLanes) {
     const int lanes = static_cast<int>(std::min<int64_t>(kLanes, ref.symbols - j0));
-    for (int l = 0; l < lanes; ++l) {
-      out[j0 + l] = static_cast<uint8_t>(rans_step(t.sym, t.freq_cum, x[l]));   // x = D(x)
-      if (x[l] < kRansL) {                                                      // renormalise: one word
-        const uint32_t w = used < ref.words ? load_le<uint16_t>(words + 2 * used) : 0u;
-        x[l] = (x[l] << kRenormBits) | w;
-        ++used;
-      }
-    }
+    if (lanes == kLanes && used + kLanes <= ref.words)
+      decode_byte_step<false>(kLanes, t, words, ref.words, used, x, out + j0);
+    else
+      decode_byte_step<true>(lanes, t, words, ref.words, used, x, out + j0);
   }
   if (used != ref.words) return kWords;
   for (int l = 0; l < kLanes; ++l)
