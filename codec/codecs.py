@@ -17,13 +17,14 @@ of a tensor to code (exact coded size against raw, per plane).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from . import floatcodec, gguf_blocks, planes
-from .constants import CODEC_FLOAT, CODEC_GGUF, CODEC_RAW, MAX_CTX_BITS, SEGMENT_SYMBOLS, TABLE_GROUP_QUANTUM
+from . import floatcodec, gguf_blocks, int8, planes
+from .constants import CODEC_FLOAT, CODEC_GGUF, CODEC_INT8, CODEC_RAW, MAX_CTX_BITS, SEGMENT_SYMBOLS, TABLE_GROUP_QUANTUM
 from .floatcodec import FloatParams
 
 COMPUTE_DTYPES = ("bfloat16", "float16", "float32")      # what GGUF blocks dequantize to
@@ -51,6 +52,7 @@ class Encoding:
     roles: tuple[str, ...]                 # stream order in the file
     raw: dict[str, np.ndarray]
     coded: dict[str, floatcodec.Prepared]
+    source: object = None                  # int8: the Quantized form (what the decoder rebuilds)
 
 
 Item = tuple[floatcodec.ParsedExp, planes.FloatLayout | None, np.ndarray | None]   # floatcodec.decode_batch
@@ -86,7 +88,7 @@ class Raw:
     def applies(self, dtype: str) -> bool:
         return True
 
-    def parse(self, p, n: int, dtype: str, itemsize: int, bad) -> None:
+    def parse(self, p, shape: tuple[int, ...], dtype: str, bad) -> None:
         return None
 
     def roles(self, dtype: str, params) -> tuple[str, ...]:
@@ -117,8 +119,8 @@ class Float:
     def applies(self, dtype: str) -> bool:
         return dtype in planes.FLOAT_LAYOUTS
 
-    def parse(self, p, n: int, dtype: str, itemsize: int, bad) -> FloatParams:
-        return parse_float_params(p, n, bad, 0 if dtype in planes.WHOLE_BYTE else MAX_CTX_BITS)
+    def parse(self, p, shape: tuple[int, ...], dtype: str, bad) -> FloatParams:
+        return parse_float_params(p, math.prod(shape), bad, 0 if dtype in planes.WHOLE_BYTE else MAX_CTX_BITS)
 
     def roles(self, dtype: str, params) -> tuple[str, ...]:
         if dtype in planes.WHOLE_BYTE:
@@ -160,7 +162,8 @@ class GGUF:
     def applies(self, dtype: str) -> bool:
         return dtype in COMPUTE_DTYPES
 
-    def parse(self, p, n: int, dtype: str, itemsize: int, bad) -> GGUFParams:
+    def parse(self, p, shape: tuple[int, ...], dtype: str, bad) -> GGUFParams:
+        n = math.prod(shape)
         if not isinstance(p, dict) or p.get("ggml_type") not in gguf_blocks.BLOCK_TYPES:
             raise bad(f"gguf codec needs a ggml_type among {sorted(gguf_blocks.BLOCK_TYPES)}")
         bt = gguf_blocks.BLOCK_TYPES[p["ggml_type"]]
@@ -209,14 +212,111 @@ class GGUF:
                         {k: v for k, v in split.items() if k not in coded}, coded)
 
 
-CODECS = {c.name: c for c in (Raw(), Float(), GGUF())}
+@dataclass(frozen=True)
+class Int8Params:
+    """An int8 entry's matrix shape, tiles per mode, and per plane its exp-stream params or None."""
+
+    rows: int
+    cols: int
+    mode_tiles: tuple[int, ...]
+    planes: dict[str, FloatParams | None]
+
+    @property
+    def tiles(self) -> tuple[int, int]:
+        return -(-self.rows // int8.TILE), -(-self.cols // int8.TILE)
+
+    def to_json(self) -> dict:
+        return {"tile": int8.TILE, "mode_tiles": list(self.mode_tiles),
+                "planes": {k: None if p is None else p.to_json() for k, p in self.planes.items()}}
 
 
-def encode(dtype: str, payload) -> Encoding:
-    """The encoding of one tensor: GGUF blocks keep their codec; floats are float-coded unless raw
-    storage is no larger; anything else is raw."""
+class Int8:
+    """Lossy, opt-in (codec/int8.py): per-row int8, 16x16 tile predictors, residuals coded."""
+
+    name = CODEC_INT8
+
+    def applies(self, dtype: str) -> bool:
+        return dtype in COMPUTE_DTYPES
+
+    def parse(self, p, shape: tuple[int, ...], dtype: str, bad) -> Int8Params:
+        if len(shape) != 2 or 0 in shape:
+            raise bad("int8 codec needs a non-empty 2-D tensor")
+        if not isinstance(p, dict) or p.get("tile") != int8.TILE:
+            raise bad(f"int8 codec needs tile {int8.TILE}")
+        rows, cols = shape
+        tr, tc = -(-rows // int8.TILE), -(-cols // int8.TILE)
+        tiles = p.get("mode_tiles")
+        if not isinstance(tiles, list) or len(tiles) != len(int8.MODES) or not all(_is_uint(t) for t in tiles) \
+                or sum(tiles) != tr * tc:
+            raise bad(f"mode_tiles must count the {tr * tc} tiles of each of {len(int8.MODES)} modes")
+        given = p.get("planes")
+        if not isinstance(given, dict) or set(given) != {"modes", "resid"}:
+            raise bad("int8 planes must be exactly ['modes', 'resid']")
+        sizes = {"modes": tr * tc, "resid": rows * cols}
+        planes = {k: None if given[k] is None else parse_float_params(given[k], sizes[k], bad, 0) for k in sizes}
+        return Int8Params(rows, cols, tuple(tiles), planes)
+
+    def roles(self, dtype: str, params: Int8Params) -> tuple[str, ...]:
+        return ("scales", "modes", "resid")
+
+    def raw_lengths(self, n: int, itemsize: int, params: Int8Params) -> dict[str, int]:
+        tr, tc = params.tiles
+        sizes = {"scales": 4 * params.rows, "modes": tr * tc, "resid": params.rows * params.cols}
+        return {k: v for k, v in sizes.items() if params.planes.get(k) is None}
+
+    def coded(self, dtype: str, params: Int8Params) -> dict[str, FloatParams]:
+        return {k: p for k, p in params.planes.items() if p is not None}
+
+    def rans_items(self, e, streams: dict[str, np.ndarray]) -> list[tuple[str, Item]]:
+        return [(f"plane {k}: ", (_parse(streams[k], p), None, None)) for k, p in self.coded(e.dtype, e.params).items()]
+
+    def finish(self, e, streams: dict[str, np.ndarray], symbols: list[np.ndarray], out: np.ndarray) -> None:
+        params: Int8Params = e.params
+        decoded = dict(zip(self.coded(e.dtype, params), symbols))
+        modes = decoded.get("modes", streams["modes"]).reshape(params.tiles)
+        if modes.size and int(modes.max()) >= len(int8.MODES):
+            raise floatcodec.StreamFault(f"a tile mode is {int(modes.max())}: there are {len(int8.MODES)}")
+        resid = decoded.get("resid", streams["resid"]).reshape(params.rows, params.cols)
+        q = int8.reconstruct(resid, modes)
+        t = int8.dequantize(q, streams["scales"].view("<f4"), e.torch_dtype)
+        out[:] = t.reshape(-1).view(torch.uint8).numpy()
+
+    def describe(self, e) -> str:
+        params: Int8Params = e.params
+        total = max(sum(params.mode_tiles), 1)
+        shares = " ".join(f"{m} {100 * k / total:.1f}%" for m, k in zip(int8.MODES, params.mode_tiles) if k)
+        coded = [k for k, p in params.planes.items() if p is not None]
+        return f"tiles: {shares}, coded: {' '.join(coded) or 'none'}"
+
+    def encode(self, dtype: str, w: np.ndarray) -> Encoding:
+        z = int8.encode(w)
+        coded = {k: p for k, p in int8.prepare_planes(z).items() if p is not None}
+        plain = {"scales": z.scales.astype("<f4").view(np.uint8), "modes": z.modes.reshape(-1),
+                 "resid": z.resid.reshape(-1)}
+        params = Int8Params(*z.q.shape, tuple(int8.mode_shares(z.modes).values()),
+                            {k: coded[k].params if k in coded else None for k in ("modes", "resid")})
+        return Encoding(self.name, params.to_json(), ("scales", "modes", "resid"),
+                        {k: v for k, v in plain.items() if k not in coded}, coded, z)
+
+
+CODECS = {c.name: c for c in (Raw(), Float(), GGUF(), Int8())}
+INT8_MIN_ELEMENTS = 4096               # smaller 2-D tensors stay lossless
+
+
+def int8_applies(dtype: str, shape: tuple[int, ...]) -> bool:
+    """Which tensors `--codec int8` quantizes: floating 2-D weights of at least 4096 elements."""
+    return dtype in COMPUTE_DTYPES and len(shape) == 2 and shape[0] * shape[1] >= INT8_MIN_ELEMENTS
+
+
+def encode(dtype: str, payload, shape: tuple[int, ...] = (), lossy: str | None = None) -> Encoding:
+    """The encoding of one tensor: GGUF blocks keep their codec; with lossy="int8" the 2-D float
+    weights are int8-coded; floats are float-coded unless raw storage is no larger; anything else
+    is raw."""
     if isinstance(payload, gguf_blocks.Blocks):
         return CODECS[CODEC_GGUF].encode(dtype, payload)
+    if lossy == CODEC_INT8 and int8_applies(dtype, tuple(shape)):
+        w = torch.from_numpy(payload).view(getattr(torch, dtype)).reshape(shape).float().numpy()
+        return CODECS[CODEC_INT8].encode(dtype, w)
     if CODECS[CODEC_FLOAT].applies(dtype):
         enc = CODECS[CODEC_FLOAT].encode(dtype, payload)
         if enc is not None:

@@ -92,7 +92,10 @@ def decode_entries(archive: Archive, entries: list[TensorEntry], verify: bool = 
                 raise errors.CorruptStreamError(archive.path, f"tensor {e.name!r}: {label}segment {seg} "
                                                               f"fails to decode (status {int(status[seg])})")
             symbols.append(sym)
-        e.codec_row.finish(e, streams, symbols, out)
+        try:
+            e.codec_row.finish(e, streams, symbols, out)
+        except floatcodec.StreamFault as fault:
+            raise errors.CorruptStreamError(archive.path, f"tensor {e.name!r}: {fault}") from None
     if verify:
         for e, data in zip(entries, outputs):
             if crc32(data) != e.crc32:

@@ -74,7 +74,7 @@ class TensorEntry:
         if rec.get("nbytes") != math.prod(shape) * itemsize or not _is_uint(rec.get("crc32")):
             raise bad("nbytes or crc32 disagree with the shape")
         n = math.prod(shape)
-        params = row.parse(rec.get("params"), n, dtype, itemsize, bad)
+        params = row.parse(rec.get("params"), tuple(shape), dtype, bad)
         streams = rec.get("streams")
         needed = row.roles(dtype, params)
         if not isinstance(streams, dict) or set(streams) != set(needed) \

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from codec import floatcodec, gguf_blocks, planes, resident
+from codec import floatcodec, gguf_blocks, int8, planes, resident
 from codec.constants import SEGMENT_SYMBOLS
 from codec.floatcodec import FloatParams
 
@@ -45,6 +45,13 @@ def dequantize_blocks(planes: list[torch.Tensor], ggml_type: int, out: torch.Ten
     torch.ops.wcodec.dequantize_blocks.default(planes, ggml_type, out)
 
 
+def reconstruct_int8(resid: torch.Tensor, modes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+    """An int8-coded weight (codec/int8.py): residual bytes (uint8 [R * C], row-major), tile modes
+    (uint8, one per 16x16 tile) and row scales (float32 [R]) -> `out` ([R, C] bfloat16, float16 or
+    float32): float32(q) * scale, cast as torch's CPU cast does."""
+    torch.ops.wcodec.reconstruct_int8.default(resid, modes, scales, out)
+
+
 def register_fakes() -> None:
     """Meta implementations for torch.compile / opcheck; called once the library is loaded."""
     if getattr(register_fakes, "done", False):
@@ -60,6 +67,10 @@ def register_fakes() -> None:
 
     @torch.library.register_fake("wcodec::dequantize_blocks")
     def _(planes, ggml_type, out):
+        return None
+
+    @torch.library.register_fake("wcodec::reconstruct_int8")
+    def _(resid, modes, scales, out):
         return None
 
     register_fakes.done = True
@@ -133,6 +144,14 @@ def reference_dequantize_blocks(planes: list[torch.Tensor], ggml_type: int, out:
     n_blocks = out.numel() // bt.block_size
     blocks = gguf_blocks.join(bt, {name: p.numpy() for name, p in zip(bt.plane_names, planes)}, n_blocks)
     out.copy_(gguf_blocks.dequantize(bt, blocks, tuple(out.shape), out.dtype))
+
+
+def reference_reconstruct_int8(resid: torch.Tensor, modes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+    """The NumPy reference of reconstruct_int8 (codec/int8.py)."""
+    rows, cols = out.shape
+    tiles = (-(-rows // int8.TILE), -(-cols // int8.TILE))
+    q = int8.reconstruct(resid.numpy().reshape(rows, cols), modes.numpy().reshape(tiles))
+    out.copy_(int8.dequantize(q, scales.numpy(), out.dtype))
 
 
 def _word_dtype(layout: planes.FloatLayout) -> torch.dtype:

@@ -1,9 +1,10 @@
 """The extension's side of the codec table for the codecs that decode_pieces does not decode:
-fp8 floats (whole byte coded) and GGUF blocks. Two steps, the same on every device:
+fp8 floats (whole byte coded), GGUF blocks and int8. Two steps, the same on every device:
 
     decode_bytes        every coded byte plane of the plan, in one launch (one status per segment)
     FINISH[codec]       the planes -> the tensor: fp8 decodes straight into its output; GGUF planes
-                        (decoded ones, raw ones read in place from `data`) -> dequantize_blocks
+                        (decoded ones, raw ones read in place from `data`) -> dequantize_blocks;
+                        int8 residuals, tile modes and scales -> reconstruct_int8
 
 Ops: the C++ twin (or CUDA kernels) when the extension has them for data's device, else the
 NumPy reference in cuda_ext/ops.py. On a CUDA device whose build lacks the kernels, the planes
@@ -17,7 +18,8 @@ import torch
 
 from codec import errors
 from codec.codecs import GGUFParams
-from codec.constants import CODEC_FLOAT, CODEC_GGUF
+from codec.constants import CODEC_FLOAT, CODEC_GGUF, CODEC_INT8
+from codec.int8 import MODES
 from codec.entries import TensorEntry
 
 from . import ops
@@ -46,13 +48,20 @@ def byte_planes(p: Plan) -> tuple[list[BytePlane], torch.Tensor]:
     return planes, torch.tensor(rows, dtype=torch.int64).reshape(-1, len(DESC_FIELDS))
 
 
-def _ops(device: torch.device):
-    """(decode_bytes, dequantize_blocks) for a device: the extension's, or the NumPy reference."""
+@dataclass(frozen=True)
+class Ops:
+    decode_bytes: object
+    dequantize_blocks: object
+    reconstruct_int8: object
+
+
+def _ops(device: torch.device) -> Ops:
+    """The quantized codecs' ops for a device: the extension's, or the NumPy reference."""
     from .build import ensure_loaded
     if ensure_loaded().cpp and torch._C._dispatch_has_kernel_for_dispatch_key(
             "wcodec::decode_bytes", "CUDA" if device.type == "cuda" else "CPU"):
-        return ops.decode_bytes, ops.dequantize_blocks
-    return ops.reference_decode_bytes, ops.reference_dequantize_blocks
+        return Ops(ops.decode_bytes, ops.dequantize_blocks, ops.reconstruct_int8)
+    return Ops(ops.reference_decode_bytes, ops.reference_dequantize_blocks, ops.reference_reconstruct_int8)
 
 
 def _raise_on_status(planes: list[BytePlane], status: torch.Tensor, path) -> None:
@@ -66,20 +75,35 @@ def _raise_on_status(planes: list[BytePlane], status: torch.Tensor, path) -> Non
                                           f"{seg - plane.first_segment} {STATUS_TEXT.get(code, f'status {code}')}")
 
 
-def _fp8(e: TensorEntry, offsets, data, decoded, dequantize) -> torch.Tensor:
+def _stream(e: TensorEntry, role: str, offsets, data: torch.Tensor, decoded) -> torch.Tensor:
+    """A plane: decoded by decode_bytes, or read raw in place from `data`."""
+    return decoded[role] if role in decoded else data[offsets[role]:offsets[role] + e.streams[role]["length"]]
+
+
+def _fp8(e: TensorEntry, offsets, data, decoded, run: Ops, path) -> torch.Tensor:
     return decoded["exp"]
 
 
-def _gguf(e: TensorEntry, offsets, data, decoded, dequantize) -> torch.Tensor:
+def _gguf(e: TensorEntry, offsets, data, decoded, run: Ops, path) -> torch.Tensor:
     params: GGUFParams = e.params
-    planes = [decoded[role] if role in decoded else data[offsets[role]:offsets[role] + e.streams[role]["length"]]
-              for role in params.block.plane_names]
     out = torch.empty(e.shape, dtype=e.torch_dtype, device=data.device)
-    dequantize(planes, params.block.code, out)
+    run.dequantize_blocks([_stream(e, role, offsets, data, decoded) for role in params.block.plane_names],
+                          params.block.code, out)
     return out
 
 
-FINISH = {CODEC_FLOAT: _fp8, CODEC_GGUF: _gguf}       # codec -> its planes to the tensor
+def _int8(e: TensorEntry, offsets, data, decoded, run: Ops, path) -> torch.Tensor:
+    modes = _stream(e, "modes", offsets, data, decoded)
+    if modes.numel() and int(modes.max()) >= len(MODES):
+        raise errors.CorruptStreamError(path, f"tensor {e.name!r}: a tile mode is {int(modes.max())}: "
+                                              f"there are {len(MODES)}")
+    out = torch.empty(e.shape, dtype=e.torch_dtype, device=data.device)
+    run.reconstruct_int8(_stream(e, "resid", offsets, data, decoded), modes,
+                         _stream(e, "scales", offsets, data, decoded).view(torch.float32), out)
+    return out
+
+
+FINISH = {CODEC_FLOAT: _fp8, CODEC_GGUF: _gguf, CODEC_INT8: _int8}     # codec -> its planes to the tensor
 
 
 def decode(p: Plan, data: torch.Tensor, path=None) -> dict[str, torch.Tensor]:
@@ -88,9 +112,9 @@ def decode(p: Plan, data: torch.Tensor, path=None) -> dict[str, torch.Tensor]:
     if not p.coded_entries:
         return {}
     device = data.device
-    if device.type == "cuda" and _ops(device)[0] is ops.reference_decode_bytes:
+    if device.type == "cuda" and _ops(device).decode_bytes is ops.reference_decode_bytes:
         return {k: v.to(device) for k, v in decode(p, data.cpu(), path).items()}
-    decode_bytes, dequantize = _ops(device)
+    run = _ops(device)
     planes, desc = byte_planes(p)
     numel = DESC_FIELDS.index("numel")
     outputs = [torch.empty(pl.entry.shape, dtype=pl.entry.torch_dtype, device=device) if pl.entry.codec == CODEC_FLOAT
@@ -98,11 +122,11 @@ def decode(p: Plan, data: torch.Tensor, path=None) -> dict[str, torch.Tensor]:
                for pl, row in zip(planes, desc.tolist())]
     status = torch.zeros(sum(pl.n_segments for pl in planes), dtype=torch.int32, device=device)
     if planes:
-        decode_bytes(data, desc, [o.reshape(-1) for o in outputs], status)
+        run.decode_bytes(data, desc, [o.reshape(-1) for o in outputs], status)
         _raise_on_status(planes, status, path)
     by_entry: dict[str, dict[str, torch.Tensor]] = {}
     for pl, o in zip(planes, outputs):
         by_entry.setdefault(pl.entry.name, {})[pl.role] = o
-    return {e.name: FINISH[e.codec](e, offsets, data, by_entry.get(e.name, {}), dequantize)
+    return {e.name: FINISH[e.codec](e, offsets, data, by_entry.get(e.name, {}), run, path)
             for e, offsets in p.coded_entries}
 

@@ -60,9 +60,18 @@ def cmd_compress(args: argparse.Namespace) -> int:
     update, close = _progress_bar()
     try:
         stats = compress(args.src, args.dst, workers=args.workers, gguf_dtype=FLOAT_CHOICES[args.gguf_dtype],
-                         gguf_keep=args.gguf == "blocks", progress=update)
+                         gguf_keep=args.gguf == "blocks", lossy=None if args.codec == "lossless" else args.codec,
+                         progress=update)
     finally:
         close()
+    if stats.quality is not None:
+        from . import quality
+        ppl = None
+        if args.ppl_text:
+            with open(args.ppl_text, encoding="utf-8") as f:
+                text = f.read()
+            ppl = quality.perplexities(args.src, args.dst, text, FLOAT_CHOICES[args.gguf_dtype])
+        print(quality.format_report(stats.quality, ppl))
     print(f"{args.dst}: {stats.tensors} tensors, raw {stats.raw_bytes} bytes -> file {stats.file_bytes} "
           f"bytes, ratio {stats.ratio:.4f}, {stats.mb_per_s:.1f} MB/s ({stats.seconds:.2f} s)")
     return 0
@@ -253,6 +262,11 @@ def build_parser() -> argparse.ArgumentParser:
     _workers(p)
     _gguf_dtype(p)
     _gguf_mode(p)
+    p.add_argument("--codec", choices=("lossless", "int8"), default="lossless",
+                   help="int8: LOSSY per-row int8 with tile predictors for 2-D float weights (>= 4096 "
+                        "elements), with a quality report; others stay lossless (default: lossless)")
+    p.add_argument("--ppl-text", metavar="FILE", default=None,
+                   help="with --codec int8: the model's perplexity on this text, before and after")
     p = _add(sub, "decompress", cmd_decompress, "decode a .wcodec file into a .safetensors file")
     p.add_argument("src")
     p.add_argument("dst")

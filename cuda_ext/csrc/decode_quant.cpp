@@ -5,6 +5,8 @@
 //                      table -> decode lanes -- with the symbol itself as the output byte.
 //   dequantize_blocks  GGUF planes -> blocks -> the compute dtype (gguf_blocks.h), bit-identical
 //                      to gguf's NumPy dequantizer followed by torch's CPU cast.
+//   reconstruct_int8   the int8 codec's residuals + tile modes -> q -> float32(q) * scale -> the
+//                      compute dtype (codec/int8.py), bit-identical to the NumPy reference.
 // Mirrors the NumPy reference in codec/ (floatcodec.decode_batch, codecs.GGUF.finish);
 // decode_quant.cu is its CUDA twin. Compiled with -ffp-contract=off (setup.py, build.py).
 #include <ATen/ATen.h>
@@ -16,6 +18,7 @@
 
 #include "decode_common.h"
 #include "gguf_blocks.h"
+#include "int8_tiles.h"
 
 namespace wcodec {
 
@@ -181,17 +184,60 @@ static void dequantize_blocks_cpu(at::TensorList planes, int64_t ggml_type, cons
   });
 }
 
+// ---- reconstruct_int8 (codec/int8.py, int8_tiles.h) -------------------------------------------------
+void check_int8_args(const at::Tensor& resid, const at::Tensor& modes, const at::Tensor& scales,
+                     const at::Tensor& out) {
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && (out.scalar_type() == at::kBFloat16 ||
+                                                        out.scalar_type() == at::kHalf || out.scalar_type() == at::kFloat),
+              "out must be a contiguous 2-D bfloat16, float16 or float32 tensor");
+  const int64_t rows = out.size(0), cols = out.size(1);
+  const int64_t tiles = ((rows + int8::kTile - 1) / int8::kTile) * ((cols + int8::kTile - 1) / int8::kTile);
+  TORCH_CHECK(resid.scalar_type() == at::kByte && resid.is_contiguous() && resid.numel() == rows * cols,
+              "resid must be contiguous uint8 with rows * cols bytes");
+  TORCH_CHECK(modes.scalar_type() == at::kByte && modes.is_contiguous() && modes.numel() == tiles,
+              "modes must be contiguous uint8 with one byte per tile");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == rows,
+              "scales must be contiguous float32 with one per row");
+  TORCH_CHECK(resid.device() == out.device() && modes.device() == out.device() && scales.device() == out.device(),
+              "every tensor must be on out's device");
+}
+
+static void reconstruct_int8_cpu(const at::Tensor& resid, const at::Tensor& modes, const at::Tensor& scales,
+                                 const at::Tensor& out) {
+  check_int8_args(resid, modes, scales, out);
+  const int64_t rows = out.size(0), cols = out.size(1), tiles = modes.numel();
+  const uint8_t* r = resid.data_ptr<uint8_t>();
+  const uint8_t* m = modes.data_ptr<uint8_t>();
+  const float* s = scales.data_ptr<float>();
+  const auto kind = out.scalar_type();
+  at::parallel_for(0, tiles, 64, [&](int64_t t0, int64_t t1) {
+    float* f32 = kind == at::kFloat ? out.data_ptr<float>() : nullptr;
+    uint16_t* u16 = kind == at::kFloat ? nullptr : reinterpret_cast<uint16_t*>(out.data_ptr());
+    auto store_f32 = [f32](int64_t i, float v) { f32[i] = v; };
+    auto store_bf16 = [u16](int64_t i, float v) { u16[i] = gguf::f32_to_bf16(v); };
+    auto store_f16 = [u16](int64_t i, float v) { u16[i] = gguf::f32_to_f16(v); };
+    for (int64_t t = t0; t < t1; ++t) {
+      if (kind == at::kFloat) int8::reconstruct_tile(r, m, s, rows, cols, t, store_f32);
+      else if (kind == at::kBFloat16) int8::reconstruct_tile(r, m, s, rows, cols, t, store_bf16);
+      else int8::reconstruct_tile(r, m, s, rows, cols, t, store_f16);
+    }
+  });
+}
+
 // decode_bytes: decode the byte planes in `desc` (rows as decode_pieces', ctx_bits 0, dtype code
 // kU8, no hi/lo) from `data` into `outputs` (caller-owned, 1-byte elements); status per segment.
 // dequantize_blocks: GGUF planes (codec/gguf_blocks.py order) of one tensor -> `out`.
+// reconstruct_int8: an int8-coded weight's residual bytes, tile modes and row scales -> `out`.
 TORCH_LIBRARY_FRAGMENT(wcodec, m) {
   m.def("decode_bytes(Tensor data, Tensor desc, Tensor(a!)[] outputs, Tensor(b!) status) -> ()");
   m.def("dequantize_blocks(Tensor[] planes, int ggml_type, Tensor(a!) out) -> ()");
+  m.def("reconstruct_int8(Tensor resid, Tensor modes, Tensor scales, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(wcodec, CPU, m) {
   m.impl("decode_bytes", &decode_bytes_cpu);
   m.impl("dequantize_blocks", &dequantize_blocks_cpu);
+  m.impl("reconstruct_int8", &reconstruct_int8_cpu);
 }
 
 }  // namespace wcodec

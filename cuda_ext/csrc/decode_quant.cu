@@ -7,6 +7,7 @@
 //                      (docs/FORMAT.md §3); the symbol is the output byte.
 //   dequantize_blocks  one thread per block: join its planes, dequantize (gguf_blocks.h: PTX mul.rn,
 //                      never fused or flushed; NaNs as x86 gives them), store in the compute dtype.
+//   reconstruct_int8   one thread per 16 x 16 tile (int8_tiles.h).
 // Archive data never traps: every read is bounded and each segment reports a status. Launches run
 // on the current stream.
 #include <ATen/ATen.h>
@@ -19,6 +20,7 @@
 
 #include "decode_common.h"
 #include "gguf_blocks.h"
+#include "int8_tiles.h"
 
 namespace wcodec {
 
@@ -168,6 +170,13 @@ __global__ void dequantize_kernel(gguf::BlockLayout l, Planes planes, int64_t n_
   for (int j = 0; j < l.block_size; ++j) store(b * l.block_size + j, y[j]);
 }
 
+template <typename Store>
+__global__ void reconstruct_int8_kernel(const uint8_t* resid, const uint8_t* modes, const float* scales, int64_t rows,
+                                        int64_t cols, int64_t tiles, Store store) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t < tiles) int8::reconstruct_tile(resid, modes, scales, rows, cols, t, store);
+}
+
 struct StoreF32 { float* o; __device__ void operator()(int64_t i, float v) const { o[i] = v; } };
 struct StoreBF16 { uint16_t* o; __device__ void operator()(int64_t i, float v) const { o[i] = gguf::f32_to_bf16(v); } };
 struct StoreF16 { uint16_t* o; __device__ void operator()(int64_t i, float v) const { o[i] = gguf::f32_to_f16(v); } };
@@ -217,9 +226,37 @@ static void dequantize_blocks_cuda(at::TensorList planes, int64_t ggml_type, con
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+void check_int8_args(const at::Tensor& resid, const at::Tensor& modes, const at::Tensor& scales,
+                     const at::Tensor& out);                                                            // .cpp
+
+static void reconstruct_int8_cuda(const at::Tensor& resid, const at::Tensor& modes, const at::Tensor& scales,
+                                  const at::Tensor& out) {
+  check_int8_args(resid, modes, scales, out);
+  const int64_t rows = out.size(0), cols = out.size(1);
+  const int64_t tiles = modes.numel();
+  if (tiles == 0) return;
+  const c10::cuda::CUDAGuard guard(out.device());
+  const int threads = 128;
+  const unsigned grid = static_cast<unsigned>((tiles + threads - 1) / threads);
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  const uint8_t* r = resid.data_ptr<uint8_t>();
+  const uint8_t* m = modes.data_ptr<uint8_t>();
+  const float* s = scales.data_ptr<float>();
+  if (out.scalar_type() == at::kFloat)
+    reconstruct_int8_kernel<<<grid, threads, 0, stream>>>(r, m, s, rows, cols, tiles, StoreF32{out.data_ptr<float>()});
+  else if (out.scalar_type() == at::kBFloat16)
+    reconstruct_int8_kernel<<<grid, threads, 0, stream>>>(r, m, s, rows, cols, tiles,
+                                                          StoreBF16{reinterpret_cast<uint16_t*>(out.data_ptr())});
+  else
+    reconstruct_int8_kernel<<<grid, threads, 0, stream>>>(r, m, s, rows, cols, tiles,
+                                                          StoreF16{reinterpret_cast<uint16_t*>(out.data_ptr())});
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 TORCH_LIBRARY_IMPL(wcodec, CUDA, m) {
   m.impl("decode_bytes", &decode_bytes_cuda);
   m.impl("dequantize_blocks", &dequantize_blocks_cuda);
+  m.impl("reconstruct_int8", &reconstruct_int8_cuda);
 }
 
 }  // namespace wcodec

@@ -160,3 +160,26 @@ def test_extension_load_names_the_corrupt_plane(tmp_path):
     (tmp_path / "c.wcodec").write_bytes(bytes(raw))
     with pytest.raises(errors.CorruptStreamError, match="stream qs: segment"):
         cuda_ext.load(tmp_path / "c.wcodec", "cpu", verify=False)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (17, 15), (40, 300)], ids=str)
+def test_reconstruct_int8_twin_matches_reference(shape):
+    """Every mode (and mixed modes), every compute dtype, scales including 0, inf, NaN and
+    denormals: the twin's bits are the reference's."""
+    from codec import int8
+    rng = np.random.default_rng(shape[1])
+    q = rng.integers(-127, 128, size=shape).astype(np.int8)
+    scales = (rng.random(shape[0]) * 1e-2).astype(np.float32)
+    scales[::7] = np.array([0, np.inf, np.nan, 1e-42, -0.0, 3e38, 1.0], np.float32)[:len(scales[::7])]
+    tiles = (-(-shape[0] // 16), -(-shape[1] // 16))
+    for modes in [np.full(tiles, m, np.uint8) for m in range(5)] + [rng.integers(0, 5, tiles).astype(np.uint8)]:
+        res = int8.residuals(q)
+        tm = np.broadcast_to(modes[:, None, :, None], res.shape[1:]).astype(np.int64)
+        resid = np.ascontiguousarray(int8._untile(np.take_along_axis(res, tm[None], axis=0)[0], q.shape))
+        args = (torch.from_numpy(resid.reshape(-1)), torch.from_numpy(modes.reshape(-1).copy()), torch.from_numpy(scales))
+        for dtype in GGUF_DTYPES.values():
+            got, want = torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
+            ops.reconstruct_int8(*args, got)
+            ops.reference_reconstruct_int8(*args, want)
+            assert torch.equal(raw_bytes(got), raw_bytes(want)), (modes.ravel()[:3], dtype)
+            assert torch.equal(raw_bytes(want), raw_bytes(int8.dequantize(q, scales, dtype)))

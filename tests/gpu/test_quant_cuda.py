@@ -60,3 +60,16 @@ def test_corrupt_plane_on_cuda_is_typed(tmp_path):
     (tmp_path / "c.wcodec").write_bytes(bytes(raw))
     with pytest.raises(errors.CorruptStreamError, match="stream qs: segment"):
         cuda_ext.load(tmp_path / "c.wcodec", "cuda", verify=False)
+
+
+def test_reconstruct_int8_cuda_matches_twin():
+    from codec import int8
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((300, 520)).astype(np.float32)
+    z = int8.encode(np.cumsum(w, axis=1))
+    args = [torch.from_numpy(z.resid.reshape(-1)), torch.from_numpy(z.modes.reshape(-1).copy()), torch.from_numpy(z.scales)]
+    for dtype in GGUF_DTYPES.values():
+        cpu, gpu = torch.empty(z.q.shape, dtype=dtype), torch.empty(z.q.shape, dtype=dtype, device="cuda")
+        ops.reconstruct_int8(*args, cpu)
+        ops.reconstruct_int8(*[a.cuda() for a in args], gpu)
+        assert torch.equal(raw_bytes(gpu.cpu()), raw_bytes(cpu)), dtype
