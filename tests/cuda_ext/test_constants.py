@@ -67,3 +67,10 @@ def test_gguf_block_layouts_match_codec():
             for bt in gguf_blocks.BLOCK_TYPES.values()}
     assert rows == want
     assert re.search(r"kU8 = (\d)", HEADER).group(1) == str(plan.BYTES_CODE)
+
+
+def test_int8_tile_constants_match_codec():
+    from codec import int8
+    text = (Path(__file__).parents[2] / "cuda_ext" / "csrc" / "int8_tiles.h").read_text()
+    assert re.search(r"constexpr int kTile = (\d+);", text).group(1) == str(int8.TILE)
+    assert re.search(r"constexpr int kModes = (\d+);", text).group(1) == str(len(int8.MODES))
