@@ -52,6 +52,17 @@ def reconstruct_int8(resid: torch.Tensor, modes: torch.Tensor, scales: torch.Ten
     torch.ops.wcodec.reconstruct_int8.default(resid, modes, scales, out)
 
 
+QUANT_OPS = ("wcodec::decode_bytes", "wcodec::dequantize_blocks", "wcodec::reconstruct_int8")
+
+
+def has_quant_ops(device_type: str | None = None) -> bool:
+    """The quantized codecs' ops are registered (for `device_type`'s dispatch key, if given)."""
+    if not all(torch._C._dispatch_has_kernel(op) for op in QUANT_OPS):
+        return False
+    key = {"cuda": "CUDA", "cpu": "CPU"}.get(device_type)
+    return key is None or all(torch._C._dispatch_has_kernel_for_dispatch_key(op, key) for op in QUANT_OPS)
+
+
 def register_fakes() -> None:
     """Meta implementations for torch.compile / opcheck; called once the library is loaded."""
     if getattr(register_fakes, "done", False):
@@ -61,17 +72,10 @@ def register_fakes() -> None:
     def _(data, desc, plan, outputs, entry_states, entry_words, status, decode_mode, entry_steps):
         return None
 
-    @torch.library.register_fake("wcodec::decode_bytes")
-    def _(data, desc, outputs, status):
-        return None
-
-    @torch.library.register_fake("wcodec::dequantize_blocks")
-    def _(planes, ggml_type, out):
-        return None
-
-    @torch.library.register_fake("wcodec::reconstruct_int8")
-    def _(resid, modes, scales, out):
-        return None
+    if has_quant_ops():                 # an extension built before them lacks them: NumPy decodes those
+        torch.library.register_fake("wcodec::decode_bytes")(lambda data, desc, outputs, status: None)
+        torch.library.register_fake("wcodec::dequantize_blocks")(lambda planes, ggml_type, out: None)
+        torch.library.register_fake("wcodec::reconstruct_int8")(lambda resid, modes, scales, out: None)
 
     register_fakes.done = True
 

@@ -58,8 +58,7 @@ class Ops:
 def _ops(device: torch.device) -> Ops:
     """The quantized codecs' ops for a device: the extension's, or the NumPy reference."""
     from .build import ensure_loaded
-    if ensure_loaded().cpp and torch._C._dispatch_has_kernel_for_dispatch_key(
-            "wcodec::decode_bytes", "CUDA" if device.type == "cuda" else "CPU"):
+    if ensure_loaded().cpp and ops.has_quant_ops(device.type):
         return Ops(ops.decode_bytes, ops.dequantize_blocks, ops.reconstruct_int8)
     return Ops(ops.reference_decode_bytes, ops.reference_dequantize_blocks, ops.reference_reconstruct_int8)
 
