@@ -8,6 +8,8 @@ look codecs up here; none of them branches on a codec's name.
     gguf   GGUF quantized blocks (gguf_blocks.py): one stream per block plane, each holding the
            plane's bytes or the plane coded in the exp-stream layout (ctx_bits 0); the entry's
            dtype is the compute dtype the blocks dequantize to at load.
+    int8   LOSSY, only when asked for (int8.py): per-row int8 of a 2-D weight, 16x16 tile
+           predictors; "scales" raw, "modes" and "resid" each raw or coded like GGUF planes.
 
 A row answers: does it apply to a dtype; its params from the header (validated) and back; the
 streams an entry must have and the exact length of each raw one; which streams are coded (all
