@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 import cuda_ext
-from codec.constants import CODEC_FLOAT
+from codec.constants import CODEC_FLOAT, CODEC_RAW
 from codec.decode import Archive
 from codec.entries import TensorEntry
 from cuda_ext import plans
@@ -66,7 +66,8 @@ class Batch:
 
     @property
     def codec(self) -> str:
-        return CODEC_FLOAT if any(e.codec == CODEC_FLOAT for e in self.entries) else "raw"
+        """The codec of most of the batch's decoded bytes (a metrics label)."""
+        return max(self.entries, key=lambda e: e.nbytes).codec if self.entries else CODEC_RAW
 
 
 @dataclass
