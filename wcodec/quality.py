@@ -19,9 +19,10 @@ def perplexity(files: dict[str, bytes], tensors: dict[str, torch.Tensor], text: 
     from service import modeling
     prepared = modeling.prepare("quality", files)
     model = modeling.assemble(prepared.config, tensors, torch.device("cpu"), prepared.model)
-    ids = prepared.tokenizer(text, return_tensors="pt")["input_ids"][:, :MAX_TOKENS]
-    with torch.inference_mode():
-        return math.exp(float(model(input_ids=ids, labels=ids).loss))
+    ids = torch.tensor([list(prepared.tokenizer(text)["input_ids"])[:MAX_TOKENS]])     # [1, S]
+    with torch.inference_mode():                       # the service's model: logits only, no labels
+        logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()          # [S - 1, V]
+        return math.exp(float(torch.nn.functional.cross_entropy(logits, ids[0, 1:])))
 
 
 def perplexities(src, dst, text: str, gguf_dtype: torch.dtype) -> tuple[float, float]:
