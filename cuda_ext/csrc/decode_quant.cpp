@@ -202,6 +202,17 @@ void check_int8_args(const at::Tensor& resid, const at::Tensor& modes, const at:
               "every tensor must be on out's device");
 }
 
+// A tile row -> the output, one element at a time (the GPU stores whole rows: decode_quant.cu).
+template <typename Put>
+struct RowStore {
+  Put put;
+  void row(int64_t at, const float* y, int w) const {
+    for (int j = 0; j < w; ++j) put(at + j, y[j]);
+  }
+};
+template <typename Put>
+static RowStore<Put> rows_of(Put put) { return RowStore<Put>{put}; }
+
 static void reconstruct_int8_cpu(const at::Tensor& resid, const at::Tensor& modes, const at::Tensor& scales,
                                  const at::Tensor& out) {
   check_int8_args(resid, modes, scales, out);
@@ -213,9 +224,9 @@ static void reconstruct_int8_cpu(const at::Tensor& resid, const at::Tensor& mode
   at::parallel_for(0, tiles, 64, [&](int64_t t0, int64_t t1) {
     float* f32 = kind == at::kFloat ? out.data_ptr<float>() : nullptr;
     uint16_t* u16 = kind == at::kFloat ? nullptr : reinterpret_cast<uint16_t*>(out.data_ptr());
-    auto store_f32 = [f32](int64_t i, float v) { f32[i] = v; };
-    auto store_bf16 = [u16](int64_t i, float v) { u16[i] = gguf::f32_to_bf16(v); };
-    auto store_f16 = [u16](int64_t i, float v) { u16[i] = gguf::f32_to_f16(v); };
+    const auto store_f32 = rows_of([f32](int64_t i, float v) { f32[i] = v; });
+    const auto store_bf16 = rows_of([u16](int64_t i, float v) { u16[i] = gguf::f32_to_bf16(v); });
+    const auto store_f16 = rows_of([u16](int64_t i, float v) { u16[i] = gguf::f32_to_f16(v); });
     for (int64_t t = t0; t < t1; ++t) {
       if (kind == at::kFloat) int8::reconstruct_tile(r, m, s, rows, cols, t, store_f32);
       else if (kind == at::kBFloat16) int8::reconstruct_tile(r, m, s, rows, cols, t, store_bf16);

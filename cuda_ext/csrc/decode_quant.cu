@@ -1,13 +1,17 @@
-// CUDA twin of decode_quant.cpp -- NOT YET RUN ON A GPU (it compiles; docs/BENCHMARKS.md).
+// CUDA twin of decode_quant.cpp (the same steps, spread over threads).
 //   decode_bytes       one warp per segment, a block of 4 warps per 4 consecutive segments of one
 //                      plane, which share one table (table_group is a multiple of 4 or covers the
 //                      plane); the block builds it in shared memory as packed u32 entries
 //                      (tables.build_lut's layout). A step: one shared load, a multiply-add, and a
 //                      ballot + popc that hands out the renormalisation words in lane order
-//                      (docs/FORMAT.md §3); the symbol is the output byte.
-//   dequantize_blocks  one thread per block: join its planes, dequantize (gguf_blocks.h: PTX mul.rn,
-//                      never fused or flushed; NaNs as x86 gives them), store in the compute dtype.
-//   reconstruct_int8   one thread per 16 x 16 tile (int8_tiles.h).
+//                      (docs/FORMAT.md §3); the symbol is the output byte. Steps run in unrolled
+//                      chunks of 8, as decode_float.cu's.
+//   dequantize_blocks  a block of 256 threads per 4096 weights: join the planes of its GGUF blocks
+//                      in shared memory (coalesced reads), then one thread per weight
+//                      (gguf_blocks.h dequantize_one: PTX mul.rn, never fused or flushed; NaNs as
+//                      x86 gives them), coalesced stores in the compute dtype.
+//   reconstruct_int8   one thread per 16 x 16 tile (int8_tiles.h), each tile row loaded and stored
+//                      as 16-byte vectors where aligned.
 // Archive data never traps: every read is bounded and each segment reports a status. Launches run
 // on the current stream.
 #include <ATen/ATen.h>
@@ -92,24 +96,42 @@ __device__ int build_table(const uint8_t* exp, const TensorDesc& d, int64_t j, u
 }
 
 // ---- decode lanes: one segment -----------------------------------------------------------------------
-__device__ int decode_segment(const uint8_t* exp, const SegmentRef& ref, const uint32_t* lut, uint8_t* out) {
+constexpr int kChunk = static_cast<int>(kMinEntrySteps);            // steps per unrolled chunk
+
+// One chunk of kChunk steps. `Full` chunks (every symbol inside the segment) skip the end checks.
+template <bool Full>
+__device__ __forceinline__ void decode_byte_chunk(const uint32_t* lut, const uint16_t* words, int n_words, int base,
+                                                  int n, uint32_t& x, int& wpos, uint8_t* out) {
   const int lane = threadIdx.x & 31;
   const unsigned below = (1u << lane) - 1u;
-  const uint16_t* words = reinterpret_cast<const uint16_t*>(exp + ref.data + kStateBytes);
-  const int64_t n = ref.symbols, n_words = ref.words;
-  uint32_t x = load_le<uint32_t>(exp + ref.data + 4 * lane);
-  int64_t wpos = 0;
-  for (int64_t j = lane; j - lane < n; j += kLanes) {
-    const bool active = j < n;
+#pragma unroll
+  for (int k = 0; k < kChunk; ++k) {
+    const int j = base + k * kLanes + lane;
+    const bool active = Full || j < n;
     uint32_t xn = x;
     const uint32_t sym = rans_step_packed(lut[x & (kProbScale - 1)], xn);     // x = D(x)
-    const bool need = active && xn < kRansL;
+    const bool need = active && xn < kRansL;                                   // renormalise: one word
     const unsigned mask = __ballot_sync(kFullMask, need);
-    const int64_t pos = wpos + __popc(mask & below);
+    const int pos = wpos + __popc(mask & below);
     const uint32_t w = (need && pos < n_words) ? __ldg(words + pos) : 0u;       // bounded: zeros past the end
     x = need ? (xn << kRenormBits) | w : (active ? xn : x);
     wpos += __popc(mask);
-    if (active) out[j] = static_cast<uint8_t>(sym);
+    if (Full || active) out[j] = static_cast<uint8_t>(sym);
+  }
+}
+
+__device__ int decode_segment(const uint8_t* exp, const SegmentRef& ref, const uint32_t* lut, uint8_t* out) {
+  const int lane = threadIdx.x & 31;
+  if (ref.words > ref.symbols) return kWords;       // a step takes at most one word a lane: never decodable
+  const uint16_t* words = reinterpret_cast<const uint16_t*>(exp + ref.data + kStateBytes);
+  const int n = static_cast<int>(ref.symbols), n_words = static_cast<int>(ref.words);
+  uint32_t x = load_le<uint32_t>(exp + ref.data + 4 * lane);
+  int wpos = 0;
+  for (int base = 0; base < n; base += kChunk * kLanes) {
+    if (base + kChunk * kLanes <= n)
+      decode_byte_chunk<true>(lut, words, n_words, base, n, x, wpos, out);
+    else
+      decode_byte_chunk<false>(lut, words, n_words, base, n, x, wpos, out);
   }
   if (wpos != n_words) return kWords;
   return __all_sync(kFullMask, x == kRansL) ? kOk : kState;
@@ -154,20 +176,34 @@ __global__ void __launch_bounds__(32 * kWarps) decode_bytes_kernel(const uint8_t
   if (lane == 0) status[d.first_segment + seg] = result;
 }
 
+constexpr int kDqThreads = 256;
+constexpr int kDqWeights = 4096;                          // weights per block of threads: 16 a thread
+constexpr int kDqBytes = kDqWeights / 32 * 34;           // their block bytes at most (Q8_0: 34 per 32)
+
 struct Planes {
   const uint8_t* p[gguf::kMaxPlanes];
 };
 
-template <typename Store>
-__global__ void dequantize_kernel(gguf::BlockLayout l, Planes planes, int64_t n_blocks, Store store) {
-  const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (b >= n_blocks) return;
-  uint8_t block[gguf::kMaxTypeSize];
-  float y[gguf::kMaxBlockSize];
-  for (int k = 0; k < l.n_planes; ++k)                                // join the planes
-    for (int i = 0; i < l.planes[k].width; ++i) block[l.planes[k].start + i] = planes.p[k][b * l.planes[k].width + i];
-  gguf::dequantize_block(l.code, block, y);
-  for (int j = 0; j < l.block_size; ++j) store(b * l.block_size + j, y[j]);
+// GGUF blocks [b0, b0 + kDqWeights / block_size) of one tensor: join their planes into shared
+// memory (gguf_blocks.join: plane k holds bytes [start, start + width) of every block), then
+// dequantize weight i of the range in thread i % kDqThreads.
+template <int64_t Code, typename Store>
+__global__ void __launch_bounds__(kDqThreads) dequantize_kernel(gguf::BlockLayout l, Planes planes, int64_t n_blocks,
+                                                                Store store) {
+  __shared__ uint8_t blocks[kDqBytes];
+  const int per = kDqWeights / l.block_size;
+  const int64_t b0 = static_cast<int64_t>(blockIdx.x) * per;
+  const int nb = static_cast<int>(n_blocks - b0 < per ? n_blocks - b0 : per);
+  for (int k = 0; k < l.n_planes; ++k) {                              // join the planes
+    const int w = l.planes[k].width, start = l.planes[k].start;
+    const uint8_t* src = planes.p[k] + b0 * w;
+    for (int i = threadIdx.x; i < nb * w; i += kDqThreads) blocks[(i / w) * l.type_size + start + i % w] = __ldg(src + i);
+  }
+  __syncthreads();
+  const int shift = l.block_size == 256 ? 8 : 5;                     // block sizes: 32 or QK_K = 256
+  const int64_t first = b0 * l.block_size;
+  for (int i = threadIdx.x; i < (nb << shift); i += kDqThreads)       // dequantize
+    store(first + i, gguf::dequantize_one(Code, blocks + (i >> shift) * l.type_size, i & (l.block_size - 1)));
 }
 
 template <typename Store>
@@ -181,6 +217,42 @@ struct StoreF32 { float* o; __device__ void operator()(int64_t i, float v) const
 struct StoreBF16 { uint16_t* o; __device__ void operator()(int64_t i, float v) const { o[i] = gguf::f32_to_bf16(v); } };
 struct StoreF16 { uint16_t* o; __device__ void operator()(int64_t i, float v) const { o[i] = gguf::f32_to_f16(v); } };
 
+// Tile rows (int8_tiles.h store.row): a full row at a 16-byte aligned address as vector stores.
+struct RowF32 {
+  float* o;
+  __device__ void row(int64_t at, const float* y, int w) const {
+    float* p = o + at;
+    if (w == int8::kTile && (reinterpret_cast<uintptr_t>(p) & 15u) == 0) {
+#pragma unroll
+      for (int k = 0; k < int8::kTile / 4; ++k)
+        reinterpret_cast<float4*>(p)[k] = make_float4(y[4 * k], y[4 * k + 1], y[4 * k + 2], y[4 * k + 3]);
+      return;
+    }
+#pragma unroll
+    for (int j = 0; j < int8::kTile; ++j)
+      if (j < w) p[j] = y[j];
+  }
+};
+template <bool BF16>
+struct Row16 {
+  uint16_t* o;
+  __device__ static uint32_t cast(float v) { return BF16 ? gguf::f32_to_bf16(v) : gguf::f32_to_f16(v); }
+  __device__ void row(int64_t at, const float* y, int w) const {
+    uint16_t* p = o + at;
+    if (w == int8::kTile && (reinterpret_cast<uintptr_t>(p) & 15u) == 0) {
+      uint32_t u[int8::kTile / 2];                                    // little-endian: element 2k low
+#pragma unroll
+      for (int k = 0; k < int8::kTile / 2; ++k) u[k] = cast(y[2 * k]) | (cast(y[2 * k + 1]) << 16);
+      reinterpret_cast<uint4*>(p)[0] = make_uint4(u[0], u[1], u[2], u[3]);
+      reinterpret_cast<uint4*>(p)[1] = make_uint4(u[4], u[5], u[6], u[7]);
+      return;
+    }
+#pragma unroll
+    for (int j = 0; j < int8::kTile; ++j)
+      if (j < w) p[j] = static_cast<uint16_t>(cast(y[j]));
+  }
+};
+
 }  // namespace
 
 static void decode_bytes_cuda(const at::Tensor& data, const at::Tensor& desc, at::TensorList outputs,
@@ -189,9 +261,12 @@ static void decode_bytes_cuda(const at::Tensor& data, const at::Tensor& desc, at
   const int64_t n = static_cast<int64_t>(descs.size());
   std::vector<int64_t> host(desc.data_ptr<int64_t>(), desc.data_ptr<int64_t>() + n * kDescFields);
   int64_t blocks = 0;
+  const uintptr_t base = reinterpret_cast<uintptr_t>(data.data_ptr());
   for (const TensorDesc& d : descs) {
     TORCH_CHECK(d.table_group % kWarps == 0 || d.table_group >= segment_count(d),
                 "table_group must be a multiple of ", kWarps, " or cover the plane");
+    TORCH_CHECK((base + static_cast<uintptr_t>(d.exp_off)) % 2 == 0,
+                "a stream must start at an even address on the GPU (its words are u16 loads)");
     host.push_back(blocks);
     blocks += (segment_count(d) + kWarps - 1) / kWarps;
   }
@@ -207,23 +282,42 @@ static void decode_bytes_cuda(const at::Tensor& data, const at::Tensor& desc, at
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+template <typename Store>
+static void launch_dequantize(const gguf::BlockLayout& l, const Planes& planes, int64_t n_blocks, Store store) {
+  const int64_t per = kDqWeights / l.block_size;
+  const int64_t grid = (n_blocks + per - 1) / per;
+  TORCH_CHECK(grid < (int64_t{1} << 31), "too many blocks for one launch");
+  const dim3 g(static_cast<unsigned>(grid));
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  switch (l.code) {                                  // one kernel per type: dequantize_one's switch folds away
+    case 2: dequantize_kernel<2><<<g, kDqThreads, 0, stream>>>(l, planes, n_blocks, store); break;
+    case 3: dequantize_kernel<3><<<g, kDqThreads, 0, stream>>>(l, planes, n_blocks, store); break;
+    case 6: dequantize_kernel<6><<<g, kDqThreads, 0, stream>>>(l, planes, n_blocks, store); break;
+    case 7: dequantize_kernel<7><<<g, kDqThreads, 0, stream>>>(l, planes, n_blocks, store); break;
+    case 8: dequantize_kernel<8><<<g, kDqThreads, 0, stream>>>(l, planes, n_blocks, store); break;
+    case 12: dequantize_kernel<12><<<g, kDqThreads, 0, stream>>>(l, planes, n_blocks, store); break;
+    case 13: dequantize_kernel<13><<<g, kDqThreads, 0, stream>>>(l, planes, n_blocks, store); break;
+    case 14: dequantize_kernel<14><<<g, kDqThreads, 0, stream>>>(l, planes, n_blocks, store); break;
+    default: TORCH_CHECK(false, "no CUDA dequantizer for GGML type ", l.code);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 static void dequantize_blocks_cuda(at::TensorList planes, int64_t ggml_type, const at::Tensor& out) {
   const gguf::BlockLayout& l = check_blocks_args(planes, ggml_type, out);
+  TORCH_CHECK((l.block_size == 32 || l.block_size == 256) && l.type_size * (kDqWeights / l.block_size) <= kDqBytes,
+              "GGML type ", ggml_type, ": block size ", l.block_size, " / ", l.type_size, " bytes do not fit the kernel");
   const int64_t n_blocks = out.numel() / l.block_size;
   if (n_blocks == 0) return;
   Planes ptrs{};
   for (int k = 0; k < l.n_planes; ++k) ptrs.p[k] = planes[k].data_ptr<uint8_t>();
   const c10::cuda::CUDAGuard guard(out.device());
-  const int threads = 128;
-  const unsigned grid = static_cast<unsigned>((n_blocks + threads - 1) / threads);
-  const auto stream = c10::cuda::getCurrentCUDAStream();
   if (out.scalar_type() == at::kFloat)
-    dequantize_kernel<<<grid, threads, 0, stream>>>(l, ptrs, n_blocks, StoreF32{out.data_ptr<float>()});
+    launch_dequantize(l, ptrs, n_blocks, StoreF32{out.data_ptr<float>()});
   else if (out.scalar_type() == at::kBFloat16)
-    dequantize_kernel<<<grid, threads, 0, stream>>>(l, ptrs, n_blocks, StoreBF16{reinterpret_cast<uint16_t*>(out.data_ptr())});
+    launch_dequantize(l, ptrs, n_blocks, StoreBF16{reinterpret_cast<uint16_t*>(out.data_ptr())});
   else
-    dequantize_kernel<<<grid, threads, 0, stream>>>(l, ptrs, n_blocks, StoreF16{reinterpret_cast<uint16_t*>(out.data_ptr())});
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_dequantize(l, ptrs, n_blocks, StoreF16{reinterpret_cast<uint16_t*>(out.data_ptr())});
 }
 
 void check_int8_args(const at::Tensor& resid, const at::Tensor& modes, const at::Tensor& scales,
@@ -243,13 +337,13 @@ static void reconstruct_int8_cuda(const at::Tensor& resid, const at::Tensor& mod
   const uint8_t* m = modes.data_ptr<uint8_t>();
   const float* s = scales.data_ptr<float>();
   if (out.scalar_type() == at::kFloat)
-    reconstruct_int8_kernel<<<grid, threads, 0, stream>>>(r, m, s, rows, cols, tiles, StoreF32{out.data_ptr<float>()});
+    reconstruct_int8_kernel<<<grid, threads, 0, stream>>>(r, m, s, rows, cols, tiles, RowF32{out.data_ptr<float>()});
   else if (out.scalar_type() == at::kBFloat16)
     reconstruct_int8_kernel<<<grid, threads, 0, stream>>>(r, m, s, rows, cols, tiles,
-                                                          StoreBF16{reinterpret_cast<uint16_t*>(out.data_ptr())});
+                                                          Row16<true>{reinterpret_cast<uint16_t*>(out.data_ptr())});
   else
     reconstruct_int8_kernel<<<grid, threads, 0, stream>>>(r, m, s, rows, cols, tiles,
-                                                          StoreF16{reinterpret_cast<uint16_t*>(out.data_ptr())});
+                                                          Row16<false>{reinterpret_cast<uint16_t*>(out.data_ptr())});
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

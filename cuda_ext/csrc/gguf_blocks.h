@@ -124,44 +124,62 @@ GB_HD uint16_t f32_to_f16(float f) {
   return sign | static_cast<uint16_t>(h);
 }
 
-// ---- dequantize one block (ggml byte layout) to float32, in gguf/quants.py's operation order ------
+// ---- dequantize weight j of one block (ggml byte layout), in gguf/quants.py's operation order -----
+// One struct per type: its constructor reads the block's f16 scales (exactly: f16 -> f32 is exact),
+// its operator() computes weight j from them and the block's bytes, and all() every weight (the
+// K-quants' sub-block scales once per sub-block, by the same operations). A CPU loop builds one per
+// block and calls all(); a GPU thread builds one for its one weight. Both give the same bits.
 GB_HD uint16_t le16(const uint8_t* p) { return static_cast<uint16_t>(p[0] | (p[1] << 8)); }
-
-GB_HD void q4_0(const uint8_t* b, float* y) {               // d * (q - 8)
-  const float d = f16_to_f32(le16(b));
-  for (int j = 0; j < 32; ++j) {
-    const int q = ((b[2 + (j & 15)] >> (j < 16 ? 0 : 4)) & 0xF) - 8;
-    y[j] = f32_mul(d, static_cast<float>(q));
-  }
-}
-GB_HD void q4_1(const uint8_t* b, float* y) {               // (d * q) + m
-  const float d = f16_to_f32(le16(b)), m = f16_to_f32(le16(b + 2));
-  for (int j = 0; j < 32; ++j) {
-    const int q = (b[4 + (j & 15)] >> (j < 16 ? 0 : 4)) & 0xF;
-    y[j] = f32_add(f32_mul(d, static_cast<float>(q)), m);
-  }
-}
 GB_HD uint32_t q5_high(const uint8_t* qh, int j) {         // bit j of the u32 qh
   return (static_cast<uint32_t>(qh[j >> 3]) >> (j & 7)) & 1u;
 }
-GB_HD void q5_0(const uint8_t* b, float* y) {               // d * ((ql | qh << 4) - 16)
-  const float d = f16_to_f32(le16(b));
-  for (int j = 0; j < 32; ++j) {
+
+template <typename T, int N>
+struct PerWeight {                                          // all(): operator() for every weight
+  GB_HD void all(const uint8_t* b, float* y) const {
+    for (int j = 0; j < N; ++j) y[j] = static_cast<const T&>(*this)(b, j);
+  }
+};
+
+struct Q4_0 : PerWeight<Q4_0, 32> {                         // d * (q - 8)
+  float d;
+  GB_HD explicit Q4_0(const uint8_t* b) : d(f16_to_f32(le16(b))) {}
+  GB_HD float operator()(const uint8_t* b, int j) const {
+    const int q = ((b[2 + (j & 15)] >> (j < 16 ? 0 : 4)) & 0xF) - 8;
+    return f32_mul(d, static_cast<float>(q));
+  }
+};
+struct Q4_1 : PerWeight<Q4_1, 32> {                                               // (d * q) + m
+  float d, m;
+  GB_HD explicit Q4_1(const uint8_t* b) : d(f16_to_f32(le16(b))), m(f16_to_f32(le16(b + 2))) {}
+  GB_HD float operator()(const uint8_t* b, int j) const {
+    const int q = (b[4 + (j & 15)] >> (j < 16 ? 0 : 4)) & 0xF;
+    return f32_add(f32_mul(d, static_cast<float>(q)), m);
+  }
+};
+struct Q5_0 : PerWeight<Q5_0, 32> {                                               // d * ((ql | qh << 4) - 16)
+  float d;
+  GB_HD explicit Q5_0(const uint8_t* b) : d(f16_to_f32(le16(b))) {}
+  GB_HD float operator()(const uint8_t* b, int j) const {
     const int q = static_cast<int>(((b[6 + (j & 15)] >> (j < 16 ? 0 : 4)) & 0xF) | (q5_high(b + 2, j) << 4)) - 16;
-    y[j] = f32_mul(d, static_cast<float>(q));
+    return f32_mul(d, static_cast<float>(q));
   }
-}
-GB_HD void q5_1(const uint8_t* b, float* y) {               // (d * (ql | qh << 4)) + m
-  const float d = f16_to_f32(le16(b)), m = f16_to_f32(le16(b + 2));
-  for (int j = 0; j < 32; ++j) {
+};
+struct Q5_1 : PerWeight<Q5_1, 32> {                                               // (d * (ql | qh << 4)) + m
+  float d, m;
+  GB_HD explicit Q5_1(const uint8_t* b) : d(f16_to_f32(le16(b))), m(f16_to_f32(le16(b + 2))) {}
+  GB_HD float operator()(const uint8_t* b, int j) const {
     const uint32_t q = ((b[8 + (j & 15)] >> (j < 16 ? 0 : 4)) & 0xF) | (q5_high(b + 4, j) << 4);
-    y[j] = f32_add(f32_mul(d, static_cast<float>(q)), m);
+    return f32_add(f32_mul(d, static_cast<float>(q)), m);
   }
-}
-GB_HD void q8_0(const uint8_t* b, float* y) {               // x * d
-  const float d = f16_to_f32(le16(b));
-  for (int j = 0; j < 32; ++j) y[j] = f32_mul(static_cast<float>(static_cast<int8_t>(b[2 + j])), d);
-}
+};
+struct Q8_0 : PerWeight<Q8_0, 32> {                                               // x * d
+  float d;
+  GB_HD explicit Q8_0(const uint8_t* b) : d(f16_to_f32(le16(b))) {}
+  GB_HD float operator()(const uint8_t* b, int j) const {
+    return f32_mul(static_cast<float>(static_cast<int8_t>(b[2 + j])), d);
+  }
+};
 
 // Q4_K / Q5_K 6-bit scales and mins of sub-block i (Q4_K.get_scale_min):
 //   sc[i] = s[i] & 63,  m[i] = s[i + 4] & 63                                         (i < 4)
@@ -174,48 +192,87 @@ GB_HD void k_scale_min(const uint8_t* s, int i, uint32_t* sc, uint32_t* m) {
     *m = (s[i + 4] >> 4) | ((s[i] >> 2) & 48u);
   }
 }
-// Q4_K (Q5_K with qh): sub-block i of 32 weights: (d * sc) * q - (dmin * m).
-// q of weight 32 i + l: nibble (i & 1) of qs[32 (i / 2) + l], plus bit i of qh[l] << 4 (Q5_K).
+// Q4_K (Q5_K with qh): weight w = 32 i + l of sub-block i: (d * sc) * q - (dmin * m).
+// q: nibble (i & 1) of qs[32 (i / 2) + l], plus bit i of qh[l] << 4 (Q5_K).
 template <bool Q5>
-GB_HD void qk_45(const uint8_t* b, float* y) {
-  const float d = f16_to_f32(le16(b)), dmin = f16_to_f32(le16(b + 2));
-  const uint8_t* qs = b + (Q5 ? 48 : 16);
-  for (int i = 0; i < 8; ++i) {
+struct QK45 {
+  float d, dmin;
+  GB_HD explicit QK45(const uint8_t* b) : d(f16_to_f32(le16(b))), dmin(f16_to_f32(le16(b + 2))) {}
+  GB_HD void scales(const uint8_t* b, int i, float* ds, float* dm) const {   // d * sc, dmin * m
     uint32_t sc, m;
     k_scale_min(b + 4, i, &sc, &m);
-    const float ds = f32_mul(d, static_cast<float>(sc)), dm = f32_mul(dmin, static_cast<float>(m));
-    for (int l = 0; l < 32; ++l) {
-      uint32_t q = (qs[32 * (i >> 1) + l] >> (4 * (i & 1))) & 0xFu;
-      if (Q5) q |= ((b[16 + l] >> i) & 1u) << 4;
-      y[32 * i + l] = f32_sub(f32_mul(ds, static_cast<float>(q)), dm);
+    *ds = f32_mul(d, static_cast<float>(sc)), *dm = f32_mul(dmin, static_cast<float>(m));
+  }
+  GB_HD float value(const uint8_t* b, int i, int l, float ds, float dm) const {
+    const uint8_t* qs = b + (Q5 ? 48 : 16);
+    uint32_t q = (qs[32 * (i >> 1) + l] >> (4 * (i & 1))) & 0xFu;
+    if (Q5) q |= ((b[16 + l] >> i) & 1u) << 4;
+    return f32_sub(f32_mul(ds, static_cast<float>(q)), dm);
+  }
+  GB_HD float operator()(const uint8_t* b, int w) const {
+    float ds, dm;
+    scales(b, w >> 5, &ds, &dm);
+    return value(b, w >> 5, w & 31, ds, dm);
+  }
+  GB_HD void all(const uint8_t* b, float* y) const {
+    for (int i = 0; i < 8; ++i) {
+      float ds, dm;
+      scales(b, i, &ds, &dm);
+      for (int l = 0; l < 32; ++l) y[32 * i + l] = value(b, i, l, ds, dm);
     }
   }
-}
+};
 // Q6_K: weight w = 128 h + 32 g + l (h < 2, g < 4, l < 32):
 //   ql nibble (g >> 1) of ql[64 h + 32 (g & 1) + l], qh bits 2g of qh[32 h + l]; q = (ql | qh << 4) - 32
 //   y = (d * scales[w / 16]) * q
-GB_HD void q6_k(const uint8_t* b, float* y) {
-  const float d = f16_to_f32(le16(b + 208));
-  for (int w = 0; w < 256; ++w) {
+struct Q6_K {
+  float d;
+  GB_HD explicit Q6_K(const uint8_t* b) : d(f16_to_f32(le16(b + 208))) {}
+  GB_HD float scale(const uint8_t* b, int s) const {                          // d * scales[s]
+    return f32_mul(d, static_cast<float>(static_cast<int8_t>(b[192 + s])));
+  }
+  GB_HD float value(const uint8_t* b, int w, float ds) const {
     const int h = w >> 7, g = (w >> 5) & 3, l = w & 31;
     const uint32_t lo = (b[64 * h + 32 * (g & 1) + l] >> (4 * (g >> 1))) & 0xFu;
     const uint32_t hi = (b[128 + 32 * h + l] >> (2 * g)) & 3u;
-    const float ds = f32_mul(d, static_cast<float>(static_cast<int8_t>(b[192 + (w >> 4)])));
-    y[w] = f32_mul(ds, static_cast<float>(static_cast<int>(lo | (hi << 4)) - 32));
+    return f32_mul(ds, static_cast<float>(static_cast<int>(lo | (hi << 4)) - 32));
+  }
+  GB_HD float operator()(const uint8_t* b, int w) const { return value(b, w, scale(b, w >> 4)); }
+  GB_HD void all(const uint8_t* b, float* y) const {
+    for (int s = 0; s < 16; ++s) {
+      const float ds = scale(b, s);
+      for (int w = 16 * s; w < 16 * s + 16; ++w) y[w] = value(b, w, ds);
+    }
+  }
+};
+
+// Weight j (< the type's block size) of a block of type `code`; 0 for a code without a dequantizer
+// (the ops refuse those first: check_blocks_args).
+GB_HD float dequantize_one(int64_t code, const uint8_t* block, int j) {
+  switch (code) {
+    case 2: return Q4_0(block)(block, j);
+    case 3: return Q4_1(block)(block, j);
+    case 6: return Q5_0(block)(block, j);
+    case 7: return Q5_1(block)(block, j);
+    case 8: return Q8_0(block)(block, j);
+    case 12: return QK45<false>(block)(block, j);
+    case 13: return QK45<true>(block)(block, j);
+    case 14: return Q6_K(block)(block, j);
+    default: return 0.0f;
   }
 }
 
-// Returns false for a code this header has no dequantizer for.
+// Every weight of a block. Returns false for a code this header has no dequantizer for.
 GB_HD bool dequantize_block(int64_t code, const uint8_t* block, float* y) {
   switch (code) {
-    case 2: q4_0(block, y); return true;
-    case 3: q4_1(block, y); return true;
-    case 6: q5_0(block, y); return true;
-    case 7: q5_1(block, y); return true;
-    case 8: q8_0(block, y); return true;
-    case 12: qk_45<false>(block, y); return true;
-    case 13: qk_45<true>(block, y); return true;
-    case 14: q6_k(block, y); return true;
+    case 2: Q4_0(block).all(block, y); return true;
+    case 3: Q4_1(block).all(block, y); return true;
+    case 6: Q5_0(block).all(block, y); return true;
+    case 7: Q5_1(block).all(block, y); return true;
+    case 8: Q8_0(block).all(block, y); return true;
+    case 12: QK45<false>(block).all(block, y); return true;
+    case 13: QK45<true>(block).all(block, y); return true;
+    case 14: Q6_K(block).all(block, y); return true;
     default: return false;
   }
 }

@@ -29,26 +29,56 @@ GB_HD int predict(int mode, int left, int top, int top_left) {
   }
 }
 
-// Tile t (row-major over tiles) of an int8-coded [rows, cols] weight; store(i, y) writes element i.
+#ifdef __CUDA_ARCH__
+#define I8_UNROLL _Pragma("unroll")
+#else
+#define I8_UNROLL
+#endif
+
+// The residual bytes of one tile row (w <= kTile of them; the rest read as 0). A GPU thread
+// reads an aligned full row as one 16-byte load.
+GB_HD void load_row(const uint8_t* r, int w, int (&out)[kTile]) {
+#ifdef __CUDA_ARCH__
+  if (w == kTile && (reinterpret_cast<uintptr_t>(r) & 15u) == 0) {
+    const uint4 v = *reinterpret_cast<const uint4*>(r);
+    const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+    I8_UNROLL
+    for (int j = 0; j < kTile; ++j) out[j] = (words[j >> 2] >> (8 * (j & 3))) & 0xFF;
+    return;
+  }
+#endif
+  I8_UNROLL
+  for (int j = 0; j < kTile; ++j) out[j] = j < w ? r[j] : 0;
+}
+
+// Tile t (row-major over tiles) of an int8-coded [rows, cols] weight. Each decoded tile row goes
+// to store.row(i, y, w): elements [i, i + w) of the output are y[0 .. w).
 template <typename Store>
 GB_HD void reconstruct_tile(const uint8_t* resid, const uint8_t* modes, const float* scales, int64_t rows,
-                            int64_t cols, int64_t t, Store& store) {
+                            int64_t cols, int64_t t, const Store& store) {
   const int64_t tiles_per_row = (cols + kTile - 1) / kTile;
   const int64_t r0 = (t / tiles_per_row) * kTile, c0 = (t % tiles_per_row) * kTile;
   const int mode = modes[t];
   const int h = rows - r0 < kTile ? static_cast<int>(rows - r0) : kTile;
   const int w = cols - c0 < kTile ? static_cast<int>(cols - c0) : kTile;
-  int prev[kTile], cur[kTile];                      // the row above, this row
-  for (int j = 0; j < kTile; ++j) prev[j] = 0;
+  int prev[kTile], cur[kTile], r[kTile];            // the row above, this row, its residuals
+  float y[kTile];
+  I8_UNROLL
+  for (int j = 0; j < kTile; ++j) prev[j] = 0, cur[j] = 0, y[j] = 0.0f;
   for (int i = 0; i < h; ++i) {
+    const int64_t at = (r0 + i) * cols + c0;
     const float s = scales[r0 + i];
-    for (int j = 0; j < w; ++j) {
+    load_row(resid + at, w, r);
+    I8_UNROLL
+    for (int j = 0; j < kTile; ++j) {
+      if (j >= w) continue;
       const int left = j ? cur[j - 1] : 0, top = i ? prev[j] : 0, top_left = (i && j) ? prev[j - 1] : 0;
-      const int64_t at = (r0 + i) * cols + c0 + j;
-      cur[j] = ((resid[at] + predict(mode, left, top, top_left) + 128) & 0xFF) - 128;
-      store(at, gguf::f32_mul(static_cast<float>(cur[j]), s));
+      cur[j] = ((r[j] + predict(mode, left, top, top_left) + 128) & 0xFF) - 128;   // q = (r + p) wrapped
+      y[j] = gguf::f32_mul(static_cast<float>(cur[j]), s);                         // y = float32(q) * scale
     }
-    for (int j = 0; j < w; ++j) prev[j] = cur[j];
+    store.row(at, y, w);
+    I8_UNROLL
+    for (int j = 0; j < kTile; ++j) prev[j] = cur[j];
   }
 }
 
