@@ -7,7 +7,7 @@ import shutil
 from setuptools import setup
 
 CSRC = os.path.join("cuda_ext", "csrc")
-CXX = ["-O3", "-fopenmp", "-DWCODEC_PYTHON_MODULE"]
+CXX = ["-O3", "-fopenmp", "-ffp-contract=off", "-DWCODEC_PYTHON_MODULE"]   # no FMA: gguf_blocks.h
 NVCC = ["-O3", "--use_fast_math", "-lineinfo"]
 DEFAULT_ARCH_LIST = "8.0;8.6;8.9;9.0;12.0"          # keep in sync with cuda_ext/build.py
 
@@ -20,11 +20,12 @@ def extensions():
         from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
     except ImportError:
         return {}
-    cpu = [os.path.join(CSRC, "decode_float.cpp")]
+    cpu = [os.path.join(CSRC, name) for name in ("decode_float.cpp", "decode_quant.cpp")]
     common = dict(include_dirs=[os.path.abspath(CSRC)], extra_link_args=["-fopenmp"])
     if torch.version.cuda and shutil.which("nvcc"):
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
-        ext = CUDAExtension("cuda_ext._C", cpu + [os.path.join(CSRC, "decode_float.cu")],
+        cuda = [os.path.join(CSRC, name) for name in ("decode_float.cu", "decode_quant.cu")]
+        ext = CUDAExtension("cuda_ext._C", cpu + cuda,
                             extra_compile_args={"cxx": CXX, "nvcc": NVCC}, **common)
     else:
         ext = CppExtension("cuda_ext._C", cpu, extra_compile_args={"cxx": CXX}, **common)

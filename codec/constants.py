@@ -35,3 +35,5 @@ TABLE_GROUPS = (4, 8, 16)           # segments per table set the encoder may cho
 
 CODEC_FLOAT = "float"
 CODEC_RAW = "raw"
+CODEC_GGUF = "gguf"                 # GGUF quantized blocks kept as stored (codec/gguf_blocks.py)
+CODEC_INT8 = "int8"                 # lossy, opt-in: per-row int8 + tile predictors (codec/int8.py)

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from . import errors, floatcodec, planes
-from .constants import CODEC_FLOAT, STREAM_ALIGN
+from . import errors, floatcodec
+from .constants import STREAM_ALIGN
 from .container import Reader, crc32
 from .entries import TensorEntry
 from .parallel import WORKER_STATE, balanced_limit, default_workers, ordered_map
@@ -83,46 +83,39 @@ class LoadedModel:
 def decode_entries(archive: Archive, entries: list[TensorEntry], verify: bool = True,
                    outputs: list[np.ndarray] | None = None) -> list[np.ndarray]:
     """Decode a batch of entries to their raw little-endian bytes, into `outputs` (uint8 arrays
-    of each entry's nbytes) when given."""
+    of each entry's nbytes) when given. Each entry's codec row (codecs.py) names its coded
+    streams; those of the whole batch are rANS-decoded in one pass, then each row builds its
+    tensor from them and its raw streams."""
     outputs = outputs or [np.empty(e.nbytes, dtype=np.uint8) for e in entries]
-    items, slots = [], []
-    for i, e in enumerate(entries):
-        if e.codec == CODEC_FLOAT:
-            items.append(_float_planes(archive, e, verify))
-            slots.append(i)
-            continue
-        raw = archive.reader.checked_stream(e.streams["raw"], f"tensor {e.name!r}", verify)
-        if len(raw) != e.nbytes:
-            raise errors.CorruptStreamError(archive.path, f"tensor {e.name!r}: raw stream has "
-                                                          f"{len(raw)} bytes, not {e.nbytes}")
-        outputs[i][:] = raw
-    decoded = floatcodec.decode_batch([(p, layout, hi) for p, layout, hi, _ in items]) if items else []
-    for i, (sym, status, _, _), (_, layout, hi, lo) in zip(slots, decoded, items):
-        e = entries[i]
-        if status.any():
-            seg = int(np.flatnonzero(status)[0])
-            raise errors.CorruptStreamError(archive.path, f"tensor {e.name!r}: segment {seg} "
-                                                          f"fails to decode (status {int(status[seg])})")
-        planes.join(layout, sym, hi, lo, out=outputs[i].view(layout.word))
+    work = []
+    for e in entries:
+        what = f"tensor {e.name!r}"
+        streams = {role: archive.reader.checked_stream(rec, what, verify) for role, rec in e.streams.items()}
+        try:
+            items = e.codec_row.rans_items(e, streams)
+        except floatcodec.StreamFault as fault:
+            raise errors.CorruptStreamError(archive.path, f"{what}: {fault}") from None
+        work.append((e, streams, items))
+    flat = [item for _, _, items in work for _, item in items]
+    decoded = iter(floatcodec.decode_batch(flat) if flat else [])
+    for (e, streams, items), out in zip(work, outputs):
+        symbols = []
+        for label, _ in items:
+            sym, status, _, _ = next(decoded)
+            if status.any():
+                seg = int(np.flatnonzero(status)[0])
+                raise errors.CorruptStreamError(archive.path, f"tensor {e.name!r}: {label}segment {seg} "
+                                                              f"fails to decode (status {int(status[seg])})")
+            symbols.append(sym)
+        try:
+            e.codec_row.finish(e, streams, symbols, out)
+        except floatcodec.StreamFault as fault:
+            raise errors.CorruptStreamError(archive.path, f"tensor {e.name!r}: {fault}") from None
     if verify:
         for e, data in zip(entries, outputs):
             if crc32(data) != e.crc32:
                 raise errors.ChecksumError(archive.path, f"tensor {e.name!r}: decoded bytes fail their CRC32")
     return outputs
-
-
-def _float_planes(archive: Archive, e: TensorEntry, verify: bool):
-    layout = planes.FLOAT_LAYOUTS[e.dtype]
-    what = f"tensor {e.name!r}"
-    hi = archive.reader.checked_stream(e.streams["hi"], what, verify)
-    lo = archive.reader.checked_stream(e.streams["lo"], what, verify) if "lo" in e.streams else None
-    if len(hi) != e.numel or (lo is not None and len(lo) != 2 * e.numel):
-        raise errors.CorruptStreamError(archive.path, f"{what}: raw planes have the wrong length")
-    try:
-        parsed = floatcodec.parse_exp(archive.reader.checked_stream(e.streams["exp"], what, verify), e.params)
-    except floatcodec.StreamFault as fault:
-        raise errors.CorruptStreamError(archive.path, f"{what}: {fault}") from None
-    return parsed, layout, hi, None if lo is None else lo.view("<u2")
 
 
 def _decode_job(job) -> None:

@@ -10,12 +10,11 @@ from typing import Callable
 import numpy as np
 import torch
 
-from . import __version__, floatcodec
-from .constants import CODEC_FLOAT, CODEC_RAW, FORMAT_MAJOR, FORMAT_MINOR
+from . import __version__, codecs, floatcodec, gguf_blocks, int8
+from .constants import CODEC_INT8, FORMAT_MAJOR, FORMAT_MINOR
 from .container import Writer, crc32
-from .entries import dtype_name
+from .entries import DTYPES, dtype_name
 from .parallel import WORKER_STATE, balanced_limit, default_workers, ordered_map
-from .planes import FLOAT_LAYOUTS
 from .sources import CheckpointSource, StateDictSource, layer_index, layer_order, open_source
 
 BATCH_ELEMENTS = 48 << 20          # elements per encode job: big enough to fill the lanes
@@ -28,6 +27,7 @@ class CompressStats:
     file_bytes: int
     seconds: float
     tensors: int
+    quality: dict[str, dict] | None = None     # lossy codecs: {name: {"snr_db", "max_abs_err"}}
 
     @property
     def ratio(self) -> float:
@@ -38,27 +38,49 @@ class CompressStats:
         return self.raw_bytes / 1e6 / max(self.seconds, 1e-9)
 
 
-def encode_tensors(items: list[tuple[str, str, tuple, np.ndarray]]) -> list[dict]:
-    """Encode (name, dtype, shape, raw little-endian bytes as uint8) tensors in one batch.
-    Returns records without offsets: {..., "streams": {role: bytes}}."""
-    prepared = []
-    for name, dtype, shape, data in items:
-        layout = FLOAT_LAYOUTS.get(dtype)
-        prepared.append(floatcodec.prepare(layout, data.view(layout.word)) if layout else None)
-    coded = iter(floatcodec.encode_batch([p for p in prepared if p is not None]))
+def encode_tensors(items: list[tuple[str, str, tuple, object]], lossy: str | None = None) -> list[dict]:
+    """Encode (name, dtype, shape, payload) tensors in one batch; a payload is the tensor's raw
+    little-endian bytes (uint8) or its GGUF blocks (gguf_blocks.Blocks), whose entry decodes to
+    `dtype`. lossy="int8" int8-codes the 2-D float weights. Every coded plane of the batch is
+    rANS-coded in one pass. Returns records without offsets: {..., "streams": {role: bytes}};
+    a lossy record also carries "quality" (not part of the header)."""
+    encodings = [codecs.encode(dtype, payload, shape, lossy) for _, dtype, shape, payload in items]
+    coded = iter(floatcodec.encode_batch([p for enc in encodings for p in enc.coded.values()]))
     out = []
-    for (name, dtype, shape, data), p in zip(items, prepared):
-        rec = {"name": name, "dtype": dtype, "shape": list(shape), "nbytes": int(data.nbytes),
-               "crc32": crc32(data)}
-        if p is None:
-            rec.update(codec=CODEC_RAW, streams={"raw": data.tobytes()})
-        else:
-            streams = {"exp": next(coded), "hi": p.hi.tobytes()}
-            if p.lo is not None:
-                streams["lo"] = p.lo.tobytes()
-            rec.update(codec=CODEC_FLOAT, params=p.params.to_json(), streams=streams)
+    for (name, dtype, shape, payload), enc in zip(items, encodings):
+        decoded = _decoded_bytes(dtype, shape, payload, enc)
+        rec = {"name": name, "dtype": dtype, "shape": list(shape), "nbytes": int(decoded.nbytes),
+               "crc32": crc32(decoded), "codec": enc.codec}
+        if enc.params is not None:
+            rec["params"] = enc.params
+        blobs = {role: next(coded) for role in enc.coded}
+        rec["streams"] = {role: blobs[role] if role in blobs else enc.raw[role].tobytes() for role in enc.roles}
+        if enc.codec == CODEC_INT8:
+            rec["quality"] = quality(payload, decoded, dtype)
         out.append(rec)
     return out
+
+
+def quality(original: np.ndarray, decoded: np.ndarray, dtype: str) -> dict:
+    """SNR (dB) and largest absolute error of a lossy tensor against its source values."""
+    want = torch.from_numpy(original).view(DTYPES[dtype]).double()
+    got = torch.from_numpy(decoded).view(DTYPES[dtype]).double()
+    noise = float(((got - want) ** 2).sum())
+    signal = float((want ** 2).sum())
+    return {"snr_db": 10 * math.log10(signal / noise) if noise else math.inf,
+            "max_abs_err": float((got - want).abs().max()) if want.numel() else 0.0}
+
+
+def _decoded_bytes(dtype: str, shape: tuple, payload, enc: codecs.Encoding) -> np.ndarray:
+    """What the entry decodes to (its CRC32 is stored): GGUF blocks are dequantized here, and
+    int8-coded weights reconstructed exactly as the decoder will."""
+    if isinstance(payload, gguf_blocks.Blocks):
+        t = gguf_blocks.dequantize(payload.block, payload.data, tuple(shape), DTYPES[dtype])
+        return t.reshape(-1).view(torch.uint8).numpy()
+    if enc.codec == CODEC_INT8:
+        t = int8.dequantize(enc.source.q, enc.source.scales, DTYPES[dtype])
+        return t.reshape(-1).view(torch.uint8).numpy()
+    return payload
 
 
 def _raw_bytes(t: torch.Tensor) -> np.ndarray:
@@ -66,35 +88,45 @@ def _raw_bytes(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.zeros(0, np.uint8)
 
 
-def _encode_job(job: tuple[str, list]) -> list[dict]:
+def _encode_job(job: tuple[str, list, str | None]) -> list[dict]:
     """Load (from the source the worker inherited) and encode one batch of tensors."""
-    path, infos = job
+    path, infos, lossy = job
     source = WORKER_STATE["source"]
-    return encode_tensors([(i.name, dtype_name(path, i.name, i.dtype), tuple(i.shape),
-                            _raw_bytes(source.load(i.name))) for i in infos])
+    return encode_tensors([(i.name, dtype_name(path, i.name, i.dtype), tuple(i.shape), _payload(source, i.name))
+                           for i in infos], lossy)
 
 
-def _jobs(infos, path, limit: int):
+def _payload(source: CheckpointSource, name: str):
+    """A tensor's stored form: a source that keeps quantized blocks hands them over as they are."""
+    blocks = source.load_blocks(name)
+    return blocks if blocks is not None else _raw_bytes(source.load(name))
+
+
+def _jobs(infos, path, limit: int, lossy: str | None):
     batch, size = [], 0
     for info in infos:
         n = math.prod(info.shape)
         if batch and size + n > limit:
-            yield path, batch
+            yield path, batch, lossy
             batch, size = [], 0
         batch.append(info)
         size += n
     if batch:
-        yield path, batch
+        yield path, batch, lossy
 
 
 def compress(src: str | os.PathLike, dst: str | os.PathLike, *, workers: int | None = None,
-             gguf_dtype: torch.dtype = torch.bfloat16,
+             gguf_dtype: torch.dtype = torch.bfloat16, gguf_keep: bool = True, lossy: str | None = None,
              progress: Callable[[int, int], None] | None = None) -> CompressStats:
-    """Compress a checkpoint (HF folder, .safetensors or .gguf) into `dst`.
+    """Compress a checkpoint (HF folder, .safetensors or .gguf) into `dst`. A GGUF file's
+    quantized tensors keep their blocks (codec gguf, dequantized to `gguf_dtype` at load), or with
+    gguf_keep=False are stored dense in `gguf_dtype`. lossy="int8" int8-codes the 2-D float weights
+    (a GGUF file's then from their `gguf_dtype` values).
 
     `progress(done_bytes, total_bytes)` is called after each batch is written."""
-    with open_source(src, gguf_dtype=gguf_dtype) as source:
-        return compress_source(source, dst, workers=workers, progress=progress)
+    keep = gguf_keep and lossy is None
+    with open_source(src, gguf_dtype=gguf_dtype, gguf_keep=keep) as source:
+        return compress_source(source, dst, workers=workers, lossy=lossy, progress=progress)
 
 
 def compress_state_dict(state_dict: dict[str, torch.Tensor], dst: str | os.PathLike, *,
@@ -105,7 +137,7 @@ def compress_state_dict(state_dict: dict[str, torch.Tensor], dst: str | os.PathL
 
 
 def compress_source(source: CheckpointSource, dst: str | os.PathLike, *, workers: int | None = None,
-                    progress: Callable[[int, int], None] | None = None) -> CompressStats:
+                    lossy: str | None = None, progress: Callable[[int, int], None] | None = None) -> CompressStats:
     """Stream an opened checkpoint source into `dst`, tensors in layer order."""
     t0 = time.perf_counter()
     src = source.path
@@ -117,9 +149,12 @@ def compress_source(source: CheckpointSource, dst: str | os.PathLike, *, workers
         tensors, raw, stored = [], 0, 0
         workers = workers or default_workers()
         limit = balanced_limit(sum(math.prod(i.shape) for i in infos), workers, BATCH_ELEMENTS)
-        jobs = list(_jobs(infos, os.fspath(src), limit))
+        jobs = list(_jobs(infos, os.fspath(src), limit, lossy))
+        quality = {}
         for results in ordered_map(_encode_job, jobs, min(workers, len(jobs)), {"source": source}):
             for rec in results:
+                if "quality" in rec:
+                    quality[rec["name"]] = rec.pop("quality")
                 rec["streams"] = {role: writer.add(b) for role, b in rec["streams"].items()}
                 rec["layer"] = layer_index(rec["name"])
                 tensors.append(rec)
@@ -137,4 +172,4 @@ def compress_source(source: CheckpointSource, dst: str | os.PathLike, *, workers
         raise
     finally:
         WORKER_STATE.clear()
-    return CompressStats(raw, stored, size, time.perf_counter() - t0, len(tensors))
+    return CompressStats(raw, stored, size, time.perf_counter() - t0, len(tensors), quality if lossy else None)

@@ -7,11 +7,11 @@ from dataclasses import dataclass
 import torch
 
 from . import errors
-from .constants import CODEC_FLOAT, CODEC_RAW, MAX_CTX_BITS, SEGMENT_SYMBOLS, STREAM_ALIGN, TABLE_GROUP_QUANTUM
+from .codecs import CODECS, GGUFParams
+from .constants import STREAM_ALIGN
 from .floatcodec import FloatParams
-from .planes import FLOAT_LAYOUTS
 
-# Every dtype an archive may hold; the float codec applies to FLOAT_LAYOUTS, the rest is raw.
+# Every dtype an archive may hold; which codecs apply to which is the codec table's (codecs.py).
 DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
     "float64": torch.float64, "int8": torch.int8, "uint8": torch.uint8, "int16": torch.int16,
@@ -19,7 +19,6 @@ DTYPES: dict[str, torch.dtype] = {
     "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2,
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-STREAMS = {CODEC_RAW: ("raw",), CODEC_FLOAT: ("exp", "hi")}
 MAX_DIM = (1 << 63) - 1             # a dimension is an int64 for torch (a zero elsewhere hides any product)
 
 
@@ -39,7 +38,7 @@ class TensorEntry:
     nbytes: int
     crc32: int
     streams: dict
-    params: FloatParams | None
+    params: FloatParams | GGUFParams | None     # the codec's (codecs.py)
 
     @property
     def numel(self) -> int:
@@ -69,13 +68,16 @@ class TensorEntry:
             raise bad(f"unknown dtype {dtype!r}")
         if not isinstance(shape, list) or not all(_is_uint(d) and d <= MAX_DIM for d in shape):
             raise bad(f"shape is not a list of integers in [0, {MAX_DIM}]")
-        if codec not in STREAMS or (codec == CODEC_FLOAT and dtype not in FLOAT_LAYOUTS):
+        row = CODECS.get(codec)
+        if row is None or not row.applies(dtype):
             raise bad(f"codec {codec!r} does not apply to {dtype}")
         itemsize = DTYPES[dtype].itemsize
         if rec.get("nbytes") != math.prod(shape) * itemsize or not _is_crc(rec.get("crc32")):
             raise bad("nbytes or crc32 disagree with the shape")
+        n = math.prod(shape)
+        params = row.parse(rec.get("params"), tuple(shape), dtype, bad)
         streams = rec.get("streams")
-        needed = STREAMS[codec] + (("lo",) if codec == CODEC_FLOAT and dtype == "float32" else ())
+        needed = row.roles(dtype, params)
         if not isinstance(streams, dict) or set(streams) != set(needed) \
                 or not all(isinstance(s, dict) for s in streams.values()):
             raise bad(f"streams must be exactly {list(needed)}")
@@ -83,16 +85,19 @@ class TensorEntry:
                    and _is_crc(s.get("crc32")) for s in streams.values()):
             raise bad(f"a stream offset or length is not a non-negative integer (offsets: multiples of {STREAM_ALIGN}) "
                       "or its crc32 is not a u32")
-        n = math.prod(shape)
-        planes = {"raw": n * itemsize, "hi": n, "lo": 2 * n}
+        planes = row.raw_lengths(n, itemsize, params)
         if any(streams[role]["length"] != size for role, size in planes.items() if role in streams):
             raise bad("a plane's length disagrees with the shape")
         layer = rec.get("layer")
         if layer is not None and not _is_uint(layer):
             raise bad("layer is not a non-negative integer")
-        params = _params(rec.get("params"), math.prod(shape), bad) if codec == CODEC_FLOAT else None
         return cls(rec["name"], dtype, tuple(shape), codec, layer, rec["nbytes"], rec["crc32"],
                    streams, params)
+
+    @property
+    def codec_row(self):
+        """This entry's row of the codec table (codecs.py)."""
+        return CODECS[self.codec]
 
 
 def _is_uint(v) -> bool:
@@ -101,18 +106,3 @@ def _is_uint(v) -> bool:
 
 def _is_crc(v) -> bool:
     return _is_uint(v) and v <= 0xFFFFFFFF
-
-
-def _params(p, n: int, bad) -> FloatParams:
-    if not isinstance(p, dict):
-        raise bad("float codec without params")
-    seg, ctx, group = p.get("segment_symbols"), p.get("ctx_bits"), p.get("table_group")
-    if seg != SEGMENT_SYMBOLS:
-        raise bad(f"segment_symbols {seg!r} is not {SEGMENT_SYMBOLS}")
-    if not (_is_uint(ctx) and ctx <= MAX_CTX_BITS and _is_uint(group) and group >= 1):
-        raise bad("ctx_bits/table_group out of range")
-    if group % TABLE_GROUP_QUANTUM and group < -(-n // seg):
-        raise bad(f"table_group {group} is neither a multiple of {TABLE_GROUP_QUANTUM} nor the whole tensor")
-    if n == 0:
-        raise bad("float codec on an empty tensor")
-    return FloatParams(n, ctx, min(group, -(-n // seg)), seg)

@@ -95,11 +95,30 @@ def prepare(layout: planes.FloatLayout, u: np.ndarray) -> Prepared | None:
     if n < MIN_CODED_ELEMENTS:
         return None
     sym, hi, lo = planes.split(layout, u)
-    n_seg = -(-n // SEGMENT_SYMBOLS)
-    fine = _fine_counts(sym, planes.context(layout, hi, MAX_CTX_BITS), n_seg)
+    if hi is None:                                 # the whole element is the symbol (fp8)
+        return prepare_bytes(sym, layout)
+    fine = _fine_counts(sym, planes.context(layout, hi, MAX_CTX_BITS), -(-n // SEGMENT_SYMBOLS))
+    best = _cheapest(fine, n, MAX_CTX_BITS)
+    return None if best is None else Prepared(layout, best[0], best[1], sym, hi, lo)
+
+
+def prepare_bytes(sym: np.ndarray, layout: planes.FloatLayout | None = None) -> Prepared | None:
+    """A plane of byte symbols with no raw plane beside it (fp8 weights, GGUF block planes): coded
+    with ctx_bits 0, in the exp-stream layout. None if storing the bytes raw is cheaper."""
+    n = len(sym)
+    if n < MIN_CODED_ELEMENTS:
+        return None
+    fine = _fine_counts(sym, np.zeros(n, dtype=np.uint8), -(-n // SEGMENT_SYMBOLS))
+    best = _cheapest(fine, n, 0)
+    return None if best is None else Prepared(layout, best[0], best[1], sym, None, None)
+
+
+def _cheapest(fine: np.ndarray, n: int, max_ctx_bits: int) -> tuple[FloatParams, np.ndarray] | None:
+    """The (params, tables) of least exact coded size, tables included; None if raw is cheaper."""
+    n_seg = fine.shape[0]
     groups = sorted({min(g, n_seg) for g in TABLE_GROUPS} | {n_seg})
     best = None
-    for ctx_bits in range(MAX_CTX_BITS + 1):
+    for ctx_bits in range(max_ctx_bits + 1):
         for group in groups:
             bits, freqs = _cost_bits(_grouped(fine, ctx_bits, group))
             if best is None or bits < best[0]:
@@ -107,7 +126,14 @@ def prepare(layout: planes.FloatLayout, u: np.ndarray) -> Prepared | None:
     bits, params, freqs = best
     if bits + n_seg * _SEGMENT_OVERHEAD_BITS >= 8 * n:
         return None
-    return Prepared(layout, params, freqs, sym, hi, lo)
+    return params, freqs
+
+
+def _contexts(layout: planes.FloatLayout | None, hi: np.ndarray | None, p: FloatParams) -> np.ndarray:
+    """Each symbol's context table within its set; all 0 for a plane coded alone (hi is None)."""
+    if p.ctx_bits == 0:
+        return np.zeros(p.n, dtype=np.uint8)
+    return planes.context(layout, hi, p.ctx_bits)
 
 
 def _directory_size(p: FloatParams) -> int:
@@ -137,7 +163,7 @@ def encode_batch(batch: list[Prepared]) -> list[bytes]:
 
 def _packed_symbols(p: Prepared) -> np.ndarray:
     """Each symbol's packed ``freq << 12 | cum`` under its own table (context within its set)."""
-    key = (planes.context(p.layout, p.hi, p.params.ctx_bits).astype(np.uint16) << 8) | p.sym
+    key = (_contexts(p.layout, p.hi, p.params).astype(np.uint16) << 8) | p.sym
     sets = tables.pack_encode(p.freqs).reshape(-1, (1 << p.params.ctx_bits) * 256)
     span = p.params.table_group * p.params.segment_symbols
     out = np.empty(p.params.n, dtype=np.uint32)
@@ -228,7 +254,7 @@ def batch_tables(items: list[tuple[ParsedExp, planes.FloatLayout, np.ndarray]]):
         tables_parts.append(np.concatenate([sets, np.zeros((len(sets), 1, 256), sets.dtype)], axis=1))
         set_of_seg = np.arange(p.n_segments, dtype=np.int64) // p.table_group
         seg_rows.append((first + set_of_seg * (n_ctx + 1)) * PROB_SCALE)
-        sym_rows.append(planes.context(layout, hi, p.ctx_bits).astype(np.uint16) * np.uint16(PROB_SCALE))
+        sym_rows.append(_contexts(layout, hi, p).astype(np.uint16) * np.uint16(PROB_SCALE))
         pad_rows.append(np.full(p.n_segments, n_ctx * PROB_SCALE, dtype=np.uint16))
         first += len(sets) * (n_ctx + 1)
     lut = tables.build_lut(np.concatenate([t.reshape(-1, 256) for t in tables_parts]))

@@ -10,6 +10,9 @@ Read me first -- the traps:
   `_unpermute_rows` undoes it exactly as transformers' `LlamaTensorProcessor` does.
 - A GGUF without `output.weight` has a tied head: no `lm_head.weight` is listed and the generated
   config.json says `tie_word_embeddings: true`.
+- Kept blocks (`keep_blocks`): `load_blocks` hands over a quantized tensor's blocks with the q/k
+  row permutation undone on whole block rows (codec/gguf_blocks.py), so that they dequantize to
+  exactly what `load` returns. Types the gguf codec has no row for come back None (stored dense).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import numpy as np
 import torch
 
 from .errors import SourceError
+from .gguf_blocks import BLOCK_TYPES, Blocks, shape_fits
 from .sources import CheckpointSource, TensorInfo
 
 GGUF_ARCHITECTURES = frozenset({"llama"})
@@ -48,9 +52,10 @@ GGUF_NAME_RE = re.compile(r"(?:blk\.(?P<layer>\d+)\.)?(?P<stem>\w+)\.(?P<suffix>
 class GGUFSource(CheckpointSource):
     """A llama-architecture GGUF file, dequantized per tensor and renamed to HF names."""
 
-    def __init__(self, path: Path, dtype: torch.dtype) -> None:
+    def __init__(self, path: Path, dtype: torch.dtype, keep_blocks: bool = False) -> None:
         super().__init__(path)
         self._dtype = dtype
+        self._keep = keep_blocks
         self._files: dict[str, bytes] | None = None
         self._reader: gguf.GGUFReader | None = _gguf_reader(path)
         arch = self._field("general.architecture")
@@ -92,12 +97,33 @@ class GGUFSource(CheckpointSource):
     def tensors(self) -> list[TensorInfo]:
         return [TensorInfo(n, self._dtype, _torch_shape(t)) for n, t in self._by_name.items()]
 
-    def load(self, name: str) -> torch.Tensor:
+    def _tensor(self, name: str) -> gguf.ReaderTensor:
         if self._reader is None:
             raise self._error("source is closed")
         tensor = self._by_name.get(name)
         if tensor is None:
             raise self._error(f"no tensor named {name!r}")
+        return tensor
+
+    def load_blocks(self, name: str) -> Blocks | None:
+        tensor = self._tensor(name)
+        bt = BLOCK_TYPES.get(tensor.tensor_type.name)
+        if not self._keep or bt is None:
+            return None
+        shape = _torch_shape(tensor)
+        raw = np.asarray(tensor.data, dtype=np.uint8).reshape(-1)
+        if not shape_fits(bt, shape) or raw.size != np.prod(shape) // bt.block_size * bt.type_size:
+            raise self._error(f"tensor {tensor.name!r}: {raw.size} bytes are not the {bt.name} blocks of {shape}")
+        rows = raw.reshape(int(np.prod(shape[:-1])), -1)     # a row of weights is whole blocks
+        n_head = self._rope_heads(name)
+        if n_head is not None:
+            if shape[0] % (2 * n_head):
+                raise self._error(f"tensor {tensor.name!r}: {shape[0]} rows do not split into {n_head} heads")
+            rows = _unpermute_rows(torch.from_numpy(rows.copy()), n_head).numpy()
+        return Blocks(bt, np.ascontiguousarray(rows).reshape(-1, bt.type_size))
+
+    def load(self, name: str) -> torch.Tensor:
+        tensor = self._tensor(name)
         try:
             values = torch.from_numpy(_dequantize(tensor))
         except NotImplementedError as exc:

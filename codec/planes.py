@@ -18,6 +18,14 @@ mantissa bits), a raw byte `hi`, and for fp32 a raw little-endian u16 `lo`:
          |s | exp (8) | m22..16 | m15..m0  |     lo  = mantissa[15:0]
          +--+---------+---------+----------+
 
+  fp8    7 6          0                    sym = the whole byte (float8_e4m3fn, float8_e5m2)
+         +-+-----------+                    no raw plane
+         |s| exp | man |                    e4m3fn: exp 4, man 3; e5m2: exp 5, man 2
+         +-+-----------+
+         Coding the whole byte measured best on fp8 weights cast with per-row or per-128-block
+         scales (docs/BENCHMARKS.md): 0.815 of the raw bytes for e4m3fn, against 0.823 with the
+         sign and exponent coded and the mantissa raw (the byte's 256 values make one table).
+
 Context: the exponent is coded with table ``ctx`` = the top `ctx_bits` mantissa bits that `hi`
 holds (hi bits 6.. for bf16/fp32, hi bits 7.. for fp16). The decoder reads `hi` before it decodes
 `sym`, so the context costs nothing to transmit. Every bit pattern (NaN payloads, +-Inf, -0,
@@ -44,11 +52,16 @@ FLOAT_LAYOUTS = {
     "bfloat16": FloatLayout("bfloat16", torch.bfloat16, np.uint16, 2, 6),
     "float16": FloatLayout("float16", torch.float16, np.uint16, 2, 7),
     "float32": FloatLayout("float32", torch.float32, np.uint32, 4, 6),
+    "float8_e4m3fn": FloatLayout("float8_e4m3fn", torch.float8_e4m3fn, np.uint8, 1, -1),
+    "float8_e5m2": FloatLayout("float8_e5m2", torch.float8_e5m2, np.uint8, 1, -1),
 }
+WHOLE_BYTE = frozenset({"float8_e4m3fn", "float8_e5m2"})     # sym is the element; ctx_bits is 0
 
 
 def split(layout: FloatLayout, u: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """Element words -> (sym u8, hi u8, lo u16 | None)."""
+    """Element words -> (sym u8, hi u8 | None, lo u16 | None)."""
+    if layout.itemsize == 1:
+        return u.astype(np.uint8, copy=False), None, None
     if layout.name == "float16":
         return (u >> 8).astype(np.uint8), (u & 0xFF).astype(np.uint8), None
     if layout.name == "bfloat16":
@@ -65,6 +78,9 @@ def join(layout: FloatLayout, sym: np.ndarray, hi: np.ndarray, lo: np.ndarray | 
     """(sym, hi, lo) -> element words, the exact inverse of split; written into `out` if given."""
     w = layout.word
     out = np.empty(len(sym), dtype=w) if out is None else out
+    if layout.itemsize == 1:
+        out[:] = sym
+        return out
     if layout.name == "float16":
         np.left_shift(sym, 8, out=out, dtype=w)
         return np.bitwise_or(out, hi, out=out)

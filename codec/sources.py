@@ -77,6 +77,11 @@ class CheckpointSource(ABC):
     def load(self, name: str) -> torch.Tensor:
         """One tensor: CPU, contiguous, only that tensor read from disk."""
 
+    def load_blocks(self, name: str):
+        """The tensor's quantized blocks (gguf_blocks.Blocks) when the source keeps them, else None:
+        `load(name)` then gives its values."""
+        return None
+
     @abstractmethod
     def close(self) -> None:
         """Release the memory maps; `load` fails afterwards."""
@@ -240,8 +245,11 @@ def _is_safetensors_layout(head: bytes, size: int) -> bool:
     return 2 <= header_len <= size - 8
 
 
-def open_source(path: str | os.PathLike[str], *, gguf_dtype: torch.dtype = torch.bfloat16) -> CheckpointSource:
-    """Open an HF folder, a `.safetensors` file or a llama `.gguf` file for streaming reads."""
+def open_source(path: str | os.PathLike[str], *, gguf_dtype: torch.dtype = torch.bfloat16,
+                gguf_keep: bool = False) -> CheckpointSource:
+    """Open an HF folder, a `.safetensors` file or a llama `.gguf` file for streaming reads.
+    A GGUF source loads every tensor dequantized to `gguf_dtype`; with gguf_keep it also hands
+    over the blocks of the quantized types that codec gguf keeps (load_blocks)."""
     p = Path(path)
     if not p.exists():
         raise SourceError(p, "no such file or directory")
@@ -252,7 +260,7 @@ def open_source(path: str | os.PathLike[str], *, gguf_dtype: torch.dtype = torch
         raise SourceError(p, "pickle checkpoints are refused (loading them can run code); convert to safetensors")
     if kind == "gguf":
         from .gguf_source import GGUFSource  # lazily: only GGUF users need the gguf package
-        return GGUFSource(p, gguf_dtype)
+        return GGUFSource(p, gguf_dtype, keep_blocks=gguf_keep)
     if kind == "safetensors":
         return SafetensorsSource(p, [p], _read_side_files(p.parent))
     raise SourceError(p, "not a safetensors or GGUF file")

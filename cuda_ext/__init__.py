@@ -3,7 +3,8 @@
 -> codec; codec never imports this package.
 
     available()                       which path is live, and why
-    decode_plan(plan, data)           decode a batch whose streams are in `data` (on any device)
+    decode_plan(plan, data)           decode a batch whose streams are in `data` (on any device); fp8
+                                      and GGUF entries through cuda_ext/quant.py
     build_index(plan, data)           the same, also recording the resident index (codec/resident.py)
     Prepared(plan, data, outputs,...) one launch bound to caller-owned buffers: run() allocates nothing
     load(path, device=...)            a whole archive -> LoadedModel with tensors on `device`
@@ -21,6 +22,7 @@ from codec import resident
 from codec.errors import ChecksumError
 
 from . import plan as plans
+from . import quant
 from .build import Availability, ensure_loaded
 
 __all__ = ["Availability", "DeviceIndex", "Prepared", "available", "build_index", "decode_plan", "load", "plans"]
@@ -100,7 +102,7 @@ def decode_plan(p: plans.Plan, data: torch.Tensor, path=None) -> dict[str, torch
     job = Prepared(p, data, _outputs(p, data.device), path=path)
     job.run()
     job.check()
-    return _with_raw(p, data, job.outputs)
+    return _with_raw(p, data, job.outputs) | quant.decode(p, data, path)
 
 
 def build_index(p: plans.Plan, data: torch.Tensor, entry_steps: int = resident.ENTRY_STEPS, path=None,
@@ -115,7 +117,7 @@ def build_index(p: plans.Plan, data: torch.Tensor, entry_steps: int = resident.E
                    index, path)
     job.run()
     job.check()
-    return _with_raw(p, data, job.outputs), index
+    return _with_raw(p, data, job.outputs) | quant.decode(p, data, path), index
 
 
 def load(path: str | os.PathLike, device: str | torch.device = "cuda", *, verify: bool = True,

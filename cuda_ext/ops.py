@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from codec import floatcodec, planes, resident
+from codec import floatcodec, gguf_blocks, int8, planes, resident
 from codec.constants import SEGMENT_SYMBOLS
 from codec.floatcodec import FloatParams
 
@@ -32,6 +32,37 @@ def decode_pieces(data: torch.Tensor, desc: torch.Tensor, plan: torch.Tensor, ou
                                            mode, entry_steps)
 
 
+def decode_bytes(data: torch.Tensor, desc: torch.Tensor, outputs: list[torch.Tensor], status: torch.Tensor) -> None:
+    """Decode byte planes coded alone (desc rows as decode_pieces': ctx_bits 0, dtype plan.BYTES_CODE,
+    hi_off = lo_off = -1) from `data` into `outputs` (caller-owned, 1-byte elements, on data's device),
+    on the current stream. `status` (int32) gets one code per segment at first_segment + i."""
+    torch.ops.wcodec.decode_bytes.default(data, desc, outputs, status)
+
+
+def dequantize_blocks(planes: list[torch.Tensor], ggml_type: int, out: torch.Tensor) -> None:
+    """GGUF planes of one tensor (uint8, codec/gguf_blocks.py order) -> `out` (bfloat16, float16 or
+    float32): gguf's dequantization, then torch's CPU cast, bit for bit."""
+    torch.ops.wcodec.dequantize_blocks.default(planes, ggml_type, out)
+
+
+def reconstruct_int8(resid: torch.Tensor, modes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+    """An int8-coded weight (codec/int8.py): residual bytes (uint8 [R * C], row-major), tile modes
+    (uint8, one per 16x16 tile) and row scales (float32 [R]) -> `out` ([R, C] bfloat16, float16 or
+    float32): float32(q) * scale, cast as torch's CPU cast does."""
+    torch.ops.wcodec.reconstruct_int8.default(resid, modes, scales, out)
+
+
+QUANT_OPS = ("wcodec::decode_bytes", "wcodec::dequantize_blocks", "wcodec::reconstruct_int8")
+
+
+def has_quant_ops(device_type: str | None = None) -> bool:
+    """The quantized codecs' ops are registered (for `device_type`'s dispatch key, if given)."""
+    if not all(torch._C._dispatch_has_kernel(op) for op in QUANT_OPS):
+        return False
+    key = {"cuda": "CUDA", "cpu": "CPU"}.get(device_type)
+    return key is None or all(torch._C._dispatch_has_kernel_for_dispatch_key(op, key) for op in QUANT_OPS)
+
+
 def register_fakes() -> None:
     """Meta implementations for torch.compile / opcheck; called once the library is loaded."""
     if getattr(register_fakes, "done", False):
@@ -40,6 +71,11 @@ def register_fakes() -> None:
     @torch.library.register_fake("wcodec::decode_pieces")
     def _(data, desc, plan, outputs, entry_states, entry_words, status, decode_mode, entry_steps):
         return None
+
+    if has_quant_ops():                 # an extension built before them lacks them: NumPy decodes those
+        torch.library.register_fake("wcodec::decode_bytes")(lambda data, desc, outputs, status: None)
+        torch.library.register_fake("wcodec::dequantize_blocks")(lambda planes, ggml_type, out: None)
+        torch.library.register_fake("wcodec::reconstruct_int8")(lambda resid, modes, scales, out: None)
 
     register_fakes.done = True
 
@@ -84,6 +120,42 @@ def reference_decode_pieces(data: torch.Tensor, desc: torch.Tensor, plan: torch.
         else:
             (sym, st[units], _, _), = floatcodec.decode_batch([(parsed, layout, hi)])
         planes.join(layout, sym, hi, lo, out=out.view(-1).view(_word_dtype(layout)).numpy())
+
+
+def reference_decode_bytes(data: torch.Tensor, desc: torch.Tensor, outputs: list[torch.Tensor],
+                           status: torch.Tensor) -> None:
+    """The NumPy reference of decode_bytes: every row's segments in one rans.decode pass."""
+    buf, st = data.numpy(), status.numpy()
+    items, where = [], []
+    for row, out in zip(desc.tolist(), outputs):
+        d = dict(zip(DESC_FIELDS, row))
+        params = FloatParams(d["numel"], 0, d["table_group"], SEGMENT_SYMBOLS)
+        segs = slice(d["first_segment"], d["first_segment"] + params.n_segments)
+        try:
+            items.append((floatcodec.parse_exp(buf[d["exp_off"]:d["exp_off"] + d["exp_len"]], params), None, None))
+        except floatcodec.StreamFault as fault:
+            st[segs] = STATUS_TABLE if fault.table else STATUS_DIRECTORY
+            continue
+        where.append((segs, out))
+    for (sym, seg_status, _, _), (segs, out) in zip(floatcodec.decode_batch(items) if items else [], where):
+        st[segs] = seg_status
+        out.reshape(-1).view(torch.uint8).numpy()[:] = sym
+
+
+def reference_dequantize_blocks(planes: list[torch.Tensor], ggml_type: int, out: torch.Tensor) -> None:
+    """The NumPy reference of dequantize_blocks: gguf_blocks.join, then gguf's own dequantizer."""
+    bt = next(t for t in gguf_blocks.BLOCK_TYPES.values() if t.code == ggml_type)
+    n_blocks = out.numel() // bt.block_size
+    blocks = gguf_blocks.join(bt, {name: p.numpy() for name, p in zip(bt.plane_names, planes)}, n_blocks)
+    out.copy_(gguf_blocks.dequantize(bt, blocks, tuple(out.shape), out.dtype))
+
+
+def reference_reconstruct_int8(resid: torch.Tensor, modes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+    """The NumPy reference of reconstruct_int8 (codec/int8.py)."""
+    rows, cols = out.shape
+    tiles = (-(-rows // int8.TILE), -(-cols // int8.TILE))
+    q = int8.reconstruct(resid.numpy().reshape(rows, cols), modes.numpy().reshape(tiles))
+    out.copy_(int8.dequantize(q, scales.numpy(), out.dtype))
 
 
 def _word_dtype(layout: planes.FloatLayout) -> torch.dtype:

@@ -11,12 +11,13 @@ from dataclasses import dataclass
 import torch
 
 from codec import errors
-from codec.constants import CODEC_FLOAT, SEGMENT_STEPS
+from codec.constants import CODEC_FLOAT, CODEC_RAW, SEGMENT_STEPS
 from codec.entries import TensorEntry
 
 DESC_FIELDS = ("exp_off", "exp_len", "hi_off", "lo_off", "numel", "ctx_bits", "table_group",
                "dtype", "first_segment")
-DTYPE_CODES = {"bfloat16": 0, "float16": 1, "float32": 2}
+DTYPE_CODES = {"bfloat16": 0, "float16": 1, "float32": 2}       # decode_pieces' dtypes
+BYTES_CODE = 3                                                  # a byte plane coded alone (decode_bytes)
 STATUS_TEXT = {1: "used more or fewer words than it holds", 2: "a lane did not end where it must",
                3: "its directory points outside the stream", 4: "a frequency table is malformed"}
 
@@ -30,6 +31,8 @@ class Plan:
     float_entries: list[TensorEntry]
     desc: torch.Tensor                        # int64 [n_float, len(DESC_FIELDS)], CPU
     raw_entries: list[tuple[TensorEntry, int]]   # (entry, offset of its raw stream from start)
+    # every other codec (fp8 floats, GGUF blocks: cuda_ext/quant.py): (entry, {role: offset from start})
+    coded_entries: list[tuple[TensorEntry, dict[str, int]]] = ()
 
     @property
     def n_segments(self) -> int:
@@ -50,7 +53,8 @@ def select(plan: Plan, names) -> Plan:
     names = set(names)
     keep = [i for i, e in enumerate(plan.float_entries) if e.name in names]
     return Plan(plan.start, plan.end, [plan.float_entries[i] for i in keep], plan.desc[keep].contiguous(),
-                [(e, off) for e, off in plan.raw_entries if e.name in names])
+                [(e, off) for e, off in plan.raw_entries if e.name in names],
+                [(e, offs) for e, offs in plan.coded_entries if e.name in names])
 
 
 def _rel(entry: TensorEntry, role: str, start: int, end: int, path) -> int:
@@ -72,10 +76,13 @@ def build(entries: list[TensorEntry], path=None, start: int | None = None, end: 
     """Plan a batch; streams must lie in [start, end) (default: their smallest common range)."""
     if start is None or end is None:
         start, end = stream_range(entries)
-    rows, floats, raws, first = [], [], [], 0
+    rows, floats, raws, coded, first = [], [], [], [], 0
     for e in entries:
-        if e.codec != CODEC_FLOAT:
+        if e.codec == CODEC_RAW:
             raws.append((e, _rel(e, "raw", start, end, path)))
+            continue
+        if e.codec != CODEC_FLOAT or e.dtype not in DTYPE_CODES:
+            coded.append((e, {role: _rel(e, role, start, end, path) for role in e.streams}))
             continue
         p = e.params
         rows.append([_rel(e, "exp", start, end, path), e.streams["exp"]["length"],
@@ -85,7 +92,7 @@ def build(entries: list[TensorEntry], path=None, start: int | None = None, end: 
         floats.append(e)
         first += p.n_segments
     desc = torch.tensor(rows, dtype=torch.int64).reshape(-1, len(DESC_FIELDS))
-    return Plan(start, end, floats, desc, raws)
+    return Plan(start, end, floats, desc, raws, coded)
 
 
 MODE_BULK, MODE_RECORD, MODE_INDEXED = 0, 1, 2      # wcodec_constants.h Mode

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 import cuda_ext
-from codec.constants import CODEC_FLOAT
+from codec.constants import CODEC_RAW
 from codec.decode import Archive
 from codec.entries import TensorEntry
 from cuda_ext import plans
@@ -66,7 +66,8 @@ class Batch:
 
     @property
     def codec(self) -> str:
-        return CODEC_FLOAT if any(e.codec == CODEC_FLOAT for e in self.entries) else "raw"
+        """The codec of most of the batch's decoded bytes (a metrics label)."""
+        return max(self.entries, key=lambda e: e.nbytes).codec if self.entries else CODEC_RAW
 
 
 @dataclass
@@ -223,10 +224,11 @@ def _decode(batch: Batch, data: torch.Tensor, path: str) -> dict[str, torch.Tens
 
 def _keeping(layers: list[resident.CompressedLayer]) -> DecodeFn:
     """Compressed-resident mode: a decoder layer's float tensors stay compressed (their bytes kept
-    on the device, with the resident index); everything else is decoded as usual."""
+    on the device, with the resident index); everything else, and every layer without such a
+    tensor (GGUF blocks, int8, fp8), is decoded as usual."""
     def decode(batch: Batch, data: torch.Tensor, path: str) -> dict[str, torch.Tensor]:
         layer = batch.entries[0].layer
-        if layer is None or batch.codec != CODEC_FLOAT:
+        if layer is None or not any(resident.stays_compressed(e) for e in batch.entries):
             return _decode(batch, data, path)
         kept = data.clone() if data.device.type == "cpu" else data       # the CPU ring buffer is reused
         compressed, raw = resident.keep_layer(layer, plans.build(batch.entries, path, batch.start, batch.end),

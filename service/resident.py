@@ -47,10 +47,17 @@ class CompressedLayer:
         return self.data.nbytes + self.entries.nbytes
 
 
+def stays_compressed(e) -> bool:
+    """Whether compressed-resident mode keeps a tensor compressed: a decoder layer's float-coded
+    bf16/fp16/fp32 tensor (what decode_pieces decodes in pieces). Every other codec -- raw, fp8,
+    GGUF blocks, int8 -- is decoded at load, as in decoded mode."""
+    return e.layer is not None and e.codec == CODEC_FLOAT and e.dtype in plans.DTYPE_CODES
+
+
 def estimate_bytes(entries, slots: int) -> int:
     """Device bytes a model takes in compressed-resident mode, from its header: kept streams of the
     decoder layers' float tensors, their index, `slots` scratch slots, and the rest decoded."""
-    kept = [e for e in entries if e.layer is not None and e.codec == CODEC_FLOAT]
+    kept = [e for e in entries if stays_compressed(e)]
     streams = sum(r["length"] for e in kept for r in e.streams.values())
     index = sum(e.params.n_segments * (SEGMENT_STEPS // ENTRY_STEPS) * (LANES + 1) * 4 for e in kept)
     per_module: dict[str, int] = {}

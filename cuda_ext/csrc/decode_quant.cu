@@ -1,0 +1,356 @@
+// CUDA twin of decode_quant.cpp (the same steps, spread over threads).
+//   decode_bytes       one warp per segment, a block of 4 warps per 4 consecutive segments of one
+//                      plane, which share one table (table_group is a multiple of 4 or covers the
+//                      plane); the block builds it in shared memory as packed u32 entries
+//                      (tables.build_lut's layout). A step: one shared load, a multiply-add, and a
+//                      ballot + popc that hands out the renormalisation words in lane order
+//                      (docs/FORMAT.md §3); the symbol is the output byte. Steps run in unrolled
+//                      chunks of 8, as decode_float.cu's.
+//   dequantize_blocks  a block of 256 threads per 4096 weights: join the planes of its GGUF blocks
+//                      in shared memory (coalesced reads), then one thread per weight
+//                      (gguf_blocks.h dequantize_one: PTX mul.rn, never fused or flushed; NaNs as
+//                      x86 gives them), coalesced stores in the compute dtype.
+//   reconstruct_int8   one thread per 16 x 16 tile (int8_tiles.h), each tile row loaded and stored
+//                      as 16-byte vectors where aligned.
+// Archive data never traps: every read is bounded and each segment reports a status. Launches run
+// on the current stream.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "decode_common.h"
+#include "gguf_blocks.h"
+#include "int8_tiles.h"
+
+namespace wcodec {
+
+std::vector<TensorDesc> check_bytes_args(const at::Tensor& data, const at::Tensor& desc, at::TensorList outputs,
+                                         const at::Tensor& status);                                       // .cpp
+const gguf::BlockLayout& check_blocks_args(at::TensorList planes, int64_t ggml_type, const at::Tensor& out);  // .cpp
+
+namespace {
+
+constexpr unsigned kFullMask = 0xFFFFFFFFu;
+constexpr int kWarps = 4;                                 // = TABLE_GROUP_QUANTUM
+
+// ---- build the decode table (one warp) -------------------------------------------------------------
+// As decode_float.cu's build_decode_table: lane l owns symbols [8l, 8l + 8); a warp scan gives cum,
+// then each lane fills 128 consecutive slots. Returns kOk / kTable; an all-zero table is the identity.
+__device__ int build_table(const uint8_t* exp, const TensorDesc& d, int64_t j, uint32_t* lut, uint32_t* cum_s) {
+  const int lane = threadIdx.x & 31;
+  const int64_t base = 12 * segment_count(d);
+  const int64_t start = load_le<uint32_t>(exp + base + 4 * j);
+  const int64_t end = load_le<uint32_t>(exp + base + 4 * (j + 1));
+  bool ok = start >= directory_bytes(d) && end >= start + kTableBitmapBytes && end <= d.exp_len;
+  const uint32_t bits = ok ? exp[start + lane] : 0u;
+  uint32_t before = __popc(bits);
+  for (int o = 1; o < 32; o <<= 1) {
+    const uint32_t v = __shfl_up_sync(kFullMask, before, o);
+    if (lane >= o) before += v;
+  }
+  before -= __popc(bits);
+  uint32_t freq[8], sum = 0;
+  for (int k = 0, seen = 0; k < 8; ++k) {
+    freq[k] = 0;
+    if (!((bits >> k) & 1)) continue;
+    const int64_t pos = start + kTableBitmapBytes + 2 * (before + seen++);
+    if (pos + 2 > end) { ok = false; continue; }
+    freq[k] = load_le<uint16_t>(exp + pos);
+    ok = ok && freq[k] != 0;
+    sum += freq[k];
+  }
+  uint32_t cum = sum;
+  for (int o = 1; o < 32; o <<= 1) {
+    const uint32_t v = __shfl_up_sync(kFullMask, cum, o);
+    if (lane >= o) cum += v;
+  }
+  const uint32_t total = __shfl_sync(kFullMask, cum, 31);
+  cum -= sum;
+  ok = __all_sync(kFullMask, ok) && (total == kProbScale || total == 0);
+  if (!ok) return kTable;
+  if (total == 0) {
+    for (uint32_t slot = lane; slot < kProbScale; slot += 32) lut[slot] = lut_entry(kProbScale, 0, slot);
+    __syncwarp();
+    return kOk;
+  }
+  for (int k = 0; k < 8; ++k) cum_s[8 * lane + k] = cum, cum += freq[k];
+  if (lane == 0) cum_s[256] = kProbScale;
+  __syncwarp();
+  uint32_t slot = (kProbScale / 32) * lane, s = 0;
+  for (uint32_t lo = 0, hi = 255; lo < hi;) {
+    const uint32_t mid = (lo + hi + 1) >> 1;
+    if (cum_s[mid] <= slot) lo = mid; else hi = mid - 1;
+    s = lo;
+  }
+  for (int k = 0; k < static_cast<int>(kProbScale / 32); ++k, ++slot) {
+    while (cum_s[s + 1] <= slot) ++s;
+    const uint32_t c = cum_s[s];
+    lut[slot] = lut_entry(cum_s[s + 1] - c, s, slot - c);
+  }
+  __syncwarp();
+  return kOk;
+}
+
+// ---- decode lanes: one segment -----------------------------------------------------------------------
+constexpr int kChunk = static_cast<int>(kMinEntrySteps);            // steps per unrolled chunk
+
+// One chunk of kChunk steps. `Full` chunks (every symbol inside the segment) skip the end checks.
+template <bool Full>
+__device__ __forceinline__ void decode_byte_chunk(const uint32_t* lut, const uint16_t* words, int n_words, int base,
+                                                  int n, uint32_t& x, int& wpos, uint8_t* out) {
+  const int lane = threadIdx.x & 31;
+  const unsigned below = (1u << lane) - 1u;
+#pragma unroll
+  for (int k = 0; k < kChunk; ++k) {
+    const int j = base + k * kLanes + lane;
+    const bool active = Full || j < n;
+    uint32_t xn = x;
+    const uint32_t sym = rans_step_packed(lut[x & (kProbScale - 1)], xn);     // x = D(x)
+    const bool need = active && xn < kRansL;                                   // renormalise: one word
+    const unsigned mask = __ballot_sync(kFullMask, need);
+    const int pos = wpos + __popc(mask & below);
+    const uint32_t w = (need && pos < n_words) ? __ldg(words + pos) : 0u;       // bounded: zeros past the end
+    x = need ? (xn << kRenormBits) | w : (active ? xn : x);
+    wpos += __popc(mask);
+    if (Full || active) out[j] = static_cast<uint8_t>(sym);
+  }
+}
+
+__device__ int decode_segment(const uint8_t* exp, const SegmentRef& ref, const uint32_t* lut, uint8_t* out) {
+  const int lane = threadIdx.x & 31;
+  if (ref.words > ref.symbols) return kWords;       // a step takes at most one word a lane: never decodable
+  const uint16_t* words = reinterpret_cast<const uint16_t*>(exp + ref.data + kStateBytes);
+  const int n = static_cast<int>(ref.symbols), n_words = static_cast<int>(ref.words);
+  uint32_t x = load_le<uint32_t>(exp + ref.data + 4 * lane);
+  int wpos = 0;
+  for (int base = 0; base < n; base += kChunk * kLanes) {
+    if (base + kChunk * kLanes <= n)
+      decode_byte_chunk<true>(lut, words, n_words, base, n, x, wpos, out);
+    else
+      decode_byte_chunk<false>(lut, words, n_words, base, n, x, wpos, out);
+  }
+  if (wpos != n_words) return kWords;
+  return __all_sync(kFullMask, x == kRansL) ? kOk : kState;
+}
+
+struct BytesPlan {                 // desc rows | first block of each row | output pointers (int64)
+  const int64_t* desc;
+  const int64_t* firsts;
+  const int64_t* outs;
+  int64_t n;
+};
+
+__global__ void __launch_bounds__(32 * kWarps) decode_bytes_kernel(const uint8_t* __restrict__ data, BytesPlan plan,
+                                                                    int32_t* __restrict__ status) {
+  __shared__ uint32_t lut[kProbScale];
+  __shared__ uint32_t cum[260];
+  __shared__ int table_status;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t b = blockIdx.x;
+  int64_t lo = 0, hi = plan.n - 1;                                   // last row with first <= b
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) >> 1;
+    if (plan.firsts[mid] <= b) lo = mid; else hi = mid - 1;
+  }
+  const TensorDesc d = load_desc(plan.desc + lo * kDescFields);
+  const uint8_t* exp = data + d.exp_off;
+  const int64_t seg0 = (b - plan.firsts[lo]) * kWarps, seg = seg0 + warp;
+  if (threadIdx.x == 0) table_status = kOk;
+  __syncthreads();
+  if (warp == 0) {
+    SegmentRef ref0;
+    int st = read_segment(exp, d.exp_len, d, seg0, &ref0);
+    if (st == kOk) st = build_table(exp, d, ref0.table0, lut, cum);
+    if (lane == 0) table_status = st;
+  }
+  __syncthreads();
+  if (seg >= segment_count(d)) return;
+  SegmentRef ref;
+  int result = table_status != kOk ? table_status : read_segment(exp, d.exp_len, d, seg, &ref);
+  if (result == kOk)
+    result = decode_segment(exp, ref, lut, reinterpret_cast<uint8_t*>(plan.outs[lo]) + seg * kSegmentSymbols);
+  if (lane == 0) status[d.first_segment + seg] = result;
+}
+
+constexpr int kDqThreads = 256;
+constexpr int kDqWeights = 4096;                          // weights per block of threads: 16 a thread
+constexpr int kDqBytes = kDqWeights / 32 * 34;           // their block bytes at most (Q8_0: 34 per 32)
+
+struct Planes {
+  const uint8_t* p[gguf::kMaxPlanes];
+};
+
+// GGUF blocks [b0, b0 + kDqWeights / block_size) of one tensor: join their planes into shared
+// memory (gguf_blocks.join: plane k holds bytes [start, start + width) of every block), then
+// dequantize weight i of the range in thread i % kDqThreads.
+template <int64_t Code, typename Store>
+__global__ void __launch_bounds__(kDqThreads) dequantize_kernel(gguf::BlockLayout l, Planes planes, int64_t n_blocks,
+                                                                Store store) {
+  __shared__ uint8_t blocks[kDqBytes];
+  const int per = kDqWeights / l.block_size;
+  const int64_t b0 = static_cast<int64_t>(blockIdx.x) * per;
+  const int nb = static_cast<int>(n_blocks - b0 < per ? n_blocks - b0 : per);
+  for (int k = 0; k < l.n_planes; ++k) {                              // join the planes
+    const int w = l.planes[k].width, start = l.planes[k].start;
+    const uint8_t* src = planes.p[k] + b0 * w;
+    for (int i = threadIdx.x; i < nb * w; i += kDqThreads) blocks[(i / w) * l.type_size + start + i % w] = __ldg(src + i);
+  }
+  __syncthreads();
+  const int shift = l.block_size == 256 ? 8 : 5;                     // block sizes: 32 or QK_K = 256
+  const int64_t first = b0 * l.block_size;
+  for (int i = threadIdx.x; i < (nb << shift); i += kDqThreads)       // dequantize
+    store(first + i, gguf::dequantize_one(Code, blocks + (i >> shift) * l.type_size, i & (l.block_size - 1)));
+}
+
+template <typename Store>
+__global__ void reconstruct_int8_kernel(const uint8_t* resid, const uint8_t* modes, const float* scales, int64_t rows,
+                                        int64_t cols, int64_t tiles, Store store) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t < tiles) int8::reconstruct_tile(resid, modes, scales, rows, cols, t, store);
+}
+
+struct StoreF32 { float* o; __device__ void operator()(int64_t i, float v) const { o[i] = v; } };
+struct StoreBF16 { uint16_t* o; __device__ void operator()(int64_t i, float v) const { o[i] = gguf::f32_to_bf16(v); } };
+struct StoreF16 { uint16_t* o; __device__ void operator()(int64_t i, float v) const { o[i] = gguf::f32_to_f16(v); } };
+
+// Tile rows (int8_tiles.h store.row): a full row at a 16-byte aligned address as vector stores.
+struct RowF32 {
+  float* o;
+  __device__ void row(int64_t at, const float* y, int w) const {
+    float* p = o + at;
+    if (w == int8::kTile && (reinterpret_cast<uintptr_t>(p) & 15u) == 0) {
+#pragma unroll
+      for (int k = 0; k < int8::kTile / 4; ++k)
+        reinterpret_cast<float4*>(p)[k] = make_float4(y[4 * k], y[4 * k + 1], y[4 * k + 2], y[4 * k + 3]);
+      return;
+    }
+#pragma unroll
+    for (int j = 0; j < int8::kTile; ++j)
+      if (j < w) p[j] = y[j];
+  }
+};
+template <bool BF16>
+struct Row16 {
+  uint16_t* o;
+  __device__ static uint32_t cast(float v) { return BF16 ? gguf::f32_to_bf16(v) : gguf::f32_to_f16(v); }
+  __device__ void row(int64_t at, const float* y, int w) const {
+    uint16_t* p = o + at;
+    if (w == int8::kTile && (reinterpret_cast<uintptr_t>(p) & 15u) == 0) {
+      uint32_t u[int8::kTile / 2];                                    // little-endian: element 2k low
+#pragma unroll
+      for (int k = 0; k < int8::kTile / 2; ++k) u[k] = cast(y[2 * k]) | (cast(y[2 * k + 1]) << 16);
+      reinterpret_cast<uint4*>(p)[0] = make_uint4(u[0], u[1], u[2], u[3]);
+      reinterpret_cast<uint4*>(p)[1] = make_uint4(u[4], u[5], u[6], u[7]);
+      return;
+    }
+#pragma unroll
+    for (int j = 0; j < int8::kTile; ++j)
+      if (j < w) p[j] = static_cast<uint16_t>(cast(y[j]));
+  }
+};
+
+}  // namespace
+
+static void decode_bytes_cuda(const at::Tensor& data, const at::Tensor& desc, at::TensorList outputs,
+                              const at::Tensor& status) {
+  const std::vector<TensorDesc> descs = check_bytes_args(data, desc, outputs, status);
+  const int64_t n = static_cast<int64_t>(descs.size());
+  std::vector<int64_t> host(desc.data_ptr<int64_t>(), desc.data_ptr<int64_t>() + n * kDescFields);
+  int64_t blocks = 0;
+  const uintptr_t base = reinterpret_cast<uintptr_t>(data.data_ptr());
+  for (const TensorDesc& d : descs) {
+    TORCH_CHECK(d.table_group % kWarps == 0 || d.table_group >= segment_count(d),
+                "table_group must be a multiple of ", kWarps, " or cover the plane");
+    TORCH_CHECK((base + static_cast<uintptr_t>(d.exp_off)) % 2 == 0,
+                "a stream must start at an even address on the GPU (its words are u16 loads)");
+    host.push_back(blocks);
+    blocks += (segment_count(d) + kWarps - 1) / kWarps;
+  }
+  for (const auto& o : outputs) host.push_back(reinterpret_cast<int64_t>(o.data_ptr()));
+  if (blocks == 0) return;
+  TORCH_CHECK(blocks < (int64_t{1} << 31), "too many segments for one launch");
+  const c10::cuda::CUDAGuard guard(data.device());
+  const at::Tensor plan = at::tensor(host, at::kLong).to(data.device(), /*non_blocking=*/false);
+  const int64_t* p = plan.data_ptr<int64_t>();
+  decode_bytes_kernel<<<static_cast<unsigned>(blocks), 32 * kWarps, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      data.data_ptr<uint8_t>(), BytesPlan{p, p + n * kDescFields, p + n * (kDescFields + 1), n},
+      status.data_ptr<int32_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename Store>
+static void launch_dequantize(const gguf::BlockLayout& l, const Planes& planes, int64_t n_blocks, Store store) {
+  const int64_t per = kDqWeights / l.block_size;
+  const int64_t grid = (n_blocks + per - 1) / per;
+  TORCH_CHECK(grid < (int64_t{1} << 31), "too many blocks for one launch");
+  const dim3 g(static_cast<unsigned>(grid));
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  switch (l.code) {                                  // one kernel per type: dequantize_one's switch folds away
+    case 2: dequantize_kernel<2><<<g, kDqThreads, 0, stream>>>(l, planes, n_blocks, store); break;
+    case 3: dequantize_kernel<3><<<g, kDqThreads, 0, stream>>>(l, planes, n_blocks, store); break;
+    case 6: dequantize_kernel<6><<<g, kDqThreads, 0, stream>>>(l, planes, n_blocks, store); break;
+    case 7: dequantize_kernel<7><<<g, kDqThreads, 0, stream>>>(l, planes, n_blocks, store); break;
+    case 8: dequantize_kernel<8><<<g, kDqThreads, 0, stream>>>(l, planes, n_blocks, store); break;
+    case 12: dequantize_kernel<12><<<g, kDqThreads, 0, stream>>>(l, planes, n_blocks, store); break;
+    case 13: dequantize_kernel<13><<<g, kDqThreads, 0, stream>>>(l, planes, n_blocks, store); break;
+    case 14: dequantize_kernel<14><<<g, kDqThreads, 0, stream>>>(l, planes, n_blocks, store); break;
+    default: TORCH_CHECK(false, "no CUDA dequantizer for GGML type ", l.code);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+static void dequantize_blocks_cuda(at::TensorList planes, int64_t ggml_type, const at::Tensor& out) {
+  const gguf::BlockLayout& l = check_blocks_args(planes, ggml_type, out);
+  TORCH_CHECK((l.block_size == 32 || l.block_size == 256) && l.type_size * (kDqWeights / l.block_size) <= kDqBytes,
+              "GGML type ", ggml_type, ": block size ", l.block_size, " / ", l.type_size, " bytes do not fit the kernel");
+  const int64_t n_blocks = out.numel() / l.block_size;
+  if (n_blocks == 0) return;
+  Planes ptrs{};
+  for (int k = 0; k < l.n_planes; ++k) ptrs.p[k] = planes[k].data_ptr<uint8_t>();
+  const c10::cuda::CUDAGuard guard(out.device());
+  if (out.scalar_type() == at::kFloat)
+    launch_dequantize(l, ptrs, n_blocks, StoreF32{out.data_ptr<float>()});
+  else if (out.scalar_type() == at::kBFloat16)
+    launch_dequantize(l, ptrs, n_blocks, StoreBF16{reinterpret_cast<uint16_t*>(out.data_ptr())});
+  else
+    launch_dequantize(l, ptrs, n_blocks, StoreF16{reinterpret_cast<uint16_t*>(out.data_ptr())});
+}
+
+void check_int8_args(const at::Tensor& resid, const at::Tensor& modes, const at::Tensor& scales,
+                     const at::Tensor& out);                                                            // .cpp
+
+static void reconstruct_int8_cuda(const at::Tensor& resid, const at::Tensor& modes, const at::Tensor& scales,
+                                  const at::Tensor& out) {
+  check_int8_args(resid, modes, scales, out);
+  const int64_t rows = out.size(0), cols = out.size(1);
+  const int64_t tiles = modes.numel();
+  if (tiles == 0) return;
+  const c10::cuda::CUDAGuard guard(out.device());
+  const int threads = 128;
+  const unsigned grid = static_cast<unsigned>((tiles + threads - 1) / threads);
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  const uint8_t* r = resid.data_ptr<uint8_t>();
+  const uint8_t* m = modes.data_ptr<uint8_t>();
+  const float* s = scales.data_ptr<float>();
+  if (out.scalar_type() == at::kFloat)
+    reconstruct_int8_kernel<<<grid, threads, 0, stream>>>(r, m, s, rows, cols, tiles, RowF32{out.data_ptr<float>()});
+  else if (out.scalar_type() == at::kBFloat16)
+    reconstruct_int8_kernel<<<grid, threads, 0, stream>>>(r, m, s, rows, cols, tiles,
+                                                          Row16<true>{reinterpret_cast<uint16_t*>(out.data_ptr())});
+  else
+    reconstruct_int8_kernel<<<grid, threads, 0, stream>>>(r, m, s, rows, cols, tiles,
+                                                          Row16<false>{reinterpret_cast<uint16_t*>(out.data_ptr())});
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+TORCH_LIBRARY_IMPL(wcodec, CUDA, m) {
+  m.impl("decode_bytes", &decode_bytes_cuda);
+  m.impl("dequantize_blocks", &dequantize_blocks_cuda);
+  m.impl("reconstruct_int8", &reconstruct_int8_cuda);
+}
+
+}  // namespace wcodec

@@ -1,0 +1,131 @@
+"""The extension's side of the codec table for the codecs that decode_pieces does not decode:
+fp8 floats (whole byte coded), GGUF blocks and int8. Two steps, the same on every device:
+
+    decode_bytes        every coded byte plane of the plan, in one launch (one status per segment)
+    FINISH[codec]       the planes -> the tensor: fp8 decodes straight into its output; GGUF planes
+                        (decoded ones, raw ones read in place from `data`) -> dequantize_blocks;
+                        int8 residuals, tile modes and scales -> reconstruct_int8
+
+Ops: the C++ twin (or CUDA kernels) when the extension has them for data's device, else the
+NumPy reference in cuda_ext/ops.py. On a CUDA device whose build lacks the kernels, the planes
+are decoded on the CPU and the tensors copied over.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from codec import errors
+from codec.codecs import GGUFParams
+from codec.constants import CODEC_FLOAT, CODEC_GGUF, CODEC_INT8
+from codec.int8 import MODES
+from codec.entries import TensorEntry
+
+from . import ops
+from .plan import BYTES_CODE, DESC_FIELDS, STATUS_TEXT, Plan
+
+
+@dataclass(frozen=True)
+class BytePlane:
+    entry: TensorEntry
+    role: str
+    first_segment: int
+    n_segments: int
+
+
+def byte_planes(p: Plan) -> tuple[list[BytePlane], torch.Tensor]:
+    """Every coded stream of the plan's coded entries, and their descriptor rows (DESC_FIELDS)."""
+    planes, rows, first = [], [], 0
+    for e, offsets in p.coded_entries:
+        for role, fp in e.codec_row.coded(e.dtype, e.params).items():
+            row = {"exp_off": offsets[role], "exp_len": e.streams[role]["length"], "hi_off": -1, "lo_off": -1,
+                   "numel": fp.n, "ctx_bits": 0, "table_group": fp.table_group, "dtype": BYTES_CODE,
+                   "first_segment": first}
+            rows.append([row[f] for f in DESC_FIELDS])
+            planes.append(BytePlane(e, role, first, fp.n_segments))
+            first += fp.n_segments
+    return planes, torch.tensor(rows, dtype=torch.int64).reshape(-1, len(DESC_FIELDS))
+
+
+@dataclass(frozen=True)
+class Ops:
+    decode_bytes: object
+    dequantize_blocks: object
+    reconstruct_int8: object
+
+
+def _ops(device: torch.device) -> Ops:
+    """The quantized codecs' ops for a device: the extension's, or the NumPy reference."""
+    from .build import ensure_loaded
+    if ensure_loaded().cpp and ops.has_quant_ops(device.type):
+        return Ops(ops.decode_bytes, ops.dequantize_blocks, ops.reconstruct_int8)
+    return Ops(ops.reference_decode_bytes, ops.reference_dequantize_blocks, ops.reference_reconstruct_int8)
+
+
+def _raise_on_status(planes: list[BytePlane], status: torch.Tensor, path) -> None:
+    bad = torch.nonzero(status.cpu()).flatten()
+    if len(bad) == 0:
+        return
+    seg = int(bad[0])
+    plane = next(pl for pl in planes if pl.first_segment <= seg < pl.first_segment + pl.n_segments)
+    code = int(status[seg])
+    raise errors.CorruptStreamError(path, f"tensor {plane.entry.name!r}: stream {plane.role}: segment "
+                                          f"{seg - plane.first_segment} {STATUS_TEXT.get(code, f'status {code}')}")
+
+
+def _stream(e: TensorEntry, role: str, offsets, data: torch.Tensor, decoded) -> torch.Tensor:
+    """A plane: decoded by decode_bytes, or read raw in place from `data`."""
+    return decoded[role] if role in decoded else data[offsets[role]:offsets[role] + e.streams[role]["length"]]
+
+
+def _fp8(e: TensorEntry, offsets, data, decoded, run: Ops, path) -> torch.Tensor:
+    return decoded["exp"]
+
+
+def _gguf(e: TensorEntry, offsets, data, decoded, run: Ops, path) -> torch.Tensor:
+    params: GGUFParams = e.params
+    out = torch.empty(e.shape, dtype=e.torch_dtype, device=data.device)
+    run.dequantize_blocks([_stream(e, role, offsets, data, decoded) for role in params.block.plane_names],
+                          params.block.code, out)
+    return out
+
+
+def _int8(e: TensorEntry, offsets, data, decoded, run: Ops, path) -> torch.Tensor:
+    modes = _stream(e, "modes", offsets, data, decoded)
+    if modes.numel() and int(modes.max()) >= len(MODES):
+        raise errors.CorruptStreamError(path, f"tensor {e.name!r}: a tile mode is {int(modes.max())}: "
+                                              f"there are {len(MODES)}")
+    out = torch.empty(e.shape, dtype=e.torch_dtype, device=data.device)
+    run.reconstruct_int8(_stream(e, "resid", offsets, data, decoded), modes,
+                         _stream(e, "scales", offsets, data, decoded).view(torch.float32), out)
+    return out
+
+
+FINISH = {CODEC_FLOAT: _fp8, CODEC_GGUF: _gguf, CODEC_INT8: _int8}     # codec -> its planes to the tensor
+
+
+def decode(p: Plan, data: torch.Tensor, path=None) -> dict[str, torch.Tensor]:
+    """Decode the plan's coded entries from `data` (the archive bytes [p.start, p.end), on the
+    target device). Corrupt streams raise CorruptStreamError naming the tensor, stream and segment."""
+    if not p.coded_entries:
+        return {}
+    device = data.device
+    if device.type == "cuda" and _ops(device).decode_bytes is ops.reference_decode_bytes:
+        return {k: v.to(device) for k, v in decode(p, data.cpu(), path).items()}
+    run = _ops(device)
+    planes, desc = byte_planes(p)
+    numel = DESC_FIELDS.index("numel")
+    outputs = [torch.empty(pl.entry.shape, dtype=pl.entry.torch_dtype, device=device) if pl.entry.codec == CODEC_FLOAT
+               else torch.empty(row[numel], dtype=torch.uint8, device=device)     # fp8: straight into the tensor
+               for pl, row in zip(planes, desc.tolist())]
+    status = torch.zeros(sum(pl.n_segments for pl in planes), dtype=torch.int32, device=device)
+    if planes:
+        run.decode_bytes(data, desc, [o.reshape(-1) for o in outputs], status)
+        _raise_on_status(planes, status, path)
+    by_entry: dict[str, dict[str, torch.Tensor]] = {}
+    for pl, o in zip(planes, outputs):
+        by_entry.setdefault(pl.entry.name, {})[pl.role] = o
+    return {e.name: FINISH[e.codec](e, offsets, data, by_entry.get(e.name, {}), run, path)
+            for e, offsets in p.coded_entries}
+
