@@ -13,7 +13,7 @@ serve: $(STAMP)
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml scripts/setup.sh
+$(STAMP): pyproject.toml setup.py scripts/setup.sh $(wildcard cuda_ext/csrc/*)
 	PY=$(PY) bash scripts/setup.sh
 	touch $@
 

@@ -8,3 +8,13 @@ collect_ignore_glob = [] if torch.cuda.is_available() else ["test_*.py"]
 def pytest_collection_modifyitems(items):
     for item in items:
         item.add_marker(pytest.mark.gpu)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def cuda_kernels():
+    """Load the extension before any test touches torch.ops.wcodec (its ops register on import),
+    whatever order the tests run in; without its CUDA kernels there is nothing here to test."""
+    import cuda_ext
+    avail = cuda_ext.available()
+    if not avail.cuda:
+        pytest.skip(f"CUDA decoder unavailable: {avail.reason}")
