@@ -1,16 +1,27 @@
-"""The dtype a model computes in on the CPU (WCODEC_CPU_DTYPE).
+"""How a model computes on the CPU (WCODEC_CPU_DTYPE).
 
 A CPU without native bf16/fp16 arithmetic (no AVX512-BF16, no AMX: e.g. AVX2-only x86) runs
-PyTorch's bf16 matmuls through a fallback several times slower than float32's BLAS, and the gap
-grows with the batch: on this project's 2-core AVX2 EPYC, a SmolLM2-135M decoding step at 32 rows
-takes ~1.5 s in bf16 and ~0.2-0.3 s in float32 (docs/BENCHMARKS.md). Batching cannot help a model
-that is already compute-bound at 8 rows, so there a decoded bf16/fp16 model is cast to float32
-once, after its load, in place: twice the bytes, still one copy of the weights. Compressed-
-resident models (decoded into bf16 scratch slots every forward) and GPU models keep their dtype.
+PyTorch's bf16 matmuls through a fallback several times slower than float32's BLAS once a step has
+more than a few rows; with one or two rows the step is memory-bound instead, and bf16 weights are
+read in half the time. Measured on this project's 2-core AVX2 EPYC, SmolLM2-135M, one decoding
+step (docs/BENCHMARKS.md):
 
-    auto      float32 on a CPU without native bf16 (fp16: without AMX-FP16), else the archive's
+    rows   bf16 weights, bf16 matmuls   float32 weights   bf16 weights, float32 matmuls (mixed)
+    1            47 ms                      84 ms                 -
+    4           108 ms                       -                  136 ms
+    29              -                      255 ms               281 ms
+
+So `auto` keeps the archive's bf16/fp16 weights and multiplies in float32 only in calls of at
+least MIXED_ROWS rows, through one float32 scratch buffer per model (the weight of each Linear is
+widened into it just before its matmul, and stays in cache): no second copy of the weights, the
+batch-1 speed of bf16 and most of float32's speed at many rows. Both paths sum exact products in
+float32 and round once to the weight's dtype, so they differ only in summation order.
+Compressed-resident models (decoded into bf16 scratch slots every forward) and GPU models keep
+their dtype.
+
+    auto      mixed (above) on a CPU without native bf16 (fp16: without AMX-FP16), else the archive's
     model     the archive's dtype, always
-    float32   float32 on any CPU
+    float32   the whole model cast to float32 once, after its load (twice the bytes)
 """
 from __future__ import annotations
 
@@ -18,10 +29,13 @@ from dataclasses import replace
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 
+from .. import llama
 from ..modeling import ServedModel
 
 CpuDtype = Literal["auto", "model", "float32"]
+MIXED_ROWS = 6                   # rows of a call from which float32 matmuls win (table above)
 
 
 def _native(dtype: torch.dtype) -> bool:
@@ -34,19 +48,48 @@ def _native(dtype: torch.dtype) -> bool:
     return True
 
 
-def cpu_compute_dtype(served: ServedModel, setting: CpuDtype) -> torch.dtype:
+def cpu_compute(served: ServedModel, setting: CpuDtype) -> str:
+    """"model", "mixed" or "float32": how `served` computes under `setting`."""
     if served.device.type != "cpu" or served.resident != "decoded" or setting == "model":
-        return served.dtype
-    if served.dtype in (torch.bfloat16, torch.float16) and (setting == "float32" or not _native(served.dtype)):
-        return torch.float32
-    return served.dtype
+        return "model"
+    if served.dtype not in (torch.bfloat16, torch.float16):
+        return "model"
+    if setting == "float32":
+        return "float32"
+    return "model" if _native(served.dtype) else "mixed"
+
+
+class MixedLinear(llama.Linear):
+    """A bf16/fp16 Linear whose matmul runs in float32 in calls of `min_rows` rows or more: the
+    weight is widened into the model's shared `scratch` (the model runs one forward at a time)."""
+    scratch: torch.Tensor
+    min_rows: int
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() < self.min_rows * x.shape[-1]:
+            return super().forward(x)
+        w = self.scratch[:self.weight.numel()].view(self.weight.shape)
+        w.copy_(self.weight)                                              # [out, in] float32
+        bias = None if self.bias is None else self.bias.float()
+        return F.linear(x.float(), w, bias).to(x.dtype)
+
+
+def _mix(model: torch.nn.Module, min_rows: int) -> int:
+    """Turn every Linear of `model` into a MixedLinear sharing one scratch; returns its bytes."""
+    linears = [m for m in model.modules() if isinstance(m, llama.Linear)]
+    scratch = torch.empty(max((m.weight.numel() for m in linears), default=0), dtype=torch.float32)
+    for m in linears:
+        m.__class__ = MixedLinear
+        m.scratch, m.min_rows = scratch, min_rows
+    return scratch.nbytes
 
 
 def for_cpu(served: ServedModel, setting: CpuDtype) -> ServedModel:
-    """`served` with its model cast to the compute dtype (in place), bytes counted again."""
-    dtype = cpu_compute_dtype(served, setting)
-    if dtype == served.dtype:
-        return served
-    model = served.model.to(dtype)                    # each parameter replaced: the old one is freed
-    nbytes = served.weight_bytes * dtype.itemsize // served.dtype.itemsize
-    return replace(served, model=model, dtype=dtype, weight_bytes=nbytes)
+    """`served` set up to compute as `cpu_compute` says (in place), its bytes counted again."""
+    how = cpu_compute(served, setting)
+    if how == "mixed":
+        return replace(served, weight_bytes=served.weight_bytes + _mix(served.model, MIXED_ROWS))
+    if how == "float32":
+        model = served.model.to(torch.float32)        # each parameter replaced: the old one is freed
+        return replace(served, model=model, dtype=torch.float32, weight_bytes=served.weight_bytes * 2)
+    return served

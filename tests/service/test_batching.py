@@ -3,8 +3,9 @@ lengths, arrivals at different steps, chunked prefill, rows waiting for a free r
 and rows finishing at different steps, equal its tokens alone (prefilled in one piece). Where a
 token differs, the test shows that the alone run's top two logits there were within 1e-3 of each
 other (floating-point reordering in a batched matmul may flip a near-tie, nothing more), and
-compares no further. The real demo model, in float32 (what this CPU serves; compute.py), and
-the random tiny Llama. Also: the token budget per step, rows and KV leave at once, seeds."""
+compares no further. The real demo model, computing as the server does on this CPU (compute.py,
+`auto`: on a CPU without native bf16, bf16 matmuls for a row or two and float32 ones for a
+batch, so batched and alone rows may take different paths), and the random tiny Llama. Also: the token budget per step, rows and KV leave at once, seeds."""
 from __future__ import annotations
 
 import random
@@ -24,7 +25,7 @@ TIE = 1e-3
 def load(path, name: str) -> modeling.ServedModel:
     decoded = loader.decode_archive(path, torch.device("cpu"))
     served = modeling.finish(name, modeling.prepare(name, decoded.files), decoded, torch.device("cpu"))
-    return compute.for_cpu(served, "float32")
+    return compute.for_cpu(served, "auto")
 
 
 @pytest.fixture(scope="module")
