@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -35,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import cuda_ext  # noqa: E402
+from gpu_bench import timed  # noqa: E402  (bench/, this script's folder)
 from codec import gguf_blocks  # noqa: E402
 from codec.constants import CODEC_FLOAT, CODEC_GGUF, CODEC_INT8  # noqa: E402
 from codec.decode import Archive  # noqa: E402
@@ -164,21 +164,6 @@ def _write(path: Path, source, workers: int, lossy: str | None = None) -> Path:
 # ---- one codec: check, then time -------------------------------------------------------------------
 def is_new_codec(e) -> bool:
     return e.codec in (CODEC_GGUF, CODEC_INT8) or (e.codec == CODEC_FLOAT and e.dtype.startswith("float8"))
-
-
-def timed(fn, repeat: int) -> float:
-    """Median seconds of fn() on the current stream (CUDA events), after one warm-up."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
 
 
 def raw(t: torch.Tensor) -> torch.Tensor:
