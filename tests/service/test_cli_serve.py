@@ -30,3 +30,13 @@ def test_bad_settings_are_one_line_errors(monkeypatch, capsys) -> None:
 def test_help(argv, capsys) -> None:
     assert cli.main(argv) == 0
     assert "--store" in capsys.readouterr().out
+
+
+def test_openmp_waits_passively_unless_chosen():
+    from wcodec import serve
+    env = {}
+    serve.omp_defaults(env)
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    env = {"OMP_WAIT_POLICY": "ACTIVE"}
+    serve.omp_defaults(env)
+    assert env == {"OMP_WAIT_POLICY": "ACTIVE"}
