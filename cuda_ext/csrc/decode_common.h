@@ -147,6 +147,25 @@ struct DecodeTable {
   uint32_t freq_cum[256];
 };
 
+// Build the decode table of frequency table j (the C++ twins; the kernels build theirs with a warp,
+// decode_table.cuh). An unused (all-zero) table becomes the identity.
+inline int build_decode_table(const uint8_t* exp, const TensorDesc& d, int64_t j, DecodeTable& t) {
+  uint32_t freq[256];
+  const int st = parse_table(exp, d.exp_len, d, j, freq);
+  if (st != kOk) return st;
+  uint32_t cum = 0;
+  for (uint32_t s = 0; s < 256; ++s) {
+    memset(t.sym + cum, static_cast<int>(s), freq[s]);
+    t.freq_cum[s] = (freq[s] << 16) | cum;
+    cum += freq[s];
+  }
+  if (cum == 0) {
+    memset(t.sym, 0, kProbScale);
+    t.freq_cum[0] = kProbScale << 16;
+  }
+  return kOk;
+}
+
 // ---- decode lanes: one rANS step ---------------------------------------------------------------
 // x = D(x): s = sym[x mod M];  x = freq[s] * (x >> P) + (x mod M) - cum[s].  Returns s; the
 // caller renormalises (x < L -> x = x << 16 | next word).

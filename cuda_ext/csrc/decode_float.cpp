@@ -24,23 +24,10 @@ namespace wcodec {
 // Build the decode tables of one table set (2^ctx_bits tables).
 static int build_decode_tables(const uint8_t* exp, const TensorDesc& d, int64_t table0,
                                std::vector<DecodeTable>& set) {
-  const int n_ctx = 1 << d.ctx_bits;
-  set.resize(n_ctx);
-  uint32_t freq[256];
-  for (int c = 0; c < n_ctx; ++c) {
-    const int st = parse_table(exp, d.exp_len, d, table0 + c, freq);
+  set.resize(size_t{1} << d.ctx_bits);
+  for (size_t c = 0; c < set.size(); ++c) {
+    const int st = build_decode_table(exp, d, table0 + static_cast<int64_t>(c), set[c]);
     if (st != kOk) return st;
-    DecodeTable& t = set[c];
-    uint32_t cum = 0;
-    for (uint32_t s = 0; s < 256; ++s) {
-      memset(t.sym + cum, static_cast<int>(s), freq[s]);
-      t.freq_cum[s] = (freq[s] << 16) | cum;
-      cum += freq[s];
-    }
-    if (cum == 0) {                                  // unused table: identity
-      memset(t.sym, 0, kProbScale);
-      t.freq_cum[0] = kProbScale << 16;
-    }
   }
   return kOk;
 }

@@ -22,24 +22,6 @@
 
 namespace wcodec {
 
-// ---- build the decode table (one table: ctx_bits is 0) ---------------------------------------------
-static int build_byte_table(const uint8_t* exp, const TensorDesc& d, int64_t j, DecodeTable& t) {
-  uint32_t freq[256];
-  const int st = parse_table(exp, d.exp_len, d, j, freq);
-  if (st != kOk) return st;
-  uint32_t cum = 0;
-  for (uint32_t s = 0; s < 256; ++s) {
-    memset(t.sym + cum, static_cast<int>(s), freq[s]);
-    t.freq_cum[s] = (freq[s] << 16) | cum;
-    cum += freq[s];
-  }
-  if (cum == 0) {                                    // unused table: identity
-    memset(t.sym, 0, kProbScale);
-    t.freq_cum[0] = kProbScale << 16;
-  }
-  return kOk;
-}
-
 // ---- decode lanes: one segment, symbols straight to the output bytes ------------------------------
 // One step: `lanes` lanes in lane order, each renormalising with the next word (branch-free: the
 // word is loaded whether or not it is taken). `Checked` bounds every word read; the fast path runs
@@ -126,7 +108,7 @@ static void decode_bytes_cpu(const at::Tensor& data, const at::Tensor& desc, at:
       if ((s = read_segment(exp, d.exp_len, d, seg, &ref)) != kOk) continue;
       if (r != cached_row || ref.table0 != cached_table) {
         cached_row = -1;
-        if ((s = build_byte_table(exp, d, ref.table0, table[0])) != kOk) continue;
+        if ((s = build_decode_table(exp, d, ref.table0, table[0])) != kOk) continue;
         cached_row = r, cached_table = ref.table0;
       }
       s = decode_byte_segment(exp, ref, table[0], static_cast<uint8_t*>(outputs[r].data_ptr()) + seg * kSegmentSymbols);
