@@ -69,3 +69,17 @@ def compress_blocks(path, quantized: dict[str, tuple], dense: dict[str, torch.Te
                     workers: int = 1):
     with BlocksSource(dense or {}, quantized) as source:
         return compress_source(source, path, workers=workers)
+
+
+def corrupt_q8_archive(path):
+    """A one-tensor Q8_0 archive with a flipped byte near the end of its `qs` plane's stream."""
+    from codec.decode import Archive
+    bt = gguf_blocks.BLOCK_TYPES["Q8_0"]
+    compress_blocks(path, {"w": (gguf_blocks.Blocks(bt, quantized_weights("Q8_0", 200, 1024, seed=8)),
+                                 (200, 1024), torch.float16)})
+    with Archive.open(path) as archive:
+        rec = archive.entries[0].streams["qs"]
+    raw = bytearray(path.read_bytes())
+    raw[rec["offset"] + rec["length"] - 40] ^= 0x21
+    path.write_bytes(bytes(raw))
+    return path

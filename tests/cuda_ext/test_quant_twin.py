@@ -9,12 +9,11 @@ import torch
 import cuda_ext
 from codec import errors, floatcodec, gguf_blocks, tables
 from codec.constants import SEGMENT_SYMBOLS, STREAM_ALIGN
-from codec.decode import Archive
 from codec.decode import load as reference_load
 from codec.floatcodec import FloatParams
 from cuda_ext import ops, plans
-from tests.quantized import (F16_FIELDS, GGUF_DTYPES, compress_blocks, quantized_weights, random_blocks,
-                             reference_values, scale_sweep)
+from tests.quantized import (F16_FIELDS, GGUF_DTYPES, compress_blocks, corrupt_q8_archive, quantized_weights,
+                             random_blocks, reference_values, scale_sweep)
 from tests.tensors import make_tensor, raw_bytes
 
 TYPES = list(gguf_blocks.BLOCK_TYPES)
@@ -150,16 +149,9 @@ def test_extension_load_of_mixed_archive_matches_reference(tmp_path):
 
 
 def test_extension_load_names_the_corrupt_plane(tmp_path):
-    bt = gguf_blocks.BLOCK_TYPES["Q8_0"]
-    compress_blocks(tmp_path / "c.wcodec", {"w": (gguf_blocks.Blocks(bt, quantized_weights("Q8_0", 200, 1024, seed=8)),
-                                                  (200, 1024), torch.float16)})
-    with Archive.open(tmp_path / "c.wcodec") as archive:
-        rec = archive.entries[0].streams["qs"]
-    raw = bytearray((tmp_path / "c.wcodec").read_bytes())
-    raw[rec["offset"] + rec["length"] - 40] ^= 0x21
-    (tmp_path / "c.wcodec").write_bytes(bytes(raw))
+    path = corrupt_q8_archive(tmp_path / "c.wcodec")
     with pytest.raises(errors.CorruptStreamError, match="stream qs: segment"):
-        cuda_ext.load(tmp_path / "c.wcodec", "cpu", verify=False)
+        cuda_ext.load(path, "cpu", verify=False)
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (17, 15), (40, 300)], ids=str)

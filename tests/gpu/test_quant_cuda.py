@@ -9,9 +9,9 @@ import torch
 
 import cuda_ext
 from codec import errors, gguf_blocks
-from codec.decode import Archive
 from cuda_ext import ops
-from tests.quantized import F16_FIELDS, GGUF_DTYPES, compress_blocks, quantized_weights, random_blocks, scale_sweep
+from tests.quantized import (F16_FIELDS, GGUF_DTYPES, compress_blocks, corrupt_q8_archive, quantized_weights,
+                             random_blocks, scale_sweep)
 from tests.tensors import make_tensor, raw_bytes
 
 TYPES = list(gguf_blocks.BLOCK_TYPES)
@@ -50,16 +50,9 @@ def test_mixed_archive_on_cuda_matches_twin(tmp_path):
 
 
 def test_corrupt_plane_on_cuda_is_typed(tmp_path):
-    bt = gguf_blocks.BLOCK_TYPES["Q8_0"]
-    compress_blocks(tmp_path / "c.wcodec", {"w": (gguf_blocks.Blocks(bt, quantized_weights("Q8_0", 200, 1024, seed=8)),
-                                                  (200, 1024), torch.float16)})
-    with Archive.open(tmp_path / "c.wcodec") as archive:
-        rec = archive.entries[0].streams["qs"]
-    raw = bytearray((tmp_path / "c.wcodec").read_bytes())
-    raw[rec["offset"] + rec["length"] - 40] ^= 0x21
-    (tmp_path / "c.wcodec").write_bytes(bytes(raw))
+    path = corrupt_q8_archive(tmp_path / "c.wcodec")
     with pytest.raises(errors.CorruptStreamError, match="stream qs: segment"):
-        cuda_ext.load(tmp_path / "c.wcodec", "cuda", verify=False)
+        cuda_ext.load(path, "cuda", verify=False)
 
 
 def test_reconstruct_int8_cuda_matches_twin():
