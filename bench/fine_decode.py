@@ -31,17 +31,12 @@ LAYER_8B = {"q": (4096, 4096), "k": (1024, 4096), "v": (1024, 4096), "o": (4096,
             "gate": (14336, 4096), "up": (14336, 4096), "down": (4096, 14336)}
 
 
-def single(fn, n: int = 50) -> float:
-    """Median seconds of one launch between two events (gpu_bench.timed), over n runs."""
-    return timed(fn, n)
-
-
 def queued(fn, k: int = 20, n: int = 10) -> float:
-    return single(lambda: [fn() for _ in range(k)], n) / k
+    return timed(lambda: [fn() for _ in range(k)], n) / k
 
 
 def times(fn) -> dict:
-    return {"single_ms": single(fn) * 1e3, "queued_ms": queued(fn) * 1e3}
+    return {"single_ms": timed(fn, 50) * 1e3, "queued_ms": queued(fn) * 1e3}
 
 
 class Resident:
@@ -54,7 +49,7 @@ class Resident:
             self.plan = plans.build(a.entries, a.path)
             self.data = torch.from_numpy(a.reader.buf[self.plan.start:self.plan.end].copy()).cuda()
         self.raw = sum(t.nbytes for t in state.values())
-        t = single(lambda: cuda_ext.build_index(self.plan, self.data, entry_steps), 3)
+        t = timed(lambda: cuda_ext.build_index(self.plan, self.data, entry_steps), 3)
         self.record_GBps = self.raw / t / 1e9
         _, self.index = cuda_ext.build_index(self.plan, self.data, entry_steps)
 

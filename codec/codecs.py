@@ -158,7 +158,17 @@ class Float:
         return Encoding(self.name, p.params.to_json(), roles, {r: raw[r] for r in roles[1:]}, {"exp": p})
 
 
-class GGUF:
+class _Planes:
+    """Codecs whose params hold named byte planes, each raw (None) or rANS-coded (its FloatParams)."""
+
+    def coded(self, dtype: str, params) -> dict[str, FloatParams]:
+        return {k: p for k, p in params.planes.items() if p is not None}
+
+    def rans_items(self, e, streams: dict[str, np.ndarray]) -> list[tuple[str, Item]]:
+        return [(f"plane {k}: ", (_parse(streams[k], p), None, None)) for k, p in self.coded(e.dtype, e.params).items()]
+
+
+class GGUF(_Planes):
     name = CODEC_GGUF
 
     def applies(self, dtype: str) -> bool:
@@ -185,11 +195,6 @@ class GGUF:
     def raw_lengths(self, n: int, itemsize: int, params: GGUFParams) -> dict[str, int]:
         return {k: params.n_blocks * params.block.plane_width(k) for k, p in params.planes.items() if p is None}
 
-    def coded(self, dtype: str, params: GGUFParams) -> dict[str, FloatParams]:
-        return {k: p for k, p in params.planes.items() if p is not None}
-
-    def rans_items(self, e, streams: dict[str, np.ndarray]) -> list[tuple[str, Item]]:
-        return [(f"plane {k}: ", (_parse(streams[k], p), None, None)) for k, p in self.coded(e.dtype, e.params).items()]
 
     def finish(self, e, streams: dict[str, np.ndarray], symbols: list[np.ndarray], out: np.ndarray) -> None:
         params: GGUFParams = e.params
@@ -232,7 +237,7 @@ class Int8Params:
                 "planes": {k: None if p is None else p.to_json() for k, p in self.planes.items()}}
 
 
-class Int8:
+class Int8(_Planes):
     """Lossy, opt-in (codec/int8.py): per-row int8, 16x16 tile predictors, residuals coded."""
 
     name = CODEC_INT8
@@ -266,11 +271,6 @@ class Int8:
         sizes = {"scales": 4 * params.rows, "modes": tr * tc, "resid": params.rows * params.cols}
         return {k: v for k, v in sizes.items() if params.planes.get(k) is None}
 
-    def coded(self, dtype: str, params: Int8Params) -> dict[str, FloatParams]:
-        return {k: p for k, p in params.planes.items() if p is not None}
-
-    def rans_items(self, e, streams: dict[str, np.ndarray]) -> list[tuple[str, Item]]:
-        return [(f"plane {k}: ", (_parse(streams[k], p), None, None)) for k, p in self.coded(e.dtype, e.params).items()]
 
     def finish(self, e, streams: dict[str, np.ndarray], symbols: list[np.ndarray], out: np.ndarray) -> None:
         params: Int8Params = e.params

@@ -147,6 +147,16 @@ struct DecodeTable {
   uint32_t freq_cum[256];
 };
 
+// The launch plan's row of kernel block b: the last row whose first block is <= b (firsts ascending).
+WC_HD int64_t plan_row(const int64_t* firsts, int64_t n, int64_t b) {
+  int64_t lo = 0, hi = n - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) >> 1;
+    if (firsts[mid] <= b) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
 // Build the decode table of frequency table j (the C++ twins; the kernels build theirs with a warp,
 // decode_table.cuh). An unused (all-zero) table becomes the identity.
 inline int build_decode_table(const uint8_t* exp, const TensorDesc& d, int64_t j, DecodeTable& t) {

@@ -294,16 +294,21 @@ static int decode_any(const uint8_t* data, const TensorDesc& d, const SegmentRef
   }
 }
 
-// Checks a caller's arguments (not archive data: that yields statuses). Returns the descriptors.
-std::vector<TensorDesc> check_pieces_args(const at::Tensor& data, const at::Tensor& desc, at::TensorList outputs,
-                                          const at::Tensor& entry_states, const at::Tensor& entry_words,
-                                          const at::Tensor& status, int64_t mode, int64_t entry_steps) {
+// The data buffer, the descriptor rows and one output per row, as every op takes them.
+void check_data_and_desc(const at::Tensor& data, const at::Tensor& desc, at::TensorList outputs) {
   TORCH_CHECK(data.scalar_type() == at::kByte && data.dim() == 1 && data.is_contiguous(),
               "data must be a contiguous 1-D uint8 tensor");
   TORCH_CHECK(desc.scalar_type() == at::kLong && desc.device().is_cpu() && desc.dim() == 2 &&
                   desc.size(1) == kDescFields && desc.is_contiguous(),
               "desc must be a contiguous CPU int64 tensor [n, ", int(kDescFields), "]");
   TORCH_CHECK(static_cast<int64_t>(outputs.size()) == desc.size(0), "one output per descriptor row");
+}
+
+// Checks a caller's arguments (not archive data: that yields statuses). Returns the descriptors.
+std::vector<TensorDesc> check_pieces_args(const at::Tensor& data, const at::Tensor& desc, at::TensorList outputs,
+                                          const at::Tensor& entry_states, const at::Tensor& entry_words,
+                                          const at::Tensor& status, int64_t mode, int64_t entry_steps) {
+  check_data_and_desc(data, desc, outputs);
   TORCH_CHECK(mode >= kBulk && mode <= kIndexed, "mode must be 0 (bulk), 1 (record) or 2 (indexed)");
   TORCH_CHECK(mode == kBulk || (entry_steps >= kMinEntrySteps && entry_steps <= kSegmentSteps &&
                                 (entry_steps & (entry_steps - 1)) == 0),

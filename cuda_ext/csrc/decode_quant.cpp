@@ -56,14 +56,11 @@ static int decode_byte_segment(const uint8_t* exp, const SegmentRef& ref, const 
   return kOk;
 }
 
+void check_data_and_desc(const at::Tensor& data, const at::Tensor& desc, at::TensorList outputs);  // decode_float.cpp
+
 std::vector<TensorDesc> check_bytes_args(const at::Tensor& data, const at::Tensor& desc, at::TensorList outputs,
                                          const at::Tensor& status) {
-  TORCH_CHECK(data.scalar_type() == at::kByte && data.dim() == 1 && data.is_contiguous(),
-              "data must be a contiguous 1-D uint8 tensor");
-  TORCH_CHECK(desc.scalar_type() == at::kLong && desc.device().is_cpu() && desc.dim() == 2 &&
-                  desc.size(1) == kDescFields && desc.is_contiguous(),
-              "desc must be a contiguous CPU int64 tensor [n, ", int(kDescFields), "]");
-  TORCH_CHECK(static_cast<int64_t>(outputs.size()) == desc.size(0), "one output per descriptor row");
+  check_data_and_desc(data, desc, outputs);
   TORCH_CHECK(status.scalar_type() == at::kInt && status.is_contiguous() && status.device() == data.device(),
               "status must be a contiguous int32 tensor on data's device");
   std::vector<TensorDesc> out;

@@ -94,11 +94,7 @@ __global__ void __launch_bounds__(32 * kWarps) decode_bytes_kernel(const uint8_t
   __shared__ int table_status;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t b = blockIdx.x;
-  int64_t lo = 0, hi = plan.n - 1;                                   // last row with first <= b
-  while (lo < hi) {
-    const int64_t mid = (lo + hi + 1) >> 1;
-    if (plan.firsts[mid] <= b) lo = mid; else hi = mid - 1;
-  }
+  const int64_t lo = plan_row(plan.firsts, plan.n, b);
   const TensorDesc d = load_desc(plan.desc + lo * kDescFields);
   const uint8_t* exp = data + d.exp_off;
   const int64_t seg0 = (b - plan.firsts[lo]) * kWarps, seg = seg0 + warp;

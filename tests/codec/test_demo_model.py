@@ -64,11 +64,10 @@ def test_demo_archive_is_in_layer_order_and_keeps_blocks(demo_archive: Path) -> 
     assert entries["model.layers.0.input_layernorm.weight"].codec == "raw"        # F32 in the GGUF, 576 elements
 
 
-def test_demo_archive_alone_answers_paris(demo_archive: Path, tmp_path: Path) -> None:
+def _answer(model, tmp_path: Path) -> str:
+    """Greedy answer (12 tokens) to the demo question from a loaded archive's files and tensors."""
     from transformers import AutoTokenizer
 
-    model = load(demo_archive)
-    assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"} <= set(model.files)
     for name, blob in model.files.items():
         (tmp_path / name).write_bytes(blob)
     tok = AutoTokenizer.from_pretrained(tmp_path)
@@ -76,7 +75,13 @@ def test_demo_archive_alone_answers_paris(demo_archive: Path, tmp_path: Path) ->
     enc = tok.apply_chat_template(PROMPT, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     with torch.inference_mode():
         out = net.generate(**enc, max_new_tokens=12, do_sample=False)
-    answer = tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    return tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def test_demo_archive_alone_answers_paris(demo_archive: Path, tmp_path: Path) -> None:
+    model = load(demo_archive)
+    assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"} <= set(model.files)
+    answer = _answer(model, tmp_path)
     assert answer.startswith("The capital of France is Paris"), answer
 
 
@@ -85,8 +90,6 @@ def test_demo_int8_is_small_reports_quality_and_answers_paris(tmp_path: Path, ca
     a quality report with every int8 tensor's SNR and the perplexity before and after on the fixed
     text in tests/data, and the decoded archive still answers the demo question."""
     import re
-
-    from transformers import AutoTokenizer
 
     from wcodec import cli
     dst = tmp_path / "int8.wcodec"
@@ -98,13 +101,5 @@ def test_demo_int8_is_small_reports_quality_and_answers_paris(tmp_path: Path, ca
     assert re.search(r"int8: 211 tensors, SNR min (\d+\.\d+) dB", out), out[-300:]
     before, after = map(float, re.search(r"perplexity: before ([\d.]+), after ([\d.]+)", out).groups())
     assert abs(after - before) < 0.05 * before, (before, after)
-    model = cuda_ext.load(dst, "cpu")
-    for name, blob in model.files.items():
-        (tmp_path / name).write_bytes(blob)
-    tok = AutoTokenizer.from_pretrained(tmp_path)
-    net = _meta_model_from(StateDictSource(model.state_dict), tmp_path)
-    enc = tok.apply_chat_template(PROMPT, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    with torch.inference_mode():
-        answer = tok.decode(net.generate(**enc, max_new_tokens=12, do_sample=False)[0, enc["input_ids"].shape[1]:],
-                            skip_special_tokens=True)
+    answer = _answer(cuda_ext.load(dst, "cpu"), tmp_path)
     assert answer.startswith("The capital of France is Paris"), answer
