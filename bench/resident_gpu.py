@@ -91,8 +91,15 @@ def main() -> None:
     runs = {}
     for mode in ("decoded", "compressed"):
         served, allocated = load(path, mode == "compressed")
+        for b in (1, 32):                     # untimed: cuBLAS handles, lazily loaded kernels, the allocator
+            greedy(served, b, 4)
         runs[mode] = {"allocated_bytes": allocated, "weight_bytes": served.weight_bytes,
                       "batch": {b: greedy(served, b, args.steps) for b in (1, 32)}}
+        if served.schedule is not None:
+            runs[mode]["parts"] = {"streams_and_index": served.schedule.compressed_bytes,
+                                   "scratch": served.schedule.scratch_bytes,
+                                   "piece_steps": sorted({p.index.entry_steps for c in served.schedule.layers
+                                                          for p in c.parts})}
         del served
     raw = runs["decoded"]["allocated_bytes"]
     res["memory_ratio"] = runs["compressed"]["allocated_bytes"] / raw
@@ -101,6 +108,7 @@ def main() -> None:
         res[f"batch{b}"] = {"tokens_equal": bool(torch.equal(t_d, t_c)), "logits_equal": bool(torch.equal(l_d, l_c)),
                             "decoded_tok_s": s_d, "compressed_tok_s": s_c, "speed_ratio": s_c / s_d}
     res["allocated_bytes"] = {m: r["allocated_bytes"] for m, r in runs.items()}
+    res["compressed_parts"] = runs["compressed"].get("parts")
     print(json.dumps(res, indent=1), flush=True)
     res["budget"] = budget_case(path.parent, raw)
     print(json.dumps(res["budget"], indent=1))

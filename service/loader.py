@@ -231,8 +231,7 @@ def _keeping(layers: list[resident.CompressedLayer]) -> DecodeFn:
         if layer is None or not any(resident.stays_compressed(e) for e in batch.entries):
             return _decode(batch, data, path)
         kept = data.clone() if data.device.type == "cpu" else data       # the CPU ring buffer is reused
-        compressed, raw = resident.keep_layer(layer, plans.build(batch.entries, path, batch.start, batch.end),
-                                              kept, path)
+        compressed, raw = resident.keep_layer(layer, batch.entries, (batch.start, batch.end), kept, path)
         layers.append(compressed)
         return raw
     return decode

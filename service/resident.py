@@ -30,7 +30,26 @@ from codec.constants import CODEC_FLOAT, LANES, SEGMENT_STEPS
 from cuda_ext import plans
 
 ENTRY_STEPS = 256                  # the resident index's piece: 32 x 256 weights
+LARGE_ENTRY_STEPS = 512            # pieces of a tensor of LARGE weights or more
+LARGE = 1 << 25
 ALIGN = 256                        # each tensor's place in a slot
+
+
+def entry_steps(e) -> int:
+    """The piece size of a tensor's resident index. An index entry (32 states and a word offset,
+    132 bytes) costs 0.8 % of the bf16 bytes at 256 steps. A tensor of 2^25 weights or more (a 7B
+    model's MLP matrices) has over 4096 pieces of 256 steps: more than one wave of the ~3200 warps
+    an H100 holds (24 a multiprocessor), so its decode takes two waves of 256 steps -- as long as
+    one wave of 512-step pieces, whose index is half as large."""
+    return LARGE_ENTRY_STEPS if e.params.n >= LARGE else ENTRY_STEPS
+
+
+@dataclass
+class IndexedPlan:
+    """Float tensors of one layer that share a resident index (one piece size)."""
+
+    plan: plans.Plan               # data holds their bytes [plan.start, plan.end)
+    index: cuda_ext.DeviceIndex    # recorded by the load's decode
 
 
 @dataclass
@@ -38,13 +57,16 @@ class CompressedLayer:
     """One decoder layer's float-coded tensors, kept compressed on the device."""
 
     index: int                     # the layer number
-    plan: plans.Plan               # its float tensors; data holds their bytes [plan.start, plan.end)
-    data: torch.Tensor
-    entries: cuda_ext.DeviceIndex  # the resident index, recorded by the load's decode
+    data: torch.Tensor             # the layer's archive bytes
+    parts: list[IndexedPlan]
+
+    @property
+    def float_entries(self) -> list:
+        return [e for part in self.parts for e in part.plan.float_entries]
 
     @property
     def nbytes(self) -> int:
-        return self.data.nbytes + self.entries.nbytes
+        return self.data.nbytes + sum(part.index.nbytes for part in self.parts)
 
 
 def stays_compressed(e) -> bool:
@@ -59,7 +81,7 @@ def estimate_bytes(entries, slots: int) -> int:
     decoder layers' float tensors, their index, `slots` scratch slots, and the rest decoded."""
     kept = [e for e in entries if stays_compressed(e)]
     streams = sum(r["length"] for e in kept for r in e.streams.values())
-    index = sum(e.params.n_segments * (SEGMENT_STEPS // ENTRY_STEPS) * (LANES + 1) * 4 for e in kept)
+    index = sum(e.params.n_segments * (SEGMENT_STEPS // entry_steps(e)) * (LANES + 1) * 4 for e in kept)
     per_module: dict[str, int] = {}
     for e in kept:
         module = e.name.rpartition(".")[0]
@@ -69,14 +91,24 @@ def estimate_bytes(entries, slots: int) -> int:
     return streams + index + slots * max(per_module.values(), default=0) + rest
 
 
-def keep_layer(index: int, plan: plans.Plan, data: torch.Tensor, path=None) -> tuple[CompressedLayer, dict]:
-    """Keep a layer's float tensors compressed (`data`: the bytes of `plan`, on the device): one
-    decode checks them and records the resident index. Returns the layer and its raw-coded
-    tensors (norms: small), which stay decoded."""
-    tensors, entries = cuda_ext.build_index(plan, data, ENTRY_STEPS, path)
-    floats = {e.name for e in plan.float_entries}
-    return CompressedLayer(index, plans.select(plan, floats), data, entries), \
-        {k: v for k, v in tensors.items() if k not in floats}
+def keep_layer(index: int, entries: list, span: tuple[int, int], data: torch.Tensor,
+               path=None) -> tuple[CompressedLayer, dict]:
+    """Keep a layer's float tensors compressed (`data`: its archive bytes [start, end) = span, on
+    the device): a decode per piece size checks them and records their resident index. Returns the
+    layer and its other tensors (norms: small), which stay decoded."""
+    start, end = span
+    kept = [e for e in entries if stays_compressed(e)]
+    tensors, parts = {}, []
+    for steps in sorted({entry_steps(e) for e in kept}):
+        plan = plans.build([e for e in kept if entry_steps(e) == steps], path, start, end)
+        decoded, idx = cuda_ext.build_index(plan, data, steps, path)
+        tensors.update(decoded)
+        parts.append(IndexedPlan(plan, idx))
+    rest = [e for e in entries if not stays_compressed(e)]
+    if rest:
+        tensors.update(cuda_ext.decode_plan(plans.build(rest, path, start, end), data, path))
+    floats = {e.name for e in kept}
+    return CompressedLayer(index, data, parts), {k: v for k, v in tensors.items() if k not in floats}
 
 
 @dataclass
@@ -88,6 +120,7 @@ class Unit:
     leaves: list[tuple[str, int, tuple, torch.dtype]]   # attribute, byte offset in a slot, shape, dtype
     plan: plans.Plan
     layer: CompressedLayer
+    index: cuda_ext.DeviceIndex
     nbytes: int
 
 
@@ -95,16 +128,20 @@ def units_of(model: torch.nn.Module, layers: list[CompressedLayer]) -> list[Unit
     """One unit per module that owns compressed tensors, in archive order."""
     out = []
     for c in layers:
+        part_of = {e.name: part for part in c.parts for e in part.plan.float_entries}
         by_module: dict[str, list] = {}
-        for e in c.plan.float_entries:
+        for e in sorted(c.float_entries, key=lambda e: e.streams["exp"]["offset"]):
             by_module.setdefault(e.name.rpartition(".")[0], []).append(e)
         for path, entries in by_module.items():
             leaves, size = [], 0
             for e in entries:
                 leaves.append((e.name.rpartition(".")[2], size, tuple(e.shape), e.torch_dtype))
                 size += -(-e.nbytes // ALIGN) * ALIGN
-            out.append(Unit(model.get_submodule(path), leaves, plans.select(c.plan, [e.name for e in entries]),
-                            c, size))
+            part = part_of[entries[0].name]
+            if any(part_of[e.name] is not part for e in entries):
+                raise ValueError(f"module {path!r}: its tensors have resident indexes of different piece sizes")
+            out.append(Unit(model.get_submodule(path), leaves, plans.select(part.plan, [e.name for e in entries]),
+                            c, part.index, size))
     return out
 
 
@@ -131,7 +168,7 @@ class UnitSchedule:
         self.params = [[[torch.nn.Parameter(self._view(slot, off, shape, dtype), requires_grad=False)
                          for _, off, shape, dtype in u.leaves] for slot in self.slots] for u in units]
         self.jobs = [[cuda_ext.Prepared(u.plan, u.layer.data, [p.data for p in self.params[k][s]], plans.MODE_INDEXED,
-                                        u.layer.entries) for s in range(self.n_slots)] for k, u in enumerate(units)]
+                                        u.index) for s in range(self.n_slots)] for k, u in enumerate(units)]
         self.next_of = {k: (k + 1) % len(units) for k in range(len(units))}
         self.free, self.slot_of = list(range(self.n_slots)), [-1] * len(units)
         self.issued, self.prev, self.first = [False] * len(units), None, None

@@ -8,16 +8,17 @@ import pytest
 import torch
 from service_helpers import DEMO, generate_body
 
+from codec.constants import SEGMENT_STEPS
 from service import loader, modeling, resident
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about rivers.", "2 + 2 =",
            "List three primary colors:", "Translate 'good morning' to French:"]
 
 
-def served(path, compressed: bool) -> modeling.ServedModel:
-    decoded = loader.decode_archive(path, torch.device("cpu"), compressed=compressed)
+def served(path, compressed: bool, device: str = "cpu") -> modeling.ServedModel:
+    decoded = loader.decode_archive(path, torch.device(device), compressed=compressed)
     ready = modeling.prepare(DEMO, decoded.files)
-    return modeling.finish(DEMO, ready, decoded, torch.device("cpu"))
+    return modeling.finish(DEMO, ready, decoded, torch.device(device))
 
 
 def encode(model: modeling.ServedModel, prompts: list[str]) -> list[list[int]]:
@@ -28,9 +29,9 @@ def encode(model: modeling.ServedModel, prompts: list[str]) -> list[list[int]]:
 
 def greedy(model: modeling.ServedModel, enc: list[list[int]], steps: int = 32):
     """Greedy tokens and every step's logits for a left-padded batch, with a KV cache."""
-    width = max(len(e) for e in enc)
-    ids = torch.tensor([[model.pad_id] * (width - len(e)) + e for e in enc])
-    mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in enc])
+    width, device = max(len(e) for e in enc), next(model.model.parameters()).device
+    ids = torch.tensor([[model.pad_id] * (width - len(e)) + e for e in enc], device=device)
+    mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in enc], device=device)
     cache, tokens, logits = None, [], []
     with torch.inference_mode():
         for _ in range(steps):
@@ -78,22 +79,53 @@ def test_compressed_mode_keeps_layers_compressed(both_modes) -> None:
     assert len(schedule.slots) == 1                                        # the CPU decodes in place
     assert len(schedule.units) == 7 * len(schedule.layers)                  # q k v o gate up down
     # the demo's tied 49152 x 576 embedding (21 % of its weights) stays decoded; its layers are ~0.67
-    layer_bytes = sum(e.nbytes for c in schedule.layers for e in c.plan.float_entries)
+    layer_bytes = sum(e.nbytes for c in schedule.layers for e in c.float_entries)
     assert schedule.compressed_bytes < 0.69 * layer_bytes
     assert compressed.weight_bytes < 0.8 * decoded.weight_bytes, (compressed.weight_bytes, decoded.weight_bytes)
+
+
+def assert_same_greedy(decoded, compressed, batch: int, steps: int = 32, prompts=PROMPTS) -> None:
+    """The same greedy tokens and bit-identical logits, prompt by prompt (batch 1) or in one batch."""
+    groups = [[p] for p in prompts] if batch == 1 else [(list(prompts) * batch)[:batch]]
+    for group in groups:
+        enc = encode(decoded, group)
+        t_dec, l_dec = greedy(decoded, enc, steps)
+        t_cmp, l_cmp = greedy(compressed, enc, steps)
+        assert torch.equal(t_dec, t_cmp), group
+        assert torch.equal(l_dec, l_cmp), group
 
 
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("batch", [1, 8])
 def test_same_tokens_and_bit_identical_logits(both_modes, batch) -> None:
-    decoded, compressed = both_modes
-    groups = [[p] for p in PROMPTS] if batch == 1 else [(PROMPTS * 2)[:8]]
-    for prompts in groups:
-        enc = encode(decoded, prompts)
-        t_dec, l_dec = greedy(decoded, enc)
-        t_cmp, l_cmp = greedy(compressed, enc)
-        assert torch.equal(t_dec, t_cmp), prompts
-        assert torch.equal(l_dec, l_cmp), prompts
+    assert_same_greedy(*both_modes, batch)
+
+
+def test_large_tensors_get_coarser_pieces(both_modes, dense_demo_archive, monkeypatch) -> None:
+    """Tensors of resident.LARGE weights or more get 512-step pieces (half the index), the rest
+    256; a module's tensors share one piece size, and decoding is unchanged."""
+    monkeypatch.setattr(resident, "LARGE", 1 << 18)     # the demo's q, o and MLP matrices; not k, v
+    coarse = served(dense_demo_archive, compressed=True)
+    parts = [part for c in coarse.schedule.layers for part in c.parts]
+    assert {part.index.entry_steps for part in parts} == {resident.ENTRY_STEPS, resident.LARGE_ENTRY_STEPS}
+    for part in parts:
+        steps = part.index.entry_steps
+        assert all(resident.entry_steps(e) == steps for e in part.plan.float_entries)
+        pieces = sum(e.params.n_segments for e in part.plan.float_entries) * (SEGMENT_STEPS // steps)
+        assert part.index.words.numel() == pieces and part.index.states.numel() == 32 * pieces
+    assert coarse.schedule.compressed_bytes < both_modes[1].schedule.compressed_bytes
+    assert_same_greedy(both_modes[0], coarse, batch=2, steps=8, prompts=PROMPTS[:2])
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on a lent GPU)")
+@pytest.mark.parametrize("batch", [1, 8])
+def test_same_tokens_and_bit_identical_logits_on_cuda(dense_demo_archive, batch) -> None:
+    """The demo on a GPU: compressed mode decodes each module on a side stream into a ring of two
+    slots, and gives decoded mode's tokens and logits bit for bit."""
+    decoded, compressed = served(dense_demo_archive, False, "cuda"), served(dense_demo_archive, True, "cuda")
+    assert compressed.resident == "compressed" and len(compressed.schedule.slots) == 2
+    assert_same_greedy(decoded, compressed, batch)
 
 
 @pytest.mark.anyio
