@@ -217,8 +217,16 @@ class Copies:
         return None                                                   # fp8: decode_bytes wrote it
 
     def run(self) -> None:
+        self.run_bytes()
+        self.run_finish()
+
+    def run_bytes(self) -> None:
+        """The first step alone: every coded plane of every copy (rANS)."""
         if self.planes:
             ops.decode_bytes(self.data, self.desc, self.outputs, self.status)
+
+    def run_finish(self) -> None:
+        """The second step alone: dequantize / reconstruct each tensor of each copy."""
         for f in self.finish:
             f()
 
@@ -236,6 +244,7 @@ def bench_archive(tag: str, path: Path, copies: int, repeat: int) -> dict:
     exact = all(torch.equal(raw(gpu[e.name]).cpu(), raw(cpu[e.name])) for e in entries)
     job = Copies(p, data, copies)
     seconds = timed(job.run, repeat)
+    steps = {"decode_bytes_s": timed(job.run_bytes, repeat), "finish_s": timed(job.run_finish, repeat)}
     statuses_ok = int(job.status.abs().sum()) == 0
     copies_exact = all(torch.equal(raw(job.tensors[k][e.name]), raw(gpu[e.name]))
                        for k in (0, copies - 1) for e in entries)
@@ -244,7 +253,7 @@ def bench_archive(tag: str, path: Path, copies: int, repeat: int) -> dict:
                     for e in entries})
     row = {"codec": tag, "tensors": len(entries), "kinds": kinds, "copies": copies,
            "output_bytes": job.output_bytes, "stream_bytes": p.end - p.start,
-           "seconds": seconds, "GBps": job.output_bytes / seconds / 1e9,
+           "seconds": seconds, "GBps": job.output_bytes / seconds / 1e9, **steps,
            "decode_plan_one_copy_GBps": job.output_bytes / copies / one / 1e9,
            "cpu_twin_GBps": job.output_bytes / copies / cpu_s / 1e9,
            "bit_exact_vs_twin": exact and copies_exact, "statuses_ok": statuses_ok}
@@ -276,7 +285,8 @@ def main() -> int:
             row = bench_archive(tag, path, args.copies, args.repeat)
             rows.append(row)
             print(f"{tag:10s} {row['GBps']:8.1f} GB/s of output ({row['copies']} x {row['output_bytes'] // row['copies'] / 1e6:.0f} MB,"
-                  f" {row['kinds']}); one copy through decode_plan {row['decode_plan_one_copy_GBps']:.1f} GB/s;"
+                  f" {row['kinds']}; steps: decode_bytes {row['decode_bytes_s'] * 1e3:.2f} ms,"
+                  f" finish {row['finish_s'] * 1e3:.2f} ms); one copy through decode_plan {row['decode_plan_one_copy_GBps']:.1f} GB/s;"
                   f" C++ twin {row['cpu_twin_GBps']:.2f} GB/s; bit-exact {row['bit_exact_vs_twin']},"
                   f" statuses ok {row['statuses_ok']} -> {'PASS' if row['pass'] else 'FAIL'}", flush=True)
             torch.cuda.empty_cache()

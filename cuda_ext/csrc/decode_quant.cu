@@ -7,9 +7,10 @@
 //                      (docs/FORMAT.md §3); the symbol is the output byte. Steps run in unrolled
 //                      chunks of 8, as decode_float.cu's.
 //   dequantize_blocks  a block of 256 threads per 4096 weights: join the planes of its GGUF blocks
-//                      in shared memory (coalesced reads), then one thread per weight
-//                      (gguf_blocks.h dequantize_one: PTX mul.rn, never fused or flushed; NaNs as
-//                      x86 gives them), coalesced stores in the compute dtype.
+//                      in shared memory (coalesced reads; a plane's width is a compile-time
+//                      constant), then one thread per run of 8 weights (gguf_blocks.h
+//                      dequantize_run: the block's scales read once; PTX mul.rn, never fused or
+//                      flushed; NaNs as x86 gives them), stored as one 16-byte vector (bf16/f16).
 //   reconstruct_int8   one thread per 16 x 16 tile (int8_tiles.h), each tile row loaded and stored
 //                      as 16-byte vectors where aligned.
 // Archive data never traps: every read is bounded and each segment reports a status. Launches run
@@ -118,14 +119,40 @@ __global__ void __launch_bounds__(32 * kWarps) decode_bytes_kernel(const uint8_t
 constexpr int kDqThreads = 256;
 constexpr int kDqWeights = 4096;                          // weights per block of threads: 16 a thread
 constexpr int kDqBytes = kDqWeights / 32 * 34;           // their block bytes at most (Q8_0: 34 per 32)
+constexpr int kDqRun = 8;                                 // weights a thread dequantizes at once
 
 struct Planes {
   const uint8_t* p[gguf::kMaxPlanes];
 };
 
+// Plane bytes [0, nb * W) -> bytes [start, start + W) of each of nb blocks in shared memory.
+template <int W>
+__device__ __forceinline__ void join_plane(const uint8_t* src, int nb, int type_size, int start, uint8_t* blocks) {
+  for (int i = threadIdx.x; i < nb * W; i += kDqThreads) blocks[(i / W) * type_size + start + i % W] = __ldg(src + i);
+}
+
+// gguf_blocks.join, for GGUF blocks [b0, b0 + nb): plane k holds bytes [start, start + width) of
+// every block. The widths of every layout are spelled out so that i / W is a multiply.
+__device__ void join_blocks(const gguf::BlockLayout& l, const Planes& planes, int64_t b0, int nb, uint8_t* blocks) {
+  for (int k = 0; k < l.n_planes; ++k) {
+    const int w = l.planes[k].width, start = l.planes[k].start;
+    const uint8_t* src = planes.p[k] + b0 * w;
+    switch (w) {
+      case 1: join_plane<1>(src, nb, l.type_size, start, blocks); break;
+      case 4: join_plane<4>(src, nb, l.type_size, start, blocks); break;
+      case 12: join_plane<12>(src, nb, l.type_size, start, blocks); break;
+      case 16: join_plane<16>(src, nb, l.type_size, start, blocks); break;
+      case 32: join_plane<32>(src, nb, l.type_size, start, blocks); break;
+      case 64: join_plane<64>(src, nb, l.type_size, start, blocks); break;
+      case 128: join_plane<128>(src, nb, l.type_size, start, blocks); break;
+      default:
+        for (int i = threadIdx.x; i < nb * w; i += kDqThreads) blocks[(i / w) * l.type_size + start + i % w] = __ldg(src + i);
+    }
+  }
+}
+
 // GGUF blocks [b0, b0 + kDqWeights / block_size) of one tensor: join their planes into shared
-// memory (gguf_blocks.join: plane k holds bytes [start, start + width) of every block), then
-// dequantize weight i of the range in thread i % kDqThreads.
+// memory, then thread t dequantizes the runs of 8 weights starting at 8 t and 8 t + 2048.
 template <int64_t Code, typename Store>
 __global__ void __launch_bounds__(kDqThreads) dequantize_kernel(gguf::BlockLayout l, Planes planes, int64_t n_blocks,
                                                                 Store store) {
@@ -133,16 +160,15 @@ __global__ void __launch_bounds__(kDqThreads) dequantize_kernel(gguf::BlockLayou
   const int per = kDqWeights / l.block_size;
   const int64_t b0 = static_cast<int64_t>(blockIdx.x) * per;
   const int nb = static_cast<int>(n_blocks - b0 < per ? n_blocks - b0 : per);
-  for (int k = 0; k < l.n_planes; ++k) {                              // join the planes
-    const int w = l.planes[k].width, start = l.planes[k].start;
-    const uint8_t* src = planes.p[k] + b0 * w;
-    for (int i = threadIdx.x; i < nb * w; i += kDqThreads) blocks[(i / w) * l.type_size + start + i % w] = __ldg(src + i);
-  }
+  join_blocks(l, planes, b0, nb, blocks);
   __syncthreads();
   const int shift = l.block_size == 256 ? 8 : 5;                     // block sizes: 32 or QK_K = 256
   const int64_t first = b0 * l.block_size;
-  for (int i = threadIdx.x; i < (nb << shift); i += kDqThreads)       // dequantize
-    store(first + i, gguf::dequantize_one(Code, blocks + (i >> shift) * l.type_size, i & (l.block_size - 1)));
+  for (int w = threadIdx.x * kDqRun; w < (nb << shift); w += kDqThreads * kDqRun) {
+    float y[kDqRun];
+    gguf::dequantize_run(Code, blocks + (w >> shift) * l.type_size, w & (l.block_size - 1), kDqRun, y);
+    store.run(first + w, y);
+  }
 }
 
 template <typename Store>
@@ -152,9 +178,39 @@ __global__ void reconstruct_int8_kernel(const uint8_t* resid, const uint8_t* mod
   if (t < tiles) int8::reconstruct_tile(resid, modes, scales, rows, cols, t, store);
 }
 
-struct StoreF32 { float* o; __device__ void operator()(int64_t i, float v) const { o[i] = v; } };
-struct StoreBF16 { uint16_t* o; __device__ void operator()(int64_t i, float v) const { o[i] = gguf::f32_to_bf16(v); } };
-struct StoreF16 { uint16_t* o; __device__ void operator()(int64_t i, float v) const { o[i] = gguf::f32_to_f16(v); } };
+template <bool BF16>
+__device__ __forceinline__ uint32_t to16(float v) { return BF16 ? gguf::f32_to_bf16(v) : gguf::f32_to_f16(v); }
+
+// Runs of kDqRun weights at element i (a multiple of 8): vector stores when the output is 16-byte
+// aligned (`vec`, decided at launch), else one element at a time.
+struct StoreF32 {
+  float* o;
+  bool vec;
+  __device__ void run(int64_t i, const float* y) const {
+    if (vec) {
+      reinterpret_cast<float4*>(o + i)[0] = make_float4(y[0], y[1], y[2], y[3]);
+      reinterpret_cast<float4*>(o + i)[1] = make_float4(y[4], y[5], y[6], y[7]);
+      return;
+    }
+#pragma unroll
+    for (int j = 0; j < kDqRun; ++j) o[i + j] = y[j];
+  }
+};
+template <bool BF16>
+struct Store16 {
+  uint16_t* o;
+  bool vec;
+  __device__ static uint32_t cast(float v) { return to16<BF16>(v); }
+  __device__ void run(int64_t i, const float* y) const {
+    if (vec) {                                                        // little-endian: element 2k low
+      reinterpret_cast<uint4*>(o + i)[0] = make_uint4(cast(y[0]) | (cast(y[1]) << 16), cast(y[2]) | (cast(y[3]) << 16),
+                                                      cast(y[4]) | (cast(y[5]) << 16), cast(y[6]) | (cast(y[7]) << 16));
+      return;
+    }
+#pragma unroll
+    for (int j = 0; j < kDqRun; ++j) o[i + j] = static_cast<uint16_t>(cast(y[j]));
+  }
+};
 
 // Tile rows (int8_tiles.h store.row): a full row at a 16-byte aligned address as vector stores.
 struct RowF32 {
@@ -175,7 +231,7 @@ struct RowF32 {
 template <bool BF16>
 struct Row16 {
   uint16_t* o;
-  __device__ static uint32_t cast(float v) { return BF16 ? gguf::f32_to_bf16(v) : gguf::f32_to_f16(v); }
+  __device__ static uint32_t cast(float v) { return to16<BF16>(v); }
   __device__ void row(int64_t at, const float* y, int w) const {
     uint16_t* p = o + at;
     if (w == int8::kTile && (reinterpret_cast<uintptr_t>(p) & 15u) == 0) {
@@ -228,7 +284,7 @@ static void launch_dequantize(const gguf::BlockLayout& l, const Planes& planes, 
   TORCH_CHECK(grid < (int64_t{1} << 31), "too many blocks for one launch");
   const dim3 g(static_cast<unsigned>(grid));
   const auto stream = c10::cuda::getCurrentCUDAStream();
-  switch (l.code) {                                  // one kernel per type: dequantize_one's switch folds away
+  switch (l.code) {                                  // one kernel per type: dequantize_run's switch folds away
     case 2: dequantize_kernel<2><<<g, kDqThreads, 0, stream>>>(l, planes, n_blocks, store); break;
     case 3: dequantize_kernel<3><<<g, kDqThreads, 0, stream>>>(l, planes, n_blocks, store); break;
     case 6: dequantize_kernel<6><<<g, kDqThreads, 0, stream>>>(l, planes, n_blocks, store); break;
@@ -251,12 +307,13 @@ static void dequantize_blocks_cuda(at::TensorList planes, int64_t ggml_type, con
   Planes ptrs{};
   for (int k = 0; k < l.n_planes; ++k) ptrs.p[k] = planes[k].data_ptr<uint8_t>();
   const c10::cuda::CUDAGuard guard(out.device());
+  const bool vec = reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0;
   if (out.scalar_type() == at::kFloat)
-    launch_dequantize(l, ptrs, n_blocks, StoreF32{out.data_ptr<float>()});
+    launch_dequantize(l, ptrs, n_blocks, StoreF32{out.data_ptr<float>(), vec});
   else if (out.scalar_type() == at::kBFloat16)
-    launch_dequantize(l, ptrs, n_blocks, StoreBF16{reinterpret_cast<uint16_t*>(out.data_ptr())});
+    launch_dequantize(l, ptrs, n_blocks, Store16<true>{reinterpret_cast<uint16_t*>(out.data_ptr()), vec});
   else
-    launch_dequantize(l, ptrs, n_blocks, StoreF16{reinterpret_cast<uint16_t*>(out.data_ptr())});
+    launch_dequantize(l, ptrs, n_blocks, Store16<false>{reinterpret_cast<uint16_t*>(out.data_ptr()), vec});
 }
 
 void check_int8_args(const at::Tensor& resid, const at::Tensor& modes, const at::Tensor& scales,

@@ -126,9 +126,10 @@ GB_HD uint16_t f32_to_f16(float f) {
 
 // ---- dequantize weight j of one block (ggml byte layout), in gguf/quants.py's operation order -----
 // One struct per type: its constructor reads the block's f16 scales (exactly: f16 -> f32 is exact),
-// its operator() computes weight j from them and the block's bytes, and all() every weight (the
-// K-quants' sub-block scales once per sub-block, by the same operations). A CPU loop builds one per
-// block and calls all(); a GPU thread builds one for its one weight. Both give the same bits.
+// its operator() computes weight j from them and the block's bytes, all() every weight and run() a
+// run of consecutive weights (the K-quants' sub-block scales once per sub-block, by the same
+// operations). A CPU loop builds one per block and calls all(); a GPU thread builds one for its
+// run of 8 weights. Both give the same bits.
 GB_HD uint16_t le16(const uint8_t* p) { return static_cast<uint16_t>(p[0] | (p[1] << 8)); }
 GB_HD uint32_t q5_high(const uint8_t* qh, int j) {         // bit j of the u32 qh
   return (static_cast<uint32_t>(qh[j >> 3]) >> (j & 7)) & 1u;
@@ -138,6 +139,9 @@ template <typename T, int N>
 struct PerWeight {                                          // all(): operator() for every weight
   GB_HD void all(const uint8_t* b, float* y) const {
     for (int j = 0; j < N; ++j) y[j] = static_cast<const T&>(*this)(b, j);
+  }
+  GB_HD void run(const uint8_t* b, int j0, int n, float* y) const {   // weights [j0, j0 + n)
+    for (int j = 0; j < n; ++j) y[j] = static_cast<const T&>(*this)(b, j0 + j);
   }
 };
 
@@ -221,6 +225,11 @@ struct QK45 {
       for (int l = 0; l < 32; ++l) y[32 * i + l] = value(b, i, l, ds, dm);
     }
   }
+  GB_HD void run(const uint8_t* b, int j0, int n, float* y) const {   // [j0, j0 + n) in one sub-block
+    float ds, dm;
+    scales(b, j0 >> 5, &ds, &dm);
+    for (int j = 0; j < n; ++j) y[j] = value(b, j0 >> 5, (j0 & 31) + j, ds, dm);
+  }
 };
 // Q6_K: weight w = 128 h + 32 g + l (h < 2, g < 4, l < 32):
 //   ql nibble (g >> 1) of ql[64 h + 32 (g & 1) + l], qh bits 2g of qh[32 h + l]; q = (ql | qh << 4) - 32
@@ -244,21 +253,25 @@ struct Q6_K {
       for (int w = 16 * s; w < 16 * s + 16; ++w) y[w] = value(b, w, ds);
     }
   }
+  GB_HD void run(const uint8_t* b, int j0, int n, float* y) const {   // [j0, j0 + n) under one scale
+    const float ds = scale(b, j0 >> 4);
+    for (int j = 0; j < n; ++j) y[j] = value(b, j0 + j, ds);
+  }
 };
 
-// Weight j (< the type's block size) of a block of type `code`; 0 for a code without a dequantizer
-// (the ops refuse those first: check_blocks_args).
-GB_HD float dequantize_one(int64_t code, const uint8_t* block, int j) {
+// Weights [j0, j0 + n) of a block, n <= 16 and the run inside one (sub-)block scale (n = 8 at a
+// multiple of 8 always is): the block's scales read once. The GPU's way; the same bits as all().
+GB_HD void dequantize_run(int64_t code, const uint8_t* block, int j0, int n, float* y) {
   switch (code) {
-    case 2: return Q4_0(block)(block, j);
-    case 3: return Q4_1(block)(block, j);
-    case 6: return Q5_0(block)(block, j);
-    case 7: return Q5_1(block)(block, j);
-    case 8: return Q8_0(block)(block, j);
-    case 12: return QK45<false>(block)(block, j);
-    case 13: return QK45<true>(block)(block, j);
-    case 14: return Q6_K(block)(block, j);
-    default: return 0.0f;
+    case 2: Q4_0(block).run(block, j0, n, y); return;
+    case 3: Q4_1(block).run(block, j0, n, y); return;
+    case 6: Q5_0(block).run(block, j0, n, y); return;
+    case 7: Q5_1(block).run(block, j0, n, y); return;
+    case 8: Q8_0(block).run(block, j0, n, y); return;
+    case 12: QK45<false>(block).run(block, j0, n, y); return;
+    case 13: QK45<true>(block).run(block, j0, n, y); return;
+    case 14: Q6_K(block).run(block, j0, n, y); return;
+    default: for (int j = 0; j < n; ++j) y[j] = 0.0f;
   }
 }
 
