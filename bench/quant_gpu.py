@@ -15,7 +15,8 @@ x 8). Each becomes an archive written by our encoder:
 For each: the archive's bytes go to the GPU once; cuda_ext.decode_plan on the GPU and on the CPU
 (C++ twin) must agree bit for bit. Then --copies copies of the layer are decoded as the codec's
 decode runs (decode_bytes over every coded plane of every copy in one launch, then
-dequantize_blocks / reconstruct_int8 per tensor; fp8 decodes straight into its tensors), timed
+dequantize_blocks per block type over every copy's tensors, reconstruct_int8 per tensor; fp8
+decodes straight into its tensors), timed
 with CUDA events: the median of --repeat launches after a warm-up. GB/s counts the decoded output
 (the tensors in their dtype). Every timed copy is compared with the checked decode, and every
 status must be 0. The acceptance is >= 300 GB/s for each codec.
@@ -199,22 +200,31 @@ class Copies:
             self.decoded.append(by_entry)
         self.outputs = [self.decoded[k][pl.entry.name][pl.role] for k in range(copies) for pl in self.planes]
         self.finish = [self._finisher(k, e, offsets) for k in range(copies) for e, offsets in p.coded_entries]
-        self.finish = [f for f in self.finish if f is not None]
+        self.finish = [f for f in self.finish if f is not None] + self._gguf_finishers()
         self.output_bytes = copies * sum(e.nbytes for e, _ in p.coded_entries)
 
     def _plane(self, k: int, e, offsets, role: str) -> torch.Tensor:
         got = self.decoded[k].get(e.name, {})
         return got[role] if role in got else self.data[offsets[role]:offsets[role] + e.streams[role]["length"]]
 
+    def _gguf_finishers(self) -> list:
+        """As cuda_ext/quant.py: one dequantize_blocks call per block type and dtype, over every copy."""
+        groups: dict[tuple, tuple[list, list]] = {}
+        for k in range(self.copies):
+            for e, offsets in self.p.coded_entries:
+                if e.codec == CODEC_GGUF:
+                    planes, outs = groups.setdefault((e.params.block.code, e.torch_dtype), ([], []))
+                    planes += [self._plane(k, e, offsets, r) for r in e.params.block.plane_names]
+                    outs.append(self.tensors[k][e.name])
+        return [lambda code=code, planes=planes, outs=outs: ops.dequantize_blocks(planes, code, outs)
+                for (code, _), (planes, outs) in groups.items()]
+
     def _finisher(self, k: int, e, offsets):
         out = self.tensors[k][e.name]
-        if e.codec == CODEC_GGUF:
-            planes = [self._plane(k, e, offsets, r) for r in e.params.block.plane_names]
-            return lambda: ops.dequantize_blocks(planes, e.params.block.code, out)
         if e.codec == CODEC_INT8:
             args = [self._plane(k, e, offsets, r) for r in ("resid", "modes", "scales")]
             return lambda: ops.reconstruct_int8(args[0], args[1], args[2].view(torch.float32), out)
-        return None                                                   # fp8: decode_bytes wrote it
+        return None                                                   # fp8: decode_bytes wrote it; GGUF: grouped
 
     def run(self) -> None:
         self.run_bytes()

@@ -39,10 +39,11 @@ def decode_bytes(data: torch.Tensor, desc: torch.Tensor, outputs: list[torch.Ten
     torch.ops.wcodec.decode_bytes.default(data, desc, outputs, status)
 
 
-def dequantize_blocks(planes: list[torch.Tensor], ggml_type: int, out: torch.Tensor) -> None:
-    """GGUF planes of one tensor (uint8, codec/gguf_blocks.py order) -> `out` (bfloat16, float16 or
-    float32): gguf's dequantization, then torch's CPU cast, bit for bit."""
-    torch.ops.wcodec.dequantize_blocks.default(planes, ggml_type, out)
+def dequantize_blocks(planes: list[torch.Tensor], ggml_type: int, outs: list[torch.Tensor]) -> None:
+    """GGUF planes (uint8, codec/gguf_blocks.py order) of each tensor of `outs` in turn -> `outs`
+    (one dtype: bfloat16, float16 or float32): gguf's dequantization, then torch's CPU cast, bit for
+    bit. On CUDA every tensor of the list is one launch."""
+    torch.ops.wcodec.dequantize_blocks.default(planes, ggml_type, outs)
 
 
 def reconstruct_int8(resid: torch.Tensor, modes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
@@ -74,7 +75,7 @@ def register_fakes() -> None:
 
     if has_quant_ops():                 # an extension built before them lacks them: NumPy decodes those
         torch.library.register_fake("wcodec::decode_bytes")(lambda data, desc, outputs, status: None)
-        torch.library.register_fake("wcodec::dequantize_blocks")(lambda planes, ggml_type, out: None)
+        torch.library.register_fake("wcodec::dequantize_blocks")(lambda planes, ggml_type, outs: None)
         torch.library.register_fake("wcodec::reconstruct_int8")(lambda resid, modes, scales, out: None)
 
     register_fakes.done = True
@@ -142,12 +143,16 @@ def reference_decode_bytes(data: torch.Tensor, desc: torch.Tensor, outputs: list
         out.reshape(-1).view(torch.uint8).numpy()[:] = sym
 
 
-def reference_dequantize_blocks(planes: list[torch.Tensor], ggml_type: int, out: torch.Tensor) -> None:
+def reference_dequantize_blocks(planes: list[torch.Tensor], ggml_type: int, outs: list[torch.Tensor]) -> None:
     """The NumPy reference of dequantize_blocks: gguf_blocks.join, then gguf's own dequantizer."""
     bt = next(t for t in gguf_blocks.BLOCK_TYPES.values() if t.code == ggml_type)
-    n_blocks = out.numel() // bt.block_size
-    blocks = gguf_blocks.join(bt, {name: p.numpy() for name, p in zip(bt.plane_names, planes)}, n_blocks)
-    out.copy_(gguf_blocks.dequantize(bt, blocks, tuple(out.shape), out.dtype))
+    n = len(bt.plane_names)
+    for t, out in enumerate(outs):
+        n_blocks = out.numel() // bt.block_size
+        if n_blocks == 0:                                    # gguf's dequantizer refuses empty input
+            continue
+        mine = {name: p.numpy() for name, p in zip(bt.plane_names, planes[t * n:(t + 1) * n])}
+        out.copy_(gguf_blocks.dequantize(bt, gguf_blocks.join(bt, mine, n_blocks), tuple(out.shape), out.dtype))
 
 
 def reference_reconstruct_int8(resid: torch.Tensor, modes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:

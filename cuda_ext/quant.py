@@ -2,9 +2,10 @@
 fp8 floats (whole byte coded), GGUF blocks and int8. Two steps, the same on every device:
 
     decode_bytes        every coded byte plane of the plan, in one launch (one status per segment)
-    FINISH[codec]       the planes -> the tensor: fp8 decodes straight into its output; GGUF planes
-                        (decoded ones, raw ones read in place from `data`) -> dequantize_blocks;
-                        int8 residuals, tile modes and scales -> reconstruct_int8
+    FINISH[codec]       the planes -> the tensor: fp8 decodes straight into its output; int8
+                        residuals, tile modes and scales -> reconstruct_int8; GGUF planes (decoded
+                        ones, raw ones read in place from `data`) -> dequantize_blocks, one call
+                        for all the plan's tensors of one block type and dtype
 
 Ops: the C++ twin (or CUDA kernels) when the extension has them for data's device, else the
 NumPy reference in cuda_ext/ops.py. On a CUDA device whose build lacks the kernels, the planes
@@ -83,12 +84,13 @@ def _fp8(e: TensorEntry, offsets, data, decoded, run: Ops, path) -> torch.Tensor
     return decoded["exp"]
 
 
-def _gguf(e: TensorEntry, offsets, data, decoded, run: Ops, path) -> torch.Tensor:
-    params: GGUFParams = e.params
-    out = torch.empty(e.shape, dtype=e.torch_dtype, device=data.device)
-    run.dequantize_blocks([_stream(e, role, offsets, data, decoded) for role in params.block.plane_names],
-                          params.block.code, out)
-    return out
+def _gguf(group: list, data, by_entry, run: Ops) -> dict[str, torch.Tensor]:
+    """GGUF tensors of one block type and dtype: one dequantize_blocks call (one launch on CUDA)."""
+    params: GGUFParams = group[0][0].params
+    outs = [torch.empty(e.shape, dtype=e.torch_dtype, device=data.device) for e, _ in group]
+    run.dequantize_blocks([_stream(e, role, offsets, data, by_entry.get(e.name, {}))
+                           for e, offsets in group for role in params.block.plane_names], params.block.code, outs)
+    return {e.name: o for (e, _), o in zip(group, outs)}
 
 
 def _int8(e: TensorEntry, offsets, data, decoded, run: Ops, path) -> torch.Tensor:
@@ -102,7 +104,7 @@ def _int8(e: TensorEntry, offsets, data, decoded, run: Ops, path) -> torch.Tenso
     return out
 
 
-FINISH = {CODEC_FLOAT: _fp8, CODEC_GGUF: _gguf, CODEC_INT8: _int8}     # codec -> its planes to the tensor
+FINISH = {CODEC_FLOAT: _fp8, CODEC_INT8: _int8}     # codec -> its planes to the tensor (GGUF: _gguf, by group)
 
 
 def decode(p: Plan, data: torch.Tensor, path=None) -> dict[str, torch.Tensor]:
@@ -126,6 +128,13 @@ def decode(p: Plan, data: torch.Tensor, path=None) -> dict[str, torch.Tensor]:
     by_entry: dict[str, dict[str, torch.Tensor]] = {}
     for pl, o in zip(planes, outputs):
         by_entry.setdefault(pl.entry.name, {})[pl.role] = o
-    return {e.name: FINISH[e.codec](e, offsets, data, by_entry.get(e.name, {}), run, path)
-            for e, offsets in p.coded_entries}
+    done, groups = {}, {}
+    for e, offsets in p.coded_entries:
+        if e.codec == CODEC_GGUF:
+            groups.setdefault((e.params.block.code, e.torch_dtype), []).append((e, offsets))
+        else:
+            done[e.name] = FINISH[e.codec](e, offsets, data, by_entry.get(e.name, {}), run, path)
+    for group in groups.values():
+        done.update(_gguf(group, data, by_entry, run))
+    return {e.name: done[e.name] for e, _ in p.coded_entries}
 

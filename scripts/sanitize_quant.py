@@ -68,9 +68,9 @@ def direct_ops() -> bool:
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             cpu = torch.empty(len(blocks) * bt.block_size, dtype=dtype)
             gpu = torch.empty(len(blocks) * bt.block_size + 1, dtype=dtype, device="cuda")[1:]
-            ops.dequantize_blocks(planes, bt.code, cpu)
+            ops.dequantize_blocks(planes, bt.code, [cpu])
             ops.dequantize_blocks([torch.cat([torch.zeros(1, dtype=torch.uint8), p]).cuda()[1:] for p in planes],
-                                  bt.code, gpu)
+                                  bt.code, [gpu])
             ok &= torch.equal(raw(gpu), raw(cpu))
     rng = np.random.default_rng(2)
     rows, cols = 37, 53

@@ -83,3 +83,11 @@ def corrupt_q8_archive(path):
     raw[rec["offset"] + rec["length"] - 40] ^= 0x21
     path.write_bytes(bytes(raw))
     return path
+
+
+def many_tensors(bt: gguf_blocks.BlockType, counts: list[int], seed: int) -> tuple[list[np.ndarray], list[torch.Tensor]]:
+    """Random blocks for several tensors of one type (block counts `counts`, 0 allowed): each
+    tensor's blocks, and every tensor's planes in turn (dequantize_blocks' list order)."""
+    blocks = [random_blocks(bt, n, seed=seed + i) for i, n in enumerate(counts)]
+    planes = [torch.from_numpy(np.ascontiguousarray(p)) for b in blocks for p in gguf_blocks.split(bt, b).values()]
+    return blocks, planes

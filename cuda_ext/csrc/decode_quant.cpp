@@ -114,19 +114,28 @@ static void decode_bytes_cpu(const at::Tensor& data, const at::Tensor& desc, at:
 }
 
 // ---- dequantize_blocks -------------------------------------------------------------------------------
-const gguf::BlockLayout& check_blocks_args(at::TensorList planes, int64_t ggml_type, const at::Tensor& out) {
+// outs: tensors of one GGML type, each with its l.n_planes planes in turn in `planes`.
+const gguf::BlockLayout& check_blocks_args(at::TensorList planes, int64_t ggml_type, at::TensorList outs) {
   const gguf::BlockLayout* l = gguf::find_layout(ggml_type);
   TORCH_CHECK(l != nullptr, "no dequantizer for GGML type ", ggml_type);
-  TORCH_CHECK(out.is_contiguous() && (out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kHalf ||
-                                      out.scalar_type() == at::kFloat),
-              "out must be a contiguous bfloat16, float16 or float32 tensor");
-  TORCH_CHECK(out.numel() % l->block_size == 0, "out's numel is not whole blocks");
-  const int64_t n_blocks = out.numel() / l->block_size;
-  TORCH_CHECK(static_cast<int>(planes.size()) == l->n_planes, "GGML type ", ggml_type, " has ", l->n_planes, " planes");
-  for (int k = 0; k < l->n_planes; ++k)
-    TORCH_CHECK(planes[k].scalar_type() == at::kByte && planes[k].is_contiguous() &&
-                    planes[k].device() == out.device() && planes[k].numel() == n_blocks * l->planes[k].width,
-                "plane ", k, " must be contiguous uint8 on out's device with ", n_blocks * l->planes[k].width, " bytes");
+  TORCH_CHECK(planes.size() == outs.size() * static_cast<size_t>(l->n_planes), "GGML type ", ggml_type, " has ",
+              l->n_planes, " planes a tensor: ", outs.size(), " outputs need ", outs.size() * l->n_planes);
+  for (size_t t = 0; t < outs.size(); ++t) {
+    const at::Tensor& out = outs[t];
+    TORCH_CHECK(out.is_contiguous() && (out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kHalf ||
+                                        out.scalar_type() == at::kFloat),
+                "out must be a contiguous bfloat16, float16 or float32 tensor");
+    TORCH_CHECK(out.scalar_type() == outs[0].scalar_type() && out.device() == outs[0].device(),
+                "every out must have the first one's dtype and device");
+    TORCH_CHECK(out.numel() % l->block_size == 0, "out's numel is not whole blocks");
+    const int64_t n_blocks = out.numel() / l->block_size;
+    for (int k = 0; k < l->n_planes; ++k) {
+      const at::Tensor& plane = planes[t * l->n_planes + k];
+      TORCH_CHECK(plane.scalar_type() == at::kByte && plane.is_contiguous() && plane.device() == out.device() &&
+                      plane.numel() == n_blocks * l->planes[k].width,
+                  "plane ", k, " must be contiguous uint8 on out's device with ", n_blocks * l->planes[k].width, " bytes");
+    }
+  }
   return *l;
 }
 
@@ -143,8 +152,7 @@ static void dequantize_range(const gguf::BlockLayout& l, const std::vector<const
   }
 }
 
-static void dequantize_blocks_cpu(at::TensorList planes, int64_t ggml_type, const at::Tensor& out) {
-  const gguf::BlockLayout& l = check_blocks_args(planes, ggml_type, out);
+static void dequantize_one_cpu(const gguf::BlockLayout& l, at::TensorList planes, const at::Tensor& out) {
   std::vector<const uint8_t*> ptrs;
   for (const auto& p : planes) ptrs.push_back(p.data_ptr<uint8_t>());
   const int64_t n_blocks = out.numel() / l.block_size;
@@ -161,6 +169,11 @@ static void dequantize_blocks_cpu(at::TensorList planes, int64_t ggml_type, cons
       dequantize_range(l, ptrs, b0, b1, [o](int64_t i, float v) { o[i] = gguf::f32_to_f16(v); });
     }
   });
+}
+
+static void dequantize_blocks_cpu(at::TensorList planes, int64_t ggml_type, at::TensorList outs) {
+  const gguf::BlockLayout& l = check_blocks_args(planes, ggml_type, outs);
+  for (size_t t = 0; t < outs.size(); ++t) dequantize_one_cpu(l, planes.slice(t * l.n_planes, l.n_planes), outs[t]);
 }
 
 // ---- reconstruct_int8 (codec/int8.py, int8_tiles.h) -------------------------------------------------
@@ -216,11 +229,11 @@ static void reconstruct_int8_cpu(const at::Tensor& resid, const at::Tensor& mode
 
 // decode_bytes: decode the byte planes in `desc` (rows as decode_pieces', ctx_bits 0, dtype code
 // kU8, no hi/lo) from `data` into `outputs` (caller-owned, 1-byte elements); status per segment.
-// dequantize_blocks: GGUF planes (codec/gguf_blocks.py order) of one tensor -> `out`.
+// dequantize_blocks: GGUF planes (codec/gguf_blocks.py order) of each tensor in turn -> `outs`.
 // reconstruct_int8: an int8-coded weight's residual bytes, tile modes and row scales -> `out`.
 TORCH_LIBRARY_FRAGMENT(wcodec, m) {
   m.def("decode_bytes(Tensor data, Tensor desc, Tensor(a!)[] outputs, Tensor(b!) status) -> ()");
-  m.def("dequantize_blocks(Tensor[] planes, int ggml_type, Tensor(a!) out) -> ()");
+  m.def("dequantize_blocks(Tensor[] planes, int ggml_type, Tensor(a!)[] outs) -> ()");
   m.def("reconstruct_int8(Tensor resid, Tensor modes, Tensor scales, Tensor(a!) out) -> ()");
 }
 

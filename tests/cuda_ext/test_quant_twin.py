@@ -12,7 +12,7 @@ from codec.constants import SEGMENT_SYMBOLS, STREAM_ALIGN
 from codec.decode import load as reference_load
 from codec.floatcodec import FloatParams
 from cuda_ext import ops, plans
-from tests.quantized import (F16_FIELDS, GGUF_DTYPES, compress_blocks, corrupt_q8_archive, quantized_weights,
+from tests.quantized import (F16_FIELDS, GGUF_DTYPES, compress_blocks, corrupt_q8_archive, many_tensors, quantized_weights,
                              random_blocks, reference_values, scale_sweep)
 from tests.tensors import make_tensor, raw_bytes
 
@@ -37,7 +37,7 @@ def test_dequantize_twin_is_gguf_bit_for_bit(name):
     planes = [torch.from_numpy(p) for p in gguf_blocks.split(bt, blocks).values()]
     for dtype in GGUF_DTYPES.values():
         out = torch.empty(numel, dtype=dtype)
-        ops.dequantize_blocks(planes, bt.code, out)
+        ops.dequantize_blocks(planes, bt.code, [out])
         want = values.to(dtype)
         bad = torch.nonzero(raw_bytes(out).view(-1, dtype.itemsize) != raw_bytes(want).view(-1, dtype.itemsize))
         assert len(bad) == 0, (dtype, int(bad[0, 0]) // bt.block_size)
@@ -107,6 +107,24 @@ def test_decode_bytes_reports_corruption_like_the_reference():
                 assert torch.equal(out_t[r], out_n[r]), (pos, r)
 
 
+@pytest.mark.parametrize("name", ["Q4_1", "Q6_K"])
+def test_dequantize_a_list_of_tensors(name):
+    """One call dequantizes each tensor of a list from its own planes, as calls one by one would."""
+    bt = gguf_blocks.BLOCK_TYPES[name]
+    blocks, planes = many_tensors(bt, [3, 0, 17, 1], seed=11)
+    outs = [torch.empty(len(b) * bt.block_size, dtype=torch.bfloat16) for b in blocks]
+    ops.dequantize_blocks(planes, bt.code, outs)
+    n = len(bt.plane_names)
+    for t, (b, out) in enumerate(zip(blocks, outs)):
+        alone = torch.empty_like(out)
+        ops.dequantize_blocks(planes[t * n:(t + 1) * n], bt.code, [alone])
+        want = torch.empty_like(out)
+        ops.reference_dequantize_blocks(planes[t * n:(t + 1) * n], bt.code, [want])
+        assert torch.equal(raw_bytes(out), raw_bytes(alone)) and torch.equal(raw_bytes(out), raw_bytes(want)), t
+    with pytest.raises(RuntimeError, match="dtype"):
+        ops.dequantize_blocks(planes, bt.code, outs[:3] + [outs[3].float()])
+
+
 def test_opcheck_quant_ops_cpu():
     data, desc, n_status = _byte_batch({})
     outputs = [torch.empty(int(r[4]), dtype=torch.uint8) for r in desc.tolist()]
@@ -115,18 +133,18 @@ def test_opcheck_quant_ops_cpu():
     bt = gguf_blocks.BLOCK_TYPES["Q4_K"]
     planes = [torch.from_numpy(p) for p in gguf_blocks.split(bt, random_blocks(bt, 8, seed=5)).values()]
     torch.library.opcheck(torch.ops.wcodec.dequantize_blocks.default,
-                          (planes, bt.code, torch.empty(8 * bt.block_size, dtype=torch.bfloat16)))
+                          (planes, bt.code, [torch.empty(8 * bt.block_size, dtype=torch.bfloat16)]))
 
 
 def test_caller_mistakes_are_refused():
     bt = gguf_blocks.BLOCK_TYPES["Q8_0"]
     planes = [torch.from_numpy(p) for p in gguf_blocks.split(bt, random_blocks(bt, 4, seed=6)).values()]
     with pytest.raises(RuntimeError, match="planes"):
-        ops.dequantize_blocks(planes[:2], bt.code, torch.empty(128, dtype=torch.float32))
+        ops.dequantize_blocks(planes[:2], bt.code, [torch.empty(128, dtype=torch.float32)])
     with pytest.raises(RuntimeError, match="no dequantizer"):
-        ops.dequantize_blocks(planes, 10, torch.empty(128, dtype=torch.float32))
+        ops.dequantize_blocks(planes, 10, [torch.empty(128, dtype=torch.float32)])
     with pytest.raises(RuntimeError, match="plane"):
-        ops.dequantize_blocks(planes, bt.code, torch.empty(160, dtype=torch.float32))
+        ops.dequantize_blocks(planes, bt.code, [torch.empty(160, dtype=torch.float32)])
 
 
 def test_extension_load_of_mixed_archive_matches_reference(tmp_path):

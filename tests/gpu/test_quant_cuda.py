@@ -31,8 +31,8 @@ def test_dequantize_cuda_matches_twin(name):
     for dtype in GGUF_DTYPES.values():
         cpu = torch.empty(len(blocks) * bt.block_size, dtype=dtype)
         gpu = torch.empty_like(cpu, device="cuda")
-        ops.dequantize_blocks(planes, bt.code, cpu)
-        ops.dequantize_blocks([p.cuda() for p in planes], bt.code, gpu)
+        ops.dequantize_blocks(planes, bt.code, [cpu])
+        ops.dequantize_blocks([p.cuda() for p in planes], bt.code, [gpu])
         assert torch.equal(raw_bytes(gpu.cpu()), raw_bytes(cpu)), dtype
 
 

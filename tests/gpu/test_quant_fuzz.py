@@ -15,7 +15,7 @@ from codec.constants import SEGMENT_SYMBOLS
 from codec.decode import Archive
 from codec.encode import compress_state_dict
 from cuda_ext import ops
-from tests.quantized import GGUF_DTYPES, random_blocks
+from tests.quantized import GGUF_DTYPES, many_tensors, random_blocks
 from tests.tensors import raw_bytes
 
 S = SEGMENT_SYMBOLS
@@ -55,8 +55,8 @@ def test_dequantize_odd_block_counts_match_twin(name):
         for dtype in GGUF_DTYPES.values():
             cpu = torch.empty(count * bt.block_size, dtype=dtype)
             gpu = torch.empty_like(cpu, device="cuda")
-            ops.dequantize_blocks(planes, bt.code, cpu)
-            ops.dequantize_blocks([p.cuda() for p in planes], bt.code, gpu)
+            ops.dequantize_blocks(planes, bt.code, [cpu])
+            ops.dequantize_blocks([p.cuda() for p in planes], bt.code, [gpu])
             assert torch.equal(raw_bytes(gpu.cpu()), raw_bytes(cpu)), (count, dtype)
 
 
@@ -113,3 +113,20 @@ def test_corrupt_fp8_streams_fail_alike(tmp_path):
         else:
             assert not isinstance(outcome["cuda"], str) and torch.equal(outcome["cuda"], outcome["cpu"]), trial
     assert raised >= 12                                         # nearly every flip is caught
+
+
+@pytest.mark.parametrize("name", list(gguf_blocks.BLOCK_TYPES))
+def test_dequantize_many_tensors_in_one_launch(name):
+    """A list of tensors of one type -- empty ones, one block, kernel-block boundaries, outputs at
+    odd addresses (no vector stores) -- in one launch, each bit-exact with the twin."""
+    bt = gguf_blocks.BLOCK_TYPES[name]
+    per = 4096 // bt.block_size
+    blocks, planes = many_tensors(bt, [1, 0, per, per + 1, 5 * per - 1, 2], seed=21)
+    for dtype in GGUF_DTYPES.values():
+        cpu = [torch.empty(len(b) * bt.block_size, dtype=dtype) for b in blocks]
+        gpu = [torch.empty(len(b) * bt.block_size + (t % 2), dtype=dtype, device="cuda")[t % 2:]
+               for t, b in enumerate(blocks)]
+        ops.dequantize_blocks(planes, bt.code, cpu)
+        ops.dequantize_blocks([p.cuda() for p in planes], bt.code, gpu)
+        for t, (c, g) in enumerate(zip(cpu, gpu)):
+            assert torch.equal(raw_bytes(g.cpu()), raw_bytes(c)), (t, dtype)
