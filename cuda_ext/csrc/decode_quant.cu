@@ -165,8 +165,8 @@ __global__ void __launch_bounds__(kDqThreads) dequantize_kernel(gguf::BlockLayou
   __shared__ uint8_t blocks[kDqBytes];
   const int64_t r = plan_row(plan.firsts, plan.n, blockIdx.x);
   const int64_t* row = plan.rows + r * kDqRowFields;
-  const int64_t n_blocks = row[l.n_planes + 1];
-  const Store store{reinterpret_cast<decltype(Store::o)>(row[l.n_planes]), row[l.n_planes + 2] != 0};
+  const int64_t n_blocks = row[gguf::kMaxPlanes + 1];
+  const Store store{reinterpret_cast<decltype(Store::o)>(row[gguf::kMaxPlanes]), row[gguf::kMaxPlanes + 2] != 0};
   const int per = kDqWeights / l.block_size;
   const int64_t b0 = (static_cast<int64_t>(blockIdx.x) - plan.firsts[r]) * per;
   const int nb = static_cast<int>(n_blocks - b0 < per ? n_blocks - b0 : per);
