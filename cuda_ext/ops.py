@@ -42,7 +42,7 @@ def decode_bytes(data: torch.Tensor, desc: torch.Tensor, outputs: list[torch.Ten
 def dequantize_blocks(planes: list[torch.Tensor], ggml_type: int, outs: list[torch.Tensor]) -> None:
     """GGUF planes (uint8, codec/gguf_blocks.py order) of each tensor of `outs` in turn -> `outs`
     (one dtype: bfloat16, float16 or float32): gguf's dequantization, then torch's CPU cast, bit for
-    bit. On CUDA every tensor of the list is one launch."""
+    bit. On CUDA a launch per tensor, on the current stream."""
     torch.ops.wcodec.dequantize_blocks.default(planes, ggml_type, outs)
 
 

@@ -85,7 +85,7 @@ def _fp8(e: TensorEntry, offsets, data, decoded, run: Ops, path) -> torch.Tensor
 
 
 def _gguf(group: list, data, by_entry, run: Ops) -> dict[str, torch.Tensor]:
-    """GGUF tensors of one block type and dtype: one dequantize_blocks call (one launch on CUDA)."""
+    """GGUF tensors of one block type and dtype: one dequantize_blocks call."""
     params: GGUFParams = group[0][0].params
     outs = [torch.empty(e.shape, dtype=e.torch_dtype, device=data.device) for e, _ in group]
     run.dequantize_blocks([_stream(e, role, offsets, data, by_entry.get(e.name, {}))

@@ -116,9 +116,9 @@ def test_corrupt_fp8_streams_fail_alike(tmp_path):
 
 
 @pytest.mark.parametrize("name", list(gguf_blocks.BLOCK_TYPES))
-def test_dequantize_many_tensors_in_one_launch(name):
+def test_dequantize_many_tensors_in_one_call(name):
     """A list of tensors of one type -- empty ones, one block, kernel-block boundaries, outputs at
-    odd addresses (no vector stores) -- in one launch, each bit-exact with the twin."""
+    odd addresses (no vector stores) -- in one call, each bit-exact with the twin."""
     bt = gguf_blocks.BLOCK_TYPES[name]
     per = 4096 // bt.block_size
     blocks, planes = many_tensors(bt, [1, 0, per, per + 1, 5 * per - 1, 2], seed=21)
