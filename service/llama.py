@@ -137,32 +137,37 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
+@dataclass
+class KVLayer:
+    keys: torch.Tensor             # [B, KV, T, D]
+    values: torch.Tensor
+
+
 class KVCache:
-    """Keys and values per layer, [B, KV, T, D] each, grown by concatenation (like DynamicCache)."""
+    """Keys and values per layer, grown by concatenation: DynamicCache's interface as the engine uses
+    it (`layers[i].keys` / `.values`, update, get_seq_length, batch_select_indices, crop)."""
 
     def __init__(self) -> None:
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
+        self.layers: list[KVLayer] = []
 
     def update(self, k: torch.Tensor, v: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if layer == len(self.keys):
-            self.keys.append(k)
-            self.values.append(v)
+        if layer == len(self.layers):
+            self.layers.append(KVLayer(k, v))
         else:
-            self.keys[layer] = torch.cat([self.keys[layer], k], dim=2)
-            self.values[layer] = torch.cat([self.values[layer], v], dim=2)
-        return self.keys[layer], self.values[layer]
+            kv = self.layers[layer]
+            kv.keys, kv.values = torch.cat([kv.keys, k], dim=2), torch.cat([kv.values, v], dim=2)
+        return self.layers[layer].keys, self.layers[layer].values
 
     def get_seq_length(self, layer: int = 0) -> int:
-        return self.keys[layer].shape[2] if layer < len(self.keys) else 0
+        return self.layers[layer].keys.shape[2] if layer < len(self.layers) else 0
 
     def batch_select_indices(self, idx: torch.Tensor) -> None:
-        self.keys = [k[idx] for k in self.keys]
-        self.values = [v[idx] for v in self.values]
+        for kv in self.layers:
+            kv.keys, kv.values = kv.keys[idx], kv.values[idx]
 
     def crop(self, length: int) -> None:
-        self.keys = [k[:, :, :length] for k in self.keys]
-        self.values = [v[:, :, :length] for v in self.values]
+        for kv in self.layers:
+            kv.keys, kv.values = kv.keys[:, :, :length], kv.values[:, :, :length]
 
 
 class Attention(nn.Module):

@@ -26,7 +26,7 @@ import torch
 
 from ..generation import Row, TokenEvent, left_pad, sample_rows
 from ..modeling import ServedModel
-from .kv import PaddedKV
+from .kv import PaddedKV, cache_class
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class Group:
     def __init__(self, rows: list[Row], served: ServedModel):
         self.rows = rows
         self.ids, self.real = left_pad([r.prompt_ids for r in rows], served.pad_id, served.device)  # [G, W]
-        self.kv = PaddedKV(served.device, len(rows))
+        self.kv = PaddedKV(served.device, cache_class(served.model), len(rows))
         self.done = 0                                   # columns prefilled
 
     @property
@@ -65,7 +65,7 @@ class Batcher:
         self.on_token, self.on_finish = on_token, on_finish
         self.waiting: deque[Row] = deque()      # appended by other threads (deque ops are atomic)
         self.running: list[Row] = []
-        self.kv = PaddedKV(served.device)
+        self.kv = PaddedKV(served.device, cache_class(served.model))
         self.group: Group | None = None
 
     def add(self, row: Row) -> None:
@@ -88,7 +88,8 @@ class Batcher:
 
     def reset(self) -> list[Row]:
         """Forget the running batch and the group (after a failed step); returns their rows."""
-        rows, self.running, self.group, self.kv = self.active, [], None, PaddedKV(self.served.device)
+        rows, self.running, self.group, self.kv = self.active, [], None, \
+            PaddedKV(self.served.device, cache_class(self.served.model))
         return rows
 
     def _decode(self) -> int:

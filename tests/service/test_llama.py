@@ -51,7 +51,7 @@ def test_logits_match_transformers_with_padding_and_a_cache(tied: bool) -> None:
                  past_key_values=b.past_key_values, use_cache=True, logits_to_keep=1)
         torch.testing.assert_close(b.logits, a.logits, rtol=0, atol=1e-5)
     b.past_key_values.batch_select_indices(torch.tensor([1]))
-    assert b.past_key_values.get_seq_length() == 7 and b.past_key_values.keys[0].shape[0] == 1
+    assert b.past_key_values.get_seq_length() == 7 and b.past_key_values.layers[0].keys.shape[0] == 1
 
 
 def test_llama3_rope_matches_transformers() -> None:
@@ -95,11 +95,14 @@ def test_tokenizer_matches_transformers(demo_archive: Path) -> None:
 
 
 def test_serving_the_demo_imports_neither_transformers_nor_dynamo(demo_archive: Path) -> None:
-    """The forward pass's modules only: a fresh process prepares, decodes and runs the demo model."""
+    """The forward pass's modules only: a fresh process prepares, decodes and runs the demo model,
+    once directly and once through the engine's KV cache."""
     code = f"""
 import sys, torch
 from codec.decode import Archive
 from service import loader, modeling
+from service.engine import Engine
+from service.engine.kv import PaddedKV, cache_class
 with Archive.open({str(demo_archive)!r}) as a:
     opened = a.entries, a.reader.files()
 prepared = modeling.prepare("demo", opened[1])
@@ -109,6 +112,8 @@ ids = served.tokenizer.apply_chat_template([{{"role": "user", "content": "What i
                                            add_generation_prompt=True, tokenize=True)
 with torch.inference_mode():
     token = int(served.model(input_ids=torch.tensor([ids]), logits_to_keep=1).logits[0, -1].argmax())
+    kv = PaddedKV(torch.device("cpu"), cache_class(served.model), rows=1)
+    assert int(kv.forward(served.model, torch.tensor([ids]), torch.ones(1, len(ids)))[0].argmax()) == token
 print(served.tokenizer.decode([token]), sorted(m for m in sys.modules if m.split(".")[0] in ("transformers", "sympy")
       or m.startswith("torch._dynamo")))
 """
