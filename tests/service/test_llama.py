@@ -61,6 +61,20 @@ def test_llama3_rope_matches_transformers() -> None:
     torch.testing.assert_close(ours.model.rotary_emb.inv_freq, theirs.model.rotary_emb.inv_freq, rtol=0, atol=0)
 
 
+
+@pytest.mark.parametrize("q_len", [1, 5])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_grouped_attention_is_sdpa_on_repeated_kv(q_len: int, dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    b, heads, kv, t, d = 3, 6, 2, 11, 16
+    q = torch.randn(b, heads, q_len, d, dtype=dtype)                                # [B, H, S, D]
+    k, v = torch.randn(b, kv, t, d, dtype=dtype), torch.randn(b, kv, t, d, dtype=dtype)
+    real = (torch.arange(t) >= torch.tensor([[0], [4], [7]])).long()                # [B, T], left padding
+    mask = llama.causal_mask(real, q_len)                                           # [B, 1, S, T]
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1), attn_mask=mask, scale=0.25)
+    torch.testing.assert_close(llama.grouped_attention(q, k, v, mask, 0.25), want)   # summation order only
+
 @pytest.mark.parametrize("change", [{"model_type": "gemma"}, {"hidden_act": "gelu"}, {"sliding_window": 4096},
                                     {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}])
 def test_what_is_not_implemented_goes_to_transformers(change: dict) -> None:
