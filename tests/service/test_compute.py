@@ -50,3 +50,15 @@ def test_mixed_linear_paths():
     assert torch.equal(lin(few), F.linear(few, lin.weight))
     assert torch.equal(lin(many), F.linear(many.float(), lin.weight.float()).bfloat16())
     assert model(many).dtype == torch.bfloat16
+
+
+def test_a_large_weight_is_widened_in_blocks_of_rows(monkeypatch):
+    monkeypatch.setattr(compute, "CHUNK_FLOATS", 10 * 64)             # 10 rows of 64 at a time
+    g = torch.Generator().manual_seed(0)
+    lin = llama.Linear(64, 25, bias=True)                               # blocks of 10, 10 and 5 rows
+    lin.weight = torch.nn.Parameter(torch.randn(25, 64, generator=g).bfloat16(), requires_grad=False)
+    lin.bias = torch.nn.Parameter(torch.randn(25, generator=g).bfloat16(), requires_grad=False)
+    assert compute._mix(lin, min_rows=6) == 10 * 64 * 4
+    x = torch.randn(2, 4, 64, generator=g).bfloat16()
+    want = F.linear(x.float(), lin.weight.float(), lin.bias.float()).bfloat16()
+    torch.testing.assert_close(lin(x), want, rtol=0, atol=0)
