@@ -48,14 +48,9 @@ class PaddedKV:
         cols = torch.arange(self.width, device=self.lengths.device)        # [S]
         return (cols >= self.width - self.lengths[:, None]).long()        # [B, S]
 
-    def forward(self, model: torch.nn.Module, ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-        """Feed `ids` [B, q] (`real` [B, q]: 1 for a token, 0 for left padding); return the last
-        position's logits [B, V] in float32. The cache grows by q columns."""
-        (logits,) = forward_all(model, [(self, ids, real)])
-        return logits
-
     def _segment(self, ids: torch.Tensor, real: torch.Tensor) -> llama.Segment:
-        """The model's inputs for `ids` [B, q] after this cache: mask [B, S + q], positions [B, q]."""
+        """The model's inputs for `ids` [B, q] (`real` [B, q]: 1 for a token, 0 for left padding)
+        after this cache: mask [B, S + q], positions [B, q]."""
         real = real.long()
         mask = torch.cat([self.mask(), real], dim=1)                        # [B, S + q]
         pos = (self.lengths[:, None] + real.cumsum(-1) - 1).clamp(min=0)    # [B, q]
@@ -100,8 +95,9 @@ class PaddedKV:
 
 
 def forward_all(model: torch.nn.Module, parts: list[tuple[PaddedKV, torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
-    """`PaddedKV.forward` of several batches, each (kv, ids [B, q], real [B, q]); returns each one's
-    last-position logits [B, V] float32. service/llama.py's models take them in one pass
+    """Feed several batches, each (kv, ids [B, q], real [B, q]: 1 for a token, 0 for left padding)
+    after its own cache, which grows by q columns; returns each one's last-position logits [B, V]
+    in float32. service/llama.py's models take them in one pass
     (`forward_segments`: each weight read once for a decoding step and a prompt chunk together);
     transformers' models get one forward per batch."""
     segments = [kv._segment(ids, real) for kv, ids, real in parts]
