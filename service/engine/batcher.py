@@ -2,14 +2,16 @@
 
 Each `step()`:
   1. rows that were cancelled since the last step leave, with their KV columns;
-  2. decode: every running row feeds its newest token and samples the next (one forward, [B, 1]);
-     rows that finish leave at once;
-  3. prefill: the rest of the step's token budget (`max_tokens` less one per decoded row) goes to
-     prompts. When no prefill is under way, waiting rows form the next group, first come first
-     served, as many as fit the budget and the free rows; a group's left-padded prompts [G, W]
-     advance by `budget // G` columns per step (a chunk), so a long prompt never stalls the
-     running rows for more than one budget's worth of tokens. When the group's prompts are done,
-     each of its rows samples its first token and the group joins the running batch (`merge`).
+  2. plan the prefill: the rest of the step's token budget (`max_tokens` less one per running
+     row) goes to prompts. When no prefill is under way, waiting rows form the next group, first
+     come first served, as many as fit the budget and the free rows; a group's left-padded
+     prompts [G, W] advance by `budget // G` columns per step (a chunk), so a long prompt never
+     stalls the running rows for more than one budget's worth of tokens;
+  3. one forward (`kv.forward_all`): every running row feeds its newest token ([B, 1]) and the
+     group its chunk ([G, chunk]), each against its own cache, every weight read once for both;
+  4. decode: every running row samples its next token; rows that finish leave at once;
+  5. prefill: when the group's prompts are done, each of its rows samples its first token and the
+     group joins the running batch (`merge`).
 
 The running batch and the group each own a `PaddedKV`; rows never share a KV row, and a row's
 attention sees only its own columns (the mask), so batching changes no row's tokens beyond
@@ -26,7 +28,7 @@ import torch
 
 from ..generation import Row, TokenEvent, left_pad, sample_rows
 from ..modeling import ServedModel
-from .kv import PaddedKV, cache_class
+from .kv import PaddedKV, cache_class, forward_all
 
 
 @dataclass(frozen=True)
@@ -83,8 +85,22 @@ class Batcher:
     @torch.inference_mode()
     def step(self) -> Step:
         self._leave()
-        rows = self._decode()
-        return Step(rows, rows + self._prefill(self.max_tokens - rows))
+        rows, group, chunk = len(self.running), self._plan(self.max_tokens - len(self.running)), 0
+        parts = []
+        if rows:
+            ids = torch.tensor([[r.ids[-1]] for r in self.running], device=self.served.device)  # [B, 1]
+            parts.append((self.kv, ids, torch.ones_like(ids)))
+        if group is not None:
+            chunk = min(max(1, (self.max_tokens - rows) // len(group.rows)), group.width - group.done)
+            cols = slice(group.done, group.done + chunk)
+            parts.append((group.kv, group.ids[:, cols], group.real[:, cols]))                # [G, chunk]
+        logits = forward_all(self.served.model, parts) if parts else []
+        if rows:
+            self._emit(self.running, logits[0])
+            self._leave()
+        if group is not None:
+            self._prefilled(group, chunk, logits[-1])
+        return Step(rows, rows + (len(group.rows) * chunk if group else 0))
 
     def reset(self) -> list[Row]:
         """Forget the running batch and the group (after a failed step); returns their rows."""
@@ -92,17 +108,8 @@ class Batcher:
             PaddedKV(self.served.device, cache_class(self.served.model))
         return rows
 
-    def _decode(self) -> int:
-        if not self.running:
-            return 0
-        ids = torch.tensor([[r.ids[-1]] for r in self.running], device=self.served.device)   # [B, 1]
-        logits = self.kv.forward(self.served.model, ids, torch.ones_like(ids))              # [B, V]
-        self._emit(self.running, logits)
-        n = len(self.running)
-        self._leave()
-        return n
-
-    def _prefill(self, budget: int) -> int:
+    def _plan(self, budget: int) -> Group | None:
+        """The group this step prefills: the one under way (less its cancelled rows), or a new one."""
         if self.group is not None:
             for row in self.group.drop_cancelled():
                 self.on_finish(row)
@@ -110,12 +117,10 @@ class Batcher:
                 self.group = None
         if self.group is None:
             self.group = self._admit(budget)
-        if self.group is None:
-            return 0
-        g = self.group
-        chunk = min(max(1, budget // len(g.rows)), g.width - g.done)
-        cols = slice(g.done, g.done + chunk)
-        logits = g.kv.forward(self.served.model, g.ids[:, cols], g.real[:, cols])          # [G, V]
+        return self.group
+
+    def _prefilled(self, g: Group, chunk: int, logits: torch.Tensor) -> None:
+        """`chunk` more columns of the group went in; at the end of its prompts it joins."""
         g.done += chunk
         if g.done == g.width:
             self.group = None
@@ -123,7 +128,6 @@ class Batcher:
             self.running += g.rows
             self.kv.merge(g.kv)
             self._leave()
-        return len(g.rows) * chunk
 
     def _admit(self, budget: int) -> Group | None:
         """The next group: waiting rows in order while their padded prompts fit `budget` (the

@@ -33,6 +33,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .. import llama
+
 
 def cache_class(model: torch.nn.Module) -> type:
     """The KV cache a model's forward takes: its own (service/llama.py), else DynamicCache."""
@@ -57,17 +59,18 @@ class PaddedKV:
         cols = torch.arange(self.width, device=self.lengths.device)        # [S]
         return (cols >= self.width - self.lengths[:, None]).long()        # [B, S]
 
-    def forward(self, model: torch.nn.Module, ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-        """Feed `ids` [B, q] (`real` [B, q]: 1 for a token, 0 for left padding); return the last
-        position's logits [B, V] in float32. The cache grows by q columns."""
+    def _segment(self, ids: torch.Tensor, real: torch.Tensor) -> llama.Segment:
+        """The model's inputs for `ids` [B, q] (`real` [B, q]: 1 for a token, 0 for left padding)
+        after this cache: mask [B, S + q], positions [B, q]."""
         real = real.long()
         mask = torch.cat([self.mask(), real], dim=1)                        # [B, S + q]
         pos = (self.lengths[:, None] + real.cumsum(-1) - 1).clamp(min=0)    # [B, q]
-        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=self.cache,
-                    use_cache=True, logits_to_keep=1)
-        self.lengths = self.lengths + real.sum(-1)
-        self.width += ids.shape[1]
-        return out.logits[:, -1].float()
+        return llama.Segment(ids, mask, pos, self.cache)
+
+    def _advance(self, real: torch.Tensor) -> None:
+        """`real` [B, q] went in: the cache holds q more columns."""
+        self.lengths = self.lengths + real.long().sum(-1)
+        self.width += real.shape[1]
 
     def select(self, keep: list[int]) -> None:
         """Keep rows `keep` (in that order); the others' KV is freed."""
@@ -100,6 +103,23 @@ class PaddedKV:
             mine.values = torch.cat([_left_pad(mine.values, width), _left_pad(theirs.values, width)])
         self.lengths = torch.cat([self.lengths, other.lengths])
         self.width = width
+
+
+def forward_all(model: torch.nn.Module, parts: list[tuple[PaddedKV, torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+    """Feed several batches, each (kv, ids [B, q], real [B, q]: 1 for a token, 0 for left padding)
+    after its own cache, which grows by q columns; returns each one's last-position logits [B, V]
+    in float32. service/llama.py's models take them in one pass
+    (`forward_segments`: each weight read once for a decoding step and a prompt chunk together);
+    transformers' models get one forward per batch."""
+    segments = [kv._segment(ids, real) for kv, ids, real in parts]
+    if isinstance(model, llama.LlamaForCausalLM):
+        outs = model.forward_segments(segments, logits_to_keep=1)
+    else:
+        outs = [model(input_ids=s.ids, attention_mask=s.attention_mask, position_ids=s.position_ids,
+                      past_key_values=s.cache, use_cache=True, logits_to_keep=1).logits for s in segments]
+    for kv, _, real in parts:
+        kv._advance(real)
+    return [out[:, -1].float() for out in outs]
 
 
 def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:

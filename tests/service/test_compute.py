@@ -35,7 +35,8 @@ def test_auto_follows_the_cpu(monkeypatch):
     assert compute.cpu_compute(served(), "auto") == "model"
 
 
-def test_mixed_linear_paths():
+def test_mixed_linear_paths(monkeypatch):
+    monkeypatch.setattr(compute, "_available", lambda: 0)               # no room for float32 copies
     g = torch.Generator().manual_seed(0)
     model = torch.nn.Sequential(llama.Linear(64, 32, bias=False), llama.Linear(32, 16, bias=False))
     for m in model:
@@ -50,3 +51,33 @@ def test_mixed_linear_paths():
     assert torch.equal(lin(few), F.linear(few, lin.weight))
     assert torch.equal(lin(many), F.linear(many.float(), lin.weight.float()).bfloat16())
     assert model(many).dtype == torch.bfloat16
+
+
+def test_a_large_weight_is_widened_in_blocks_of_rows(monkeypatch):
+    monkeypatch.setattr(compute, "_available", lambda: 0)
+    monkeypatch.setattr(compute, "CHUNK_FLOATS", 10 * 64)             # 10 rows of 64 at a time
+    g = torch.Generator().manual_seed(0)
+    lin = llama.Linear(64, 25, bias=True)                               # blocks of 10, 10 and 5 rows
+    lin.weight = torch.nn.Parameter(torch.randn(25, 64, generator=g).bfloat16(), requires_grad=False)
+    lin.bias = torch.nn.Parameter(torch.randn(25, generator=g).bfloat16(), requires_grad=False)
+    assert compute._mix(lin, min_rows=6) == 10 * 64 * 4
+    x = torch.randn(2, 4, 64, generator=g).bfloat16()
+    want = F.linear(x.float(), lin.weight.float(), lin.bias.float()).bfloat16()
+    torch.testing.assert_close(lin(x), want, rtol=0, atol=0)
+
+
+def test_float32_copies_where_memory_allows(monkeypatch):
+    monkeypatch.setattr(compute, "CHUNK_FLOATS", 20 * 64)                # the 25 x 64 one is widened in blocks
+    g = torch.Generator().manual_seed(0)
+    model = torch.nn.Sequential(llama.Linear(64, 25, bias=False), llama.Linear(25, 16, bias=True))
+    for m in model:
+        m.weight = torch.nn.Parameter(torch.randn(m.weight.shape, generator=g).bfloat16(), requires_grad=False)
+    model[1].bias = torch.nn.Parameter(torch.randn(16, generator=g).bfloat16(), requires_grad=False)
+    x = torch.randn(2, 3, 64, generator=g).bfloat16()
+    monkeypatch.setattr(compute, "_available", lambda: 4 * 4 * 25 * 16 - 1)   # one byte short
+    assert compute._mix(model, min_rows=6) == 20 * 64 * 4 and model[1].wide is None
+    widened = model(x)
+    monkeypatch.setattr(compute, "_available", lambda: 4 * 4 * 25 * 16)
+    assert compute._mix(model, min_rows=6) == 20 * 64 * 4 + 25 * 16 * 4
+    assert model[0].wide is None and model[1].wide.dtype == torch.float32
+    assert torch.equal(model(x), widened)                                      # the same float32 products

@@ -61,6 +61,20 @@ def test_llama3_rope_matches_transformers() -> None:
     torch.testing.assert_close(ours.model.rotary_emb.inv_freq, theirs.model.rotary_emb.inv_freq, rtol=0, atol=0)
 
 
+
+@pytest.mark.parametrize("q_len", [1, 5])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_grouped_attention_is_sdpa_on_repeated_kv(q_len: int, dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    b, heads, kv, t, d = 3, 6, 2, 11, 16
+    q = torch.randn(b, heads, q_len, d, dtype=dtype)                                # [B, H, S, D]
+    k, v = torch.randn(b, kv, t, d, dtype=dtype), torch.randn(b, kv, t, d, dtype=dtype)
+    real = (torch.arange(t) >= torch.tensor([[0], [4], [7]])).long()                # [B, T], left padding
+    mask = llama.causal_mask(real, q_len)                                           # [B, 1, S, T]
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1), attn_mask=mask, scale=0.25)
+    torch.testing.assert_close(llama.grouped_attention(q, k, v, mask, 0.25), want)   # summation order only
+
 @pytest.mark.parametrize("change", [{"model_type": "gemma"}, {"hidden_act": "gelu"}, {"sliding_window": 4096},
                                     {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}])
 def test_what_is_not_implemented_goes_to_transformers(change: dict) -> None:
@@ -102,7 +116,7 @@ import sys, torch
 from codec.decode import Archive
 from service import loader, modeling
 from service.engine import Engine
-from service.engine.kv import PaddedKV, cache_class
+from service.engine.kv import PaddedKV, cache_class, forward_all
 with Archive.open({str(demo_archive)!r}) as a:
     opened = a.entries, a.reader.files()
 prepared = modeling.prepare("demo", opened[1])
@@ -113,7 +127,7 @@ ids = served.tokenizer.apply_chat_template([{{"role": "user", "content": "What i
 with torch.inference_mode():
     token = int(served.model(input_ids=torch.tensor([ids]), logits_to_keep=1).logits[0, -1].argmax())
     kv = PaddedKV(torch.device("cpu"), cache_class(served.model), rows=1)
-    assert int(kv.forward(served.model, torch.tensor([ids]), torch.ones(1, len(ids)))[0].argmax()) == token
+    assert int(forward_all(served.model, [(kv, torch.tensor([ids]), torch.ones(1, len(ids)))])[0][0].argmax()) == token
 print(served.tokenizer.decode([token]), sorted(m for m in sys.modules if m.split(".")[0] in ("transformers", "sympy")
       or m.startswith("torch._dynamo")))
 """
