@@ -19,12 +19,6 @@ float32 and round once to the weight's dtype, so they differ only in summation o
 A weight larger than CHUNK_FLOATS (the tied 49152 x 576 head) is widened and multiplied a block of
 output rows at a time, so that the block is still in cache when the matmul reads it: the head at
 32 rows took 65 ms widened whole (113 MB written, then read), 33 ms in blocks of ~2k rows.
-Widening is work every forward (the demo's 134 M weights each step); when the machine's available
-memory is at least ROOM_SHARE times their float32 bytes, every Linear of at most CHUNK_FLOATS keeps
-a float32 copy (`wide`) instead, made once: an engine step of 31 rows 362 -> 326 ms (paired
-A/B), for twice the bf16 bytes of those Linears (the demo: +424 MB). The products are the same
-float32 matmul of the same float32 values either way. The head is never copied: in blocks it
-was no slower than a float32 head (38 ms, memory-bound).
 Compressed-resident models (decoded into bf16 scratch slots every forward) and GPU models keep
 their dtype.
 
@@ -46,7 +40,6 @@ from ..modeling import ServedModel
 CpuDtype = Literal["auto", "model", "float32"]
 MIXED_ROWS = 6                   # rows of a call from which float32 matmuls win (table above)
 CHUNK_FLOATS = 1 << 20           # float32 elements of a weight widened at a time (4 MiB)
-ROOM_SHARE = 4                   # float32 copies kept when available memory is >= 4x their bytes
 
 
 def _native(dtype: torch.dtype) -> bool:
@@ -72,17 +65,14 @@ def cpu_compute(served: ServedModel, setting: CpuDtype) -> str:
 
 class MixedLinear(llama.Linear):
     """A bf16/fp16 Linear whose matmul runs in float32 in calls of `min_rows` rows or more: the
-    weight is its float32 copy `wide`, or, without one, is widened into the model's shared
-    `scratch` (the model runs one forward at a time), as many output rows as the scratch holds."""
+    weight is widened into the model's shared `scratch` (the model runs one forward at a time),
+    as many output rows at a time as the scratch holds."""
     scratch: torch.Tensor
     min_rows: int
-    wide: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() < self.min_rows * x.shape[-1]:
             return super().forward(x)
-        if self.wide is not None:
-            return F.linear(x.float(), self.wide, None if self.bias is None else self.bias.float()).to(x.dtype)
         xf, step = x.float(), self.scratch.numel() // self.in_features
         parts = [self._block(xf, slice(i, i + step)) for i in range(0, self.out_features, step)]
         return (parts[0] if len(parts) == 1 else torch.cat(parts, -1)).to(x.dtype)
@@ -101,40 +91,14 @@ def _scratch_floats(linear: llama.Linear) -> int:
     return min(linear.out_features, rows) * linear.in_features
 
 
-def _copied(linears: list[llama.Linear]) -> list[llama.Linear]:
-    """The Linears that keep a float32 copy: those widened whole, if memory allows them all."""
-    small = [m for m in linears if m.weight.numel() <= CHUNK_FLOATS]
-    return small if ROOM_SHARE * 4 * sum(m.weight.numel() for m in small) <= _available() else []
-
-
-def _available() -> int:
-    """Bytes of memory the system can give without swapping (/proc/meminfo); 0 where unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError, IndexError):
-        return 0
-
-
 def _mix(model: torch.nn.Module, min_rows: int) -> int:
-    """Turn every Linear of `model` into a MixedLinear: float32 copies where `_copied` allows, one
-    shared scratch for the others; returns the bytes added."""
+    """Turn every Linear of `model` into a MixedLinear sharing one scratch; returns its bytes."""
     linears = [m for m in model.modules() if isinstance(m, llama.Linear)]
-    copied = {id(m) for m in _copied(linears)}
-    rest = [m for m in linears if id(m) not in copied]
-    scratch = torch.empty(max((_scratch_floats(m) for m in rest), default=0), dtype=torch.float32)
+    scratch = torch.empty(max((_scratch_floats(m) for m in linears), default=0), dtype=torch.float32)
     for m in linears:
         m.__class__ = MixedLinear
         m.scratch, m.min_rows = scratch, min_rows
-        if id(m) in copied:
-            m.wide = m.weight.float()                                     # [out, in], made once
-    return added_bytes(model)
-
-
-def added_bytes(model: torch.nn.Module) -> int:
-    """The bytes `_mix` added to `model`: its scratch and its float32 copies."""
-    mixed = [m for m in model.modules() if isinstance(m, MixedLinear)]
-    return (mixed[0].scratch.nbytes if mixed else 0) + sum(m.wide.nbytes for m in mixed if m.wide is not None)
+    return scratch.nbytes
 
 
 def for_cpu(served: ServedModel, setting: CpuDtype) -> ServedModel:

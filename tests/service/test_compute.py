@@ -35,8 +35,7 @@ def test_auto_follows_the_cpu(monkeypatch):
     assert compute.cpu_compute(served(), "auto") == "model"
 
 
-def test_mixed_linear_paths(monkeypatch):
-    monkeypatch.setattr(compute, "_available", lambda: 0)               # no room for float32 copies
+def test_mixed_linear_paths():
     g = torch.Generator().manual_seed(0)
     model = torch.nn.Sequential(llama.Linear(64, 32, bias=False), llama.Linear(32, 16, bias=False))
     for m in model:
@@ -54,7 +53,6 @@ def test_mixed_linear_paths(monkeypatch):
 
 
 def test_a_large_weight_is_widened_in_blocks_of_rows(monkeypatch):
-    monkeypatch.setattr(compute, "_available", lambda: 0)
     monkeypatch.setattr(compute, "CHUNK_FLOATS", 10 * 64)             # 10 rows of 64 at a time
     g = torch.Generator().manual_seed(0)
     lin = llama.Linear(64, 25, bias=True)                               # blocks of 10, 10 and 5 rows
@@ -64,20 +62,3 @@ def test_a_large_weight_is_widened_in_blocks_of_rows(monkeypatch):
     x = torch.randn(2, 4, 64, generator=g).bfloat16()
     want = F.linear(x.float(), lin.weight.float(), lin.bias.float()).bfloat16()
     torch.testing.assert_close(lin(x), want, rtol=0, atol=0)
-
-
-def test_float32_copies_where_memory_allows(monkeypatch):
-    monkeypatch.setattr(compute, "CHUNK_FLOATS", 20 * 64)                # the 25 x 64 one is widened in blocks
-    g = torch.Generator().manual_seed(0)
-    model = torch.nn.Sequential(llama.Linear(64, 25, bias=False), llama.Linear(25, 16, bias=True))
-    for m in model:
-        m.weight = torch.nn.Parameter(torch.randn(m.weight.shape, generator=g).bfloat16(), requires_grad=False)
-    model[1].bias = torch.nn.Parameter(torch.randn(16, generator=g).bfloat16(), requires_grad=False)
-    x = torch.randn(2, 3, 64, generator=g).bfloat16()
-    monkeypatch.setattr(compute, "_available", lambda: 4 * 4 * 25 * 16 - 1)   # one byte short
-    assert compute._mix(model, min_rows=6) == 20 * 64 * 4 and model[1].wide is None
-    widened = model(x)
-    monkeypatch.setattr(compute, "_available", lambda: 4 * 4 * 25 * 16)
-    assert compute._mix(model, min_rows=6) == 20 * 64 * 4 + 25 * 16 * 4
-    assert model[0].wide is None and model[1].wide.dtype == torch.float32
-    assert torch.equal(model(x), widened)                                      # the same float32 products
