@@ -112,10 +112,9 @@ def decode(p: Plan, data: torch.Tensor, path=None) -> dict[str, torch.Tensor]:
     target device). Corrupt streams raise CorruptStreamError naming the tensor, stream and segment."""
     if not p.coded_entries:
         return {}
-    device = data.device
-    if device.type == "cuda" and _ops(device).decode_bytes is ops.reference_decode_bytes:
+    device, run = data.device, _ops(data.device)
+    if device.type == "cuda" and run.decode_bytes is ops.reference_decode_bytes:
         return {k: v.to(device) for k, v in decode(p, data.cpu(), path).items()}
-    run = _ops(device)
     planes, desc = byte_planes(p)
     numel = DESC_FIELDS.index("numel")
     outputs = [torch.empty(pl.entry.shape, dtype=pl.entry.torch_dtype, device=device) if pl.entry.codec == CODEC_FLOAT

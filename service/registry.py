@@ -263,15 +263,15 @@ class ModelRegistry:
         except Exception as e:
             log.exception("loading %s failed", slot.name)
             raise self._failed(slot, LoadFailed(f"cannot load {slot.name!r}: {type(e).__name__}: {e}"), "failed")
-        s, t0 = self.settings, time.perf_counter()
-        self.timeline.mark(f"load {slot.name}: back on the event loop")
+        s, mark = self.settings, partial(_mark, self.timeline, slot.name, time.perf_counter())
+        mark("back on the event loop")
         slot.served, slot.stats, slot.loaded_at, slot.last_error = served, stats, time.time(), None
         slot.engine = Engine(served, self.metrics, Limits(s.max_batch_size, s.max_batch_tokens, s.max_queue,
                                                           s.batch_wait_ms / 1e3)).start()
         slot.last_used = time.monotonic()
         self._record_load(slot, stats)
         self._set_state(slot, ModelState.READY)
-        _mark(self.timeline, slot.name, t0, "engine started, ready")
+        mark("engine started, ready")
 
     def _reserved(self) -> int:
         return torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0

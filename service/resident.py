@@ -44,6 +44,24 @@ def entry_steps(e) -> int:
     return LARGE_ENTRY_STEPS if e.params.n >= LARGE else ENTRY_STEPS
 
 
+def _module(e) -> str:
+    return e.name.rpartition(".")[0]
+
+
+def _slot_bytes(e) -> int:
+    """A tensor's place in a slot: its bytes, aligned."""
+    return -(-e.nbytes // ALIGN) * ALIGN
+
+
+def piece_steps(kept: list) -> dict[str, int]:
+    """Each kept tensor's piece size: its module's largest tensor decides (a module's tensors are
+    decoded together, from one index: a large weight's bias takes the weight's pieces)."""
+    steps: dict[str, int] = {}
+    for e in kept:
+        steps[_module(e)] = max(steps.get(_module(e), 0), entry_steps(e))
+    return {e.name: steps[_module(e)] for e in kept}
+
+
 @dataclass
 class IndexedPlan:
     """Float tensors of one layer that share a resident index (one piece size)."""
@@ -81,11 +99,11 @@ def estimate_bytes(entries, slots: int) -> int:
     decoder layers' float tensors, their index, `slots` scratch slots, and the rest decoded."""
     kept = [e for e in entries if stays_compressed(e)]
     streams = sum(r["length"] for e in kept for r in e.streams.values())
-    index = sum(e.params.n_segments * (SEGMENT_STEPS // entry_steps(e)) * (LANES + 1) * 4 for e in kept)
+    steps = piece_steps(kept)
+    index = sum(e.params.n_segments * (SEGMENT_STEPS // steps[e.name]) * (LANES + 1) * 4 for e in kept)
     per_module: dict[str, int] = {}
     for e in kept:
-        module = e.name.rpartition(".")[0]
-        per_module[module] = per_module.get(module, 0) + -(-e.nbytes // ALIGN) * ALIGN
+        per_module[_module(e)] = per_module.get(_module(e), 0) + _slot_bytes(e)
     kept_ids = {id(e) for e in kept}
     rest = sum(e.nbytes for e in entries if id(e) not in kept_ids)
     return streams + index + slots * max(per_module.values(), default=0) + rest
@@ -98,9 +116,10 @@ def keep_layer(index: int, entries: list, span: tuple[int, int], data: torch.Ten
     layer and its other tensors (norms: small), which stay decoded."""
     start, end = span
     kept = [e for e in entries if stays_compressed(e)]
+    steps_of = piece_steps(kept)
     tensors, parts = {}, []
-    for steps in sorted({entry_steps(e) for e in kept}):
-        plan = plans.build([e for e in kept if entry_steps(e) == steps], path, start, end)
+    for steps in sorted(set(steps_of.values())):
+        plan = plans.build([e for e in kept if steps_of[e.name] == steps], path, start, end)
         decoded, idx = cuda_ext.build_index(plan, data, steps, path)
         tensors.update(decoded)
         parts.append(IndexedPlan(plan, idx))
@@ -131,15 +150,13 @@ def units_of(model: torch.nn.Module, layers: list[CompressedLayer]) -> list[Unit
         part_of = {e.name: part for part in c.parts for e in part.plan.float_entries}
         by_module: dict[str, list] = {}
         for e in sorted(c.float_entries, key=lambda e: e.streams["exp"]["offset"]):
-            by_module.setdefault(e.name.rpartition(".")[0], []).append(e)
-        for path, entries in by_module.items():
+            by_module.setdefault(_module(e), []).append(e)
+        for path, entries in by_module.items():                 # one part a module (piece_steps)
             leaves, size = [], 0
             for e in entries:
                 leaves.append((e.name.rpartition(".")[2], size, tuple(e.shape), e.torch_dtype))
-                size += -(-e.nbytes // ALIGN) * ALIGN
+                size += _slot_bytes(e)
             part = part_of[entries[0].name]
-            if any(part_of[e.name] is not part for e in entries):
-                raise ValueError(f"module {path!r}: its tensors have resident indexes of different piece sizes")
             out.append(Unit(model.get_submodule(path), leaves, plans.select(part.plan, [e.name for e in entries]),
                             c, part.index, size))
     return out

@@ -40,10 +40,10 @@ class Step:
 class Group:
     """Rows whose prompts are being prefilled together, in chunks of columns."""
 
-    def __init__(self, rows: list[Row], served: ServedModel):
+    def __init__(self, rows: list[Row], served: ServedModel, cache: type):
         self.rows = rows
         self.ids, self.real = left_pad([r.prompt_ids for r in rows], served.pad_id, served.device)  # [G, W]
-        self.kv = PaddedKV(served.device, cache_class(served.model), len(rows))
+        self.kv = PaddedKV(served.device, cache, len(rows))
         self.done = 0                                   # columns prefilled
 
     @property
@@ -67,7 +67,8 @@ class Batcher:
         self.on_token, self.on_finish = on_token, on_finish
         self.waiting: deque[Row] = deque()      # appended by other threads (deque ops are atomic)
         self.running: list[Row] = []
-        self.kv = PaddedKV(served.device, cache_class(served.model))
+        self.cache = cache_class(served.model)        # the KV cache class of the model's forward
+        self.kv = PaddedKV(served.device, self.cache)
         self.group: Group | None = None
 
     def add(self, row: Row) -> None:
@@ -105,7 +106,7 @@ class Batcher:
     def reset(self) -> list[Row]:
         """Forget the running batch and the group (after a failed step); returns their rows."""
         rows, self.running, self.group, self.kv = self.active, [], None, \
-            PaddedKV(self.served.device, cache_class(self.served.model))
+            PaddedKV(self.served.device, self.cache)
         return rows
 
     def _plan(self, budget: int) -> Group | None:
@@ -144,7 +145,7 @@ class Batcher:
                 break
             rows.append(self.waiting.popleft())
             width = w
-        return Group(rows, self.served) if rows else None
+        return Group(rows, self.served, self.cache) if rows else None
 
     def _emit(self, rows: list[Row], logits: torch.Tensor) -> None:
         for row, (token, logprob) in zip(rows, sample_rows(logits, rows)):

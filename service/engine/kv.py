@@ -38,7 +38,6 @@ from .. import llama
 
 def cache_class(model: torch.nn.Module) -> type:
     """The KV cache a model's forward takes: its own (service/llama.py), else DynamicCache."""
-    from .. import llama
     if isinstance(model, llama.LlamaForCausalLM):
         return llama.KVCache
     from transformers import DynamicCache
