@@ -24,7 +24,7 @@ class Settings(BaseSettings):
     demo_workers: int | None = Field(None, ge=1)
 
     # loading pipeline
-    load_ring_buffers: int = Field(3, ge=2)      # host buffers between the reader and the decoder
+    load_ring_buffers: int = Field(4, ge=2)      # host buffers between the reader and the decoder
     verify_crc: bool = True                      # every stored stream's checksum (XXH3-64, else CRC32)
     load_read_threads: int | None = Field(None, ge=1)    # reads in flight; default min(16, 2 x CPUs)
     load_direct_io: str = Field("auto", pattern="^(auto|off)$")   # auto: O_DIRECT for bytes not in the page cache
