@@ -109,6 +109,27 @@ def test_early_read_feeds_the_cpu_pipeline_bit_exact(small: Path) -> None:
     assert_same(decoded.tensors, cuda_ext.load(small, "cpu").state_dict)
 
 
+def test_early_read_frees_its_memory_after_the_load_unless_a_tensor_views_it(small: Path) -> None:
+    """release() hands the unmapping to a thread (it took ~1 s of a 7B load): the buffer closes
+    soon after; while an array still holds a view of it, it stays mapped and the bytes stay."""
+    import numpy as np
+    import time
+    early = _early(small)
+    early.wait_until(1 << 62)
+    early.release()
+    deadline = time.monotonic() + 10
+    while not early.buf.closed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert early.buf.closed
+    held = _early(small)
+    held.wait_until(1 << 62)
+    view = np.frombuffer(held.view, np.uint8)            # holds a buffer export, as numpy does
+    before = view.copy()
+    held.release()
+    time.sleep(0.2)
+    assert not held.buf.closed and np.array_equal(view, before) and before.any()
+
+
 def test_early_read_of_another_file_is_not_used(small: Path, tmp_path: Path) -> None:
     copy = tmp_path / "copy.wcodec"
     copy.write_bytes(small.read_bytes())
