@@ -107,6 +107,13 @@ def layer_batches(entries: list[TensorEntry]) -> list[Batch]:
     return out
 
 
+def ring_shape(ring: int, batches: list[Batch]) -> tuple[int, int]:
+    """(buffers, bytes of each) of a CUDA load's ring: one copying and one decoding at least, each
+    as large as the largest batch's aligned window."""
+    size = max((align_up(b.end) - align_down(b.start) for b in batches), default=ALIGN) or ALIGN
+    return min(max(ring, 2), len(batches)) or 1, size
+
+
 def _blobs(batch: Batch) -> list[Blob]:
     return [Blob(rec["offset"], rec["length"], rec, f"tensor {e.name!r}: stream {role}")
             for e in batch.entries for role, rec in e.streams.items()]
@@ -135,6 +142,11 @@ class PinnedRing:
             for b in fits:
                 self._free.remove(b)
         return fits + [_aligned_buffer(nbytes, True) for _ in range(n - len(fits))]
+
+    def reserve(self, n: int, nbytes: int) -> None:
+        """Have `n` free buffers of at least `nbytes` ready before a load asks (start-up does this
+        beside the decoder extension's import: page-locking 1 GiB takes ~1 s)."""
+        self.give(self.take(n, nbytes))
 
     def give(self, buffers: list[torch.Tensor]) -> None:
         with self._lock:
@@ -365,9 +377,9 @@ def decode_archive(path: str | Path, device: torch.device, *, ring: int = 4, ver
     batches = layer_batches(entries)
     early = early if early is not None and early.matches(path) else None
     in_place = early is not None and device.type == "cpu"
-    size = max((align_up(b.end) - align_down(b.start) for b in batches), default=ALIGN) or ALIGN
+    n_buffers, size = ring_shape(ring, batches)
+    n_buffers = 0 if in_place else n_buffers
     pin = device.type == "cuda"
-    n_buffers = 0 if in_place else min(max(ring, 2), len(batches)) or 1   # CUDA: one copying, one decoding
     buffers = PINNED.take(n_buffers, size) if pin else [_aligned_buffer(size, pin) for _ in range(n_buffers)]
     mark(f"{n_buffers} ring buffers of {size >> 20} MiB allocated (pinned: {pin}; early read: {early is not None})")
     stats = LoadStats(compressed_bytes=sum(b.nbytes for b in batches),

@@ -50,14 +50,15 @@ class EarlyLoad:
         from codec.decode import Archive
 
         from . import loader
-        with self.timeline.span("early load: import cuda_ext (decoder extension)"):
-            cuda_ext.available()
-        if self.device.type == "cuda":
-            with self.timeline.span("early load: CUDA context"):
-                torch.empty(1, device=self.device)
         with Archive.open(self.path) as archive:
             opened = archive.entries, archive.reader.files(settings.verify_crc)
         self._mark("header and files read")
+        with ThreadPoolExecutor(1, thread_name_prefix="wcodec-pin") as side:
+            pinned = side.submit(self._pin, settings.load_ring_buffers, opened[0]) if self.device.type == "cuda" else None
+            with self.timeline.span("early load: import cuda_ext (decoder extension)"):
+                cuda_ext.available()
+            if pinned is not None:
+                pinned.result()
         with ThreadPoolExecutor(1, thread_name_prefix="wcodec-prepare") as pool:
             prepared = pool.submit(self._prepare, opened[1])
             decoded = loader.decode_archive(self.path, self.device, ring=settings.load_ring_buffers,
@@ -68,6 +69,14 @@ class EarlyLoad:
             ready = prepared.result()
         self._mark("weights decoded, skeleton ready")
         return decoded, ready
+
+    def _pin(self, ring: int, entries) -> None:
+        """The CUDA context and the load's pinned ring buffers, beside the extension's import."""
+        from . import loader
+        with self.timeline.span("early load: CUDA context"):
+            torch.empty(1, device=self.device)
+        with self.timeline.span("early load: pinned ring buffers"):
+            loader.PINNED.reserve(*loader.ring_shape(ring, loader.layer_batches(entries)))
 
     def _prepare(self, files: dict[str, bytes]):
         from . import modeling

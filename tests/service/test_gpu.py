@@ -37,6 +37,18 @@ def test_cuda_pipeline_is_bit_exact(tiny_archive: Path, ring: int) -> None:
         assert got.tensors[name].is_cuda and torch.equal(_bytes(got.tensors[name]), _bytes(t)), name
 
 
+def test_pinned_ring_is_kept_and_reused_by_later_loads(tiny_archive: Path) -> None:
+    """The second load page-locks nothing new: it takes the first one's buffers, and decodes the same."""
+    from service import loader
+    first = decode_archive(tiny_archive, torch.device("cuda"), ring=3)
+    kept = sorted(b.data_ptr() for b in loader.PINNED._free)
+    again = decode_archive(tiny_archive, torch.device("cuda"), ring=3)
+    assert len(kept) >= 3 and sorted(b.data_ptr() for b in loader.PINNED._free) == kept
+    assert all(b.is_pinned() for b in loader.PINNED._free)
+    for name, t in first.tensors.items():
+        assert torch.equal(_bytes(again.tensors[name]), _bytes(t)), name
+
+
 @pytest.mark.anyio
 async def test_load_generate_unload_returns_cuda_memory(serve, tmp_path: Path, tiny_archive: Path) -> None:
     (tmp_path / "store").mkdir()
