@@ -36,9 +36,22 @@ def main() -> None:
     a = ap.parse_args()
     cuda_ext.available()
     torch.empty(1, device="cuda")
+    import sys
+
+    from service import reading
     for ring in (3, 4, 6):
         for r in range(a.runs):
             print(f"ring {ring} from the page cache, run {r}: {once(a.path, None, ring)}", flush=True)
+    default_switch, default_piece = sys.getswitchinterval(), reading.read_range.__defaults__
+    for switch in (default_switch, 1e-4):
+        for piece in (8 << 20, 32 << 20):
+            sys.setswitchinterval(switch)
+            reading.read_range.__defaults__ = (*default_piece[:-1], piece)
+            for r in range(a.runs):
+                print(f"ring 4, GIL switch interval {switch * 1e3:g} ms, pieces of {piece >> 20} MiB, run {r}: "
+                      f"{once(a.path, None, 4)}", flush=True)
+    sys.setswitchinterval(default_switch)
+    reading.read_range.__defaults__ = default_piece
     for r in range(a.runs):
         tl = Timeline()
         t0 = time.perf_counter()
