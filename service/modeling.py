@@ -203,15 +203,28 @@ def warm_up(device: torch.device, timeline: Timeline | None = None) -> None:
         if device.type == "cuda":
             with timeline.span("warm-up: CUDA context"):
                 torch.empty(1, device=device)
-            with timeline.span("warm-up: cuBLAS and attention kernels"):
-                _first_kernels(device)
+            first_kernels(device, timeline)
         _WARMED.add(device.type)
 
 
-def _first_kernels(device: torch.device) -> None:
+_KERNELS_LOCK = threading.Lock()
+_KERNELS: set[torch.device] = set()
+
+
+def first_kernels(device: torch.device, timeline: Timeline) -> None:
     """Run the kinds of kernel a forward uses once, at toy sizes, so that cuBLAS's handle and the
     kernels' modules are loaded beside the weights' load, not in the first request: the first
-    token came ~0.9 s after /health/ready without this (H100 box, 7B-shaped, page cache warm)."""
+    token came ~0.9 s after /health/ready without this (H100 box, 7B-shaped, page cache warm).
+    An early load does it beside the decoder extension's import; later calls return at once."""
+    with _KERNELS_LOCK:
+        if device in _KERNELS:
+            return
+        with timeline.span("warm-up: cuBLAS and attention kernels"):
+            _run_kernels(device)
+        _KERNELS.add(device)
+
+
+def _run_kernels(device: torch.device) -> None:
     import torch.nn.functional as F  # noqa: N812
     for dtype in (torch.bfloat16, torch.float16):
         x = torch.randn(2, 3, 64, device=device, dtype=dtype)

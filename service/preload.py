@@ -71,12 +71,14 @@ class EarlyLoad:
         return decoded, ready
 
     def _pin(self, ring: int, entries) -> None:
-        """The CUDA context and the load's pinned ring buffers, beside the extension's import."""
-        from . import loader
+        """The CUDA context, the load's pinned ring buffers and the forward's first kernels, beside
+        the extension's import."""
+        from . import loader, modeling
         with self.timeline.span("early load: CUDA context"):
             torch.empty(1, device=self.device)
         with self.timeline.span("early load: pinned ring buffers"):
             loader.PINNED.reserve(*loader.ring_shape(ring, loader.layer_batches(entries)))
+        modeling.first_kernels(self.device, self.timeline)
 
     def _prepare(self, files: dict[str, bytes]):
         from . import modeling
