@@ -203,35 +203,19 @@ def warm_up(device: torch.device, timeline: Timeline | None = None) -> None:
         if device.type == "cuda":
             with timeline.span("warm-up: CUDA context"):
                 torch.empty(1, device=device)
-            first_kernels(device, timeline)
         _WARMED.add(device.type)
 
 
-_KERNELS_LOCK = threading.Lock()
-_KERNELS: set[torch.device] = set()
-
-
-def first_kernels(device: torch.device, timeline: Timeline) -> None:
-    """Run the kinds of kernel a forward uses once, at toy sizes, so that cuBLAS's handle and the
-    kernels' modules are loaded beside the weights' load, not in the first request: the first
-    token came ~0.9 s after /health/ready without this (H100 box, 7B-shaped, page cache warm).
-    An early load does it beside the decoder extension's import; later calls return at once."""
-    with _KERNELS_LOCK:
-        if device in _KERNELS:
-            return
-        with timeline.span("warm-up: cuBLAS and attention kernels"):
-            _run_kernels(device)
-        _KERNELS.add(device)
-
-
-def _run_kernels(device: torch.device) -> None:
+def first_kernels(device: torch.device, dtype: torch.dtype, timeline: Timeline) -> None:
+    """Run the kinds of kernel a forward of `dtype` uses once, at toy sizes, so that cuBLAS's
+    handle and the kernels' modules are loaded before the first request: the first token came
+    ~0.9 s after /health/ready without it (H100 box, 7B-shaped, page cache warm). An early load
+    runs it on a thread that nothing waits for: with the page cache dropped it read the kernels
+    from the disk for 4.8 s, which must not hold a load back."""
     import torch.nn.functional as F  # noqa: N812
-    for dtype in (torch.bfloat16, torch.float16):
+    with timeline.span(f"warm-up: cuBLAS and attention kernels ({dtype})"):
         x = torch.randn(2, 3, 64, device=device, dtype=dtype)
-        h = F.silu(F.linear(x, torch.randn(64, 64, device=device, dtype=dtype))) * x
-        h = h * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(dtype)
-        q = h.view(2, 3, 2, 32).transpose(1, 2)                                    # [B, H, S, D]
+        q = F.silu(F.linear(x, torch.randn(64, 64, device=device, dtype=dtype))).view(2, 3, 2, 32).transpose(1, 2)
         mask = torch.ones(2, 1, 3, 3, dtype=torch.bool, device=device).tril()
         F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
-        F.scaled_dot_product_attention(q, q, q, is_causal=True)
-    torch.cuda.synchronize(device)
+        torch.cuda.synchronize(device)

@@ -9,6 +9,7 @@ Errors are kept and raised by `take()`, so a corrupt archive fails its load, typ
 load started by the registry would; `release()` drops a result nobody took."""
 from __future__ import annotations
 
+import collections
 import os
 import threading
 import time
@@ -71,14 +72,20 @@ class EarlyLoad:
         return decoded, ready
 
     def _pin(self, ring: int, entries) -> None:
-        """The CUDA context, the load's pinned ring buffers and the forward's first kernels, beside
-        the extension's import."""
-        from . import loader, modeling
+        """The CUDA context and the load's pinned ring buffers, beside the extension's import; then
+        the forward's first kernels on a thread that nothing waits for. (service.modeling is
+        imported there: the main thread may be importing it, which would block this one.)"""
+        from . import loader
         with self.timeline.span("early load: CUDA context"):
             torch.empty(1, device=self.device)
         with self.timeline.span("early load: pinned ring buffers"):
             loader.PINNED.reserve(*loader.ring_shape(ring, loader.layer_batches(entries)))
-        modeling.first_kernels(self.device, self.timeline)
+        threading.Thread(target=self._first_kernels, args=(_dtype(entries),), name="wcodec-first-kernels",
+                         daemon=True).start()
+
+    def _first_kernels(self, dtype: torch.dtype) -> None:
+        from . import modeling
+        modeling.first_kernels(self.device, dtype, self.timeline)
 
     def _prepare(self, files: dict[str, bytes]):
         from . import modeling
@@ -103,6 +110,15 @@ class EarlyLoad:
     def release(self) -> None:
         self._thread.join()
         self._result = Future()
+
+
+def _dtype(entries) -> torch.dtype:
+    """The dtype of most of an archive's decoded bytes (its forward's matmuls)."""
+    counts: collections.Counter[str] = collections.Counter()
+    for e in entries:
+        counts[e.dtype] += e.nbytes
+    found = getattr(torch, counts.most_common(1)[0][0], None) if counts else None
+    return found if isinstance(found, torch.dtype) else torch.bfloat16
 
 
 def start_early_loads(early_reads: dict[str, EarlyRead], paths: dict[str, str], settings, device: torch.device,
