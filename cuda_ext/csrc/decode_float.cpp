@@ -40,7 +40,7 @@ static inline void decode_step(int lanes, const uint8_t* hi, const uint8_t* lo, 
   for (int l = 0; l < lanes; ++l) {
     const uint32_t h = hi[l];
     const DecodeTable& t = set[context(h, CtxBits, Dtype)];
-    const uint32_t sym = rans_step(t.sym, t.freq_cum, x[l]);
+    const uint32_t sym = rans_step_packed(t.packed[x[l] & (kProbScale - 1)], x[l]);
     const uint32_t need = x[l] < kRansL;                               // renormalise: one word
     const uint32_t w = (!Checked || used < n_words) ? load_le<uint16_t>(words + 2 * used) : 0u;
     x[l] = need ? (x[l] << kRenormBits) | w : x[l];
@@ -139,19 +139,19 @@ WCODEC_AVX2 static inline __m256i next_words_avx2(const uint8_t* words, int64_t 
 template <int Dtype, int CtxBits>
 WCODEC_AVX2 static inline __m256i decode_vector_avx2(const uint8_t* hi, const DecodeTable* set, const uint8_t* words,
                                                      int64_t n_words, int64_t& used, __m256i& x, __m256i& h) {
-  const int* base = reinterpret_cast<const int*>(set);
+  static_assert(sizeof(DecodeTable) % 4 == 0, "tables are indexed in u32s");
+  const int* base = reinterpret_cast<const int*>(set[0].packed);
   h = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(hi)));
   const __m256i ctx = CtxBits ? _mm256_and_si256(_mm256_srli_epi32(h, (Dtype == kFP16 ? 8 : 7) - CtxBits),
                                                  _mm256_set1_epi32((1 << CtxBits) - 1))
                               : _mm256_setzero_si256();
-  const __m256i table = _mm256_mullo_epi32(ctx, _mm256_set1_epi32(sizeof(DecodeTable)));
+  const __m256i table = _mm256_mullo_epi32(ctx, _mm256_set1_epi32(sizeof(DecodeTable) / 4));
   const __m256i slot = _mm256_and_si256(x, _mm256_set1_epi32(kProbScale - 1));
-  const __m256i sym = _mm256_and_si256(_mm256_i32gather_epi32(base, _mm256_add_epi32(table, slot), 1),
-                                       _mm256_set1_epi32(0xFF));
-  const __m256i fc_at = _mm256_add_epi32(_mm256_add_epi32(table, _mm256_set1_epi32(kProbScale)), _mm256_slli_epi32(sym, 2));
-  const __m256i fc = _mm256_i32gather_epi32(base, fc_at, 1);
-  x = _mm256_sub_epi32(_mm256_add_epi32(_mm256_mullo_epi32(_mm256_srli_epi32(fc, 16), _mm256_srli_epi32(x, kProbBits)),
-                                        slot), _mm256_and_si256(fc, _mm256_set1_epi32(0xFFFF)));   // x = D(x)
+  const __m256i v = _mm256_i32gather_epi32(base, _mm256_add_epi32(table, slot), 4);      // one packed entry
+  const __m256i sym = _mm256_and_si256(_mm256_srli_epi32(v, kLutSymShift), _mm256_set1_epi32(0xFF));
+  const __m256i freq = _mm256_add_epi32(_mm256_srli_epi32(v, kLutFreqShift), _mm256_set1_epi32(1));
+  x = _mm256_add_epi32(_mm256_mullo_epi32(freq, _mm256_srli_epi32(x, kProbBits)),
+                       _mm256_and_si256(v, _mm256_set1_epi32(kProbScale - 1)));          // x = D(x)
   const __m256i need = _mm256_cmpeq_epi32(_mm256_srli_epi32(x, kRenormBits), _mm256_setzero_si256());   // x < L
   const int mask = _mm256_movemask_ps(_mm256_castsi256_ps(need));
   const __m256i w = _mm256_permutevar8x32_epi32(next_words_avx2(words, n_words, used),
