@@ -121,9 +121,13 @@ class Rotary(nn.Module):
         return (emb.cos() * self.scale).to(x.dtype), (emb.sin() * self.scale).to(x.dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin [..., D] with its first half negated: transformers' rotation
+    `x * cos + rotate_half(x) * sin`, rotate_half(x) = (-x2, x1), is then
+    `x * cos + x.roll(D/2) * signed_sin` (x.roll: (x2, x1)), the same products bit for bit
+    ((-a) * b == a * (-b)) in one call where rotate_half took four."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
 class RMSNorm(nn.Module):
@@ -260,7 +264,8 @@ class Attention(nn.Module):
         q = q.view(b, s, -1, self.head_dim).transpose(1, 2)                      # [B, H, S, D]
         k = k.view(b, s, -1, self.head_dim).transpose(1, 2)                      # [B, KV, S, D]
         v = v.view(b, s, -1, self.head_dim).transpose(1, 2)
-        q, k = q * p.cos + _rotate_half(q) * p.sin, k * p.cos + _rotate_half(k) * p.sin
+        half = self.head_dim // 2
+        q, k = q * p.cos + q.roll(half, -1) * p.sin, k * p.cos + k.roll(half, -1) * p.sin   # p.sin: signed
         if p.cache is not None:
             k, v = p.cache.update(k, v, self.layer)                                # [B, KV, T, D]
         out = grouped_attention(q, k, v, p.mask, self.head_dim ** -0.5)            # [B, H, S, D]
@@ -333,7 +338,7 @@ class Part:
     """A segment as the layers see it: its place in the flat tokens, its rotary table and mask."""
     shape: tuple[int, int]                     # (B, S)
     cos: torch.Tensor                          # [B, 1, S, D]
-    sin: torch.Tensor
+    sin: torch.Tensor                          # [B, 1, S, D], first half negated (_signed_sin)
     mask: torch.Tensor                         # [B, 1, S, T] bool
     cache: KVCache | None
 
@@ -405,4 +410,4 @@ class LlamaForCausalLM(nn.Module):
     def _part(self, x: torch.Tensor, seg: Segment) -> Part:
         cos, sin = self.model.rotary_emb(x, seg.position_ids)                      # [B, S, D]
         mask = causal_mask(seg.attention_mask, seg.ids.shape[1])
-        return Part(tuple(seg.ids.shape), cos.unsqueeze(1), sin.unsqueeze(1), mask, seg.cache)
+        return Part(tuple(seg.ids.shape), cos.unsqueeze(1), _signed_sin(sin).unsqueeze(1), mask, seg.cache)
