@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from service import loader, modeling  # noqa: E402
 from service.engine import Batcher, compute  # noqa: E402
+from service.engine.kv import PaddedKV  # noqa: E402
 from service.generation import Row, SamplingParams  # noqa: E402
 
 TOPICS = ["the sea", "volcanoes", "a lighthouse keeper", "bread baking", "the moon", "honeybees"]
@@ -34,11 +35,16 @@ def prompts():
         yield f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"
 
 
-def closed_loop(archive: Path, users: int) -> Batcher:
-    """A batcher of the demo (`auto` compute) in the steady state of `users` closed-loop clients."""
+def load(archive: Path) -> modeling.ServedModel:
+    """The demo model as the server computes it on this CPU (`auto`)."""
     decoded = loader.decode_archive(archive, torch.device("cpu"))
     served = modeling.finish("demo", modeling.prepare("demo", decoded.files), decoded, torch.device("cpu"))
-    served = compute.for_cpu(served, "auto")
+    return compute.for_cpu(served, "auto")
+
+
+def closed_loop(served: modeling.ServedModel, users: int, cache: type | None = None) -> Batcher:
+    """A batcher of `served` in the steady state of `users` closed-loop clients (`cache`: another
+    KV cache class than the model's own)."""
     texts, params = prompts(), SamplingParams(max_new_tokens=48)
 
     def new_row() -> Row:
@@ -46,6 +52,8 @@ def closed_loop(archive: Path, users: int) -> Batcher:
 
     b = Batcher(served, max_rows=64, max_tokens=512, on_token=lambda row, event: None,
                 on_finish=lambda row: b.add(new_row()))
+    if cache is not None:
+        b.cache, b.kv = cache, PaddedKV(served.device, cache)
     for _ in range(users):                  # staggered arrivals, then a full generation's worth of steps
         b.add(new_row())
         b.step()
@@ -62,7 +70,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
-    b = closed_loop(args.archive, args.users)
+    b = closed_loop(load(args.archive), args.users)
     seconds, rows, tokens = 0.0, 0, 0
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if args.profile else None
     if profiler:

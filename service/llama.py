@@ -121,9 +121,13 @@ class Rotary(nn.Module):
         return (emb.cos() * self.scale).to(x.dtype), (emb.sin() * self.scale).to(x.dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin [..., D] with its first half negated: transformers' rotation
+    `x * cos + rotate_half(x) * sin`, rotate_half(x) = (-x2, x1), is then
+    `x * cos + x.roll(D/2) * signed_sin` (x.roll: (x2, x1)), the same products bit for bit
+    ((-a) * b == a * (-b)) in one call where rotate_half took four."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
 class RMSNorm(nn.Module):
@@ -137,15 +141,70 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-@dataclass
 class KVLayer:
-    keys: torch.Tensor             # [B, KV, T, D]
-    values: torch.Tensor
+    """One layer's keys and values [B, KV, T, D]: columns start:end of buffers with room to grow
+    along T, so that a step writes its new columns in place (when the room runs out the buffers
+    are rebuilt twice as wide: amortised O(1) a column, where torch.cat copied the whole cache
+    every step), and dropping leading columns is a view.
+
+        buffer [B, KV, capacity, D]:   | dropped | keys: start .. end | room |
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        t = keys.shape[2]
+        self.place([keys], [values], t, t + max(ROOM, t))
+
+    def place(self, keys: list[torch.Tensor], values: list[torch.Tensor], width: int, capacity: int) -> None:
+        """New buffers of `capacity` columns holding the rows of `keys` / `values` one after
+        another, left-padded to `width` (`_stacked`)."""
+        self.kbuf, self.vbuf = _stacked(keys, width, capacity), _stacked(values, width, capacity)
+        self.start, self.end = 0, width
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.kbuf[:, :, self.start:self.end]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.vbuf[:, :, self.start:self.end]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [B, KV, s, D] after the last column."""
+        s = k.shape[2]
+        if self.end + s > self.kbuf.shape[2]:
+            t = self.end - self.start
+            self.place([self.keys], [self.values], t, t + max(ROOM, t, s))
+        self.kbuf[:, :, self.end:self.end + s] = k
+        self.vbuf[:, :, self.end:self.end + s] = v
+        self.end += s
+
+    def select(self, idx: torch.Tensor) -> None:
+        self.kbuf, self.vbuf = self.kbuf[idx], self.vbuf[idx]           # the room comes along
+
+
+ROOM = 16                          # spare columns a (re)built layer gets at least
+
+
+def _stacked(parts: list[torch.Tensor], width: int, capacity: int) -> torch.Tensor:
+    """The rows of `parts` [Bi, KV, Ti, D] one after another in a new [sum Bi, KV, capacity, D],
+    each right-aligned at column `width`: zero columns before it (left padding: masked, but
+    finite, so that a masked score times it stays 0), room after it (never read)."""
+    _, h, _, d = parts[0].shape
+    out = parts[0].new_empty(sum(p.shape[0] for p in parts), h, capacity, d)
+    row = 0
+    for p in parts:
+        n, pad = p.shape[0], width - p.shape[2]
+        out[row:row + n, :, :pad].zero_()
+        out[row:row + n, :, pad:width] = p
+        row += n
+    return out
 
 
 class KVCache:
-    """Keys and values per layer, grown by concatenation: DynamicCache's interface as the engine uses
-    it (`layers[i].keys` / `.values`, update, get_seq_length, batch_select_indices, crop)."""
+    """Keys and values per layer, appended in place (KVLayer): DynamicCache's interface as the
+    engine uses it (`layers[i].keys` / `.values`, update, get_seq_length, batch_select_indices,
+    crop), and the two edits of a left-padded batch (service/engine/kv.py) done without copying
+    the whole cache: `drop_front` and `merge`."""
 
     def __init__(self) -> None:
         self.layers: list[KVLayer] = []
@@ -154,8 +213,7 @@ class KVCache:
         if layer == len(self.layers):
             self.layers.append(KVLayer(k, v))
         else:
-            kv = self.layers[layer]
-            kv.keys, kv.values = torch.cat([kv.keys, k], dim=2), torch.cat([kv.values, v], dim=2)
+            self.layers[layer].append(k, v)
         return self.layers[layer].keys, self.layers[layer].values
 
     def get_seq_length(self, layer: int = 0) -> int:
@@ -163,11 +221,21 @@ class KVCache:
 
     def batch_select_indices(self, idx: torch.Tensor) -> None:
         for kv in self.layers:
-            kv.keys, kv.values = kv.keys[idx], kv.values[idx]
+            kv.select(idx)
 
     def crop(self, length: int) -> None:
         for kv in self.layers:
-            kv.keys, kv.values = kv.keys[:, :, :length], kv.values[:, :, :length]
+            kv.end = min(kv.end, kv.start + length)
+
+    def drop_front(self, n: int) -> None:
+        """Forget the first n columns of every layer (a view)."""
+        for kv in self.layers:
+            kv.start = min(kv.start + n, kv.end)
+
+    def merge(self, other: KVCache, width: int) -> None:
+        """`other`'s rows after these, both sides left-padded with zero columns to `width`."""
+        for mine, theirs in zip(self.layers, other.layers, strict=True):
+            mine.place([mine.keys, theirs.keys], [mine.values, theirs.values], width, width + max(ROOM, width))
 
 
 class Attention(nn.Module):
@@ -196,7 +264,8 @@ class Attention(nn.Module):
         q = q.view(b, s, -1, self.head_dim).transpose(1, 2)                      # [B, H, S, D]
         k = k.view(b, s, -1, self.head_dim).transpose(1, 2)                      # [B, KV, S, D]
         v = v.view(b, s, -1, self.head_dim).transpose(1, 2)
-        q, k = q * p.cos + _rotate_half(q) * p.sin, k * p.cos + _rotate_half(k) * p.sin
+        half = self.head_dim // 2
+        q, k = q * p.cos + q.roll(half, -1) * p.sin, k * p.cos + k.roll(half, -1) * p.sin   # p.sin: signed
         if p.cache is not None:
             k, v = p.cache.update(k, v, self.layer)                                # [B, KV, T, D]
         out = grouped_attention(q, k, v, p.mask, self.head_dim ** -0.5)            # [B, H, S, D]
@@ -269,7 +338,7 @@ class Part:
     """A segment as the layers see it: its place in the flat tokens, its rotary table and mask."""
     shape: tuple[int, int]                     # (B, S)
     cos: torch.Tensor                          # [B, 1, S, D]
-    sin: torch.Tensor
+    sin: torch.Tensor                          # [B, 1, S, D], first half negated (_signed_sin)
     mask: torch.Tensor                         # [B, 1, S, T] bool
     cache: KVCache | None
 
@@ -341,4 +410,4 @@ class LlamaForCausalLM(nn.Module):
     def _part(self, x: torch.Tensor, seg: Segment) -> Part:
         cos, sin = self.model.rotary_emb(x, seg.position_ids)                      # [B, S, D]
         mask = causal_mask(seg.attention_mask, seg.ids.shape[1])
-        return Part(tuple(seg.ids.shape), cos.unsqueeze(1), sin.unsqueeze(1), mask, seg.cache)
+        return Part(tuple(seg.ids.shape), cos.unsqueeze(1), _signed_sin(sin).unsqueeze(1), mask, seg.cache)

@@ -12,7 +12,10 @@ Prefill (left-padded prompts) and every decoding step (one column for every row)
 so the mask is never stored, only derived from `lengths`. Three operations change the rows:
 `merge` appends the rows of another batch (the narrower side is left-padded with zero columns),
 `select` keeps some rows (their KV leaves with them), and `trim` drops leading columns that are
-padding for every remaining row.
+padding for every remaining row. service/llama.py's KVCache keeps each layer in buffers with
+room to grow: a step's columns are written in place, `trim` moves a start offset (a view), and
+`merge` / `select` rebuild the buffers (a few times per request, not every step); transformers'
+caches take the generic path (torch.cat every step, slicing, concatenating).
 
 Why transformers' `DynamicCache` and not its continuous-batching manager
 (`transformers.generation.continuous_batching`, paged attention): that manager seeds sampling for
@@ -85,8 +88,11 @@ class PaddedKV:
         width = int(self.lengths.max()) if self.rows else 0
         drop = self.width - width
         if drop > 0:
-            for layer in self.cache.layers:
-                layer.keys, layer.values = layer.keys[..., drop:, :], layer.values[..., drop:, :]
+            if isinstance(self.cache, llama.KVCache):
+                self.cache.drop_front(drop)
+            else:
+                for layer in self.cache.layers:
+                    layer.keys, layer.values = layer.keys[..., drop:, :], layer.values[..., drop:, :]
             self.width = width
         if not self.rows:
             self.cache, self.width = type(self.cache)(), 0
@@ -97,9 +103,12 @@ class PaddedKV:
             self.cache, self.lengths, self.width = other.cache, other.lengths, other.width
             return
         width = max(self.width, other.width)
-        for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
-            mine.keys = torch.cat([_left_pad(mine.keys, width), _left_pad(theirs.keys, width)])
-            mine.values = torch.cat([_left_pad(mine.values, width), _left_pad(theirs.values, width)])
+        if isinstance(self.cache, llama.KVCache):
+            self.cache.merge(other.cache, width)        # one copy into buffers with room to grow
+        else:
+            for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
+                mine.keys = torch.cat([_left_pad(mine.keys, width), _left_pad(theirs.keys, width)])
+                mine.values = torch.cat([_left_pad(mine.values, width), _left_pad(theirs.values, width)])
         self.lengths = torch.cat([self.lengths, other.lengths])
         self.width = width
 

@@ -75,6 +75,17 @@ def test_grouped_attention_is_sdpa_on_repeated_kv(q_len: int, dtype: torch.dtype
         q, k.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1), attn_mask=mask, scale=0.25)
     torch.testing.assert_close(llama.grouped_attention(q, k, v, mask, 0.25), want)   # summation order only
 
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rotation_by_roll_and_signed_sin_is_rotate_half_bit_for_bit(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 5, 8, dtype=dtype).transpose(1, 2)                        # a strided view, as in _attend
+    cos, sin = torch.randn(2, 1, 3, 8, dtype=dtype), torch.randn(2, 1, 3, 8, dtype=dtype)
+    rotate_half = torch.cat((-x[..., 4:], x[..., :4]), dim=-1)                    # transformers' rotation
+    want = x * cos + rotate_half * sin
+    assert torch.equal(x * cos + x.roll(4, -1) * llama._signed_sin(sin), want)
+
+
 @pytest.mark.parametrize("change", [{"model_type": "gemma"}, {"hidden_act": "gelu"}, {"sliding_window": 4096},
                                     {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}])
 def test_what_is_not_implemented_goes_to_transformers(change: dict) -> None:

@@ -1,0 +1,78 @@
+"""Paired A/B timing of one engine step (issue 13): two closed-loop batchers of one model
+(bench/engine_step.py's simulation), A with the old KV cache, B with the current one,
+stepped in alternating blocks in one process, so that the machine's drift touches both alike.
+
+    OMP_WAIT_POLICY=PASSIVE python bench/engine_ab.py --archive STORE/smollm2-135m-instruct.wcodec \\
+        --rounds 4 --steps 10
+
+A keeps its KV cache the old way: grown by torch.cat every step (service/llama.py's KVCache
+before 2026-11-23's in-place one), B the current way."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine_step import closed_loop, load  # noqa: E402
+
+
+
+class CatKVCache:
+    """The concatenating cache: every update copies the layer's whole cache (torch.cat); trim
+    and merge take kv.py's generic (DynamicCache) path, since this is no llama.KVCache."""
+
+    def __init__(self):
+        self.layers = []
+
+    def get_seq_length(self, layer=0):
+        return self.layers[layer].keys.shape[2] if layer < len(self.layers) else 0
+
+    def update(self, k, v, layer):
+        if layer == len(self.layers):
+            self.layers.append(_Plain(k, v))
+        else:
+            kv = self.layers[layer]
+            kv.keys, kv.values = torch.cat([kv.keys, k], dim=2), torch.cat([kv.values, v], dim=2)
+        return self.layers[layer].keys, self.layers[layer].values
+
+    def batch_select_indices(self, idx):
+        for kv in self.layers:
+            kv.keys, kv.values = kv.keys[idx], kv.values[idx]
+
+
+class _Plain:
+    def __init__(self, keys, values):
+        self.keys, self.values = keys, values
+
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--archive", type=Path, required=True)
+    ap.add_argument("--users", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=10)
+    args = ap.parse_args()
+    served = load(args.archive)
+    a, b = closed_loop(served, args.users, CatKVCache), closed_loop(served, args.users)
+    times = {"A": [], "B": []}
+    for r in range(args.rounds):
+        for name, batcher in (("A", a), ("B", b)) if r % 2 == 0 else (("B", b), ("A", a)):
+            t0, tokens = time.perf_counter(), 0
+            for _ in range(args.steps):
+                tokens += batcher.step().tokens
+            ms = (time.perf_counter() - t0) / args.steps * 1e3
+            times[name].append(ms)
+            print(f"round {r} {name}: {ms:.1f} ms a step, {tokens / args.steps:.1f} tokens a step", flush=True)
+    ma, mb = (sum(times[k]) / len(times[k]) for k in "AB")
+    print(f"A (torch.cat cache) {ma:.1f} ms, B (current) {mb:.1f} ms a step: B/A {mb / ma:.3f}")
+
+
+if __name__ == "__main__":
+    main()
