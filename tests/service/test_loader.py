@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import time
 from pathlib import Path
 
 import pytest
@@ -103,9 +104,19 @@ def _early(path: Path, verify: bool = True):
     return EarlyRead(str(path), verify=verify, threads=2, direct=None, timeline=Timeline())
 
 
+def _freed(early, timeout: float = 10.0) -> bool:
+    """Whether the early read's buffer is closed within `timeout` (a thread unmaps it)."""
+    deadline = time.monotonic() + timeout
+    while not early.buf.closed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return early.buf.closed
+
+
 def test_early_read_feeds_the_cpu_pipeline_bit_exact(small: Path) -> None:
+    """... and no decoded tensor views the early buffer: they stay the same once it is freed."""
     early = _early(small)
     decoded = decode_archive(small, torch.device("cpu"), early=early)
+    assert _freed(early)
     assert_same(decoded.tensors, cuda_ext.load(small, "cpu").state_dict)
 
 
@@ -113,14 +124,10 @@ def test_early_read_frees_its_memory_after_the_load_unless_a_tensor_views_it(sma
     """release() hands the unmapping to a thread (it took ~1 s of a 7B load): the buffer closes
     soon after; while an array still holds a view of it, it stays mapped and the bytes stay."""
     import numpy as np
-    import time
     early = _early(small)
     early.wait_until(1 << 62)
     early.release()
-    deadline = time.monotonic() + 10
-    while not early.buf.closed and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert early.buf.closed
+    assert _freed(early)
     held = _early(small)
     held.wait_until(1 << 62)
     view = np.frombuffer(held.view, np.uint8)            # holds a buffer export, as numpy does
