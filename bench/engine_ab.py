@@ -6,7 +6,7 @@ stepped in alternating blocks in one process, so that the machine's drift touche
         --rounds 4 --steps 10
 
 A keeps its KV cache the old way: grown by torch.cat every step (service/llama.py's KVCache
-before 2026-11-23's in-place one), B the current way."""
+before 2026-11-23's in-place one, kept as llama.ConcatKVCache), B the current way."""
 from __future__ import annotations
 
 import argparse
@@ -21,34 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine_step import closed_loop, load  # noqa: E402
 
-
-
-class CatKVCache:
-    """The concatenating cache: every update copies the layer's whole cache (torch.cat); trim
-    and merge take kv.py's generic (DynamicCache) path, since this is no llama.KVCache."""
-
-    def __init__(self):
-        self.layers = []
-
-    def get_seq_length(self, layer=0):
-        return self.layers[layer].keys.shape[2] if layer < len(self.layers) else 0
-
-    def update(self, k, v, layer):
-        if layer == len(self.layers):
-            self.layers.append(_Plain(k, v))
-        else:
-            kv = self.layers[layer]
-            kv.keys, kv.values = torch.cat([kv.keys, k], dim=2), torch.cat([kv.values, v], dim=2)
-        return self.layers[layer].keys, self.layers[layer].values
-
-    def batch_select_indices(self, idx):
-        for kv in self.layers:
-            kv.keys, kv.values = kv.keys[idx], kv.values[idx]
-
-
-class _Plain:
-    def __init__(self, keys, values):
-        self.keys, self.values = keys, values
+from service import llama  # noqa: E402
 
 
 
@@ -60,7 +33,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     args = ap.parse_args()
     served = load(args.archive)
-    a, b = closed_loop(served, args.users, CatKVCache), closed_loop(served, args.users)
+    a, b = closed_loop(served, args.users, llama.ConcatKVCache), closed_loop(served, args.users)
     times = {"A": [], "B": []}
     for r in range(args.rounds):
         for name, batcher in (("A", a), ("B", b)) if r % 2 == 0 else (("B", b), ("A", a)):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -236,6 +237,34 @@ class KVCache:
         """`other`'s rows after these, both sides left-padded with zero columns to `width`."""
         for mine, theirs in zip(self.layers, other.layers, strict=True):
             mine.place([mine.keys, theirs.keys], [mine.values, theirs.values], width, width + max(ROOM, width))
+
+
+class ConcatKVCache:
+    """The cache KVCache replaced, kept as its reference (tests/service/test_kv.py checks the two
+    against each other, bench/engine_ab.py times them): DynamicCache's behaviour, every update a
+    torch.cat of the whole layer. The engine treats it as any cache that is not a KVCache."""
+
+    def __init__(self) -> None:
+        self.layers: list[SimpleNamespace] = []
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer == len(self.layers):
+            self.layers.append(SimpleNamespace(keys=k, values=v))
+        else:
+            kv = self.layers[layer]
+            kv.keys, kv.values = torch.cat([kv.keys, k], dim=2), torch.cat([kv.values, v], dim=2)
+        return self.layers[layer].keys, self.layers[layer].values
+
+    def get_seq_length(self, layer: int = 0) -> int:
+        return self.layers[layer].keys.shape[2] if layer < len(self.layers) else 0
+
+    def batch_select_indices(self, idx: torch.Tensor) -> None:
+        for kv in self.layers:
+            kv.keys, kv.values = kv.keys[idx], kv.values[idx]
+
+    def crop(self, length: int) -> None:
+        for kv in self.layers:
+            kv.keys, kv.values = kv.keys[:, :, :length], kv.values[:, :, :length]
 
 
 class Attention(nn.Module):

@@ -14,37 +14,6 @@ from service.engine.kv import PaddedKV
 LAYERS, HEADS, DIM = 3, 2, 4
 
 
-class CatCache:
-    """The reference: DynamicCache's behaviour, every update a torch.cat of the whole layer."""
-
-    def __init__(self) -> None:
-        self.layers: list[llama.KVLayer | _Plain] = []
-
-    def update(self, k, v, layer):
-        if layer == len(self.layers):
-            self.layers.append(_Plain(k, v))
-        else:
-            kv = self.layers[layer]
-            kv.keys, kv.values = torch.cat([kv.keys, k], dim=2), torch.cat([kv.values, v], dim=2)
-        return self.layers[layer].keys, self.layers[layer].values
-
-    def get_seq_length(self, layer: int = 0) -> int:
-        return self.layers[layer].keys.shape[2] if layer < len(self.layers) else 0
-
-    def batch_select_indices(self, idx):
-        for kv in self.layers:
-            kv.keys, kv.values = kv.keys[idx], kv.values[idx]
-
-    def crop(self, length: int) -> None:
-        for kv in self.layers:
-            kv.keys, kv.values = kv.keys[:, :, :length], kv.values[:, :, :length]
-
-
-class _Plain:
-    def __init__(self, keys, values):
-        self.keys, self.values = keys, values
-
-
 def _append(pair: list[PaddedKV], g: torch.Generator, cols: int, padded: bool) -> None:
     """`cols` new columns for every row of both caches (left padding in a first chunk), what
     the model's layers write through `update`; both get the same values."""
@@ -62,7 +31,7 @@ def _append(pair: list[PaddedKV], g: torch.Generator, cols: int, padded: bool) -
 
 
 def _fresh(g: torch.Generator, rows: int, width: int) -> list[PaddedKV]:
-    pair = [PaddedKV(torch.device("cpu"), cache, rows) for cache in (llama.KVCache, CatCache)]
+    pair = [PaddedKV(torch.device("cpu"), cache, rows) for cache in (llama.KVCache, llama.ConcatKVCache)]
     _append(pair, g, width, padded=True)
     return pair
 
