@@ -39,11 +39,6 @@ def make(path: str, nbytes: int) -> None:
             f.write(block[:min(len(block), nbytes - i)])
 
 
-def cudart():
-    rt = torch.cuda.cudart()
-    return rt
-
-
 def timed(fn, *a):
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -79,7 +74,7 @@ def mapped(path: str, dst: torch.Tensor, ahead: int, flags: int) -> dict:
     fd = os.open(path, os.O_RDONLY)
     base = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
     os.close(fd)
-    rt = cudart()
+    rt = torch.cuda.cudart()
     stream = torch.cuda.Stream()
     chunks = [(off, min(CHUNK, size - off)) for off in range(0, size, CHUNK)]
     reg_s = [0.0]

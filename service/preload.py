@@ -114,11 +114,11 @@ class EarlyLoad:
 
 def _dtype(entries) -> torch.dtype:
     """The dtype of most of an archive's decoded bytes (its forward's matmuls)."""
-    counts: collections.Counter[str] = collections.Counter()
+    weight: collections.Counter[torch.dtype] = collections.Counter()
     for e in entries:
-        counts[e.dtype] += e.nbytes
-    found = getattr(torch, counts.most_common(1)[0][0], None) if counts else None
-    return found if isinstance(found, torch.dtype) else torch.bfloat16
+        weight[e.torch_dtype] += e.nbytes
+    found = weight.most_common(1)[0][0] if weight else torch.bfloat16
+    return found if found.is_floating_point else torch.bfloat16
 
 
 def start_early_loads(early_reads: dict[str, EarlyRead], paths: dict[str, str], settings, device: torch.device,
