@@ -14,6 +14,9 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <cuda_pipeline.h>
+
+#include <algorithm>
 #include <vector>
 
 #include "decode_common.h"
@@ -25,9 +28,14 @@ constexpr int kWarpsPerBlock = 4;                  // = TABLE_GROUP_QUANTUM: one
 // Indexed pieces of entry_steps <= 256 come 16 (or more) to a segment, so a block of 16 warps
 // decodes 16 pieces of one segment with one table set: 4x the warps per shared-memory table.
 constexpr int kIndexedWarpsPerBlock = 8;
-constexpr int kTableBuilders = 1 << kMaxCtxBits;   // warps that build a block's tables (one each)
+constexpr int kTableBuilders = 1 << kMaxCtxBits;   // warps that parse a block's tables (one each)
 constexpr int kChunk = static_cast<int>(kMinEntrySteps);   // steps per unrolled chunk
-constexpr int kCumWords = 260;                     // per-warp scratch: cum[257]
+constexpr int kCumWords = 260;                     // per-table scratch: cum[257]
+constexpr int kRingWords = 128;                    // a warp's ring of renormalisation words (Lane)
+constexpr int kHiChunkBytes = kChunk * kLanes;     // one chunk's hi bytes; a warp's hi ring holds two
+constexpr int kWarpRingBytes = 2 * kRingWords + 2 * kHiChunkBytes;
+constexpr int kScratchWords =                      // u32: the tables' cums, later the warps' rings
+    std::max(kTableBuilders * kCumWords, kIndexedWarpsPerBlock * kWarpRingBytes / 4);
 constexpr size_t kTableBytes = sizeof(uint32_t) * kProbScale;
 
 std::vector<TensorDesc> check_pieces_args(const at::Tensor& data, const at::Tensor& desc, at::TensorList outputs,
@@ -39,49 +47,62 @@ std::vector<TensorDesc> check_pieces_args(const at::Tensor& data, const at::Tens
 template <int Dtype>
 using WordOf = typename std::conditional<Dtype == kFP32, uint32_t, uint16_t>::type;
 
-// One lane's view of the unit it decodes. The renormalisation words come from a register window
-// of 96 words, [wbase, wbase + 96), word wbase + 32 k + lane in w[k]; a step takes at most 32 words
-// through two shuffles, and each 32 consumed words shift the window and load the next 32 (about
-// six steps ahead of use): a step never waits on a global load.
+// One lane's view of the unit it decodes. The renormalisation words come from a per-warp ring of
+// kRingWords words in shared memory holding words [fill, fill + kRingWords) of the segment (fill a
+// multiple of 32, wpos < fill + 32 between steps): a step takes at most 32 words, all inside the
+// ring, each lane the one at wpos + (lanes below it that need one) with one shared load. Each 32
+// consumed words, 32 more go in (loaded a refill earlier into `pend`): a step never waits on a
+// global load, and holds no window registers to rotate.
 struct Lane {
   uint32_t x;                      // rANS state
   int wpos;                        // words of the segment consumed (warp-uniform)
-  int wbase;                       // first word of the window (warp-uniform; wbase <= wpos < wbase + 32)
-  uint32_t w0, w1, w2;             // the window
+  int fill;                        // first word in the ring (warp-uniform)
+  uint32_t pend;                   // word fill + kRingWords + lane, for the next refill
 };
 
 __device__ __forceinline__ uint32_t load_word(const uint16_t* words, int n_words, int pos) {
   return pos < n_words ? __ldg(words + pos) : 0u;                   // bounded: zeros past the end
 }
 
-__device__ __forceinline__ void fill_window(const uint16_t* words, int n_words, Lane& st) {
+__device__ __forceinline__ void fill_ring(const uint16_t* words, int n_words, uint16_t* ring, Lane& st) {
   const int lane = threadIdx.x & 31;
-  st.wbase = st.wpos;
-  st.w0 = load_word(words, n_words, st.wbase + lane);
-  st.w1 = load_word(words, n_words, st.wbase + 32 + lane);
-  st.w2 = load_word(words, n_words, st.wbase + 64 + lane);
+  st.fill = st.wpos & ~31;
+#pragma unroll
+  for (int i = 0; i < kRingWords; i += 32)
+    ring[(st.fill + i + lane) & (kRingWords - 1)] = static_cast<uint16_t>(load_word(words, n_words, st.fill + i + lane));
+  st.pend = load_word(words, n_words, st.fill + kRingWords + lane);
+  __syncwarp();
 }
 
-// Hi (and fp32 lo) values of one chunk, loaded a chunk ahead. Past the segment's end: zero.
-template <int Dtype, bool Full>
-__device__ __forceinline__ void load_chunk(const uint8_t* hi, const uint16_t* lo, int base, int n,
-                                           uint32_t (&h)[kChunk / 4], uint32_t (&l)[kChunk]) {
-  const int lane = threadIdx.x & 31;
+// The hi bytes of one chunk (kChunk steps x 32 lanes, 256 contiguous bytes) into this warp's
+// hi ring, a chunk ahead of use: each lane copies 8 bytes with cp.async (no registers held, no
+// wait until the chunk is needed), or byte by byte, zero past the segment's end, where the chunk
+// is short or the plane is not 8-byte aligned. The caller waits and syncs the warp before reading.
+__device__ __forceinline__ void stage_hi(const uint8_t* hi, bool vec, int base, int n, uint8_t* hr) {
+  const int lane = threadIdx.x & 31, at = base + 8 * lane;
+  if (vec && base + kHiChunkBytes <= n) {
+    __pipeline_memcpy_async(hr + 8 * lane, hi + at, 8);
+  } else {
 #pragma unroll
-  for (int k = 0; k < kChunk; ++k) {
-    const int j = base + k * kLanes + lane;
-    const bool in = Full || j < n;
-    const uint32_t v = in ? __ldg(hi + j) : 0u;                      // four hi bytes a register
-    h[k / 4] = (k % 4) ? h[k / 4] | (v << (8 * (k % 4))) : v;
-    if constexpr (Dtype == kFP32) l[k] = in ? __ldg(lo + j) : 0u;
+    for (int i = 0; i < 8; ++i) hr[8 * lane + i] = at + i < n ? hi[at + i] : 0;
   }
+  __pipeline_commit();
+}
+
+// The fp32 lo values of one chunk, loaded a chunk ahead into registers. Past the end: zero.
+template <bool Full>
+__device__ __forceinline__ void load_lo(const uint16_t* lo, int base, int n, uint32_t (&l)[kChunk]) {
+  const int lane = threadIdx.x & 31;
+  const uint16_t* lp = lo + (base + lane);
+#pragma unroll
+  for (int k = 0; k < kChunk; ++k) l[k] = Full || base + k * kLanes + lane < n ? __ldg(lp + k * kLanes) : 0u;
 }
 
 // One chunk of kChunk steps. `Full` chunks (every symbol inside the segment) skip the end checks.
 template <int Dtype, int CtxBits, bool Full>
-__device__ __forceinline__ void decode_chunk(const uint32_t* lut, const uint16_t* words, int n_words, int base,
-                                             int n, const uint32_t (&h)[kChunk / 4], const uint32_t (&l)[kChunk],
-                                             Lane& st, WordOf<Dtype>* out) {
+__device__ __forceinline__ void decode_chunk(const uint32_t* lut, const uint16_t* words, int n_words,
+                                             uint16_t* ring, int base, int n, const uint8_t* hr,
+                                             const uint32_t (&l)[kChunk], Lane& st, WordOf<Dtype>* out) {
   const int lane = threadIdx.x & 31;
   const unsigned lanes_below = (1u << lane) - 1u;
 #pragma unroll
@@ -89,24 +110,25 @@ __device__ __forceinline__ void decode_chunk(const uint32_t* lut, const uint16_t
     const int j = base + k * kLanes + lane;
     const bool active = Full || j < n;
     uint32_t xn = st.x;
-    const uint32_t hk = (h[k / 4] >> (8 * (k % 4))) & 0xFFu;
+    const uint32_t hk = hr[k * kLanes + lane];
     const uint32_t sym = rans_step_packed(lut[(context(hk, CtxBits, Dtype) << kProbBits) | (st.x & (kProbScale - 1))], xn);
     const bool need = active && xn < kRansL;                           // renormalise: one word
     const unsigned mask = __ballot_sync(kFullMask, need);
-    const int off = st.wpos - st.wbase + __popc(mask & lanes_below);  // < 64: in w0 or w1
-    const uint32_t a = __shfl_sync(kFullMask, st.w0, off & 31), b = __shfl_sync(kFullMask, st.w1, off & 31);
-    st.x = need ? (xn << kRenormBits) | (off < 32 ? a : b) : (active ? xn : st.x);
+    if (need) xn = (xn << kRenormBits) | ring[(st.wpos + __popc(mask & lanes_below)) & (kRingWords - 1)];
+    if (Full || active) st.x = xn;
     st.wpos += __popc(mask);
-    if (st.wpos - st.wbase >= 32) {                                   // warp-uniform: shift the window
-      st.wbase += 32;
-      st.w0 = st.w1, st.w1 = st.w2;
-      st.w2 = load_word(words, n_words, st.wbase + 64 + lane);
+    if (st.wpos - st.fill >= 32) {                                    // warp-uniform: refill 32 words
+      __syncwarp();                                                   // every lane has read its word
+      ring[(st.fill & (kRingWords - 1)) + lane] = static_cast<uint16_t>(st.pend);
+      st.fill += 32;
+      st.pend = load_word(words, n_words, st.fill + kRingWords + lane);
+      __syncwarp();
     }
     if (Full || active) {
       if constexpr (Dtype == kFP32)
-        out[j] = join32(sym, hk, l[k]);
+        __stcg(out + j, join32(sym, hk, l[k]));
       else
-        out[j] = join16(Dtype, sym, hk);
+        __stcg(reinterpret_cast<unsigned short*>(out) + j, join16(Dtype, sym, hk));
     }
   }
 }
@@ -119,7 +141,8 @@ struct Index {                      // the resident index (kRecord writes it, kI
 // Decode steps [u.t0, u.t1) of one segment. Returns the unit's status.
 template <int Dtype, int CtxBits>
 __device__ int decode_unit(const uint8_t* data, const TensorDesc& d, const SegmentRef& ref, const Unit& u,
-                           int64_t mode, int64_t entry_steps, const uint32_t* lut, Index index, void* out_base) {
+                           int64_t mode, int64_t entry_steps, const uint32_t* lut, Index index, uint16_t* ring,
+                           void* out_base) {
   const int lane = threadIdx.x & 31;
   const uint8_t* exp = data + d.exp_off;
   const int64_t seg0 = u.seg * kSegmentSymbols;
@@ -137,30 +160,40 @@ __device__ int decode_unit(const uint8_t* data, const TensorDesc& d, const Segme
     st.x = load_le<uint32_t>(exp + ref.data + 4 * lane);
     st.wpos = 0;
   }
-  fill_window(words, n_words, st);
-  uint32_t h[kChunk / 4], l[kChunk], hn[kChunk / 4], ln[kChunk];
+  fill_ring(words, n_words, ring, st);
+  uint8_t* hring = reinterpret_cast<uint8_t*>(ring + kRingWords);   // two chunks' hi bytes
+  const bool vec = (reinterpret_cast<uintptr_t>(hi) & 7) == 0;
+  uint32_t l[kChunk], ln[kChunk];
   const int t0 = static_cast<int>(u.t0), t1 = static_cast<int>(u.t1);
-  if (t0 < t1) load_chunk<Dtype, false>(hi, lo, t0 * kLanes, n, h, l);
-  for (int t = t0; t < t1; t += kChunk) {
+  stage_hi(hi, vec, t0 * kLanes, n, hring);
+  if constexpr (Dtype == kFP32) load_lo<false>(lo, t0 * kLanes, n, l);
+  __pipeline_wait_prior(0);
+  __syncwarp();
+  for (int t = t0, c = 0; t < t1; t += kChunk, c ^= 1) {
     const int base = t * kLanes, next = base + kChunk * kLanes;
     if (t + kChunk < t1) {
-      if (next + kChunk * kLanes <= n) load_chunk<Dtype, true>(hi, lo, next, n, hn, ln);
-      else load_chunk<Dtype, false>(hi, lo, next, n, hn, ln);
+      stage_hi(hi, vec, next, n, hring + (c ^ 1) * kHiChunkBytes);
+      if constexpr (Dtype == kFP32) {
+        if (next + kChunk * kLanes <= n) load_lo<true>(lo, next, n, ln);
+        else load_lo<false>(lo, next, n, ln);
+      }
     }
     if (mode == kRecord && t % entry_steps == 0) {                   // an entry point of the index
       const int64_t e = record_entry(d, entry_steps, u.seg, t);
       index.states[e * kLanes + lane] = st.x;
       if (lane == 0) index.words[e] = static_cast<uint32_t>(st.wpos);
     }
+    const uint8_t* hr = hring + c * kHiChunkBytes;
     if (next <= n)
-      decode_chunk<Dtype, CtxBits, true>(lut, words, n_words, base, n, h, l, st, out);
+      decode_chunk<Dtype, CtxBits, true>(lut, words, n_words, ring, base, n, hr, l, st, out);
     else
-      decode_chunk<Dtype, CtxBits, false>(lut, words, n_words, base, n, h, l, st, out);
+      decode_chunk<Dtype, CtxBits, false>(lut, words, n_words, ring, base, n, hr, l, st, out);
+    if constexpr (Dtype == kFP32) {
 #pragma unroll
-    for (int k = 0; k < kChunk; ++k) {
-      if (k % 4 == 0) h[k / 4] = hn[k / 4];
-      l[k] = ln[k];
+      for (int k = 0; k < kChunk; ++k) l[k] = ln[k];
     }
+    __pipeline_wait_prior(0);                                        // the next chunk's hi bytes are in,
+    __syncwarp();                                                    // and every lane is done with this one
   }
   const bool to_entry = u.end_entry >= 0;
   const uint32_t want_x = to_entry ? index.states[u.end_entry * kLanes + lane] : kRansL;
@@ -171,11 +204,12 @@ __device__ int decode_unit(const uint8_t* data, const TensorDesc& d, const Segme
 
 template <int Dtype>
 __device__ int decode_ctx(const uint8_t* data, const TensorDesc& d, const SegmentRef& ref, const Unit& u,
-                          int64_t mode, int64_t entry_steps, const uint32_t* lut, Index index, void* out) {
+                          int64_t mode, int64_t entry_steps, const uint32_t* lut, Index index, uint16_t* ring,
+                          void* out) {
   switch (d.ctx_bits) {
-    case 0: return decode_unit<Dtype, 0>(data, d, ref, u, mode, entry_steps, lut, index, out);
-    case 1: return decode_unit<Dtype, 1>(data, d, ref, u, mode, entry_steps, lut, index, out);
-    default: return decode_unit<Dtype, 2>(data, d, ref, u, mode, entry_steps, lut, index, out);
+    case 0: return decode_unit<Dtype, 0>(data, d, ref, u, mode, entry_steps, lut, index, ring, out);
+    case 1: return decode_unit<Dtype, 1>(data, d, ref, u, mode, entry_steps, lut, index, ring, out);
+    default: return decode_unit<Dtype, 2>(data, d, ref, u, mode, entry_steps, lut, index, ring, out);
   }
 }
 
@@ -201,7 +235,8 @@ template <int W>
 __global__ void __launch_bounds__(32 * W, W == kWarpsPerBlock ? 1 : 3) decode_kernel(
     const uint8_t* __restrict__ data, DevicePlan plan, Index index, int32_t* __restrict__ status, int64_t mode,
     int64_t entry_steps) {
-  extern __shared__ __align__(16) uint32_t smem[];                   // cum [4][260] | tables [2^ctx][M]
+  extern __shared__ __align__(16) uint32_t smem[];  // scratch: cum [4][260], then the warps' rings | tables
+  static_assert(W * kWarpRingBytes <= 4 * kScratchWords, "the rings fit the scratch");
   __shared__ int table_status;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t b = blockIdx.x;
@@ -212,23 +247,27 @@ __global__ void __launch_bounds__(32 * W, W == kWarpsPerBlock ? 1 : 3) decode_ke
   const bool mine = u < unit_count(d, mode, entry_steps);            // the tensor's last block may be short
   if (threadIdx.x == 0) table_status = kOk;
   __syncthreads();
-  SegmentRef ref0;
+  SegmentRef ref0;                                                   // the block's table set: parse
   int st0 = read_segment(exp, d.exp_len, d, unit_of(d, mode, entry_steps, u0).seg, &ref0);
-  if (st0 == kOk && warp < (1 << d.ctx_bits))
-    st0 = build_decode_table(exp, d, ref0.table0 + warp, smem + kTableBuilders * kCumWords + warp * kProbScale,
-                             smem + warp * kCumWords);
+  if (st0 == kOk && warp < (1 << d.ctx_bits)) st0 = parse_cum(exp, d, ref0.table0 + warp, smem + warp * kCumWords);
   if (st0 != kOk && lane == 0) atomicMax(&table_status, st0);
   __syncthreads();
+  uint32_t* luts = smem + kScratchWords;
+  if (table_status == kOk) {                                         // ... and fill, every thread a run
+    const uint32_t run = (kProbScale << d.ctx_bits) / (32 * W), first = threadIdx.x * run, t = first / kProbScale;
+    fill_lut(smem + t * kCumWords, luts + t * kProbScale, first % kProbScale, first % kProbScale + run);
+  }
+  __syncthreads();                                                   // tables ready; the scratch is the rings'
   if (!mine) return;
   const Unit un = unit_of(d, mode, entry_steps, u);
-  const uint32_t* luts = smem + kTableBuilders * kCumWords;
+  uint16_t* ring = reinterpret_cast<uint16_t*>(reinterpret_cast<uint8_t*>(smem) + warp * kWarpRingBytes);
   SegmentRef ref;
   int result = table_status != kOk ? table_status : read_segment(exp, d.exp_len, d, un.seg, &ref);
   if (result == kOk) {
     switch (d.dtype) {
-      case kBF16: result = decode_ctx<kBF16>(data, d, ref, un, mode, entry_steps, luts, index, plan.outs[lo]); break;
-      case kFP16: result = decode_ctx<kFP16>(data, d, ref, un, mode, entry_steps, luts, index, plan.outs[lo]); break;
-      default: result = decode_ctx<kFP32>(data, d, ref, un, mode, entry_steps, luts, index, plan.outs[lo]); break;
+      case kBF16: result = decode_ctx<kBF16>(data, d, ref, un, mode, entry_steps, luts, index, ring, plan.outs[lo]); break;
+      case kFP16: result = decode_ctx<kFP16>(data, d, ref, un, mode, entry_steps, luts, index, ring, plan.outs[lo]); break;
+      default: result = decode_ctx<kFP32>(data, d, ref, un, mode, entry_steps, luts, index, ring, plan.outs[lo]); break;
     }
   }
   if (lane == 0) status[un.status] = result;
@@ -254,11 +293,11 @@ static void decode_pieces_cuda(const at::Tensor& data, const at::Tensor& desc, c
   if (blocks == 0) return;
   TORCH_CHECK(blocks < (int64_t{1} << 31), "too many units for one launch");
   const c10::cuda::CUDAGuard guard(data.device());
-  const size_t smem = (kTableBytes << max_ctx) + kTableBuilders * kCumWords * sizeof(uint32_t);
+  const size_t smem = (kTableBytes << max_ctx) + kScratchWords * sizeof(uint32_t);
   static bool attr_set[64] = {};                                     // per device: the largest case
   const int dev = data.get_device();
   if (dev >= 64 || !attr_set[dev]) {
-    const int most = static_cast<int>((kTableBytes << kMaxCtxBits) + kTableBuilders * kCumWords * 4);
+    const int most = static_cast<int>((kTableBytes << kMaxCtxBits) + kScratchWords * 4);
     C10_CUDA_CHECK(cudaFuncSetAttribute(decode_kernel<kWarpsPerBlock>, cudaFuncAttributeMaxDynamicSharedMemorySize, most));
     C10_CUDA_CHECK(cudaFuncSetAttribute(decode_kernel<kIndexedWarpsPerBlock>,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, most));

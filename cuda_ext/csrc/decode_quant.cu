@@ -90,7 +90,7 @@ struct BytesPlan {                 // desc rows | first block of each row | outp
 
 __global__ void __launch_bounds__(32 * kWarps) decode_bytes_kernel(const uint8_t* __restrict__ data, BytesPlan plan,
                                                                     int32_t* __restrict__ status) {
-  __shared__ uint32_t lut[kProbScale];
+  __shared__ __align__(16) uint32_t lut[kProbScale];
   __shared__ uint32_t cum[260];
   __shared__ int table_status;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;

@@ -9,12 +9,13 @@ namespace wcodec {
 
 constexpr unsigned kFullMask = 0xFFFFFFFFu;
 
-// ---- build the decode table (warp-parallel) ------------------------------------------------------
-// Lane l owns symbols [8l, 8l + 8): their presence bits are byte l of the bitmap. The warp scans
-// frequencies into cum[257] (scratch), then each lane fills 128 consecutive slots, walking the
-// symbols. Returns kOk / kTable; an unused (all-zero) table becomes the identity.
-__device__ inline int build_decode_table(const uint8_t* exp, const TensorDesc& d, int64_t j, uint32_t* lut,
-                                  uint32_t* cum_s) {
+// ---- build the decode table ---------------------------------------------------------------------
+// Two steps, so that a whole block can share the work of filling 4096 slots a table:
+// parse_cum (one warp a table) reads the bitmap and frequencies into cum[257]; fill_lut (any thread)
+// writes a run of slots. Lane l owns symbols [8l, 8l + 8): their presence bits are byte l of the
+// bitmap. Returns kOk / kTable; an unused (all-zero) table becomes the identity (symbol 0 owns all M
+// slots, so x stays x).
+__device__ inline int parse_cum(const uint8_t* exp, const TensorDesc& d, int64_t j, uint32_t* cum_s) {
   const int lane = threadIdx.x & 31;
   const int64_t base = 12 * segment_count(d);
   const int64_t start = load_le<uint32_t>(exp + base + 4 * j);
@@ -46,27 +47,48 @@ __device__ inline int build_decode_table(const uint8_t* exp, const TensorDesc& d
   cum -= sum;
   ok = __all_sync(kFullMask, ok) && (total == kProbScale || total == 0);
   if (!ok) return kTable;
-  if (total == 0) {                                                  // identity: x stays x
-    for (uint32_t slot = lane; slot < kProbScale; slot += 32) lut[slot] = lut_entry(kProbScale, 0, slot);
-    __syncwarp();
-    return kOk;
+  for (int k = 0; k < 8; ++k) {
+    cum_s[8 * lane + k] = total ? cum : (lane || k ? kProbScale : 0u);
+    cum += freq[k];
   }
-  for (int k = 0; k < 8; ++k) cum_s[8 * lane + k] = cum, cum += freq[k];
   if (lane == 0) cum_s[256] = kProbScale;
   __syncwarp();
-  // The symbol owning a slot is the last s with cum[s] <= slot: an absent symbol shares its cum
-  // with the next one, so the walk never stops on it.
-  uint32_t slot = (kProbScale / 32) * lane, s = 0;
-  for (uint32_t lo = 0, hi = 255; lo < hi;) {
+  return kOk;
+}
+
+// Slots [a, b) of the table whose cum[257] parse_cum wrote (b - a a multiple of 4, a 16-byte
+// aligned lut + a). The symbol owning a slot is the last s with cum[s] <= slot: an absent symbol
+// shares its cum with the next one, so the walk never stops on it. Within one symbol's run an entry
+// is `base + slot`, so a slot costs a compare and an add; four go out in one 16-byte store.
+__device__ __forceinline__ void fill_lut(const uint32_t* cum_s, uint32_t* lut, uint32_t a, uint32_t b) {
+  uint32_t lo = 0;
+  for (uint32_t hi = 255; lo < hi;) {
     const uint32_t mid = (lo + hi + 1) >> 1;
-    if (cum_s[mid] <= slot) lo = mid; else hi = mid - 1;
-    s = lo;
+    if (cum_s[mid] <= a) lo = mid; else hi = mid - 1;
   }
-  for (int k = 0; k < static_cast<int>(kProbScale / 32); ++k, ++slot) {
-    while (cum_s[s + 1] <= slot) ++s;
-    const uint32_t c = cum_s[s];
-    lut[slot] = lut_entry(cum_s[s + 1] - c, s, slot - c);
+  uint32_t s = lo, c = cum_s[s], cn = cum_s[s + 1];
+  uint32_t base = lut_entry(cn - c, s, 0) - c;
+  for (uint32_t slot = a; slot < b; slot += 4) {
+    uint32_t v[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      while (slot + k >= cn) {
+        c = cn, cn = cum_s[++s + 1];
+        base = lut_entry(cn - c, s, 0) - c;
+      }
+      v[k] = base + slot + k;
+    }
+    *reinterpret_cast<uint4*>(lut + slot) = make_uint4(v[0], v[1], v[2], v[3]);
   }
+}
+
+// One warp parses and fills a whole table (the byte-plane decoder, decode_quant.cu).
+__device__ inline int build_decode_table(const uint8_t* exp, const TensorDesc& d, int64_t j, uint32_t* lut,
+                                         uint32_t* cum_s) {
+  const int st = parse_cum(exp, d, j, cum_s);
+  if (st != kOk) return st;
+  const uint32_t lane = threadIdx.x & 31, run = kProbScale / 32;
+  fill_lut(cum_s, lut, lane * run, (lane + 1) * run);
   __syncwarp();
   return kOk;
 }
