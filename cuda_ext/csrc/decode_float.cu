@@ -105,12 +105,15 @@ __device__ __forceinline__ void decode_chunk(const uint32_t* lut, const uint16_t
                                              const uint32_t (&l)[kChunk], Lane& st, WordOf<Dtype>* out) {
   const int lane = threadIdx.x & 31;
   const unsigned lanes_below = (1u << lane) - 1u;
+  uint32_t hc[kChunk];                                               // the chunk's hi bytes, read up front
+#pragma unroll
+  for (int k = 0; k < kChunk; ++k) hc[k] = hr[k * kLanes + lane];
 #pragma unroll
   for (int k = 0; k < kChunk; ++k) {
     const int j = base + k * kLanes + lane;
     const bool active = Full || j < n;
     uint32_t xn = st.x;
-    const uint32_t hk = hr[k * kLanes + lane];
+    const uint32_t hk = hc[k];
     const uint32_t sym = rans_step_packed(lut[(context(hk, CtxBits, Dtype) << kProbBits) | (st.x & (kProbScale - 1))], xn);
     const bool need = active && xn < kRansL;                           // renormalise: one word
     const unsigned mask = __ballot_sync(kFullMask, need);
