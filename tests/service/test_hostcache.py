@@ -177,6 +177,21 @@ def test_a_budget_of_0_turns_it_off(small: Path, monkeypatch) -> None:
     assert Settings().host_cache_budget() > 0                            # a quarter of the available memory
 
 
+def test_a_start_up_read_is_kept_instead_of_a_new_one(small: Path, monkeypatch) -> None:
+    from service.prefetch import EarlyRead
+    from service.timeline import Timeline
+    early = EarlyRead(str(small), verify=True, threads=2, direct=None, timeline=Timeline())
+    reads = FileReads(monkeypatch)
+    cache = HostCache(1 << 30, pin=False)
+    with cache.use(str(small), verify=True, threads=2, direct=None, early=early) as use:
+        decode_archive(small, CPU, early=use.read)
+    assert use.read is early and use.source == "early read" and cache.peek(str(small)) is early
+    assert reads.opened == [] and not early.buf.closed
+    use, decoded = _load(cache, small)
+    assert use.hit and use.read is early and reads.opened == []
+    assert_same(decoded.tensors, cuda_ext.load(small, "cpu").state_dict)
+
+
 def test_an_archive_over_the_budget_is_not_kept(small: Path) -> None:
     cache = HostCache(small.stat().st_size // 2, pin=False)
     use, decoded = _load(cache, small)
