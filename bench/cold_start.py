@@ -4,7 +4,9 @@ with the model preloaded against what a user does instead -- transformers
 as one .safetensors file, then `generate(max_new_tokens=1)` -- each in a fresh process, in pairs
 (ours CRCs on, theirs, ours CRCs off, ...) so that machine load touches both sides alike; page
 cache warm, then dropped before every run. Then a load into a running server against
-`safetensors.torch.load_file(device=DEVICE)`. Each side's import time is printed separately.
+`safetensors.torch.load_file(device=DEVICE)` (host cache off: each load reads the page cache), and
+model switches: in a server with the host cache on, a first load, then unload + load again, which
+decodes from the archive kept in (pinned) host memory. Each side's import time is printed separately.
 
     python bench/cold_start.py --demo --runs 3                         # CPU: the demo model
     python bench/cold_start.py --make-7b --tokenizer DIR --runs 3      # GPU: Llama-2-7B-shaped, random bf16
@@ -132,11 +134,14 @@ def warm(paths: list[Path]) -> None:
                 pass
 
 
-def _server(store: Path, device: str, verify: bool, preload: bool, log: Path) -> tuple[subprocess.Popen, str]:
+def _server(store: Path, device: str, verify: bool, preload: bool, log: Path,
+            **settings: str) -> tuple[subprocess.Popen, str]:
+    """`wcodec serve` in a fresh process; `settings`: more WCODEC_<NAME> variables, by lowercase name."""
     port = free_port()
     env = {**os.environ, "WCODEC_MODEL_STORE": str(store), "WCODEC_DEMO": "false", "WCODEC_DEVICE": device,
            "WCODEC_PRELOAD": json.dumps([NAME] if preload else []), "WCODEC_VERIFY_CRC": str(verify).lower(),
-           "WCODEC_LOG_LEVEL": "debug", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+           "WCODEC_LOG_LEVEL": "debug", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           **{f"WCODEC_{k.upper()}": v for k, v in settings.items()}}
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "wcodec", "serve", "--port", str(port)], env=env,
                                 stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
@@ -211,8 +216,49 @@ def table(args, store: Path, work: Path, cold: str) -> dict:
             "median_import_s": {side: statistics.median(r["import_s"] for r in runs) for side, runs in rows.items()}}
 
 
+def _metric(client, name: str) -> float:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def _load_unload(client) -> dict:
+    t = time.perf_counter()
+    client.post(f"/models/{NAME}/load").raise_for_status()
+    run = {"wall_s": time.perf_counter() - t, **client.get(f"/models/{NAME}").json()["last_load"]}
+    client.post(f"/models/{NAME}/unload").raise_for_status()
+    return run
+
+
+def switches(args, store: Path, work: Path) -> dict:
+    """Model switches, CRCs on: a first load (page cache warm; the archive enters the host cache),
+    then unload + load `--switches` times, each from the host cache. Before the switches the
+    server is given up to 30 s to page-lock what it keeps (wcodec_host_cache_pinned_bytes)."""
+    import httpx
+    archive = store / f"{NAME}.wcodec"
+    budget = {} if args.host_cache_bytes is None else {"host_cache_bytes": str(args.host_cache_bytes)}
+    proc, base = _server(store, args.device, True, False, work / "logs" / "server-switches.log", **budget)
+    try:
+        with httpx.Client(base_url=base, timeout=900) as client:
+            _until(client, "/health", proc)
+            warm([archive])
+            first = _load_unload(client)
+            deadline = time.time() + 30
+            while args.device == "cuda" and time.time() < deadline and \
+                    _metric(client, "wcodec_host_cache_pinned_bytes") < _metric(client, "wcodec_host_cache_bytes"):
+                time.sleep(0.05)
+            cached = {k: _metric(client, f"wcodec_host_cache_{k}") for k in ("bytes", "pinned_bytes")}
+            runs = [_load_unload(client) for _ in range(args.switches)]
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    return {"first_load": first, "switches": runs, "host_cache": cached}
+
+
 def server_loads(args, store: Path, work: Path) -> dict:
-    """A load into a running server (page cache warm) against safetensors.torch.load_file."""
+    """A load into a running server (page cache warm, host cache off) against
+    safetensors.torch.load_file; then model switches (host cache on)."""
     import httpx
     import torch
     from safetensors.torch import load_file
@@ -228,24 +274,26 @@ def server_loads(args, store: Path, work: Path) -> dict:
         del sd
     out = {"safetensors_load_file_s": st}
     for verify in (True, False):
-        proc, base = _server(store, args.device, verify, False, work / "logs" / f"server-{verify}.log")
+        proc, base = _server(store, args.device, verify, False, work / "logs" / f"server-{verify}.log",
+                             host_cache_bytes="0")
         try:
             with httpx.Client(base_url=base, timeout=900) as client:
                 _until(client, "/health", proc)
                 runs = []
                 for _ in range(args.runs + 1):           # the first load pays first-touch costs: reported apart
                     warm([archive])
-                    t = time.perf_counter()
-                    client.post(f"/models/{NAME}/load").raise_for_status()
-                    runs.append({"wall_s": time.perf_counter() - t,
-                                 **client.get(f"/models/{NAME}").json()["last_load"]})
-                    client.post(f"/models/{NAME}/unload").raise_for_status()
+                    runs.append(_load_unload(client))
         finally:
             proc.terminate()
             proc.wait(60)
         out[f"wcodec_crc_{'on' if verify else 'off'}"] = runs
     best = statistics.median(r["wall_s"] for r in out["wcodec_crc_on"][1:])
     out["ratio_crc_on"] = best / statistics.median(st)
+    if args.switches:
+        sw = out["switches_crc_on"] = switches(args, store, work)
+        out["ratio_first_load_crc_on"] = sw["first_load"]["wall_s"] / statistics.median(st)
+        out["ratios_switch_crc_on"] = [r["wall_s"] / statistics.median(st) for r in sw["switches"]]
+        out["ratio_switch_crc_on"] = statistics.median(out["ratios_switch_crc_on"])
     return out
 
 
@@ -276,6 +324,14 @@ def report(result: dict) -> None:
               f"wcodec CRCs on {[round(r['wall_s'], 3) for r in s['wcodec_crc_on']]}, "
               f"off {[round(r['wall_s'], 3) for r in s['wcodec_crc_off']]}; ratio (on, after the first) "
               f"{s['ratio_crc_on']:.3f}")
+    if "switches_crc_on" in s:
+        sw = s["switches_crc_on"]
+        print(f"model switches, host cache on, CRCs on ({sw['host_cache']['bytes'] / 1e9:.2f} GB kept, "
+              f"{sw['host_cache']['pinned_bytes'] / 1e9:.2f} GB page-locked): first load "
+              f"{sw['first_load']['wall_s']:.3f} s (ratio {s['ratio_first_load_crc_on']:.3f}, source "
+              f"{sw['first_load'].get('source')}); switches {[round(r['wall_s'], 3) for r in sw['switches']]} "
+              f"(ratios {[round(r, 3) for r in s['ratios_switch_crc_on']]}, median {s['ratio_switch_crc_on']:.3f}; "
+              f"sources {sorted({r.get('source') for r in sw['switches']})})")
 
 
 def main() -> None:
@@ -290,6 +346,10 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1, help="untimed runs first (bytecode caches, extension build)")
     ap.add_argument("--cold", default="drop", choices=["drop", "evict", "none"], help="how the dropped rows are made")
     ap.add_argument("--only", default="warm,cold,server", help="which of warm, cold, server")
+    ap.add_argument("--switches", type=int, default=5,
+                    help="server: model switches (unload, load from the host cache) after a first load; 0: none")
+    ap.add_argument("--host-cache-bytes", type=int, default=None,
+                    help="server switches: WCODEC_HOST_CACHE_BYTES (default: the server's own default)")
     ap.add_argument("--work", default="/tmp/wcodec-coldstart")
     ap.add_argument("--json")
     args = ap.parse_args()

@@ -2,6 +2,7 @@
 # Issue 9 on a lent GPU: process start -> first token, `wcodec serve` against transformers, for a
 # Llama-2-7B-shaped bf16 model (bench/cold_start.py; built once into /tmp/wcodec-coldstart).
 # Carry .whlsvc (the service's cp312 wheels) and .coldstart (tokenizer files): scripts/coldstart_carry.sh.
+# server: a load into a running server against load_file, then model switches from the host cache.
 # Usage: bash scripts/device_coldstart.sh warm|cold|server[,...]  (parts that fit one call's 10 min;
 #        a later call on the still-warm machine reuses /tmp/wcodec-coldstart)
 set -uo pipefail

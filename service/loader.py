@@ -10,8 +10,10 @@
   last piece, so checks overlap reads. Up to one batch per ring buffer is in flight.
 * The ring holds `ring` host buffers, each as large as the largest batch's aligned window;
   pinned only when the target is CUDA. The reader blocks when no buffer is free: memory stays
-  bounded. With an early read (service/prefetch.py: the archive read at process start), batches
-  come from that memory instead of the file.
+  bounded. With an early read (service/prefetch.py: the archive read at process start, or held
+  by the host cache, service/hostcache.py), batches come from that memory instead of the file:
+  decoded in place on the CPU, and on CUDA copied from it straight to the device when it is
+  page-locked (a host cache hit), else through the ring.
 * On CUDA the copy of batch k+1 is queued on the copy stream before batch k is decoded on the
   compute stream (which waits on the copy's event), so read, H2D and decode overlap. A host
   buffer returns to the ring once its copy event has completed. On the CPU the decoder reads
@@ -80,6 +82,7 @@ class LoadStats:
     compressed_bytes: int = 0
     decoded_bytes: int = 0
     batches: int = 0
+    source: str = "file"           # where the compressed bytes came from: file, early read, host cache
 
     def phases(self) -> dict[str, float]:
         return {"read": self.read_s, "h2d": self.h2d_s, "decode": self.decode_s, "build": self.build_s,
@@ -168,13 +171,14 @@ def _window(batch: Batch) -> tuple[int, int]:
 class RingReader:
     """Reads batches into a ring of host buffers on its own thread, up to one batch per buffer in
     flight; `next()` hands them over in order, `release(slot)` gives a buffer back. A read or
-    checksum error is raised by `next()`. With `early` (the archive already read into memory at
-    start-up), a batch is copied from there (CUDA: into a pinned buffer) or, on the CPU, used in
-    place (slot None)."""
+    checksum error is raised by `next()`. With `early` (the archive already in memory: `file` is
+    then None), a batch is copied from there into a ring buffer or, given no buffers (the CPU, or
+    page-locked memory), used in place (slot None)."""
 
-    def __init__(self, file: ArchiveFile, batches: list[Batch], buffers: list[torch.Tensor], verify: bool,
-                 threads: int, early: EarlyRead | None = None):
-        self.file, self.batches, self.buffers, self.verify, self.early = file, batches, buffers, verify, early
+    def __init__(self, path: str, file: ArchiveFile | None, batches: list[Batch], buffers: list[torch.Tensor],
+                 verify: bool, threads: int, early: EarlyRead | None = None):
+        self.path, self.file, self.batches, self.buffers = path, file, batches, buffers
+        self.verify, self.early = verify, early
         self.read_s = 0.0
         self._free: queue.Queue[int | None] = queue.Queue()
         self._filled: queue.Queue[tuple[Batch, int | None] | BaseException] = queue.Queue()
@@ -199,12 +203,12 @@ class RingReader:
 
     def _start(self, batch: Batch, slot: int | None) -> tuple[float, list]:
         t0 = time.perf_counter()
-        if slot is None:                                 # CPU, early: decoded in place
+        if slot is None:                                 # early, no ring: used in place
             return t0, [self._pool.submit(self.early.wait_until, batch.end)]
         base, end = _window(batch)
         buf = memoryview(self.buffers[slot].numpy())[:end - base]
         from_early = self.early is not None
-        blobs = Blobs(self.file.path, _blobs(batch), self.verify and not from_early)
+        blobs = Blobs(self.path, _blobs(batch), self.verify and not from_early)
         return t0, read_range(self._pool, self.file, buf, base, batch.start, batch.end, blobs,
                               self._copy_early if from_early else None)
 
@@ -335,11 +339,14 @@ def _decode_cuda(reader: RingReader, path: str, device: torch.device, on_batch: 
     copy_stream, compute = torch.cuda.Stream(device), torch.cuda.Stream(device)
     tensors: dict[str, torch.Tensor] = {}
     pending: _Staged | None = None
-    for k in range(len(reader.batches) + 1):
-        staged = _stage(reader, copy_stream, device) if k < len(reader.batches) else None
-        if pending is not None:             # batch k-1 decodes while batch k copies
-            tensors.update(_decode_staged(pending, reader, compute, path, on_batch, stats, decode))
-        pending = staged
+    try:
+        for k in range(len(reader.batches) + 1):
+            staged = _stage(reader, copy_stream, device) if k < len(reader.batches) else None
+            if pending is not None:         # batch k-1 decodes while batch k copies
+                tensors.update(_decode_staged(pending, reader, compute, path, on_batch, stats, decode))
+            pending = staged
+    finally:                                # no copy still reads host memory once this returns or raises
+        copy_stream.synchronize()
     return tensors
 
 
@@ -363,9 +370,10 @@ def decode_archive(path: str | Path, device: torch.device, *, ring: int = 4, ver
                    direct: bool | None = None, threads: int | None = None, compressed: bool = False) -> Decoded:
     """Every tensor of an archive, decoded onto `device` through the pipeline above. `opened`:
     its (entries, embedded files) when the caller has read them already; `early`: the archive's
-    bytes read at start-up (used only if it is of this very file); `direct`: False never uses
-    O_DIRECT, None uses it for bytes not in the page cache. `compressed`: keep the decoder layers'
-    float tensors compressed on the device (Decoded.layers; service/resident.py)."""
+    bytes in memory, read at start-up or held by the host cache (used only if it is of this very
+    file; released at the end); `direct`: False never uses O_DIRECT, None uses it for bytes not in
+    the page cache. `compressed`: keep the decoder layers' float tensors compressed on the device
+    (Decoded.layers; service/resident.py)."""
     t0 = time.perf_counter()
     path = os.fspath(path)
     if device.type == "cuda":
@@ -376,26 +384,29 @@ def decode_archive(path: str | Path, device: torch.device, *, ring: int = 4, ver
     entries, files = opened
     batches = layer_batches(entries)
     early = early if early is not None and early.matches(path) else None
-    in_place = early is not None and device.type == "cpu"
+    in_place = early is not None and (device.type == "cpu" or early.pinned)
     n_buffers, size = ring_shape(ring, batches)
     n_buffers = 0 if in_place else n_buffers
     pin = device.type == "cuda"
     buffers = PINNED.take(n_buffers, size) if pin else [_aligned_buffer(size, pin) for _ in range(n_buffers)]
-    mark(f"{n_buffers} ring buffers of {size >> 20} MiB allocated (pinned: {pin}; early read: {early is not None})")
+    mark(f"{n_buffers} ring buffers of {size >> 20} MiB allocated (pinned: {pin}; early read: {early is not None}; "
+         f"in place: {in_place})")
     stats = LoadStats(compressed_bytes=sum(b.nbytes for b in batches),
-                      decoded_bytes=sum(b.decoded_bytes for b in batches), batches=len(batches))
+                      decoded_bytes=sum(b.decoded_bytes for b in batches), batches=len(batches),
+                      source="file" if early is None else "early read")
     on_batch = on_batch or (lambda batch, seconds: None)
     layers: list[resident.CompressedLayer] = []
     decode = _keeping(layers) if compressed else _decode
-    file = ArchiveFile(path, direct)
+    file = ArchiveFile(path, direct) if early is None else None
     try:
-        with RingReader(file, batches, buffers, verify, threads or read_threads(), early) as reader:
+        with RingReader(path, file, batches, buffers, verify, threads or read_threads(), early) as reader:
             if device.type == "cuda":
                 tensors = _decode_cuda(reader, path, device, on_batch, stats, decode)
             else:
                 tensors = _decode_cpu(reader, path, on_batch, stats, decode)
     finally:
-        file.close()
+        if file is not None:
+            file.close()
         if early is not None:
             early.release()
         if pin:

@@ -18,6 +18,11 @@ Memory   wcodec_gpu_memory_allocated_bytes, wcodec_gpu_memory_reserved_bytes   t
          wcodec_model_resident_bytes{model,mode}             its weights' bytes by resident mode
 Resident wcodec_forward_decode_duration_seconds{model,mode}  layer decodes per forward (compressed mode)
                                                    over its load; CPU: same as allocated
+Host     wcodec_host_cache_bytes, wcodec_host_cache_entries   compressed archives kept in host memory
+cache                                              between loads (service/hostcache.py)
+         wcodec_host_cache_pinned_bytes            of those, page-locked (CUDA): hits copy in place
+         wcodec_host_cache_hits_total{model}, wcodec_host_cache_misses_total{model}   loads that found
+                                                   their archive there / that read the file (cache on)
 Generate wcodec_generate_requests_total{model,status}  status: ok, error, cancelled, overloaded
          wcodec_generate_request_duration_seconds{model}, ..._time_to_first_token_seconds{model},
          ..._time_per_output_token_seconds{model}
@@ -91,6 +96,15 @@ class Metrics:
               registry=r).set_function(lambda: _cuda_total(torch.cuda.memory_allocated))
         Gauge("wcodec_gpu_memory_reserved_bytes", "torch.cuda.memory_reserved (0 without a GPU)",
               registry=r).set_function(lambda: _cuda_total(torch.cuda.memory_reserved))
+        self.host_cache_hits = Counter("wcodec_host_cache_hits", "Loads whose archive was in the host cache",
+                                       ["model"], registry=r)
+        self.host_cache_misses = Counter("wcodec_host_cache_misses", "Loads that read their archive's file "
+                                         "(host cache on)", ["model"], registry=r)
+        self._host_cache_bytes = Gauge("wcodec_host_cache_bytes", "Bytes of compressed archives kept in host "
+                                       "memory", registry=r)
+        self._host_cache_entries = Gauge("wcodec_host_cache_entries", "Archives kept in host memory", registry=r)
+        self._host_cache_pinned = Gauge("wcodec_host_cache_pinned_bytes", "Of the host cache's bytes, those "
+                                        "page-locked for the GPU's copies", registry=r)
         self.start_to_ready = Gauge("wcodec_process_start_to_ready_seconds", "Seconds from the process's start "
                                     "to its first ready model (NaN until then)", registry=r)
         self.start_to_ready.set(math.nan)
@@ -129,12 +143,20 @@ class Metrics:
         first sample, so a first failed load would otherwise go unseen."""
         for result in LOAD_RESULTS:
             self.loads.labels(model, result)
+        self.host_cache_hits.labels(model)
+        self.host_cache_misses.labels(model)
 
     def track_engine(self, model: str, max_queue: int) -> None:
         """The same for a serving model's request counters; and its queue capacity."""
         for status in REQUEST_STATUSES:
             self.requests.labels(model, status)
         self.queue_capacity.labels(model).set(max_queue)
+
+    def watch_host_cache(self, cache) -> None:
+        """The host cache's size and entries, read at each scrape."""
+        self._host_cache_bytes.set_function(lambda: cache.nbytes)
+        self._host_cache_entries.set_function(lambda: len(cache))
+        self._host_cache_pinned.set_function(lambda: cache.pinned_bytes)
 
     def set_state(self, model: str, state: str) -> None:
         for s in STATES:

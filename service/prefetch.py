@@ -4,7 +4,8 @@ of `wcodec serve`, while Python imports torch and the service and CUDA starts. N
 The load that follows (service/loader.py) takes its layers from this memory as they arrive
 instead of from the file; if the file changed since, or anything here failed, it reads the file
 itself (a bad archive then fails the load with the same typed error). An archive larger than
-half the available memory is not read early."""
+half the available memory is not read early. The host cache (service/hostcache.py) keeps such
+reads after their load (`kept`) and verifies them again from memory for the next (`recheck`)."""
 from __future__ import annotations
 
 import ctypes
@@ -37,9 +38,14 @@ def available_memory() -> int:
     return 0
 
 
-def _identity(path: str) -> tuple[int, int, int]:
+def identity(path: str) -> tuple[int, int, int, int]:
+    """What tells a file from its replacement: (st_dev, st_ino, st_size, st_mtime_ns)."""
     st = os.stat(path)
-    return st.st_ino, st.st_size, st.st_mtime_ns
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _in_memory(buf: memoryview, base: int, a: int, b: int) -> None:
+    """A piece's fetch when its bytes are in memory already: nothing to read, only to verify."""
 
 
 def _blobs(reader: Reader) -> list[Blob]:
@@ -53,19 +59,22 @@ def _blobs(reader: Reader) -> list[Blob]:
 
 
 class EarlyRead:
-    """The data region of one archive, read by `threads` tasks into anonymous memory."""
+    """The data region of one archive, read by `threads` tasks into anonymous memory. `kept`: the
+    host cache owns the memory (release() then leaves it mapped); `pinned`: it is page-locked, so
+    a CUDA load copies from it in place, without a ring (set by the host cache)."""
 
     def __init__(self, path: str, *, verify: bool, threads: int, direct: bool | None, timeline: Timeline):
-        self.path, self.identity, self.timeline = path, _identity(path), timeline
+        self.path, self.identity, self.timeline = path, identity(path), timeline
         with Reader.open(path) as reader:
-            start, end = reader.preamble.data_offset, reader.preamble.header_offset
+            self.start, self.end = start, end = reader.preamble.data_offset, reader.preamble.header_offset
             self.blobs = Blobs(path, _blobs(reader), verify)
         self.base = align_down(start)
         self.nbytes = end - start
         self.buf = mmap.mmap(-1, max(align_up(end) - self.base, 1))
         self.view = memoryview(self.buf)
-        self.file = ArchiveFile(path, direct)
-        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="wcodec-early")
+        self.kept, self.pinned, self._freed = False, False, False
+        self.file: ArchiveFile | None = ArchiveFile(path, direct)
+        self.pool: ThreadPoolExecutor | None = ThreadPoolExecutor(threads, thread_name_prefix="wcodec-early")
         self._left, self._lock = 0, threading.Lock()
         self._t0 = time.perf_counter()
         futures = read_range(self.pool, self.file, self.view, self.base, start, end, self.blobs)
@@ -84,24 +93,44 @@ class EarlyRead:
             self.timeline.mark(f"early read {os.path.basename(self.path)}: done, "
                                f"{self.nbytes / max(seconds, 1e-9) / 1e9:.2f} GB/s")
 
+    @property
+    def mapped_bytes(self) -> int:
+        return len(self.buf)
+
     def matches(self, path: str) -> bool:
-        """Whether this read is of the file now at `path` (same inode, size and mtime)."""
+        """Whether this read is of the file now at `path` (same device, inode, size and mtime)."""
         try:
-            return os.path.abspath(path) == os.path.abspath(self.path) and _identity(path) == self.identity
+            return os.path.abspath(path) == os.path.abspath(self.path) and identity(path) == self.identity
         except OSError:
             return False
 
     def wait_until(self, end: int) -> None:
         self.blobs.wait_until(end)
 
+    def recheck(self, verify: bool, threads: int) -> None:
+        """Verify every stream again from memory (a host cache hit): the same pieces as the read,
+        each task only hashing, so `wait_until` paces a load exactly as the read did."""
+        self.blobs = Blobs(self.path, self.blobs.blobs, verify)
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="wcodec-recheck")
+        read_range(self.pool, None, self.view, self.base, self.start, self.end, self.blobs, _in_memory)
+
     def release(self) -> None:
+        """The load is done with it: stop its tasks; free the memory unless the host cache keeps it."""
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool = None
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+        if not self.kept:
+            self.free()
+
+    def free(self) -> None:
         """Give the memory back, off the caller's path: unmapping 9 GB of touched pages took 0.8-1.1 s
         of the load that called this (H100 box, 7B-shaped; scripts/probe_load.py)."""
-        if self.pool is None:
+        if self._freed:
             return
-        self.pool.shutdown(wait=True, cancel_futures=True)
-        self.pool = None
-        self.file.close()
+        self._freed = True
         try:
             self.view.release()
         except BufferError:                        # an array still views it: it goes with that array

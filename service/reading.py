@@ -191,12 +191,13 @@ def pieces_of(start: int, end: int, piece: int = PIECE) -> list[tuple[int, int]]
     return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
 
 
-def read_range(pool: ThreadPoolExecutor, file: ArchiveFile, buf: memoryview, base: int, start: int,
+def read_range(pool: ThreadPoolExecutor, file: ArchiveFile | None, buf: memoryview, base: int, start: int,
                end: int, blobs: Blobs, fetch: Callable[[memoryview, int, int, int], None] | None = None,
                piece: int = PIECE) -> list[Future]:
     """Submit the reads of [start, end) into `buf` (mapping file offset `base`); each task marks
     its piece done in `blobs`, which verifies blobs as they complete. `fetch(buf, base, a, b)`
-    replaces the file read (a copy from memory read earlier)."""
+    replaces the file read (a copy from memory read earlier, or nothing when `buf` holds the
+    bytes already); `file` is then unused."""
     fetch = fetch or file.read
     parts = pieces_of(start, end, piece)
     owners = blobs.plan(parts)

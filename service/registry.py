@@ -10,6 +10,9 @@
   is unloaded and the load is refused (507). Used memory is the decoded bytes of resident
   models, or `torch.cuda.memory_allocated` when that is larger (on CUDA).
 * An out-of-memory error during a load fails that load alone (the model ends `failed`).
+* Host cache (`host_cache_bytes`; service/hostcache.py): a load keeps its archive's compressed
+  bytes in host memory, and the model's next load (a switch back) decodes from there, verified
+  again, without reading the file.
 Every method runs on the event loop; the blocking work runs in worker threads."""
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from codec.errors import CodecError
 from . import demo, loader, memory, modeling, prefetch, preload, resident
 from .engine import Engine, Limits, compute
 from .errors import InsufficientMemory, LoadFailed, ModelNotFound, ModelNotReady, ServiceError, ValidationFailed
+from .hostcache import HostCache, Use
 from .metrics import Metrics
 from .settings import Settings
 from .store import ModelFile, ModelStore, check_name
@@ -129,6 +133,9 @@ class ModelRegistry:
         self.startup_error: str | None = None
         self._slots: dict[str, Slot] = {}
         self._lock = asyncio.Lock()
+        self.host_cache = HostCache(settings.host_cache_budget(), pin=self.device.type == "cuda",
+                                    timeline=self.timeline)
+        metrics.watch_host_cache(self.host_cache)
         memory.tune_allocator()                    # an unloaded model's host memory goes back (memory.py)
 
     # --- lookup -------------------------------------------------------------------------------
@@ -307,15 +314,23 @@ class ModelRegistry:
         if isinstance(early, preload.EarlyLoad):              # of another file or device: not used
             early.release()
         early = early if isinstance(early, prefetch.EarlyRead) else None
+        s = self.settings
         with ThreadPoolExecutor(1, thread_name_prefix="wcodec-prepare") as pool:
             prepared = pool.submit(modeling.prepare, slot.name, opened[1])
-            s = self.settings
-            decoded = loader.decode_archive(slot.file.path, self.device, ring=s.load_ring_buffers,
-                                            verify=s.verify_crc, on_batch=partial(self._on_batch, slot),
-                                            opened=opened, mark=mark, early=early,
-                                            direct=s.direct_io(), threads=s.read_threads(),
-                                            compressed=slot.resident == "compressed")
+            with self.host_cache.use(str(slot.file.path), verify=s.verify_crc, threads=s.read_threads(),
+                                     direct=s.direct_io(), early=early) as cached:
+                self._count_cache(slot, cached)
+                decoded = loader.decode_archive(slot.file.path, self.device, ring=s.load_ring_buffers,
+                                                verify=s.verify_crc, on_batch=partial(self._on_batch, slot),
+                                                opened=opened, mark=mark, early=cached.read,
+                                                direct=s.direct_io(), threads=s.read_threads(),
+                                                compressed=slot.resident == "compressed")
+            decoded.stats.source = cached.source
             return decoded, prepared.result()
+
+    def _count_cache(self, slot: Slot, cached: Use) -> None:
+        if cached.looked:
+            (self.metrics.host_cache_hits if cached.hit else self.metrics.host_cache_misses).labels(slot.name).inc()
 
     def _on_batch(self, slot: Slot, batch: loader.Batch, seconds: float) -> None:
         """Runs on the loading thread after each decoded layer batch."""
@@ -423,4 +438,5 @@ class ModelRegistry:
             if slot.engine is not None:
                 await asyncio.to_thread(slot.engine.close)
             slot.engine = slot.served = None
+        self.host_cache.clear()
         self._free_memory()

@@ -29,6 +29,9 @@ class Settings(BaseSettings):
     load_read_threads: int | None = Field(None, ge=1)    # reads in flight; default min(16, 2 x CPUs)
     load_direct_io: str = Field("auto", pattern="^(auto|off)$")   # auto: O_DIRECT for bytes not in the page cache
     early_read: bool = True                      # `wcodec serve` reads preloaded archives from its first instant
+    # compressed archives kept in host memory after their load (pinned on CUDA), so that a model
+    # switch reads no file (service/hostcache.py); None: a quarter of the available memory; 0: off
+    host_cache_bytes: int | None = Field(None, ge=0)
     # how a loaded model's decoder layers live on the device (docs/RESIDENT.md): "decoded" bf16, or
     # "compressed" (each module's weights decoded into a ring of `resident_slots` slots just before use)
     resident: Literal["decoded", "compressed"] = "decoded"
@@ -40,6 +43,10 @@ class Settings(BaseSettings):
 
     def direct_io(self) -> bool | None:
         return None if self.load_direct_io == "auto" else False
+
+    def host_cache_budget(self) -> int:
+        from .prefetch import available_memory
+        return available_memory() // 4 if self.host_cache_bytes is None else self.host_cache_bytes
 
     # generation
     max_batch_size: int = Field(64, ge=1)        # rows in a model's running batch

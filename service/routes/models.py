@@ -17,7 +17,7 @@ router = APIRouter(prefix="/models", tags=["models"])
 def model_info(slot: Slot, device: str) -> ModelInfo:
     f, s = slot.file, slot.stats
     timings = LoadTimings(read_s=s.read_s, h2d_s=s.h2d_s, decode_s=s.decode_s, build_s=s.build_s,
-                          total_s=s.total_s) if s else None
+                          total_s=s.total_s, source=s.source) if s else None
     loaded_at = datetime.fromtimestamp(slot.loaded_at, timezone.utc) if slot.loaded_at else None
     p = slot.progress
     loaded = slot.state in RESIDENT

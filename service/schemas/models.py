@@ -21,6 +21,9 @@ class LoadTimings(BaseModel):
     decode_s: float
     build_s: float = Field(description="config, tokenizer, model on meta, assignment")
     total_s: float
+    source: Literal["file", "early read", "host cache"] = Field(
+        "file", description="where the compressed bytes came from: the file, the start-up read, or the host "
+                            "cache (a model switch: no file read, every stream verified again)")
 
 
 class ModelInfo(BaseModel):

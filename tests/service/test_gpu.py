@@ -1,9 +1,11 @@
-"""The service on a GPU: the pipelined CUDA loader (copy and compute streams) is bit-exact, and
-a load, a generate and an unload leave CUDA memory where it started. Skipped without a GPU."""
+"""The service on a GPU: the pipelined CUDA loader (copy and compute streams) is bit-exact, a
+host cache hit copies from page-locked memory without the ring, and a load, a generate and an
+unload leave CUDA memory where it started. Skipped without a GPU."""
 from __future__ import annotations
 
 import gc
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -49,6 +51,31 @@ def test_pinned_ring_is_kept_and_reused_by_later_loads(tiny_archive: Path) -> No
         assert torch.equal(_bytes(again.tensors[name]), _bytes(t)), name
 
 
+def test_a_host_cache_hit_copies_from_page_locked_memory(tiny_archive: Path, monkeypatch) -> None:
+    """Once the kept archive is page-locked, a hit takes no ring buffer: each batch is copied to
+    the device straight from the cached pages, verified again, bit-exact."""
+    from service import loader
+    from service.hostcache import HostCache
+    cache, cuda = HostCache(1 << 30, pin=True), torch.device("cuda")
+    with cache.use(str(tiny_archive), verify=True, threads=4, direct=None) as use:
+        first = decode_archive(tiny_archive, cuda, early=use.read)
+    kept = cache.peek(str(tiny_archive))
+    deadline = time.monotonic() + 30
+    while not kept.pinned and time.monotonic() < deadline:
+        time.sleep(0.01)
+    probe = torch.frombuffer(kept.view, dtype=torch.uint8, count=64)
+    assert kept.pinned and probe.is_pinned() and cache.pinned_bytes == cache.nbytes > 0
+    del probe
+    taken, take = [], loader.PINNED.take
+    monkeypatch.setattr(loader.PINNED, "take", lambda n, nbytes: taken.append(n) or take(n, nbytes))
+    with cache.use(str(tiny_archive), verify=True, threads=4, direct=None) as use:
+        again = decode_archive(tiny_archive, cuda, early=use.read)
+    assert use.hit and taken == [0] and again.stats.h2d_s > 0
+    for name, t in first.tensors.items():
+        assert torch.equal(_bytes(again.tensors[name]), _bytes(t)), name
+    cache.clear()
+
+
 @pytest.mark.anyio
 async def test_load_generate_unload_returns_cuda_memory(serve, tmp_path: Path, tiny_archive: Path) -> None:
     (tmp_path / "store").mkdir()
@@ -70,3 +97,19 @@ async def test_load_generate_unload_returns_cuda_memory(serve, tmp_path: Path, t
         gc.collect()
         torch.cuda.synchronize()
         assert torch.cuda.memory_allocated() == baseline
+
+
+@pytest.mark.anyio
+async def test_a_model_switch_on_cuda_comes_from_the_host_cache(serve, tmp_path: Path, tiny_archive: Path) -> None:
+    (tmp_path / "store").mkdir()
+    os.link(tiny_archive, tmp_path / "store" / "tiny.wcodec")
+    body = {"inputs": TINY_PROMPT, "parameters": {"max_new_tokens": 8}}
+    async with serve(tmp_path / "store") as server:
+        answers = []
+        for source in ("file", "host cache", "host cache"):
+            r = await server.client.post("/models/tiny/load")
+            assert r.status_code == 200 and r.json()["last_load"]["source"] == source, r.text
+            answers.append((await server.client.post("/generate", json=body)).json())
+            assert (await server.client.post("/models/tiny/unload")).json()["state"] == "available"
+        assert answers[0] == answers[1] == answers[2]
+        assert await server.metric("wcodec_host_cache_hits_total", model="tiny") == 2

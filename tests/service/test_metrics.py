@@ -20,6 +20,8 @@ FAMILIES = [
     "wcodec_generate_generated_tokens_total", "wcodec_generate_queue_depth", "wcodec_generate_batch_size",
     "wcodec_generate_batch_tokens", "wcodec_generate_inter_token_latency_seconds",
     "wcodec_http_requests_total", "wcodec_http_request_duration_seconds",
+    "wcodec_host_cache_bytes", "wcodec_host_cache_entries", "wcodec_host_cache_hits_total",
+    "wcodec_host_cache_misses_total", "wcodec_host_cache_pinned_bytes",
 ]
 
 
