@@ -4,7 +4,7 @@ way. Read me first.
 
     miss   the load reads the archive whole into host memory (prefetch.EarlyRead: every stream
            verified as it arrives), decodes from there, and the cache keeps it. On CUDA it is then
-           page-locked in place (cudaHostRegister per 256 MiB chunk) on a thread of its own:
+           page-locked in place (one cudaHostRegister of the whole mapping) on a thread of its own:
            19-21 GB/s on an H100 box (scripts/probe_h2d.py), off the load's path.
     hit    every stream is verified again from memory by a pool (EarlyRead.recheck), batch by batch
            ahead of the copies, so a bit flipped in host RAM fails the load with ChecksumError and
@@ -37,7 +37,6 @@ from .reading import align_up
 from .timeline import Timeline
 
 log = logging.getLogger("wcodec.service")
-CHUNK = 256 << 20                  # bytes page-locked per cudaHostRegister call
 
 Key = tuple[str, int, int, int, int]          # absolute path, st_dev, st_ino, st_size, st_mtime_ns
 
@@ -63,26 +62,24 @@ def _address(read: EarlyRead) -> int:
 
 
 def _page_lock(address: int, nbytes: int) -> list[int]:
-    """cudaHostRegister each CHUNK of [address, address + nbytes): the chunks' addresses, or []
-    (nothing left locked) when one fails. Runs on a thread of its own: a failed call's error stays
-    that thread's last CUDA error, where no kernel launch check can mistake it for its own."""
+    """cudaHostRegister [address, address + nbytes) in one call: [address], or [] (nothing locked)
+    when it fails. One registration, because an asynchronous copy must lie inside one: a batch
+    spanning two registered chunks failed with cudaErrorInvalidValue on an H100. Runs on a thread
+    of its own: a failed call's error stays that thread's last CUDA error, where no kernel launch
+    check can mistake it for its own."""
     import torch
-    rt, done = torch.cuda.cudart(), []
-    for off in range(0, nbytes, CHUNK):
-        err = rt.cudaHostRegister(address + off, min(CHUNK, nbytes - off), 0)     # cudaHostRegisterDefault
-        if int(err) != 0:
-            log.warning("host cache: page-locking failed (%s); hits copy through the pinned ring", err)
-            _unlock(done)
-            return []
-        done.append(address + off)
-    return done
+    err = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)       # cudaHostRegisterDefault
+    if int(err) != 0:
+        log.warning("host cache: page-locking failed (%s); hits copy through the pinned ring", err)
+        return []
+    return [address]
 
 
-def _unlock(chunks: list[int]) -> None:
-    if chunks:
+def _unlock(locked: list[int]) -> None:
+    if locked:
         import torch
         rt = torch.cuda.cudart()
-        for address in chunks:
+        for address in locked:
             rt.cudaHostUnregister(address)
 
 
@@ -90,13 +87,13 @@ class _Entry:
     def __init__(self, key: Key, read: EarlyRead):
         self.key, self.read, self.nbytes = key, read, read.mapped_bytes
         self.busy = True           # a load is using it: never evicted
-        self.chunks: list[int] = []
+        self.locked: list[int] = []
         self.pinning: threading.Thread | None = None
 
     def pin(self) -> None:
         def run() -> None:
-            self.chunks = _page_lock(_address(self.read), self.nbytes)
-            self.read.pinned = bool(self.chunks)
+            self.locked = _page_lock(_address(self.read), self.nbytes)
+            self.read.pinned = bool(self.locked)
         self.pinning = threading.Thread(target=run, name="wcodec-host-cache-pin", daemon=True)
         self.pinning.start()
 
@@ -106,7 +103,7 @@ class _Entry:
             if self.pinning is not None:
                 self.pinning.join()
             self.read.pinned = False
-            _unlock(self.chunks)
+            _unlock(self.locked)
             self.read.free()
         threading.Thread(target=run, name="wcodec-host-cache-free", daemon=True).start()
 

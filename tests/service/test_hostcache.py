@@ -226,17 +226,15 @@ def _until(condition, timeout: float = 10.0) -> bool:
     return condition()
 
 
-def test_kept_bytes_are_page_locked_in_chunks_and_unlocked_when_evicted(small: Path, monkeypatch) -> None:
+def test_kept_bytes_are_page_locked_in_one_registration_and_unlocked_when_evicted(small: Path,
+                                                                                  monkeypatch) -> None:
     rt = FakeCudart()
     monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
-    monkeypatch.setattr(hostcache, "CHUNK", 1 << 14)
     cache = HostCache(1 << 30, pin=True)
     _load(cache, small)
     kept = cache.peek(str(small))
     assert _until(lambda: kept.pinned) and cache.pinned_bytes == cache.nbytes == kept.mapped_bytes
-    chunks = sorted(rt.locked.items())
-    assert len(chunks) == -(-kept.mapped_bytes // (1 << 14)) > 1 and sum(n for _, n in chunks) == kept.mapped_bytes
-    assert all(a + n == b for (a, n), (b, _) in zip(chunks, chunks[1:]))          # one span, no gap
+    assert list(rt.locked.values()) == [kept.mapped_bytes] and rt.calls == 1     # a copy never spans two
     use, decoded = _load(cache, small)
     assert use.hit and use.read.pinned
     assert_same(decoded.tensors, cuda_ext.load(small, "cpu").state_dict)
@@ -245,15 +243,14 @@ def test_kept_bytes_are_page_locked_in_chunks_and_unlocked_when_evicted(small: P
 
 
 def test_a_failed_page_lock_leaves_nothing_locked_and_hits_still_work(small: Path, monkeypatch) -> None:
-    rt = FakeCudart(fail_at=3)
+    rt = FakeCudart(fail_at=1)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
-    monkeypatch.setattr(hostcache, "CHUNK", 1 << 14)
     cache = HostCache(1 << 30, pin=True)
     _load(cache, small)
     kept = cache.peek(str(small))
-    assert _until(lambda: rt.calls >= 3 and not rt.locked) and not kept.pinned and cache.pinned_bytes == 0
+    assert _until(lambda: rt.calls >= 1 and not rt.locked) and not kept.pinned and cache.pinned_bytes == 0
     use, decoded = _load(cache, small)
-    assert use.hit and rt.calls == 3                                     # no second try
+    assert use.hit and rt.calls == 1                                     # no second try
     assert_same(decoded.tensors, cuda_ext.load(small, "cpu").state_dict)
 
 
