@@ -320,6 +320,7 @@ class ModelRegistry:
             with self.host_cache.use(str(slot.file.path), verify=s.verify_crc, threads=s.read_threads(),
                                      direct=s.direct_io(), early=early) as cached:
                 self._count_cache(slot, cached)
+                mark(f"archive bytes from: {cached.source}")
                 decoded = loader.decode_archive(slot.file.path, self.device, ring=s.load_ring_buffers,
                                                 verify=s.verify_crc, on_batch=partial(self._on_batch, slot),
                                                 opened=opened, mark=mark, early=cached.read,
