@@ -27,6 +27,7 @@ import logging
 import os
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -116,6 +117,8 @@ class HostCache:
         self.budget, self.pin, self.timeline = budget, pin, timeline or Timeline()
         self._entries: collections.OrderedDict[str, _Entry] = collections.OrderedDict()    # LRU first
         self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None   # rechecks of hits; its threads outlive a load
+        self._pool_threads = 0
 
     @property
     def nbytes(self) -> int:
@@ -164,7 +167,7 @@ class HostCache:
             return None, plain                     # the load reports it
         entry = self._hit(key)
         if entry is not None:
-            entry.read.recheck(verify, threads)
+            entry.read.recheck(verify, self._recheck_pool(threads))
             log.info("host cache hit: %s (%.3f GB, %s)", path, entry.nbytes / 1e9,
                      "page-locked" if entry.read.pinned else "not page-locked yet" if self.pin else "pageable")
             return entry, Use(entry.read, "host cache", looked=True, hit=True)
@@ -231,7 +234,19 @@ class HostCache:
             self._remove(entry)
         log.info("host cache: dropped %s (its load failed)", entry.key[0])
 
+    def _recheck_pool(self, threads: int) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None or self._pool_threads != threads:
+                if self._pool is not None:
+                    self._pool.shutdown(wait=False)
+                self._pool = ThreadPoolExecutor(threads, thread_name_prefix="wcodec-recheck")
+                self._pool_threads = threads
+            return self._pool
+
     def clear(self) -> None:
         with self._lock:
             for entry in list(self._entries.values()):
                 self._remove(entry)
+            if self._pool is not None:
+                self._pool.shutdown(wait=False, cancel_futures=True)
+                self._pool = None

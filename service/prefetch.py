@@ -14,7 +14,7 @@ import mmap
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from codec.container import Reader
 from codec.errors import CodecError
@@ -77,6 +77,7 @@ class EarlyRead:
         self.buf = mmap.mmap(-1, max(align_up(end) - self.base, 1))
         self.view = memoryview(self.buf)
         self.kept, self.pinned, self._freed = False, False, False
+        self._rechecks: list[Future] = []
         self.file: ArchiveFile | None = ArchiveFile(path, direct)
         self.pool: ThreadPoolExecutor | None = ThreadPoolExecutor(threads, thread_name_prefix="wcodec-early")
         self._left, self._lock = 0, threading.Lock()
@@ -111,19 +112,24 @@ class EarlyRead:
     def wait_until(self, end: int) -> None:
         self.blobs.wait_until(end)
 
-    def recheck(self, verify: bool, threads: int) -> None:
-        """Verify every stream again from memory (a host cache hit): the same pieces as the read,
-        each task only hashing, so `wait_until` paces a load exactly as the read did."""
+    def recheck(self, verify: bool, pool: ThreadPoolExecutor) -> None:
+        """Verify every stream again from memory (a host cache hit): the same blobs as the read,
+        in few large tasks on the cache's long-lived `pool` (making 16 threads a load cost a 7B
+        switch ~0.2 s of GIL handoffs beside the model skeleton's build), so `wait_until` paces a
+        load as the read did."""
         self.blobs = Blobs(self.path, self.blobs.blobs, verify)
-        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="wcodec-recheck")
-        read_range(self.pool, None, self.view, self.base, self.start, self.end, self.blobs, _in_memory,
-                   piece=RECHECK_PIECE)
+        self._rechecks = read_range(pool, None, self.view, self.base, self.start, self.end, self.blobs, _in_memory,
+                                    piece=RECHECK_PIECE)
 
     def release(self) -> None:
         """The load is done with it: stop its tasks; free the memory unless the host cache keeps it."""
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=True)
             self.pool = None
+        for f in self._rechecks:                   # the pool is the cache's: cancel ours, wait for the rest
+            f.cancel()
+        wait(self._rechecks)
+        self._rechecks = []
         if self.file is not None:
             self.file.close()
             self.file = None
