@@ -9,14 +9,19 @@ variables).
 transformers' AutoTokenizer (service/modeling.py)."""
 from __future__ import annotations
 
+import collections
 import json
+import threading
 from datetime import datetime
 from functools import cached_property
 
+import xxhash
 from tokenizers import Tokenizer as RustTokenizer
 
 GENERIC_CLASSES = {"TokenizersBackend", "PreTrainedTokenizerFast", "GPT2Tokenizer", "GPT2TokenizerFast",
                    "Qwen2Tokenizer", "Qwen2TokenizerFast"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+KEPT = 8                                        # tokenizers kept by content (Tokenizer.from_files)
 SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _CLEANUPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
              (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
@@ -46,6 +51,26 @@ class Tokenizer:
 
     @classmethod
     def from_files(cls, files: dict[str, bytes]) -> Tokenizer | None:
+        """The tokenizer of a model's embedded files. Kept by content (the last KEPT): a model
+        switched out and back in, or served twice, reuses it. Parsing a 49k-token tokenizer.json
+        took 0.1-0.25 s holding the GIL, which slowed the loader beside it in every 7B switch."""
+        digest = xxhash.xxh3_128()
+        for name in TOKENIZER_FILES:
+            digest.update(name.encode() + b"\0" + files.get(name, b"\xff") + b"\0")
+        key = digest.hexdigest()
+        with _LOCK:
+            if key in _KEPT:
+                _KEPT.move_to_end(key)
+                return _KEPT[key]
+        made = cls._parse(files)
+        with _LOCK:
+            _KEPT[key] = made
+            while len(_KEPT) > KEPT:
+                _KEPT.popitem(last=False)
+        return made
+
+    @classmethod
+    def _parse(cls, files: dict[str, bytes]) -> Tokenizer | None:
         if "tokenizer.json" not in files:
             return None
         config = json.loads(files.get("tokenizer_config.json", b"{}"))
@@ -110,3 +135,7 @@ class Tokenizer:
         text = self._template.render(messages=messages, tools=None, documents=None,
                                      add_generation_prompt=add_generation_prompt, **variables)
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+_KEPT: collections.OrderedDict[str, Tokenizer | None] = collections.OrderedDict()
+_LOCK = threading.Lock()

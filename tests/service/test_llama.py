@@ -119,6 +119,17 @@ def test_tokenizer_matches_transformers(demo_archive: Path) -> None:
             theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=prompt)
 
 
+def test_a_tokenizer_is_kept_by_the_content_of_its_files(demo_archive: Path) -> None:
+    with Archive.open(demo_archive) as archive:
+        files = archive.reader.files()
+    first = Tokenizer.from_files(files)
+    assert Tokenizer.from_files(dict(files)) is first                      # a switch back: not parsed again
+    template = files["chat_template.jinja"] if "chat_template.jinja" in files else b""
+    other = Tokenizer.from_files({**files, "chat_template.jinja": template + b"{# another #}"})
+    assert other is not first and other.chat_template.endswith("{# another #}")
+    assert Tokenizer.from_files({k: v for k, v in files.items() if k != "tokenizer.json"}) is None
+
+
 def test_serving_the_demo_imports_neither_transformers_nor_dynamo(demo_archive: Path) -> None:
     """The forward pass's modules only: a fresh process prepares, decodes and runs the demo model,
     once directly and once through the engine's KV cache."""

@@ -1,0 +1,52 @@
+"""Probe (issue 9): model switches from the host cache, the loader alone in this process — a first
+load (kept), then hits with verification on and off and with fewer recheck threads. Chooses where
+a switch's time goes; not a benchmark of the product (bench/cold_start.py --only server is).
+
+    python3 scripts/probe_switch.py /tmp/wcodec-coldstart/store/model.wcodec [--runs 3]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import cuda_ext
+from service import loader
+from service.hostcache import HostCache
+
+
+def once(cache: HostCache, path: str, verify: bool, threads: int) -> str:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with cache.use(path, verify=verify, threads=threads, direct=None) as use:
+        t1 = time.perf_counter()
+        d = loader.decode_archive(path, torch.device("cuda"), early=use.read, verify=verify, threads=threads)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    phases = " ".join(f"{k} {v:.3f}" for k, v in d.stats.phases().items())
+    del d
+    return f"{use.source:10s} verify {verify!s:5s} threads {threads:2d}: {wall:.3f} s (checkout {t1 - t0:.3f})  {phases}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("path")
+    ap.add_argument("--runs", type=int, default=3)
+    a = ap.parse_args()
+    cuda_ext.available()
+    torch.empty(1, device="cuda")
+    cache = HostCache(1 << 40, pin=True)
+    print(once(cache, a.path, True, 16), flush=True)
+    deadline = time.monotonic() + 30
+    while not cache.peek(a.path).pinned and time.monotonic() < deadline:
+        time.sleep(0.05)
+    print("page-locked:", cache.peek(a.path).pinned, flush=True)
+    for verify, threads in ((True, 16), (False, 16), (True, 8), (True, 32)):
+        for _ in range(a.runs):
+            print(once(cache, a.path, verify, threads), flush=True)
+    cache.clear()
+
+
+if __name__ == "__main__":
+    main()
