@@ -29,13 +29,19 @@ def once(path: str, early: EarlyRead | None, ring: int) -> str:
     return out
 
 
-def main() -> None:
+def start() -> argparse.Namespace:
+    """The probes' command line (an archive, --runs), with the extension and a CUDA context ready."""
     ap = argparse.ArgumentParser()
     ap.add_argument("path")
     ap.add_argument("--runs", type=int, default=3)
     a = ap.parse_args()
     cuda_ext.available()
     torch.empty(1, device="cuda")
+    return a
+
+
+def main() -> None:
+    a = start()
     import sys
 
     from service import reading

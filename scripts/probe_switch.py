@@ -6,12 +6,11 @@ a switch's time goes; not a benchmark of the product (bench/cold_start.py --only
 """
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
+from probe_load import start
 
-import cuda_ext
 from service import loader
 from service.hostcache import HostCache
 
@@ -30,12 +29,7 @@ def once(cache: HostCache, path: str, verify: bool, threads: int) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("path")
-    ap.add_argument("--runs", type=int, default=3)
-    a = ap.parse_args()
-    cuda_ext.available()
-    torch.empty(1, device="cuda")
+    a = start()
     cache = HostCache(1 << 40, pin=True)
     print(once(cache, a.path, True, 16), flush=True)
     deadline = time.monotonic() + 30
