@@ -94,7 +94,8 @@ def test_every_panel_queries_prometheus_filtered_by_the_variables() -> None:
     for q in panel_queries(dash):
         for name, matchers in SELECTOR.findall(q.expr):
             assert 'instance=~"$instance"' in matchers, (q.panel, name)
-            if not name.startswith(("wcodec_gpu_", "wcodec_http_", "wcodec_process_")):   # families without `model`
+            if not name.startswith(("wcodec_gpu_", "wcodec_http_", "wcodec_process_",   # families without `model`
+                                    "wcodec_host_cache_bytes", "wcodec_host_cache_pinned", "wcodec_host_cache_entries")):
                 assert 'model=~"$model"' in matchers, (q.panel, name)
             assert name in exposed, (q.panel, name)
 
