@@ -318,12 +318,13 @@ def report(result: dict) -> None:
               f"{t['ratio_of_medians_crc_on']:.2f} (paired: {', '.join(f'{r:.2f}' for r in t['paired_ratios_crc_on'])}) |")
         imp = t["median_import_s"]
         print(f"|   imports (median) | {imp['theirs']:.2f} s | {imp['ours_crc_on']:.2f} s | {imp['ours_crc_off']:.2f} s | |")
-    if "server" in result:
-        s = result["server"]
-        print(f"\nload into a running server: safetensors {statistics.median(s['safetensors_load_file_s']):.3f} s; "
-              f"wcodec CRCs on {[round(r['wall_s'], 3) for r in s['wcodec_crc_on']]}, "
-              f"off {[round(r['wall_s'], 3) for r in s['wcodec_crc_off']]}; ratio (on, after the first) "
-              f"{s['ratio_crc_on']:.3f}")
+    if "server" not in result:
+        return
+    s = result["server"]
+    print(f"\nload into a running server: safetensors {statistics.median(s['safetensors_load_file_s']):.3f} s; "
+          f"wcodec CRCs on {[round(r['wall_s'], 3) for r in s['wcodec_crc_on']]}, "
+          f"off {[round(r['wall_s'], 3) for r in s['wcodec_crc_off']]}; ratio (on, after the first) "
+          f"{s['ratio_crc_on']:.3f}")
     if "switches_crc_on" in s:
         sw = s["switches_crc_on"]
         print(f"model switches, host cache on, CRCs on ({sw['host_cache']['bytes'] / 1e9:.2f} GB kept, "
