@@ -67,8 +67,7 @@ class EarlyRead:
     host cache owns the memory (release() then leaves it mapped); `pinned`: it is page-locked, so
     a CUDA load copies from it in place, without a ring (set by the host cache)."""
 
-    def __init__(self, path: str, *, verify: bool, threads: int, direct: bool | None, timeline: Timeline,
-                 background: bool = False):
+    def __init__(self, path: str, *, verify: bool, threads: int, direct: bool | None, timeline: Timeline):
         self.path, self.identity, self.timeline = path, identity(path), timeline
         with Reader.open(path) as reader:
             self.start, self.end = start, end = reader.preamble.data_offset, reader.preamble.header_offset
@@ -80,8 +79,7 @@ class EarlyRead:
         self.kept, self.pinned, self._freed = False, False, False
         self._rechecks: list[Future] = []
         self.file: ArchiveFile | None = ArchiveFile(path, direct)
-        self.pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
-            threads, thread_name_prefix="wcodec-early", initializer=_background_io if background else None)
+        self.pool: ThreadPoolExecutor | None = ThreadPoolExecutor(threads, thread_name_prefix="wcodec-early")
         self._left, self._lock = 0, threading.Lock()
         self._t0 = time.perf_counter()
         futures = read_range(self.pool, self.file, self.view, self.base, start, end, self.blobs)
@@ -166,20 +164,6 @@ def _unmap(buf: mmap.mmap, chunk: int = 256 << 20) -> None:
         pass                                       # left to the garbage collector
 
 
-IOPRIO_SET = {"x86_64": 251, "aarch64": 30}      # syscall numbers of ioprio_set
-IOPRIO_IDLE = 3 << 13                             # IOPRIO_CLASS_IDLE << IOPRIO_CLASS_SHIFT, level 0
-
-
-def _background_io() -> None:
-    """This thread's reads at the idle I/O class (ioprio_set, IOPRIO_WHO_PROCESS of this thread): a
-    start-up read of the archive then yields the disk to the imports' small reads, which wait on
-    each other, instead of queueing them behind 8 MiB reads (a dropped page cache: `import torch`
-    took 15.3 s beside the read of a 9 GB archive). Schedulers without classes ignore it."""
-    number = IOPRIO_SET.get(os.uname().machine)
-    if number is not None and os.environ.get("WCODEC_EARLY_READ_IDLE_IO", "1") != "0":
-        _libc.syscall(number, 1, 0, IOPRIO_IDLE)
-
-
 def start_early_reads(paths: dict[str, str], *, verify: bool, threads: int, direct: bool | None,
                       timeline: Timeline) -> dict[str, EarlyRead]:
     """Start reading each model's archive; models that cannot be read early are left out."""
@@ -190,8 +174,7 @@ def start_early_reads(paths: dict[str, str], *, verify: bool, threads: int, dire
             if size > budget:
                 log.info("early read of %s skipped: %d bytes exceed half the available memory", name, size)
                 continue
-            out[name] = EarlyRead(path, verify=verify, threads=threads, direct=direct, timeline=timeline,
-                                  background=True)
+            out[name] = EarlyRead(path, verify=verify, threads=threads, direct=direct, timeline=timeline)
             budget -= size
         except (OSError, CodecError, LookupError, TypeError, AttributeError) as e:
             log.info("early read of %s skipped: %s", name, e)     # the load reports it, typed

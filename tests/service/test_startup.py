@@ -15,7 +15,6 @@ import pytest
 import torch
 from service_helpers import DEMO, generate_body
 
-from service import prefetch
 from service.prefetch import start_early_reads
 from service.preload import start_early_loads
 from service.settings import Settings
@@ -111,22 +110,3 @@ async def test_a_corrupt_preload_fails_typed_and_stays_unloaded(tmp_path: Path, 
             info = (await client.get("/models/bad")).json()
     assert ready.status_code == 503 and "checksum" in ready.json()["error"]
     assert info["state"] == "failed" and "XXH3-64" in info["last_error"]
-
-
-IOPRIO_GET = {"x86_64": 252, "aarch64": 31}
-
-
-@pytest.mark.skipif(os.uname().machine not in IOPRIO_GET, reason="ioprio_get's number is known for x86_64 and aarch64")
-@pytest.mark.parametrize("setting, want", [(None, prefetch.IOPRIO_IDLE), ("0", None)])
-def test_a_start_up_read_runs_at_the_idle_io_class(demo_archive: Path, monkeypatch, setting, want) -> None:
-    if setting is not None:
-        monkeypatch.setenv("WCODEC_EARLY_READ_IDLE_IO", setting)
-    read = start_early_reads({"m": str(demo_archive)}, verify=True, threads=2, direct=None, timeline=Timeline())["m"]
-    try:
-        read.wait_until(1 << 62)
-        get = IOPRIO_GET[os.uname().machine]
-        own = prefetch._libc.syscall(get, 1, 0)                 # this thread's: left as it was
-        theirs = {read.pool.submit(prefetch._libc.syscall, get, 1, 0).result() for _ in range(8)}
-        assert theirs == {want if want is not None else own} and own != prefetch.IOPRIO_IDLE
-    finally:
-        read.release()
