@@ -10,8 +10,9 @@ from codec import planes, rans, tables
 from codec.constants import LANES
 
 
-def exponent_plane(rows: int = 4096, cols: int = 4096, seed: int = 0):
-    """Coded symbols and their packed encoder entries, under one table per context."""
+def exponent_plane_counts(rows: int = 4096, cols: int = 4096, seed: int = 0):
+    """Symbol count, counts per context table [4, 256], today's coded size in bits (tables.normalize
+    then the exact cost), and each symbol's key ctx << 8 | sym, in order."""
     torch.manual_seed(seed)
     w = torch.randn(rows, cols) * (0.02 * torch.exp(0.35 * torch.randn(rows, 1)))
     w[torch.rand(rows, cols) < 1e-4] *= 8
@@ -20,8 +21,14 @@ def exponent_plane(rows: int = 4096, cols: int = 4096, seed: int = 0):
     sym, hi, _ = planes.split(layout, u)
     key = (planes.context(layout, hi, 2).astype(np.int64) << 8) | sym
     counts = np.bincount(key, minlength=1024).reshape(4, 256)
+    return len(u), counts, tables.cost_bits(counts, tables.normalize(counts)), key
+
+
+def exponent_plane(rows: int = 4096, cols: int = 4096, seed: int = 0):
+    """Coded symbols and their packed encoder entries, under one table per context."""
+    n, counts, bits, key = exponent_plane_counts(rows, cols, seed)
     freqs = tables.normalize(counts)
-    return len(u), tables.cost_bits(counts, freqs) / len(u), tables.pack_encode(freqs).reshape(-1)[key].astype(np.uint32)
+    return n, bits / n, tables.pack_encode(freqs).reshape(-1)[key].astype(np.uint32)
 
 
 def main() -> None:
