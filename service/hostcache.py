@@ -188,6 +188,23 @@ class HostCache:
             self._entries.move_to_end(key[0])
             return entry
 
+    def adopt(self, path: str, read: EarlyRead) -> bool:
+        """Keep `read` (a start-up read that a preload has decoded from, marked `kept` so that it
+        was not freed) as if a load through the cache had made it; else free it. A preloaded model
+        switched out and back in then reads no file either."""
+        try:
+            entry, why = self._admit(key_of(path), read.blobs.verify, 1, None, read) \
+                if self.budget > 0 and read.matches(path) else (None, "not kept: the cache is off or the file changed")
+        except OSError as e:
+            entry, why = None, f"not kept: {e}"
+        log.info("host cache: the start-up read of %s %s", path, "kept" if entry is not None else why)
+        if entry is None:
+            read.kept = False
+            read.free()
+            return False
+        self._checkin(entry)
+        return True
+
     def _admit(self, key: Key, verify: bool, threads: int, direct: bool | None,
                early: EarlyRead | None) -> tuple[_Entry | None, str]:
         size, available = align_up(key[3]), available_memory()

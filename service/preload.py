@@ -28,6 +28,9 @@ class EarlyLoad:
         self.name, self.path, self.device, self.timeline = name, path, device, timeline
         self.identity = os.stat(path).st_mtime_ns, os.stat(path).st_size
         self.compressed = settings.resident == "compressed"         # preloads use the default resident mode
+        self.read = early if early is not None and settings.host_cache_budget() > 0 else None
+        if self.read is not None:
+            self.read.kept = True              # not freed after the load: the host cache may adopt it
         self.started = time.perf_counter()
         self.batches: list[tuple[object, float]] = []
         self._result: Future = Future()
@@ -44,6 +47,7 @@ class EarlyLoad:
         except BaseException as e:  # noqa: BLE001  (raised by take())
             if early is not None:
                 early.release()
+            self.drop_read()
             self._result.set_exception(e)
 
     def _load(self, settings, early: EarlyRead | None):
@@ -110,6 +114,14 @@ class EarlyLoad:
     def release(self) -> None:
         self._thread.join()
         self._result = Future()
+        self.drop_read()
+
+    def drop_read(self) -> None:
+        """Free the start-up read unless the host cache has adopted it (take() then hands it over)."""
+        read, self.read = self.read, None
+        if read is not None:
+            read.kept = False
+            read.free()
 
 
 def _dtype(entries) -> torch.dtype:

@@ -1,5 +1,6 @@
 """What the service tests share besides fixtures: the demo's name and prompt, request bodies, and
-`Server` (a client of an app whose lifespan runs, plus its registry and /metrics samples)."""
+`Server` (a client of an app whose lifespan runs, plus its registry and /metrics samples), and
+`FileReads` (what a load read of an archive's file)."""
 from __future__ import annotations
 
 import contextlib
@@ -10,6 +11,7 @@ import anyio
 import httpx
 from fastapi import FastAPI
 
+from service import reading
 from service.demo import DEMO_NAME
 from service.errors import ModelNotFound
 from service.registry import ModelRegistry, ModelState
@@ -49,3 +51,21 @@ class Server:
                     if self.registry.get(name).state is state:
                         return
                 await anyio.sleep(0.02)
+
+
+class FileReads:
+    """Every ArchiveFile opened, and the bytes its reads asked for."""
+
+    def __init__(self, monkeypatch):
+        self.opened, self.bytes = [], 0
+        init, read = reading.ArchiveFile.__init__, reading.ArchiveFile.read
+
+        def counting_init(file, path, direct=None):
+            self.opened.append(path)
+            init(file, path, direct)
+
+        def counting_read(file, buf, base, start, end):
+            self.bytes += end - start
+            read(file, buf, base, start, end)
+        monkeypatch.setattr(reading.ArchiveFile, "__init__", counting_init)
+        monkeypatch.setattr(reading.ArchiveFile, "read", counting_read)

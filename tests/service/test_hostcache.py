@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from service_helpers import FileReads
 
 import cuda_ext
 from codec.decode import Archive
 from codec.encode import compress_state_dict
 from codec.errors import ChecksumError
-from service import hostcache, reading
+from service import hostcache
 from service.hostcache import HostCache
 from service.loader import decode_archive
 from service.reading import align_up
@@ -49,24 +50,6 @@ def assert_same(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> 
     for name, t in ref.items():
         assert ours[name].dtype == t.dtype and ours[name].shape == t.shape, name
         assert torch.equal(ours[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
-
-
-class FileReads:
-    """Every ArchiveFile opened, and the bytes its reads asked for."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch):
-        self.opened, self.bytes = [], 0
-        init, read = reading.ArchiveFile.__init__, reading.ArchiveFile.read
-
-        def counting_init(file, path, direct=None):
-            self.opened.append(path)
-            init(file, path, direct)
-
-        def counting_read(file, buf, base, start, end):
-            self.bytes += end - start
-            read(file, buf, base, start, end)
-        monkeypatch.setattr(reading.ArchiveFile, "__init__", counting_init)
-        monkeypatch.setattr(reading.ArchiveFile, "read", counting_read)
 
 
 def _load(cache: HostCache, path: Path, verify: bool = True):

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from service_helpers import DEMO, generate_body
+from service_helpers import DEMO, FileReads, generate_body
 
 from service.prefetch import start_early_reads
 from service.preload import start_early_loads
@@ -91,6 +91,37 @@ async def test_the_preload_takes_the_early_load(serve, store) -> None:
             names = [e["name"] for e in (await client.get("/health/startup")).json()["timeline"]]
     assert any(n.startswith(f"early load {DEMO}: 32 batches decoded") for n in names)
     assert not any(n.startswith(f"load {DEMO}: header") for n in names)                # not loaded twice
+
+
+async def test_a_preloaded_model_switched_out_and_back_reads_no_file(serve, store, monkeypatch) -> None:
+    root = store()
+    from service.app import create_app
+    settings = Settings(model_store=root, preload=[DEMO], demo=False)
+    early, timeline = _early(root, DEMO)
+    read = early[DEMO].read
+    app = create_app(settings, early=early, timeline=timeline)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120) as client:
+            await app.state.registry.startup
+            cache = app.state.registry.host_cache
+            assert cache.peek(str(root / f"{DEMO}.wcodec")) is read and len(cache) == 1   # the start-up read, kept
+            assert (await client.post(f"/models/{DEMO}/unload")).json()["state"] == "available"
+            reads = FileReads(monkeypatch)
+            again = (await client.post(f"/models/{DEMO}/load")).json()
+            assert again["state"] == "ready" and again["last_load"]["source"] == "host cache"
+            assert reads.opened == [] and reads.bytes == 0                     # not a byte of the file
+            assert (await client.post("/generate", json=generate_body())).json()["generated_text"]
+
+
+def test_a_start_up_read_not_taken_is_freed(store) -> None:
+    root = store()
+    early, _ = _early(root, DEMO)
+    load = early[DEMO]
+    read = load.read
+    assert read is not None and read.kept
+    load.release()                                                # the registry did not use it
+    assert load.read is None and not read.kept and read._freed
 
 
 async def test_a_corrupt_preload_fails_typed_and_stays_unloaded(tmp_path: Path, demo_archive: Path) -> None:
