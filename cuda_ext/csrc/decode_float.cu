@@ -4,8 +4,9 @@
 // lane per rANS state, in the lane/word order of docs/FORMAT.md §3. A block of 4 warps decodes 4
 // units that share a table set; it first builds that set's packed decode tables in shared memory
 // (one u32 per slot, tables.build_lut's layout), so a step is one shared load, a multiply-add, and
-// a ballot + popc that hands out the renormalisation words in lane order. Hi bytes are loaded one
-// chunk of 8 steps ahead, renormalisation words through a register window (Lane). Archive data
+// a ballot + popc that hands out the renormalisation words in lane order. Hi bytes are staged into
+// shared memory one chunk of 8 steps ahead (cp.async), renormalisation words through a per-warp
+// ring in shared memory (Lane). Archive data
 // never traps: every read is bounded and each unit reports a status. Launches run on the current
 // stream and allocate nothing: the caller owns the outputs, the index, the status and the device plan.
 #include <ATen/ATen.h>
@@ -25,8 +26,8 @@
 namespace wcodec {
 
 constexpr int kWarpsPerBlock = 4;                  // = TABLE_GROUP_QUANTUM: one table set per block
-// Indexed pieces of entry_steps <= 256 come 16 (or more) to a segment, so a block of 16 warps
-// decodes 16 pieces of one segment with one table set: 4x the warps per shared-memory table.
+// Indexed pieces of entry_steps <= 512 come 8 (or more) to a segment, so a block of 8 warps
+// decodes 8 pieces of one segment with one table set: 2x the warps per shared-memory table.
 constexpr int kIndexedWarpsPerBlock = 8;
 constexpr int kTableBuilders = 1 << kMaxCtxBits;   // warps that parse a block's tables (one each)
 constexpr int kChunk = static_cast<int>(kMinEntrySteps);   // steps per unrolled chunk
@@ -233,7 +234,7 @@ int64_t warps_per_block(int64_t mode, int64_t entry_steps) {
 
 // One block = W warps = W consecutive units of one tensor, which share one table set (W = 4:
 // table_group is a multiple of 4 or the whole tensor, and a segment's pieces are a multiple of 4
-// or 1; W = 16: the units are pieces of one segment).
+// or 1; W = 8: the units are pieces of one segment).
 template <int W>
 __global__ void __launch_bounds__(32 * W, W == kWarpsPerBlock ? 1 : 3) decode_kernel(
     const uint8_t* __restrict__ data, DevicePlan plan, Index index, int32_t* __restrict__ status, int64_t mode,
