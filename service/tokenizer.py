@@ -9,13 +9,10 @@ variables).
 transformers' AutoTokenizer (service/modeling.py)."""
 from __future__ import annotations
 
-import collections
 import json
-import threading
 from datetime import datetime
-from functools import cached_property
+from functools import cached_property, lru_cache
 
-import xxhash
 from tokenizers import Tokenizer as RustTokenizer
 
 GENERIC_CLASSES = {"TokenizersBackend", "PreTrainedTokenizerFast", "GPT2Tokenizer", "GPT2TokenizerFast",
@@ -54,23 +51,11 @@ class Tokenizer:
         """The tokenizer of a model's embedded files. Kept by content (the last KEPT): a model
         switched out and back in, or served twice, reuses it. Parsing a 49k-token tokenizer.json
         took 0.1-0.25 s holding the GIL, which slowed the loader beside it in every 7B switch."""
-        digest = xxhash.xxh3_128()
-        for name in TOKENIZER_FILES:
-            digest.update(name.encode() + b"\0" + files.get(name, b"\xff") + b"\0")
-        key = digest.hexdigest()
-        with _LOCK:
-            if key in _KEPT:
-                _KEPT.move_to_end(key)
-                return _KEPT[key]
-        made = cls._parse(files)
-        with _LOCK:
-            _KEPT[key] = made
-            while len(_KEPT) > KEPT:
-                _KEPT.popitem(last=False)
-        return made
+        return _kept(cls, tuple(files.get(name) for name in TOKENIZER_FILES))
 
     @classmethod
     def _parse(cls, files: dict[str, bytes]) -> Tokenizer | None:
+        """`files`: the embedded files of TOKENIZER_FILES (the only ones read here)."""
         if "tokenizer.json" not in files:
             return None
         config = json.loads(files.get("tokenizer_config.json", b"{}"))
@@ -137,5 +122,6 @@ class Tokenizer:
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 
-_KEPT: collections.OrderedDict[str, Tokenizer | None] = collections.OrderedDict()
-_LOCK = threading.Lock()
+@lru_cache(maxsize=KEPT)
+def _kept(cls: type[Tokenizer], blobs: tuple[bytes | None, ...]) -> Tokenizer | None:
+    return cls._parse({name: blob for name, blob in zip(TOKENIZER_FILES, blobs) if blob is not None})
