@@ -22,18 +22,17 @@ way. Read me first.
 from __future__ import annotations
 
 import collections
-import ctypes
 import logging
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 from codec.errors import CodecError
 
-from .prefetch import EarlyRead, available_memory, identity
+from .prefetch import EarlyRead, address_of, available_memory, identity
 from .reading import align_up
 from .timeline import Timeline
 
@@ -55,46 +54,28 @@ class Use:
     hit: bool = False
 
 
-def _address(read: EarlyRead) -> int:
-    ref = ctypes.c_char.from_buffer(read.buf)
-    address = ctypes.addressof(ref)
-    del ref                        # the buffer export ends with it
-    return address
-
-
-def _page_lock(address: int, nbytes: int) -> list[int]:
-    """cudaHostRegister [address, address + nbytes) in one call: [address], or [] (nothing locked)
-    when it fails. One registration, because an asynchronous copy must lie inside one: a batch
-    spanning two registered chunks failed with cudaErrorInvalidValue on an H100. Runs on a thread
-    of its own: a failed call's error stays that thread's last CUDA error, where no kernel launch
-    check can mistake it for its own."""
+def _page_lock(address: int, nbytes: int) -> bool:
+    """cudaHostRegister [address, address + nbytes) in one call; False (nothing locked) when it
+    fails. One registration, because an asynchronous copy must lie inside one: a batch spanning
+    two registered chunks failed with cudaErrorInvalidValue on an H100. Runs on a thread of its
+    own: a failed call's error stays that thread's last CUDA error, where no kernel launch check
+    can mistake it for its own."""
     import torch
     err = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)       # cudaHostRegisterDefault
     if int(err) != 0:
         log.warning("host cache: page-locking failed (%s); hits copy through the pinned ring", err)
-        return []
-    return [address]
-
-
-def _unlock(locked: list[int]) -> None:
-    if locked:
-        import torch
-        rt = torch.cuda.cudart()
-        for address in locked:
-            rt.cudaHostUnregister(address)
+    return int(err) == 0
 
 
 class _Entry:
     def __init__(self, key: Key, read: EarlyRead):
         self.key, self.read, self.nbytes = key, read, read.mapped_bytes
         self.busy = True           # a load is using it: never evicted
-        self.locked: list[int] = []
         self.pinning: threading.Thread | None = None
 
     def pin(self) -> None:
         def run() -> None:
-            self.locked = _page_lock(_address(self.read), self.nbytes)
-            self.read.pinned = bool(self.locked)
+            self.read.pinned = _page_lock(address_of(self.read.buf), self.nbytes)
         self.pinning = threading.Thread(target=run, name="wcodec-host-cache-pin", daemon=True)
         self.pinning.start()
 
@@ -103,8 +84,10 @@ class _Entry:
         def run() -> None:
             if self.pinning is not None:
                 self.pinning.join()
-            self.read.pinned = False
-            _unlock(self.locked)
+            if self.read.pinned:
+                import torch
+                self.read.pinned = False
+                torch.cuda.cudart().cudaHostUnregister(address_of(self.read.buf))
             self.read.free()
         threading.Thread(target=run, name="wcodec-host-cache-free", daemon=True).start()
 
@@ -123,7 +106,7 @@ class HostCache:
     @property
     def nbytes(self) -> int:
         with self._lock:
-            return sum(e.nbytes for e in self._entries.values())
+            return self._used()
 
     @property
     def pinned_bytes(self) -> int:
@@ -171,7 +154,8 @@ class HostCache:
             log.info("host cache hit: %s (%.3f GB, %s)", path, entry.nbytes / 1e9,
                      "page-locked" if entry.read.pinned else "not page-locked yet" if self.pin else "pageable")
             return entry, Use(entry.read, "host cache", looked=True, hit=True)
-        entry, why = self._admit(key, verify, threads, direct, early)
+        entry, why = self._admit(key, lambda: early if early is not None and early.matches(path) else
+                                 EarlyRead(key[0], verify=verify, threads=threads, direct=direct, timeline=self.timeline))
         log.info("host cache miss: %s; %s", path, why)
         read = entry.read if entry is not None else early
         return entry, Use(read, "early read" if read is not None and read is early else "file", looked=True)
@@ -193,7 +177,7 @@ class HostCache:
         was not freed) as if a load through the cache had made it; else free it. A preloaded model
         switched out and back in then reads no file either."""
         try:
-            entry, why = self._admit(key_of(path), read.blobs.verify, 1, None, read) \
+            entry, why = self._admit(key_of(path), lambda: read) \
                 if self.budget > 0 and read.matches(path) else (None, "not kept: the cache is off or the file changed")
         except OSError as e:
             entry, why = None, f"not kept: {e}"
@@ -205,8 +189,9 @@ class HostCache:
         self._checkin(entry)
         return True
 
-    def _admit(self, key: Key, verify: bool, threads: int, direct: bool | None,
-               early: EarlyRead | None) -> tuple[_Entry | None, str]:
+    def _admit(self, key: Key, make: Callable[[], EarlyRead]) -> tuple[_Entry | None, str]:
+        """Room for the archive of `key` (least recently used idle entries evicted), then `make()`
+        its read, kept."""
         size, available = align_up(key[3]), available_memory()
         if size > self.budget or (available and size > available // 2):
             return None, "not kept: over the budget or half the available memory"
@@ -221,8 +206,7 @@ class HostCache:
             if self._used() + size > self.budget:
                 return None, "not kept: the budget is held by loads in progress"
             try:
-                read = early if early is not None and early.matches(key[0]) else \
-                    EarlyRead(key[0], verify=verify, threads=threads, direct=direct, timeline=self.timeline)
+                read = make()
             except (OSError, CodecError) as e:
                 return None, f"not kept: {e}"      # the load reads the file and reports it
             read.kept = True

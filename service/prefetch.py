@@ -149,13 +149,19 @@ class EarlyRead:
         threading.Thread(target=_unmap, args=(self.buf,), name="wcodec-early-free", daemon=True).start()
 
 
+def address_of(buf: mmap.mmap) -> int:
+    """Where `buf`'s memory starts (for madvise, cudaHostRegister)."""
+    ref = ctypes.c_char.from_buffer(buf)
+    address = ctypes.addressof(ref)
+    del ref                                        # the buffer export ends with it
+    return address
+
+
 def _unmap(buf: mmap.mmap, chunk: int = 256 << 20) -> None:
     """Drop `buf`'s pages a chunk at a time (madvise through ctypes, which lets other threads run
     meanwhile), then close it."""
     try:
-        ref = ctypes.c_char.from_buffer(buf)
-        address = ctypes.addressof(ref)
-        del ref
+        address = address_of(buf)
         for off in range(0, len(buf), chunk):
             _libc.madvise(ctypes.c_void_p(address + off), ctypes.c_size_t(min(chunk, len(buf) - off)),
                           mmap.MADV_DONTNEED)

@@ -116,9 +116,14 @@ class EarlyLoad:
         self._result = Future()
         self.drop_read()
 
-    def drop_read(self) -> None:
-        """Free the start-up read unless the host cache has adopted it (take() then hands it over)."""
+    def hand_over_read(self) -> EarlyRead | None:
+        """The start-up read, kept after the load, for the host cache to adopt (once)."""
         read, self.read = self.read, None
+        return read
+
+    def drop_read(self) -> None:
+        """Free the start-up read unless it was handed over."""
+        read = self.hand_over_read()
         if read is not None:
             read.kept = False
             read.free()

@@ -293,8 +293,8 @@ class ModelRegistry:
                 and early.compressed == (slot.resident == "compressed")):
             decoded, ready = early.take(partial(self._on_batch, slot))      # decoded since torch's import
             t0 = early.started
-            if early.read is not None:                                       # a switch back reads no file
-                read, early.read = early.read, None
+            read = early.hand_over_read()
+            if read is not None:                                             # a switch back reads no file
                 self.host_cache.adopt(str(slot.file.path), read)
         else:
             decoded, ready = self._decode_and_prepare(slot, mark, early)
