@@ -9,7 +9,7 @@ from setuptools import setup
 CSRC = os.path.join("cuda_ext", "csrc")
 CXX = ["-O3", "-fopenmp", "-ffp-contract=off", "-DWCODEC_PYTHON_MODULE"]   # no FMA: gguf_blocks.h
 NVCC = ["-O3", "--use_fast_math", "-lineinfo"]
-DEFAULT_ARCH_LIST = "8.0;8.6;8.9;9.0;12.0"          # keep in sync with cuda_ext/build.py
+DEFAULT_ARCH_LIST = "8.0;8.6;8.9;9.0;12.0"          # sources and arch list: as cuda_ext/build.py
 
 
 def extensions():
@@ -20,11 +20,11 @@ def extensions():
         from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
     except ImportError:
         return {}
-    cpu = [os.path.join(CSRC, name) for name in ("decode_float.cpp", "decode_quant.cpp")]
+    cpu = [os.path.join(CSRC, name) for name in ("decode_float.cpp", "decode_quant.cpp", "crc32.cpp")]
     common = dict(include_dirs=[os.path.abspath(CSRC)], extra_link_args=["-fopenmp"])
     if torch.version.cuda and shutil.which("nvcc"):
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
-        cuda = [os.path.join(CSRC, name) for name in ("decode_float.cu", "decode_quant.cu")]
+        cuda = [os.path.join(CSRC, name) for name in ("decode_float.cu", "decode_quant.cu", "crc32.cu")]
         ext = CUDAExtension("cuda_ext._C", cpu + cuda,
                             extra_compile_args={"cxx": CXX, "nvcc": NVCC}, **common)
     else:

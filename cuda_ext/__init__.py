@@ -8,6 +8,7 @@
     build_index(plan, data)           the same, also recording the resident index (codec/resident.py)
     Prepared(plan, data, outputs,...) one launch bound to caller-owned buffers: run() allocates nothing
     load(path, device=...)            a whole archive -> LoadedModel with tensors on `device`
+    crc32_spans(data, spans)          zlib.crc32 of byte spans of `data`, on its device
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ from . import plan as plans
 from . import quant
 from .build import Availability, ensure_loaded
 
-__all__ = ["Availability", "DeviceIndex", "Prepared", "available", "build_index", "decode_plan", "load", "plans"]
+__all__ = ["Availability", "DeviceIndex", "Prepared", "available", "build_index", "checksums_on", "crc32_spans",
+           "decode_plan", "load", "plans"]
 
 
 def available() -> Availability:
@@ -39,6 +41,25 @@ def _op():
         return decode_pieces
     from .ops import reference_decode_pieces
     return reference_decode_pieces
+
+
+def checksums_on(device: torch.device) -> bool:
+    """Whether crc32_spans runs on `device` itself (the extension is built with its op)."""
+    avail = ensure_loaded()
+    from .ops import CHECKSUM_OPS, has_ops
+    return avail.cpp and (device.type != "cuda" or avail.cuda) and has_ops(CHECKSUM_OPS, device.type)
+
+
+def crc32_spans(data: torch.Tensor, spans: torch.Tensor) -> torch.Tensor:
+    """zlib.crc32 of each (offset, length) row of `spans` (CPU int64 [n, 2]) in the uint8 `data`,
+    as int64 [n] on data's device, queued on the current stream: the extension's op, else zlib."""
+    if checksums_on(data.device):
+        from .ops import crc32_spans as op
+        return op(data, spans)
+    if data.device.type != "cpu":
+        raise RuntimeError(f"crc32_spans on {data.device} needs the extension's CUDA kernels")
+    from .ops import reference_crc32_spans
+    return reference_crc32_spans(data, spans)
 
 
 class Prepared:

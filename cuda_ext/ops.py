@@ -2,6 +2,8 @@
 reference with the same semantics, and sample inputs for torch.library.opcheck."""
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import torch
 
@@ -53,15 +55,28 @@ def reconstruct_int8(resid: torch.Tensor, modes: torch.Tensor, scales: torch.Ten
     torch.ops.wcodec.reconstruct_int8.default(resid, modes, scales, out)
 
 
+def crc32_spans(data: torch.Tensor, spans: torch.Tensor) -> torch.Tensor:
+    """zlib.crc32 of each span of the uint8 `data` (1-D, on any device): `spans` is a CPU int64
+    tensor [n, 2] of (offset, length). Returns int64 [n] on data's device, computed on the
+    current stream (crc32.h: pieces of 256 bytes folded in parallel)."""
+    return torch.ops.wcodec.crc32_spans.default(data, spans)
+
+
 QUANT_OPS = ("wcodec::decode_bytes", "wcodec::dequantize_blocks", "wcodec::reconstruct_int8")
+CHECKSUM_OPS = ("wcodec::crc32_spans",)
+
+
+def has_ops(ops: tuple[str, ...], device_type: str | None = None) -> bool:
+    """`ops` are registered (for `device_type`'s dispatch key, if given): an extension built
+    before an op was added lacks it."""
+    if not all(torch._C._dispatch_has_kernel(op) for op in ops):
+        return False
+    key = {"cuda": "CUDA", "cpu": "CPU"}.get(device_type)
+    return key is None or all(torch._C._dispatch_has_kernel_for_dispatch_key(op, key) for op in ops)
 
 
 def has_quant_ops(device_type: str | None = None) -> bool:
-    """The quantized codecs' ops are registered (for `device_type`'s dispatch key, if given)."""
-    if not all(torch._C._dispatch_has_kernel(op) for op in QUANT_OPS):
-        return False
-    key = {"cuda": "CUDA", "cpu": "CPU"}.get(device_type)
-    return key is None or all(torch._C._dispatch_has_kernel_for_dispatch_key(op, key) for op in QUANT_OPS)
+    return has_ops(QUANT_OPS, device_type)
 
 
 def register_fakes() -> None:
@@ -77,6 +92,9 @@ def register_fakes() -> None:
         torch.library.register_fake("wcodec::decode_bytes")(lambda data, desc, outputs, status: None)
         torch.library.register_fake("wcodec::dequantize_blocks")(lambda planes, ggml_type, outs: None)
         torch.library.register_fake("wcodec::reconstruct_int8")(lambda resid, modes, scales, out: None)
+    if has_ops(CHECKSUM_OPS):
+        torch.library.register_fake("wcodec::crc32_spans")(
+            lambda data, spans: data.new_empty(spans.shape[0], dtype=torch.int64))
 
     register_fakes.done = True
 
@@ -161,6 +179,12 @@ def reference_reconstruct_int8(resid: torch.Tensor, modes: torch.Tensor, scales:
     tiles = (-(-rows // int8.TILE), -(-cols // int8.TILE))
     q = int8.reconstruct(resid.numpy().reshape(rows, cols), modes.numpy().reshape(tiles))
     out.copy_(int8.dequantize(q, scales.numpy(), out.dtype))
+
+
+def reference_crc32_spans(data: torch.Tensor, spans: torch.Tensor) -> torch.Tensor:
+    """The reference of crc32_spans: zlib, span by span (CPU tensors only)."""
+    buf = data.numpy()
+    return torch.tensor([zlib.crc32(buf[off:off + n]) for off, n in spans.tolist()], dtype=torch.int64)
 
 
 def _word_dtype(layout: planes.FloatLayout) -> torch.dtype:

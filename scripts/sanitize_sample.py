@@ -1,7 +1,9 @@
 """A small decode for `compute-sanitizer --tool memcheck`: valid streams of every dtype in every
 mode (bulk, recording the resident index, pieces from it), then corrupt streams and a corrupt
-index, all through the CUDA op. Exits non-zero if a decode is wrong or a status is missed."""
+index, all through the CUDA op; then the stream checksums (crc32_spans) over spans of every edge
+size, before and after a flip. Exits non-zero if a decode or a checksum is wrong or a status is missed."""
 import sys
+import zlib
 
 import torch
 
@@ -33,10 +35,25 @@ def main() -> int:
     status.zero_()
     ops.decode_pieces(data, desc, args[2][2], args[2][3], bad_states, words, status, *args[2][7:])
     index_caught = int(status.abs().sum()) != 0
+    crc_ok = check_crcs(data)
     torch.cuda.synchronize()
+    print(f"checksums {'ok' if crc_ok else 'WRONG'}")
     print(f"sample decode {'ok' if ok else 'WRONG'}; corrupt trials whose flips left every status 0: {missed}/24; "
           f"corrupt index entry caught: {index_caught}")
-    return 0 if ok and index_caught else 1
+    return 0 if ok and index_caught and crc_ok else 1
+
+
+def check_crcs(data: torch.Tensor) -> bool:
+    """crc32_spans against zlib on spans of edge sizes (ending at the buffer's last byte too), then
+    on the same spans with one byte flipped."""
+    n = data.numel()
+    spans = torch.tensor([[0, n], [1, n - 1], [n - 3, 3], [n, 0], [5, 256], [7, min(n - 7, 65537)]],
+                         dtype=torch.int64)
+    ok = True
+    for buf in (data, data.clone().index_fill_(0, torch.tensor([n // 2], device=data.device), 7)):
+        host = buf.cpu().numpy()
+        ok &= ops.crc32_spans(buf, spans).tolist() == [zlib.crc32(host[o:o + m]) for o, m in spans.tolist()]
+    return ok
 
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@
 * A batch is the consecutive entries of one layer. The archive is in layer order, so a batch's
   streams are one contiguous byte range [start, end), read (service/reading.py) in pieces by a
   pool of threads into one ring buffer: page-cache hits with a memcpy, the rest with O_DIRECT.
-* Every stream is verified (XXH3-64 from format 1.1, else CRC32) by the pool thread that read its
-  last piece, so checks overlap reads. Up to one batch per ring buffer is in flight.
+* Every stream is verified: on CUDA by its CRC32 on the GPU, beside its decode
+  (service/devicecheck.py); elsewhere (XXH3-64 from format 1.1, else CRC32) by the pool thread
+  that read its last piece, so checks overlap reads. Up to one batch per ring buffer is in flight.
 * The ring holds `ring` host buffers, each as large as the largest batch's aligned window;
   pinned only when the target is CUDA. The reader blocks when no buffer is free: memory stays
   bounded. With an early read (service/prefetch.py: the archive read at process start, or held
@@ -40,12 +41,13 @@ import numpy as np
 import torch
 
 import cuda_ext
+from codec import errors
 from codec.constants import CODEC_RAW
 from codec.decode import Archive
 from codec.entries import TensorEntry
 from cuda_ext import plans
 
-from . import resident
+from . import devicecheck, resident
 from .prefetch import EarlyRead
 from .reading import ALIGN, ArchiveFile, Blob, Blobs, align_down, align_up, read_range
 
@@ -318,15 +320,23 @@ def _stage(reader: RingReader, copy_stream: torch.cuda.Stream, device: torch.dev
 
 
 def _decode_staged(s: _Staged, reader: RingReader, compute: torch.cuda.Stream, path: str,
-                   on_batch: OnBatch, stats: LoadStats, decode: DecodeFn) -> dict[str, torch.Tensor]:
+                   on_batch: OnBatch, stats: LoadStats, decode: DecodeFn, verify: bool) -> dict[str, torch.Tensor]:
     t0 = time.perf_counter()
     compute.wait_event(s.copied)
     with torch.cuda.stream(compute):
         s.data.record_stream(compute)      # allocated on the copy stream, read on this one
-        out = decode(s.batch, s.data, path)
+        checks = devicecheck.queue(_blobs(s.batch), s.data, s.batch.start, path) if verify else None
+        try:
+            out = decode(s.batch, s.data, path)
+        except errors.CodecError:
+            if checks is not None:         # bytes the decoder tripped over: a checksum failure first
+                checks.raise_if_bad()
+            raise
     s.copied.synchronize()
     reader.release(s.slot)                 # the host buffer is free once copied: the reader goes on
     compute.synchronize()
+    if checks is not None:
+        checks.raise_if_bad()
     seconds = time.perf_counter() - t0
     stats.h2d_s += s.started.elapsed_time(s.copied) / 1e3
     stats.decode_s += seconds
@@ -335,7 +345,7 @@ def _decode_staged(s: _Staged, reader: RingReader, compute: torch.cuda.Stream, p
 
 
 def _decode_cuda(reader: RingReader, path: str, device: torch.device, on_batch: OnBatch,
-                 stats: LoadStats, decode: DecodeFn) -> dict[str, torch.Tensor]:
+                 stats: LoadStats, decode: DecodeFn, verify: bool) -> dict[str, torch.Tensor]:
     copy_stream, compute = torch.cuda.Stream(device), torch.cuda.Stream(device)
     tensors: dict[str, torch.Tensor] = {}
     pending: _Staged | None = None
@@ -343,7 +353,7 @@ def _decode_cuda(reader: RingReader, path: str, device: torch.device, on_batch: 
         for k in range(len(reader.batches) + 1):
             staged = _stage(reader, copy_stream, device) if k < len(reader.batches) else None
             if pending is not None:         # batch k-1 decodes while batch k copies
-                tensors.update(_decode_staged(pending, reader, compute, path, on_batch, stats, decode))
+                tensors.update(_decode_staged(pending, reader, compute, path, on_batch, stats, decode, verify))
             pending = staged
     finally:                                # no copy still reads host memory once this returns or raises
         copy_stream.synchronize()
@@ -385,12 +395,13 @@ def decode_archive(path: str | Path, device: torch.device, *, ring: int = 4, ver
     batches = layer_batches(entries)
     early = early if early is not None and early.matches(path) else None
     in_place = early is not None and (device.type == "cpu" or early.pinned)
+    on_device = devicecheck.available(device, verify)      # else verified on the host as read
     n_buffers, size = ring_shape(ring, batches)
     n_buffers = 0 if in_place else n_buffers
     pin = device.type == "cuda"
     buffers = PINNED.take(n_buffers, size) if pin else [_aligned_buffer(size, pin) for _ in range(n_buffers)]
     mark(f"{n_buffers} ring buffers of {size >> 20} MiB allocated (pinned: {pin}; early read: {early is not None}; "
-         f"in place: {in_place})")
+         f"in place: {in_place}; streams verified: {'on the GPU' if on_device else 'on the host' if verify else 'no'})")
     stats = LoadStats(compressed_bytes=sum(b.nbytes for b in batches),
                       decoded_bytes=sum(b.decoded_bytes for b in batches), batches=len(batches),
                       source="file" if early is None else "early read")
@@ -399,9 +410,10 @@ def decode_archive(path: str | Path, device: torch.device, *, ring: int = 4, ver
     decode = _keeping(layers) if compressed else _decode
     file = ArchiveFile(path, direct) if early is None else None
     try:
-        with RingReader(path, file, batches, buffers, verify, threads or read_threads(), early) as reader:
+        with RingReader(path, file, batches, buffers, verify and not on_device, threads or read_threads(),
+                        early) as reader:
             if device.type == "cuda":
-                tensors = _decode_cuda(reader, path, device, on_batch, stats, decode)
+                tensors = _decode_cuda(reader, path, device, on_batch, stats, decode, on_device)
             else:
                 tensors = _decode_cpu(reader, path, on_batch, stats, decode)
     finally:

@@ -31,7 +31,7 @@ import torch
 from codec.decode import Archive
 from codec.errors import CodecError
 
-from . import demo, loader, memory, modeling, prefetch, preload, resident
+from . import demo, devicecheck, loader, memory, modeling, prefetch, preload, resident
 from .engine import Engine, Limits, compute
 from .errors import InsufficientMemory, LoadFailed, ModelNotFound, ModelNotReady, ServiceError, ValidationFailed
 from .hostcache import HostCache, Use
@@ -320,7 +320,8 @@ class ModelRegistry:
         s = self.settings
         with ThreadPoolExecutor(1, thread_name_prefix="wcodec-prepare") as pool:
             prepared = pool.submit(modeling.prepare, slot.name, opened[1])
-            with self.host_cache.use(str(slot.file.path), verify=s.verify_crc, threads=s.read_threads(),
+            host_verify = s.verify_crc and not devicecheck.available(self.device, s.verify_crc)   # else the loader's GPU
+            with self.host_cache.use(str(slot.file.path), verify=host_verify, threads=s.read_threads(),
                                      direct=s.direct_io(), early=early) as cached:
                 self._count_cache(slot, cached)
                 mark(f"archive bytes from: {cached.source}")

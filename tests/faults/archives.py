@@ -318,6 +318,7 @@ def readers(cuda: bool = False) -> dict[str, Callable[[Path], dict]]:
            "server-loader-nv": _server_loader("cpu", False)}
     if cuda:
         out |= {"cuda": _extension("cuda", True), "cuda-nv": _extension("cuda", False),
+                "server-loader-cuda": _server_loader("cuda", True),      # stream CRCs on the GPU
                 "server-loader-cuda-nv": _server_loader("cuda", False)}
     return out
 
@@ -325,6 +326,7 @@ def readers(cuda: bool = False) -> dict[str, Callable[[Path], dict]]:
 # --- one mutation through every reader ---------------------------------------------------------------
 
 STRICT = ("reference", "twin", "cli")           # decoded-tensor CRCs on: a typed error or exact bits
+STREAM_CHECKED = ("server-loader", "server-loader-cuda")    # stream CRCs on, read from the plain file
 
 
 @dataclasses.dataclass
@@ -340,7 +342,8 @@ def check_mutation(archive: ArchiveBytes, expected: dict, rng: random.Random, fo
 
     * with the touched streams' CRCs rewritten, the readers that check decoded tensors' CRCs
       (STRICT) give a typed error or exact bits;
-    * with no CRC rewritten, the server's loader (stream CRCs on, its default) does too;
+    * with no CRC rewritten, the server's loader (stream CRCs on, its default: on the host, or on
+      the GPU for CUDA) does too;
     * with every CRC off (`*-nv`), the server's loader and the CUDA decoder agree with the NumPy
       reference: the same bits, or both a typed error.
     Nothing ever raises an untyped exception, runs over TIME_LIMIT or grows the peak RSS by more
@@ -348,10 +351,10 @@ def check_mutation(archive: ArchiveBytes, expected: dict, rng: random.Random, fo
     rewritten, plain, edits = mutate(archive, rng)
     (folder / "rewritten.wcodec").write_bytes(rewritten)
     (folder / "plain.wcodec").write_bytes(plain)
-    runs = {name: outcome(fn, folder / ("plain.wcodec" if name == "server-loader" else "rewritten.wcodec"),
+    runs = {name: outcome(fn, folder / ("plain.wcodec" if name in STREAM_CHECKED else "rewritten.wcodec"),
                           expected) for name, fn in read.items()}
     failures = [f"{name}: {o.kind} {o.detail}" for name, o in runs.items() if o.kind == "untyped"
-                or (name in STRICT + ("server-loader",) and o.kind == "differs")]
+                or (name in STRICT + STREAM_CHECKED and o.kind == "differs")]
     failures += [f"{name}: {o.seconds:.1f} s" for name, o in runs.items() if o.seconds > TIME_LIMIT]
     failures += [f"{name}: peak RSS +{o.peak_rss_growth >> 20} MiB" for name, o in runs.items()
                  if o.peak_rss_growth > RSS_LIMIT]

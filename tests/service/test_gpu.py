@@ -1,6 +1,7 @@
-"""The service on a GPU: the pipelined CUDA loader (copy and compute streams) is bit-exact, a
-host cache hit copies from page-locked memory without the ring, and a load, a generate and an
-unload leave CUDA memory where it started. Skipped without a GPU."""
+"""The service on a GPU: the pipelined CUDA loader (copy and compute streams) is bit-exact and
+verifies every stream's CRC32 on the GPU (none on the host), a host cache hit copies from
+page-locked memory without the ring, and a load, a generate and an unload leave CUDA memory
+where it started. Skipped without a GPU."""
 from __future__ import annotations
 
 import gc
@@ -12,6 +13,8 @@ import pytest
 import torch
 
 import cuda_ext
+from codec.decode import Archive
+from codec.errors import ChecksumError
 from service.loader import decode_archive
 from service.registry import ModelState
 
@@ -37,6 +40,34 @@ def test_cuda_pipeline_is_bit_exact(tiny_archive: Path, ring: int) -> None:
     assert set(got.tensors) == set(ref)
     for name, t in ref.items():
         assert got.tensors[name].is_cuda and torch.equal(_bytes(got.tensors[name]), _bytes(t)), name
+
+
+def _a_stream(path: Path) -> tuple[str, dict]:
+    """The largest coded stream of an archive: (what the loader calls it, its record)."""
+    with Archive.open(path) as archive:
+        return max(((f"tensor {e.name!r}: stream {role}", rec) for e in archive.entries
+                    for role, rec in e.streams.items()), key=lambda item: item[1]["length"])
+
+
+def _host_hashes(monkeypatch) -> list:
+    from service import reading
+    calls, fault = [], reading.checksum_fault
+    monkeypatch.setattr(reading, "checksum_fault", lambda data, record: calls.append(1) or fault(data, record))
+    return calls
+
+
+def test_streams_are_verified_on_the_gpu_not_the_host(tiny_archive: Path, tmp_path: Path, monkeypatch) -> None:
+    hashes = _host_hashes(monkeypatch)
+    good = decode_archive(tiny_archive, torch.device("cuda"))
+    assert hashes == [] and good.stats.batches == 4
+    what, rec = _a_stream(tiny_archive)
+    bad = tmp_path / "bad.wcodec"
+    data = bytearray(tiny_archive.read_bytes())
+    data[rec["offset"] + rec["length"] // 2] ^= 0x04                     # the record's CRC32 left as it was
+    bad.write_bytes(bytes(data))
+    with pytest.raises(ChecksumError, match=f"{bad}.*{what}.*CRC32.*GPU") as e:
+        decode_archive(bad, torch.device("cuda"))
+    assert "\n" not in str(e.value)
 
 
 def test_pinned_ring_is_kept_and_reused_by_later_loads(tiny_archive: Path) -> None:
@@ -73,6 +104,12 @@ def test_a_host_cache_hit_copies_from_page_locked_memory(tiny_archive: Path, mon
     assert use.hit and taken == [0] and again.stats.h2d_s > 0
     for name, t in first.tensors.items():
         assert torch.equal(_bytes(again.tensors[name]), _bytes(t)), name
+    what, rec = _a_stream(tiny_archive)
+    kept.view[rec["offset"] + 3 - kept.base] ^= 0x80                     # page-locked host RAM goes bad
+    with pytest.raises(ChecksumError, match=f"{what}.*GPU"):
+        with cache.use(str(tiny_archive), verify=False, threads=4, direct=None) as use:
+            decode_archive(tiny_archive, cuda, early=use.read)
+    assert use.hit and len(cache) == 0                                   # the entry is dropped
     cache.clear()
 
 

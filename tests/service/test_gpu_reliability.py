@@ -68,7 +68,7 @@ def test_header_lies_through_cuda(base, tmp_path: Path, lie: str) -> None:
     archive, state = base
     path = tmp_path / "lie.wcodec"
     path.write_bytes(lying(archive, HEADER_LIES[lie]))
-    for name in ("cuda", "cuda-nv", "server-loader-cuda-nv"):
+    for name in ("cuda", "cuda-nv", "server-loader-cuda", "server-loader-cuda-nv"):
         got = outcome(readers(cuda=True)[name], path, state)
         assert got.kind == "error", f"{name}: {got.kind} {got.detail}"
 
