@@ -8,6 +8,9 @@
 #   quant      bench/quant_gpu.py on 8B layer shapes (QUANT_ARGS: more arguments, e.g. --part F --only gguf-part)
 #   resident   bench/resident_gpu.py --tokenizer .gentok (the 7B-shaped model, both resident modes)
 #   demo       the demo model's resident-mode tests on CUDA; DEMO: the whole demo GGUF on this machine
+#   service    tests/service/test_gpu.py and test_gpu_reliability.py (carry .whlsvc; MUTATIONS, default 60)
+#   ncu        Nsight Compute, every section, on the layer's decode launch (scripts/profile_decode.py):
+#              $OUT/ncu_details.txt and the per-SASS-line stall samples in $OUT/ncu_sass.csv
 # Usage (repo root, device machine): STAGES="build tests quant" bash scripts/device_round.sh
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
@@ -35,6 +38,15 @@ for s in ${STAGES:-build tests}; do
     demo) demo_package
           stage demo timeout "$(left 240)" python3 -m pytest -q -p no:cacheprovider tests/service/test_resident.py \
             -k cuda -rA --timeout 220 > "$OUT/demo_tests.log" 2>&1; tail -6 "$OUT/demo_tests.log" ;;
+    service) stage service timeout "$(left 300)" env WCODEC_GPU_MUTATIONS="${MUTATIONS:-60}" WCODEC_GPU_CYCLES=5 \
+               python3 -m pytest -q -p no:cacheprovider tests/service/test_gpu.py tests/service/test_gpu_reliability.py \
+               -rfE --timeout 280 > "$OUT/service_tests.log" 2>&1; tail -6 "$OUT/service_tests.log" ;;
+    ncu) stage ncu timeout "$(left 240)" ncu --profile-from-start off --clock-control none -k regex:decode_kernel \
+           --launch-count 1 --set full -f -o "$OUT/decode" python3 scripts/profile_decode.py "${ENTRY_STEPS:-256}" \
+           > "$OUT/ncu.log" 2>&1
+         ncu -i "$OUT/decode.ncu-rep" --page details --print-details all > "$OUT/ncu_details.txt" 2>&1
+         ncu -i "$OUT/decode.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_sass.csv" 2>&1
+         grep -E "Duration|Issued Warp|Warp Cycles Per Issued|Stall" "$OUT/ncu_details.txt" | head -30 ;;
     *) echo "unknown stage $s" ;;
   esac
 done
