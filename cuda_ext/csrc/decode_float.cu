@@ -32,7 +32,7 @@ constexpr int kIndexedWarpsPerBlock = 8;
 constexpr int kTableBuilders = 1 << kMaxCtxBits;   // warps that parse a block's tables (one each)
 constexpr int kChunk = static_cast<int>(kMinEntrySteps);   // steps per unrolled chunk
 constexpr int kCumWords = 260;                     // per-table scratch: cum[257]
-constexpr int kRingWords = 128;                    // a warp's ring of renormalisation words (Lane)
+constexpr int kRingWords = 256;                    // a warp's ring of renormalisation words (Lane)
 constexpr int kHiChunkBytes = kChunk * kLanes;     // one chunk's hi bytes; a warp's hi ring holds two
 constexpr int kWarpRingBytes = 2 * kRingWords + 2 * kHiChunkBytes;
 constexpr int kScratchWords =                      // u32: the tables' cums, later the warps' rings
@@ -52,13 +52,18 @@ using WordOf = typename std::conditional<Dtype == kFP32, uint32_t, uint16_t>::ty
 // kRingWords words in shared memory holding words [fill, fill + kRingWords) of the segment (fill a
 // multiple of 32, wpos < fill + 32 between steps): a step takes at most 32 words, all inside the
 // ring, each lane the one at wpos + (lanes below it that need one) with one shared load. Each 32
-// consumed words, 32 more go in (loaded a refill earlier into `pend`): a step never waits on a
-// global load, and holds no window registers to rotate.
+// consumed words, the 32 that follow the ring are requested into the freed slot by cp.async, with
+// no register and no wait: they are committed with the next chunk's hi bytes and have landed when
+// the chunk after that starts (`landed`). A step that would read past `landed` (only when words
+// are consumed far faster than usual) waits for every copy first. (Before, the next refill's
+// words were loaded into a register whose select and move waited on the load at once: ncu put 30 %
+// of a layer's stall samples on them.)
 struct Lane {
   uint32_t x;                      // rANS state
   int wpos;                        // words of the segment consumed (warp-uniform)
   int fill;                        // first word in the ring (warp-uniform)
-  uint32_t pend;                   // word fill + kRingWords + lane, for the next refill
+  int landed;                      // words [.., landed) are in the ring (warp-uniform)
+  int committed;                   // what `landed` becomes once the copies committed so far are in
 };
 
 __device__ __forceinline__ uint32_t load_word(const uint16_t* words, int n_words, int pos) {
@@ -71,8 +76,34 @@ __device__ __forceinline__ void fill_ring(const uint16_t* words, int n_words, ui
 #pragma unroll
   for (int i = 0; i < kRingWords; i += 32)
     ring[(st.fill + i + lane) & (kRingWords - 1)] = static_cast<uint16_t>(load_word(words, n_words, st.fill + i + lane));
-  st.pend = load_word(words, n_words, st.fill + kRingWords + lane);
+  st.landed = st.committed = st.fill + kRingWords;
   __syncwarp();
+}
+
+// Request words [fill + kRingWords, + 32) into the slot of [fill, fill + 32), now consumed: lanes
+// 0-15 copy two words each by cp.async, zero-filled past the segment's words (words 4-byte aligned:
+// `vec`), else one word a lane, loaded and stored at once.
+__device__ __forceinline__ void refill(const uint16_t* words, int n_words, bool vec, uint16_t* ring, Lane& st) {
+  const int lane = threadIdx.x & 31, pos = st.fill + kRingWords;
+  uint16_t* slot = ring + (st.fill & (kRingWords - 1));
+  if (vec) {
+    if (lane < 16) {
+      const int at = pos + 2 * lane, left = n_words - at, avail = left >= 2 ? 2 : left > 0 ? left : 0;
+      __pipeline_memcpy_async(slot + 2 * lane, words + (avail ? at : 0), 4, 4 - 2 * avail);
+    }
+  } else {
+    __syncwarp();                                                    // every lane has read its word
+    slot[lane] = static_cast<uint16_t>(load_word(words, n_words, pos + lane));
+  }
+  st.fill += 32;
+}
+
+// Wait for every copy requested so far: the ring is whole.
+__device__ __forceinline__ void land_all(Lane& st) {
+  __pipeline_commit();
+  __pipeline_wait_prior(0);
+  __syncwarp();
+  st.landed = st.committed = st.fill + kRingWords;
 }
 
 // The hi bytes of one chunk (kChunk steps x 32 lanes, 256 contiguous bytes) into this warp's
@@ -101,7 +132,7 @@ __device__ __forceinline__ void load_lo(const uint16_t* lo, int base, int n, uin
 
 // One chunk of kChunk steps. `Full` chunks (every symbol inside the segment) skip the end checks.
 template <int Dtype, int CtxBits, bool Full>
-__device__ __forceinline__ void decode_chunk(const uint32_t* lut, const uint16_t* words, int n_words,
+__device__ __forceinline__ void decode_chunk(const uint32_t* lut, const uint16_t* words, int n_words, bool vec,
                                              uint16_t* ring, int base, int n, const uint8_t* hr,
                                              const uint32_t (&l)[kChunk], Lane& st, WordOf<Dtype>* out) {
   const int lane = threadIdx.x & 31;
@@ -113,6 +144,7 @@ __device__ __forceinline__ void decode_chunk(const uint32_t* lut, const uint16_t
   for (int k = 0; k < kChunk; ++k) {
     const int j = base + k * kLanes + lane;
     const bool active = Full || j < n;
+    if (st.wpos + 32 > st.landed) land_all(st);                       // warp-uniform; rare
     uint32_t xn = st.x;
     const uint32_t hk = hc[k];
     const uint32_t sym = rans_step_packed(lut[(context(hk, CtxBits, Dtype) << kProbBits) | (st.x & (kProbScale - 1))], xn);
@@ -123,9 +155,7 @@ __device__ __forceinline__ void decode_chunk(const uint32_t* lut, const uint16_t
     st.wpos += __popc(mask);
     if (st.wpos - st.fill >= 32) {                                    // warp-uniform: refill 32 words
       __syncwarp();                                                   // every lane has read its word
-      ring[(st.fill & (kRingWords - 1)) + lane] = static_cast<uint16_t>(st.pend);
-      st.fill += 32;
-      st.pend = load_word(words, n_words, st.fill + kRingWords + lane);
+      refill(words, n_words, vec, ring, st);
       __syncwarp();
     }
     if (Full || active) {
@@ -166,7 +196,7 @@ __device__ int decode_unit(const uint8_t* data, const TensorDesc& d, const Segme
   }
   fill_ring(words, n_words, ring, st);
   uint8_t* hring = reinterpret_cast<uint8_t*>(ring + kRingWords);   // two chunks' hi bytes
-  const bool vec = (reinterpret_cast<uintptr_t>(hi) & 7) == 0;
+  const bool vec = (reinterpret_cast<uintptr_t>(hi) & 7) == 0, wvec = (reinterpret_cast<uintptr_t>(words) & 3) == 0;
   uint32_t l[kChunk], ln[kChunk];
   const int t0 = static_cast<int>(u.t0), t1 = static_cast<int>(u.t1);
   stage_hi(hi, vec, t0 * kLanes, n, hring);
@@ -176,7 +206,8 @@ __device__ int decode_unit(const uint8_t* data, const TensorDesc& d, const Segme
   for (int t = t0, c = 0; t < t1; t += kChunk, c ^= 1) {
     const int base = t * kLanes, next = base + kChunk * kLanes;
     if (t + kChunk < t1) {
-      stage_hi(hi, vec, next, n, hring + (c ^ 1) * kHiChunkBytes);
+      stage_hi(hi, vec, next, n, hring + (c ^ 1) * kHiChunkBytes);     // commits the words requested so far too
+      st.committed = st.fill + kRingWords;
       if constexpr (Dtype == kFP32) {
         if (next + kChunk * kLanes <= n) load_lo<true>(lo, next, n, ln);
         else load_lo<false>(lo, next, n, ln);
@@ -189,16 +220,19 @@ __device__ int decode_unit(const uint8_t* data, const TensorDesc& d, const Segme
     }
     const uint8_t* hr = hring + c * kHiChunkBytes;
     if (next <= n)
-      decode_chunk<Dtype, CtxBits, true>(lut, words, n_words, ring, base, n, hr, l, st, out);
+      decode_chunk<Dtype, CtxBits, true>(lut, words, n_words, wvec, ring, base, n, hr, l, st, out);
     else
-      decode_chunk<Dtype, CtxBits, false>(lut, words, n_words, ring, base, n, hr, l, st, out);
+      decode_chunk<Dtype, CtxBits, false>(lut, words, n_words, wvec, ring, base, n, hr, l, st, out);
     if constexpr (Dtype == kFP32) {
 #pragma unroll
       for (int k = 0; k < kChunk; ++k) l[k] = ln[k];
     }
     __pipeline_wait_prior(0);                                        // the next chunk's hi bytes are in,
     __syncwarp();                                                    // and every lane is done with this one
+    st.landed = st.committed;
   }
+  __pipeline_commit();                                               // no copy outlives the unit
+  __pipeline_wait_prior(0);
   const bool to_entry = u.end_entry >= 0;
   const uint32_t want_x = to_entry ? index.states[u.end_entry * kLanes + lane] : kRansL;
   const int64_t want_words = to_entry ? static_cast<int64_t>(index.words[u.end_entry]) : ref.words;
