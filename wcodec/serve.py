@@ -2,7 +2,8 @@
 
     0  the interpreter starts (the timeline's zero is the process's own start)
     1  settings; then each preloaded model's archive starts reading into memory on a thread
-       pool (service/prefetch.py: no torch), verified as it arrives
+       pool (service/prefetch.py: no torch), verified as it arrives; four 2 MiB requests at a
+       time until the imports are done (prefetch.ImportGate), then all at once
     2  import torch; then, per preloaded model, a thread (service/preload.py) makes the CUDA
        context, loads the decoder extension and decodes the model from its early read while
        its tokenizer and meta skeleton are built
@@ -22,6 +23,7 @@ import threading
 from service.timeline import Timeline
 
 EXIT_ERROR = 1
+IMPORT_SWITCH_INTERVAL = 0.001           # s; Python's default 0.005 let the imports starve the early reads
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,11 +47,11 @@ def _settings(args: argparse.Namespace, timeline: Timeline):
         return None
 
 
-def _start_early_reads(settings, timeline: Timeline) -> tuple[dict, dict]:
+def _start_early_reads(settings, timeline: Timeline, gate) -> tuple[dict, dict]:
     from service import prefetch
     paths = prefetch.preload_paths(settings) if settings.early_read else {}
     return paths, prefetch.start_early_reads(paths, verify=settings.verify_crc, threads=settings.read_threads(),
-                                             direct=settings.direct_io(), timeline=timeline)
+                                             direct=settings.direct_io(), timeline=timeline, gate=gate)
 
 
 def _start_early_loads(settings, paths: dict, reads: dict, timeline: Timeline) -> dict:
@@ -79,7 +81,11 @@ def run(args: argparse.Namespace, timeline: Timeline | None = None) -> int:
     if settings is None:
         return EXIT_ERROR
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    paths, reads = _start_early_reads(settings, timeline)
+    from service.prefetch import ImportGate
+    gate = ImportGate()                      # the early reads stay narrow while the imports read files,
+    switch = sys.getswitchinterval()         # and get the GIL back soon after each request
+    sys.setswitchinterval(IMPORT_SWITCH_INTERVAL)
+    paths, reads = _start_early_reads(settings, timeline, gate)
     with timeline.span("import torch"):
         import torch  # noqa: F401
     early = _start_early_loads(settings, paths, reads, timeline)
@@ -87,6 +93,9 @@ def run(args: argparse.Namespace, timeline: Timeline | None = None) -> int:
         import uvicorn
 
         from service.app import create_app
+    gate.open()
+    sys.setswitchinterval(switch)
+    timeline.mark("imports done: early reads go wide")
     app = create_app(settings, timeline=timeline, early=early)
     timeline.mark("app created; uvicorn starts")
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)

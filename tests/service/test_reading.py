@@ -103,3 +103,44 @@ def test_waiters_get_the_first_error(blob_file) -> None:
     checked.fail(TruncatedFile(str(path), "gone"))
     with pytest.raises(TruncatedFile, match="gone"):
         checked.wait_until(100)
+
+
+class _CountingFile:
+    """An ArchiveFile stand-in that records each read's size and how many run at once."""
+
+    def __init__(self, data: bytes):
+        import threading
+        import time
+        self.data, self.sizes, self.most, self._now = data, [], 0, 0
+        self._lock, self._sleep = threading.Lock(), time.sleep
+
+    def read(self, buf: memoryview, base: int, start: int, end: int) -> None:
+        with self._lock:
+            self._now += 1
+            self.most = max(self.most, self._now)
+            self.sizes.append(end - start)
+        self._sleep(0.002)
+        buf[start - base:end - base] = self.data[start:end]
+        with self._lock:
+            self._now -= 1
+
+
+def test_the_import_gate_keeps_start_up_reads_narrow_until_it_opens(blob_file) -> None:
+    from service.prefetch import ImportGate
+    path, data, blobs = blob_file
+    gate, file = ImportGate(narrow=2, chunk=8 * ALIGN), _CountingFile(data)
+    buf = memoryview(bytearray(align_up(len(data))))
+    with ThreadPoolExecutor(8) as pool:
+        futures = read_range(pool, None, buf, 0, 0, len(data), Blobs(str(path), blobs, True),
+                             lambda b, base, a, z: gate.read(file, b, base, a, z), piece=16 * ALIGN)
+        for f in futures:
+            f.result()
+    assert bytes(buf[:len(data)]) == data
+    assert file.most <= 2 and max(file.sizes) <= 8 * ALIGN                # narrow: 2 reads of a chunk at most
+    gate.open()
+    file.sizes, file.most = [], 0
+    with ThreadPoolExecutor(8) as pool:
+        for f in read_range(pool, None, buf, 0, 0, len(data), Blobs(str(path), blobs, True),
+                            lambda b, base, a, z: gate.read(file, b, base, a, z), piece=16 * ALIGN):
+            f.result()
+    assert file.most > 2 and max(file.sizes) == 16 * ALIGN                # wide: whole pieces, side by side
