@@ -16,20 +16,7 @@ import torch
 import xxhash
 
 import cuda_ext
-
-
-def events(fn, n: int = 10) -> float:
-    """Median seconds of fn() on the current stream, by CUDA events."""
-    fn()
-    times = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return float(np.median(times))
+from gpu_bench import timed
 
 
 def main() -> None:
@@ -47,9 +34,9 @@ def main() -> None:
     host = data[:256 << 20].cpu().numpy()
     first = spans[spans[:, 0] + spans[:, 1] <= host.size][:20]
     assert got[:len(first)].tolist() == [zlib.crc32(host[o:o + m]) for o, m in first.tolist()]
-    crc_s = events(lambda: cuda_ext.crc32_spans(data, spans))
+    crc_s = timed(lambda: cuda_ext.crc32_spans(data, spans))
     out = torch.empty_like(data)
-    copy_s = events(lambda: out.copy_(data))
+    copy_s = timed(lambda: out.copy_(data))
     t = time.perf_counter(); zlib.crc32(host); zlib_s = (time.perf_counter() - t) * n / host.size
     t = time.perf_counter(); xxhash.xxh3_64_hexdigest(host); xxh_s = (time.perf_counter() - t) * n / host.size
     print(json.dumps({"gpu": torch.cuda.get_device_name(), "GB": n / 1e9, "spans": a.spans,
