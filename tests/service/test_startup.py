@@ -141,3 +141,34 @@ async def test_a_corrupt_preload_fails_typed_and_stays_unloaded(tmp_path: Path, 
             info = (await client.get("/models/bad")).json()
     assert ready.status_code == 503 and "checksum" in ready.json()["error"]
     assert info["state"] == "failed" and "XXH3-64" in info["last_error"]
+
+
+def test_the_short_switch_interval_ends_once_the_early_reads_are_in() -> None:
+    import sys
+    import threading
+    import time
+
+    from wcodec.serve import IMPORT_SWITCH_INTERVAL, _restore_once_read
+
+    class Read:
+        end = 100
+
+        def __init__(self) -> None:
+            self.done = threading.Event()
+
+        def wait_until(self, end: int) -> None:
+            self.done.wait()
+
+    before, read = sys.getswitchinterval(), Read()
+    sys.setswitchinterval(IMPORT_SWITCH_INTERVAL)
+    try:
+        _restore_once_read({"m": read}, before)
+        time.sleep(0.05)
+        assert sys.getswitchinterval() == IMPORT_SWITCH_INTERVAL       # still reading
+        read.done.set()
+        deadline = time.monotonic() + 5
+        while sys.getswitchinterval() != before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sys.getswitchinterval() == before
+    finally:
+        sys.setswitchinterval(before)
