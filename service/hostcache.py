@@ -6,9 +6,10 @@ way. Read me first.
            verified as it arrives), decodes from there, and the cache keeps it. On CUDA it is then
            page-locked in place (one cudaHostRegister of the whole mapping) on a thread of its own:
            19-21 GB/s on an H100 box (scripts/probe_h2d.py), off the load's path.
-    hit    every stream is verified again from memory by a pool (EarlyRead.recheck), batch by batch
-           ahead of the copies, so a bit flipped in host RAM fails the load with ChecksumError and
-           the entry is dropped. Page-locked: each batch goes straight from the cached pages to
+    hit    every stream is verified again, so a bit flipped in host RAM fails the load with
+           ChecksumError and the entry is dropped: on a GPU by the loader, on the device after the
+           copy (service/devicecheck.py; the cache is then asked with verify=False); else from
+           memory by a pool (EarlyRead.recheck), batch by batch ahead of the decode. Page-locked: each batch goes straight from the cached pages to
            the device on the copy stream (no ring, no file); not yet: through the pinned ring.
 
 * Keyed by the file's identity: absolute path, st_dev, st_ino, st_size, st_mtime_ns. A file
