@@ -9,8 +9,9 @@ way. Read me first.
     hit    every stream is verified again, so a bit flipped in host RAM fails the load with
            ChecksumError and the entry is dropped: on a GPU by the loader, on the device after the
            copy (service/devicecheck.py; the cache is then asked with verify=False); else from
-           memory by a pool (EarlyRead.recheck), batch by batch ahead of the decode. Page-locked: each batch goes straight from the cached pages to
-           the device on the copy stream (no ring, no file); not yet: through the pinned ring.
+           memory by a pool (EarlyRead.recheck), batch by batch ahead of the decode. Page-locked:
+           each batch goes straight from the cached pages to the device on the copy stream (no
+           ring, no file); not yet: through the pinned ring.
 
 * Keyed by the file's identity: absolute path, st_dev, st_ino, st_size, st_mtime_ns. A file
   rewritten since is a miss, and its stale entry is dropped.
