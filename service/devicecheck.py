@@ -23,6 +23,7 @@ import torch
 
 import cuda_ext
 from codec import errors
+from cuda_ext import ops
 
 from .reading import Blob
 
@@ -43,11 +44,17 @@ class StreamChecks:
 
 
 def queue(blobs: list[Blob], data: torch.Tensor, start: int, path: str) -> StreamChecks:
-    """Checksum `blobs` in `data`, the device copy of file bytes [start, start + data.numel())."""
+    """Checksum `blobs` in `data`, the device copy of file bytes [start, start + data.numel()).
+    Only after `available` said yes for this load: the op itself, no dispatch a batch."""
     spans = torch.tensor([[b.offset - start, b.length] for b in blobs], dtype=torch.int64).reshape(-1, 2)
-    return StreamChecks(path, blobs, cuda_ext.crc32_spans(data, spans))
+    return StreamChecks(path, blobs, ops.crc32_spans(data, spans))
 
 
 def available(device: torch.device, verify: bool) -> bool:
     """Whether a load onto `device` verifies its streams there (CUDA, with the extension's op)."""
     return verify and device.type == "cuda" and cuda_ext.checksums_on(device)
+
+
+def on_host(device: torch.device, verify: bool) -> bool:
+    """Whether a load onto `device` must verify its streams on the host instead, as it reads them."""
+    return verify and not available(device, verify)

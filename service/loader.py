@@ -395,13 +395,13 @@ def decode_archive(path: str | Path, device: torch.device, *, ring: int = 4, ver
     batches = layer_batches(entries)
     early = early if early is not None and early.matches(path) else None
     in_place = early is not None and (device.type == "cpu" or early.pinned)
-    on_device = devicecheck.available(device, verify)      # else verified on the host as read
+    on_host = devicecheck.on_host(device, verify)          # else on the GPU, beside the decode
     n_buffers, size = ring_shape(ring, batches)
     n_buffers = 0 if in_place else n_buffers
     pin = device.type == "cuda"
     buffers = PINNED.take(n_buffers, size) if pin else [_aligned_buffer(size, pin) for _ in range(n_buffers)]
     mark(f"{n_buffers} ring buffers of {size >> 20} MiB allocated (pinned: {pin}; early read: {early is not None}; "
-         f"in place: {in_place}; streams verified: {'on the GPU' if on_device else 'on the host' if verify else 'no'})")
+         f"in place: {in_place}; streams verified: {'on the host' if on_host else 'on the GPU' if verify else 'no'})")
     stats = LoadStats(compressed_bytes=sum(b.nbytes for b in batches),
                       decoded_bytes=sum(b.decoded_bytes for b in batches), batches=len(batches),
                       source="file" if early is None else "early read")
@@ -410,10 +410,9 @@ def decode_archive(path: str | Path, device: torch.device, *, ring: int = 4, ver
     decode = _keeping(layers) if compressed else _decode
     file = ArchiveFile(path, direct) if early is None else None
     try:
-        with RingReader(path, file, batches, buffers, verify and not on_device, threads or read_threads(),
-                        early) as reader:
+        with RingReader(path, file, batches, buffers, on_host, threads or read_threads(), early) as reader:
             if device.type == "cuda":
-                tensors = _decode_cuda(reader, path, device, on_batch, stats, decode, on_device)
+                tensors = _decode_cuda(reader, path, device, on_batch, stats, decode, verify and not on_host)
             else:
                 tensors = _decode_cpu(reader, path, on_batch, stats, decode)
     finally:

@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from .prefetch import EarlyRead
+from .prefetch import EarlyRead, identity
 from .timeline import Timeline
 
 
@@ -26,7 +26,7 @@ class EarlyLoad:
     def __init__(self, name: str, path: str, device: torch.device, settings, early: EarlyRead | None,
                  timeline: Timeline):
         self.name, self.path, self.device, self.timeline = name, path, device, timeline
-        self.identity = os.stat(path).st_mtime_ns, os.stat(path).st_size
+        self.identity = identity(path)
         self.compressed = settings.resident == "compressed"         # preloads use the default resident mode
         self.read = early if early is not None and settings.host_cache_budget() > 0 else None
         if self.read is not None:
@@ -98,11 +98,10 @@ class EarlyLoad:
 
     def matches(self, path, device: torch.device) -> bool:
         try:
-            st = os.stat(path)
+            return os.path.abspath(path) == os.path.abspath(self.path) and device == self.device \
+                and identity(path) == self.identity
         except OSError:
             return False
-        return os.path.abspath(path) == os.path.abspath(self.path) and device == self.device \
-            and (st.st_mtime_ns, st.st_size) == self.identity
 
     def take(self, on_batch: Callable[[object, float], None]):
         """(Decoded, Prepared) once ready; replays the per-batch callbacks; raises the load's error."""

@@ -320,9 +320,8 @@ class ModelRegistry:
         s = self.settings
         with ThreadPoolExecutor(1, thread_name_prefix="wcodec-prepare") as pool:
             prepared = pool.submit(modeling.prepare, slot.name, opened[1])
-            host_verify = s.verify_crc and not devicecheck.available(self.device, s.verify_crc)   # else the loader's GPU
-            with self.host_cache.use(str(slot.file.path), verify=host_verify, threads=s.read_threads(),
-                                     direct=s.direct_io(), early=early) as cached:
+            with self.host_cache.use(str(slot.file.path), verify=devicecheck.on_host(self.device, s.verify_crc),
+                                     threads=s.read_threads(), direct=s.direct_io(), early=early) as cached:
                 self._count_cache(slot, cached)
                 mark(f"archive bytes from: {cached.source}")
                 decoded = loader.decode_archive(slot.file.path, self.device, ring=s.load_ring_buffers,
