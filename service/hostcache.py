@@ -152,7 +152,8 @@ class HostCache:
             return None, plain                     # the load reports it
         entry = self._hit(key)
         if entry is not None:
-            entry.read.recheck(verify, self._recheck_pool(threads))
+            if verify or not entry.read.blobs.complete:  # else no task at all (on CUDA the loader checks the GPU copy)
+                entry.read.recheck(verify, self._recheck_pool(threads))
             log.info("host cache hit: %s (%.3f GB, %s)", path, entry.nbytes / 1e9,
                      "page-locked" if entry.read.pinned else "not page-locked yet" if self.pin else "pageable")
             return entry, Use(entry.read, "host cache", looked=True, hit=True)
