@@ -97,18 +97,30 @@ def build(entries: list[TensorEntry], path=None, start: int | None = None, end: 
 
 MODE_BULK, MODE_RECORD, MODE_INDEXED = 0, 1, 2      # wcodec_constants.h Mode
 WARPS_PER_BLOCK = 4                                  # decode_float.cu kWarpsPerBlock
-INDEXED_WARPS_PER_BLOCK = 8                          # decode_float.cu kIndexedWarpsPerBlock
+INDEXED_WARPS_PER_BLOCK = 16                         # decode_float.cu kIndexedWarpsPerBlock
 
 
 def units_per_segment(mode: int, entry_steps: int) -> int:
     return SEGMENT_STEPS // entry_steps if mode == MODE_INDEXED else 1
 
 
-def warps_per_block(mode: int, entry_steps: int) -> int:
-    """Warps of one kernel block (decode_float.cu: warps_per_block): 8 when every block of 8
-    units holds pieces of one segment (sharing its tables), else 4."""
-    return INDEXED_WARPS_PER_BLOCK if units_per_segment(mode, entry_steps) % INDEXED_WARPS_PER_BLOCK == 0 \
-        else WARPS_PER_BLOCK
+def segment_span(plan: Plan) -> int:
+    """The most segments one block may span (decode_float.cu: segment_span): blocks of whole
+    segments must not straddle a table group (4, 8, 16 or the whole tensor)."""
+    groups = [e.params.table_group for e in plan.float_entries if e.params.table_group < e.params.n_segments]
+    return min((g & -g for g in groups), default=1 << 30)
+
+
+def warps_per_block(mode: int, entry_steps: int, units: int, sms: int, span: int) -> int:
+    """Warps of one kernel block for a launch of `units` units on a GPU of `sms` multiprocessors
+    (decode_float.cu: warps_per_block): the larger of 16 and 8 whose blocks each lie in one segment
+    or in whole segments of one table group (at most `span`), and still number one an SM or more;
+    else 4."""
+    per = units_per_segment(mode, entry_steps)
+    for w in (INDEXED_WARPS_PER_BLOCK, INDEXED_WARPS_PER_BLOCK // 2):
+        if (per % w == 0 or (w % per == 0 and w // per <= span)) and units >= w * sms:
+            return w
+    return WARPS_PER_BLOCK
 
 
 def device_plan(plan: Plan, outputs: list[torch.Tensor], mode: int, entry_steps: int) -> torch.Tensor:
@@ -116,12 +128,14 @@ def device_plan(plan: Plan, outputs: list[torch.Tensor], mode: int, entry_steps:
     block of each tensor | output pointers (int64, on the outputs' device). The caller keeps
     `outputs` alive as long as it launches with this plan."""
     per = units_per_segment(mode, entry_steps)
-    warps = warps_per_block(mode, entry_steps)
-    blocks = [-(-e.params.n_segments * per // warps) for e in plan.float_entries]
+    device = outputs[0].device if outputs else torch.device("cpu")
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    units = [e.params.n_segments * per for e in plan.float_entries]
+    warps = warps_per_block(mode, entry_steps, sum(units), sms, segment_span(plan))
+    blocks = [-(-u // warps) for u in units]
     firsts = [sum(blocks[:i]) for i in range(len(blocks))]
     host = torch.cat([plan.desc.reshape(-1), torch.tensor(firsts, dtype=torch.int64),
                       torch.tensor([o.data_ptr() for o in outputs], dtype=torch.int64)])
-    device = outputs[0].device if outputs else torch.device("cpu")
     return host.to(device) if device.type == "cuda" else host
 
 

@@ -27,3 +27,14 @@ def every_mode(fn, data: torch.Tensor, p: plans.Plan, entry_steps: int) -> dict:
     out[plans.MODE_RECORD] = run_op(fn, data, p, plans.MODE_RECORD, entry_steps)
     out[plans.MODE_INDEXED] = run_op(fn, data, p, plans.MODE_INDEXED, entry_steps, out[plans.MODE_RECORD][2])
     return out
+
+
+def shifted(data: torch.Tensor, p: plans.Plan, shift: int) -> tuple[torch.Tensor, plans.Plan]:
+    """The same streams `shift` bytes further into the buffer: (data, plan) for a decode at
+    addresses off the archive's alignment."""
+    import dataclasses
+    desc = p.desc.clone()
+    for field in ("exp_off", "hi_off", "lo_off"):
+        col = desc[:, plans.DESC_FIELDS.index(field)]
+        col[col >= 0] += shift
+    return torch.cat([torch.zeros(shift, dtype=torch.uint8), data.cpu()]).to(data.device), dataclasses.replace(p, desc=desc)

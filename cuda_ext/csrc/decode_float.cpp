@@ -331,6 +331,10 @@ std::vector<TensorDesc> check_pieces_args(const at::Tensor& data, const at::Tens
     TORCH_CHECK(d.exp_off >= 0 && d.exp_len >= 0 && d.exp_off + d.exp_len <= size && d.hi_off >= 0 &&
                     d.hi_off + d.numel <= size && (d.dtype != kFP32 || (d.lo_off >= 0 && d.lo_off + 2 * d.numel <= size)),
                 "streams of row ", i, " lie outside data");
+    const uintptr_t base = reinterpret_cast<uintptr_t>(data.data_ptr());
+    TORCH_CHECK((base + d.exp_off) % 2 == 0 && (d.dtype != kFP32 || (base + d.lo_off) % 2 == 0),
+                "the exp and lo streams of row ", i, " must start at even addresses (16-bit words); "
+                "an archive places every stream 64-byte aligned");
     entries = std::max(entries, (d.first_segment + segment_count(d)) * per);
     statuses = std::max(statuses, (d.first_segment + segment_count(d)) * pieces_per_segment(mode, entry_steps));
     out.push_back(d);

@@ -26,17 +26,24 @@
 namespace wcodec {
 
 constexpr int kWarpsPerBlock = 4;                  // = TABLE_GROUP_QUANTUM: one table set per block
-// Indexed pieces of entry_steps <= 512 come 8 (or more) to a segment, so a block of 8 warps
-// decodes 8 pieces of one segment with one table set: 2x the warps per shared-memory table.
-constexpr int kIndexedWarpsPerBlock = 8;
+// Indexed pieces of entry_steps <= 1024 come 4 or more to a segment, so a block of 16 warps decodes
+// 16 pieces of 1-4 segments of one table group with one table set: 4x the warps per shared-memory
+// table, and 32 warps an SM where the tables of 4 warps had allowed 12.
+constexpr int64_t kIndexedWarpsPerBlock = 16;
 constexpr int kTableBuilders = 1 << kMaxCtxBits;   // warps that parse a block's tables (one each)
 constexpr int kChunk = static_cast<int>(kMinEntrySteps);   // steps per unrolled chunk
 constexpr int kCumWords = 260;                     // per-table scratch: cum[257]
-constexpr int kRingWords = 256;                    // a warp's ring of renormalisation words (Lane)
-constexpr int kHiChunkBytes = kChunk * kLanes;     // one chunk's hi bytes; a warp's hi ring holds two
-constexpr int kWarpRingBytes = 2 * kRingWords + 2 * kHiChunkBytes;
-constexpr int kScratchWords =                      // u32: the tables' cums, later the warps' rings
-    std::max(kTableBuilders * kCumWords, kIndexedWarpsPerBlock * kWarpRingBytes / 4);
+constexpr int kRingWords = 512;                    // a warp's ring of renormalisation words (Lane)
+constexpr int kPieceWords = 8;                     // words topped up per 16-byte copy
+constexpr int kHiChunkBytes = kChunk * kLanes;     // one chunk's hi bytes, a buffer per warp
+// Shared memory: the warps' word rings (warp w's at w * 1 KiB: 1 KiB-aligned, so a word's address
+// is one OR), their hi buffers, the block's table status; the tables after. Before the tables are
+// filled, the cums of their parse use the rings' room.
+constexpr int kRingBytes = 2 * kRingWords;
+constexpr int hi_offset(int warps) { return warps * kRingBytes; }
+constexpr int status_offset(int warps) { return hi_offset(warps) + warps * kHiChunkBytes; }
+constexpr int scratch_words(int warps) { return status_offset(warps) / 4 + 4; }   // the tables follow
+static_assert(kTableBuilders * kCumWords <= status_offset(4) / 4, "the cums fit the rings' room");
 constexpr size_t kTableBytes = sizeof(uint32_t) * kProbScale;
 
 std::vector<TensorDesc> check_pieces_args(const at::Tensor& data, const at::Tensor& desc, at::TensorList outputs,
@@ -49,74 +56,91 @@ template <int Dtype>
 using WordOf = typename std::conditional<Dtype == kFP32, uint32_t, uint16_t>::type;
 
 // One lane's view of the unit it decodes. The renormalisation words come from a per-warp ring of
-// kRingWords words in shared memory holding words [fill, fill + kRingWords) of the segment (fill a
-// multiple of 32, wpos < fill + 32 between steps): a step takes at most 32 words, all inside the
-// ring, each lane the one at wpos + (lanes below it that need one) with one shared load. Each 32
-// consumed words, the 32 that follow the ring are requested into the freed slot by cp.async, with
-// no register and no wait: they are committed with the next chunk's hi bytes and have landed when
-// the chunk after that starts (`landed`). A step that would read past `landed` (only when words
-// are consumed far faster than usual) waits for every copy first. (Before, the next refill's
-// words were loaded into a register whose select and move waited on the load at once: ncu put 30 %
-// of a layer's stall samples on them.)
+// kRingWords words in shared memory. Once a chunk of kChunk steps, never inside one, the ring is
+// topped up: the words consumed since the last chunk (whole 16-byte pieces) are replaced by the
+// ones that follow the ring, by cp.async, committed with the next chunk's hi bytes and landed when
+// the next chunk starts. A chunk takes at most 32 words a step, kChunk * 32 in all, so the words it
+// may read are in the ring unless the chunk before it took nearly all it could (then it waits for
+// the copies just requested). The steps themselves hold no check and no branch: a shared load at
+// wpos + (lanes below it that need a word). (Before, every step tested whether the ring needed a
+// refill and whether the words had landed: a third of a step's instructions.)
 struct Lane {
   uint32_t x;                      // rANS state
   int wpos;                        // words of the segment consumed (warp-uniform)
-  int fill;                        // first word in the ring (warp-uniform)
-  int landed;                      // words [.., landed) are in the ring (warp-uniform)
-  int committed;                   // what `landed` becomes once the copies committed so far are in
+  int tail;                        // the ring holds words [tail, tail + kRingWords); a multiple of 8
 };
+
+// cp.async of 16 bytes, the first `src_bytes` from global memory and the rest zeros (one
+// instruction: __pipeline_memcpy_async's zero-fill takes a branch per size).
+__device__ __forceinline__ void copy16_async(void* dst, const void* src, int src_bytes) {
+  const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(src), "r"(src_bytes) : "memory");
+}
+
+// The output element of a step from its packed table entry v (tables.build_lut: sym in bits
+// 12-19) and the hi byte: join16 / join32 of v's symbol, with fewer instructions. The 16-bit
+// results are exact in their low 16 bits (what the store writes): for bf16 the sign and mantissa
+// come from hk * 0x101 (hk in both bytes), bits 7-14 from v >> 5.
+template <int Dtype>
+__device__ __forceinline__ uint32_t join_packed(uint32_t v, uint32_t hk, uint32_t lo) {
+  if constexpr (Dtype == kBF16) {
+    uint32_t r;                                                      // (a & 0x807F) | (b & ~0x807F): one LOP3
+    asm("lop3.b32 %0, %1, %2, %3, 0xE2;" : "=r"(r) : "r"(hk * 0x101u), "n"(0x807F), "r"(v >> (kLutSymShift - 7)));
+    return r;
+  }
+  else if constexpr (Dtype == kFP16) return ((v >> (kLutSymShift - 8)) & ~0xFFu) | hk;
+  else return join32((v >> kLutSymShift) & 0xFF, hk, lo);
+}
+
+// Word `pos` of the segment from the ring at shared address ring_s (1 KiB-aligned): one OR.
+__device__ __forceinline__ uint32_t ring_word(uint32_t ring_s, int pos) {
+  unsigned short w;
+  asm volatile("ld.shared.u16 %0, [%1];" : "=h"(w) : "r"(ring_s | ((2u * pos) & (kRingBytes - 2))) : "memory");
+  return w;
+}
 
 __device__ __forceinline__ uint32_t load_word(const uint16_t* words, int n_words, int pos) {
   return pos < n_words ? __ldg(words + pos) : 0u;                   // bounded: zeros past the end
 }
 
-__device__ __forceinline__ void fill_ring(const uint16_t* words, int n_words, uint16_t* ring, Lane& st) {
-  const int lane = threadIdx.x & 31;
-  st.fill = st.wpos & ~31;
+// The unvectorised copies, out of line: inlined, the compiler hoisted their eight addresses out of
+// the chunk loop, 16 registers that the 64-register kernel then spilled on every chunk.
+__device__ __noinline__ void copy_words_slow(const uint16_t* words, int n_words, uint16_t* slot, int p) {
 #pragma unroll
-  for (int i = 0; i < kRingWords; i += 32)
-    ring[(st.fill + i + lane) & (kRingWords - 1)] = static_cast<uint16_t>(load_word(words, n_words, st.fill + i + lane));
-  st.landed = st.committed = st.fill + kRingWords;
-  __syncwarp();
+  for (int i = 0; i < kPieceWords; ++i) slot[i] = static_cast<uint16_t>(load_word(words, n_words, p + i));
 }
 
-// Request words [fill + kRingWords, + 32) into the slot of [fill, fill + 32), now consumed: lanes
-// 0-15 copy two words each by cp.async, zero-filled past the segment's words (words 4-byte aligned:
-// `vec`), else one word a lane, loaded and stored at once.
-__device__ __forceinline__ void refill(const uint16_t* words, int n_words, bool vec, uint16_t* ring, Lane& st) {
-  const int lane = threadIdx.x & 31, pos = st.fill + kRingWords;
-  uint16_t* slot = ring + (st.fill & (kRingWords - 1));
+__device__ __noinline__ void copy_hi_slow(const uint8_t* hi, int at, int n, uint8_t* dst) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) dst[i] = at + i < n ? hi[at + i] : 0;
+}
+
+// Request words [from, to) of the segment (multiples of kPieceWords, at most 32 pieces) into their
+// ring slots: a lane a 16-byte piece by cp.async, zero-filled past the segment's words, where the
+// words are 16-byte aligned (`vec`); else loaded and stored at once.
+__device__ __forceinline__ void request_words(const uint16_t* words, int n_words, bool vec, uint16_t* ring, int from,
+                                              int to) {
+  const int p = from + kPieceWords * (threadIdx.x & 31);
+  if (p >= to) return;
+  uint16_t* slot = ring + (p & (kRingWords - 1));
   if (vec) {
-    if (lane < 16) {
-      const int at = pos + 2 * lane, left = n_words - at, avail = left >= 2 ? 2 : left > 0 ? left : 0;
-      __pipeline_memcpy_async(slot + 2 * lane, words + (avail ? at : 0), 4, 4 - 2 * avail);
-    }
+    const int left = n_words - p, avail = left >= kPieceWords ? kPieceWords : left > 0 ? left : 0;
+    copy16_async(slot, words + (avail ? p : 0), 2 * avail);
   } else {
-    __syncwarp();                                                    // every lane has read its word
-    slot[lane] = static_cast<uint16_t>(load_word(words, n_words, pos + lane));
+    copy_words_slow(words, n_words, slot, p);
   }
-  st.fill += 32;
 }
 
-// Wait for every copy requested so far: the ring is whole.
-__device__ __forceinline__ void land_all(Lane& st) {
-  __pipeline_commit();
-  __pipeline_wait_prior(0);
-  __syncwarp();
-  st.landed = st.committed = st.fill + kRingWords;
-}
-
-// The hi bytes of one chunk (kChunk steps x 32 lanes, 256 contiguous bytes) into this warp's
-// hi ring, a chunk ahead of use: each lane copies 8 bytes with cp.async (no registers held, no
-// wait until the chunk is needed), or byte by byte, zero past the segment's end, where the chunk
-// is short or the plane is not 8-byte aligned. The caller waits and syncs the warp before reading.
+// The hi bytes of one chunk (kChunk steps x 32 lanes, 256 contiguous bytes) into this warp's hi
+// buffer, a chunk ahead of use: each lane copies 8 bytes with cp.async (no registers held, no
+// wait until the chunk starts), or byte by byte, zero past the segment's end, where the chunk
+// is short or the plane is not 8-byte aligned. Commits every copy requested so far.
 __device__ __forceinline__ void stage_hi(const uint8_t* hi, bool vec, int base, int n, uint8_t* hr) {
   const int lane = threadIdx.x & 31, at = base + 8 * lane;
   if (vec && base + kHiChunkBytes <= n) {
     __pipeline_memcpy_async(hr + 8 * lane, hi + at, 8);
   } else {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) hr[8 * lane + i] = at + i < n ? hi[at + i] : 0;
+    copy_hi_slow(hi, at, n, hr + 8 * lane);
   }
   __pipeline_commit();
 }
@@ -130,39 +154,30 @@ __device__ __forceinline__ void load_lo(const uint16_t* lo, int base, int n, uin
   for (int k = 0; k < kChunk; ++k) l[k] = Full || base + k * kLanes + lane < n ? __ldg(lp + k * kLanes) : 0u;
 }
 
-// One chunk of kChunk steps. `Full` chunks (every symbol inside the segment) skip the end checks.
+// One chunk of kChunk steps, its words in the ring. `Full` chunks (every symbol inside the
+// segment) skip the end checks. `o` is this lane's output at the chunk's first step.
 template <int Dtype, int CtxBits, bool Full>
-__device__ __forceinline__ void decode_chunk(const uint32_t* lut, const uint16_t* words, int n_words, bool vec,
-                                             uint16_t* ring, int base, int n, const uint8_t* hr,
-                                             const uint32_t (&l)[kChunk], Lane& st, WordOf<Dtype>* out) {
-  const int lane = threadIdx.x & 31;
-  const unsigned lanes_below = (1u << lane) - 1u;
-  uint32_t hc[kChunk];                                               // the chunk's hi bytes, read up front
-#pragma unroll
-  for (int k = 0; k < kChunk; ++k) hc[k] = hr[k * kLanes + lane];
+__device__ __forceinline__ void decode_chunk(const uint32_t* lut, uint32_t ring_s, int left,
+                                             const uint32_t (&hc)[kChunk], const uint32_t (&l)[kChunk], Lane& st,
+                                             WordOf<Dtype>* o) {
+  const unsigned lanes_below = (1u << (threadIdx.x & 31)) - 1u;
 #pragma unroll
   for (int k = 0; k < kChunk; ++k) {
-    const int j = base + k * kLanes + lane;
-    const bool active = Full || j < n;
-    if (st.wpos + 32 > st.landed) land_all(st);                       // warp-uniform; rare
+    const bool active = Full || k * kLanes < left;
     uint32_t xn = st.x;
     const uint32_t hk = hc[k];
-    const uint32_t sym = rans_step_packed(lut[(context(hk, CtxBits, Dtype) << kProbBits) | (st.x & (kProbScale - 1))], xn);
+    const uint32_t v = lut[(context(hk, CtxBits, Dtype) << kProbBits) | (st.x & (kProbScale - 1))];
+    rans_step_packed(v, xn);
     const bool need = active && xn < kRansL;                           // renormalise: one word
     const unsigned mask = __ballot_sync(kFullMask, need);
-    if (need) xn = (xn << kRenormBits) | ring[(st.wpos + __popc(mask & lanes_below)) & (kRingWords - 1)];
+    if (need) xn = (xn << kRenormBits) | ring_word(ring_s, st.wpos + __popc(mask & lanes_below));
     if (Full || active) st.x = xn;
     st.wpos += __popc(mask);
-    if (st.wpos - st.fill >= 32) {                                    // warp-uniform: refill 32 words
-      __syncwarp();                                                   // every lane has read its word
-      refill(words, n_words, vec, ring, st);
-      __syncwarp();
-    }
     if (Full || active) {
       if constexpr (Dtype == kFP32)
-        __stcg(out + j, join32(sym, hk, l[k]));
+        __stcg(o + k * kLanes, join_packed<Dtype>(v, hk, l[k]));
       else
-        __stcg(reinterpret_cast<unsigned short*>(out) + j, join16(Dtype, sym, hk));
+        __stcg(reinterpret_cast<unsigned short*>(o) + k * kLanes, static_cast<unsigned short>(join_packed<Dtype>(v, hk, 0)));
     }
   }
 }
@@ -172,11 +187,12 @@ struct Index {                      // the resident index (kRecord writes it, kI
   uint32_t* words;                  // [entries]
 };
 
-// Decode steps [u.t0, u.t1) of one segment. Returns the unit's status.
-template <int Dtype, int CtxBits>
+// Decode steps [u.t0, u.t1) of one segment (Record: mode kRecord, writing the index as it goes; a
+// template argument so that the other modes hold none of its registers). Returns the unit's status.
+template <int Dtype, int CtxBits, bool Record>
 __device__ int decode_unit(const uint8_t* data, const TensorDesc& d, const SegmentRef& ref, const Unit& u,
                            int64_t mode, int64_t entry_steps, const uint32_t* lut, Index index, uint16_t* ring,
-                           void* out_base) {
+                           uint8_t* hr, void* out_base) {
   const int lane = threadIdx.x & 31;
   const uint8_t* exp = data + d.exp_off;
   const int64_t seg0 = u.seg * kSegmentSymbols;
@@ -194,60 +210,89 @@ __device__ int decode_unit(const uint8_t* data, const TensorDesc& d, const Segme
     st.x = load_le<uint32_t>(exp + ref.data + 4 * lane);
     st.wpos = 0;
   }
-  fill_ring(words, n_words, ring, st);
-  uint8_t* hring = reinterpret_cast<uint8_t*>(ring + kRingWords);   // two chunks' hi bytes
-  const bool vec = (reinterpret_cast<uintptr_t>(hi) & 7) == 0, wvec = (reinterpret_cast<uintptr_t>(words) & 3) == 0;
-  uint32_t l[kChunk], ln[kChunk];
+  const uint32_t ring_s = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
+  const bool vec = (reinterpret_cast<uintptr_t>(hi) & 7) == 0, wvec = (reinterpret_cast<uintptr_t>(words) & 15) == 0;
+  st.tail = st.wpos & ~(kPieceWords - 1);
+  for (int i = 0; i < kRingWords; i += kPieceWords * kLanes)
+    request_words(words, n_words, wvec, ring, st.tail + i, st.tail + kRingWords);
+  uint32_t l[kChunk], ln[kChunk], hc[kChunk];
   const int t0 = static_cast<int>(u.t0), t1 = static_cast<int>(u.t1);
-  stage_hi(hi, vec, t0 * kLanes, n, hring);
+  uint32_t* rec_states = nullptr;                                    // Record: this lane's entry states
+  uint32_t* rec_words = nullptr;
+  if constexpr (Record) {
+    const int64_t e0 = record_entry(d, entry_steps, u.seg, 0);
+    rec_states = index.states + e0 * kLanes + lane;
+    rec_words = index.words + e0;
+  }
+  const int entry_mask = static_cast<int>(entry_steps) - 1;
+  const bool to_entry = u.end_entry >= 0;                            // where the unit must end (loaded
+  const uint32_t want_x = to_entry ? index.states[u.end_entry * kLanes + lane] : kRansL;   // now: no
+  const uint32_t want_words = to_entry ? index.words[u.end_entry] : static_cast<uint32_t>(n_words);  // index
+                                                                                     // registers in the loop)
+  stage_hi(hi, vec, t0 * kLanes, n, hr);
   if constexpr (Dtype == kFP32) load_lo<false>(lo, t0 * kLanes, n, l);
-  __pipeline_wait_prior(0);
-  __syncwarp();
-  for (int t = t0, c = 0; t < t1; t += kChunk, c ^= 1) {
+  for (int t = t0; t < t1; t += kChunk) {
     const int base = t * kLanes, next = base + kChunk * kLanes;
+    __pipeline_wait_prior(0);                                        // this chunk's hi bytes and the words
+    __syncwarp();                                                    // requested a chunk ago are in
+#pragma unroll
+    for (int k = 0; k < kChunk; ++k) hc[k] = hr[k * kLanes + lane];
+    __syncwarp();                                                    // every lane has its hi bytes
+    const int tail = st.wpos & ~(kPieceWords - 1);                   // top the ring up (warp-uniform)
+    request_words(words, n_words, wvec, ring, st.tail + kRingWords, tail + kRingWords);
+    const bool behind = st.wpos + kChunk * kLanes > st.tail + kRingWords;
+    st.tail = tail;
     if (t + kChunk < t1) {
-      stage_hi(hi, vec, next, n, hring + (c ^ 1) * kHiChunkBytes);     // commits the words requested so far too
-      st.committed = st.fill + kRingWords;
+      stage_hi(hi, vec, next, n, hr);                                // commits the words requested too
       if constexpr (Dtype == kFP32) {
         if (next + kChunk * kLanes <= n) load_lo<true>(lo, next, n, ln);
         else load_lo<false>(lo, next, n, ln);
       }
+    } else {
+      __pipeline_commit();
     }
-    if (mode == kRecord && t % entry_steps == 0) {                   // an entry point of the index
-      const int64_t e = record_entry(d, entry_steps, u.seg, t);
-      index.states[e * kLanes + lane] = st.x;
-      if (lane == 0) index.words[e] = static_cast<uint32_t>(st.wpos);
+    if (behind) {                                                    // rare: the last chunk took ~every word
+      __pipeline_wait_prior(0);
+      __syncwarp();
     }
-    const uint8_t* hr = hring + c * kHiChunkBytes;
+    if constexpr (Record) {
+      if ((t & entry_mask) == 0) {                                   // an entry point of the index
+        const int e = t / static_cast<int>(entry_steps);
+        rec_states[e * kLanes] = st.x;
+        if (lane == 0) rec_words[e] = static_cast<uint32_t>(st.wpos);
+      }
+    }
+    WordOf<Dtype>* o = out + base + lane;
     if (next <= n)
-      decode_chunk<Dtype, CtxBits, true>(lut, words, n_words, wvec, ring, base, n, hr, l, st, out);
+      decode_chunk<Dtype, CtxBits, true>(lut, ring_s, n - base - lane, hc, l, st, o);
     else
-      decode_chunk<Dtype, CtxBits, false>(lut, words, n_words, wvec, ring, base, n, hr, l, st, out);
+      decode_chunk<Dtype, CtxBits, false>(lut, ring_s, n - base - lane, hc, l, st, o);
     if constexpr (Dtype == kFP32) {
 #pragma unroll
       for (int k = 0; k < kChunk; ++k) l[k] = ln[k];
     }
-    __pipeline_wait_prior(0);                                        // the next chunk's hi bytes are in,
-    __syncwarp();                                                    // and every lane is done with this one
-    st.landed = st.committed;
   }
-  __pipeline_commit();                                               // no copy outlives the unit
-  __pipeline_wait_prior(0);
-  const bool to_entry = u.end_entry >= 0;
-  const uint32_t want_x = to_entry ? index.states[u.end_entry * kLanes + lane] : kRansL;
-  const int64_t want_words = to_entry ? static_cast<int64_t>(index.words[u.end_entry]) : ref.words;
-  if (st.wpos != want_words) return kWords;
+  __pipeline_wait_prior(0);                                          // no copy outlives the unit
+  __syncwarp();
+  if (static_cast<uint32_t>(st.wpos) != want_words) return kWords;
   return __all_sync(kFullMask, st.x == want_x) ? kOk : kState;
 }
 
 template <int Dtype>
 __device__ int decode_ctx(const uint8_t* data, const TensorDesc& d, const SegmentRef& ref, const Unit& u,
                           int64_t mode, int64_t entry_steps, const uint32_t* lut, Index index, uint16_t* ring,
-                          void* out) {
+                          uint8_t* hr, void* out) {
+  if (mode == kRecord) {
+    switch (d.ctx_bits) {
+      case 0: return decode_unit<Dtype, 0, true>(data, d, ref, u, mode, entry_steps, lut, index, ring, hr, out);
+      case 1: return decode_unit<Dtype, 1, true>(data, d, ref, u, mode, entry_steps, lut, index, ring, hr, out);
+      default: return decode_unit<Dtype, 2, true>(data, d, ref, u, mode, entry_steps, lut, index, ring, hr, out);
+    }
+  }
   switch (d.ctx_bits) {
-    case 0: return decode_unit<Dtype, 0>(data, d, ref, u, mode, entry_steps, lut, index, ring, out);
-    case 1: return decode_unit<Dtype, 1>(data, d, ref, u, mode, entry_steps, lut, index, ring, out);
-    default: return decode_unit<Dtype, 2>(data, d, ref, u, mode, entry_steps, lut, index, ring, out);
+    case 0: return decode_unit<Dtype, 0, false>(data, d, ref, u, mode, entry_steps, lut, index, ring, hr, out);
+    case 1: return decode_unit<Dtype, 1, false>(data, d, ref, u, mode, entry_steps, lut, index, ring, hr, out);
+    default: return decode_unit<Dtype, 2, false>(data, d, ref, u, mode, entry_steps, lut, index, ring, hr, out);
   }
 }
 
@@ -260,22 +305,35 @@ struct DevicePlan {
   int64_t n;
 };
 
-// Warps per block for a launch: kIndexedWarpsPerBlock when every block of them holds pieces of one
-// segment (cuda_ext/plan.py: warps_per_block mirrors this), else kWarpsPerBlock.
-int64_t warps_per_block(int64_t mode, int64_t entry_steps) {
-  return pieces_per_segment(mode, entry_steps) % kIndexedWarpsPerBlock == 0 ? kIndexedWarpsPerBlock : kWarpsPerBlock;
+// The most segments one block may span in a launch: blocks of whole segments must not straddle a
+// table group (table_group is 4, 8, 16 or the whole tensor: the lowest power of two in it).
+int64_t segment_span(const std::vector<TensorDesc>& descs) {
+  int64_t span = int64_t{1} << 30;
+  for (const TensorDesc& d : descs)
+    if (d.table_group < segment_count(d)) span = std::min(span, d.table_group & -d.table_group);
+  return span;
 }
 
-// One block = W warps = W consecutive units of one tensor, which share one table set (W = 4:
-// table_group is a multiple of 4 or the whole tensor, and a segment's pieces are a multiple of 4
-// or 1; W = 8: the units are pieces of one segment).
+// Warps per block for a launch of `units` units on a GPU of `sms` multiprocessors (cuda_ext/plan.py:
+// warps_per_block mirrors this): the larger of 16 and 8 whose blocks each lie in one segment or in
+// whole segments of one table group, and still number one an SM or more; else 4. Big blocks share
+// a table set among more warps; a small launch needs blocks on every SM more.
+int64_t warps_per_block(int64_t mode, int64_t entry_steps, int64_t units, int64_t sms, int64_t span) {
+  const int64_t per = pieces_per_segment(mode, entry_steps);
+  for (const int64_t w : {kIndexedWarpsPerBlock, kIndexedWarpsPerBlock / 2})
+    if ((per % w == 0 || (w % per == 0 && w / per <= span)) && units >= w * sms) return w;
+  return kWarpsPerBlock;
+}
+
+// One block = W warps = W consecutive units of one tensor, which share one table set: they lie in
+// one segment, or in whole segments of one table group (warps_per_block).
 template <int W>
-__global__ void __launch_bounds__(32 * W, W == kWarpsPerBlock ? 1 : 3) decode_kernel(
+__global__ void __launch_bounds__(32 * W, W == kWarpsPerBlock ? 1 : W == kIndexedWarpsPerBlock ? 2 : 3) decode_kernel(
     const uint8_t* __restrict__ data, DevicePlan plan, Index index, int32_t* __restrict__ status, int64_t mode,
     int64_t entry_steps) {
-  extern __shared__ __align__(16) uint32_t smem[];  // scratch: cum [4][260], then the warps' rings | tables
-  static_assert(W * kWarpRingBytes <= 4 * kScratchWords, "the rings fit the scratch");
-  __shared__ int table_status;
+  extern __shared__ __align__(1024) uint32_t smem[];  // rings | hi buffers | status, then the tables
+  static_assert(W <= kIndexedWarpsPerBlock, "the rings fit the scratch");
+  int& table_status = reinterpret_cast<int*>(smem)[status_offset(W) / 4];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t b = blockIdx.x;
   const int64_t lo = plan_row(plan.firsts, plan.n, b);
@@ -290,7 +348,7 @@ __global__ void __launch_bounds__(32 * W, W == kWarpsPerBlock ? 1 : 3) decode_ke
   if (st0 == kOk && warp < (1 << d.ctx_bits)) st0 = parse_cum(exp, d, ref0.table0 + warp, smem + warp * kCumWords);
   if (st0 != kOk && lane == 0) atomicMax(&table_status, st0);
   __syncthreads();
-  uint32_t* luts = smem + kScratchWords;
+  uint32_t* luts = smem + scratch_words(W);
   if (table_status == kOk) {                                         // ... and fill, every thread a run
     const uint32_t run = (kProbScale << d.ctx_bits) / (32 * W), first = threadIdx.x * run, t = first / kProbScale;
     fill_lut(smem + t * kCumWords, luts + t * kProbScale, first % kProbScale, first % kProbScale + run);
@@ -298,14 +356,15 @@ __global__ void __launch_bounds__(32 * W, W == kWarpsPerBlock ? 1 : 3) decode_ke
   __syncthreads();                                                   // tables ready; the scratch is the rings'
   if (!mine) return;
   const Unit un = unit_of(d, mode, entry_steps, u);
-  uint16_t* ring = reinterpret_cast<uint16_t*>(reinterpret_cast<uint8_t*>(smem) + warp * kWarpRingBytes);
+  uint16_t* ring = reinterpret_cast<uint16_t*>(reinterpret_cast<uint8_t*>(smem) + warp * kRingBytes);
+  uint8_t* hr = reinterpret_cast<uint8_t*>(smem) + hi_offset(W) + warp * kHiChunkBytes;
   SegmentRef ref;
   int result = table_status != kOk ? table_status : read_segment(exp, d.exp_len, d, un.seg, &ref);
   if (result == kOk) {
     switch (d.dtype) {
-      case kBF16: result = decode_ctx<kBF16>(data, d, ref, un, mode, entry_steps, luts, index, ring, plan.outs[lo]); break;
-      case kFP16: result = decode_ctx<kFP16>(data, d, ref, un, mode, entry_steps, luts, index, ring, plan.outs[lo]); break;
-      default: result = decode_ctx<kFP32>(data, d, ref, un, mode, entry_steps, luts, index, ring, plan.outs[lo]); break;
+      case kBF16: result = decode_ctx<kBF16>(data, d, ref, un, mode, entry_steps, luts, index, ring, hr, plan.outs[lo]); break;
+      case kFP16: result = decode_ctx<kFP16>(data, d, ref, un, mode, entry_steps, luts, index, ring, hr, plan.outs[lo]); break;
+      default: result = decode_ctx<kFP32>(data, d, ref, un, mode, entry_steps, luts, index, ring, hr, plan.outs[lo]); break;
     }
   }
   if (lane == 0) status[un.status] = result;
@@ -320,39 +379,44 @@ static void decode_pieces_cuda(const at::Tensor& data, const at::Tensor& desc, c
   TORCH_CHECK(plan.scalar_type() == at::kLong && plan.device() == data.device() && plan.is_contiguous() &&
                   plan.numel() == n * (kDescFields + 2),
               "plan must be the device plan of desc (cuda_ext.plan.device_plan), on data's device");
-  const int64_t warps = warps_per_block(mode, entry_steps);
-  int64_t blocks = 0, max_ctx = 0;
+  int64_t units = 0, max_ctx = 0;
   for (const TensorDesc& d : descs) {
     TORCH_CHECK(d.table_group % kWarpsPerBlock == 0 || d.table_group >= segment_count(d),
                 "table_group must be a multiple of ", kWarpsPerBlock, " or cover the tensor");
-    blocks += (unit_count(d, mode, entry_steps) + warps - 1) / warps;
+    units += unit_count(d, mode, entry_steps);
     max_ctx = std::max(max_ctx, d.ctx_bits);
   }
+  const c10::cuda::CUDAGuard guard(data.device());
+  static int sms[64] = {};                                           // per device: SM count, attributes set
+  const int dev = data.get_device();
+  if (dev >= 64 || !sms[dev]) {
+    const int most = static_cast<int>((kTableBytes << kMaxCtxBits) + scratch_words(kIndexedWarpsPerBlock) * 4);
+    C10_CUDA_CHECK(cudaFuncSetAttribute(decode_kernel<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, most));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(decode_kernel<8>, cudaFuncAttributeMaxDynamicSharedMemorySize, most));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(decode_kernel<16>, cudaFuncAttributeMaxDynamicSharedMemorySize, most));
+    int count = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, dev));
+    if (dev < 64) sms[dev] = count;
+  }
+  const int64_t warps = warps_per_block(mode, entry_steps, units, dev < 64 ? sms[dev] : 1, segment_span(descs));
+  int64_t blocks = 0;
+  for (const TensorDesc& d : descs) blocks += (unit_count(d, mode, entry_steps) + warps - 1) / warps;
   if (blocks == 0) return;
   TORCH_CHECK(blocks < (int64_t{1} << 31), "too many units for one launch");
-  const c10::cuda::CUDAGuard guard(data.device());
-  const size_t smem = (kTableBytes << max_ctx) + kScratchWords * sizeof(uint32_t);
-  static bool attr_set[64] = {};                                     // per device: the largest case
-  const int dev = data.get_device();
-  if (dev >= 64 || !attr_set[dev]) {
-    const int most = static_cast<int>((kTableBytes << kMaxCtxBits) + kScratchWords * 4);
-    C10_CUDA_CHECK(cudaFuncSetAttribute(decode_kernel<kWarpsPerBlock>, cudaFuncAttributeMaxDynamicSharedMemorySize, most));
-    C10_CUDA_CHECK(cudaFuncSetAttribute(decode_kernel<kIndexedWarpsPerBlock>,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize, most));
-    if (dev < 64) attr_set[dev] = true;
-  }
+  const size_t smem = (kTableBytes << max_ctx) + scratch_words(static_cast<int>(warps)) * sizeof(uint32_t);
   const int64_t* p = plan.data_ptr<int64_t>();
   const DevicePlan dp{p, p + n * kDescFields, reinterpret_cast<void* const*>(p + n * (kDescFields + 1)), n};
   const Index index{mode == kBulk ? nullptr : reinterpret_cast<uint32_t*>(entry_states.data_ptr()),
                     mode == kBulk ? nullptr : reinterpret_cast<uint32_t*>(entry_words.data_ptr())};
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const unsigned grid = static_cast<unsigned>(blocks);
-  if (warps == kIndexedWarpsPerBlock)
-    decode_kernel<kIndexedWarpsPerBlock><<<grid, 32 * kIndexedWarpsPerBlock, smem, stream>>>(
-        data.data_ptr<uint8_t>(), dp, index, status.data_ptr<int32_t>(), mode, entry_steps);
-  else
-    decode_kernel<kWarpsPerBlock><<<grid, 32 * kWarpsPerBlock, smem, stream>>>(
-        data.data_ptr<uint8_t>(), dp, index, status.data_ptr<int32_t>(), mode, entry_steps);
+  const auto launch = [&](auto kernel) {
+    kernel<<<grid, static_cast<unsigned>(32 * warps), smem, stream>>>(data.data_ptr<uint8_t>(), dp, index,
+                                                                     status.data_ptr<int32_t>(), mode, entry_steps);
+  };
+  if (warps == 16) launch(decode_kernel<16>);
+  else if (warps == 8) launch(decode_kernel<8>);
+  else launch(decode_kernel<4>);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

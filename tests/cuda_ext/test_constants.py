@@ -53,9 +53,14 @@ def test_kernel_block_matches_table_group_quantum():
     assert f"kWarpsPerBlock = {C.TABLE_GROUP_QUANTUM};" in cu
     assert plan.WARPS_PER_BLOCK == C.TABLE_GROUP_QUANTUM
     assert f"kIndexedWarpsPerBlock = {plan.INDEXED_WARPS_PER_BLOCK};" in cu
-    assert "return pieces_per_segment(mode, entry_steps) % kIndexedWarpsPerBlock == 0 ? kIndexedWarpsPerBlock" in cu
-    assert [plan.warps_per_block(m, k) for m, k in [(plan.MODE_INDEXED, 256), (plan.MODE_INDEXED, 1024),
-                                                   (plan.MODE_BULK, 256), (plan.MODE_RECORD, 8)]] == [8, 4, 4, 4]
+    assert "if ((per % w == 0 || (w % per == 0 && w / per <= span)) && units >= w * sms) return w;" in cu
+    idx, bulk, sms, big = plan.MODE_INDEXED, plan.MODE_BULK, 132, 10**6
+    cases = [(idx, 64, 64 * 132, 4), (idx, 256, 16 * 132, 4), (idx, 256, 16 * 132 - 1, 4), (idx, 256, 8 * 132 - 1, 4),
+             (idx, 512, big, 4), (idx, 1024, big, 4), (idx, 2048, big, 4), (idx, 4096, big, 4),
+             (bulk, 256, big, 4), (plan.MODE_RECORD, 8, big, 4), (bulk, 0, big, 8), (bulk, 0, big, 16),
+             (bulk, 0, 16 * 132 - 1, 1 << 30), (idx, 4096, big, 16)]
+    assert [plan.warps_per_block(m, k, u, sms, span) for m, k, u, span in cases] == \
+        [16, 16, 8, 4, 16, 16, 8, 4, 4, 4, 8, 16, 8, 16]
 
 
 def test_gguf_block_layouts_match_codec():

@@ -17,7 +17,7 @@ from codec.constants import MIN_CODED_ELEMENTS, SEGMENT_SYMBOLS
 from codec.decode import Archive
 from codec.encode import compress_state_dict
 from cuda_ext import ops, plans
-from tests.decoding import MODES, every_mode, run_op
+from tests.decoding import MODES, every_mode, run_op, shifted
 from tests.tensors import make_tensor, raw_bytes
 
 
@@ -125,6 +125,23 @@ def test_corrupt_index_entries_are_caught(tmp_path):
                 assert int(st_t[entry - 1]) != 0, (entry, field)
             else:
                 assert int(st_t.abs().sum()) == 0, "a segment's first entry is never read"
+
+
+def test_streams_at_even_offsets_decode_and_odd_ones_are_refused(tmp_path):
+    """The op takes streams at any even address (16-bit words), the same bits in every mode; an odd
+    one is refused by name before any decode, on the CPU as on the GPU."""
+    state = {"w": weights(torch.bfloat16, SEGMENT_SYMBOLS + 33, seed=5), "f": weights(torch.float32, 5000, seed=6)}
+    compress_state_dict(state, tmp_path / "o.wcodec", workers=1)
+    with Archive.open(tmp_path / "o.wcodec") as archive:
+        p = plans.build(archive.entries, archive.path)
+        data = torch.from_numpy(archive.reader.buf[p.start:p.end].copy())
+    moved = every_mode(ops.decode_pieces, *shifted(data, p, 6), 64)
+    for mode in MODES:
+        assert int(moved[mode][0].abs().sum()) == 0
+        for e, out in zip(p.float_entries, moved[mode][1]):
+            assert torch.equal(out.view(torch.uint8), state[e.name].view(torch.uint8)), (mode, e.name)
+    with pytest.raises(RuntimeError, match="must start at even addresses"):
+        run_op(ops.decode_pieces, *shifted(data, p, 3), plans.MODE_BULK)
 
 
 def test_opcheck_cpu():
