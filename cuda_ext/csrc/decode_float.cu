@@ -40,8 +40,11 @@ constexpr int kHiChunkBytes = kChunk * kLanes;     // one chunk's hi bytes, a bu
 // is one OR), their hi buffers, the block's table status; the tables after. Before the tables are
 // filled, the cums of their parse use the rings' room.
 constexpr int kRingBytes = 2 * kRingWords;
+// Hi buffers a warp: 16-warp blocks stage hi bytes two chunks ahead (ncu had put 6 % of stall samples
+// on the wait for a copy issued one chunk before); smaller blocks one, so 3 of them still fit an SM.
+constexpr int hi_buffers(int warps) { return warps == kIndexedWarpsPerBlock ? 2 : 1; }
 constexpr int hi_offset(int warps) { return warps * kRingBytes; }
-constexpr int status_offset(int warps) { return hi_offset(warps) + warps * kHiChunkBytes; }
+constexpr int status_offset(int warps) { return hi_offset(warps) + warps * hi_buffers(warps) * kHiChunkBytes; }
 constexpr int scratch_words(int warps) { return status_offset(warps) / 4 + 4; }   // the tables follow
 static_assert(kTableBuilders * kCumWords <= status_offset(4) / 4, "the cums fit the rings' room");
 constexpr size_t kTableBytes = sizeof(uint32_t) * kProbScale;
@@ -92,10 +95,11 @@ __device__ __forceinline__ uint32_t join_packed(uint32_t v, uint32_t hk, uint32_
   else return join32((v >> kLutSymShift) & 0xFF, hk, lo);
 }
 
-// Word `pos` of the segment from the ring at shared address ring_s (1 KiB-aligned): one OR.
-__device__ __forceinline__ uint32_t ring_word(uint32_t ring_s, int pos) {
+// The word at byte offset `at` (2 x its position in the segment) of the ring at shared address
+// ring_s (1 KiB-aligned): one OR.
+__device__ __forceinline__ uint32_t ring_word(uint32_t ring_s, uint32_t at) {
   unsigned short w;
-  asm volatile("ld.shared.u16 %0, [%1];" : "=h"(w) : "r"(ring_s | ((2u * pos) & (kRingBytes - 2))) : "memory");
+  asm volatile("ld.shared.u16 %0, [%1];" : "=h"(w) : "r"(ring_s | (at & (kRingBytes - 2))) : "memory");
   return w;
 }
 
@@ -131,10 +135,10 @@ __device__ __forceinline__ void request_words(const uint16_t* words, int n_words
   }
 }
 
-// The hi bytes of one chunk (kChunk steps x 32 lanes, 256 contiguous bytes) into this warp's hi
-// buffer, a chunk ahead of use: each lane copies 8 bytes with cp.async (no registers held, no
-// wait until the chunk starts), or byte by byte, zero past the segment's end, where the chunk
-// is short or the plane is not 8-byte aligned. Commits every copy requested so far.
+// The hi bytes of one chunk (kChunk steps x 32 lanes, 256 contiguous bytes) into one of this warp's
+// hi buffers, ahead of use: each lane copies 8 bytes with cp.async (no registers held, no wait
+// until the chunk starts), or byte by byte, zero past the segment's end, where the chunk is short
+// or the plane is not 8-byte aligned. The caller commits.
 __device__ __forceinline__ void stage_hi(const uint8_t* hi, bool vec, int base, int n, uint8_t* hr) {
   const int lane = threadIdx.x & 31, at = base + 8 * lane;
   if (vec && base + kHiChunkBytes <= n) {
@@ -142,7 +146,6 @@ __device__ __forceinline__ void stage_hi(const uint8_t* hi, bool vec, int base, 
   } else {
     copy_hi_slow(hi, at, n, hr + 8 * lane);
   }
-  __pipeline_commit();
 }
 
 // The fp32 lo values of one chunk, loaded a chunk ahead into registers. Past the end: zero.
@@ -161,6 +164,7 @@ __device__ __forceinline__ void decode_chunk(const uint32_t* lut, uint32_t ring_
                                              const uint32_t (&hc)[kChunk], const uint32_t (&l)[kChunk], Lane& st,
                                              WordOf<Dtype>* o) {
   const unsigned lanes_below = (1u << (threadIdx.x & 31)) - 1u;
+  uint32_t at = 2u * st.wpos;                                        // words consumed, in bytes: one LEA a word
 #pragma unroll
   for (int k = 0; k < kChunk; ++k) {
     const bool active = Full || k * kLanes < left;
@@ -170,9 +174,9 @@ __device__ __forceinline__ void decode_chunk(const uint32_t* lut, uint32_t ring_
     rans_step_packed(v, xn);
     const bool need = active && xn < kRansL;                           // renormalise: one word
     const unsigned mask = __ballot_sync(kFullMask, need);
-    if (need) xn = (xn << kRenormBits) | ring_word(ring_s, st.wpos + __popc(mask & lanes_below));
+    if (need) xn = (xn << kRenormBits) | ring_word(ring_s, at + 2u * __popc(mask & lanes_below));
     if (Full || active) st.x = xn;
-    st.wpos += __popc(mask);
+    at += 2u * __popc(mask);
     if (Full || active) {
       if constexpr (Dtype == kFP32)
         __stcg(o + k * kLanes, join_packed<Dtype>(v, hk, l[k]));
@@ -180,6 +184,7 @@ __device__ __forceinline__ void decode_chunk(const uint32_t* lut, uint32_t ring_
         __stcg(reinterpret_cast<unsigned short*>(o) + k * kLanes, static_cast<unsigned short>(join_packed<Dtype>(v, hk, 0)));
     }
   }
+  st.wpos = static_cast<int>(at >> 1);
 }
 
 struct Index {                      // the resident index (kRecord writes it, kIndexed reads it)
@@ -189,7 +194,7 @@ struct Index {                      // the resident index (kRecord writes it, kI
 
 // Decode steps [u.t0, u.t1) of one segment (Record: mode kRecord, writing the index as it goes; a
 // template argument so that the other modes hold none of its registers). Returns the unit's status.
-template <int Dtype, int CtxBits, bool Record>
+template <int Dtype, int CtxBits, bool Record, int H>
 __device__ int decode_unit(const uint8_t* data, const TensorDesc& d, const SegmentRef& ref, const Unit& u,
                            int64_t mode, int64_t entry_steps, const uint32_t* lut, Index index, uint16_t* ring,
                            uint8_t* hr, void* out_base) {
@@ -229,29 +234,37 @@ __device__ int decode_unit(const uint8_t* data, const TensorDesc& d, const Segme
   const uint32_t want_x = to_entry ? index.states[u.end_entry * kLanes + lane] : kRansL;   // now: no
   const uint32_t want_words = to_entry ? index.words[u.end_entry] : static_cast<uint32_t>(n_words);  // index
                                                                                      // registers in the loop)
-  stage_hi(hi, vec, t0 * kLanes, n, hr);
-  if constexpr (Dtype == kFP32) load_lo<false>(lo, t0 * kLanes, n, l);
-  for (int t = t0; t < t1; t += kChunk) {
-    const int base = t * kLanes, next = base + kChunk * kLanes;
-    __pipeline_wait_prior(0);                                        // this chunk's hi bytes and the words
-    __syncwarp();                                                    // requested a chunk ago are in
+  // One commit group a chunk: G_c = the words requested at chunk c and the hi bytes of chunk c + H.
+  // The first H groups hold the ring's fill and the hi bytes of chunks 0 .. H-1.
 #pragma unroll
-    for (int k = 0; k < kChunk; ++k) hc[k] = hr[k * kLanes + lane];
+  for (int h = 0; h < H; ++h) {
+    if (t0 + h * kChunk < t1) stage_hi(hi, vec, (t0 + h * kChunk) * kLanes, n, hr + h * kHiChunkBytes);
+    __pipeline_commit();
+  }
+  if constexpr (Dtype == kFP32) load_lo<false>(lo, t0 * kLanes, n, l);
+  int tail_2 = st.tail;                                              // the tail requested two chunks ago
+  for (int t = t0, c = 0; t < t1; t += kChunk, ++c) {
+    const int base = t * kLanes, next = base + kChunk * kLanes;
+    uint8_t* hb = hr + (c & (H - 1)) * kHiChunkBytes;
+    __pipeline_wait_prior(H - 1);                                    // G_{c-H} is in: this chunk's hi bytes,
+    __syncwarp();                                                    // the words requested H chunks ago
+#pragma unroll
+    for (int k = 0; k < kChunk; ++k) hc[k] = hb[k * kLanes + lane];
     __syncwarp();                                                    // every lane has its hi bytes
     const int tail = st.wpos & ~(kPieceWords - 1);                   // top the ring up (warp-uniform)
     request_words(words, n_words, wvec, ring, st.tail + kRingWords, tail + kRingWords);
-    const bool behind = st.wpos + kChunk * kLanes > st.tail + kRingWords;
+    const bool behind = st.wpos + kChunk * kLanes > (H == 1 ? st.tail : tail_2) + kRingWords;
+    tail_2 = st.tail;
     st.tail = tail;
-    if (t + kChunk < t1) {
-      stage_hi(hi, vec, next, n, hr);                                // commits the words requested too
-      if constexpr (Dtype == kFP32) {
+    if (t + H * kChunk < t1) stage_hi(hi, vec, base + H * kChunk * kLanes, n, hb);   // into the buffer just read
+    __pipeline_commit();
+    if constexpr (Dtype == kFP32) {
+      if (t + kChunk < t1) {
         if (next + kChunk * kLanes <= n) load_lo<true>(lo, next, n, ln);
         else load_lo<false>(lo, next, n, ln);
       }
-    } else {
-      __pipeline_commit();
     }
-    if (behind) {                                                    // rare: the last chunk took ~every word
+    if (behind) {                                                    // rare: the last chunks took ~every word
       __pipeline_wait_prior(0);
       __syncwarp();
     }
@@ -278,21 +291,21 @@ __device__ int decode_unit(const uint8_t* data, const TensorDesc& d, const Segme
   return __all_sync(kFullMask, st.x == want_x) ? kOk : kState;
 }
 
-template <int Dtype>
+template <int Dtype, int H>
 __device__ int decode_ctx(const uint8_t* data, const TensorDesc& d, const SegmentRef& ref, const Unit& u,
                           int64_t mode, int64_t entry_steps, const uint32_t* lut, Index index, uint16_t* ring,
                           uint8_t* hr, void* out) {
   if (mode == kRecord) {
     switch (d.ctx_bits) {
-      case 0: return decode_unit<Dtype, 0, true>(data, d, ref, u, mode, entry_steps, lut, index, ring, hr, out);
-      case 1: return decode_unit<Dtype, 1, true>(data, d, ref, u, mode, entry_steps, lut, index, ring, hr, out);
-      default: return decode_unit<Dtype, 2, true>(data, d, ref, u, mode, entry_steps, lut, index, ring, hr, out);
+      case 0: return decode_unit<Dtype, 0, true, H>(data, d, ref, u, mode, entry_steps, lut, index, ring, hr, out);
+      case 1: return decode_unit<Dtype, 1, true, H>(data, d, ref, u, mode, entry_steps, lut, index, ring, hr, out);
+      default: return decode_unit<Dtype, 2, true, H>(data, d, ref, u, mode, entry_steps, lut, index, ring, hr, out);
     }
   }
   switch (d.ctx_bits) {
-    case 0: return decode_unit<Dtype, 0, false>(data, d, ref, u, mode, entry_steps, lut, index, ring, hr, out);
-    case 1: return decode_unit<Dtype, 1, false>(data, d, ref, u, mode, entry_steps, lut, index, ring, hr, out);
-    default: return decode_unit<Dtype, 2, false>(data, d, ref, u, mode, entry_steps, lut, index, ring, hr, out);
+    case 0: return decode_unit<Dtype, 0, false, H>(data, d, ref, u, mode, entry_steps, lut, index, ring, hr, out);
+    case 1: return decode_unit<Dtype, 1, false, H>(data, d, ref, u, mode, entry_steps, lut, index, ring, hr, out);
+    default: return decode_unit<Dtype, 2, false, H>(data, d, ref, u, mode, entry_steps, lut, index, ring, hr, out);
   }
 }
 
@@ -357,14 +370,14 @@ __global__ void __launch_bounds__(32 * W, W == kWarpsPerBlock ? 1 : W == kIndexe
   if (!mine) return;
   const Unit un = unit_of(d, mode, entry_steps, u);
   uint16_t* ring = reinterpret_cast<uint16_t*>(reinterpret_cast<uint8_t*>(smem) + warp * kRingBytes);
-  uint8_t* hr = reinterpret_cast<uint8_t*>(smem) + hi_offset(W) + warp * kHiChunkBytes;
+  uint8_t* hr = reinterpret_cast<uint8_t*>(smem) + hi_offset(W) + warp * hi_buffers(W) * kHiChunkBytes;
   SegmentRef ref;
   int result = table_status != kOk ? table_status : read_segment(exp, d.exp_len, d, un.seg, &ref);
   if (result == kOk) {
     switch (d.dtype) {
-      case kBF16: result = decode_ctx<kBF16>(data, d, ref, un, mode, entry_steps, luts, index, ring, hr, plan.outs[lo]); break;
-      case kFP16: result = decode_ctx<kFP16>(data, d, ref, un, mode, entry_steps, luts, index, ring, hr, plan.outs[lo]); break;
-      default: result = decode_ctx<kFP32>(data, d, ref, un, mode, entry_steps, luts, index, ring, hr, plan.outs[lo]); break;
+      case kBF16: result = decode_ctx<kBF16, hi_buffers(W)>(data, d, ref, un, mode, entry_steps, luts, index, ring, hr, plan.outs[lo]); break;
+      case kFP16: result = decode_ctx<kFP16, hi_buffers(W)>(data, d, ref, un, mode, entry_steps, luts, index, ring, hr, plan.outs[lo]); break;
+      default: result = decode_ctx<kFP32, hi_buffers(W)>(data, d, ref, un, mode, entry_steps, luts, index, ring, hr, plan.outs[lo]); break;
     }
   }
   if (lane == 0) status[un.status] = result;
