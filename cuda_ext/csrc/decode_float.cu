@@ -174,7 +174,8 @@ __device__ __forceinline__ void decode_chunk(const uint32_t* lut, uint32_t ring_
     rans_step_packed(v, xn);
     const bool need = active && xn < kRansL;                           // renormalise: one word
     const unsigned mask = __ballot_sync(kFullMask, need);
-    if (need) xn = (xn << kRenormBits) | ring_word(ring_s, at + 2u * __popc(mask & lanes_below));
+    const uint32_t w = ring_word(ring_s, at + 2u * __popc(mask & lanes_below));   // every lane: no branch
+    xn = need ? __byte_perm(w, xn, 0x5410) : xn;                       // (xn << 16) | w
     if (Full || active) st.x = xn;
     at += 2u * __popc(mask);
     if (Full || active) {
