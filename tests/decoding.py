@@ -37,4 +37,5 @@ def shifted(data: torch.Tensor, p: plans.Plan, shift: int) -> tuple[torch.Tensor
     for field in ("exp_off", "hi_off", "lo_off"):
         col = desc[:, plans.DESC_FIELDS.index(field)]
         col[col >= 0] += shift
-    return torch.cat([torch.zeros(shift, dtype=torch.uint8), data.cpu()]).to(data.device), dataclasses.replace(p, desc=desc)
+    moved = torch.cat([torch.zeros(shift, dtype=torch.uint8), data.cpu()]).to(data.device)
+    return moved, dataclasses.replace(p, desc=desc)

@@ -182,7 +182,8 @@ __device__ __forceinline__ void decode_chunk(const uint32_t* lut, uint32_t ring_
       if constexpr (Dtype == kFP32)
         __stcg(o + k * kLanes, join_packed<Dtype>(v, hk, l[k]));
       else
-        __stcg(reinterpret_cast<unsigned short*>(o) + k * kLanes, static_cast<unsigned short>(join_packed<Dtype>(v, hk, 0)));
+        __stcg(reinterpret_cast<unsigned short*>(o) + k * kLanes,
+               static_cast<unsigned short>(join_packed<Dtype>(v, hk, 0)));
     }
   }
   st.wpos = static_cast<int>(at >> 1);
@@ -376,9 +377,18 @@ __global__ void __launch_bounds__(32 * W, W == kWarpsPerBlock ? 1 : W == kIndexe
   int result = table_status != kOk ? table_status : read_segment(exp, d.exp_len, d, un.seg, &ref);
   if (result == kOk) {
     switch (d.dtype) {
-      case kBF16: result = decode_ctx<kBF16, hi_buffers(W)>(data, d, ref, un, mode, entry_steps, luts, index, ring, hr, plan.outs[lo]); break;
-      case kFP16: result = decode_ctx<kFP16, hi_buffers(W)>(data, d, ref, un, mode, entry_steps, luts, index, ring, hr, plan.outs[lo]); break;
-      default: result = decode_ctx<kFP32, hi_buffers(W)>(data, d, ref, un, mode, entry_steps, luts, index, ring, hr, plan.outs[lo]); break;
+      case kBF16:
+        result = decode_ctx<kBF16, hi_buffers(W)>(data, d, ref, un, mode, entry_steps, luts, index, ring, hr,
+                                                 plan.outs[lo]);
+        break;
+      case kFP16:
+        result = decode_ctx<kFP16, hi_buffers(W)>(data, d, ref, un, mode, entry_steps, luts, index, ring, hr,
+                                                 plan.outs[lo]);
+        break;
+      default:
+        result = decode_ctx<kFP32, hi_buffers(W)>(data, d, ref, un, mode, entry_steps, luts, index, ring, hr,
+                                                 plan.outs[lo]);
+        break;
     }
   }
   if (lane == 0) status[un.status] = result;
