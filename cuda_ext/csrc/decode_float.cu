@@ -413,16 +413,16 @@ static void decode_pieces_cuda(const at::Tensor& data, const at::Tensor& desc, c
   const c10::cuda::CUDAGuard guard(data.device());
   static int sms[64] = {};                                           // per device: SM count, attributes set
   const int dev = data.get_device();
-  if (dev >= 64 || !sms[dev]) {
+  int count = dev < 64 ? sms[dev] : 0;
+  if (!count) {
     const int most = static_cast<int>((kTableBytes << kMaxCtxBits) + scratch_words(kIndexedWarpsPerBlock) * 4);
     C10_CUDA_CHECK(cudaFuncSetAttribute(decode_kernel<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, most));
     C10_CUDA_CHECK(cudaFuncSetAttribute(decode_kernel<8>, cudaFuncAttributeMaxDynamicSharedMemorySize, most));
     C10_CUDA_CHECK(cudaFuncSetAttribute(decode_kernel<16>, cudaFuncAttributeMaxDynamicSharedMemorySize, most));
-    int count = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, dev));
     if (dev < 64) sms[dev] = count;
   }
-  const int64_t warps = warps_per_block(mode, entry_steps, units, dev < 64 ? sms[dev] : 1, segment_span(descs));
+  const int64_t warps = warps_per_block(mode, entry_steps, units, count, segment_span(descs));
   int64_t blocks = 0;
   for (const TensorDesc& d : descs) blocks += (unit_count(d, mode, entry_steps) + warps - 1) / warps;
   if (blocks == 0) return;
