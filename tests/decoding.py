@@ -2,6 +2,8 @@
 of its modes, for the twin and GPU suites."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from cuda_ext import plans
@@ -32,7 +34,6 @@ def every_mode(fn, data: torch.Tensor, p: plans.Plan, entry_steps: int) -> dict:
 def shifted(data: torch.Tensor, p: plans.Plan, shift: int) -> tuple[torch.Tensor, plans.Plan]:
     """The same streams `shift` bytes further into the buffer: (data, plan) for a decode at
     addresses off the archive's alignment."""
-    import dataclasses
     desc = p.desc.clone()
     for field in ("exp_off", "hi_off", "lo_off"):
         col = desc[:, plans.DESC_FIELDS.index(field)]

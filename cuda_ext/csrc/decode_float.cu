@@ -198,8 +198,8 @@ struct Index {                      // the resident index (kRecord writes it, kI
 // template argument so that the other modes hold none of its registers). Returns the unit's status.
 template <int Dtype, int CtxBits, bool Record, int H>
 __device__ int decode_unit(const uint8_t* data, const TensorDesc& d, const SegmentRef& ref, const Unit& u,
-                           int64_t mode, int64_t entry_steps, const uint32_t* lut, Index index, uint16_t* ring,
-                           uint8_t* hr, void* out_base) {
+                           int64_t entry_steps, const uint32_t* lut, Index index, uint16_t* ring, uint8_t* hr,
+                           void* out_base) {
   const int lane = threadIdx.x & 31;
   const uint8_t* exp = data + d.exp_off;
   const int64_t seg0 = u.seg * kSegmentSymbols;
@@ -232,10 +232,10 @@ __device__ int decode_unit(const uint8_t* data, const TensorDesc& d, const Segme
     rec_words = index.words + e0;
   }
   const int entry_mask = static_cast<int>(entry_steps) - 1;
-  const bool to_entry = u.end_entry >= 0;                            // where the unit must end (loaded
-  const uint32_t want_x = to_entry ? index.states[u.end_entry * kLanes + lane] : kRansL;   // now: no
-  const uint32_t want_words = to_entry ? index.words[u.end_entry] : static_cast<uint32_t>(n_words);  // index
-                                                                                     // registers in the loop)
+  // Where the unit must end, loaded now: the loop holds no index registers.
+  const bool to_entry = u.end_entry >= 0;
+  const uint32_t want_x = to_entry ? index.states[u.end_entry * kLanes + lane] : kRansL;
+  const uint32_t want_words = to_entry ? index.words[u.end_entry] : static_cast<uint32_t>(n_words);
   // One commit group a chunk: G_c = the words requested at chunk c and the hi bytes of chunk c + H.
   // The first H groups hold the ring's fill and the hi bytes of chunks 0 .. H-1.
 #pragma unroll
@@ -293,22 +293,24 @@ __device__ int decode_unit(const uint8_t* data, const TensorDesc& d, const Segme
   return __all_sync(kFullMask, st.x == want_x) ? kOk : kState;
 }
 
-template <int Dtype, int H>
+template <int Dtype, int H, bool Record>
 __device__ int decode_ctx(const uint8_t* data, const TensorDesc& d, const SegmentRef& ref, const Unit& u,
-                          int64_t mode, int64_t entry_steps, const uint32_t* lut, Index index, uint16_t* ring,
-                          uint8_t* hr, void* out) {
-  if (mode == kRecord) {
-    switch (d.ctx_bits) {
-      case 0: return decode_unit<Dtype, 0, true, H>(data, d, ref, u, mode, entry_steps, lut, index, ring, hr, out);
-      case 1: return decode_unit<Dtype, 1, true, H>(data, d, ref, u, mode, entry_steps, lut, index, ring, hr, out);
-      default: return decode_unit<Dtype, 2, true, H>(data, d, ref, u, mode, entry_steps, lut, index, ring, hr, out);
-    }
-  }
+                          int64_t entry_steps, const uint32_t* lut, Index index, uint16_t* ring, uint8_t* hr,
+                          void* out) {
   switch (d.ctx_bits) {
-    case 0: return decode_unit<Dtype, 0, false, H>(data, d, ref, u, mode, entry_steps, lut, index, ring, hr, out);
-    case 1: return decode_unit<Dtype, 1, false, H>(data, d, ref, u, mode, entry_steps, lut, index, ring, hr, out);
-    default: return decode_unit<Dtype, 2, false, H>(data, d, ref, u, mode, entry_steps, lut, index, ring, hr, out);
+    case 0: return decode_unit<Dtype, 0, Record, H>(data, d, ref, u, entry_steps, lut, index, ring, hr, out);
+    case 1: return decode_unit<Dtype, 1, Record, H>(data, d, ref, u, entry_steps, lut, index, ring, hr, out);
+    default: return decode_unit<Dtype, 2, Record, H>(data, d, ref, u, entry_steps, lut, index, ring, hr, out);
   }
+}
+
+// The unit in mode `mode`: RECORD's index writes are a template argument (decode_unit).
+template <int Dtype, int H>
+__device__ int decode_mode(const uint8_t* data, const TensorDesc& d, const SegmentRef& ref, const Unit& u,
+                           int64_t mode, int64_t entry_steps, const uint32_t* lut, Index index, uint16_t* ring,
+                           uint8_t* hr, void* out) {
+  if (mode == kRecord) return decode_ctx<Dtype, H, true>(data, d, ref, u, entry_steps, lut, index, ring, hr, out);
+  return decode_ctx<Dtype, H, false>(data, d, ref, u, entry_steps, lut, index, ring, hr, out);
 }
 
 // The device plan (cuda_ext/plan.py: device_plan): desc rows | first block of each tensor |
@@ -378,20 +380,27 @@ __global__ void __launch_bounds__(32 * W, W == kWarpsPerBlock ? 1 : W == kIndexe
   if (result == kOk) {
     switch (d.dtype) {
       case kBF16:
-        result = decode_ctx<kBF16, hi_buffers(W)>(data, d, ref, un, mode, entry_steps, luts, index, ring, hr,
-                                                 plan.outs[lo]);
+        result = decode_mode<kBF16, hi_buffers(W)>(data, d, ref, un, mode, entry_steps, luts, index, ring, hr,
+                                                  plan.outs[lo]);
         break;
       case kFP16:
-        result = decode_ctx<kFP16, hi_buffers(W)>(data, d, ref, un, mode, entry_steps, luts, index, ring, hr,
-                                                 plan.outs[lo]);
+        result = decode_mode<kFP16, hi_buffers(W)>(data, d, ref, un, mode, entry_steps, luts, index, ring, hr,
+                                                  plan.outs[lo]);
         break;
       default:
-        result = decode_ctx<kFP32, hi_buffers(W)>(data, d, ref, un, mode, entry_steps, luts, index, ring, hr,
-                                                 plan.outs[lo]);
+        result = decode_mode<kFP32, hi_buffers(W)>(data, d, ref, un, mode, entry_steps, luts, index, ring, hr,
+                                                  plan.outs[lo]);
         break;
     }
   }
   if (lane == 0) status[un.status] = result;
+}
+
+// The kernel for blocks of `warps` warps (one of warps_per_block's answers).
+static auto kernel_for(int64_t warps) {
+  return warps == kIndexedWarpsPerBlock       ? decode_kernel<kIndexedWarpsPerBlock>
+         : warps == kIndexedWarpsPerBlock / 2 ? decode_kernel<kIndexedWarpsPerBlock / 2>
+                                              : decode_kernel<kWarpsPerBlock>;
 }
 
 static void decode_pieces_cuda(const at::Tensor& data, const at::Tensor& desc, const at::Tensor& plan,
@@ -416,9 +425,8 @@ static void decode_pieces_cuda(const at::Tensor& data, const at::Tensor& desc, c
   int count = dev < 64 ? sms[dev] : 0;
   if (!count) {
     const int most = static_cast<int>((kTableBytes << kMaxCtxBits) + scratch_words(kIndexedWarpsPerBlock) * 4);
-    C10_CUDA_CHECK(cudaFuncSetAttribute(decode_kernel<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, most));
-    C10_CUDA_CHECK(cudaFuncSetAttribute(decode_kernel<8>, cudaFuncAttributeMaxDynamicSharedMemorySize, most));
-    C10_CUDA_CHECK(cudaFuncSetAttribute(decode_kernel<16>, cudaFuncAttributeMaxDynamicSharedMemorySize, most));
+    for (const int64_t w : {int64_t{kWarpsPerBlock}, kIndexedWarpsPerBlock / 2, kIndexedWarpsPerBlock})
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel_for(w), cudaFuncAttributeMaxDynamicSharedMemorySize, most));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, dev));
     if (dev < 64) sms[dev] = count;
   }
@@ -434,13 +442,8 @@ static void decode_pieces_cuda(const at::Tensor& data, const at::Tensor& desc, c
                     mode == kBulk ? nullptr : reinterpret_cast<uint32_t*>(entry_words.data_ptr())};
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const unsigned grid = static_cast<unsigned>(blocks);
-  const auto launch = [&](auto kernel) {
-    kernel<<<grid, static_cast<unsigned>(32 * warps), smem, stream>>>(data.data_ptr<uint8_t>(), dp, index,
-                                                                     status.data_ptr<int32_t>(), mode, entry_steps);
-  };
-  if (warps == 16) launch(decode_kernel<16>);
-  else if (warps == 8) launch(decode_kernel<8>);
-  else launch(decode_kernel<4>);
+  kernel_for(warps)<<<grid, static_cast<unsigned>(32 * warps), smem, stream>>>(
+      data.data_ptr<uint8_t>(), dp, index, status.data_ptr<int32_t>(), mode, entry_steps);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
