@@ -31,20 +31,19 @@ constexpr int kWarpsPerBlock = 4;                  // = TABLE_GROUP_QUANTUM: one
 // table, and 32 warps an SM where the tables of 4 warps had allowed 12.
 constexpr int64_t kIndexedWarpsPerBlock = 16;
 constexpr int kTableBuilders = 1 << kMaxCtxBits;   // warps that parse a block's tables (one each)
-constexpr int kChunk = static_cast<int>(kMinEntrySteps);   // steps per unrolled chunk
+constexpr int kChunk = static_cast<int>(kMinEntrySteps);   // steps per unrolled sub-chunk
 constexpr int kCumWords = 260;                     // per-table scratch: cum[257]
 constexpr int kRingWords = 512;                    // a warp's ring of renormalisation words (Lane)
 constexpr int kPieceWords = 8;                     // words topped up per 16-byte copy
-constexpr int kHiChunkBytes = kChunk * kLanes;     // one chunk's hi bytes, a buffer per warp
+constexpr int kMaxChunkSteps = 2 * kChunk;         // steps a chunk, at most (chunk_steps)
+constexpr int kHiBufferBytes = kMaxChunkSteps * kLanes;    // one chunk's hi bytes
 // Shared memory: the warps' word rings (warp w's at w * 1 KiB: 1 KiB-aligned, so a word's address
-// is one OR), their hi buffers, the block's table status; the tables after. Before the tables are
-// filled, the cums of their parse use the rings' room.
+// is one OR), their two hi buffers each, the block's table status; the tables after. Before the
+// tables are filled, the cums of their parse use the rings' room. 16 warps: 96 KiB with the tables
+// of 2 context bits, 2 blocks an SM; 8 warps: 80 KiB, 2 blocks; 4 warps: 72 KiB, 3 blocks.
 constexpr int kRingBytes = 2 * kRingWords;
-// Hi buffers a warp: 16-warp blocks stage hi bytes two chunks ahead (ncu had put 6 % of stall samples
-// on the wait for a copy issued one chunk before); smaller blocks one, so 3 of them still fit an SM.
-constexpr int hi_buffers(int warps) { return warps == kIndexedWarpsPerBlock ? 2 : 1; }
 constexpr int hi_offset(int warps) { return warps * kRingBytes; }
-constexpr int status_offset(int warps) { return hi_offset(warps) + warps * hi_buffers(warps) * kHiChunkBytes; }
+constexpr int status_offset(int warps) { return hi_offset(warps) + warps * 2 * kHiBufferBytes; }
 constexpr int scratch_words(int warps) { return status_offset(warps) / 4 + 4; }   // the tables follow
 static_assert(kTableBuilders * kCumWords <= status_offset(4) / 4, "the cums fit the rings' room");
 constexpr size_t kTableBytes = sizeof(uint32_t) * kProbScale;
@@ -59,19 +58,25 @@ template <int Dtype>
 using WordOf = typename std::conditional<Dtype == kFP32, uint32_t, uint16_t>::type;
 
 // One lane's view of the unit it decodes. The renormalisation words come from a per-warp ring of
-// kRingWords words in shared memory. Once a chunk of kChunk steps, never inside one, the ring is
-// topped up: the words consumed since the last chunk (whole 16-byte pieces) are replaced by the
-// ones that follow the ring, by cp.async, committed with the next chunk's hi bytes and landed when
-// the next chunk starts. A chunk takes at most 32 words a step, kChunk * 32 in all, so the words it
-// may read are in the ring unless the chunk before it took nearly all it could (then it waits for
-// the copies just requested). The steps themselves hold no check and no branch: a shared load at
-// wpos + (lanes below it that need a word). (Before, every step tested whether the ring needed a
-// refill and whether the words had landed: a third of a step's instructions.)
+// kRingWords words in shared memory, topped up by cp.async once a chunk (chunk_steps steps), never
+// inside one: the words consumed since the last top-up (whole 16-byte pieces) are replaced by the
+// ones that follow the ring. They are awaited one chunk later, with the next chunk's hi bytes. A
+// sub-chunk of kChunk steps takes at most 32 words a step, so the words it may read have landed
+// unless the ones before it took nearly all the ring held (`landed`): then it tops up and waits. The
+// steps themselves hold no check and no branch: a shared load at wpos + (lanes below it that need
+// a word). (Before, every step tested whether the ring needed a refill and whether the words had
+// landed: a third of a step's instructions.)
 struct Lane {
   uint32_t x;                      // rANS state
   int wpos;                        // words of the segment consumed (warp-uniform)
   int tail;                        // the ring holds words [tail, tail + kRingWords); a multiple of 8
 };
+
+// Steps a chunk: 16 for 16-bit elements (ncu: the ring top-up, the hi-byte copy and the loop cost
+// 86 instructions a chunk, 11 a step at 8 steps); 8 where RECORD writes an index entry every 8
+// steps or fp32 holds a chunk's lo values in registers.
+template <int Dtype, bool Record>
+constexpr int chunk_steps() { return Record || Dtype == kFP32 ? kChunk : kMaxChunkSteps; }
 
 // cp.async of 16 bytes, the first `src_bytes` from global memory and the rest zeros (one
 // instruction: __pipeline_memcpy_async's zero-fill takes a branch per size).
@@ -114,20 +119,21 @@ __device__ __noinline__ void copy_words_slow(const uint16_t* words, int n_words,
   for (int i = 0; i < kPieceWords; ++i) slot[i] = static_cast<uint16_t>(load_word(words, n_words, p + i));
 }
 
-__device__ __noinline__ void copy_hi_slow(const uint8_t* hi, int at, int n, uint8_t* dst) {
-#pragma unroll
-  for (int i = 0; i < 8; ++i) dst[i] = at + i < n ? hi[at + i] : 0;
+__device__ __noinline__ void copy_hi_slow(const uint8_t* hi, int at, int n, uint8_t* dst, int bytes) {
+  for (int i = 0; i < bytes; ++i) dst[i] = at + i < n ? hi[at + i] : 0;
 }
 
 // Request words [from, to) of the segment (multiples of kPieceWords, at most 32 pieces) into their
-// ring slots: a lane a 16-byte piece by cp.async, zero-filled past the segment's words, where the
-// words are 16-byte aligned (`vec`); else loaded and stored at once.
+// ring slots: a lane a 16-byte piece by cp.async where the words are 16-byte aligned (`vec`),
+// zero-filled past the segment's words; else loaded and stored at once.
 __device__ __forceinline__ void request_words(const uint16_t* words, int n_words, bool vec, uint16_t* ring, int from,
                                               int to) {
   const int p = from + kPieceWords * (threadIdx.x & 31);
   if (p >= to) return;
   uint16_t* slot = ring + (p & (kRingWords - 1));
-  if (vec) {
+  if (vec && to <= n_words) {                                        // every piece whole (warp-uniform)
+    __pipeline_memcpy_async(slot, words + p, 16);
+  } else if (vec) {
     const int left = n_words - p, avail = left >= kPieceWords ? kPieceWords : left > 0 ? left : 0;
     copy16_async(slot, words + (avail ? p : 0), 2 * avail);
   } else {
@@ -135,16 +141,26 @@ __device__ __forceinline__ void request_words(const uint16_t* words, int n_words
   }
 }
 
-// The hi bytes of one chunk (kChunk steps x 32 lanes, 256 contiguous bytes) into one of this warp's
-// hi buffers, ahead of use: each lane copies 8 bytes with cp.async (no registers held, no wait
+// Top the ring up: request the words that follow it in place of the whole pieces consumed since the
+// last top-up (at most 512 words, 64 pieces: a second request, rarely).
+__device__ __forceinline__ void top_up(const uint16_t* words, int n_words, bool vec, uint16_t* ring, Lane& st) {
+  const int tail = st.wpos & ~(kPieceWords - 1), from = st.tail + kRingWords, to = tail + kRingWords;
+  request_words(words, n_words, vec, ring, from, to);
+  if (to - from > kPieceWords * kLanes) request_words(words, n_words, vec, ring, from + kPieceWords * kLanes, to);
+  st.tail = tail;
+}
+
+// The hi bytes of one chunk (Steps steps x 32 lanes, contiguous) into one of this warp's hi
+// buffers, ahead of use: each lane copies Steps bytes with cp.async (no registers held, no wait
 // until the chunk starts), or byte by byte, zero past the segment's end, where the chunk is short
-// or the plane is not 8-byte aligned. The caller commits.
+// or the plane is not Steps-byte aligned. The caller commits.
+template <int Steps>
 __device__ __forceinline__ void stage_hi(const uint8_t* hi, bool vec, int base, int n, uint8_t* hr) {
-  const int lane = threadIdx.x & 31, at = base + 8 * lane;
-  if (vec && base + kHiChunkBytes <= n) {
-    __pipeline_memcpy_async(hr + 8 * lane, hi + at, 8);
+  const int lane = threadIdx.x & 31, at = base + Steps * lane;
+  if (vec && base + Steps * kLanes <= n) {
+    __pipeline_memcpy_async(hr + Steps * lane, hi + at, Steps);
   } else {
-    copy_hi_slow(hi, at, n, hr + 8 * lane);
+    copy_hi_slow(hi, at, n, hr + Steps * lane, Steps);
   }
 }
 
@@ -157,34 +173,86 @@ __device__ __forceinline__ void load_lo(const uint16_t* lo, int base, int n, uin
   for (int k = 0; k < kChunk; ++k) l[k] = Full || base + k * kLanes + lane < n ? __ldg(lp + k * kLanes) : 0u;
 }
 
-// One chunk of kChunk steps, its words in the ring. `Full` chunks (every symbol inside the
-// segment) skip the end checks. `o` is this lane's output at the chunk's first step.
+// The shared address of the packed table entry for state x and hi byte hk, in multiply-adds:
+// lut_s + 16 KiB x context + 4 (x mod M) = lut_s + (hk & C) K + 4x - 16 KiB (x >> P), mod 2^32 (C
+// holds the context bits of hk, K moves them to 16 KiB units). Written in PTX: the compiler would
+// fold the last two back into a mask and a shift, ALU work, and the step was ALU-bound (ncu: the
+// ALU pipe 68 % busy at 75 % of issue slots, the FMA pipe 36 %).
+__device__ __forceinline__ uint32_t mad_lo(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t r;
+  asm("mad.lo.u32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+  return r;
+}
+
+template <int Dtype, int CtxBits>
+__device__ __forceinline__ uint32_t entry_address(uint32_t lut_s, uint32_t x, uint32_t q, uint32_t hk) {
+  constexpr int shift = (Dtype == kFP16 ? 8 : 7) - CtxBits;       // context(): the lowest context bit of hk
+  uint32_t base = lut_s;
+  if constexpr (CtxBits > 0) base = mad_lo(hk & (((1u << CtxBits) - 1) << shift), (4u * kProbScale) >> shift, lut_s);
+  return mad_lo(q, 0u - 4u * kProbScale, mad_lo(x, 4u, base));
+}
+
+// One renormalisation of a full step, in PTX so that the need predicate feeds both the ballot and a
+// predicated multiply-add (x = x * 2^16 + word; a PRMT before, ALU work) and the count of lanes
+// below comes from a multiply (mask * 2^(32 - lane): the bits below this lane, at the top). `at`:
+// the words consumed, in bytes; ring_s: the 1 KiB-aligned ring.
+__device__ __forceinline__ void renorm_full(uint32_t& x, uint32_t& at, uint32_t ring_s, uint32_t below_mul) {
+  asm volatile(
+      "{\n\t.reg .pred p;\n\t.reg .b32 m, b, c, a, w;\n\t"
+      "setp.lt.u32 p, %0, 65536;\n\t"
+      "vote.sync.ballot.b32 m, p, -1;\n\t"
+      "mul.lo.u32 b, m, %3;\n\t"
+      "popc.b32 c, b;\n\t"
+      "mad.lo.u32 a, c, 2, %1;\n\t"
+      "and.b32 a, a, 1022;\n\t"
+      "or.b32 a, a, %2;\n\t"
+      "ld.shared.u16 w, [a];\n\t"
+      "@p mad.lo.u32 %0, %0, 65536, w;\n\t"
+      "popc.b32 c, m;\n\t"
+      "mad.lo.u32 %1, c, 2, %1;\n\t}"
+      : "+r"(x), "+r"(at)
+      : "r"(ring_s), "r"(below_mul)
+      : "memory");
+}
+
+// One sub-chunk of kChunk steps, its words in the ring. `Full` sub-chunks (every step inside the
+// unit and the segment) skip the end checks and run the multiply-add step above; the others test
+// `left`, this lane's symbols before the end. `hs` points at this lane's hi byte of the sub-chunk's
+// first step, `o` at its output. Both compute the same step.
 template <int Dtype, int CtxBits, bool Full>
-__device__ __forceinline__ void decode_chunk(const uint32_t* lut, uint32_t ring_s, int left,
-                                             const uint32_t (&hc)[kChunk], const uint32_t (&l)[kChunk], Lane& st,
-                                             WordOf<Dtype>* o) {
-  const unsigned lanes_below = (1u << (threadIdx.x & 31)) - 1u;
+__device__ __forceinline__ void decode_chunk(const uint32_t* lut, uint32_t ring_s, int left, const uint8_t* hs,
+                                             const uint32_t (&l)[kChunk], Lane& st, WordOf<Dtype>* o) {
+  const int lane = threadIdx.x & 31;
+  const unsigned lanes_below = (1u << lane) - 1u;
+  const uint32_t below_mul = lane ? 1u << (32 - lane) : 0u;
+  const uint32_t lut_s = static_cast<uint32_t>(__cvta_generic_to_shared(lut));
   uint32_t at = 2u * st.wpos;                                        // words consumed, in bytes: one LEA a word
 #pragma unroll
   for (int k = 0; k < kChunk; ++k) {
-    const bool active = Full || k * kLanes < left;
-    uint32_t xn = st.x;
-    const uint32_t hk = hc[k];
-    const uint32_t v = lut[(context(hk, CtxBits, Dtype) << kProbBits) | (st.x & (kProbScale - 1))];
-    rans_step_packed(v, xn);
-    const bool need = active && xn < kRansL;                           // renormalise: one word
-    const unsigned mask = __ballot_sync(kFullMask, need);
-    const uint32_t w = ring_word(ring_s, at + 2u * __popc(mask & lanes_below));   // every lane: no branch
-    xn = need ? __byte_perm(w, xn, 0x5410) : xn;                       // (xn << 16) | w
-    if (Full || active) st.x = xn;
-    at += 2u * __popc(mask);
-    if (Full || active) {
-      if constexpr (Dtype == kFP32)
-        __stcg(o + k * kLanes, join_packed<Dtype>(v, hk, l[k]));
-      else
-        __stcg(reinterpret_cast<unsigned short*>(o) + k * kLanes,
-               static_cast<unsigned short>(join_packed<Dtype>(v, hk, 0)));
+    const uint32_t hk = hs[k * kLanes];
+    uint32_t v;
+    if constexpr (Full) {
+      const uint32_t q = st.x >> kProbBits;
+      asm("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(entry_address<Dtype, CtxBits>(lut_s, st.x, q, hk)));
+      st.x = ((v >> kLutFreqShift) + 1) * q + (v & (kProbScale - 1));
+      renorm_full(st.x, at, ring_s, below_mul);
+    } else {
+      const bool active = k * kLanes < left;
+      uint32_t xn = st.x;
+      v = lut[(context(hk, CtxBits, Dtype) << kProbBits) | (st.x & (kProbScale - 1))];
+      rans_step_packed(v, xn);
+      const bool need = active && xn < kRansL;                         // renormalise: one word
+      const unsigned mask = __ballot_sync(kFullMask, need);
+      const uint32_t w = ring_word(ring_s, at + 2u * __popc(mask & lanes_below));   // every lane: no branch
+      xn = need ? __byte_perm(w, xn, 0x5410) : xn;                     // (xn << 16) | w
+      if (active) st.x = xn;
+      at += 2u * __popc(mask);
+      if (!active) continue;
     }
+    if constexpr (Dtype == kFP32)
+      __stcg(o + k * kLanes, join_packed<Dtype>(v, hk, l[k]));
+    else
+      __stcg(reinterpret_cast<unsigned short*>(o) + k * kLanes, static_cast<unsigned short>(join_packed<Dtype>(v, hk, 0)));
   }
   st.wpos = static_cast<int>(at >> 1);
 }
@@ -196,10 +264,12 @@ struct Index {                      // the resident index (kRecord writes it, kI
 
 // Decode steps [u.t0, u.t1) of one segment (Record: mode kRecord, writing the index as it goes; a
 // template argument so that the other modes hold none of its registers). Returns the unit's status.
-template <int Dtype, int CtxBits, bool Record, int H>
+// hr: this warp's two hi buffers.
+template <int Dtype, int CtxBits, bool Record>
 __device__ int decode_unit(const uint8_t* data, const TensorDesc& d, const SegmentRef& ref, const Unit& u,
                            int64_t entry_steps, const uint32_t* lut, Index index, uint16_t* ring, uint8_t* hr,
                            void* out_base) {
+  constexpr int Steps = chunk_steps<Dtype, Record>(), ChunkSymbols = Steps * kLanes;
   const int lane = threadIdx.x & 31;
   const uint8_t* exp = data + d.exp_off;
   const int64_t seg0 = u.seg * kSegmentSymbols;
@@ -218,12 +288,13 @@ __device__ int decode_unit(const uint8_t* data, const TensorDesc& d, const Segme
     st.wpos = 0;
   }
   const uint32_t ring_s = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
-  const bool vec = (reinterpret_cast<uintptr_t>(hi) & 7) == 0, wvec = (reinterpret_cast<uintptr_t>(words) & 15) == 0;
+  const bool vec = (reinterpret_cast<uintptr_t>(hi) & (Steps - 1)) == 0;
+  const bool wvec = (reinterpret_cast<uintptr_t>(words) & 15) == 0;
   st.tail = st.wpos & ~(kPieceWords - 1);
   for (int i = 0; i < kRingWords; i += kPieceWords * kLanes)
     request_words(words, n_words, wvec, ring, st.tail + i, st.tail + kRingWords);
-  uint32_t l[kChunk], ln[kChunk], hc[kChunk];
-  const int t0 = static_cast<int>(u.t0), t1 = static_cast<int>(u.t1);
+  uint32_t l[kChunk], ln[kChunk];
+  const int t0 = static_cast<int>(u.t0), t1 = static_cast<int>(u.t1), end = min(n, t1 * kLanes);
   uint32_t* rec_states = nullptr;                                    // Record: this lane's entry states
   uint32_t* rec_words = nullptr;
   if constexpr (Record) {
@@ -236,39 +307,24 @@ __device__ int decode_unit(const uint8_t* data, const TensorDesc& d, const Segme
   const bool to_entry = u.end_entry >= 0;
   const uint32_t want_x = to_entry ? index.states[u.end_entry * kLanes + lane] : kRansL;
   const uint32_t want_words = to_entry ? index.words[u.end_entry] : static_cast<uint32_t>(n_words);
-  // One commit group a chunk: G_c = the words requested at chunk c and the hi bytes of chunk c + H.
-  // The first H groups hold the ring's fill and the hi bytes of chunks 0 .. H-1.
-#pragma unroll
-  for (int h = 0; h < H; ++h) {
-    if (t0 + h * kChunk < t1) stage_hi(hi, vec, (t0 + h * kChunk) * kLanes, n, hr + h * kHiChunkBytes);
-    __pipeline_commit();
-  }
+  // One commit group a chunk: G_c = the words requested at chunk c and the hi bytes of chunk c + 1,
+  // awaited when chunk c + 1 starts. The first group holds the ring's fill and chunk 0's hi bytes.
+  stage_hi<Steps>(hi, vec, t0 * kLanes, n, hr);
+  __pipeline_commit();
   if constexpr (Dtype == kFP32) load_lo<false>(lo, t0 * kLanes, n, l);
-  int tail_2 = st.tail;                                              // the tail requested two chunks ago
-  for (int t = t0, c = 0; t < t1; t += kChunk, ++c) {
-    const int base = t * kLanes, next = base + kChunk * kLanes;
-    uint8_t* hb = hr + (c & (H - 1)) * kHiChunkBytes;
-    __pipeline_wait_prior(H - 1);                                    // G_{c-H} is in: this chunk's hi bytes,
-    __syncwarp();                                                    // the words requested H chunks ago
-#pragma unroll
-    for (int k = 0; k < kChunk; ++k) hc[k] = hb[k * kLanes + lane];
-    __syncwarp();                                                    // every lane has its hi bytes
-    const int tail = st.wpos & ~(kPieceWords - 1);                   // top the ring up (warp-uniform)
-    request_words(words, n_words, wvec, ring, st.tail + kRingWords, tail + kRingWords);
-    const bool behind = st.wpos + kChunk * kLanes > (H == 1 ? st.tail : tail_2) + kRingWords;
-    tail_2 = st.tail;
-    st.tail = tail;
-    if (t + H * kChunk < t1) stage_hi(hi, vec, base + H * kChunk * kLanes, n, hb);   // into the buffer just read
+  for (int t = t0, c = 0; t < t1; t += Steps, ++c) {
+    const int base = t * kLanes, next = base + ChunkSymbols;
+    __pipeline_wait_prior(0);                                        // G_{c-1} is in: this chunk's hi
+    __syncwarp();                                                    // bytes, every word requested so far
+    int landed = st.tail + kRingWords;
+    top_up(words, n_words, wvec, ring, st);
+    if (t + Steps < t1) stage_hi<Steps>(hi, vec, next, n, hr + ((c + 1) & 1) * kHiBufferBytes);
     __pipeline_commit();
     if constexpr (Dtype == kFP32) {
       if (t + kChunk < t1) {
         if (next + kChunk * kLanes <= n) load_lo<true>(lo, next, n, ln);
         else load_lo<false>(lo, next, n, ln);
       }
-    }
-    if (behind) {                                                    // rare: the last chunks took ~every word
-      __pipeline_wait_prior(0);
-      __syncwarp();
     }
     if constexpr (Record) {
       if ((t & entry_mask) == 0) {                                   // an entry point of the index
@@ -277,11 +333,26 @@ __device__ int decode_unit(const uint8_t* data, const TensorDesc& d, const Segme
         if (lane == 0) rec_words[e] = static_cast<uint32_t>(st.wpos);
       }
     }
+    const uint8_t* hs = hr + (c & 1) * kHiBufferBytes + lane;
     WordOf<Dtype>* o = out + base + lane;
-    if (next <= n)
-      decode_chunk<Dtype, CtxBits, true>(lut, ring_s, n - base - lane, hc, l, st, o);
-    else
-      decode_chunk<Dtype, CtxBits, false>(lut, ring_s, n - base - lane, hc, l, st, o);
+    const bool full = next <= end;
+#pragma unroll
+    for (int h = 0; h < Steps / kChunk; ++h) {
+      const int at = h * kChunk * kLanes;
+      if (!full && base + at >= end) break;                          // a short unit's last chunk
+      if (st.wpos + kChunk * kLanes > landed) {                      // rare: the steps before took ~every word
+        __syncwarp();                                                // every lane has read the slots refilled
+        top_up(words, n_words, wvec, ring, st);
+        __pipeline_commit();
+        __pipeline_wait_prior(0);
+        __syncwarp();
+        landed = st.tail + kRingWords;
+      }
+      if (full)
+        decode_chunk<Dtype, CtxBits, true>(lut, ring_s, end - base - at - lane, hs + at, l, st, o + at);
+      else
+        decode_chunk<Dtype, CtxBits, false>(lut, ring_s, end - base - at - lane, hs + at, l, st, o + at);
+    }
     if constexpr (Dtype == kFP32) {
 #pragma unroll
       for (int k = 0; k < kChunk; ++k) l[k] = ln[k];
@@ -293,24 +364,24 @@ __device__ int decode_unit(const uint8_t* data, const TensorDesc& d, const Segme
   return __all_sync(kFullMask, st.x == want_x) ? kOk : kState;
 }
 
-template <int Dtype, int H, bool Record>
+template <int Dtype, bool Record>
 __device__ int decode_ctx(const uint8_t* data, const TensorDesc& d, const SegmentRef& ref, const Unit& u,
                           int64_t entry_steps, const uint32_t* lut, Index index, uint16_t* ring, uint8_t* hr,
                           void* out) {
   switch (d.ctx_bits) {
-    case 0: return decode_unit<Dtype, 0, Record, H>(data, d, ref, u, entry_steps, lut, index, ring, hr, out);
-    case 1: return decode_unit<Dtype, 1, Record, H>(data, d, ref, u, entry_steps, lut, index, ring, hr, out);
-    default: return decode_unit<Dtype, 2, Record, H>(data, d, ref, u, entry_steps, lut, index, ring, hr, out);
+    case 0: return decode_unit<Dtype, 0, Record>(data, d, ref, u, entry_steps, lut, index, ring, hr, out);
+    case 1: return decode_unit<Dtype, 1, Record>(data, d, ref, u, entry_steps, lut, index, ring, hr, out);
+    default: return decode_unit<Dtype, 2, Record>(data, d, ref, u, entry_steps, lut, index, ring, hr, out);
   }
 }
 
 // The unit in mode `mode`: RECORD's index writes are a template argument (decode_unit).
-template <int Dtype, int H>
+template <int Dtype>
 __device__ int decode_mode(const uint8_t* data, const TensorDesc& d, const SegmentRef& ref, const Unit& u,
                            int64_t mode, int64_t entry_steps, const uint32_t* lut, Index index, uint16_t* ring,
                            uint8_t* hr, void* out) {
-  if (mode == kRecord) return decode_ctx<Dtype, H, true>(data, d, ref, u, entry_steps, lut, index, ring, hr, out);
-  return decode_ctx<Dtype, H, false>(data, d, ref, u, entry_steps, lut, index, ring, hr, out);
+  if (mode == kRecord) return decode_ctx<Dtype, true>(data, d, ref, u, entry_steps, lut, index, ring, hr, out);
+  return decode_ctx<Dtype, false>(data, d, ref, u, entry_steps, lut, index, ring, hr, out);
 }
 
 // The device plan (cuda_ext/plan.py: device_plan): desc rows | first block of each tensor |
@@ -345,7 +416,7 @@ int64_t warps_per_block(int64_t mode, int64_t entry_steps, int64_t units, int64_
 // One block = W warps = W consecutive units of one tensor, which share one table set: they lie in
 // one segment, or in whole segments of one table group (warps_per_block).
 template <int W>
-__global__ void __launch_bounds__(32 * W, W == kWarpsPerBlock ? 1 : W == kIndexedWarpsPerBlock ? 2 : 3) decode_kernel(
+__global__ void __launch_bounds__(32 * W, W == kWarpsPerBlock ? 1 : 2) decode_kernel(
     const uint8_t* __restrict__ data, DevicePlan plan, Index index, int32_t* __restrict__ status, int64_t mode,
     int64_t entry_steps) {
   extern __shared__ __align__(1024) uint32_t smem[];  // rings | hi buffers | status, then the tables
@@ -374,21 +445,21 @@ __global__ void __launch_bounds__(32 * W, W == kWarpsPerBlock ? 1 : W == kIndexe
   if (!mine) return;
   const Unit un = unit_of(d, mode, entry_steps, u);
   uint16_t* ring = reinterpret_cast<uint16_t*>(reinterpret_cast<uint8_t*>(smem) + warp * kRingBytes);
-  uint8_t* hr = reinterpret_cast<uint8_t*>(smem) + hi_offset(W) + warp * hi_buffers(W) * kHiChunkBytes;
+  uint8_t* hr = reinterpret_cast<uint8_t*>(smem) + hi_offset(W) + warp * 2 * kHiBufferBytes;
   SegmentRef ref;
   int result = table_status != kOk ? table_status : read_segment(exp, d.exp_len, d, un.seg, &ref);
   if (result == kOk) {
     switch (d.dtype) {
       case kBF16:
-        result = decode_mode<kBF16, hi_buffers(W)>(data, d, ref, un, mode, entry_steps, luts, index, ring, hr,
+        result = decode_mode<kBF16>(data, d, ref, un, mode, entry_steps, luts, index, ring, hr,
                                                   plan.outs[lo]);
         break;
       case kFP16:
-        result = decode_mode<kFP16, hi_buffers(W)>(data, d, ref, un, mode, entry_steps, luts, index, ring, hr,
+        result = decode_mode<kFP16>(data, d, ref, un, mode, entry_steps, luts, index, ring, hr,
                                                   plan.outs[lo]);
         break;
       default:
-        result = decode_mode<kFP32, hi_buffers(W)>(data, d, ref, un, mode, entry_steps, luts, index, ring, hr,
+        result = decode_mode<kFP32>(data, d, ref, un, mode, entry_steps, luts, index, ring, hr,
                                                   plan.outs[lo]);
         break;
     }

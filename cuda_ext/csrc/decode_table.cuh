@@ -59,7 +59,8 @@ __device__ inline int parse_cum(const uint8_t* exp, const TensorDesc& d, int64_t
 // Slots [a, b) of the table whose cum[257] parse_cum wrote (b - a a multiple of 4, a 16-byte
 // aligned lut + a). The symbol owning a slot is the last s with cum[s] <= slot: an absent symbol
 // shares its cum with the next one, so the walk never stops on it. Within one symbol's run an entry
-// is `base + slot`, so a slot costs a compare and an add; four go out in one 16-byte store.
+// is `base + slot`, so a group of 4 slots inside one run (nearly all: a table holds a few dozen
+// runs) costs four adds and one 16-byte store; a group that crosses a run's end walks slot by slot.
 __device__ __forceinline__ void fill_slots(const uint32_t* cum_s, uint32_t* lut, uint32_t a, uint32_t b) {
   if (a >= b) return;
   uint32_t lo = 0;
@@ -70,16 +71,22 @@ __device__ __forceinline__ void fill_slots(const uint32_t* cum_s, uint32_t* lut,
   uint32_t s = lo, c = cum_s[s], cn = cum_s[s + 1];
   uint32_t base = lut_entry(cn - c, s, 0) - c;
   for (uint32_t slot = a; slot < b; slot += 4) {
-    uint32_t v[4];
+    uint4 v;
+    if (slot + 4 <= cn) {
+      v = make_uint4(base + slot, base + slot + 1, base + slot + 2, base + slot + 3);
+    } else {
+      uint32_t e[4];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      while (slot + k >= cn) {
-        c = cn, cn = cum_s[++s + 1];
-        base = lut_entry(cn - c, s, 0) - c;
+      for (int k = 0; k < 4; ++k) {
+        while (slot + k >= cn) {
+          c = cn, cn = cum_s[++s + 1];
+          base = lut_entry(cn - c, s, 0) - c;
+        }
+        e[k] = base + slot + k;
       }
-      v[k] = base + slot + k;
+      v = make_uint4(e[0], e[1], e[2], e[3]);
     }
-    *reinterpret_cast<uint4*>(lut + slot) = make_uint4(v[0], v[1], v[2], v[3]);
+    *reinterpret_cast<uint4*>(lut + slot) = v;
   }
 }
 
