@@ -150,14 +150,14 @@ __device__ __forceinline__ void top_up(const uint16_t* words, int n_words, bool 
   st.tail = tail;
 }
 
-// The hi bytes of one chunk (Steps steps x 32 lanes, contiguous) into one of this warp's hi
-// buffers, ahead of use: each lane copies Steps bytes with cp.async (no registers held, no wait
-// until the chunk starts), or byte by byte, zero past the segment's end, where the chunk is short
-// or the plane is not Steps-byte aligned. The caller commits.
+// The hi bytes of one chunk (Steps steps x 32 lanes, contiguous, from symbol `base`) into one of
+// this warp's hi buffers, ahead of use: each lane copies Steps bytes with cp.async (no registers
+// held, no wait until the chunk starts) where `fast` (the chunk lies in the segment and the plane is
+// Steps-byte aligned), else byte by byte, zero past the segment's end. The caller commits.
 template <int Steps>
-__device__ __forceinline__ void stage_hi(const uint8_t* hi, bool vec, int base, int n, uint8_t* hr) {
+__device__ __forceinline__ void stage_hi(const uint8_t* hi, bool fast, int base, int n, uint8_t* hr) {
   const int lane = threadIdx.x & 31, at = base + Steps * lane;
-  if (vec && base + Steps * kLanes <= n) {
+  if (fast) {
     __pipeline_memcpy_async(hr + Steps * lane, hi + at, Steps);
   } else {
     copy_hi_slow(hi, at, n, hr + Steps * lane, Steps);
@@ -309,16 +309,22 @@ __device__ int decode_unit(const uint8_t* data, const TensorDesc& d, const Segme
   const uint32_t want_words = to_entry ? index.words[u.end_entry] : static_cast<uint32_t>(n_words);
   // One commit group a chunk: G_c = the words requested at chunk c and the hi bytes of chunk c + 1,
   // awaited when chunk c + 1 starts. The first group holds the ring's fill and chunk 0's hi bytes.
-  stage_hi<Steps>(hi, vec, t0 * kLanes, n, hr);
+  // A chunk starting at step t: its hi bytes copy by cp.async when t + Steps <= hi_fast; its steps
+  // run without end checks when t + Steps <= full_end (every symbol inside the unit and segment).
+  const int hi_fast = vec ? n / kLanes : 0, full_end = min(t1, n / kLanes);
+  stage_hi<Steps>(hi, t0 + Steps <= hi_fast, t0 * kLanes, n, hr);
   __pipeline_commit();
   if constexpr (Dtype == kFP32) load_lo<false>(lo, t0 * kLanes, n, l);
-  for (int t = t0, c = 0; t < t1; t += Steps, ++c) {
-    const int base = t * kLanes, next = base + ChunkSymbols;
-    __pipeline_wait_prior(0);                                        // G_{c-1} is in: this chunk's hi
-    __syncwarp();                                                    // bytes, every word requested so far
-    int landed = st.tail + kRingWords;
+  int landed = 0;                                                    // the ring's words [.., landed) are in
+  // Chunk c's start: its hi bytes and every word requested so far are in; top the ring up, stage
+  // the next chunk's hi bytes into the other buffer, prefetch fp32 lo values, write RECORD's entry.
+  auto begin_chunk = [&](int t, int c) {
+    const int next = (t + Steps) * kLanes;
+    __pipeline_wait_prior(0);
+    __syncwarp();
+    landed = st.tail + kRingWords;
     top_up(words, n_words, wvec, ring, st);
-    if (t + Steps < t1) stage_hi<Steps>(hi, vec, next, n, hr + ((c + 1) & 1) * kHiBufferBytes);
+    if (t + Steps < t1) stage_hi<Steps>(hi, t + 2 * Steps <= hi_fast, next, n, hr + ((c + 1) & 1) * kHiBufferBytes);
     __pipeline_commit();
     if constexpr (Dtype == kFP32) {
       if (t + kChunk < t1) {
@@ -333,30 +339,48 @@ __device__ int decode_unit(const uint8_t* data, const TensorDesc& d, const Segme
         if (lane == 0) rec_words[e] = static_cast<uint32_t>(st.wpos);
       }
     }
-    const uint8_t* hs = hr + (c & 1) * kHiBufferBytes + lane;
-    WordOf<Dtype>* o = out + base + lane;
-    const bool full = next <= end;
-#pragma unroll
-    for (int h = 0; h < Steps / kChunk; ++h) {
-      const int at = h * kChunk * kLanes;
-      if (!full && base + at >= end) break;                          // a short unit's last chunk
-      if (st.wpos + kChunk * kLanes > landed) {                      // rare: the steps before took ~every word
-        __syncwarp();                                                // every lane has read the slots refilled
-        top_up(words, n_words, wvec, ring, st);
-        __pipeline_commit();
-        __pipeline_wait_prior(0);
-        __syncwarp();
-        landed = st.tail + kRingWords;
-      }
-      if (full)
-        decode_chunk<Dtype, CtxBits, true>(lut, ring_s, end - base - at - lane, hs + at, l, st, o + at);
-      else
-        decode_chunk<Dtype, CtxBits, false>(lut, ring_s, end - base - at - lane, hs + at, l, st, o + at);
+  };
+  // Before each sub-chunk: rare, the steps before took nearly every word the ring held: top up, wait.
+  auto ensure_words = [&]() {
+    if (st.wpos + kChunk * kLanes > landed) {
+      __syncwarp();                                                  // every lane has read the slots refilled
+      top_up(words, n_words, wvec, ring, st);
+      __pipeline_commit();
+      __pipeline_wait_prior(0);
+      __syncwarp();
+      landed = st.tail + kRingWords;
     }
+  };
+  auto end_chunk = [&]() {
     if constexpr (Dtype == kFP32) {
 #pragma unroll
       for (int k = 0; k < kChunk; ++k) l[k] = ln[k];
     }
+  };
+  int t = t0, c = 0;
+  for (; t + Steps <= full_end; t += Steps, ++c) {                   // whole chunks: no end checks
+    begin_chunk(t, c);
+    const uint8_t* hs = hr + (c & 1) * kHiBufferBytes + lane;
+    WordOf<Dtype>* o = out + t * kLanes + lane;
+#pragma unroll
+    for (int h = 0; h < Steps / kChunk; ++h) {
+      ensure_words();
+      decode_chunk<Dtype, CtxBits, true>(lut, ring_s, 0, hs + h * kChunk * kLanes, l, st, o + h * kChunk * kLanes);
+    }
+    end_chunk();
+  }
+  for (; t < t1; t += Steps, ++c) {                                  // the unit's short last chunk
+    begin_chunk(t, c);
+    const uint8_t* hs = hr + (c & 1) * kHiBufferBytes + lane;
+    WordOf<Dtype>* o = out + t * kLanes + lane;
+    for (int h = 0; h < Steps / kChunk; ++h) {
+      const int at = (t + h * kChunk) * kLanes;
+      if (at >= end) break;
+      ensure_words();
+      decode_chunk<Dtype, CtxBits, false>(lut, ring_s, end - at - lane, hs + h * kChunk * kLanes, l, st,
+                                          o + h * kChunk * kLanes);
+    }
+    end_chunk();
   }
   __pipeline_wait_prior(0);                                          // no copy outlives the unit
   __syncwarp();
@@ -437,9 +461,9 @@ __global__ void __launch_bounds__(32 * W, W == kWarpsPerBlock ? 1 : 2) decode_ke
   if (st0 != kOk && lane == 0) atomicMax(&table_status, st0);
   __syncthreads();
   uint32_t* luts = smem + scratch_words(W);
-  if (table_status == kOk) {                                         // ... and fill, every thread a run
-    const uint32_t run = (kProbScale << d.ctx_bits) / (32 * W), first = threadIdx.x * run, t = first / kProbScale;
-    fill_lut(smem + t * kCumWords, luts + t * kProbScale, first % kProbScale, first % kProbScale + run);
+  if (table_status == kOk) {                                         // ... and fill, every warp a region
+    const uint32_t run = (kProbScale << d.ctx_bits) / W, first = warp * run, t = first / kProbScale;
+    fill_region(smem + t * kCumWords, luts + t * kProbScale, first % kProbScale, first % kProbScale + run);
   }
   __syncthreads();                                                   // tables ready; the scratch is the rings'
   if (!mine) return;

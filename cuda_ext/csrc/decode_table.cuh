@@ -11,8 +11,8 @@ constexpr unsigned kFullMask = 0xFFFFFFFFu;
 
 // ---- build the decode table ---------------------------------------------------------------------
 // Two steps, so that a whole block can share the work of filling 4096 slots a table:
-// parse_cum (one warp a table) reads the bitmap and frequencies into cum[257]; fill_lut (any thread)
-// writes a run of slots. Lane l owns symbols [8l, 8l + 8): their presence bits are byte l of the
+// parse_cum (one warp a table) reads the bitmap and frequencies into cum[257]; fill_region (any
+// warp) writes a run of slots. Lane l owns symbols [8l, 8l + 8): their presence bits are byte l of the
 // bitmap. Returns kOk / kTable; an unused (all-zero) table becomes the identity (symbol 0 owns all M
 // slots, so x stays x).
 __device__ inline int parse_cum(const uint8_t* exp, const TensorDesc& d, int64_t j, uint32_t* cum_s) {
@@ -56,48 +56,27 @@ __device__ inline int parse_cum(const uint8_t* exp, const TensorDesc& d, int64_t
   return kOk;
 }
 
-// Slots [a, b) of the table whose cum[257] parse_cum wrote (b - a a multiple of 4, a 16-byte
-// aligned lut + a). The symbol owning a slot is the last s with cum[s] <= slot: an absent symbol
-// shares its cum with the next one, so the walk never stops on it. Within one symbol's run an entry
-// is `base + slot`, so a group of 4 slots inside one run (nearly all: a table holds a few dozen
-// runs) costs four adds and one 16-byte store; a group that crosses a run's end walks slot by slot.
-__device__ __forceinline__ void fill_slots(const uint32_t* cum_s, uint32_t* lut, uint32_t a, uint32_t b) {
-  if (a >= b) return;
-  uint32_t lo = 0;
-  for (uint32_t hi = 255; lo < hi;) {
-    const uint32_t mid = (lo + hi + 1) >> 1;
-    if (cum_s[mid] <= a) lo = mid; else hi = mid - 1;
+// Slots [a, b) of the table whose cum[257] parse_cum wrote, filled by one warp (a and b warp-
+// uniform). The symbol owning a slot is the last s with cum[s] <= slot (an absent symbol shares
+// its cum with the next one, so it owns none); within s's run an entry is `base + slot`. The warp
+// walks the runs that meet [a, b) in order, its lanes writing 32 consecutive slots at a time
+// (conflict-free): a run costs a few uniform instructions and its slots one add and one store each.
+// (Before, each thread filled its own 32 slots and searched for their symbols: the warps diverged
+// on every run's end, and the fill cost 2.5 instructions a decoded step, ncu.)
+__device__ inline void fill_region(const uint32_t* cum_s, uint32_t* lut, uint32_t a, uint32_t b) {
+  const uint32_t lane = threadIdx.x & 31;
+  uint32_t s = 0;
+  for (uint32_t hi = 255; s < hi;) {                                 // the symbol owning slot a
+    const uint32_t mid = (s + hi + 1) >> 1;
+    if (cum_s[mid] <= a) s = mid; else hi = mid - 1;
   }
-  uint32_t s = lo, c = cum_s[s], cn = cum_s[s + 1];
-  uint32_t base = lut_entry(cn - c, s, 0) - c;
-  for (uint32_t slot = a; slot < b; slot += 4) {
-    uint4 v;
-    if (slot + 4 <= cn) {
-      v = make_uint4(base + slot, base + slot + 1, base + slot + 2, base + slot + 3);
-    } else {
-      uint32_t e[4];
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        while (slot + k >= cn) {
-          c = cn, cn = cum_s[++s + 1];
-          base = lut_entry(cn - c, s, 0) - c;
-        }
-        e[k] = base + slot + k;
-      }
-      v = make_uint4(e[0], e[1], e[2], e[3]);
-    }
-    *reinterpret_cast<uint4*>(lut + slot) = v;
+  for (; a < b; ++s) {
+    const uint32_t c = cum_s[s], cn = cum_s[s + 1];
+    if (cn <= a) continue;                                           // absent: an empty run
+    const uint32_t end = cn < b ? cn : b, base = lut_entry(cn - c, s, 0) - c;
+    for (uint32_t slot = a + lane; slot < end; slot += 32) lut[slot] = base + slot;
+    a = end;
   }
-}
-
-// A thread's run [a, b) of slots (b - a a multiple of 4), written from its (thread % groups)-th group
-// of 4 slots on, then the groups before it: neighbouring threads' runs lie a multiple of 32 banks
-// apart, so starting them all at their first group made every 16-byte store of a warp hit the same
-// 4 banks (ncu: 30-way conflicts, the block waiting on its tables at the barrier).
-__device__ __forceinline__ void fill_lut(const uint32_t* cum_s, uint32_t* lut, uint32_t a, uint32_t b) {
-  const uint32_t mid = a + 4 * (threadIdx.x % ((b - a) / 4));
-  fill_slots(cum_s, lut, mid, b);
-  fill_slots(cum_s, lut, a, mid);
 }
 
 // One warp parses and fills a whole table (the byte-plane decoder, decode_quant.cu).
@@ -105,8 +84,7 @@ __device__ inline int build_decode_table(const uint8_t* exp, const TensorDesc& d
                                          uint32_t* cum_s) {
   const int st = parse_cum(exp, d, j, cum_s);
   if (st != kOk) return st;
-  const uint32_t lane = threadIdx.x & 31, run = kProbScale / 32;
-  fill_lut(cum_s, lut, lane * run, (lane + 1) * run);
+  fill_region(cum_s, lut, 0, kProbScale);
   __syncwarp();
   return kOk;
 }
