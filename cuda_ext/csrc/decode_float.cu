@@ -1,14 +1,14 @@
 // CUDA twin of decode_float.cpp: the same steps (read the directory -> build the decode tables ->
 // decode lanes -> join planes), spread over threads. One warp decodes one unit -- a whole segment,
 // or in kIndexed mode one piece of it started from the resident index (codec/resident.py) -- one
-// lane per rANS state, in the lane/word order of docs/FORMAT.md §3. A block of 4 warps decodes 4
-// units that share a table set; it first builds that set's packed decode tables in shared memory
-// (one u32 per slot, tables.build_lut's layout), so a step is one shared load, a multiply-add, and
-// a ballot + popc that hands out the renormalisation words in lane order. Hi bytes are staged into
-// shared memory one chunk of 8 steps ahead (cp.async), renormalisation words through a per-warp
-// ring in shared memory (Lane). Archive data
-// never traps: every read is bounded and each unit reports a status. Launches run on the current
-// stream and allocate nothing: the caller owns the outputs, the index, the status and the device plan.
+// lane per rANS state, in the lane/word order of docs/FORMAT.md §3. A block of 4, 8 or 16 warps
+// decodes units that share a table set; it first builds that set's packed decode tables in shared
+// memory (one u32 per slot, tables.build_lut's layout), so a step is one shared load, a few
+// multiply-adds, and a ballot + popc that hands out the renormalisation words in lane order. Hi
+// bytes are staged into shared memory one chunk (16 steps, or 8) ahead by cp.async, renormalisation
+// words through a per-warp ring in shared memory (Lane). Archive data never traps: every read is
+// bounded and each unit reports a status. Launches run on the current stream and allocate nothing:
+// the caller owns the outputs, the index, the status and the device plan.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
