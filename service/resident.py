@@ -32,6 +32,8 @@ from cuda_ext import plans
 ENTRY_STEPS = 256                  # the resident index's piece: 32 x 256 weights
 LARGE_ENTRY_STEPS = 512            # pieces of a tensor of LARGE weights or more
 LARGE = 1 << 25
+SMALL_ENTRY_STEPS = 64             # pieces of a module of under 1 / SMALL_SHARE of the largest's weights
+SMALL_SHARE = 4
 ALIGN = 256                        # each tensor's place in a slot
 
 
@@ -54,11 +56,22 @@ def _slot_bytes(e) -> int:
 
 
 def piece_steps(kept: list) -> dict[str, int]:
-    """Each kept tensor's piece size: its module's largest tensor decides (a module's tensors are
-    decoded together, from one index: a large weight's bias takes the weight's pieces)."""
+    """Each kept tensor's piece size, decided per module (a module's tensors are decoded together,
+    from one index: a large weight's bias takes the weight's pieces): its largest tensor's
+    entry_steps, or 64 for a module of under a quarter of the largest module's weights -- GQA's k
+    and v projections (an 8B model's 1024 x 4096): too few 256-step pieces to fill the GPU, so each
+    warp's 256 steps are the decode's latency, and 64-step pieces take it from 0.037 to 0.022 ms
+    (H200 and H100, docs/BENCHMARKS.md) for 3.2 % of their bf16 bytes, 0.09 % of the model's."""
     steps: dict[str, int] = {}
+    weights: dict[str, int] = {}
     for e in kept:
-        steps[_module(e)] = max(steps.get(_module(e), 0), entry_steps(e))
+        m = _module(e)
+        steps[m] = max(steps.get(m, 0), entry_steps(e))
+        weights[m] = weights.get(m, 0) + e.params.n
+    most = max(weights.values(), default=0)
+    for m, n in weights.items():
+        if n * SMALL_SHARE < most:
+            steps[m] = SMALL_ENTRY_STEPS
     return {e.name: steps[_module(e)] for e in kept}
 
 

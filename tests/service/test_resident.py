@@ -101,16 +101,20 @@ def test_same_tokens_and_bit_identical_logits(both_modes, batch) -> None:
     assert_same_greedy(*both_modes, batch)
 
 
-def test_large_tensors_get_coarser_pieces(both_modes, dense_demo_archive, monkeypatch) -> None:
-    """Tensors of resident.LARGE weights or more get 512-step pieces (half the index), the rest
-    256; a module's tensors share one piece size, and decoding is unchanged."""
-    monkeypatch.setattr(resident, "LARGE", 1 << 18)     # the demo's q, o and MLP matrices; not k, v
+def test_piece_size_per_module(both_modes, dense_demo_archive, monkeypatch) -> None:
+    """Tensors of resident.LARGE weights or more get 512-step pieces (half the index); a module of
+    under a quarter of the largest module's weights 64 (the demo's k and v, 192 x 576 against the
+    MLP's 1536 x 576: GQA's, as in an 8B model); the rest 256. A module's tensors share one piece
+    size, and decoding is unchanged."""
+    monkeypatch.setattr(resident, "LARGE", 1 << 19)     # the demo's MLP matrices; not q, o (576 x 576)
     coarse = served(dense_demo_archive, compressed=True)
     parts = [part for c in coarse.schedule.layers for part in c.parts]
-    assert {part.index.entry_steps for part in parts} == {resident.ENTRY_STEPS, resident.LARGE_ENTRY_STEPS}
+    want = {"k_proj": resident.SMALL_ENTRY_STEPS, "v_proj": resident.SMALL_ENTRY_STEPS,
+            "q_proj": resident.ENTRY_STEPS, "o_proj": resident.ENTRY_STEPS, "gate_proj": resident.LARGE_ENTRY_STEPS,
+            "up_proj": resident.LARGE_ENTRY_STEPS, "down_proj": resident.LARGE_ENTRY_STEPS}
     for part in parts:
         steps = part.index.entry_steps
-        assert all(resident.entry_steps(e) == steps for e in part.plan.float_entries)
+        assert all(want[e.name.split(".")[-2]] == steps for e in part.plan.float_entries), steps
         pieces = sum(e.params.n_segments for e in part.plan.float_entries) * (SEGMENT_STEPS // steps)
         assert part.index.words.numel() == pieces and part.index.states.numel() == 32 * pieces
     assert coarse.schedule.compressed_bytes < both_modes[1].schedule.compressed_bytes
