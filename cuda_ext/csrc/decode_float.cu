@@ -199,19 +199,19 @@ __device__ __forceinline__ uint32_t entry_address(uint32_t lut_s, uint32_t x, ui
 __device__ __forceinline__ void renorm_full(uint32_t& x, uint32_t& at, uint32_t ring_s, uint32_t below_mul) {
   asm volatile(
       "{\n\t.reg .pred p;\n\t.reg .b32 m, b, c, a, w;\n\t"
-      "setp.lt.u32 p, %0, 65536;\n\t"
+      "setp.lt.u32 p, %0, %4;\n\t"                                 // need: x < L
       "vote.sync.ballot.b32 m, p, -1;\n\t"
       "mul.lo.u32 b, m, %3;\n\t"
       "popc.b32 c, b;\n\t"
       "mad.lo.u32 a, c, 2, %1;\n\t"
-      "and.b32 a, a, 1022;\n\t"
+      "and.b32 a, a, %5;\n\t"
       "or.b32 a, a, %2;\n\t"
       "ld.shared.u16 w, [a];\n\t"
-      "@p mad.lo.u32 %0, %0, 65536, w;\n\t"
+      "@p mad.lo.u32 %0, %0, %6, w;\n\t"                          // x << 16 | w
       "popc.b32 c, m;\n\t"
       "mad.lo.u32 %1, c, 2, %1;\n\t}"
       : "+r"(x), "+r"(at)
-      : "r"(ring_s), "r"(below_mul)
+      : "r"(ring_s), "r"(below_mul), "n"(kRansL), "n"(kRingBytes - 2), "n"(1u << kRenormBits)
       : "memory");
 }
 
@@ -252,7 +252,8 @@ __device__ __forceinline__ void decode_chunk(const uint32_t* lut, uint32_t ring_
     if constexpr (Dtype == kFP32)
       __stcg(o + k * kLanes, join_packed<Dtype>(v, hk, l[k]));
     else
-      __stcg(reinterpret_cast<unsigned short*>(o) + k * kLanes, static_cast<unsigned short>(join_packed<Dtype>(v, hk, 0)));
+      __stcg(reinterpret_cast<unsigned short*>(o) + k * kLanes,
+             static_cast<unsigned short>(join_packed<Dtype>(v, hk, 0)));
   }
   st.wpos = static_cast<int>(at >> 1);
 }
