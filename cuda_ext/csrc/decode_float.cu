@@ -216,9 +216,9 @@ __device__ __forceinline__ void renorm_full(uint32_t& x, uint32_t& at, uint32_t 
 }
 
 // One sub-chunk of kChunk steps, its words in the ring. `Full` sub-chunks (every step inside the
-// unit and the segment) skip the end checks and run the multiply-add step above; the others test
-// `left`, this lane's symbols before the end. `hs` points at this lane's hi byte of the sub-chunk's
-// first step, `o` at its output. Both compute the same step.
+// unit and the segment) skip the end checks and renormalise in the multiply-add above; the others
+// test `left`, this lane's symbols before the end. `hs` points at this lane's hi byte of the
+// sub-chunk's first step, `o` at its output. Both look up and step alike.
 template <int Dtype, int CtxBits, bool Full>
 __device__ __forceinline__ void decode_chunk(const uint32_t* lut, uint32_t ring_s, int left, const uint8_t* hs,
                                              const uint32_t (&l)[kChunk], Lane& st, WordOf<Dtype>* o) {
@@ -230,17 +230,14 @@ __device__ __forceinline__ void decode_chunk(const uint32_t* lut, uint32_t ring_
 #pragma unroll
   for (int k = 0; k < kChunk; ++k) {
     const uint32_t hk = hs[k * kLanes];
-    uint32_t v;
+    uint32_t v, xn = st.x;
+    asm("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(entry_address<Dtype, CtxBits>(lut_s, st.x, st.x >> kProbBits, hk)));
+    rans_step_packed(v, xn);
     if constexpr (Full) {
-      const uint32_t q = st.x >> kProbBits;
-      asm("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(entry_address<Dtype, CtxBits>(lut_s, st.x, q, hk)));
-      st.x = ((v >> kLutFreqShift) + 1) * q + (v & (kProbScale - 1));
-      renorm_full(st.x, at, ring_s, below_mul);
+      renorm_full(xn, at, ring_s, below_mul);
+      st.x = xn;
     } else {
       const bool active = k * kLanes < left;
-      uint32_t xn = st.x;
-      v = lut[(context(hk, CtxBits, Dtype) << kProbBits) | (st.x & (kProbScale - 1))];
-      rans_step_packed(v, xn);
       const bool need = active && xn < kRansL;                         // renormalise: one word
       const unsigned mask = __ballot_sync(kFullMask, need);
       const uint32_t w = ring_word(ring_s, at + 2u * __popc(mask & lanes_below));   // every lane: no branch
@@ -476,16 +473,13 @@ __global__ void __launch_bounds__(32 * W, W == kWarpsPerBlock ? 1 : 2) decode_ke
   if (result == kOk) {
     switch (d.dtype) {
       case kBF16:
-        result = decode_mode<kBF16>(data, d, ref, un, mode, entry_steps, luts, index, ring, hr,
-                                                  plan.outs[lo]);
+        result = decode_mode<kBF16>(data, d, ref, un, mode, entry_steps, luts, index, ring, hr, plan.outs[lo]);
         break;
       case kFP16:
-        result = decode_mode<kFP16>(data, d, ref, un, mode, entry_steps, luts, index, ring, hr,
-                                                  plan.outs[lo]);
+        result = decode_mode<kFP16>(data, d, ref, un, mode, entry_steps, luts, index, ring, hr, plan.outs[lo]);
         break;
       default:
-        result = decode_mode<kFP32>(data, d, ref, un, mode, entry_steps, luts, index, ring, hr,
-                                                  plan.outs[lo]);
+        result = decode_mode<kFP32>(data, d, ref, un, mode, entry_steps, luts, index, ring, hr, plan.outs[lo]);
         break;
     }
   }
