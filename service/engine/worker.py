@@ -80,8 +80,9 @@ class GenRequest:
 class Engine:
     def __init__(self, served: ServedModel, metrics: Metrics, limits: Limits):
         self.served, self.metrics, self.limits = served, metrics, limits
+        self._done_rows: list[Row] = []          # rows a step finished, answered once its metrics are in
         self.batcher = Batcher(served, max_rows=limits.max_rows, max_tokens=limits.max_tokens,
-                               on_token=self._on_token, on_finish=lambda row: self._finish(row.owner, row.finished()))
+                               on_token=self._on_token, on_finish=self._done_rows.append)
         self._lock = threading.Lock()            # submit's check-then-append against close
         self._wake = threading.Event()
         self._closed = False
@@ -133,11 +134,15 @@ class Engine:
             self._finish(row.owner, ModelNotReady(f"model {self.served.name!r} was unloaded", 1))
 
     def _step(self) -> None:
+        """One batcher step. The rows it finished are answered after the step's own metrics are
+        recorded, so a client that reads /metrics after its response sees the step that made its
+        last token."""
         m, name = self.metrics, self.served.name
         try:
             step = self.batcher.step()
         except Exception as e:                   # a failed step fails its rows, not the server
             log.exception("generation failed on model %s", name)
+            self._answer_done_rows()
             for row in self.batcher.reset():
                 self._finish(row.owner, GenerationFailed(f"generation failed: {type(e).__name__}: {e}"))
             return
@@ -145,6 +150,13 @@ class Engine:
         if step.tokens:
             m.batch_size.labels(name).observe(step.rows)
             m.batch_tokens.labels(name).observe(step.tokens)
+        self._answer_done_rows()
+
+    def _answer_done_rows(self) -> None:
+        rows = self._done_rows[:]
+        self._done_rows.clear()                  # the batcher appends to this very list
+        for row in rows:
+            self._finish(row.owner, row.finished())
 
     def _on_token(self, row: Row, event: TokenEvent) -> None:
         req, now, name = row.owner, time.perf_counter(), self.served.name

@@ -6,6 +6,8 @@ import re
 import pytest
 from service_helpers import DEMO, generate_body
 
+from service.engine.worker import GenRequest
+from service.generation import Finished
 from service.registry import ModelState
 
 pytestmark = pytest.mark.anyio
@@ -49,3 +51,23 @@ async def test_every_family_after_a_load_and_a_generate(serve, store) -> None:
         assert await server.metric("wcodec_generate_prompt_tokens_total", model=DEMO) > 0
         assert await server.metric("wcodec_http_requests_total", method="GET", route="/models/{name}",
                                    status="200") == 1
+
+
+async def test_a_step_is_counted_before_the_rows_it_finished_are_answered(serve, store, monkeypatch) -> None:
+    """The step that makes a request's last token is in /metrics before the request is answered:
+    the worker's answer (GenRequest.put of the outcome) sees every step already observed."""
+    seen: list[float | None] = []
+    put = GenRequest.put
+
+    def put_and_look(req, item):
+        if isinstance(item, Finished):
+            seen.append(server.app.state.metrics.registry.get_sample_value(
+                "wcodec_generate_batch_tokens_sum", {"model": DEMO}))
+        put(req, item)
+
+    monkeypatch.setattr(GenRequest, "put", put_and_look)
+    async with serve(store(), preload=[DEMO]) as server:
+        await server.wait_state(DEMO, ModelState.READY)
+        await server.client.post("/generate", json=generate_body(4))
+        prompt = await server.metric("wcodec_generate_prompt_tokens_total", model=DEMO)
+        assert seen == [prompt + 3]                           # prefill and 3 decodes, all observed
