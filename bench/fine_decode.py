@@ -60,8 +60,7 @@ class Resident:
 
     def job(self, names, mode=plans.MODE_INDEXED) -> cuda_ext.Prepared:
         p = plans.select(self.plan, names)
-        outs = [torch.empty(e.shape, dtype=e.torch_dtype, device="cuda") for e in p.float_entries]
-        return cuda_ext.Prepared(p, self.data, outs, mode, self.index if mode == plans.MODE_INDEXED else None,
+        return cuda_ext.Prepared(p, self.data, plans.outputs(p, "cuda"), mode, self.index if mode == plans.MODE_INDEXED else None,
                                  self.path)
 
     def bit_exact(self, job: cuda_ext.Prepared) -> bool:

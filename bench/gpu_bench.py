@@ -211,8 +211,7 @@ def seven_b(workdir: Path, n_layers: int) -> dict:
         del out
     raw = sum(t.nbytes for t in state.values())
     device_buf.copy_(host)                                  # the whole model in bulk: one launch, from GPU memory
-    job = cuda_ext.Prepared(whole, device_buf, [torch.empty(e.shape, dtype=e.torch_dtype, device="cuda")
-                                                for e in whole.float_entries])
+    job = cuda_ext.Prepared(whole, device_buf, plans.outputs(whole, "cuda"))
     one_launch = timed(job.run, 3)
     job.check()
     return {"raw_GB": raw / 1e9, "compressed_GB": (whole.end - whole.start) / 1e9, "ratio": stats.file_bytes / raw,

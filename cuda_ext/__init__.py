@@ -103,10 +103,6 @@ class DeviceIndex:
         return self.states.nbytes + self.words.nbytes
 
 
-def _outputs(p: plans.Plan, device) -> list[torch.Tensor]:
-    return [torch.empty(e.shape, dtype=e.torch_dtype, device=device) for e in p.float_entries]
-
-
 def _with_raw(p: plans.Plan, data: torch.Tensor, floats: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     out = {e.name: t for e, t in zip(p.float_entries, floats)}
     for e, off in p.raw_entries:
@@ -120,7 +116,7 @@ def decode_plan(p: plans.Plan, data: torch.Tensor, path=None) -> dict[str, torch
     """Decode every tensor of a plan. `data` (uint8, 1-D, on the target device) holds the archive
     bytes [p.start, p.end). Returns {name: tensor} on data's device; corrupt streams raise the
     codec's CorruptStreamError naming the file, the tensor and the segment."""
-    job = Prepared(p, data, _outputs(p, data.device), path=path)
+    job = Prepared(p, data, plans.outputs(p, data.device), path=path)
     job.run()
     job.check()
     return _with_raw(p, data, job.outputs) | quant.decode(p, data, path)
@@ -134,7 +130,7 @@ def build_index(p: plans.Plan, data: torch.Tensor, entry_steps: int = resident.E
     resident.pieces_per_segment(entry_steps)
     _, states, words = plans.buffers(p, data.device, plans.MODE_RECORD, entry_steps)
     index = DeviceIndex(entry_steps, states, words)
-    job = Prepared(p, data, outputs if outputs is not None else _outputs(p, data.device), plans.MODE_RECORD,
+    job = Prepared(p, data, outputs if outputs is not None else plans.outputs(p, data.device), plans.MODE_RECORD,
                    index, path)
     job.run()
     job.check()

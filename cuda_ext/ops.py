@@ -195,7 +195,7 @@ def sample_inputs(device: str | torch.device) -> list[tuple]:
     """Small archives' worth of op arguments (every dtype, multi-segment, a partial segment), in
     each mode; the INDEXED call reads the index that the RECORD call before it writes."""
     from codec.encode import encode_tensors
-    from .plan import build, buffers, device_plan
+    from .plan import build, buffers, device_plan, outputs as plan_outputs
     from codec.entries import TensorEntry
     g = torch.Generator().manual_seed(0)
     tensors = {"bf16": torch.randn(SEGMENT_SYMBOLS + 999, generator=g).bfloat16(),
@@ -217,7 +217,7 @@ def sample_inputs(device: str | torch.device) -> list[tuple]:
     _, states, words = buffers(p, data.device, RECORD, 256)
     args = []
     for mode, steps in ((BULK, 0), (RECORD, 256), (INDEXED, 256)):
-        outputs = [torch.empty(e.shape, dtype=e.torch_dtype, device=device) for e in p.float_entries]
+        outputs = plan_outputs(p, device)
         status = buffers(p, data.device, mode, steps)[0]
         args.append((data, p.desc, device_plan(p, outputs, mode, steps), outputs, states, words, status, mode, steps))
     return args, tensors

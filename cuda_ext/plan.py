@@ -139,6 +139,11 @@ def device_plan(plan: Plan, outputs: list[torch.Tensor], mode: int, entry_steps:
     return host.to(device) if device.type == "cuda" else host
 
 
+def outputs(plan: Plan, device) -> list[torch.Tensor]:
+    """Fresh, uninitialised outputs for a plan's float tensors, in plan order."""
+    return [torch.empty(e.shape, dtype=e.torch_dtype, device=device) for e in plan.float_entries]
+
+
 def buffers(plan: Plan, device, mode: int, entry_steps: int):
     """(status, entry_states, entry_words) sized for a plan: one status per unit, and in RECORD /
     INDEXED mode the resident index (int32; empty in BULK mode)."""

@@ -14,7 +14,7 @@ MODES = (plans.MODE_BULK, plans.MODE_RECORD, plans.MODE_INDEXED)
 def run_op(fn, data: torch.Tensor, p: plans.Plan, mode: int, entry_steps: int = 0, index=None):
     """Decode plan `p` with `fn` (ops.decode_pieces or ops.reference_decode_pieces) in `mode` into
     fresh outputs. Returns (status, outputs, index); INDEXED reads `index`, RECORD writes a new one."""
-    outputs = [torch.empty(e.shape, dtype=e.torch_dtype, device=data.device) for e in p.float_entries]
+    outputs = plans.outputs(p, data.device)
     status, states, words = plans.buffers(p, data.device, mode, entry_steps)
     if index is not None:
         states, words = index

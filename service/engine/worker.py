@@ -153,10 +153,9 @@ class Engine:
         self._answer_done_rows()
 
     def _answer_done_rows(self) -> None:
-        rows = self._done_rows[:]
-        self._done_rows.clear()                  # the batcher appends to this very list
-        for row in rows:
+        for row in self._done_rows:
             self._finish(row.owner, row.finished())
+        self._done_rows.clear()                  # the batcher's on_finish appends to this very list
 
     def _on_token(self, row: Row, event: TokenEvent) -> None:
         req, now, name = row.owner, time.perf_counter(), self.served.name
