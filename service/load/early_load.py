@@ -1,8 +1,9 @@
 """Early loads: a preloaded model decoded (and its skeleton built) right after torch's import, on
-its own thread, while the main thread still imports the service and uvicorn starts. The registry
-takes the result when its start-up loads that model (`take`), instead of loading it again.
+its own thread, while the main thread still imports the service and uvicorn starts. The loader
+(job.py) takes the result when the registry's start-up loads that model (`take`), instead of
+loading it again.
 
-    early read (prefetch.py, from the first instant) -> decode_archive(early=...)  ┐
+    early read (early_read.py, from the first instant) -> decode_archive(early=...)  ┐
                                                         prepare (tokenizer, meta) ┘-> take() -> finish()
 
 Errors are kept and raised by `take()`, so a corrupt archive fails its load, typed, exactly as a

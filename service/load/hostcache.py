@@ -2,7 +2,7 @@
 a load again) reads no file: vLLM's sleep mode and Triton's model swapping keep weights the same
 way. Read me first.
 
-    miss   the load reads the archive whole into host memory (prefetch.EarlyRead: every stream
+    miss   the load reads the archive whole into host memory (early_read.EarlyRead: every stream
            verified as it arrives), decodes from there, and the cache keeps it. On CUDA it is then
            page-locked in place (one cudaHostRegister of the whole mapping) on a thread of its own:
            19-21 GB/s on an H100 box (bench/experiments/probe_h2d.py), off the load's path.

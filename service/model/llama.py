@@ -110,7 +110,7 @@ class Embedding(nn.Embedding):
 class Rotary(nn.Module):
     def __init__(self, config: LlamaConfig, device=None):
         super().__init__()
-        if str(device) == "meta":               # a placeholder; modeling.assemble rebuilds it on the device
+        if str(device) == "meta":               # a placeholder; build.assemble rebuilds it on the device
             freq, self.scale = torch.empty(config.head_dim // 2, device="meta"), 1.0
         else:
             freq, self.scale = inv_freq(config, device)

@@ -66,13 +66,19 @@ def test_every_stream_kind(small: Path) -> None:
     assert_same(decode_archive(small, torch.device("cpu")).tensors, decode_whole(small))
 
 
-def test_reader_checks_stream_crcs(small: Path, tmp_path: Path) -> None:
+def _flipped(small: Path, tmp_path: Path, role: str, at: int, bit: int) -> Path:
+    """A copy of `small` with one bit of model.layers.1.mlp.weight's `role` stream flipped."""
     with Archive.open(small) as archive:
-        rec = next(e for e in archive.entries if e.name == "model.layers.1.mlp.weight").streams["hi"]
+        rec = next(e for e in archive.entries if e.name == "model.layers.1.mlp.weight").streams[role]
     data = bytearray(small.read_bytes())
-    data[rec["offset"] + 5] ^= 0x40
+    data[rec["offset"] + at] ^= bit
     bad = tmp_path / "bad.wcodec"
     bad.write_bytes(bytes(data))
+    return bad
+
+
+def test_reader_checks_stream_crcs(small: Path, tmp_path: Path) -> None:
+    bad = _flipped(small, tmp_path, "hi", 5, 0x40)
     with pytest.raises(ChecksumError, match="model.layers.1.mlp.weight"):
         decode_archive(bad, torch.device("cpu"))
     unchecked = decode_archive(bad, torch.device("cpu"), verify=False).tensors     # the hi plane is raw bits
@@ -149,12 +155,7 @@ def test_early_read_of_another_file_is_not_used(small: Path, tmp_path: Path) -> 
 
 
 def test_early_read_checks_checksums(small: Path, tmp_path: Path) -> None:
-    with Archive.open(small) as archive:
-        rec = next(e for e in archive.entries if e.name == "model.layers.1.mlp.weight").streams["exp"]
-    data = bytearray(small.read_bytes())
-    data[rec["offset"] + 3] ^= 0x01
-    bad = tmp_path / "bad.wcodec"
-    bad.write_bytes(bytes(data))
+    bad = _flipped(small, tmp_path, "exp", 3, 0x01)
     with pytest.raises(ChecksumError, match="model.layers.1.mlp.weight.*exp.*XXH3-64"):
         decode_archive(bad, torch.device("cpu"), early=_early(bad))
 
