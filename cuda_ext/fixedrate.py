@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from codec import fixedrate
 
 from . import ops
+from .build import ensure_loaded
 
 FUSED_MAX_ROWS = 16            # cuda_ext/csrc/fixedrate_gemv.cuh kFrMaxRows
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -66,12 +67,14 @@ def encode(w: torch.Tensor) -> FixedRateWeight:
     sync for the escape count: a load-time call, not for captured graphs)."""
     if w.dtype not in _DTYPES:
         raise TypeError(f"the fixed-rate form holds bfloat16 or float16 weights, not {w.dtype}")
+    ensure_loaded()
     arrays = ops.fixedrate_encode(w.contiguous())
     return FixedRateWeight(w.shape[0], w.shape[1], w.dtype, *arrays)
 
 
 def decode(fr: FixedRateWeight, out: torch.Tensor | None = None) -> torch.Tensor:
     """The exact weight back ([rows, cols], fr.dtype), written into `out` if given."""
+    ensure_loaded()
     out = torch.empty(fr.rows, fr.cols, dtype=fr.dtype, device=fr.plane.device) if out is None else out
     ops.fixedrate_decode(*fr.arrays, fr.cols, out)
     return out
@@ -109,12 +112,14 @@ def reference_linear(x, plane, lo, hi, base, esc, esc_start, cols: int) -> torch
     return (x[:, :cols].float() @ w.float().T).to(x.dtype)
 
 
-def sample_weight(dtype: torch.dtype, rows: int, cols: int, seed: int) -> torch.Tensor:
-    """Weights around 0.02 with 2 % random bit patterns (NaNs, Infs, subnormals: escapes)."""
+def sample_weight(dtype: torch.dtype, rows: int, cols: int, seed: int, finite: bool = False) -> torch.Tensor:
+    """Weights around 0.02 with 2 % random bit patterns (escapes: NaNs, Infs, subnormals, zeros;
+    with `finite`, bit 14 cleared in them: no NaN or Inf, for comparing products)."""
     g = torch.Generator().manual_seed(seed)
     w = (torch.randn(rows, cols, generator=g) * 0.02).to(dtype)
     noisy = torch.rand(rows, cols, generator=g) < 0.02
-    bits = torch.randint(-32768, 32768, (rows, cols), generator=g, dtype=torch.int32).to(torch.int16)
+    bits = torch.randint(-32768, 32768, (rows, cols), generator=g, dtype=torch.int32)
+    bits = (bits & ~0x4000 if finite else bits).to(torch.int16)
     w.view(torch.int16)[noisy] = bits[noisy]
     return w
 
@@ -132,8 +137,8 @@ def sample_inputs(device: str | torch.device) -> list[tuple[str, tuple]]:
     out = []
     for dtype, (rows, cols) in ((torch.bfloat16, (40, 1000)), (torch.float16, (8, 64))):
         w = sample_weight(dtype, rows, cols, 0).to(device)
-        fr = encode(w)
         out.append(("fixedrate_encode", (w,)))
-        out.append(("fixedrate_decode", (*fr.arrays, cols, torch.empty_like(w))))
+        out.append(("fixedrate_decode", (*encode(w).arrays, cols, torch.empty_like(w))))
+        fr = encode(sample_weight(dtype, rows, cols, 1, finite=True).to(device))
         out += [("fixedrate_linear", (padded_x(n, fr, n).to(device), *fr.arrays, cols)) for n in (1, 16)]
     return out
