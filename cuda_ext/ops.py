@@ -77,11 +77,12 @@ def fixedrate_decode(plane: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, ba
 
 
 def fixedrate_linear(x: torch.Tensor, plane: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, base: torch.Tensor,
-                     esc: torch.Tensor, esc_start: torch.Tensor, cols: int) -> torch.Tensor:
+                     esc: torch.Tensor, esc_start: torch.Tensor, cols: int, kernel: int = 0) -> torch.Tensor:
     """y = x W^T, W in the fixed-rate form, x [1..16, groups*32] (zero past cols) in W's dtype;
     float32 accumulation, one rounding. On CUDA fused (W decoded in registers), on the current
-    stream, no host syncs; on the CPU the reference (decode, float32 matmul)."""
-    return torch.ops.wcodec.fixedrate_linear.default(x, plane, lo, hi, base, esc, esc_start, cols)
+    stream, no host syncs; on the CPU the reference (decode, float32 matmul). kernel 0: tensor
+    cores (mma), 1: CUDA cores (the first version, kept for comparison)."""
+    return torch.ops.wcodec.fixedrate_linear.default(x, plane, lo, hi, base, esc, esc_start, cols, kernel)
 
 
 FIXEDRATE_OPS = ("wcodec::fixedrate_encode", "wcodec::fixedrate_decode", "wcodec::fixedrate_linear")
@@ -137,7 +138,7 @@ def _register_fixedrate_fakes() -> None:
 
     torch.library.register_fake("wcodec::fixedrate_decode")(lambda plane, lo, hi, base, esc, esc_start, cols, out: None)
     torch.library.register_fake("wcodec::fixedrate_linear")(
-        lambda x, plane, lo, hi, base, esc, esc_start, cols: x.new_empty(x.shape[0], plane.shape[0]))
+        lambda x, plane, lo, hi, base, esc, esc_start, cols, kernel=0: x.new_empty(x.shape[0], plane.shape[0]))
 
 
 def _tensor_items(buf: np.ndarray, row: list[int]):

@@ -112,7 +112,9 @@ void decode_cpu(const at::Tensor& plane, const at::Tensor& lo, const at::Tensor&
 
 // The matmul's reference: decode, then y = x W^T in float32, rounded once to x's dtype.
 at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& plane, const at::Tensor& lo, const at::Tensor& hi,
-                      const at::Tensor& base, const at::Tensor& esc, const at::Tensor& esc_start, int64_t cols) {
+                      const at::Tensor& base, const at::Tensor& esc, const at::Tensor& esc_start, int64_t cols,
+                      int64_t kernel) {
+  TORCH_CHECK(kernel == 0 || kernel == 1, "kernel: 0 (tensor cores) or 1 (CUDA cores)");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == plane.size(1), "x: [rows, groups*32] (zero-padded past cols)");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf, "x: bfloat16 or float16");
   auto w = at::empty({plane.size(0), cols}, x.options());
@@ -127,7 +129,7 @@ TORCH_LIBRARY_FRAGMENT(wcodec, m) {
   m.def("fixedrate_decode(Tensor plane, Tensor lo, Tensor hi, Tensor base, Tensor esc, Tensor esc_start, int cols, "
         "Tensor(a!) out) -> ()");
   m.def("fixedrate_linear(Tensor x, Tensor plane, Tensor lo, Tensor hi, Tensor base, Tensor esc, Tensor esc_start, "
-        "int cols) -> Tensor");
+        "int cols, int kernel=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(wcodec, CPU, m) {

@@ -123,7 +123,8 @@ void decode_cuda(const at::Tensor& plane, const at::Tensor& lo, const at::Tensor
 }
 
 at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& plane, const at::Tensor& lo, const at::Tensor& hi,
-                       const at::Tensor& base, const at::Tensor& esc, const at::Tensor& esc_start, int64_t cols) {
+                       const at::Tensor& base, const at::Tensor& esc, const at::Tensor& esc_start, int64_t cols,
+                       int64_t kernel) {
   const FrShape s = fr_check(plane, lo, hi, base, esc, esc_start, cols);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == s.groups * kFrGroup && x.is_contiguous() && x.device() == plane.device(),
               "x: contiguous [rows, groups*32] (zero-padded past cols) on the arrays' device");
@@ -131,8 +132,10 @@ at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& plane, const at::T
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf, "x: bfloat16 or float16");
   const c10::cuda::CUDAGuard guard(plane.device());
   auto y = at::empty({x.size(0), s.rows}, x.options());
+  TORCH_CHECK(kernel == kFrKernelMma || kernel == kFrKernelSimt, "kernel: 0 (tensor cores) or 1 (CUDA cores)");
   if (s.rows > 0)
-    launch_gemv(arrays(s, plane, lo, hi, base, esc, esc_start), x, y, c10::cuda::getCurrentCUDAStream());
+    (kernel == kFrKernelMma ? launch_mma : launch_gemv)(arrays(s, plane, lo, hi, base, esc, esc_start), x, y,
+                                                       c10::cuda::getCurrentCUDAStream());
   return y;
 }
 

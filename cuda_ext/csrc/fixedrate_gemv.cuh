@@ -54,43 +54,33 @@ __device__ __forceinline__ FrGroup load_group(const FrArrays& a, int64_t row, in
   return t;
 }
 
-// unpack_codes + base: f[q] byte b = base + code of weight 4q + b (no carry: base <= 248).
-// Returns the group's escape count.
-__device__ __forceinline__ int group_fields(const FrGroup& t, uint32_t f[8]) {
+// unpack_codes + base, 4 fields a u32 (f[q] byte b: weight 4q + b); returns the i-ordered mask of
+// the group's escaped weights (bit 4q + b).
+__device__ __forceinline__ uint32_t group_fields_mask(const FrGroup& t, uint32_t f[8]) {
   const uint32_t base4 = t.base * 0x01010101u;
-  int escapes = 0;
+  uint32_t mask = 0;
 #pragma unroll
   for (int q = 0; q < 8; ++q) {
     const uint32_t c4 = fr_codes4(q < 4 ? t.lo.x : t.lo.y, t.hi, q);
+    const uint32_t e4 = fr_escapes4(c4);                 // bits 0, 8, 16, 24 -> bits 21..24 of the product
+    mask |= (((e4 * 0x00204081u) >> 21) & 0xFu) << (4 * q);
     f[q] = c4 + base4;
-    escapes += __popc(fr_escapes4(c4));
   }
-  return escapes;
+  return mask;
 }
 
-// Escaped fields from the escape array: the lane's first rank is the block's start plus the
-// escapes of the lanes below it. Bounded: a rank past the array reads field 0.
-__device__ __forceinline__ void patch_escapes(const FrArrays& a, const FrGroup& t, int64_t block_start,
-                                              int escapes, uint32_t f[8]) {
-  const unsigned lane = threadIdx.x & 31;
-  int below = escapes;
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const int v = __shfl_up_sync(0xffffffffu, below, d);
-    if (lane >= static_cast<unsigned>(d)) below += v;
-  }
-  int64_t rank = block_start + below - escapes;
-  if (escapes == 0) return;
+// Escaped fields in weight order from `rank` on (a rank past the array reads 0). Word q is a
+// compile-time index; only the byte lane inside it is not.
+__device__ __forceinline__ void patch_fields(const FrArrays& a, uint32_t mask, int64_t rank, uint32_t f[8]) {
 #pragma unroll
   for (int q = 0; q < 8; ++q) {
-    const uint32_t e4 = fr_escapes4(fr_codes4(q < 4 ? t.lo.x : t.lo.y, t.hi, q));
-#pragma unroll
-    for (int b = 0; b < 4; ++b) {
-      if (e4 & (1u << (8 * b))) {
-        const uint32_t v = rank < a.n_esc ? a.esc[rank] : 0u;
-        ++rank;
-        f[q] = (f[q] & ~(0xFFu << (8 * b))) | (v << (8 * b));
-      }
+    uint32_t nib = (mask >> (4 * q)) & 0xFu;
+    while (nib) {
+      const int b = __ffs(nib) - 1;
+      nib &= nib - 1;
+      const uint32_t v = rank < a.n_esc ? a.esc[rank] : 0u;
+      ++rank;
+      f[q] = (f[q] & ~(0xFFu << (8 * b))) | (v << (8 * b));
     }
   }
 }
@@ -100,8 +90,15 @@ __device__ __forceinline__ FrGroup block_fields(const FrArrays& a, int64_t row, 
   const int64_t gr = blk * kFrBlockGroups + (threadIdx.x & 31);
   const bool valid = gr < a.groups;
   const FrGroup t = load_group(a, row, gr, valid);
-  const int escapes = group_fields(t, f);
-  if (__any_sync(0xffffffffu, escapes != 0)) patch_escapes(a, t, a.esc_start[row * a.blocks + blk], escapes, f);
+  const uint32_t mask = group_fields_mask(t, f);
+  const int escapes = __popc(mask);
+  int below = escapes;                                              // warp prefix sum: lanes <= this one
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int v = __shfl_up_sync(0xffffffffu, below, d);
+    if ((threadIdx.x & 31) >= static_cast<unsigned>(d)) below += v;
+  }
+  if (mask) patch_fields(a, mask, a.esc_start[row * a.blocks + blk] + below - escapes, f);
   return t;
 }
 
@@ -118,6 +115,9 @@ __device__ __forceinline__ uint32_t plane_word(const FrGroup& t, int q) {
   switch (q & 3) { case 0: return v.x; case 1: return v.y; case 2: return v.z; default: return v.w; }
 }
 
+// y = x W^T on CUDA cores (fixedrate_gemv.cu) or tensor cores (fixedrate_mma.cu).
 void launch_gemv(const FrArrays& a, const at::Tensor& x, const at::Tensor& y, cudaStream_t stream);
+void launch_mma(const FrArrays& a, const at::Tensor& x, const at::Tensor& y, cudaStream_t stream);
+constexpr int64_t kFrKernelMma = 0, kFrKernelSimt = 1;
 
 }  // namespace wcodec

@@ -53,9 +53,10 @@ WEIGHTS = {"random": lambda r, c, s: fr_ops.sample_weight(torch.bfloat16, r, c, 
            "fp16": lambda r, c, s: fr_ops.sample_weight(torch.float16, r, c, s, finite=True).cuda()}
 
 
+@pytest.mark.parametrize("kernel", [0, 1])                   # tensor cores, CUDA cores
 @pytest.mark.parametrize("kind", list(WEIGHTS))
-@pytest.mark.parametrize("shape", [(1024, 4096), (96, 1000), (300, 4095), (33, 14336 + 17), (8, 31)])
-def test_fused_error_within_twice_cublas(kind, shape):
+@pytest.mark.parametrize("shape", [(1024, 4096), (96, 1000), (300, 4095), (33, 14336 + 17), (8, 31), (13, 64)])
+def test_fused_error_within_twice_cublas(kernel, kind, shape):
     w = WEIGHTS[kind](*shape, sum(shape))
     fr = fr_ops.encode(w)
     decoded = fr_ops.decode(fr)
@@ -63,7 +64,7 @@ def test_fused_error_within_twice_cublas(kind, shape):
     for n in range(1, 17):
         x = torch.randn(n, shape[1], device="cuda", generator=torch.Generator(device="cuda").manual_seed(n)).to(w.dtype)
         ref = x.double() @ decoded.double().T
-        ours, cublas = fr_ops.linear(x, fr), F.linear(x, decoded)
+        ours, cublas = fr_ops.linear(x, fr, kernel), F.linear(x, decoded)
         assert ours.shape == (n, shape[0]) and torch.isfinite(ours).all()
         err, base = (ours.double() - ref).abs().max().item(), (cublas.double() - ref).abs().max().item()
         assert err <= 2 * base + 1e-30, (n, err, base)
@@ -74,6 +75,12 @@ def test_more_than_16_rows_decode_then_cublas():
     fr = fr_ops.encode(w)
     x = torch.randn(4, 16, 1000, device="cuda").bfloat16()
     assert torch.equal(fr_ops.linear(x, fr), F.linear(x, w))
+    big = trained_like(5000, 4096, 2)                                   # decoded in L2-sized row chunks
+    fr = fr_ops.encode(big)
+    x = torch.randn(64, 4096, device="cuda").bfloat16()
+    ref = x.double() @ big.double().T
+    err, base = (fr_ops.linear(x, fr).double() - ref).abs().max(), (F.linear(x, big).double() - ref).abs().max()
+    assert err <= 2 * base
 
 
 def test_usable_in_a_cuda_graph():
@@ -92,12 +99,14 @@ def test_usable_in_a_cuda_graph():
     with torch.cuda.graph(graph):
         for n, x in xs.items():
             outs[n] = fr_ops.linear(x, fr)
+            outs[-n] = fr_ops.linear(x, fr, 1)
     for x in xs.values():
         x.copy_(torch.randn_like(x))
     graph.replay()
     torch.cuda.synchronize()
     for n, x in xs.items():
         assert torch.equal(outs[n], fr_ops.linear(x, fr)), n
+        assert torch.equal(outs[-n], fr_ops.linear(x, fr, 1)), n
 
 
 def test_opcheck_cuda():
