@@ -48,6 +48,25 @@ def graph_ms(fn, reps: int, trials: int = 7) -> float:
     return statistics.median(times)
 
 
+def one_batch(n: int, layer: dict, decoded: dict, frs: dict, reps: int) -> dict:
+    """The layer's seven matmuls at n rows: cuBLAS on the decoded weights, the fused op (and the
+    CUDA-core kernel at <= 16 rows); per matrix at 1 and 16 rows."""
+    xs = {k: torch.randn(n, w.shape[1], device="cuda").bfloat16() for k, w in layer.items()}
+
+    def seven(fn):
+        return graph_ms(lambda: [fn(k) for k in layer], reps)
+
+    row = {"cublas_ms": seven(lambda k: F.linear(xs[k], decoded[k])),
+           "fused_ms": seven(lambda k: fr_ops.linear(xs[k], frs[k])),
+           "cuda_cores_ms": seven(lambda k: fr_ops.linear(xs[k], frs[k], 1)) if n <= 16 else None}
+    row["ratio"] = row["fused_ms"] / row["cublas_ms"]
+    if n in (1, 16):
+        row["per_matrix_ms"] = {k: [round(graph_ms(lambda k=k: F.linear(xs[k], decoded[k]), reps), 4),
+                                    round(graph_ms(lambda k=k: fr_ops.linear(xs[k], frs[k]), reps), 4)] for k in layer}
+    print(n, json.dumps(row), flush=True)
+    return row
+
+
 def transcode(layer: dict) -> tuple[dict, float]:
     torch.cuda.synchronize()
     t = time.perf_counter()
@@ -72,18 +91,8 @@ def main() -> None:
               "bit_exact": exact, "ratio": sum(fr.nbytes for fr in frs.values()) / raw,
               "transcode_s": seconds, "transcode_gbps": raw / seconds / 1e9,
               "decode_ms": graph_ms(lambda: [fr_ops.decode(fr, decoded[k]) for k, fr in frs.items()], args.reps)}
-    rows = {}
-    for n in (1, 4, 16, 64):
-        xs = {k: torch.randn(n, w.shape[1], device="cuda").bfloat16() for k, w in layer.items()}
-        cublas = graph_ms(lambda: [F.linear(xs[k], decoded[k]) for k in layer], args.reps)
-        fused = graph_ms(lambda: [fr_ops.linear(xs[k], frs[k]) for k in layer], args.reps)
-        simt = graph_ms(lambda: [fr_ops.linear(xs[k], frs[k], 1) for k in layer], args.reps) if n <= 16 else None
-        per = {k: (graph_ms(lambda k=k: F.linear(xs[k], decoded[k]), args.reps),
-                   graph_ms(lambda k=k: fr_ops.linear(xs[k], frs[k]), args.reps)) for k in layer} if n in (1, 16) else {}
-        rows[n] = {"cublas_ms": cublas, "fused_ms": fused, "ratio": fused / cublas, "cuda_cores_ms": simt,
-                   "per_matrix_ms": {k: [round(a, 4), round(b, 4)] for k, (a, b) in per.items()}}
-        print(n, json.dumps(rows[n]), flush=True)
-    report["rows"] = rows
+    report["rows"] = {n: one_batch(n, layer, decoded, frs, args.reps) for n in (1, 4, 16, 64)}
+    rows = report["rows"]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

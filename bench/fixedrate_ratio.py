@@ -29,7 +29,7 @@ TILES = (16, 32, 64, 128)
 
 
 def _package_dir(name: str) -> Path:
-    return Path(list(importlib.util.find_spec(name).submodule_search_locations)[0])
+    return Path(next(iter(importlib.util.find_spec(name).submodule_search_locations)))
 
 
 def minilm() -> dict:

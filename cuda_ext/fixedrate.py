@@ -57,7 +57,7 @@ class FixedRateWeight:
                                    a[2].view(np.uint32), a[3], a[4], a[5])
 
     @classmethod
-    def from_codec(cls, fr: fixedrate.FixedRate, device: str | torch.device = "cpu") -> "FixedRateWeight":
+    def from_codec(cls, fr: fixedrate.FixedRate, device: str | torch.device = "cpu") -> FixedRateWeight:
         dtype = next(k for k, v in _DTYPES.items() if v == fr.dtype)
         arrays = (fr.plane, fr.lo.view(np.int32), fr.hi.view(np.int32), fr.base, fr.esc, fr.esc_start)
         return cls(fr.rows, fr.cols, dtype, *(torch.from_numpy(np.ascontiguousarray(a)).to(device) for a in arrays))
