@@ -22,7 +22,6 @@ from . import ops
 from .build import ensure_loaded
 
 FUSED_MAX_ROWS = 16            # cuda_ext/csrc/fixedrate_gemv.cuh kFrMaxRows
-SCRATCH_ELEMENTS = 8 << 20     # the > 16-row path decodes this many weights at a time
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -83,7 +82,7 @@ def decode(fr: FixedRateWeight, out: torch.Tensor | None = None) -> torch.Tensor
 
 def linear(x: torch.Tensor, fr: FixedRateWeight, kernel: int = 0) -> torch.Tensor:
     """y = x W^T (x [..., cols] in fr.dtype): the fused op for 1..16 rows on CUDA (kernel 0 tensor
-    cores, 1 CUDA cores), else decode + cuBLAS in row chunks that stay in L2. Launches on the
+    cores, 1 CUDA cores), else decode into a scratch tensor + cuBLAS. Launches on the
     current stream, no host syncs (usable in CUDA graphs)."""
     flat = x.reshape(-1, fr.cols)
     if flat.shape[0] > FUSED_MAX_ROWS or flat.shape[0] == 0 or not x.is_cuda:
@@ -94,24 +93,10 @@ def linear(x: torch.Tensor, fr: FixedRateWeight, kernel: int = 0) -> torch.Tenso
     return y.reshape(*x.shape[:-1], fr.rows)
 
 
-def row_slice(fr: FixedRateWeight, r0: int, r1: int) -> FixedRateWeight:
-    """Rows r0..r1 of W, sharing fr's arrays (esc_start holds absolute escape indices)."""
-    return FixedRateWeight(r1 - r0, fr.cols, fr.dtype, fr.plane[r0:r1], fr.lo[r0:r1], fr.hi[r0:r1], fr.base[r0:r1],
-                           fr.esc, fr.esc_start[r0:r1])
-
-
 def _decode_matmul(flat: torch.Tensor, fr: FixedRateWeight) -> torch.Tensor:
-    """[n, cols] @ W^T: W decoded SCRATCH_ELEMENTS at a time (16 MB of bf16: it stays in L2 for the
-    GEMM that reads it), each chunk's rows of y^T written by cuBLAS in place."""
-    chunk = max(8, SCRATCH_ELEMENTS // fr.cols)
-    if fr.rows <= chunk:
-        return F.linear(flat, decode(fr))
-    y_t = torch.empty(fr.rows, flat.shape[0], dtype=flat.dtype, device=flat.device)
-    scratch = torch.empty(chunk, fr.cols, dtype=fr.dtype, device=flat.device)
-    for r0 in range(0, fr.rows, chunk):
-        r1 = min(fr.rows, r0 + chunk)
-        torch.mm(decode(row_slice(fr, r0, r1), scratch[:r1 - r0]), flat.T, out=y_t[r0:r1])
-    return y_t.T
+    """[n, cols] @ W^T through a decoded scratch copy of W and cuBLAS. (Decoding in L2-sized row
+    chunks measured slower on an H100: 0.89 against 0.57 ms for an 8B layer at 64 rows.)"""
+    return F.linear(flat, decode(fr))
 
 
 # ---- references with the ops' semantics (CPU tensors) --------------------------------------
