@@ -69,24 +69,16 @@ __device__ __forceinline__ uint32_t group_fields_mask(const FrGroup& t, uint32_t
   return mask;
 }
 
-// Escaped fields in weight order from `rank` on (a rank past the array reads 0). The first ones
-// come from one 8-byte window read up front (one L2 round trip, not one per escape); word q is a
-// compile-time index, only the byte lane inside it is not.
+// Escaped fields in weight order from `rank` on (a rank past the array reads 0). Word q is a
+// compile-time index; only the byte lane inside it is not.
 __device__ __forceinline__ void patch_fields(const FrArrays& a, uint32_t mask, int64_t rank, uint32_t f[8]) {
-  const int64_t w0 = rank & ~int64_t{3};
-  const bool windowed = w0 + 8 <= a.n_esc;                          // esc is 256-byte aligned: u32 loads
-  const uint32_t* e32 = reinterpret_cast<const uint32_t*>(a.esc + w0);
-  const uint32_t lo = windowed ? __ldg(e32) : 0u, hi = windowed ? __ldg(e32 + 1) : 0u;
 #pragma unroll
   for (int q = 0; q < 8; ++q) {
     uint32_t nib = (mask >> (4 * q)) & 0xFu;
     while (nib) {
       const int b = __ffs(nib) - 1;
       nib &= nib - 1;
-      const int64_t at = rank - w0;
-      uint32_t v;
-      if (windowed && at < 8) v = ((at < 4 ? lo : hi) >> (8 * (at & 3))) & 0xFFu;
-      else v = rank < a.n_esc ? a.esc[rank] : 0u;
+      const uint32_t v = rank < a.n_esc ? a.esc[rank] : 0u;
       ++rank;
       f[q] = (f[q] & ~(0xFFu << (8 * b))) | (v << (8 * b));
     }

@@ -39,10 +39,14 @@ __device__ __forceinline__ void load_x(const uint16_t* __restrict__ x, int64_t k
   for (int m = 0; m < 4; ++m) v[m] = ok ? __ldg(p + m) : make_uint4(0, 0, 0, 0);
 }
 
-// One tile step: 8 mma, mma j over word j's 4 weights (2 pairs) and x rows g (lo), g + 8 (hi).
+// One tile step: 8 mma, mma j over word j's 4 weights (2 pairs) and x rows g, g + 8.
 template <bool kBf16, bool kHigh>
-__device__ __forceinline__ void tile_mma(const uint4 lo[4], const uint4 hi[4], const FrGroup& tg, const uint32_t f[8],
-                                         float c[4]) {
+__device__ __forceinline__ void tile_mma(const uint16_t* __restrict__ x, int64_t kp, int nx, int64_t gr, bool valid,
+                                         const FrGroup& tg, const uint32_t f[8], float c[4]) {
+  const int g = (threadIdx.x & 31) >> 2;
+  uint4 lo[4], hi[4];
+  load_x(x, kp, g, nx, gr, valid, lo);
+  if constexpr (kHigh) load_x(x, kp, g + 8, nx, gr, valid, hi);
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     const uint4& l = lo[j >> 1];
@@ -60,20 +64,12 @@ __device__ __forceinline__ void walk_block(const FrArrays& a, const uint16_t* __
                                            int64_t blk, float c[4]) {
   const int t = threadIdx.x & 3;
   const int64_t kp = a.groups * kFrGroup;
-  const int g = (threadIdx.x & 31) >> 2;
   int64_t run = a.esc_start[row * a.blocks + blk];                 // escapes before this tile, in the row
-  const int64_t first = blk * kFrBlockGroups;
-  const int steps = static_cast<int>(min(static_cast<int64_t>(kFrBlockGroups / kFrTileGroups),
-                                         (a.groups - first + kFrTileGroups - 1) / kFrTileGroups));
-  FrGroup nxt = load_group(a, row, first + t, first + t < a.groups);
-  for (int s = 0; s < steps; ++s) {                                  // the next tile's W in flight meanwhile
-    const int64_t gr = first + s * kFrTileGroups + t;
+  for (int s = 0; s < kFrBlockGroups / kFrTileGroups; ++s) {
+    const int64_t first = blk * kFrBlockGroups + s * kFrTileGroups, gr = first + t;
+    if (first >= a.groups) break;                                    // warp-uniform
     const bool valid = gr < a.groups;
-    const FrGroup tg = nxt;
-    if (s + 1 < steps) nxt = load_group(a, row, gr + kFrTileGroups, gr + kFrTileGroups < a.groups);
-    uint4 xl[4], xh[4];
-    load_x(x, kp, g, nx, gr, valid, xl);
-    if constexpr (kHigh) load_x(x, kp, g + 8, nx, gr, valid, xh);
+    const FrGroup tg = load_group(a, row, gr, valid);
     uint32_t f[8];
     const uint32_t mask = group_fields_mask(tg, f);
     const int cnt = __popc(mask);
@@ -85,7 +81,7 @@ __device__ __forceinline__ void walk_block(const FrArrays& a, const uint16_t* __
     }
     if (mask) patch_fields(a, mask, run + incl - cnt, f);
     run += __shfl_sync(0xffffffffu, incl, 3, 4);
-    tile_mma<kBf16, kHigh>(xl, xh, tg, f, c);
+    tile_mma<kBf16, kHigh>(x, kp, nx, gr, valid, tg, f, c);
   }
 }
 
