@@ -115,7 +115,7 @@ def main() -> None:
                         "seconds": round(time.perf_counter() - t, 1)}
         print(name, json.dumps(report[name]["chosen"]), flush=True)
     print(json.dumps(report, indent=1))
-    print("\nratio resident/bf16 (code 3 bits, 32-weight groups, byte escapes):")
+    print("\nratio resident/bf16 (3-bit codes, a base per 128 weights, byte escapes):")
     for name, r in report.items():
         print(f"  {name:20s} {r['chosen']['ratio']:.4f}  escapes {r['chosen']['escape_rate']:.4%}")
 

@@ -80,15 +80,18 @@ def decode(fr: FixedRateWeight, out: torch.Tensor | None = None) -> torch.Tensor
     return out
 
 
-def linear(x: torch.Tensor, fr: FixedRateWeight, kernel: int = 0) -> torch.Tensor:
+def linear(x: torch.Tensor, fr: FixedRateWeight, kernel: int | None = None) -> torch.Tensor:
     """y = x W^T (x [..., cols] in fr.dtype): the fused op for 1..16 rows on CUDA (kernel 0 tensor
-    cores, 1 CUDA cores), else decode into a scratch tensor + cuBLAS. Launches on the
+    cores, 1 CUDA cores; by default the CUDA-core one for 1 row, where it measured faster on an
+    H100: 0.216 vs 0.294 ms for an 8B layer), else decode into a scratch tensor + cuBLAS. Launches on the
     current stream, no host syncs (usable in CUDA graphs)."""
     flat = x.reshape(-1, fr.cols)
     if flat.shape[0] > FUSED_MAX_ROWS or flat.shape[0] == 0 or not x.is_cuda:
         return _decode_matmul(flat, fr).reshape(*x.shape[:-1], fr.rows)
     if fr.padded_cols != fr.cols:
         flat = F.pad(flat, (0, fr.padded_cols - fr.cols))
+    if kernel is None:
+        kernel = 1 if flat.shape[0] == 1 else 0
     y = ops.fixedrate_linear(flat.contiguous(), *fr.arrays, fr.cols, kernel)
     return y.reshape(*x.shape[:-1], fr.rows)
 
