@@ -19,15 +19,22 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .constants import (
+    FR_BLOCK_GROUPS,
+    FR_ESCAPE,
+    FR_GROUP,
+    FR_LO_WORDS,
+    FR_MAX_BASE,
+    FR_TILE,
+)
 from .errors import CodecError, UnsupportedTensor
 
-GROUP = 32                      # weights per group: the unit one thread of the fused kernel decodes
-TILE = 128                      # weights sharing one base: 4 consecutive groups of a row
-BLOCK_GROUPS = 32               # groups per escape block (one warp): esc_start is kept per block
-CODE_BITS = 3
-ESCAPE = 7                      # code 7: the field is the next byte of the escape array
-MAX_BASE = 256 - 1 - ESCAPE     # 248: base + 7 <= 255 (choose_bases never goes higher)
-LO_WORDS = 2                    # u32 words of 2-bit codes per group (16 codes a word)
+GROUP = FR_GROUP
+TILE = FR_TILE
+BLOCK_GROUPS = FR_BLOCK_GROUPS
+ESCAPE = FR_ESCAPE
+MAX_BASE = FR_MAX_BASE          # choose_bases never goes higher
+LO_WORDS = FR_LO_WORDS
 _CHUNK_TILES = 1 << 14          # tiles per NumPy pass when choosing bases
 
 

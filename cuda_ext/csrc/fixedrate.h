@@ -1,6 +1,7 @@
 // The fixed-rate GPU form (codec/fixedrate.py, docs/FORMAT.md §6): constants and the per-group
 // steps shared by the C++ twin (fixedrate.cpp) and the kernels (fixedrate.cu). The Python module is
-// the specification; each function here names the step it mirrors.
+// the specification; each function here names the step it mirrors. The constants mirror
+// codec/constants.py's FR_* (tests/cuda_ext/test_fixedrate_twin.py checks them).
 //
 //   word  15 14 ........ 7 6 ...... 0
 //          s [  field 8  ] [ low 7  ]      plane byte = s << 7 | low 7;  field = (w >> 7) & 0xFF
