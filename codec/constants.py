@@ -37,3 +37,11 @@ CODEC_FLOAT = "float"
 CODEC_RAW = "raw"
 CODEC_GGUF = "gguf"                 # GGUF quantized blocks kept as stored (codec/gguf_blocks.py)
 CODEC_INT8 = "int8"                 # lossy, opt-in: per-row int8 + tile predictors (codec/int8.py)
+
+# ---- the fixed-rate GPU form (in memory, not in the file; codec/fixedrate.py, FORMAT.md §6) ---
+FR_GROUP = 32                       # weights per group: the unit one thread of the fused kernel decodes
+FR_TILE = 128                       # weights sharing one base: 4 consecutive groups of a row
+FR_BLOCK_GROUPS = 32                # groups per escape block (one warp): esc_start is kept per block
+FR_ESCAPE = 7                       # 3-bit code 7: the field is the next byte of the escape array
+FR_MAX_BASE = 256 - 1 - FR_ESCAPE   # 248: base + 7 <= 255
+FR_LO_WORDS = 2                     # u32 words of 2-bit codes per group (16 codes a word)
