@@ -20,7 +20,7 @@ def extensions():
         from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
     except ImportError:
         return {}
-    cpu = [os.path.join(CSRC, name) for name in ("decode_float.cpp", "decode_quant.cpp", "crc32.cpp")]
+    cpu = [os.path.join(CSRC, name) for name in ("decode_float.cpp", "decode_quant.cpp", "crc32.cpp", "encode_float.cpp")]
     common = dict(include_dirs=[os.path.abspath(CSRC)], extra_link_args=["-fopenmp"])
     if torch.version.cuda and shutil.which("nvcc"):
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)

@@ -38,14 +38,16 @@ class CompressStats:
         return self.raw_bytes / 1e6 / max(self.seconds, 1e-9)
 
 
-def encode_tensors(items: list[tuple[str, str, tuple, object]], lossy: str | None = None) -> list[dict]:
+def encode_tensors(items: list[tuple[str, str, tuple, object]], lossy: str | None = None,
+                   coder=floatcodec.REFERENCE) -> list[dict]:
     """Encode (name, dtype, shape, payload) tensors in one batch; a payload is the tensor's raw
     little-endian bytes (uint8) or its GGUF blocks (gguf_blocks.Blocks), whose entry decodes to
     `dtype`. lossy="int8" int8-codes the 2-D float weights. Every coded plane of the batch is
     rANS-coded in one pass. Returns records without offsets: {..., "streams": {role: bytes}};
-    a lossy record also carries "quality" (not part of the header)."""
-    encodings = [codecs.encode(dtype, payload, shape, lossy) for _, dtype, shape, payload in items]
-    coded = iter(floatcodec.encode_batch([p for enc in encodings for p in enc.coded.values()]))
+    a lossy record also carries "quality" (not part of the header). `coder` prepares and encodes
+    the coded planes: the NumPy reference, or the extension's twins (cuda_ext.encode.coder)."""
+    encodings = [codecs.encode(dtype, payload, shape, lossy, coder) for _, dtype, shape, payload in items]
+    coded = iter(coder.encode_batch([p for enc in encodings for p in enc.coded.values()]))
     out = []
     for (name, dtype, shape, payload), enc in zip(items, encodings):
         decoded = _decoded_bytes(dtype, shape, payload, enc)
@@ -93,7 +95,7 @@ def _encode_job(job: tuple[str, list, str | None]) -> list[dict]:
     path, infos, lossy = job
     source = WORKER_STATE["source"]
     return encode_tensors([(i.name, dtype_name(path, i.name, i.dtype), tuple(i.shape), _payload(source, i.name))
-                           for i in infos], lossy)
+                           for i in infos], lossy, WORKER_STATE.get("coder", floatcodec.REFERENCE))
 
 
 def _payload(source: CheckpointSource, name: str):
@@ -117,28 +119,33 @@ def _jobs(infos, path, limit: int, lossy: str | None):
 
 def compress(src: str | os.PathLike, dst: str | os.PathLike, *, workers: int | None = None,
              gguf_dtype: torch.dtype = torch.bfloat16, gguf_keep: bool = True, lossy: str | None = None,
-             progress: Callable[[int, int], None] | None = None) -> CompressStats:
+             progress: Callable[[int, int], None] | None = None, coder=floatcodec.REFERENCE) -> CompressStats:
     """Compress a checkpoint (HF folder, .safetensors or .gguf) into `dst`. A GGUF file's
     quantized tensors keep their blocks (codec gguf, dequantized to `gguf_dtype` at load), or with
     gguf_keep=False are stored dense in `gguf_dtype`. lossy="int8" int8-codes the 2-D float weights
     (a GGUF file's then from their `gguf_dtype` values).
 
-    `progress(done_bytes, total_bytes)` is called after each batch is written."""
+    `progress(done_bytes, total_bytes)` is called after each batch is written. `coder`: as
+    encode_tensors' (`wcodec compress` passes the extension's on the device it picked)."""
     keep = gguf_keep and lossy is None
     with open_source(src, gguf_dtype=gguf_dtype, gguf_keep=keep) as source:
-        return compress_source(source, dst, workers=workers, lossy=lossy, progress=progress)
+        return compress_source(source, dst, workers=workers, lossy=lossy, progress=progress, coder=coder)
 
 
 def compress_state_dict(state_dict: dict[str, torch.Tensor], dst: str | os.PathLike, *,
-                        files: dict[str, bytes] | None = None, workers: int | None = None) -> CompressStats:
+                        files: dict[str, bytes] | None = None, workers: int | None = None,
+                        coder=floatcodec.REFERENCE) -> CompressStats:
     """Compress in-memory tensors (plus optional model files to embed) into `dst`."""
     with StateDictSource(state_dict, files) as source:
-        return compress_source(source, dst, workers=workers)
+        return compress_source(source, dst, workers=workers, coder=coder)
 
 
 def compress_source(source: CheckpointSource, dst: str | os.PathLike, *, workers: int | None = None,
-                    lossy: str | None = None, progress: Callable[[int, int], None] | None = None) -> CompressStats:
-    """Stream an opened checkpoint source into `dst`, tensors in layer order."""
+                    lossy: str | None = None, progress: Callable[[int, int], None] | None = None,
+                    coder=floatcodec.REFERENCE) -> CompressStats:
+    """Stream an opened checkpoint source into `dst`, tensors in layer order: a batch of tensors
+    at a time is read, encoded and written, so memory holds a few batches, never the model. A
+    threaded coder (the extension's) runs the batches one after another in this process."""
     t0 = time.perf_counter()
     src = source.path
     infos = layer_order(source.tensors())
@@ -147,11 +154,11 @@ def compress_source(source: CheckpointSource, dst: str | os.PathLike, *, workers
     try:
         files = {name: writer.add(blob) for name, blob in sorted(source.files.items())}
         tensors, raw, stored = [], 0, 0
-        workers = workers or default_workers()
+        workers = 1 if coder.threaded else workers or default_workers()
         limit = balanced_limit(sum(math.prod(i.shape) for i in infos), workers, BATCH_ELEMENTS)
         jobs = list(_jobs(infos, os.fspath(src), limit, lossy))
         quality = {}
-        for results in ordered_map(_encode_job, jobs, min(workers, len(jobs)), {"source": source}):
+        for results in ordered_map(_encode_job, jobs, min(workers, len(jobs)), {"source": source, "coder": coder}):
             for rec in results:
                 if "quality" in rec:
                     quality[rec["name"]] = rec.pop("quality")
