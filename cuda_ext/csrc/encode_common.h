@@ -88,22 +88,32 @@ WC_HD int64_t serialized_size(const uint32_t* f) {       // tables.serialized_si
 // ---- pack the encode entries (tables.pack_encode) and encode lanes (rans.encode) ---------------
 struct EncodeEntry {                  // one symbol of one table
   uint32_t freq, cum;
+  uint64_t rcp;                       // ceil(2^44 / freq): x / freq = (x * rcp) >> 44 for x < 2^32
 };
 
 inline void pack_encode(const uint32_t* f, EncodeEntry* out) {
   uint32_t cum = 0;
-  for (int s = 0; s < 256; ++s) out[s] = EncodeEntry{f[s], cum}, cum += f[s];
+  for (int s = 0; s < 256; ++s) {
+    const uint64_t rcp = f[s] ? ((uint64_t{1} << 44) + f[s] - 1) / f[s] : 0;
+    out[s] = EncodeEntry{f[s], cum, rcp}, cum += f[s];
+  }
 }
 
 // One encoder step of one lane: emit a word if x would overflow, then x = C(s, x).
 //   emit  while x >= f << (32 - P): *--ptr = x & 0xFFFF, x >>= 16     (once at most, L = 2^16)
 //   x = ((x / f) << P) + (x % f) + cum
-WC_HD void rans_encode_step(uint32_t& x, EncodeEntry e, uint16_t*& ptr) {
-  if ((x >> (32 - kProbBits)) >= e.freq) {
-    *--ptr = static_cast<uint16_t>(x & 0xFFFF);
-    x >>= kRenormBits;
-  }
-  const uint32_t q = x / e.freq;
+// Branch-free on the CPU: the word is always stored below ptr and ptr moves only if it counts (the
+// caller leaves a lane's worth of room below each segment's words).
+WC_HD void rans_encode_step(uint32_t& x, const EncodeEntry& e, uint16_t*& ptr) {
+  const uint32_t emit = (x >> (32 - kProbBits)) >= e.freq;
+  ptr[-1] = static_cast<uint16_t>(x & 0xFFFF);
+  ptr -= emit;
+  x >>= emit * kRenormBits;
+#ifdef __CUDA_ARCH__
+  const uint32_t q = static_cast<uint32_t>(__umul64hi(static_cast<uint64_t>(x) << 20, e.rcp));
+#else
+  const uint32_t q = static_cast<uint32_t>((static_cast<unsigned __int128>(x) * e.rcp) >> 44);
+#endif
   x = (q << kProbBits) + (x - q * e.freq) + e.cum;
 }
 

@@ -10,6 +10,7 @@
 #include <memory>
 #include <vector>
 
+#include "encode_avx512.h"
 #include "encode_tables.h"
 
 namespace wcodec {
@@ -39,18 +40,49 @@ int64_t plane_symbols(const at::Tensor& data, int64_t dtype) {
 
 // Split planes and count symbols: hi / lo planes out, fine counts [n_seg][kFineTables][256].
 template <int Dtype>
+static inline uint32_t fine_bin(const uint8_t* in, int64_t i) {
+  uint32_t sym, h, l;
+  split_element(Dtype, in, i, sym, h, l);
+  return (fine_context(Dtype, h) << 8) | sym;
+}
+
+// Count one segment's symbols by full context in four histograms (a run of one exponent would
+// otherwise wait on one counter), then add them up.
+template <int Dtype>
+static void count_segment(const uint8_t* in, int64_t i0, int64_t end, int32_t* part, int32_t* counts) {
+  std::fill(part, part + 4 * kFineBins, 0);
+  int64_t i = i0;
+  for (; i + 4 <= end; i += 4) {
+    ++part[fine_bin<Dtype>(in, i)];
+    ++part[kFineBins + fine_bin<Dtype>(in, i + 1)];
+    ++part[2 * kFineBins + fine_bin<Dtype>(in, i + 2)];
+    ++part[3 * kFineBins + fine_bin<Dtype>(in, i + 3)];
+  }
+  for (; i < end; ++i) ++part[fine_bin<Dtype>(in, i)];
+  for (int64_t k = 0; k < kFineBins; ++k) counts[k] = part[k] + part[kFineBins + k] + part[2 * kFineBins + k] + part[3 * kFineBins + k];
+}
+
+// The raw planes of elements [i0, end): a loop the compiler vectorises (restrict: no aliasing).
+template <int Dtype>
+static void split_raw(const uint8_t* __restrict in, int64_t i0, int64_t end, uint8_t* __restrict hi,
+                      uint8_t* __restrict lo) {
+  for (int64_t i = i0; i < end; ++i) {
+    uint32_t sym, h, l;
+    split_element(Dtype, in, i, sym, h, l);
+    hi[i] = static_cast<uint8_t>(h);
+    if constexpr (Dtype == kFP32) lo[2 * i] = l & 0xFF, lo[2 * i + 1] = l >> 8;
+  }
+}
+
+// Split planes and count symbols, a segment per task.
+template <int Dtype>
 static void split_and_count(const uint8_t* in, int64_t n, uint8_t* hi, uint8_t* lo, int32_t* fine) {
   at::parallel_for(0, (n + kSegmentSymbols - 1) / kSegmentSymbols, 1, [&](int64_t b, int64_t e) {
+    std::vector<int32_t> part(4 * kFineBins);
     for (int64_t seg = b; seg < e; ++seg) {
-      int32_t* counts = fine + seg * kFineBins;
-      const int64_t end = std::min(n, (seg + 1) * kSegmentSymbols);
-      for (int64_t i = seg * kSegmentSymbols; i < end; ++i) {
-        uint32_t sym, h, l;
-        split_element(Dtype, in, i, sym, h, l);
-        if constexpr (Dtype != kU8) hi[i] = static_cast<uint8_t>(h);
-        if constexpr (Dtype == kFP32) lo[2 * i] = l & 0xFF, lo[2 * i + 1] = l >> 8;
-        ++counts[(fine_context(Dtype, h) << 8) | sym];
-      }
+      const int64_t i0 = seg * kSegmentSymbols, end = std::min(n, i0 + kSegmentSymbols);
+      if constexpr (Dtype != kU8) split_raw<Dtype>(in, i0, end, hi, lo);
+      count_segment<Dtype>(in, i0, end, part.data(), fine + seg * kFineBins);
     }
   });
 }
@@ -88,7 +120,17 @@ struct PlaneJob {               // one plane of an encode_planes call
   const uint8_t* in;
   int64_t dtype, n, n_seg, ctx_bits, group, first_seg;
   std::vector<EncodeEntry> entries;
+  std::vector<uint32_t> fc;       // the AVX-512 step's copy: freq << 16 | cum ...
+  std::vector<double> inv;        // ... and 1.0 / freq
 };
+
+void pack_simd_tables(PlaneJob& p) {
+  p.fc.resize(p.entries.size()), p.inv.resize(p.entries.size());
+  for (size_t k = 0; k < p.entries.size(); ++k) {
+    p.fc[k] = (p.entries[k].freq << 16) | p.entries[k].cum;
+    p.inv[k] = p.entries[k].freq ? 1.0 / p.entries[k].freq : 0.0;
+  }
+}
 
 // Encode one segment. rANS encodes IN REVERSE: steps last to first, lanes 31 down to 0, each word
 // written at --ptr; the segment's words end at `end` and its final states go to `states`.
@@ -101,7 +143,13 @@ static int64_t encode_segment(const PlaneJob& p, int64_t seg, uint16_t* end, uin
   uint32_t x[kLanes];
   for (int l = 0; l < kLanes; ++l) x[l] = kRansL;
   uint16_t* ptr = end;
-  for (int64_t t = (len + kLanes - 1) / kLanes - 1; t >= 0; --t) {          // last step first
+  int64_t t = (len + kLanes - 1) / kLanes - 1;
+#if defined(__x86_64__)
+  const int64_t simd_steps = encode_has_avx512() ? len / kLanes : 0;
+#else
+  const int64_t simd_steps = 0;
+#endif
+  for (; t >= simd_steps; --t) {                                              // last step first
     const int lanes = static_cast<int>(std::min<int64_t>(kLanes, len - t * kLanes));
     for (int l = lanes - 1; l >= 0; --l) {                                    // lane 31 first
       uint32_t sym, hi, lo;
@@ -110,6 +158,12 @@ static int64_t encode_segment(const PlaneJob& p, int64_t seg, uint16_t* end, uin
       rans_encode_step(x[l], set[(ctx << 8) | sym], ptr);                    // x = C(s, x)
     }
   }
+#if defined(__x86_64__)
+  if (simd_steps) {
+    const int64_t base = ((seg / p.group) << p.ctx_bits) << 8;
+    encode_full_steps_avx512<Dtype>(in, simd_steps, cb, p.fc.data() + base, p.inv.data() + base, x, ptr);
+  }
+#endif
   for (int l = 0; l < kLanes; ++l) states[l] = x[l];
   return end - ptr;
 }
@@ -185,6 +239,7 @@ std::vector<PlaneJob> plane_jobs(at::TensorList data, at::IntArrayRef dtypes, at
       TORCH_CHECK(sum == kProbScale || sum == 0, "plane ", i, ": table ", j, " does not sum to ", kProbScale);
       pack_encode(reinterpret_cast<const uint32_t*>(row), p.entries.data() + 256 * j);
     }
+    pack_simd_tables(p);
   }
   return jobs;
 }
@@ -199,11 +254,13 @@ static std::vector<at::Tensor> encode_planes_cpu(at::TensorList data, at::IntArr
   for (const auto& p : jobs) firsts.push_back(p.first_seg);
   std::vector<uint32_t> states(total_seg * kLanes);
   std::vector<int64_t> counts(total_seg);
-  std::unique_ptr<uint16_t[]> words(new uint16_t[total_seg * kSegmentSymbols]);   // segment g's words end at slot g's end
+  // Segment g's words end at the end of slot g; each slot has a lane's worth of room below its words.
+  constexpr int64_t kSlot = kSegmentSymbols + kLanes;
+  std::unique_ptr<uint16_t[]> words(new uint16_t[total_seg * kSlot]);
   at::parallel_for(0, total_seg, 1, [&](int64_t b, int64_t e) {
     for (int64_t g = b; g < e; ++g) {
       const size_t i = std::upper_bound(firsts.begin(), firsts.end(), g) - firsts.begin() - 1;
-      counts[g] = encode_any(jobs[i], g - jobs[i].first_seg, words.get() + (g + 1) * kSegmentSymbols,
+      counts[g] = encode_any(jobs[i], g - jobs[i].first_seg, words.get() + (g + 1) * kSlot,
                              states.data() + g * kLanes);
     }
   });
@@ -213,7 +270,7 @@ static std::vector<at::Tensor> encode_planes_cpu(at::TensorList data, at::IntArr
     const at::Tensor f = freqs[i].cpu();
     out.push_back(assemble(jobs[i], reinterpret_cast<const uint32_t*>(f.data_ptr<int32_t>()),
                            states.data() + g0 * kLanes, counts.data() + g0,
-                           [&](int64_t s) { return words.get() + (g0 + s + 1) * kSegmentSymbols - counts[g0 + s]; }));
+                           [&](int64_t s) { return words.get() + (g0 + s + 1) * kSlot - counts[g0 + s]; }));
   }
   return out;
 }

