@@ -56,11 +56,16 @@ def encode_tensors(items: list[tuple[str, str, tuple, object]], lossy: str | Non
         if enc.params is not None:
             rec["params"] = enc.params
         blobs = {role: next(coded) for role in enc.coded}
-        rec["streams"] = {role: blobs[role] if role in blobs else enc.raw[role].tobytes() for role in enc.roles}
+        rec["streams"] = {role: blobs[role] if role in blobs else _as_bytes(enc.raw[role]) for role in enc.roles}
         if enc.codec == CODEC_INT8:
             rec["quality"] = quality(payload, decoded, dtype)
         out.append(rec)
     return out
+
+
+def _as_bytes(plane: np.ndarray) -> np.ndarray:
+    """A raw plane's bytes, without a copy (the writer takes any buffer)."""
+    return np.ascontiguousarray(plane).reshape(-1).view(np.uint8)
 
 
 def quality(original: np.ndarray, decoded: np.ndarray, dtype: str) -> dict:

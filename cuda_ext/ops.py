@@ -292,7 +292,7 @@ def sample_inputs(device: str | torch.device) -> list[tuple]:
         streams = {}
         for role, b in rec["streams"].items():
             streams[role] = {"offset": len(blob), "length": len(b), "crc32": 0}
-            blob += b + b"\0" * (-len(b) % 64)
+            blob += bytes(b) + b"\0" * (-len(b) % 64)
         entries.append(TensorEntry(rec["name"], rec["dtype"], tuple(rec["shape"]), rec["codec"], None,
                                    rec["nbytes"], rec["crc32"], streams,
                                    FloatParams(int(np.prod(rec["shape"])), **rec["params"])))

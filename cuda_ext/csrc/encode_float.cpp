@@ -24,8 +24,9 @@ const Log2Table& log2_table() {
   return *table;
 }
 
+// Tables are normalised a few dozen at a time per thread: fewer, larger parallel regions.
 auto parallel_rows = [](int64_t n, const auto& fn) {
-  at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, n, 32, [&](int64_t b, int64_t e) {
     for (int64_t j = b; j < e; ++j) fn(j);
   });
 };
@@ -77,7 +78,8 @@ static void split_raw(const uint8_t* __restrict in, int64_t i0, int64_t end, uin
 // Split planes and count symbols, a segment per task.
 template <int Dtype>
 static void split_and_count(const uint8_t* in, int64_t n, uint8_t* hi, uint8_t* lo, int32_t* fine) {
-  at::parallel_for(0, (n + kSegmentSymbols - 1) / kSegmentSymbols, 1, [&](int64_t b, int64_t e) {
+  const int64_t n_seg = (n + kSegmentSymbols - 1) / kSegmentSymbols;
+  at::parallel_for(0, n_seg, n_seg < 8 ? 8 : 1, [&](int64_t b, int64_t e) {     // small planes: inline
     std::vector<int32_t> part(4 * kFineBins);
     for (int64_t seg = b; seg < e; ++seg) {
       const int64_t i0 = seg * kSegmentSymbols, end = std::min(n, i0 + kSegmentSymbols);
