@@ -102,19 +102,25 @@ inline void pack_encode(const uint32_t* f, EncodeEntry* out) {
 // One encoder step of one lane: emit a word if x would overflow, then x = C(s, x).
 //   emit  while x >= f << (32 - P): *--ptr = x & 0xFFFF, x >>= 16     (once at most, L = 2^16)
 //   x = ((x / f) << P) + (x % f) + cum
-// Branch-free on the CPU: the word is always stored below ptr and ptr moves only if it counts (the
-// caller leaves a lane's worth of room below each segment's words).
-WC_HD void rans_encode_step(uint32_t& x, const EncodeEntry& e, uint16_t*& ptr) {
-  const uint32_t emit = (x >> (32 - kProbBits)) >= e.freq;
-  ptr[-1] = static_cast<uint16_t>(x & 0xFFFF);
-  ptr -= emit;
-  x >>= emit * kRenormBits;
+WC_HD bool rans_emits(uint32_t x, const EncodeEntry& e) { return (x >> (32 - kProbBits)) >= e.freq; }
+
+WC_HD uint32_t rans_encode_state(uint32_t x, const EncodeEntry& e) {       // x = C(s, x), x < f << 16
 #ifdef __CUDA_ARCH__
   const uint32_t q = static_cast<uint32_t>(__umul64hi(static_cast<uint64_t>(x) << 20, e.rcp));
 #else
   const uint32_t q = static_cast<uint32_t>((static_cast<unsigned __int128>(x) * e.rcp) >> 44);
 #endif
-  x = (q << kProbBits) + (x - q * e.freq) + e.cum;
+  return (q << kProbBits) + (x - q * e.freq) + e.cum;
+}
+
+// Branch-free on the CPU: the word is always stored below ptr and ptr moves only if it counts (the
+// caller leaves a lane's worth of room below each segment's words). The kernel places its words
+// with a ballot instead (encode_float.cu).
+inline void rans_encode_step(uint32_t& x, const EncodeEntry& e, uint16_t*& ptr) {
+  const uint32_t emit = rans_emits(x, e);
+  ptr[-1] = static_cast<uint16_t>(x & 0xFFFF);
+  ptr -= emit;
+  x = rans_encode_state(x >> (emit * kRenormBits), e);
 }
 
 // ---- assemble the stream (floatcodec._assemble) -------------------------------------------------

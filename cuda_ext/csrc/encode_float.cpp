@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "encode_avx512.h"
-#include "encode_tables.h"
+#include "encode_host.h"
 
 namespace wcodec {
 
@@ -39,7 +39,14 @@ int64_t plane_symbols(const at::Tensor& data, int64_t dtype) {
   return data.numel() / element_bytes(dtype);
 }
 
-// Split planes and count symbols: hi / lo planes out, fine counts [n_seg][kFineTables][256].
+void pack_simd_tables(PlaneJob& p) {
+  p.fc.resize(p.entries.size()), p.inv.resize(p.entries.size());
+  for (size_t k = 0; k < p.entries.size(); ++k) {
+    p.fc[k] = (p.entries[k].freq << 16) | p.entries[k].cum;
+    p.inv[k] = p.entries[k].freq ? 1.0 / p.entries[k].freq : 0.0;
+  }
+}
+
 template <int Dtype>
 static inline uint32_t fine_bin(const uint8_t* in, int64_t i) {
   uint32_t sym, h, l;
@@ -106,34 +113,21 @@ static std::vector<at::Tensor> prepare_plane_cpu(const at::Tensor& data, int64_t
     case kFP32: split_and_count<kFP32>(in, n, h, l, fine.data()); break;
     default: split_and_count<kU8>(in, n, h, l, fine.data()); break;
   }
-  if (n < kMinCodedElements) return {choice, freqs, hi, lo};
+  choose_into(fine.data(), n_seg, n, dtype, choice, freqs);
+  return {choice, freqs, hi, lo};
+}
+
+void choose_into(const int32_t* fine, int64_t n_seg, int64_t n, int64_t dtype, at::Tensor& choice, at::Tensor& freqs) {
+  if (n < kMinCodedElements) return;                                   // stored raw
   std::vector<uint32_t> chosen;
-  const Choice c = choose_tables(fine.data(), n_seg, n, dtype == kU8 ? 0 : kMaxCtxBits, log2_table(), chosen,
-                                 parallel_rows);
+  const Choice c = choose_tables(fine, n_seg, n, dtype == kU8 ? 0 : kMaxCtxBits, log2_table(), chosen, parallel_rows);
   int64_t* ch = choice.data_ptr<int64_t>();
   ch[0] = c.coded, ch[1] = c.ctx_bits, ch[2] = c.table_group;
   int32_t* f = freqs.data_ptr<int32_t>();
   for (size_t k = 0; k < chosen.size(); ++k) f[k] = static_cast<int32_t>(chosen[k]);
-  return {choice, freqs, hi, lo};
 }
 
 // ---- encode lanes -------------------------------------------------------------------------------
-struct PlaneJob {               // one plane of an encode_planes call
-  const uint8_t* in;
-  int64_t dtype, n, n_seg, ctx_bits, group, first_seg;
-  std::vector<EncodeEntry> entries;
-  std::vector<uint32_t> fc;       // the AVX-512 step's copy: freq << 16 | cum ...
-  std::vector<double> inv;        // ... and 1.0 / freq
-};
-
-void pack_simd_tables(PlaneJob& p) {
-  p.fc.resize(p.entries.size()), p.inv.resize(p.entries.size());
-  for (size_t k = 0; k < p.entries.size(); ++k) {
-    p.fc[k] = (p.entries[k].freq << 16) | p.entries[k].cum;
-    p.inv[k] = p.entries[k].freq ? 1.0 / p.entries[k].freq : 0.0;
-  }
-}
-
 // Encode one segment. rANS encodes IN REVERSE: steps last to first, lanes 31 down to 0, each word
 // written at --ptr; the segment's words end at `end` and its final states go to `states`.
 template <int Dtype>
@@ -180,35 +174,42 @@ static int64_t encode_any(const PlaneJob& p, int64_t seg, uint16_t* end, uint32_
 }
 
 // ---- assemble -----------------------------------------------------------------------------------
-// The stream of one plane from its tables, per-segment states and word counts, and the words,
-// segment seg's ending at words + seg_end(seg) (floatcodec._assemble).
-template <class WordsOf>
-static at::Tensor assemble(const PlaneJob& p, const uint32_t* freqs, const uint32_t* states, const int64_t* counts,
-                           WordsOf words_of) {
-  const int64_t n_tables = ((p.n_seg + p.group - 1) / p.group) << p.ctx_bits;
-  const int64_t dir = exp_directory_bytes(p.n_seg, n_tables);
+StreamLayout stream_layout(const PlaneJob& p, const int64_t* counts) {
+  const int64_t n_tables = p.n_tables(), dir = exp_directory_bytes(p.n_seg, n_tables);
   std::vector<uint8_t> blob(n_tables * (kTableBitmapBytes + 512));
   std::vector<uint32_t> table_off(n_tables + 1, static_cast<uint32_t>(dir));
+  const uint32_t* freqs = reinterpret_cast<const uint32_t*>(p.freqs.data_ptr<int32_t>());
   int64_t pos = 0;
   for (int64_t j = 0; j < n_tables; ++j) pos += serialize_table(freqs + 256 * j, blob.data() + pos), table_off[j + 1] = dir + pos;
-  std::vector<int64_t> seg_off(p.n_seg + 1, align_up(dir + pos, kSegmentAlign));
-  for (int64_t s = 0; s < p.n_seg; ++s) seg_off[s + 1] = seg_off[s] + segment_bytes(counts[s]);
-  at::Tensor out = at::empty({seg_off[p.n_seg]}, at::kByte);
-  uint8_t* o = out.data_ptr<uint8_t>();
+  StreamLayout out{std::vector<uint8_t>(align_up(dir + pos, kSegmentAlign), 0), std::vector<int64_t>(p.n_seg + 1)};
+  out.seg_off[0] = static_cast<int64_t>(out.head.size());
+  for (int64_t s = 0; s < p.n_seg; ++s) out.seg_off[s + 1] = out.seg_off[s] + segment_bytes(counts[s]);
+  uint8_t* o = out.head.data();
   for (int64_t s = 0; s < p.n_seg; ++s) {
-    memcpy(o + 8 * s, &seg_off[s], 8);
+    memcpy(o + 8 * s, &out.seg_off[s], 8);
     const uint32_t c = static_cast<uint32_t>(counts[s]);
     memcpy(o + 8 * p.n_seg + 4 * s, &c, 4);
   }
   memcpy(o + 12 * p.n_seg, table_off.data(), 4 * (n_tables + 1));
   memcpy(o + dir, blob.data(), pos);
-  memset(o + dir + pos, 0, seg_off[0] - dir - pos);
+  return out;
+}
+
+// The stream of one plane: its head, then per segment its states, its words (segment s's end at
+// words_end(s)) and zeros to the next segment (floatcodec._assemble).
+template <class WordsEnd>
+static at::Tensor assemble(const PlaneJob& p, const uint32_t* states, const int64_t* counts, WordsEnd words_end) {
+  const StreamLayout lay = stream_layout(p, counts);
+  at::Tensor out = at::empty({lay.seg_off[p.n_seg]}, at::kByte);
+  uint8_t* o = out.data_ptr<uint8_t>();
+  memcpy(o, lay.head.data(), lay.head.size());
   at::parallel_for(0, p.n_seg, 1, [&](int64_t b, int64_t e) {
     for (int64_t s = b; s < e; ++s) {
-      uint8_t* seg = o + seg_off[s];
+      uint8_t* seg = o + lay.seg_off[s];
+      const int64_t words = 2 * counts[s];
       memcpy(seg, states + kLanes * s, kStateBytes);
-      memcpy(seg + kStateBytes, words_of(s), 2 * counts[s]);
-      memset(seg + kStateBytes + 2 * counts[s], 0, seg_off[s + 1] - seg_off[s] - kStateBytes - 2 * counts[s]);
+      memcpy(seg + kStateBytes, words_end(s) - counts[s], words);
+      memset(seg + kStateBytes + words, 0, lay.seg_off[s + 1] - lay.seg_off[s] - kStateBytes - words);
     }
   });
   return out;
@@ -229,11 +230,12 @@ std::vector<PlaneJob> plane_jobs(at::TensorList data, at::IntArrayRef dtypes, at
     first += p.n_seg;
     TORCH_CHECK(p.n >= 1 && p.ctx_bits >= 0 && p.ctx_bits <= (p.dtype == kU8 ? 0 : kMaxCtxBits) && p.group >= 1,
                 "plane ", i, ": empty, or ctx_bits / table_group out of range");
-    const int64_t n_tables = ((p.n_seg + p.group - 1) / p.group) << p.ctx_bits;
+    const int64_t n_tables = p.n_tables();
     TORCH_CHECK(freqs[i].scalar_type() == at::kInt && freqs[i].is_contiguous() && freqs[i].numel() >= 256 * n_tables &&
                     freqs[i].device() == data[i].device(), "plane ", i, ": freqs must be int32 [>= ", n_tables, ", 256]");
     p.entries.resize(n_tables * 256);
-    const at::Tensor f = freqs[i].cpu();
+    p.freqs = freqs[i].cpu();
+    const at::Tensor& f = p.freqs;
     for (int64_t j = 0; j < n_tables; ++j) {
       const int32_t* row = f.data_ptr<int32_t>() + 256 * j;
       uint32_t sum = 0;
@@ -269,10 +271,8 @@ static std::vector<at::Tensor> encode_planes_cpu(at::TensorList data, at::IntArr
   std::vector<at::Tensor> out;
   for (size_t i = 0; i < jobs.size(); ++i) {
     const int64_t g0 = jobs[i].first_seg;
-    const at::Tensor f = freqs[i].cpu();
-    out.push_back(assemble(jobs[i], reinterpret_cast<const uint32_t*>(f.data_ptr<int32_t>()),
-                           states.data() + g0 * kLanes, counts.data() + g0,
-                           [&](int64_t s) { return words.get() + (g0 + s + 1) * kSlot - counts[g0 + s]; }));
+    out.push_back(assemble(jobs[i], states.data() + g0 * kLanes, counts.data() + g0,
+                           [&](int64_t s) { return words.get() + (g0 + s + 1) * kSlot; }));
   }
   return out;
 }
