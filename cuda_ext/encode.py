@@ -22,23 +22,28 @@ from .build import ensure_loaded
 from .plan import BYTES_CODE, DTYPE_CODES
 
 
+def _registered(device_type: str) -> bool:
+    """The encoder ops are registered for `device_type`, loading the extension if they are not yet
+    (a process that registered them itself, e.g. a device check's encoder-only build, keeps its own)."""
+    from .ops import ENCODE_OPS, has_ops
+    if not has_ops(ENCODE_OPS, device_type):
+        ensure_loaded()
+    return has_ops(ENCODE_OPS, device_type)
+
+
 def best_device() -> str:
-    avail = ensure_loaded()
-    from .ops import has_ops, ENCODE_OPS
-    return "cuda" if avail.cuda and has_ops(ENCODE_OPS, "cuda") else "cpu"
+    return "cuda" if torch.cuda.is_available() and _registered("cuda") else "cpu"
 
 
 def coder(device: str | torch.device = "cpu"):
     """The extension's coder on `device`, or the NumPy reference where the extension (or its
     encoder ops) is not built. A CUDA device without the CUDA op is a RuntimeError."""
     device = torch.device(device)
-    avail = ensure_loaded()
-    from .ops import has_ops, ENCODE_OPS
     if device.type == "cuda":
-        if not (avail.cuda and has_ops(ENCODE_OPS, "cuda")):
-            raise RuntimeError(f"CUDA encoding unavailable: {avail.reason}")
+        if not (torch.cuda.is_available() and _registered("cuda")):
+            raise RuntimeError(f"CUDA encoding unavailable: {ensure_loaded().reason}")
         return ExtensionCoder(device)
-    return ExtensionCoder(device) if avail.cpp and has_ops(ENCODE_OPS, "cpu") else floatcodec.REFERENCE
+    return ExtensionCoder(device) if _registered("cpu") else floatcodec.REFERENCE
 
 
 class ExtensionCoder:
