@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -12,7 +13,7 @@ import torch
 
 from . import __version__, codecs, floatcodec, gguf_blocks, int8
 from .constants import CODEC_INT8, FORMAT_MAJOR, FORMAT_MINOR
-from .container import Writer, crc32
+from .container import Writer, checksums, crc32
 from .entries import DTYPES, dtype_name
 from .parallel import WORKER_STATE, balanced_limit, default_workers, ordered_map
 from .sources import CheckpointSource, StateDictSource, layer_index, layer_order, open_source
@@ -47,20 +48,29 @@ def encode_tensors(items: list[tuple[str, str, tuple, object]], lossy: str | Non
     a lossy record also carries "quality" (not part of the header). `coder` prepares and encodes
     the coded planes: the NumPy reference, or the extension's twins (cuda_ext.encode.coder)."""
     encodings = [codecs.encode(dtype, payload, shape, lossy, coder) for _, dtype, shape, payload in items]
-    coded = iter(coder.encode_batch([p for enc in encodings for p in enc.coded.values()]))
+    decoded = [_decoded_bytes(dtype, shape, payload, enc) for (_, dtype, shape, payload), enc in zip(items, encodings)]
+    with _threads(coder) as pool:            # zlib releases the GIL: the CRCs run beside the encode
+        crcs = pool.map(crc32, decoded)
+        coded = iter(coder.encode_batch([p for enc in encodings for p in enc.coded.values()]))
+        crcs = list(crcs)
     out = []
-    for (name, dtype, shape, payload), enc in zip(items, encodings):
-        decoded = _decoded_bytes(dtype, shape, payload, enc)
-        rec = {"name": name, "dtype": dtype, "shape": list(shape), "nbytes": int(decoded.nbytes),
-               "crc32": crc32(decoded), "codec": enc.codec}
+    for (name, dtype, shape, payload), enc, dec, crc in zip(items, encodings, decoded, crcs):
+        rec = {"name": name, "dtype": dtype, "shape": list(shape), "nbytes": int(dec.nbytes),
+               "crc32": crc, "codec": enc.codec}
         if enc.params is not None:
             rec["params"] = enc.params
         blobs = {role: next(coded) for role in enc.coded}
         rec["streams"] = {role: blobs[role] if role in blobs else _as_bytes(enc.raw[role]) for role in enc.roles}
         if enc.codec == CODEC_INT8:
-            rec["quality"] = quality(payload, decoded, dtype)
+            rec["quality"] = quality(payload, dec, dtype)
         out.append(rec)
     return out
+
+
+def _threads(coder) -> ThreadPoolExecutor:
+    """Threads for checksums: as many as CPUs for a threaded coder, else one (worker processes
+    are the parallelism there)."""
+    return ThreadPoolExecutor(len(os.sched_getaffinity(0)) if coder.threaded else 1)
 
 
 def _as_bytes(plane: np.ndarray) -> np.ndarray:
@@ -98,9 +108,11 @@ def _raw_bytes(t: torch.Tensor) -> np.ndarray:
 def _encode_job(job: tuple[str, list, str | None]) -> list[dict]:
     """Load (from the source the worker inherited) and encode one batch of tensors."""
     path, infos, lossy = job
-    source = WORKER_STATE["source"]
-    return encode_tensors([(i.name, dtype_name(path, i.name, i.dtype), tuple(i.shape), _payload(source, i.name))
-                           for i in infos], lossy, WORKER_STATE.get("coder", floatcodec.REFERENCE))
+    source, coder = WORKER_STATE["source"], WORKER_STATE.get("coder", floatcodec.REFERENCE)
+    with _threads(coder) as pool:                     # reads release the GIL: a batch's tensors in parallel
+        payloads = list(pool.map(lambda i: _payload(source, i.name), infos))
+    return encode_tensors([(i.name, dtype_name(path, i.name, i.dtype), tuple(i.shape), p)
+                           for i, p in zip(infos, payloads)], lossy, coder)
 
 
 def _payload(source: CheckpointSource, name: str):
@@ -120,6 +132,29 @@ def _jobs(infos, path, limit: int, lossy: str | None):
         size += n
     if batch:
         yield path, batch, lossy
+
+
+class _Tally:
+    """Writes encoded batches (on the writing thread) and keeps their records and totals."""
+
+    def __init__(self, writer: Writer, total: int, progress, coder):
+        self.writer, self.total, self.progress, self.coder = writer, total, progress, coder
+        self.tensors, self.raw, self.stored, self.quality = [], 0, 0, {}
+
+    def write(self, results: list[dict]) -> None:
+        blobs = [b for rec in results for b in rec["streams"].values()]
+        with _threads(self.coder) as pool:
+            sums = iter(pool.map(lambda b: checksums(memoryview(b).cast("B")), blobs))
+            for rec in results:
+                if "quality" in rec:
+                    self.quality[rec["name"]] = rec.pop("quality")
+                rec["streams"] = {role: self.writer.add(b, next(sums)) for role, b in rec["streams"].items()}
+                rec["layer"] = layer_index(rec["name"])
+                self.tensors.append(rec)
+                self.raw += rec["nbytes"]
+                self.stored += sum(s["length"] for s in rec["streams"].values())
+        if self.progress:
+            self.progress(self.raw, self.total)
 
 
 def compress(src: str | os.PathLike, dst: str | os.PathLike, *, workers: int | None = None,
@@ -158,22 +193,19 @@ def compress_source(source: CheckpointSource, dst: str | os.PathLike, *, workers
     writer = Writer(dst)
     try:
         files = {name: writer.add(blob) for name, blob in sorted(source.files.items())}
-        tensors, raw, stored = [], 0, 0
         workers = 1 if coder.threaded else workers or default_workers()
         limit = balanced_limit(sum(math.prod(i.shape) for i in infos), workers, BATCH_ELEMENTS)
         jobs = list(_jobs(infos, os.fspath(src), limit, lossy))
-        quality = {}
-        for results in ordered_map(_encode_job, jobs, min(workers, len(jobs)), {"source": source, "coder": coder}):
-            for rec in results:
-                if "quality" in rec:
-                    quality[rec["name"]] = rec.pop("quality")
-                rec["streams"] = {role: writer.add(b) for role, b in rec["streams"].items()}
-                rec["layer"] = layer_index(rec["name"])
-                tensors.append(rec)
-                raw += rec["nbytes"]
-                stored += sum(s["length"] for s in rec["streams"].values())
-            if progress:
-                progress(raw, total)
+        tally = _Tally(writer, total, progress, coder)
+        with ThreadPoolExecutor(1) as writing:          # batch k is written while batch k + 1 encodes
+            pending: Future | None = None
+            for results in ordered_map(_encode_job, jobs, min(workers, len(jobs)), {"source": source, "coder": coder}):
+                if pending is not None:
+                    pending.result()                    # at most one batch waits: bounded memory
+                pending = writing.submit(tally.write, results)
+            if pending is not None:
+                pending.result()
+        tensors, raw, stored, quality = tally.tensors, tally.raw, tally.stored, tally.quality
         header = {"format": "wcodec", "version": f"{FORMAT_MAJOR}.{FORMAT_MINOR}",
                   "metadata": {"source": os.path.basename(os.fspath(src).rstrip("/")),
                                "created_by": f"wcodec {__version__}"},

@@ -13,7 +13,7 @@ stage tests timeout "$(left 150)" python3 -m pytest -q -p no:cacheprovider tests
   > "$OUT/encode_tests.log" 2>&1; grep -E "passed|failed|sha256|Error" "$OUT/encode_tests.log" | tail -12
 stage sanitize timeout "$(left 90)" compute-sanitizer --tool memcheck --error-exitcode 1 \
   python3 scripts/sanitize_encode.py > "$OUT/sanitizer.log" 2>&1; grep -E "ERROR SUMMARY|sanitize encode" "$OUT/sanitizer.log"
-stage bench timeout "$(left 120)" python3 bench/encode_speed.py --encoder-only --repeat 3 > "$OUT/encode_speed.log" 2>&1
+stage bench timeout "$(left 120)" python3 bench/encode_speed.py .encfiles/minilm --encoder-only --repeat 3 --gpu-layers 8 > "$OUT/encode_speed.log" 2>&1
 cat "$OUT/encode_speed.log" | tail -12
 stage 7b timeout "$(left 150)" python3 bench/seven_b_encode.py /tmp/seven_b --encoder-only --device cuda \
   > "$OUT/seven_b.log" 2>&1; tail -5 "$OUT/seven_b.log"
