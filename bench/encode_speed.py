@@ -23,6 +23,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")        # as `wcodec compress` (wcodec/entry.py)
 import torch  # noqa: E402
 
 if "--encoder-only" in sys.argv and torch.cuda.is_available():      # a lent GPU's short call
@@ -71,6 +72,28 @@ def zipnn(tensors, threads: int, repeat: int) -> float:
             c.compress(b)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def paired(tensors, coder, threads: int, repeat: int) -> tuple[float, float, float, float]:
+    """Ours and ZipNN alternately, `repeat` times each (a shared machine's load then falls on both
+    alike): median wall seconds and median CPU seconds of each (ours, zipnn)."""
+    from zipnn import ZipNN
+    torch.set_num_threads(threads)
+    items = items_of(tensors)
+    coders = {dt: ZipNN(input_format="byte", bytearray_dtype=name, threads=threads) for dt, name in ZIPNN_DTYPES.items()}
+    bufs = [(coders[t.dtype], raw_view(t).numpy().tobytes()) for t in tensors.values() if t.dtype in coders and t.numel()]
+    ours_w, ours_c, zip_w, zip_c = [], [], [], []
+    for _ in range(repeat):
+        w0, c0 = time.perf_counter(), time.process_time()
+        encode_tensors(items, coder=coder)
+        ours_w.append(time.perf_counter() - w0), ours_c.append(time.process_time() - c0)
+        fresh = [(c, bytearray(b)) for c, b in bufs]        # zipnn reorders its input in place
+        w0, c0 = time.perf_counter(), time.process_time()
+        for c, b in fresh:
+            c.compress(b)
+        zip_w.append(time.perf_counter() - w0), zip_c.append(time.process_time() - c0)
+    m = statistics.median
+    return m(ours_w), m(ours_c), m(zip_w), m(zip_c)
 
 
 def gpu_planes(tensors, repeat: int) -> float:
@@ -155,6 +178,13 @@ def main() -> int:
         rows.append(("NumPy reference, 1 process", ours(tensors, floatcodec.REFERENCE, 1, 1)))
     for name, s in rows:
         print(f"{name:40s} {raw / 1e6 / s:10.1f} MB/s  ({s * 1e3:.1f} ms)")
+    try:
+        for threads in (1, cores):
+            ow, oc, zw, zc = paired(tensors, cpp, threads, max(args.repeat, 5))
+            print(f"paired, {threads} thread(s): C++ {raw / 1e6 / ow:.1f} MB/s vs ZipNN {raw / 1e6 / zw:.1f} MB/s wall "
+                  f"= {zw / ow:.2f}x; CPU time {raw / 1e6 / oc:.1f} vs {raw / 1e6 / zc:.1f} MB/s = {zc / oc:.2f}x")
+    except ImportError as e:
+        print(f"paired run not made: {e}")
     shas = {"numpy": archive_sha(tensors, floatcodec.REFERENCE), "c++": archive_sha(tensors, cpp)}
     if torch.cuda.is_available() and ext_encode.best_device() == "cuda":
         shas["gpu"] = archive_sha(tensors, ext_encode.coder("cuda"))

@@ -48,7 +48,7 @@ def trained_like(shape: tuple[int, ...], g: torch.Generator, device: str) -> tor
     return torch.where(torch.rand(shape, generator=g, device=device) < 1e-4, w * 8, w).bfloat16().cpu()
 
 
-def generate(folder: Path, layers: int, vocab: int) -> int:
+def generate(folder: Path, layers: int, vocab: int, shard_bytes: int = SHARD_BYTES) -> int:
     """Write the shards, index and config; returns the largest tensor's bytes."""
     folder.mkdir(parents=True, exist_ok=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -58,7 +58,7 @@ def generate(folder: Path, layers: int, vocab: int) -> int:
     for j, (name, shape) in enumerate(items):
         shard[name] = trained_like(shape, g, device)
         size += shard[name].nbytes
-        if size >= SHARD_BYTES or j == len(items) - 1:
+        if size >= shard_bytes or j == len(items) - 1:
             k += 1
             save_file(shard, str(folder / f"model-{k:05d}.safetensors"))
             weight_map.update({n: f"model-{k:05d}.safetensors" for n in shard})
@@ -73,18 +73,19 @@ def generate(folder: Path, layers: int, vocab: int) -> int:
 
 CHILD = """import sys, time
 if {only}:
+    import os; os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from scripts.encoder_ext import load_encoder; load_encoder()
-from wcodec.cli import main
+from wcodec.entry import main
 t0 = time.perf_counter(); rc = main(["compress", {src!r}, {dst!r}, "--device", {device!r}])
 print(f"compress wall {{time.perf_counter() - t0:.2f}} s"); sys.exit(rc)
 """
 
 
 def run(folder: str | os.PathLike, layers: int = 32, vocab: int = 32000, device: str = "auto",
-        encoder_only: bool = False) -> dict:
+        encoder_only: bool = False, shard_bytes: int = SHARD_BYTES) -> dict:
     folder = Path(folder)
     t0 = time.perf_counter()
-    largest = generate(folder / "model", layers, vocab)
+    largest = generate(folder / "model", layers, vocab, shard_bytes)
     raw = sum(p.stat().st_size for p in (folder / "model").glob("*.safetensors"))
     print(f"generated {raw / 1e9:.2f} GB in {time.perf_counter() - t0:.1f} s; largest tensor {largest / 1e6:.0f} MB")
     dst = folder / "model.wcodec"
@@ -110,5 +111,6 @@ if __name__ == "__main__":
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--encoder-only", action="store_true")
+    ap.add_argument("--shard-mb", type=int, default=SHARD_BYTES >> 20)
     a = ap.parse_args()
-    sys.exit(run(a.dir, a.layers, a.vocab, a.device, a.encoder_only)["rc"])
+    sys.exit(run(a.dir, a.layers, a.vocab, a.device, a.encoder_only, a.shard_mb << 20)["rc"])

@@ -68,9 +68,9 @@ def encode_tensors(items: list[tuple[str, str, tuple, object]], lossy: str | Non
 
 
 def _threads(coder) -> ThreadPoolExecutor:
-    """Threads for checksums: as many as CPUs for a threaded coder, else one (worker processes
+    """Threads for checksums: as many as torch's for a threaded coder, else one (worker processes
     are the parallelism there)."""
-    return ThreadPoolExecutor(len(os.sched_getaffinity(0)) if coder.threaded else 1)
+    return ThreadPoolExecutor(torch.get_num_threads() if coder.threaded else 1)
 
 
 def _as_bytes(plane: np.ndarray) -> np.ndarray:
