@@ -144,45 +144,42 @@ static at::Tensor to_device(const std::vector<int64_t>& v, const at::Tensor& lik
   return at::tensor(v, at::kLong).to(like.device());
 }
 
-static std::vector<at::Tensor> encode_planes_cuda(at::TensorList data, at::IntArrayRef dtypes, at::TensorList freqs,
-                                                  at::IntArrayRef ctx_bits, at::IntArrayRef groups) {
-  std::vector<PlaneJob> jobs = plane_jobs(data, dtypes, freqs, ctx_bits, groups);
-  if (jobs.empty()) return {};
-  const c10::cuda::CUDAGuard guard(data[0].device());
-  const auto stream = c10::cuda::getCurrentCUDAStream();
+// The planes and their packed tables in one device buffer: PlaneDev rows, then EncodeEntry rows.
+struct Upload {
+  at::Tensor meta, firsts;        // device: the buffer, and each plane's first block
+  int64_t blocks = 0, total_seg = 0, plane_bytes = 0;
+};
+
+static Upload upload_planes(const std::vector<PlaneJob>& jobs, const at::Tensor& like) {
   std::vector<PlaneDev> devs;
   std::vector<int64_t> firsts;
   std::vector<EncodeEntry> entries;
-  int64_t blocks = 0, total_seg = 0;
+  Upload up;
   for (const PlaneJob& p : jobs) {
     TORCH_CHECK(p.group % kEncodeWarps == 0 || p.group >= p.n_seg, "table_group must be a multiple of 4 or cover the plane");
     devs.push_back(PlaneDev{p.in, p.dtype, p.n, p.ctx_bits, p.group, p.first_seg, static_cast<int64_t>(entries.size())});
     entries.insert(entries.end(), p.entries.begin(), p.entries.end());
-    firsts.push_back(blocks);
-    blocks += (p.n_seg + kEncodeWarps - 1) / kEncodeWarps, total_seg += p.n_seg;
+    firsts.push_back(up.blocks);
+    up.blocks += (p.n_seg + kEncodeWarps - 1) / kEncodeWarps, up.total_seg += p.n_seg;
   }
-  const auto opts = data[0].options();
-  const int64_t plane_bytes = static_cast<int64_t>(devs.size() * sizeof(PlaneDev));
+  up.plane_bytes = static_cast<int64_t>(devs.size() * sizeof(PlaneDev));
   const int64_t entry_bytes = static_cast<int64_t>(entries.size() * sizeof(EncodeEntry));
-  at::Tensor meta = at::empty({plane_bytes + entry_bytes}, at::kByte);
-  memcpy(meta.data_ptr<uint8_t>(), devs.data(), plane_bytes);
-  memcpy(meta.data_ptr<uint8_t>() + plane_bytes, entries.data(), entry_bytes);
-  const at::Tensor meta_dev = meta.to(opts.device()), firsts_dev = to_device(firsts, data[0]);
-  at::Tensor words = at::empty({total_seg * kSlot}, opts.dtype(at::kShort));
-  at::Tensor states = at::empty({total_seg * kLanes}, opts.dtype(at::kInt));
-  at::Tensor counts = at::empty({total_seg}, opts.dtype(at::kLong));
-  encode_lanes<<<blocks, 32 * kEncodeWarps, 0, stream>>>(
-      reinterpret_cast<const PlaneDev*>(meta_dev.data_ptr<uint8_t>()), static_cast<int64_t>(devs.size()),
-      firsts_dev.data_ptr<int64_t>(), reinterpret_cast<const EncodeEntry*>(meta_dev.data_ptr<uint8_t>() + plane_bytes),
-      reinterpret_cast<uint16_t*>(words.data_ptr()), reinterpret_cast<uint32_t*>(states.data_ptr()),
-      counts.data_ptr<int64_t>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  const at::Tensor counts_host = counts.cpu();                          // waits for the encode
+  at::Tensor meta = at::empty({up.plane_bytes + entry_bytes}, at::kByte);
+  memcpy(meta.data_ptr<uint8_t>(), devs.data(), up.plane_bytes);
+  memcpy(meta.data_ptr<uint8_t>() + up.plane_bytes, entries.data(), entry_bytes);
+  up.meta = meta.to(like.device());
+  up.firsts = to_device(firsts, like);
+  return up;
+}
+
+// Each plane's stream, its head (directory and tables) copied in, and where each segment goes
+// (rows of address, size for scatter_segments).
+static std::vector<at::Tensor> lay_out_streams(const std::vector<PlaneJob>& jobs, const at::Tensor& counts_host,
+                                               const at::Tensor& like, std::vector<int64_t>& where) {
   std::vector<at::Tensor> out;
-  std::vector<int64_t> where(2 * total_seg);
   for (const PlaneJob& p : jobs) {
     const StreamLayout lay = stream_layout(p, counts_host.data_ptr<int64_t>() + p.first_seg);
-    at::Tensor stream_out = at::empty({lay.seg_off[p.n_seg]}, opts);
+    at::Tensor stream_out = at::empty({lay.seg_off[p.n_seg]}, like.options());
     stream_out.narrow(0, 0, lay.seg_off[0]).copy_(at::from_blob(const_cast<uint8_t*>(lay.head.data()),
                                                                 {lay.seg_off[0]}, at::kByte));
     for (int64_t s = 0; s < p.n_seg; ++s) {
@@ -191,9 +188,32 @@ static std::vector<at::Tensor> encode_planes_cuda(at::TensorList data, at::IntAr
     }
     out.push_back(stream_out);
   }
+  return out;
+}
+
+static std::vector<at::Tensor> encode_planes_cuda(at::TensorList data, at::IntArrayRef dtypes, at::TensorList freqs,
+                                                  at::IntArrayRef ctx_bits, at::IntArrayRef groups) {
+  std::vector<PlaneJob> jobs = plane_jobs(data, dtypes, freqs, ctx_bits, groups);
+  if (jobs.empty()) return {};
+  const c10::cuda::CUDAGuard guard(data[0].device());
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  const Upload up = upload_planes(jobs, data[0]);
+  const auto opts = data[0].options();
+  at::Tensor words = at::empty({up.total_seg * kSlot}, opts.dtype(at::kShort));
+  at::Tensor states = at::empty({up.total_seg * kLanes}, opts.dtype(at::kInt));
+  at::Tensor counts = at::empty({up.total_seg}, opts.dtype(at::kLong));
+  const uint8_t* meta = up.meta.data_ptr<uint8_t>();
+  encode_lanes<<<up.blocks, 32 * kEncodeWarps, 0, stream>>>(
+      reinterpret_cast<const PlaneDev*>(meta), static_cast<int64_t>(jobs.size()), up.firsts.data_ptr<int64_t>(),
+      reinterpret_cast<const EncodeEntry*>(meta + up.plane_bytes), reinterpret_cast<uint16_t*>(words.data_ptr()),
+      reinterpret_cast<uint32_t*>(states.data_ptr()), counts.data_ptr<int64_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const at::Tensor counts_host = counts.cpu();                          // waits for the encode
+  std::vector<int64_t> where(2 * up.total_seg);
+  std::vector<at::Tensor> out = lay_out_streams(jobs, counts_host, data[0], where);
   const at::Tensor where_dev = to_device(where, data[0]);
-  scatter_segments<<<total_seg, 256, 0, stream>>>(where_dev.data_ptr<int64_t>(), reinterpret_cast<uint32_t*>(states.data_ptr()),
-                                                  reinterpret_cast<uint16_t*>(words.data_ptr()), counts.data_ptr<int64_t>());
+  scatter_segments<<<up.total_seg, 256, 0, stream>>>(where_dev.data_ptr<int64_t>(), reinterpret_cast<uint32_t*>(states.data_ptr()),
+                                                     reinterpret_cast<uint16_t*>(words.data_ptr()), counts.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }
