@@ -24,6 +24,7 @@ SEGMENT_SYMBOLS = LANES * SEGMENT_STEPS
 SEGMENT_ALIGN = 16                  # segments start 16-byte aligned inside their stream
 STATE_BYTES = 4 * LANES             # a segment begins with its 32 little-endian u32 states
 TABLE_BITMAP_BYTES = 32             # a table begins with a 256-bit presence bitmap
+LOG2_FRAC_BITS = 24                 # encoder costs: bits in fixed point (tables.LOG2); not format
 
 # ---- lossless float codec --------------------------------------------------------------------
 MAX_CTX_BITS = 2                    # the exponent is coded with one table per value of the top
