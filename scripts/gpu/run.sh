@@ -12,7 +12,7 @@
 #   sanitize-encode  compute-sanitizer over the encoder ops' samples and edge planes
 #   encode-bench bench/encode_speed.py: encode throughput, GPU and C++ (1 and all threads)
 #   encode-7b    bench/seven_b_encode.py: a 7B-shaped model, safetensors to archive, time and peak RSS
-#   tests        tests/gpu: every kernel against the C++ twin and the NumPy reference
+#   tests        tests/gpu: every kernel against the C++ twin and the NumPy reference (GPU_TESTS: other paths)
 #   sanitize     compute-sanitizer memcheck over sample decodes (float and quantized kernels) and the
 #                fixed-rate ops (transcoder, decode, fused linear)
 #   sanitize-lies  compute-sanitizer over mutated archives through the CUDA decoder (SANITIZE_MUTATIONS)
@@ -60,7 +60,7 @@ for s in ${STAGES:-build tests}; do
                     --gpu-layers 8 > "$OUT/encode_speed.log" 2>&1; tail -12 "$OUT/encode_speed.log" ;;
     encode-7b) stage encode-7b timeout "$(left 150)" python3 bench/seven_b_encode.py /tmp/seven_b $ONLY --device cuda \
                  > "$OUT/seven_b.log" 2>&1; tail -5 "$OUT/seven_b.log" ;;
-    tests) pytest_stage tests gpu_tests.log 240 tests/gpu ;;
+    tests) pytest_stage tests gpu_tests.log 240 ${GPU_TESTS:-tests/gpu} ;;
     sanitize)
       stage sanitize-float timeout "$(left 150)" compute-sanitizer --tool memcheck --error-exitcode 1 \
         python3 scripts/gpu/sanitize_sample.py > "$OUT/sanitizer.log" 2>&1
