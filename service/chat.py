@@ -39,7 +39,7 @@ async def start(req: ChatRequest, registry: ModelRegistry, settings: Settings) -
     finally:
         lease.release()
     return await inference.start(registry, settings, lease.slot.name, prompt, params, stream=req.stream,
-                                 special=False)
+                                 special=False, fields=("messages", "max_tokens"))
 
 
 def completion(started: inference.Started, fin: Finished, req: ChatRequest) -> ChatCompletion:

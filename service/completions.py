@@ -23,7 +23,8 @@ async def start(req: CompletionRequest, registry: ModelRegistry, settings: Setti
     model, started = openai_api.model_of(req, registry), []
     try:
         for prompt in req.prompts():
-            started.append(await inference.start(registry, settings, model, prompt, params, stream=req.stream))
+            started.append(await inference.start(registry, settings, model, prompt, params, stream=req.stream,
+                                                 fields=("prompt", "max_tokens")))
     except BaseException:
         cancel(started)
         raise

@@ -170,8 +170,9 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
     errors = exc.errors()
     parts = [f"{_where(e.get('loc', ()))}: {e.get('msg')}" if _where(e.get("loc", ())) else str(e.get("msg"))
              for e in errors]
-    param = _where(errors[0].get("loc", ())) if errors else ""
-    return _respond(request, ValidationFailed("; ".join(parts) or "invalid request", param=param or None))
+    fields = [p for p in (errors[0].get("loc", ()) if errors else ()) if p != "body"]
+    param = str(fields[0]) if fields else None            # the request's field (OpenAI's `param`)
+    return _respond(request, ValidationFailed("; ".join(parts) or "invalid request", param=param))
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -4,10 +4,10 @@ the text cut before the first stop sequence (OpenAI leaves the stop out; TGI kee
 pieces of a response (finish reason, usage, SSE end)."""
 from __future__ import annotations
 
-from .errors import ModelNotFound, UnsupportedParameter, ValidationFailed
+from .errors import ModelNotFound, UnsupportedParameter
 from .generation import Finished, SamplingParams
 from .registry import ModelRegistry
-from .schemas.openai import MAX_STOP, OpenAIRequest, Usage
+from .schemas.openai import OpenAIRequest, Usage
 from .settings import Settings
 
 TGI_ALIAS = "tgi"          # what OpenAI clients of TGI send: the default model
@@ -26,8 +26,6 @@ def sampling(req: OpenAIRequest, settings: Settings, max_tokens: int | None) -> 
     if bad := req.unsupported():
         raise UnsupportedParameter(*next(iter(bad.items())))
     stops = req.stops()
-    if len(stops) > MAX_STOP:
-        raise ValidationFailed(f"`stop` takes at most {MAX_STOP} sequences", param="stop")
     temperature = req.temperature or None                      # 0 means greedy
     return SamplingParams(max_tokens or settings.default_max_new_tokens, temperature, req.top_p, None,
                           temperature is not None, req.seed, None, tuple(s for s in stops if s))

@@ -8,11 +8,12 @@ from pydantic import BaseModel, Field
 from .openai import OpenAIRequest, Usage
 
 MAX_PROMPTS = 32
+Prompts = Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
 
 
 class CompletionRequest(OpenAIRequest):
-    prompt: str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] = Field(description=f"A prompt, or up to {MAX_PROMPTS} (one choice each, batched "
-                                                "together).", examples=["The capital of France is"])
+    prompt: str | Prompts = Field(description=f"A prompt, or up to {MAX_PROMPTS} (one choice each, batched "
+                                              "together).", examples=["The capital of France is"])
     echo: bool = Field(False, description="Put the prompt before the completion.")
     logprobs: int | None = Field(None, ge=0, le=5, description="0: each generated token's log-probability; "
                                                                "top alternatives (1-5) are not supported.")

@@ -3,12 +3,14 @@ server cannot honour are declared, so that a value other than their neutral one 
 400 naming the field, never ignored), usage, and the model list of /v1/models."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
+from .tgi import MAX_SEED
+
 MAX_STOP = 4
-MAX_SEED = 2**64 - 1                           # torch.Generator.manual_seed's range
+Stops = Annotated[list[str], Field(max_length=MAX_STOP)]
 
 
 class StreamOptions(BaseModel):
@@ -23,8 +25,8 @@ class OpenAIRequest(BaseModel):
     temperature: float | None = Field(None, ge=0, le=2, description="0 or none: greedy.")
     top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    stop: str | list[str] | None = Field(None, description=f"Up to {MAX_STOP} sequences; the text ends before "
-                                                           "the first one generated.")
+    stop: str | Stops | None = Field(None, description=f"Up to {MAX_STOP} sequences; the text ends before the "
+                                                       "first one generated.")
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int | None = Field(None, ge=1, description="Only 1.")

@@ -1,4 +1,5 @@
-"""Every error path, in TGI's error shape {error, error_type}: 422, 404, 503 + Retry-After, 429,
+"""Every error path, in TGI's error shape {error, error_type} (the OpenAI routes' shape:
+test_openai.py): 422, 404, 503 + Retry-After, 429 + Retry-After,
 424, 507 (budget and out-of-memory), 401/403 with the admin token, 500 for a corrupt archive,
 and model names that try to leave the store."""
 from __future__ import annotations
@@ -37,6 +38,7 @@ BAD_BODIES = [
     {"inputs": "hi", "parameters": {"typical_p": 0.5}},
     {"inputs": "hi", "parameters": {"max_new_tokens": 5000}},
     {"inputs": "hi", "parameters": {"truncate": 0}},
+    {"inputs": "hi", "parameters": {"do_sample": True, "seed": 2**64}},        # was a 500: beyond manual_seed
 ]
 
 
@@ -47,8 +49,10 @@ async def test_422_validation(serve, store) -> None:
             for route in ("/generate", "/generate_stream", "/"):
                 assert_error(await server.client.post(route, json=body), 422, "validation")
         chat = {"messages": [{"role": "user", "content": "hi"}]}
-        for bad in ({"messages": []}, {**chat, "max_tokens": 0}, {**chat, "stop": ["1", "2", "3", "4", "5"]}):
-            assert_error(await server.client.post("/v1/chat/completions", json=bad), 422, "validation")
+        for bad, param in (({"messages": []}, "messages"), ({**chat, "max_tokens": 0}, "max_tokens"),
+                           ({**chat, "stop": ["1", "2", "3", "4", "5"]}, "stop")):
+            r = await server.client.post("/v1/chat/completions", json=bad)            # OpenAI's shape and status
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
 async def test_422_not_json_and_several_ready_models(serve, store) -> None:
@@ -121,6 +125,7 @@ async def test_429_when_the_queue_is_full(serve, store, monkeypatch) -> None:
             await post("rejected")
             release.set()
         assert_error(results["rejected"], 429, "overloaded")
+        assert results["rejected"].headers["retry-after"] == "1"
         assert results["running"].status_code == results["queued"].status_code == 200
         assert await server.metric("wcodec_generate_requests_total", model=DEMO, status="overloaded") == 1
 
