@@ -56,10 +56,10 @@ class TokenLog:
     """logprobs=0: the generated tokens (special ones left out) whose first character is in the
     returned text, each with its log-probability and offset; `take` hands out those not yet given."""
 
-    def __init__(self, base: int):
+    def __init__(self):
         self.events: list[TokenEvent] = []
         self.offsets: list[int] = []
-        self.end, self.given = base, 0
+        self.end, self.given = 0, 0
 
     def add(self, e: TokenEvent) -> None:
         self.events.append(e)
@@ -79,7 +79,7 @@ def _choice(index: int, s: inference.Started, fin: Finished, req: CompletionRequ
     text = (s.prompt if req.echo else "") + openai_api.cut(fin.generated_text, req.stops())
     logprobs = None
     if req.logprobs is not None:
-        log = TokenLog(0)
+        log = TokenLog()
         for e in fin.tokens:
             if not e.special:
                 log.add(e)
@@ -119,7 +119,7 @@ async def _prompt_chunks(index: int, s: inference.Started, first: TokenEvent | F
     """One prompt's chunks: the prompt (echo), the text as it comes (held back at a possible stop
     sequence), then the rest with the finish reason; `fins` gets its result."""
     stop, sent = openai_api.StopCut(req.stops()), 0
-    log = TokenLog(0) if req.logprobs is not None else None
+    log = TokenLog() if req.logprobs is not None else None
     if req.echo:
         yield CompletionChoice(text=s.prompt, index=index, finish_reason=None)
     async for item in inference.events(s, first):

@@ -166,12 +166,17 @@ def _where(loc) -> str:
     return ".".join(str(p) for p in loc if p != "body")
 
 
+def _field(loc) -> str | None:
+    """The request body's field an error is about (OpenAI's `param`); None for the body as a whole."""
+    fields = [p for p in loc if p != "body"]
+    return fields[0] if fields and isinstance(fields[0], str) else None
+
+
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
-    parts = [f"{_where(e.get('loc', ()))}: {e.get('msg')}" if _where(e.get("loc", ())) else str(e.get("msg"))
-             for e in errors]
-    fields = [p for p in (errors[0].get("loc", ()) if errors else ()) if p != "body"]
-    param = str(fields[0]) if fields else None            # the request's field (OpenAI's `param`)
+    wheres = [_where(e.get("loc", ())) for e in errors]
+    parts = [f"{w}: {e.get('msg')}" if w else str(e.get("msg")) for w, e in zip(wheres, errors)]
+    param = _field(errors[0].get("loc", ())) if errors else None
     return _respond(request, ValidationFailed("; ".join(parts) or "invalid request", param=param))
 
 

@@ -10,14 +10,14 @@ import threading
 
 import anyio
 import httpx
+import httpx2
+import openai
 import pytest
 from service_helpers import DEMO
 
 from service.engine import batcher
 from service.registry import ModelState
 
-openai = pytest.importorskip("openai")
-httpx2 = pytest.importorskip("httpx2")
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPT = "The capital of France is"
 
