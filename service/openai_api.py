@@ -10,12 +10,13 @@ from .registry import ModelRegistry
 from .schemas.openai import OpenAIRequest, Usage
 from .settings import Settings
 
-TGI_ALIAS = "tgi"          # what OpenAI clients of TGI send: the default model
+# what TGI's clients send for a server that ignores `model` (huggingface_hub: "dummy", older "tgi")
+PLACEHOLDERS = ("tgi", "dummy")
 
 
 def model_of(req: OpenAIRequest, registry: ModelRegistry) -> str | None:
-    """The store's model the request names; None (the default model) for none or 'tgi'; else 404."""
-    if not req.model or req.model == TGI_ALIAS:
+    """The store's model the request names; None (the default model) for none or a placeholder; else 404."""
+    if not req.model or req.model in PLACEHOLDERS:
         return None
     if not registry.has(req.model):
         raise ModelNotFound(f"the model {req.model!r} does not exist (GET /v1/models lists them)", param="model")

@@ -18,8 +18,9 @@ class StreamOptions(BaseModel):
 
 
 class OpenAIRequest(BaseModel):
-    model: str | None = Field(None, description="A model of the store (see /v1/models); 'tgi' or none: the "
-                                                "default model (WCODEC_DEFAULT_MODEL, else the only ready one).")
+    model: str | None = Field(None, description="A model of the store (see /v1/models); none, 'tgi' or 'dummy' "
+                                                "(TGI clients' placeholders): the default model "
+                                                "(WCODEC_DEFAULT_MODEL, else the only ready one).")
     max_tokens: int | None = Field(None, ge=1, description="New tokens at most (default: "
                                                            "WCODEC_DEFAULT_MAX_NEW_TOKENS).")
     temperature: float | None = Field(None, ge=0, le=2, description="0 or none: greedy.")
