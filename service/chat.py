@@ -11,7 +11,7 @@ import codec
 
 from . import inference, openai_api
 from .errors import ServiceError, ValidationFailed, openai_error_event
-from .generation import Finished, TokenEvent
+from .engine.sampling import Finished, TokenEvent
 from .registry import ModelRegistry
 from .schemas.chat import (
     ChatChoice,
@@ -33,12 +33,12 @@ async def start(req: ChatRequest, registry: ModelRegistry, settings: Settings) -
     try:
         tokenizer = lease.served.tokenizer
         if not getattr(tokenizer, "chat_template", None):
-            raise ValidationFailed(f"model {lease.slot.name!r} has no chat template", param="messages")
+            raise ValidationFailed(f"model {lease.entry.name!r} has no chat template", param="messages")
         prompt = tokenizer.apply_chat_template([m.for_template() for m in req.messages], tokenize=False,
                                                add_generation_prompt=True)
     finally:
         lease.release()
-    return await inference.start(registry, settings, lease.slot.name, prompt, params, stream=req.stream,
+    return await inference.start(registry, settings, lease.entry.name, prompt, params, stream=req.stream,
                                  special=False, fields=("messages", "max_tokens"))
 
 

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from . import inference, openai_api
 from .chat import FINGERPRINT
 from .errors import ServiceError, openai_error_event
-from .generation import Finished, TokenEvent
+from .engine.sampling import Finished, TokenEvent
 from .registry import ModelRegistry
 from .schemas.completions import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
 from .settings import Settings

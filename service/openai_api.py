@@ -5,7 +5,7 @@ pieces of a response (finish reason, usage, SSE end)."""
 from __future__ import annotations
 
 from .errors import ModelNotFound, UnsupportedParameter
-from .generation import Finished, SamplingParams
+from .engine.sampling import Finished, SamplingParams
 from .registry import ModelRegistry
 from .schemas.openai import OpenAIRequest, Usage
 from .settings import Settings

@@ -5,14 +5,14 @@ from fastapi import APIRouter
 
 from ..deps import RegistryDep
 from ..errors import ModelNotFound, openai_responses
-from ..registry import Slot
+from ..registry import ModelEntry
 from ..schemas.openai import ModelCard, ModelCardList
 
 router = APIRouter(prefix="/v1/models", tags=["openai"])
 
 
-def card(slot: Slot) -> ModelCard:
-    return ModelCard(id=slot.name, created=slot.file.mtime_ns // 10**9, state=slot.state.value)
+def card(entry: ModelEntry) -> ModelCard:
+    return ModelCard(id=entry.name, created=entry.file.mtime_ns // 10**9, state=entry.state.value)
 
 
 @router.get("", summary="Every model of the store (OpenAI style)")

@@ -18,7 +18,7 @@ import uvicorn
 from service_helpers import DEMO, Server
 
 from service.app import create_app
-from service.demo import build_demo, demo_source
+from service.load.demo import build_demo, demo_source
 from service.settings import Settings
 
 
