@@ -4,8 +4,11 @@ OpenAI routes (/v1/*) answer a validation error with 400 (service/errors.py): Fa
 is taken off them."""
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+from fastapi.responses import StreamingResponse
 from pydantic.json_schema import models_json_schema
 
 from .errors import is_openai
@@ -19,6 +22,12 @@ REF = "#/components/schemas/{model}"
 def sse_content(model: type) -> dict:
     """`responses=` content of a route that streams `model` events."""
     return {"text/event-stream": {"schema": {"$ref": REF.format(model=model.__name__)}}}
+
+
+def sse_response(events: AsyncIterator[bytes]) -> StreamingResponse:
+    """A stream route's answer: its events as they come (no proxy buffering)."""
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 def install(app: FastAPI) -> None:

@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 from fastapi import APIRouter
-from fastapi.responses import StreamingResponse
 
 from .. import chat, inference
 from ..deps import RegistryDep, SettingsDep
 from ..errors import openai_responses
-from ..openapi import sse_content
+from ..openapi import sse_content, sse_response
 from ..schemas.chat import ChatCompletion, ChatCompletionChunk, ChatRequest
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -22,5 +21,4 @@ async def chat_completions(req: ChatRequest, registry: RegistryDep, settings: Se
     if not req.stream:
         return chat.completion(started, await inference.finish(started), req)
     first = await inference.first_event(started)
-    return StreamingResponse(chat.chunks(started, first, req), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return sse_response(chat.chunks(started, first, req))

@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 from fastapi import APIRouter
-from fastapi.responses import StreamingResponse
 
 from .. import completions
 from ..deps import RegistryDep, SettingsDep
 from ..errors import openai_responses
-from ..openapi import sse_content
+from ..openapi import sse_content, sse_response
 from ..schemas.completions import Completion, CompletionRequest
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -22,5 +21,4 @@ async def create_completion(req: CompletionRequest, registry: RegistryDep, setti
     if not req.stream:
         return completions.completion(started, await completions.finish(started), req)
     firsts = await completions.first_events(started)
-    return StreamingResponse(completions.chunks(started, firsts, req), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return sse_response(completions.chunks(started, firsts, req))

@@ -5,7 +5,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from .openai import OpenAIRequest, Usage
+from .openai import OpenAIRequest, OpenAIResponse, Usage
 
 
 class TextPart(BaseModel):
@@ -66,12 +66,8 @@ class ChatChoice(BaseModel):
     logprobs: None = None
 
 
-class ChatCompletion(BaseModel):
-    id: str
+class ChatCompletion(OpenAIResponse):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    system_fingerprint: str
     choices: list[ChatChoice]
     usage: Usage
 
@@ -88,11 +84,7 @@ class ChatChunkChoice(BaseModel):
     logprobs: None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(OpenAIResponse):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    system_fingerprint: str
     choices: list[ChatChunkChoice] = Field(description="empty in the usage chunk")
     usage: Usage | None = Field(None, description="only in the last chunk, with stream_options.include_usage")

@@ -5,7 +5,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
-from .openai import OpenAIRequest, Usage
+from .openai import OpenAIRequest, OpenAIResponse, Usage
 
 MAX_PROMPTS = 32
 Prompts = Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
@@ -47,12 +47,8 @@ class CompletionChoice(BaseModel):
     finish_reason: Literal["stop", "length"] | None = Field(description="None until a stream's last chunk")
 
 
-class Completion(BaseModel):
-    id: str
+class Completion(OpenAIResponse):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    system_fingerprint: str
     choices: list[CompletionChoice] = Field(description="one per prompt (empty in a stream's usage chunk)")
     usage: Usage | None = Field(None, description="always on a response; in a stream, only in the last chunk, "
                                                   "with stream_options.include_usage")

@@ -47,6 +47,14 @@ class OpenAIRequest(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
+class OpenAIResponse(BaseModel):
+    """What every completion and chunk starts with."""
+    id: str
+    created: int
+    model: str
+    system_fingerprint: str
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int

@@ -6,14 +6,12 @@ the error classes that need a held engine or a loading model run in-process."""
 from __future__ import annotations
 
 import json
-import threading
 
-import anyio
 import httpx
 import httpx2
 import openai
 import pytest
-from service_helpers import DEMO
+from service_helpers import DEMO, QUEUE_OF_ONE, when_queue_full
 
 from service.engine import batcher
 from service.registry import ModelState
@@ -196,30 +194,17 @@ async def test_503_while_the_model_loads_and_500_when_generation_fails(serve, st
 
 @pytest.mark.anyio
 async def test_429_with_retry_after_when_the_queue_is_full(serve, store, monkeypatch) -> None:
-    entered, release = threading.Event(), threading.Event()
-    real = batcher.forward_all
-
-    def held(*args, **kwargs):                                  # the first request's prefill waits
-        entered.set()
-        release.wait(30)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(batcher, "forward_all", held)
-    async with serve(store(), preload=[DEMO], max_queue=1, max_batch_size=1, batch_wait_ms=0) as server:
+    async with serve(store(), preload=[DEMO], **QUEUE_OF_ONE) as server:
         await server.wait_state(DEMO, ModelState.READY)
         client = _async_client(server)
 
-        async def complete() -> None:
-            await client.completions.create(model=DEMO, prompt=PROMPT, max_tokens=2)
+        async def complete():
+            return await client.completions.create(model=DEMO, prompt=PROMPT, max_tokens=2)
 
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(complete)
-            await anyio.to_thread.run_sync(entered.wait, 30)     # the worker holds the first
-            tg.start_soon(complete)
-            with anyio.fail_after(10):
-                while server.registry.get(DEMO).in_flight < 2:
-                    await anyio.sleep(0.01)
+        async def refused():
             with pytest.raises(openai.RateLimitError) as e:
                 await complete()
-            release.set()
-        assert e.value.response.headers["retry-after"] == "1" and e.value.body["code"] == "queue_full"
+            return e.value
+
+        error = await when_queue_full(server, monkeypatch, complete, refused)
+        assert error.response.headers["retry-after"] == "1" and error.body["code"] == "queue_full"
