@@ -7,11 +7,9 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-import codec
-
 from . import inference, openai_api
-from .errors import ServiceError, ValidationFailed, openai_error_event
 from .engine.sampling import Finished, TokenEvent
+from .errors import ServiceError, ValidationFailed, openai_error_event
 from .registry import ModelRegistry
 from .schemas.chat import (
     ChatChoice,
@@ -23,9 +21,6 @@ from .schemas.chat import (
     ChatRequest,
 )
 from .settings import Settings
-
-FINGERPRINT = f"wcodec-{codec.__version__}"
-
 
 async def start(req: ChatRequest, registry: ModelRegistry, settings: Settings) -> inference.Started:
     params = openai_api.sampling(req, settings, req.new_tokens())
@@ -46,7 +41,7 @@ def completion(started: inference.Started, fin: Finished, req: ChatRequest) -> C
     text = openai_api.cut(fin.generated_text, req.stops())
     choice = ChatChoice(index=0, message=ChatMessage(content=text), finish_reason=openai_api.finish_reason(fin))
     return ChatCompletion(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=started.model,
-                          system_fingerprint=FINGERPRINT, choices=[choice], usage=openai_api.usage([fin]))
+                          system_fingerprint=openai_api.FINGERPRINT, choices=[choice], usage=openai_api.usage([fin]))
 
 
 async def chunks(started: inference.Started, first: TokenEvent | Finished, req: ChatRequest) -> AsyncIterator[bytes]:
@@ -58,7 +53,7 @@ async def chunks(started: inference.Started, first: TokenEvent | Finished, req: 
         choices = [] if content is None else [ChatChunkChoice(index=0, delta=ChatDelta(content=content),
                                                               finish_reason=reason)]
         return inference.sse(ChatCompletionChunk(id=cid, created=created, model=started.model,
-                                                 system_fingerprint=FINGERPRINT, choices=choices,
+                                                 system_fingerprint=openai_api.FINGERPRINT, choices=choices,
                                                  usage=openai_api.usage([fin]) if fin else None))
     try:
         async for item in inference.events(started, first):

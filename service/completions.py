@@ -10,9 +10,8 @@ import uuid
 from collections.abc import AsyncIterator
 
 from . import inference, openai_api
-from .chat import FINGERPRINT
-from .errors import ServiceError, openai_error_event
 from .engine.sampling import Finished, TokenEvent
+from .errors import ServiceError, openai_error_event
 from .registry import ModelRegistry
 from .schemas.completions import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
 from .settings import Settings
@@ -89,7 +88,7 @@ def _choice(index: int, s: inference.Started, fin: Finished, req: CompletionRequ
 
 def completion(started: list[inference.Started], fins: list[Finished], req: CompletionRequest) -> Completion:
     return Completion(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=started[0].model,
-                      system_fingerprint=FINGERPRINT, usage=openai_api.usage(fins),
+                      system_fingerprint=openai_api.FINGERPRINT, usage=openai_api.usage(fins),
                       choices=[_choice(i, s, f, req) for i, (s, f) in enumerate(zip(started, fins))])
 
 
@@ -99,7 +98,7 @@ async def chunks(started: list[inference.Started], firsts: list[TokenEvent | Fin
 
     def chunk(choices: list[CompletionChoice], fin_list: list[Finished] | None = None) -> bytes:
         return inference.sse(Completion(id=cid, created=created, model=started[0].model, choices=choices,
-                                        system_fingerprint=FINGERPRINT,
+                                        system_fingerprint=openai_api.FINGERPRINT,
                                         usage=openai_api.usage(fin_list) if fin_list else None))
     try:
         for index, (s, first) in enumerate(zip(started, firsts)):

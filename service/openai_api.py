@@ -1,15 +1,18 @@
 """What OpenAI's chat and completions routes share on top of inference.py: the model a request
 names, its sampling parameters (a field this server cannot honour is refused, never ignored),
 the text cut before the first stop sequence (OpenAI leaves the stop out; TGI keeps it), and the
-pieces of a response (finish reason, usage, SSE end)."""
+pieces of a response (finish reason, usage)."""
 from __future__ import annotations
 
-from .errors import ModelNotFound, UnsupportedParameter
+import codec
+
 from .engine.sampling import Finished, SamplingParams
+from .errors import ModelNotFound, UnsupportedParameter
 from .registry import ModelRegistry
 from .schemas.openai import OpenAIRequest, Usage
 from .settings import Settings
 
+FINGERPRINT = f"wcodec-{codec.__version__}"          # every response's system_fingerprint
 # what TGI's clients send for a server that ignores `model` (huggingface_hub: "dummy", older "tgi")
 PLACEHOLDERS = ("tgi", "dummy")
 
