@@ -50,22 +50,26 @@ def reader_accepts(path: Path) -> bool:
         return False
 
 
-def kill_compress(src: Path, dst: Path, after_s: float) -> dict:
-    """Run `wcodec compress src dst`, kill -9 its whole process group after `after_s` seconds;
-    which files it left, which a reader opens, and which of those are not the complete archive."""
+def kill_compress(src: Path, dst: Path, at_bytes: int | None) -> dict:
+    """Run `wcodec compress src dst`; kill -9 its whole process group once DST.tmp holds `at_bytes`
+    bytes (None: let it finish). Which files it left, which a reader opens, and which of those are
+    not the complete archive. Progress, not a clock, picks the moment: the encoder's speed varies
+    by machine, the bytes on disk do not."""
     proc = subprocess.Popen([sys.executable, "-m", "wcodec", "compress", str(src), str(dst), "--workers", "2"],
                             cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        proc.wait(after_s)
-        finished = True
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(30)
-        finished = False
+    tmp = dst.with_name(dst.name + ".tmp")
+    deadline = time.monotonic() + 240
+    while proc.poll() is None and at_bytes is not None and time.monotonic() < deadline:
+        if tmp.exists() and tmp.stat().st_size >= at_bytes:
+            os.killpg(proc.pid, signal.SIGKILL)
+            break
+        time.sleep(0.001)
+    proc.wait(None if at_bytes is None else 30)
     left = sorted(p for p in dst.parent.iterdir() if p.name.startswith(dst.name))
     accepted = [p for p in left if reader_accepts(p)]
-    return {"finished": finished, "left": [p.name for p in left], "accepted": [p.name for p in accepted],
+    return {"killed": proc.returncode == -signal.SIGKILL, "exit": proc.returncode, "left": [p.name for p in left],
+            "accepted": [p.name for p in accepted],
             "accepted_partial": [p.name for p in accepted if p != dst or not complete(p)]}
 
 
