@@ -9,7 +9,7 @@ from setuptools import setup
 CSRC = os.path.join("cuda_ext", "csrc")
 CXX = ["-O3", "-fopenmp", "-ffp-contract=off", "-DWCODEC_PYTHON_MODULE"]   # no FMA: gguf_blocks.h
 NVCC = ["-O3", "--use_fast_math", "-lineinfo"]
-DEFAULT_ARCH_LIST = "8.0;8.6;8.9;9.0;12.0"          # sources and arch list: as cuda_ext/build.py
+DEFAULT_ARCH_LIST = "8.0;8.6;8.9;9.0;10.0;12.0"     # sources and arch list: as cuda_ext/build.py
 
 
 def extensions():
