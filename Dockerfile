@@ -59,8 +59,8 @@ RUN --mount=type=secret,id=ca \
     pip-install ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"} \
         "setuptools==80.9.0" "wheel==0.45.1" "torch==${TORCH_VERSION}" \
     && python3 -c "import torch; assert torch.version.cuda, torch.__version__"
-# word splitting of CUDA_WHEELS is wanted: one argument a wheel
-# hadolint ignore=SC2086
+# word splitting of CUDA_WHEELS is wanted: one argument a wheel; SHELL (bash, pipefail) comes from build-base
+# hadolint ignore=SC2086,DL4006
 RUN --mount=type=secret,id=ca \
     pip-install --target /opt/cuda-wheels $CUDA_WHEELS \
     && ln -s /opt/cuda-wheels/nvidia/cu13 /opt/cuda \
@@ -69,7 +69,7 @@ RUN --mount=type=secret,id=ca \
     && mkdir -p /opt/cuda/targets/x86_64-linux \
     && ln -s ../../include /opt/cuda/targets/x86_64-linux/include \
     && ln -s ../../lib /opt/cuda/targets/x86_64-linux/lib \
-    && nvcc --version
+    && nvcc --version | tail -n 2
 
 
 # hadolint ignore=DL3006
@@ -89,7 +89,6 @@ RUN --mount=type=secret,id=ca \
 # every architecture of TORCH_CUDA_ARCH_LIST (setup.py would quietly build the C++ twin alone
 # without nvcc): cuobjdump checks.
 FROM deps AS ext
-SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 ARG TORCH_VARIANT
 # keep in sync with setup.py and cuda_ext/build.py: A100, RTX 30xx, RTX 40xx/L4, Hopper, B200, RTX 5090
 ARG TORCH_CUDA_ARCH_LIST="8.0;8.6;8.9;9.0;10.0;12.0"
@@ -97,7 +96,9 @@ ARG MAX_JOBS=2
 WORKDIR /src
 COPY pyproject.toml setup.py ./
 COPY cuda_ext cuda_ext
-# README.md: pyproject.toml names it; an empty one does for building the extension alone
+# README.md: pyproject.toml names it; an empty one does for building the extension alone.
+# SHELL (bash, pipefail) comes from build-base.
+# hadolint ignore=DL4006
 RUN touch README.md \
     && python3 setup.py -q build_ext --inplace \
     && mkdir -p /out && cp cuda_ext/_C*.so /out/ \

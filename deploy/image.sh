@@ -8,7 +8,8 @@
 # VARIANT=cpu|cuda (default cpu), ENGINE=docker|podman (default: docker when its daemon answers,
 # else podman), BASE_IMAGE (default: localhost/wcodec-base:12, made by deploy/base/make-base.sh,
 # where podman and debootstrap are here; else the Dockerfile's debian:bookworm-slim), CA_BUNDLE
-# (the CA bundle pip trusts during the build: a build secret, in no layer), PORT (8000).
+# (the CA bundle pip trusts during the build: a build secret, in no layer), PORT (the smoke's
+# host port, 18080).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEPLOY=deploy
@@ -16,7 +17,7 @@ VARIANT=${VARIANT:-cpu}
 TORCH_VERSION=$(sed -n 's/.*pip_install torch==\([0-9.]*\) .*/\1/p' scripts/setup.sh)
 VERSION=$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 IMAGE=${IMAGE:-wcodec:${VERSION}-${VARIANT}}
-PORT=${PORT:-8000}
+PORT=${PORT:-18080}
 LOGS=${LOGS:-/tmp/wcodec-image}
 mkdir -p "$LOGS"
 say() { printf '%s\n' "image: $*"; }
@@ -72,8 +73,9 @@ build() {
   fi
   BUILD_S=$((SECONDS - start))
   local steps hits
-  steps=$(grep -cE '^STEP [0-9]+/[0-9]+|^#[0-9]+ \[' "$log" || true)
-  hits=$(grep -cE '^--> Using cache|CACHED' "$log" || true)
+  # buildah: "[stage] STEP n/m: ..." then "--> Using cache <id>" when cached; BuildKit: "#n CACHED"
+  steps=$(grep -E '^(\[[0-9]+/[0-9]+\] )?STEP [0-9]+/[0-9]+: ' "$log" | grep -v ': FROM ' | sort -u | wc -l)
+  hits=$(grep -cE '^--> Using cache|^#[0-9]+ CACHED' "$log" || true)
   say "built $IMAGE in ${BUILD_S} s ($hits of $steps steps from the cache; log: $log)"
   say "size of $IMAGE: $(image_size "$IMAGE")"
 }
@@ -162,8 +164,9 @@ smoke() {
   }
   trap cleanup EXIT
   # read-only root; the store and the caches are volumes, /tmp a tmpfs
+  # (podman without systemd logs that it cannot time the HEALTHCHECK; the smoke runs it below)
   "$ENGINE" run -d --name "$NAME" --read-only --tmpfs /tmp -v "${vols[0]}:/models" -v "${vols[1]}:/cache" \
-    -p "127.0.0.1:$PORT:8000" "$IMAGE" >/dev/null
+    -p "127.0.0.1:$PORT:8000" "$IMAGE" >"$LOGS/run.log" 2>&1 || { cat "$LOGS/run.log" >&2; die "run"; }
   say "started $NAME (read-only root, volumes /models and /cache, port $PORT)"
   wait_ready
   local answer
@@ -171,24 +174,36 @@ smoke() {
     -d '{"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 20}')
   say "chat: $answer"
   grep -q Paris <<<"$answer" || die "the answer names no Paris"
-  local families
-  families=$(http /metrics | sed -n 's/^# TYPE \(wcodec_[a-z0-9_]*\) .*/\1/p')
-  [ -n "$families" ] || die "/metrics has no wcodec_ family"
-  say "/metrics: $(wc -l <<<"$families") wcodec_ families: $(tr '\n' ' ' <<<"$families" | cut -c1-200)..."
+  # every metric family the image's own service registers, on /metrics (counters as <name>_total)
+  local families expected missing
+  families=$(http /metrics | sed -n 's/^# TYPE \(wcodec_[a-z0-9_]*\) .*/\1/p' | grep -v '_created$' | sed 's/_total$//' | sort -u)
+  expected=$("$ENGINE" exec "$NAME" python3 -c \
+    'from service.metrics import Metrics; print("\n".join(sorted({f.name for f in Metrics().registry.collect()})))')
+  missing=$(comm -13 <(echo "$families") <(echo "$expected"))
+  [ -n "$families" ] && [ -z "$missing" ] || die "/metrics lacks: ${missing:-every wcodec_ family}"
+  say "/metrics: all $(wc -l <<<"$expected") wcodec_ families of service/metrics.py, e.g. $(head -n 4 <<<"$families" | tr '\n' ' ')"
   local uid; uid=$("$ENGINE" exec "$NAME" id -u)
   [ "$uid" != 0 ] || die "runs as root"
   ! "$ENGINE" exec "$NAME" touch /opt/wcodec/probe 2>/dev/null || die "the root file system is writable"
   say "runs as uid $uid; root file system read-only"
   if [ "$ENGINE" = podman ]; then
-    "$ENGINE" healthcheck run "$NAME" && say "HEALTHCHECK: healthy"
+    "$ENGINE" healthcheck run "$NAME" 2>/dev/null && say "HEALTHCHECK: healthy (podman healthcheck run)"
+  else
+    local health=starting start=$SECONDS
+    while [ "$health" != healthy ] && [ $((SECONDS - start)) -lt 90 ]; do
+      sleep 5; health=$("$ENGINE" inspect --format '{{.State.Health.Status}}' "$NAME")
+    done
+    [ "$health" = healthy ] || die "HEALTHCHECK: $health"
+    say "HEALTHCHECK: healthy"
   fi
-  "$ENGINE" stop -t 20 "$NAME" >/dev/null && say "stopped $NAME"
+  "$ENGINE" stop -t 20 "$NAME" >/dev/null 2>&1 && say "stopped $NAME"
   check_layers
   say "PASSED: $IMAGE, $(image_size "$IMAGE"), built in ${BUILD_S} s"
 }
 
-# Copies the build context to a scratch directory, changes one file under service/, rebuilds, and
-# shows which steps came from the cache: every one up to the project's own (COPY service onwards).
+# Copies the build context to a scratch directory, changes one file under service/, rebuilds as
+# <image>-rebuildcheck, and lists each step as cached or built: everything up to the project's own
+# steps (COPY service onwards) must come from the cache, the runtime's venv layer included.
 rebuild_check() {
   build
   local tmp; tmp=$(mktemp -d)
@@ -196,10 +211,19 @@ rebuild_check() {
   cp "$DEPLOY"/wheels/*.whl "$tmp/$DEPLOY/wheels/" 2>/dev/null || true
   printf '# rebuild-check %s\n' "$(date +%s)" >>"$tmp/service/__init__.py"
   LOGS=$LOGS/rebuild; mkdir -p "$LOGS"
+  local image=$IMAGE; IMAGE=$image-rebuildcheck
   build "$tmp"
-  grep -E '^STEP [0-9]+/[0-9]+|^--> Using cache|^--> [0-9a-f]{12}|^#[0-9]+ (\[|CACHED)' "$LOGS/build-$VARIANT.log" \
-    | sed -n '/^STEP/{N;s/\n/  /;p}' | cut -c1-160
-  rm -rf "$tmp"
+  # buildah prints a step, then "--> Using cache <id>" or "--> <id>" once done; a step that needs
+  # another stage (COPY --from) is answered after that stage's steps: a stack pairs them
+  awk '/^(\[[0-9]+\/[0-9]+\] )?STEP [0-9]+\/[0-9]+: / {
+         if ($0 ~ /: FROM / || $0 == last) next; last = $0; stack[++n] = substr($0, 1, 120); next }
+       /^--> Using cache/ { if (n) print "cached " stack[n--]; skip = 1; next }
+       /^--> [0-9a-f]+$/ { if (skip) { skip = 0; next } if (n) print "BUILT  " stack[n--] }' \
+    "$LOGS/build-$VARIANT.log" | tee "$LOGS/steps.txt"
+  "$ENGINE" rmi "$IMAGE" >/dev/null; rm -rf "$tmp"
+  ! grep -E '^BUILT .*(pip-install|build_ext|COPY --from=venv|COPY pyproject.toml /tmp)' "$LOGS/steps.txt" \
+    || die "a dependency layer was rebuilt"
+  say "rebuild after a change to service/: $(grep -c '^cached' "$LOGS/steps.txt") steps cached, $(grep -c '^BUILT' "$LOGS/steps.txt") built (the project's own); the venv layer reused"
 }
 
 case "${1:-}" in
