@@ -47,10 +47,23 @@ until [ "$(query 'up{job="wcodec"}' 2>/dev/null | value 2>/dev/null)" = 1 ]; do
   sleep 3
 done
 say "Prometheus: up{job=\"wcodec\"} == 1 after $((SECONDS - start)) s: $(query 'up{job="wcodec"}')"
+# one answered request, then its counter through Prometheus (the scrape interval is 15 s)
+until curl -fsS --max-time 5 "http://127.0.0.1:$WCODEC_HOST_PORT/health/ready" >/dev/null 2>&1; do
+  [ $((SECONDS - start)) -lt 600 ] || die "wcodec is not ready"
+  sleep 3
+done
+curl -fsS --max-time 120 "http://127.0.0.1:$WCODEC_HOST_PORT/v1/chat/completions" -H 'Content-Type: application/json' \
+  -d '{"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 20}' | grep -q Paris \
+  || die "the chat answer names no Paris"
+asked=$SECONDS
+until [ "$(query 'sum(wcodec_generate_requests_total{job="wcodec"})' 2>/dev/null | value 2>/dev/null)" = 1 ]; do
+  [ $((SECONDS - asked)) -lt 60 ] || die "Prometheus has no wcodec_generate_requests_total after a request"
+  sleep 3
+done
+say "Prometheus: after one chat request: $(query 'wcodec_generate_requests_total{job="wcodec"} > 0' \
+  | python3 -c 'import json, sys; r = json.load(sys.stdin)["data"]["result"][0]; print(r["metric"], r["value"])')"
 series=$(query 'count by (__name__) ({job="wcodec", __name__=~"wcodec_.+"})' \
   | python3 -c 'import json, sys; print(" ".join(sorted(r["metric"]["__name__"] for r in json.load(sys.stdin)["data"]["result"])))')
 [ -n "$series" ] || die "Prometheus holds no wcodec_ series"
 say "Prometheus: $(wc -w <<<"$series") wcodec_ metric names scraped, e.g. $(cut -d' ' -f1-6 <<<"$series")"
-say "one series: $(query 'topk(1, {job="wcodec", __name__=~"wcodec_.+"})' \
-  | python3 -c 'import json, sys; r = json.load(sys.stdin)["data"]["result"][0]; print(r["metric"], r["value"])')"
 say PASSED

@@ -157,15 +157,15 @@ smoke() {
   build
   [ "$VARIANT" = cuda ] && check_sass
   NAME=wcodec-smoke-$$
-  local vols=("$NAME-models" "$NAME-cache")
+  VOLS=("$NAME-models" "$NAME-cache")
   cleanup() {
     "$ENGINE" rm -f "$NAME" >/dev/null 2>&1 || true
-    "$ENGINE" volume rm -f "${vols[@]}" >/dev/null 2>&1 || true
+    "$ENGINE" volume rm -f "${VOLS[@]}" >/dev/null 2>&1 || true
   }
   trap cleanup EXIT
   # read-only root; the store and the caches are volumes, /tmp a tmpfs
   # (podman without systemd logs that it cannot time the HEALTHCHECK; the smoke runs it below)
-  "$ENGINE" run -d --name "$NAME" --read-only --tmpfs /tmp -v "${vols[0]}:/models" -v "${vols[1]}:/cache" \
+  "$ENGINE" run -d --name "$NAME" --read-only --tmpfs /tmp -v "${VOLS[0]}:/models" -v "${VOLS[1]}:/cache" \
     -p "127.0.0.1:$PORT:8000" "$IMAGE" >"$LOGS/run.log" 2>&1 || { cat "$LOGS/run.log" >&2; die "run"; }
   say "started $NAME (read-only root, volumes /models and /cache, port $PORT)"
   wait_ready

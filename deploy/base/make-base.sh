@@ -9,7 +9,7 @@
 # Then build with `--build-arg BASE_IMAGE=localhost/wcodec-base:12` (deploy/image.sh does that
 # when this image exists). A second run with the image present does nothing; FORCE=1 remakes it.
 set -euo pipefail
-IMAGE=${IMAGE:-localhost/wcodec-base:12}
+IMAGE=${BASE_IMAGE:-localhost/wcodec-base:12}
 SUITE=bookworm
 PACKAGES=python3,python3-venv,libgomp1,ca-certificates
 
