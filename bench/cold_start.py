@@ -58,9 +58,9 @@ def baseline(folder: str, device: str) -> None:
 
 def _hf_folder(archive: Path, folder: Path) -> None:
     """The archive's weights as model.safetensors, beside its embedded config and tokenizer files."""
-    import cuda_ext
+    import wcodec
     from safetensors.torch import save_file
-    model = cuda_ext.load(archive, "cpu")
+    model = wcodec.load(archive, "cpu")
     folder.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in model.state_dict.items()}, folder / "model.safetensors",
               metadata={"format": "pt"})
@@ -96,7 +96,7 @@ def prepare(args: argparse.Namespace, work: Path) -> Path:
     if args.make_7b:
         archive = _make_7b(work, Path(args.tokenizer))
     elif args.demo:
-        from service.demo import build_demo
+        from service.load.demo import build_demo
         archive = build_demo(work / "src", workers=os.cpu_count())
         _hf_folder(archive, work / "hf")
     else:

@@ -1,4 +1,4 @@
-"""Stream checksums on the GPU (service/devicecheck.py): crc32_spans over archive-like spans of a
+"""Stream checksums on the GPU (service/load/devicecheck.py): crc32_spans over archive-like spans of a
 device buffer, beside a device-to-device copy of the same bytes and the host's checksums (zlib
 CRC32 and XXH3-64 on one core), in one run.
 

@@ -19,10 +19,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from service import loader, modeling  # noqa: E402
-from service.engine import Batcher, compute  # noqa: E402
+from service.load import pipeline
+from service.model import build  # noqa: E402
+from service.engine import Batcher
+from service.model import cpu_dtype  # noqa: E402
 from service.engine.kv import PaddedKV  # noqa: E402
-from service.generation import Row, SamplingParams  # noqa: E402
+from service.engine.sampling import Row, SamplingParams  # noqa: E402
 
 TOPICS = ["the sea", "volcanoes", "a lighthouse keeper", "bread baking", "the moon", "honeybees"]
 TASKS = ["Write a short story about {}.", "Describe {} in detail.", "Explain to a child how {} works."]
@@ -35,14 +37,14 @@ def prompts():
         yield f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"
 
 
-def load(archive: Path) -> modeling.ServedModel:
+def load(archive: Path) -> build.ServedModel:
     """The demo model as the server computes it on this CPU (`auto`)."""
-    decoded = loader.decode_archive(archive, torch.device("cpu"))
-    served = modeling.finish("demo", modeling.prepare("demo", decoded.files), decoded, torch.device("cpu"))
-    return compute.for_cpu(served, "auto")
+    decoded = pipeline.decode_archive(archive, torch.device("cpu"))
+    served = build.finish("demo", build.prepare("demo", decoded.files), decoded.tensors, decoded.layers, torch.device("cpu"))
+    return cpu_dtype.for_cpu(served, "auto")
 
 
-def closed_loop(served: modeling.ServedModel, users: int, cache: type | None = None) -> Batcher:
+def closed_loop(served: build.ServedModel, users: int, cache: type | None = None) -> Batcher:
     """A batcher of `served` in the steady state of `users` closed-loop clients (`cache`: another
     KV cache class than the model's own)."""
     texts, params = prompts(), SamplingParams(max_new_tokens=48)

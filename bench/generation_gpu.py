@@ -1,7 +1,7 @@
 """Generation under load on a GPU: a Llama-2-7B-shaped model, tokens/s at 64 concurrent clients
 against 1 client, through the server and the project's load script (loadtests/run.py).
 
-    python bench/generation_gpu.py --tokenizer .gentok --out $OUT       (scripts/device_generation.sh)
+    python bench/generation_gpu.py --tokenizer .gentok --out $OUT       (scripts/gpu/run.sh (stage generation))
 
 The model: Llama-2-7B's shape (32 layers, 4096 hidden, 11008 MLP, 32 heads) with the demo's
 49152-token vocabulary, so the demo's tokenizer (carried in --tokenizer) serves it. Weights are

@@ -17,6 +17,7 @@ import time
 import torch
 
 import cuda_ext
+import wcodec
 from codec.decode import Archive, load
 from codec.encode import compress
 from codec.sources import open_source
@@ -73,7 +74,7 @@ def main() -> None:
         cuda_ext.available()
         for n in args.threads:
             torch.set_num_threads(n)
-            model, sec = timed(lambda: cuda_ext.load(dst, "cpu", verify=False), args.repeat)
+            model, sec = timed(lambda: wcodec.load(dst, "cpu", verify=False), args.repeat)
             check(model.state_dict, args.gguf)
             result[f"cpp_{n}thread_MBps"] = stats.raw_bytes / 1e6 / sec
     print(json.dumps(result, indent=1))

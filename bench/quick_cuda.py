@@ -1,4 +1,4 @@
-"""A quick timing of our decoder alone (no peers) for scripts/device_check.sh: one trained-like
+"""A quick timing of our decoder alone (no peers) for scripts/gpu/run.sh: one trained-like
 Llama-3-8B layer decoded from the resident form (per layer, per tensor) and in bulk. The full run,
 beside DFloat11 and nvCOMP, is fine_decode.py.
 

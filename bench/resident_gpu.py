@@ -4,7 +4,7 @@ the server (decoded load 507, compressed load 200 and generates).
 
     python bench/resident_gpu.py --tokenizer DIR [--steps 64] [--json OUT]
 
-DIR: the demo model's tokenizer files (scripts/demo_tokenizer.py). The model is Llama-2-7B-shaped
+DIR: the demo model's tokenizer files (scripts/gpu/demo_tokenizer.py). The model is Llama-2-7B-shaped
 with trained-like random bf16 weights (bench/service_gpu.py's).
 """
 from __future__ import annotations
@@ -19,11 +19,12 @@ import torch
 from service_gpu import LLAMA7B, Server, seven_b_state
 
 from codec.encode import compress_state_dict
-from service import loader, modeling
-from service.llama import KVCache
+from service.load import pipeline
+from service.model import build
+from service.model.kvcache import KVCache
 
 
-def build(tokenizer_dir: Path, store: Path) -> Path:
+def make_store(tokenizer_dir: Path, store: Path) -> Path:
     tokenizer = {p.name: p.read_bytes() for p in tokenizer_dir.iterdir() if p.is_file()}
     store.mkdir(parents=True, exist_ok=True)
     path = store / "llama7b.wcodec"
@@ -32,19 +33,20 @@ def build(tokenizer_dir: Path, store: Path) -> Path:
     return path
 
 
-def load(path: Path, compressed: bool) -> tuple[modeling.ServedModel, int]:
+def load(path: Path, compressed: bool) -> tuple[build.ServedModel, int]:
     gc.collect()
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
-    decoded = loader.decode_archive(path, torch.device("cuda"), compressed=compressed)
-    served = modeling.finish("llama7b", modeling.prepare("llama7b", decoded.files), decoded, torch.device("cuda"))
+    decoded = pipeline.decode_archive(path, torch.device("cuda"), compressed=compressed)
+    served = build.finish("llama7b", build.prepare("llama7b", decoded.files), decoded.tensors, decoded.layers,
+                          torch.device("cuda"))
     del decoded
     gc.collect()
     torch.cuda.synchronize()
     return served, torch.cuda.memory_allocated() - base
 
 
-def greedy(served: modeling.ServedModel, batch: int, steps: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+def greedy(served: build.ServedModel, batch: int, steps: int) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Greedy decoding of `steps` tokens from a fixed 32-token prompt per row: tokens, the first
     steps' logits, and decode tokens/s (prefill excluded)."""
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -70,8 +72,8 @@ def budget_case(store: Path, raw: int) -> dict:
     """The server with a budget under the bf16 weights: decoded refused (507), compressed serves."""
     server = Server(store, budget=int(0.8 * raw))
     try:
-        decoded = server.client.post("/models/llama7b/load", params={"resident": "decoded"})
-        compressed = server.client.post("/models/llama7b/load", params={"resident": "compressed"})
+        decoded = server.client.post("/models/llama7b/load", params={"weights": "decoded"})
+        compressed = server.client.post("/models/llama7b/load", params={"weights": "compressed"})
         gen = server.client.post("/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 8}})
         return {"budget": int(0.8 * raw), "decoded_status": decoded.status_code,
                 "compressed_status": compressed.status_code, "compressed_info": compressed.json(),
@@ -86,7 +88,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--json")
     args = ap.parse_args()
-    path = build(args.tokenizer, Path("/tmp/store_resident"))
+    path = make_store(args.tokenizer, Path("/tmp/store_resident"))
     res = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M")}
     runs = {}
     for mode in ("decoded", "compressed"):

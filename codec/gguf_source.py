@@ -29,7 +29,7 @@ import torch
 
 from .errors import SourceError
 from .gguf_blocks import BLOCK_TYPES, Blocks, shape_fits
-from .sources import CheckpointSource, TensorInfo
+from .checkpoint import CheckpointSource, TensorInfo
 
 GGUF_ARCHITECTURES = frozenset({"llama"})
 GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}

@@ -5,7 +5,7 @@ Read me first (the traps)
 * The index is NOT stored in the file. One full decode (which a load does anyway) records it, and
   it lives beside the compressed streams in memory (docs/FORMAT.md §3.5). The file stays v1.
 * Why not shorter segments on disk: a segment restart costs 24 bits per lane (the flushed 32-bit
-  state less the information it carries, measured: bench/segment_cost.py), so 256-step segments
+  state less the information it carries, measured: bench/experiments/segment_cost.py), so 256-step segments
   would raise the ratio of trained-like bf16 from 0.6652 to 0.6707. An entry point costs 33 bits
   per lane-piece (the state and 1/32 of a word count) but only in memory, and only where wanted.
 * Pieces: with K = entry_steps (a power of two from 8 to SEGMENT_STEPS), every segment owns

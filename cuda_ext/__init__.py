@@ -7,27 +7,20 @@
                                       and GGUF entries through cuda_ext/quant.py
     build_index(plan, data)           the same, also recording the resident index (codec/resident.py)
     Prepared(plan, data, outputs,...) one launch bound to caller-owned buffers: run() allocates nothing
-    load(path, device=...)            a whole archive -> LoadedModel with tensors on `device`
     crc32_spans(data, spans)          zlib.crc32 of byte spans of `data`, on its device
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-from codec.container import crc32
-from codec.decode import Archive, LoadedModel
-from codec.decode import load as reference_load
 from codec import resident
-from codec.errors import ChecksumError
 
 from . import plan as plans
 from . import quant
 from .build import Availability, ensure_loaded
 
 __all__ = ["Availability", "DeviceIndex", "Prepared", "available", "build_index", "checksums_on", "crc32_spans",
-           "decode_plan", "load", "plans"]
+           "decode_plan", "plans"]
 
 
 def available() -> Availability:
@@ -135,33 +128,3 @@ def build_index(p: plans.Plan, data: torch.Tensor, entry_steps: int = resident.E
     job.run()
     job.check()
     return _with_raw(p, data, job.outputs) | quant.decode(p, data, path), index
-
-
-def load(path: str | os.PathLike, device: str | torch.device = "cuda", *, verify: bool = True,
-         workers: int | None = None) -> LoadedModel:
-    """Decode a whole archive onto `device`: CUDA kernels, the C++ twin, or (on a CPU without the
-    twin) the parallel NumPy reference. verify=True checks every stored stream's CRC32 (on the
-    host) and, on the CPU, every decoded tensor's; per-segment statuses are always checked."""
-    device = torch.device(device)
-    if device.type == "cpu" and not ensure_loaded().cpp:
-        return reference_load(path, verify=verify, workers=workers)
-    with Archive.open(path) as archive:
-        files = archive.reader.files(verify)
-        p = plans.build(archive.entries, archive.path)
-        if verify:
-            for e in archive.entries:
-                for rec in e.streams.values():
-                    archive.reader.checked_stream(rec, f"tensor {e.name!r}", verify)
-        data = torch.from_numpy(archive.reader.buf[p.start:p.end].copy()).to(device)
-        tensors = decode_plan(p, data, archive.path)
-        if verify and device.type == "cpu":
-            _check_decoded(archive, tensors)
-        state = {e.name: tensors[e.name] for e in archive.entries}
-        return LoadedModel(state, files, archive.reader.header)
-
-
-def _check_decoded(archive: Archive, tensors: dict[str, torch.Tensor]) -> None:
-    for e in archive.entries:
-        t = tensors[e.name]
-        if e.nbytes and crc32(t.reshape(-1).view(torch.uint8).numpy()) != e.crc32:
-            raise ChecksumError(archive.path, f"tensor {e.name!r}: decoded bytes fail their CRC32")

@@ -1,4 +1,4 @@
-"""The fault and load suite, long form (the short form runs in CI: tests/service/test_memory.py,
+"""The fault and load suite, long form (the short form runs in CI: tests/service/load/test_memory.py,
 test_storm.py, test_crash_safety.py, test_schema.py, tests/test_lying_archives.py and
 tests/test_compress_crash.py). Loopback only; every part bounded in time and count. Prints one
 JSON object per part and writes them all to --out; docs/RELIABILITY.md quotes them.
@@ -25,7 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from service.demo import DEMO_NAME, build_demo  # noqa: E402
+from service.load.demo import DEMO_NAME, build_demo  # noqa: E402
 from tests.faults import archives, crash, leak, storm  # noqa: E402
 from tests.faults.server import ServerProcess  # noqa: E402
 

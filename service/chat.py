@@ -10,7 +10,7 @@ import codec
 
 from . import inference
 from .errors import ServiceError, ValidationFailed, error_event
-from .generation import Finished, SamplingParams, TokenEvent
+from .engine.sampling import Finished, SamplingParams, TokenEvent
 from .registry import ModelRegistry
 from .schemas.chat import (
     ChatChoice,
@@ -42,12 +42,12 @@ async def start(req: ChatRequest, registry: ModelRegistry, settings: Settings, s
     try:
         tokenizer = lease.served.tokenizer
         if not getattr(tokenizer, "chat_template", None):
-            raise ValidationFailed(f"model {lease.slot.name!r} has no chat template")
+            raise ValidationFailed(f"model {lease.entry.name!r} has no chat template")
         prompt = tokenizer.apply_chat_template([m.model_dump() for m in req.messages], tokenize=False,
                                                add_generation_prompt=True)
     finally:
         lease.release()
-    return await inference.start(registry, settings, lease.slot.name, prompt, _params(req, settings),
+    return await inference.start(registry, settings, lease.entry.name, prompt, _params(req, settings),
                                  stream=stream, special=False)
 
 

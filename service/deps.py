@@ -11,7 +11,7 @@ from .errors import Forbidden, Unauthorized
 from .metrics import Metrics
 from .registry import ModelRegistry
 from .settings import Settings
-from .store import NAME_PATTERN
+from .load.names import NAME_PATTERN
 
 
 def get_settings(request: Request) -> Settings:

@@ -11,8 +11,8 @@ from pydantic import BaseModel
 
 from .engine import GenRequest
 from .errors import ServiceError, ValidationFailed, error_event
-from .generation import Finished, SamplingParams, TokenEvent
-from .modeling import ServedModel
+from .engine.sampling import Finished, SamplingParams, TokenEvent
+from .model.build import ServedModel
 from .registry import ModelRegistry
 from .schemas.tgi import Details, GenerateParameters, GenerateResponse, StreamDetails, StreamResponse, Token
 from .settings import Settings

@@ -15,11 +15,13 @@ Memory   wcodec_gpu_memory_allocated_bytes, wcodec_gpu_memory_reserved_bytes   t
                                                    (0 on a CPU-only server)
          wcodec_model_memory_allocated_bytes{model,device}   bytes of the model's resident weights
          wcodec_model_memory_reserved_bytes{model,device}    CUDA: growth of the allocator's reserve
-         wcodec_model_resident_bytes{model,mode}             its weights' bytes by resident mode
-Resident wcodec_forward_decode_duration_seconds{model,mode}  layer decodes per forward (compressed mode)
                                                    over its load; CPU: same as allocated
+         wcodec_model_weight_bytes{model,weights}            its weights' bytes, decoded or compressed
+                                                   (wcodec_model_resident_bytes{model,mode}: the same,
+                                                   a deprecated alias for one release)
+Weights  wcodec_forward_decode_duration_seconds{model,weights}  layer decodes per forward (compressed)
 Host     wcodec_host_cache_bytes, wcodec_host_cache_entries   compressed archives kept in host memory
-cache                                              between loads (service/hostcache.py)
+cache                                              between loads (service/load/hostcache.py)
          wcodec_host_cache_pinned_bytes            of those, page-locked (CUDA): hits copy in place
          wcodec_host_cache_hits_total{model}, wcodec_host_cache_misses_total{model}   loads that found
                                                    their archive there / that read the file (cache on)
@@ -58,6 +60,7 @@ _TOKEN = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 
 
 LOAD_RESULTS = ("ok", "failed", "oom", "rejected")
+WEIGHTS = ("decoded", "compressed")
 REQUEST_STATUSES = ("ok", "error", "cancelled", "overloaded")
 
 
@@ -84,12 +87,15 @@ class Metrics:
         mem = ["model", "device"]
         self.model_allocated = Gauge("wcodec_model_memory_allocated_bytes", "Bytes of a model's resident weights",
                                      mem, registry=r)
-        self.resident_bytes = Gauge("wcodec_model_resident_bytes", "Device bytes of a model's weights by "
-                                    "resident mode (decoded tensors, compressed streams, index, scratch)",
-                                    ["model", "mode"], registry=r)
+        self.weight_bytes = Gauge("wcodec_model_weight_bytes", "Device bytes of a model's weights as they are "
+                                  "held (decoded tensors, or compressed streams, index and scratch)",
+                                  ["model", "weights"], registry=r)
+        self._resident_bytes = Gauge("wcodec_model_resident_bytes", "Deprecated alias of wcodec_model_weight_bytes "
+                                     "(label mode = weights); removed in the next release", ["model", "mode"],
+                                     registry=r)
         self.forward_decode_seconds = Histogram("wcodec_forward_decode_duration_seconds",
-                                                "Layer decode time per forward pass (compressed-resident models)",
-                                                ["model", "mode"], buckets=_FAST, registry=r)
+                                                "Layer decode time per forward pass (weights=compressed models)",
+                                                ["model", "weights"], buckets=_FAST, registry=r)
         self.model_reserved = Gauge("wcodec_model_memory_reserved_bytes", "Allocator reserve taken by a model",
                                     mem, registry=r)
         Gauge("wcodec_gpu_memory_allocated_bytes", "torch.cuda.memory_allocated (0 without a GPU)",
@@ -168,6 +174,13 @@ class Metrics:
     def set_memory(self, model: str, device: str, allocated: int, reserved: int) -> None:
         self.model_allocated.labels(model, device).set(allocated)
         self.model_reserved.labels(model, device).set(reserved)
+
+    def set_weight_bytes(self, model: str, weights: str | None, nbytes: int) -> None:
+        """`nbytes` for the way the model's weights are held now, 0 for the other (None: unloaded)."""
+        for mode in WEIGHTS:
+            value = nbytes if mode == weights else 0
+            self.weight_bytes.labels(model, mode).set(value)
+            self._resident_bytes.labels(model, mode).set(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -4,12 +4,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="WCODEC_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="WCODEC_", extra="ignore", populate_by_name=True)
 
     # where models live: one `<name>.wcodec` file per model
     model_store: Path = Path("models")
@@ -30,12 +30,16 @@ class Settings(BaseSettings):
     load_direct_io: str = Field("auto", pattern="^(auto|off)$")   # auto: O_DIRECT for bytes not in the page cache
     early_read: bool = True                      # `wcodec serve` reads preloaded archives from its first instant
     # compressed archives kept in host memory after their load (pinned on CUDA), so that a model
-    # switch reads no file (service/hostcache.py); None: a quarter of the available memory; 0: off
+    # switch reads no file (service/load/hostcache.py); None: a quarter of the available memory; 0: off
     host_cache_bytes: int | None = Field(None, ge=0)
-    # how a loaded model's decoder layers live on the device (docs/RESIDENT.md): "decoded" bf16, or
-    # "compressed" (each module's weights decoded into a ring of `resident_slots` slots just before use)
-    resident: Literal["decoded", "compressed"] = "decoded"
-    resident_slots: int = Field(2, ge=1)         # CUDA; the CPU decodes in place with one
+    # how a loaded model's decoder layers are held on the device (docs/RESIDENT.md): "decoded" bf16,
+    # or "compressed" (each module's weights decoded into a ring of `compressed_scratch` scratch
+    # buffers just before use). WCODEC_RESIDENT / WCODEC_RESIDENT_SLOTS: the old names, kept as
+    # aliases for one release
+    weights: Literal["decoded", "compressed"] = Field(
+        "decoded", validation_alias=AliasChoices("WCODEC_WEIGHTS", "WCODEC_RESIDENT"))
+    compressed_scratch: int = Field(      # CUDA; the CPU decodes in place with one
+        2, ge=1, validation_alias=AliasChoices("WCODEC_COMPRESSED_SCRATCH", "WCODEC_RESIDENT_SLOTS"))
 
     def read_threads(self) -> int:
         import os
@@ -45,7 +49,7 @@ class Settings(BaseSettings):
         return None if self.load_direct_io == "auto" else False
 
     def host_cache_budget(self) -> int:
-        from .prefetch import available_memory
+        from .load.memory import available_memory
         return available_memory() // 4 if self.host_cache_bytes is None else self.host_cache_bytes
 
     # generation
@@ -54,7 +58,7 @@ class Settings(BaseSettings):
                                                  # row, the rest for prompts (chunked beyond it)
     max_queue: int = Field(64, ge=1)             # waiting requests per model before 429
     batch_wait_ms: float = Field(2.0, ge=0)      # how long an idle engine waits for a burst to arrive
-    cpu_dtype: Literal["auto", "model", "float32"] = "auto"   # CPU compute dtype (service/engine/compute.py)
+    cpu_dtype: Literal["auto", "model", "float32"] = "auto"   # CPU compute dtype (service/model/cpu_dtype.py)
     max_input_tokens: int = Field(1024, ge=1)
     max_total_tokens: int = Field(2048, ge=2)
     default_max_new_tokens: int = Field(100, ge=1)

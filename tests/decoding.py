@@ -40,3 +40,15 @@ def shifted(data: torch.Tensor, p: plans.Plan, shift: int) -> tuple[torch.Tensor
         col[col >= 0] += shift
     moved = torch.cat([torch.zeros(shift, dtype=torch.uint8), data.cpu()]).to(data.device)
     return moved, dataclasses.replace(p, desc=desc)
+
+
+def decode_whole(path) -> dict[str, torch.Tensor]:
+    """Every tensor of an archive in ONE decode_plan over its whole data region, on the CPU: the
+    extension alone, without the loader's batches, ring or early reads (what the loader's tests
+    compare the pipeline with)."""
+    import cuda_ext
+    from codec.decode import Archive
+    with Archive.open(path) as archive:
+        p = plans.build(archive.entries, archive.path)
+        data = torch.from_numpy(archive.reader.buf[p.start:p.end].copy())
+        return cuda_ext.decode_plan(p, data, archive.path)

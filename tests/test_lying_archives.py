@@ -1,5 +1,6 @@
-"""Archives that lie, through every reader: `codec.decode.load` (NumPy reference), `cuda_ext.load`
-(C++ twin), `wcodec decompress` and the server's loader (`service.loader.decode_archive`).
+"""Archives that lie, through every reader: `codec.decode.load` (NumPy reference), `wcodec.load`
+(the pipeline with the C++ twin, plus decoded-tensor CRCs), `wcodec decompress` and the server's
+loader (`service.load.pipeline.decode_archive`).
 
 Headers re-written with a valid CRC but lying offsets, lengths, shapes, names, types, nesting and
 counts each give a typed CodecError naming the file; random data-region mutations with stream CRCs
@@ -37,7 +38,7 @@ def base(tmp_path_factory: pytest.TempPathFactory):
 
 
 def test_the_twin_is_what_is_tested() -> None:
-    """cuda_ext.load on the CPU falls back to the NumPy reference without the C++ twin."""
+    """The decoders fall back to the NumPy reference without the C++ twin: these tests need it built."""
     assert cuda_ext.available().cpp, cuda_ext.available().reason
 
 

@@ -1,6 +1,19 @@
-"""The `wcodec` command line, on top of `codec` (and later `cuda_ext`); nothing imports it.
+"""The `wcodec` command line and Python API, on top of `service`, `cuda_ext` and `codec`; nothing
+imports it.
 
-`wcodec.cli.main` is the entry point; `wcodec.bench` holds the benchmark's measuring code."""
+    wcodec.load(path, device)   a whole archive onto a device through the pipelined loader
+                                (service/load/pipeline.py): CUDA kernels, else the C++ twin, else NumPy
+    wcodec.entry.main           the `wcodec` console script: `serve` (wcodec/serve.py) is dispatched
+                                before anything heavy is imported; every other command goes to wcodec/cli.py
+    wcodec.bench                the benchmark's measuring code"""
+from __future__ import annotations
+
 from codec import __version__
 
-__all__ = ["__version__"]
+__all__ = ["__version__", "load"]
+
+
+def load(path, device="cuda", *, verify: bool = True):
+    """A whole archive -> codec.decode.LoadedModel (state_dict, files, config) with tensors on `device`."""
+    from service.load.pipeline import load_archive
+    return load_archive(path, device, verify=verify)

@@ -1,4 +1,4 @@
-"""The `wcodec` command line: compress, decompress, inspect, verify, bench, serve.
+"""The `wcodec` command line: compress, decompress, inspect, verify, bench (`serve`: wcodec/serve.py).
 
 Every failure on bad input (a `CodecError`, an `OSError`, a benchmark that cannot be honest) ends
 as ONE line `wcodec: error: <message>` on stderr and exit status 1; an unusable bench device exits
@@ -15,11 +15,11 @@ import torch
 
 import codec
 from codec.decode import Archive, decompress
-from cuda_ext import load
 from codec.encode import compress
 from codec.errors import CodecError
 from codec.parallel import default_workers
 from codec.sources import open_source
+from service.load.pipeline import load_archive
 
 from . import bench
 
@@ -79,7 +79,7 @@ def cmd_compress(args: argparse.Namespace) -> int:
 def cmd_decompress(args: argparse.Namespace) -> int:
     from safetensors import SafetensorError
     try:
-        written = decompress(args.src, args.dst, loader=lambda p: load(p, "cpu", workers=args.workers))
+        written = decompress(args.src, args.dst, loader=lambda p: load_archive(p, "cpu", threads=args.workers))
     except SafetensorError as e:               # save_file's own untyped error on a bad destination
         raise CliError(f"{args.dst}: cannot write ({e})") from None
     print(f"{args.dst}: {written} bytes of tensors written")
@@ -163,7 +163,7 @@ def compare_to_source(state: dict[str, torch.Tensor], src: str, gguf_dtype: torc
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    state = load(args.file, "cpu", verify=True, workers=args.workers).state_dict
+    state = load_archive(args.file, "cpu", verify=True, threads=args.workers).state_dict
     if args.against is None:
         print(f"OK: {len(state)} tensors bit-exact (every stream and tensor matches its CRC32)")
         return 0
@@ -186,20 +186,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
                              fp8_scales=args.fp8_scales)
     print(json.dumps(result) if args.json else bench.format_table(result))
     return 0
-
-
-# --- serve ---------------------------------------------------------------------------------------
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    """Run the HTTP server (service/) under uvicorn; flags override the WCODEC_* settings."""
-    from . import serve
-    return serve.run(args)
-
-
-def _serve_parser(p: argparse.ArgumentParser) -> None:
-    from .serve import add_arguments
-    add_arguments(p)
 
 
 # --- parser and entry point ----------------------------------------------------------------------
@@ -226,6 +212,11 @@ def _workers(p: argparse.ArgumentParser) -> None:
                    help="worker processes (default: one per CPU, at most 8)")
 
 
+def _read_threads(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workers", type=_positive, default=None, metavar="N",
+                   help="threads reading the archive for the decoder (default: two per CPU, at most 16)")
+
+
 def _gguf_dtype(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gguf-dtype", choices=FLOAT_CHOICES, default="bfloat16",
                    help="dtype GGUF tensors are dequantized to (default: bfloat16)")
@@ -238,7 +229,10 @@ def _gguf_mode(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="wcodec", description="Lossless compression of model checkpoints.")
+    parser = argparse.ArgumentParser(prog="wcodec", description="Lossless compression of model checkpoints.",
+                                     epilog="wcodec serve [--host H] [--port P] [--store DIR]: serve models over "
+                                            "HTTP (TGI- and OpenAI-style generation, model control, Prometheus "
+                                            "metrics); see `wcodec serve --help`")
     parser.add_argument("--version", action="version", version=f"wcodec {codec.__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = _add(sub, "compress", cmd_compress, "compress an HF folder, .safetensors or .gguf into a .wcodec file")
@@ -255,18 +249,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = _add(sub, "decompress", cmd_decompress, "decode a .wcodec file into a .safetensors file")
     p.add_argument("src")
     p.add_argument("dst")
-    _workers(p)
+    _read_threads(p)
     p = _add(sub, "inspect", cmd_inspect, "list the tensors, sizes and embedded files of a .wcodec file")
     p.add_argument("file")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p = _add(sub, "verify", cmd_verify, "decode with checksums, optionally compare bit-exactly with a source")
     p.add_argument("file")
     p.add_argument("--against", metavar="SRC", help="checkpoint (HF folder, .safetensors, .gguf) to compare with")
-    _workers(p)
+    _read_threads(p)
     _gguf_dtype(p)
     _bench_parser(_add(sub, "bench", cmd_bench, "measure ratio and speeds against peer codecs"))
-    _serve_parser(_add(sub, "serve", cmd_serve, "serve models over HTTP: TGI-compatible generation, model "
-                       "control, Prometheus metrics"))
     return parser
 
 

@@ -8,17 +8,17 @@ import statistics
 
 import torch
 
-import cuda_ext
 from codec.sources import open_source
+from service.load.pipeline import load_archive
 
 MAX_TOKENS = 512
 
 
 def perplexity(files: dict[str, bytes], tensors: dict[str, torch.Tensor], text: str) -> float:
     """exp(mean next-token loss) of the model that `files` (config, tokenizer) and `tensors` make."""
-    from service import modeling
-    prepared = modeling.prepare("quality", files)
-    model = modeling.assemble(prepared.config, tensors, torch.device("cpu"), prepared.model)
+    from service.model import build
+    prepared = build.prepare("quality", files)
+    model = build.assemble(prepared.config, tensors, torch.device("cpu"), prepared.model)
     ids = torch.tensor([list(prepared.tokenizer(text)["input_ids"])[:MAX_TOKENS]])     # [1, S]
     with torch.inference_mode():                       # the service's model: logits only, no labels
         logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()          # [S - 1, V]
@@ -30,7 +30,7 @@ def perplexities(src, dst, text: str, gguf_dtype: torch.dtype) -> tuple[float, f
     with open_source(src, gguf_dtype=gguf_dtype) as source:
         files = source.files
         before = perplexity(files, {i.name: source.load(i.name) for i in source.tensors()}, text)
-    model = cuda_ext.load(dst, "cpu")
+    model = load_archive(dst, "cpu")
     return before, perplexity(model.files, model.state_dict, text)
 
 

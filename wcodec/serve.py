@@ -2,14 +2,14 @@
 
     0  the interpreter starts (the timeline's zero is the process's own start)
     1  settings; then each preloaded model's archive starts reading into memory on a thread
-       pool (service/prefetch.py: no torch), verified as it arrives; four 2 MiB requests at a
-       time until the imports are done (prefetch.ImportGate), then all at once
-    2  import torch; then, per preloaded model, a thread (service/preload.py) makes the CUDA
+       pool (service/load/early_read.py: no torch), verified as it arrives; four 2 MiB requests
+       at a time until the imports are done (early_read.ImportGate), then all at once
+    2  import torch; then, per preloaded model, a thread (service/load/early_load.py) makes the CUDA
        context, loads the decoder extension and decodes the model from its early read while
        its tokenizer and meta skeleton are built
     3  meanwhile the main thread imports the service (fastapi, uvicorn) and builds the app;
        uvicorn starts; the lifespan's load of each preloaded model takes the early load's result
-Only what the forward pass needs is imported on the way (service/modeling.py). With
+Only what the forward pass needs is imported on the way (service/model/build.py). With
 WCODEC_LOG_LEVEL=debug the timeline is logged once the preloads are done; GET /health/startup
 serves it."""
 from __future__ import annotations
@@ -42,15 +42,21 @@ def _settings(args: argparse.Namespace, timeline: Timeline):
     try:
         return Settings(**{k: v for k, v in flags.items() if v is not None})
     except ValidationError as e:
-        why = "; ".join(f"WCODEC_{'.'.join(map(str, err['loc'])).upper()}: {err['msg']}" for err in e.errors())
+        why = "; ".join(f"{_env_name(err['loc'])}: {err['msg']}" for err in e.errors())
         print(f"wcodec: error: bad server settings: {why}", file=sys.stderr)
         return None
 
 
+def _env_name(loc: tuple) -> str:
+    """The environment variable a settings error is about (an alias's own name, else WCODEC_<FIELD>)."""
+    name = ".".join(map(str, loc)).upper()
+    return name if name.startswith("WCODEC_") else f"WCODEC_{name}"
+
+
 def _start_early_reads(settings, timeline: Timeline, gate) -> tuple[dict, dict]:
-    from service import prefetch
-    paths = prefetch.preload_paths(settings) if settings.early_read else {}
-    return paths, prefetch.start_early_reads(paths, verify=settings.verify_crc, threads=settings.read_threads(),
+    from service.load import early_read
+    paths = early_read.preload_paths(settings) if settings.early_read else {}
+    return paths, early_read.start_early_reads(paths, verify=settings.verify_crc, threads=settings.read_threads(),
                                              direct=settings.direct_io(), timeline=timeline, gate=gate)
 
 
@@ -69,10 +75,9 @@ def _restore_once_read(reads: dict, switch: float) -> None:
 
 def _start_early_loads(settings, paths: dict, reads: dict, timeline: Timeline) -> dict:
     """Decode each preloaded model on its own thread from now on; else only warm up."""
-    import torch
-
-    from service.preload import start_early_loads
-    device = torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    from service.load.early_load import start_early_loads
+    from service.model.build import device_of
+    device = device_of(settings)
     if paths:
         return start_early_loads(reads, paths, settings, device, timeline)
     threading.Thread(target=_warm_up, args=(settings, timeline), name="wcodec-warm-up", daemon=True).start()
@@ -80,7 +85,7 @@ def _start_early_loads(settings, paths: dict, reads: dict, timeline: Timeline) -
 
 
 def _warm_up(settings, timeline: Timeline) -> None:
-    from service.modeling import device_of, warm_up
+    from service.model.build import device_of, warm_up
     try:
         warm_up(device_of(settings), timeline)
     except Exception:                        # the lifespan's own warm-up reports it
@@ -94,7 +99,7 @@ def run(args: argparse.Namespace, timeline: Timeline | None = None) -> int:
     if settings is None:
         return EXIT_ERROR
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from service.prefetch import ImportGate
+    from service.load.early_read import ImportGate
     gate = ImportGate()                      # the early reads stay narrow while the imports read files,
     switch = sys.getswitchinterval()         # and get the GIL back soon after each request
     sys.setswitchinterval(IMPORT_SWITCH_INTERVAL)

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..generation import Row, TokenEvent, left_pad, sample_rows
-from ..modeling import ServedModel
+from .sampling import Row, TokenEvent, left_pad, sample_rows
+from ..model.build import ServedModel
 from .kv import PaddedKV, cache_class, forward_all
 
 

@@ -1,5 +1,5 @@
 """The KV cache of a batch whose rows come and go: one cache of the model's kind, left-padded
-(service/llama.py's KVCache for the models it serves, else transformers' `DynamicCache`).
+(service/model/kvcache.py's KVCache for the models it serves, else transformers' `DynamicCache`).
 
 Read me first. Every row's real tokens sit at the right end of the cache; the columns before them
 are padding, masked out of attention:
@@ -12,7 +12,7 @@ Prefill (left-padded prompts) and every decoding step (one column for every row)
 so the mask is never stored, only derived from `lengths`. Three operations change the rows:
 `merge` appends the rows of another batch (the narrower side is left-padded with zero columns),
 `select` keeps some rows (their KV leaves with them), and `trim` drops leading columns that are
-padding for every remaining row. service/llama.py's KVCache keeps each layer in buffers with
+padding for every remaining row. service/model/kvcache.py's KVCache keeps each layer in buffers with
 room to grow: a step's columns are written in place, `trim` moves a start offset (a view), and
 `merge` / `select` rebuild the buffers (a few times per request, not every step); transformers'
 caches take the generic path (torch.cat every step, slicing, concatenating).
@@ -26,7 +26,7 @@ and the scheduler, which here belong to the engine. `DynamicCache` already selec
 (`batch_select_indices`); what it lacks, adding rows of another length, is `merge` below.
 The cache is created without the model's config, so every layer is a full `DynamicLayer`: a
 sliding-window layer would drop columns on its own and break the right alignment (the model's
-mask still applies its window, so only memory is lost). A model of service/llama.py gets that
+mask still applies its window, so only memory is lost). A model of service/model/llama.py gets that
 file's KVCache (the same interface): serving it never imports transformers, which costs 1-2 s on
 the start-up's critical path (measured: the first engine's creation took 1.1 s on the CPU, 2.0 s
 on an H100 box, all of it that import).
@@ -36,13 +36,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import llama
+from ..model import kvcache, llama
 
 
 def cache_class(model: torch.nn.Module) -> type:
-    """The KV cache a model's forward takes: its own (service/llama.py), else DynamicCache."""
+    """The KV cache a model's forward takes: its own (service/model/llama.py), else DynamicCache."""
     if isinstance(model, llama.LlamaForCausalLM):
-        return llama.KVCache
+        return kvcache.KVCache
     from transformers import DynamicCache
     return DynamicCache
 
@@ -88,7 +88,7 @@ class PaddedKV:
         width = int(self.lengths.max()) if self.rows else 0
         drop = self.width - width
         if drop > 0:
-            if isinstance(self.cache, llama.KVCache):
+            if isinstance(self.cache, kvcache.KVCache):
                 self.cache.drop_front(drop)
             else:
                 for layer in self.cache.layers:
@@ -103,7 +103,7 @@ class PaddedKV:
             self.cache, self.lengths, self.width = other.cache, other.lengths, other.width
             return
         width = max(self.width, other.width)
-        if isinstance(self.cache, llama.KVCache):
+        if isinstance(self.cache, kvcache.KVCache):
             self.cache.merge(other.cache, width)        # one copy into buffers with room to grow
         else:
             for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
@@ -116,7 +116,7 @@ class PaddedKV:
 def forward_all(model: torch.nn.Module, parts: list[tuple[PaddedKV, torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
     """Feed several batches, each (kv, ids [B, q], real [B, q]: 1 for a token, 0 for left padding)
     after its own cache, which grows by q columns; returns each one's last-position logits [B, V]
-    in float32. service/llama.py's models take them in one pass
+    in float32. service/model/llama.py's models take them in one pass
     (`forward_segments`: each weight read once for a decoding step and a prompt chunk together);
     transformers' models get one forward per batch."""
     segments = [kv._segment(ids, real) for kv, ids, real in parts]

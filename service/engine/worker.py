@@ -15,9 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import GenerationFailed, ModelNotReady, QueueFull, ServiceError
-from ..generation import Finished, Row, SamplingParams, TokenEvent
+from .sampling import Finished, Row, SamplingParams, TokenEvent
 from ..metrics import Metrics
-from ..modeling import ServedModel
+from ..model.build import ServedModel
 from .batcher import Batcher
 
 log = logging.getLogger("wcodec.service")

@@ -55,10 +55,10 @@ async def startup(request: Request, registry: RegistryDep) -> Startup:
 
 @router.get("/info", summary="TGI-style information on the default model", responses=responses(404, 422, 503))
 async def info(registry: RegistryDep, settings: SettingsDep, model: str | None = None) -> Info:
-    slot = registry.get(registry.resolve(model))
-    served = slot.served
+    entry = registry.get(registry.resolve(model))
+    served = entry.served
     limit = min(settings.max_total_tokens, served.max_positions) if served else settings.max_total_tokens
-    return Info(model_id=slot.name, model_dtype=str(served.dtype) if served else None,
+    return Info(model_id=entry.name, model_dtype=str(served.dtype) if served else None,
                 model_device_type=registry.device.type, max_concurrent_requests=settings.max_queue,
                 max_input_tokens=min(settings.max_input_tokens, limit - 1), max_total_tokens=limit,
                 max_batch_size=settings.max_batch_size, version=codec.__version__)

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 State = Literal["available", "loading", "ready", "unloading", "failed"]
+Weights = Literal["decoded", "compressed"]
 
 
 class LoadProgress(BaseModel):
@@ -38,10 +39,12 @@ class ModelInfo(BaseModel):
     last_error: str | None
     progress: LoadProgress
     in_flight: int = Field(description="requests holding the model")
-    resident: Literal["decoded", "compressed"] | None = Field(
-        None, description="how its decoder layers live on the device while loaded (docs/RESIDENT.md)")
-    resident_bytes: int | None = Field(None, description="device bytes its weights take while loaded: decoded "
-                                                          "tensors, kept compressed streams, index and scratch")
+    weights: Weights | None = Field(
+        None, description="how its decoder layers are held on the device while loaded (docs/RESIDENT.md)")
+    weight_bytes: int | None = Field(None, description="device bytes its weights take while loaded: decoded "
+                                                        "tensors, or kept compressed streams, index and scratch")
+    resident: Weights | None = Field(None, description="deprecated: the old name of `weights`")
+    resident_bytes: int | None = Field(None, description="deprecated: the old name of `weight_bytes`")
 
 
 class ModelList(BaseModel):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import cuda_ext
+import wcodec
 from codec.decode import Archive, load
 from codec.encode import compress
 from codec.sources import StateDictSource, open_source
@@ -39,7 +39,7 @@ def test_demo_archive_is_no_larger_than_the_gguf(demo_archive: Path) -> None:
 def test_demo_dequantizes_bit_identically_to_gguf(demo_archive: Path, decoder: str) -> None:
     """Every tensor equals the GGUF source's own: gguf.quants.dequantize, q/k rows unpermuted, cast
     to bf16 by torch (codec/gguf_source.py, the dense path)."""
-    model = load(demo_archive, workers=2) if decoder == "numpy" else cuda_ext.load(demo_archive, "cpu")
+    model = load(demo_archive, workers=2) if decoder == "numpy" else wcodec.load(demo_archive, "cpu")
     with open_source(GGUF) as src:
         infos = src.tensors()
         assert sorted(i.name for i in infos) == sorted(model.state_dict)
@@ -101,5 +101,5 @@ def test_demo_int8_is_small_reports_quality_and_answers_paris(tmp_path: Path, ca
     assert re.search(r"int8: 211 tensors, SNR min (\d+\.\d+) dB", out), out[-300:]
     before, after = map(float, re.search(r"perplexity: before ([\d.]+), after ([\d.]+)", out).groups())
     assert abs(after - before) < 0.05 * before, (before, after)
-    answer = _answer(cuda_ext.load(dst, "cpu"), tmp_path)
+    answer = _answer(wcodec.load(dst, "cpu"), tmp_path)
     assert answer.startswith("The capital of France is Paris"), answer

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import cuda_ext
+import wcodec
 from codec.constants import CODEC_FLOAT
 from codec.decode import Archive, load
 from codec.encode import compress_state_dict
@@ -44,7 +44,7 @@ def test_every_byte_value_round_trips(dtype, tmp_path):
         entries = {e.name: e for e in archive.entries}
     assert all(e.codec == CODEC_FLOAT and set(e.streams) == {"exp"} for e in entries.values())
     assert entries["all"].params.ctx_bits == 0
-    for model in (load(tmp_path / "f.wcodec", workers=1), cuda_ext.load(tmp_path / "f.wcodec", "cpu")):
+    for model in (load(tmp_path / "f.wcodec", workers=1), wcodec.load(tmp_path / "f.wcodec", "cpu")):
         for name, t in state.items():
             got = model.state_dict[name]
             assert got.dtype == dtype and torch.equal(raw_bytes(got), raw_bytes(t)), name

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-import cuda_ext
+import wcodec
 from codec import errors, int8
 from codec.decode import Archive, load
 from codec.encode import compress_source
@@ -75,7 +75,7 @@ def test_archive_round_trip_reference_and_twin(tmp_path):
     assert {n for n, e in entries.items() if e.codec == "int8"} == set(stats.quality)
     assert entries["w.f32"].params.mode_tiles[0] < sum(entries["w.f32"].params.mode_tiles)     # predictors won
     ref = load(path, workers=1).state_dict
-    twin = cuda_ext.load(path, "cpu").state_dict
+    twin = wcodec.load(path, "cpu").state_dict
     for name, t in state.items():
         assert torch.equal(raw_bytes(ref[name]), raw_bytes(twin[name])), name
         if name in stats.quality:
@@ -114,6 +114,6 @@ def test_unknown_tile_mode_is_a_corrupt_stream(tmp_path):
     modes = bytearray(archive.stream("w", "modes"))
     modes[3] = 7
     (tmp_path / "bad.wcodec").write_bytes(archive.with_stream("w", "modes", bytes(modes)))
-    for decode in (lambda p: load(p, workers=1, verify=False), lambda p: cuda_ext.load(p, "cpu", verify=False)):
+    for decode in (lambda p: load(p, workers=1, verify=False), lambda p: wcodec.load(p, "cpu", verify=False)):
         with pytest.raises(errors.CorruptStreamError, match="tile mode is 7"):
             decode(tmp_path / "bad.wcodec")

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import cuda_ext
+import wcodec
 from codec import errors, floatcodec, gguf_blocks, tables
 from codec.constants import SEGMENT_SYMBOLS, STREAM_ALIGN
 from codec.decode import load as reference_load
@@ -158,7 +159,7 @@ def test_extension_load_of_mixed_archive_matches_reference(tmp_path):
              "e5m2": make_tensor(torch.float8_e5m2, (5000,), 3, "normal")}
     compress_blocks(tmp_path / "m.wcodec", quantized, dense)
     want = reference_load(tmp_path / "m.wcodec", workers=1).state_dict
-    got = cuda_ext.load(tmp_path / "m.wcodec", "cpu").state_dict
+    got = wcodec.load(tmp_path / "m.wcodec", "cpu").state_dict
     assert set(got) == set(want)
     for name in want:
         assert torch.equal(raw_bytes(got[name]), raw_bytes(want[name])), name
@@ -169,7 +170,7 @@ def test_extension_load_of_mixed_archive_matches_reference(tmp_path):
 def test_extension_load_names_the_corrupt_plane(tmp_path):
     path = corrupt_q8_archive(tmp_path / "c.wcodec")
     with pytest.raises(errors.CorruptStreamError, match="stream qs: segment"):
-        cuda_ext.load(path, "cpu", verify=False)
+        wcodec.load(path, "cpu", verify=False)
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (17, 15), (40, 300)], ids=str)

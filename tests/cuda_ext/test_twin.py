@@ -156,8 +156,8 @@ def test_scalar_path_matches_simd_path(tmp_path):
              "f": weights(torch.float32, 40_000, seed=3, kind="bits")}
     compress_state_dict(state, tmp_path / "s.wcodec", workers=1)
     from safetensors.torch import load_file
-    code = ("import sys, cuda_ext; from safetensors.torch import save_file; "
-            "save_file(dict(cuda_ext.load(sys.argv[1], 'cpu').state_dict), sys.argv[2])")
+    code = ("import sys, wcodec; from safetensors.torch import save_file; "
+            "save_file(dict(wcodec.load(sys.argv[1], 'cpu').state_dict), sys.argv[2])")
     for flag in ("0", "1"):
         subprocess.run([sys.executable, "-c", code, str(tmp_path / "s.wcodec"), str(tmp_path / f"{flag}.st")],
                        check=True, env={**os.environ, "WCODEC_CPU_SIMD": flag})

@@ -25,7 +25,7 @@ import yaml
 from deploy_helpers import (LABEL_VALUES, PROMETHEUS, ROOT, alert_rules, dashboard, dashboard_and_alert_metrics,
                             grafana_regex, k8s_kind, panel_queries, substitute, variables)
 
-from service.demo import DEMO_NAME
+from service.load.demo import DEMO_NAME
 
 pytestmark = [
     pytest.mark.skipif(shutil.which("prometheus") is None,

@@ -282,13 +282,13 @@ def _reference(verify: bool) -> Callable[[Path], dict]:
     return lambda p: load(p, verify=verify, workers=1).state_dict
 
 
-def _extension(device: str, verify: bool) -> Callable[[Path], dict]:
-    import cuda_ext
-    return lambda p: cuda_ext.load(p, device, verify=verify, workers=1).state_dict
+def _python_api(device: str, verify: bool) -> Callable[[Path], dict]:
+    import wcodec
+    return lambda p: wcodec.load(p, device, verify=verify).state_dict
 
 
 def _server_loader(device: str, verify: bool) -> Callable[[Path], dict]:
-    from service.loader import decode_archive
+    from service.load.pipeline import decode_archive
     return lambda p: decode_archive(p, torch.device(device), verify=verify).tensors
 
 
@@ -313,11 +313,11 @@ def _cli(path: Path) -> dict:
 
 def readers(cuda: bool = False) -> dict[str, Callable[[Path], dict]]:
     """name -> read(path) -> {name: tensor}. `*-nv`: stream and tensor CRCs both off."""
-    out = {"reference": _reference(True), "twin": _extension("cpu", True), "cli": _cli,
+    out = {"reference": _reference(True), "twin": _python_api("cpu", True), "cli": _cli,
            "server-loader": _server_loader("cpu", True), "reference-nv": _reference(False),
            "server-loader-nv": _server_loader("cpu", False)}
     if cuda:
-        out |= {"cuda": _extension("cuda", True), "cuda-nv": _extension("cuda", False),
+        out |= {"cuda": _python_api("cuda", True), "cuda-nv": _python_api("cuda", False),
                 "server-loader-cuda": _server_loader("cuda", True),      # stream CRCs on the GPU
                 "server-loader-cuda-nv": _server_loader("cuda", False)}
     return out

@@ -1,4 +1,4 @@
-"""GPU tests: skipped without a CUDA device; run on the lent GPU (scripts/device_check.sh)."""
+"""GPU tests: skipped without a CUDA device; run on the lent GPU (scripts/gpu/run.sh)."""
 import pytest
 import torch
 

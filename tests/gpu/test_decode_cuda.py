@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import cuda_ext
+import wcodec
 from codec.constants import SEGMENT_SYMBOLS
 from codec.decode import Archive, load
 from codec.encode import compress_state_dict
@@ -22,8 +23,8 @@ def fuzz_tensor(dtype: torch.dtype, n: int, seed: int) -> torch.Tensor:
 
 
 def decode_everywhere(path) -> tuple[dict, dict, dict]:
-    cuda = cuda_ext.load(path, "cuda").state_dict
-    cpp = cuda_ext.load(path, "cpu").state_dict
+    cuda = wcodec.load(path, "cuda").state_dict
+    cpp = wcodec.load(path, "cpu").state_dict
     ref = load(path, workers=1).state_dict
     return cuda, cpp, ref
 
@@ -150,7 +151,7 @@ def test_batch_over_2_31_elements(tmp_path):
     with Archive.open(path) as archive:
         p = plans.build(archive.entries, archive.path)
         assert p.n_segments * SEGMENT_SYMBOLS >= k * n > 2**31
-    out = cuda_ext.load(path, "cuda", verify=False).state_dict
+    out = wcodec.load(path, "cuda", verify=False).state_dict
     for name, t in state.items():
         assert torch.equal(out[name].view(torch.int16), t.cuda().view(torch.int16)), name
 
@@ -171,7 +172,7 @@ def test_corrupt_stream_is_a_status_not_a_fault(where, tmp_path):
     compress_state_dict(state, path, workers=1)
     _corrupt_exp(path, where)
     with pytest.raises(CorruptStreamError):
-        out = cuda_ext.load(path, "cuda", verify=False).state_dict     # skip CRCs: reach the kernel
+        out = wcodec.load(path, "cuda", verify=False).state_dict     # skip CRCs: reach the kernel
         assert not same_bits(out["w"], state["w"]), "a flip that changes nothing must not happen here"
     torch.cuda.synchronize()                                             # the context survived
 

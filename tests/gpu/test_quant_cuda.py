@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-import cuda_ext
+import wcodec
 from codec import errors, gguf_blocks
 from cuda_ext import ops
 from tests.quantized import (F16_FIELDS, GGUF_DTYPES, compress_blocks, corrupt_q8_archive, quantized_weights,
@@ -43,8 +43,8 @@ def test_mixed_archive_on_cuda_matches_twin(tmp_path):
     dense = {"e4m3": make_tensor(torch.float8_e4m3fn, (300_000,), 2, "mixed"),
              "e5m2": make_tensor(torch.float8_e5m2, (5000,), 3, "normal")}
     compress_blocks(tmp_path / "m.wcodec", quantized, dense)
-    cpu = cuda_ext.load(tmp_path / "m.wcodec", "cpu").state_dict
-    gpu = cuda_ext.load(tmp_path / "m.wcodec", "cuda").state_dict
+    cpu = wcodec.load(tmp_path / "m.wcodec", "cpu").state_dict
+    gpu = wcodec.load(tmp_path / "m.wcodec", "cuda").state_dict
     for name, t in cpu.items():
         assert gpu[name].device.type == "cuda" and torch.equal(raw_bytes(gpu[name].cpu()), raw_bytes(t)), name
 
@@ -52,7 +52,7 @@ def test_mixed_archive_on_cuda_matches_twin(tmp_path):
 def test_corrupt_plane_on_cuda_is_typed(tmp_path):
     path = corrupt_q8_archive(tmp_path / "c.wcodec")
     with pytest.raises(errors.CorruptStreamError, match="stream qs: segment"):
-        cuda_ext.load(path, "cuda", verify=False)
+        wcodec.load(path, "cuda", verify=False)
 
 
 def test_reconstruct_int8_cuda_matches_twin():

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-import cuda_ext
+import wcodec
 from codec import errors, gguf_blocks
 from codec.constants import SEGMENT_SYMBOLS
 from codec.decode import Archive
@@ -38,8 +38,8 @@ def test_decode_bytes_odd_sizes_match_twin(tmp_path, kind):
     compress_state_dict(state, tmp_path / "b.wcodec", workers=2)
     with Archive.open(tmp_path / "b.wcodec") as archive:
         assert all(e.codec == "float" for e in archive.entries)            # every plane is coded
-    cpu = cuda_ext.load(tmp_path / "b.wcodec", "cpu").state_dict
-    gpu = cuda_ext.load(tmp_path / "b.wcodec", "cuda").state_dict
+    cpu = wcodec.load(tmp_path / "b.wcodec", "cpu").state_dict
+    gpu = wcodec.load(tmp_path / "b.wcodec", "cuda").state_dict
     for name, t in state.items():
         assert torch.equal(raw_bytes(cpu[name]), raw_bytes(t)), name
         assert torch.equal(raw_bytes(gpu[name].cpu()), raw_bytes(t)), name
@@ -104,7 +104,7 @@ def test_corrupt_fp8_streams_fail_alike(tmp_path):
         outcome = {}
         for device in ("cpu", "cuda"):
             try:
-                outcome[device] = raw_bytes(cuda_ext.load(path, device, verify=False).state_dict["model.layers.0.w"].cpu())
+                outcome[device] = raw_bytes(wcodec.load(path, device, verify=False).state_dict["model.layers.0.w"].cpu())
             except errors.CorruptStreamError as e:
                 outcome[device] = str(e)
         if isinstance(outcome["cpu"], str):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from service.demo import DEMO_NAME, build_demo, demo_source
+from service.load.demo import DEMO_NAME, build_demo, demo_source
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,7 +13,7 @@ import pytest
 from service_helpers import DEMO, Server
 
 from service.app import create_app
-from service.demo import build_demo, demo_source
+from service.load.demo import build_demo, demo_source
 from service.settings import Settings
 
 

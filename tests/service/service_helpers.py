@@ -11,8 +11,8 @@ import anyio
 import httpx
 from fastapi import FastAPI
 
-from service import reading
-from service.demo import DEMO_NAME
+from service.load import reading
+from service.load.demo import DEMO_NAME
 from service.errors import ModelNotFound
 from service.registry import ModelRegistry, ModelState
 

@@ -3,17 +3,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import uvicorn
 
-from wcodec import cli
+from wcodec import cli, entry
 
 
 def test_serve_runs_the_app_under_uvicorn(monkeypatch, tmp_path: Path) -> None:
     ran = {}
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: ran.update(app=app, **kw))
     monkeypatch.setenv("WCODEC_DEFAULT_MODEL", "m")
-    assert cli.main(["serve", "--host", "0.0.0.0", "--port", "8123", "--store", str(tmp_path)]) == 0
+    assert entry.main(["serve", "--host", "0.0.0.0", "--port", "8123", "--store", str(tmp_path)]) == 0
     settings = ran["app"].state.settings
     assert (ran["host"], ran["port"]) == ("0.0.0.0", 8123)
     assert settings.model_store == tmp_path and settings.default_model == "m"
@@ -21,15 +20,31 @@ def test_serve_runs_the_app_under_uvicorn(monkeypatch, tmp_path: Path) -> None:
 
 def test_bad_settings_are_one_line_errors(monkeypatch, capsys) -> None:
     monkeypatch.setenv("WCODEC_MAX_BATCH_SIZE", "zero")
-    assert cli.main(["serve"]) == cli.EXIT_ERROR
+    assert entry.main(["serve"]) == cli.EXIT_ERROR
     err = capsys.readouterr().err
     assert err.startswith("wcodec: error: bad server settings: WCODEC_MAX_BATCH_SIZE:") and err.count("\n") == 1
 
 
-@pytest.mark.parametrize("argv", [["serve", "--help"]])
-def test_help(argv, capsys) -> None:
-    assert cli.main(argv) == 0
+def test_help(capsys) -> None:
+    assert entry.main(["serve", "--help"]) == 0
     assert "--store" in capsys.readouterr().out
+    assert entry.main(["--help"]) == 0
+    assert "wcodec serve" in capsys.readouterr().out          # the one entry point names it
+
+
+def test_an_old_settings_name_is_named_in_its_error(monkeypatch, capsys) -> None:
+    monkeypatch.setenv("WCODEC_RESIDENT", "halfway")         # the old name of WCODEC_WEIGHTS
+    assert entry.main(["serve"]) == cli.EXIT_ERROR
+    assert capsys.readouterr().err.startswith("wcodec: error: bad server settings: WCODEC_RESIDENT:")
+
+
+def test_old_settings_names_are_aliases(monkeypatch) -> None:
+    from service.settings import Settings
+    monkeypatch.setenv("WCODEC_RESIDENT", "compressed")
+    monkeypatch.setenv("WCODEC_RESIDENT_SLOTS", "3")
+    assert (Settings().weights, Settings().compressed_scratch) == ("compressed", 3)
+    monkeypatch.setenv("WCODEC_WEIGHTS", "decoded")
+    assert Settings().weights == "decoded"
 
 
 def test_openmp_waits_passively_unless_chosen():

@@ -83,10 +83,10 @@ def test_client_gone_mid_stream_cancels_and_releases(live) -> None:
         for line in r.iter_lines():
             if line.startswith("data:"):
                 break                                       # leave after the first token
-    slot = app.state.registry.get(DEMO)
+    entry = app.state.registry.get(DEMO)
     deadline = time.monotonic() + 30
-    while slot.in_flight and time.monotonic() < deadline:
+    while entry.in_flight and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert slot.in_flight == 0
+    assert entry.in_flight == 0
     assert _metric(url, f'wcodec_generate_requests_total{{model="{DEMO}",status="cancelled"}}') == 1
     assert _metric(url, f'wcodec_generate_generated_tokens_total{{model="{DEMO}"}}') < 300

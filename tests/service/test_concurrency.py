@@ -29,8 +29,8 @@ async def _gather(*calls):
 async def test_parallel_generates_with_a_duplicate_load_and_an_unload(serve, store) -> None:
     async with serve(store(), preload=[DEMO], max_batch_size=8) as server:
         await server.wait_state(DEMO, ModelState.READY)
-        c, slot = server.client, server.registry.get(DEMO)
-        weight = weakref.ref(slot.served.model.lm_head.weight)
+        c, entry = server.client, server.registry.get(DEMO)
+        weight = weakref.ref(entry.served.model.lm_head.weight)
         results = [None] * 18
 
         async def call(i, method, url, body=None):
@@ -40,10 +40,10 @@ async def test_parallel_generates_with_a_duplicate_load_and_an_unload(serve, sto
             for i in range(16):
                 tg.start_soon(call, i, "POST", "/generate", generate_body(8))
             with anyio.fail_after(30):
-                while slot.in_flight < 16:                 # every generate holds its lease
+                while entry.in_flight < 16:                 # every generate holds its lease
                     await anyio.sleep(0.005)
             await call(16, "POST", f"/models/{DEMO}/load")      # ready: answers at once, mid-flight
-            assert slot.in_flight > 0
+            assert entry.in_flight > 0
             tg.start_soon(call, 17, "POST", f"/models/{DEMO}/unload")
 
         generates, load, unload = results[:16], results[16], results[17]

@@ -10,7 +10,7 @@ import pytest
 import torch
 from service_helpers import DEMO, generate_body
 
-from service import loader
+from service.load import pipeline
 from service.deps import get_settings
 from service.engine import batcher
 from service.registry import ModelState
@@ -175,14 +175,14 @@ async def test_eviction_unloads_the_least_recently_used(serve, store) -> None:
 
 
 async def test_out_of_memory_fails_that_load_alone(serve, store, monkeypatch) -> None:
-    real = loader.decode_archive
+    real = pipeline.decode_archive
 
     def oom(path, *args, **kwargs):
         if "big" in str(path):
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return real(path, *args, **kwargs)
 
-    monkeypatch.setattr(loader, "decode_archive", oom)
+    monkeypatch.setattr(pipeline, "decode_archive", oom)
     async with serve(store("small", "big"), preload=["small"]) as server:
         await server.wait_state("small", ModelState.READY)
         body = assert_error(await server.client.post("/models/big/load"), 507, "insufficient_memory")
@@ -190,7 +190,7 @@ async def test_out_of_memory_fails_that_load_alone(serve, store, monkeypatch) ->
         info = (await server.client.get("/models/big")).json()
         assert info["state"] == "failed" and "out of memory" in info["last_error"]
         assert (await server.client.post("/generate", json={**generate_body(2), "model": "small"})).status_code == 200
-        monkeypatch.setattr(loader, "decode_archive", real)
+        monkeypatch.setattr(pipeline, "decode_archive", real)
         assert (await server.client.post("/models/big/load")).json()["state"] == "ready"
 
 

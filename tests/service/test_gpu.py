@@ -15,7 +15,7 @@ import torch
 import cuda_ext
 from codec.decode import Archive
 from codec.errors import ChecksumError
-from service.loader import decode_archive
+from service.load.pipeline import decode_archive
 from service.registry import ModelState
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -50,7 +50,7 @@ def _a_stream(path: Path) -> tuple[str, dict]:
 
 
 def _host_hashes(monkeypatch) -> list:
-    from service import reading
+    from service.load import reading
     calls, fault = [], reading.checksum_fault
     monkeypatch.setattr(reading, "checksum_fault", lambda data, record: calls.append(1) or fault(data, record))
     return calls
@@ -72,12 +72,12 @@ def test_streams_are_verified_on_the_gpu_not_the_host(tiny_archive: Path, tmp_pa
 
 def test_pinned_ring_is_kept_and_reused_by_later_loads(tiny_archive: Path) -> None:
     """The second load page-locks nothing new: it takes the first one's buffers, and decodes the same."""
-    from service import loader
+    from service.load import pipeline
     first = decode_archive(tiny_archive, torch.device("cuda"), ring=3)
-    kept = sorted(b.data_ptr() for b in loader.PINNED._free)
+    kept = sorted(b.data_ptr() for b in pipeline.PINNED._free)
     again = decode_archive(tiny_archive, torch.device("cuda"), ring=3)
-    assert len(kept) >= 3 and sorted(b.data_ptr() for b in loader.PINNED._free) == kept
-    assert all(b.is_pinned() for b in loader.PINNED._free)
+    assert len(kept) >= 3 and sorted(b.data_ptr() for b in pipeline.PINNED._free) == kept
+    assert all(b.is_pinned() for b in pipeline.PINNED._free)
     for name, t in first.tensors.items():
         assert torch.equal(_bytes(again.tensors[name]), _bytes(t)), name
 
@@ -85,8 +85,8 @@ def test_pinned_ring_is_kept_and_reused_by_later_loads(tiny_archive: Path) -> No
 def test_a_host_cache_hit_copies_from_page_locked_memory(tiny_archive: Path, monkeypatch) -> None:
     """Once the kept archive is page-locked, a hit takes no ring buffer: each batch is copied to
     the device straight from the cached pages, verified again, bit-exact."""
-    from service import loader
-    from service.hostcache import HostCache
+    from service.load import pipeline
+    from service.load.hostcache import HostCache
     cache, cuda = HostCache(1 << 30, pin=True), torch.device("cuda")
     with cache.use(str(tiny_archive), verify=True, threads=4, direct=None) as use:
         first = decode_archive(tiny_archive, cuda, early=use.read)
@@ -97,8 +97,8 @@ def test_a_host_cache_hit_copies_from_page_locked_memory(tiny_archive: Path, mon
     probe = torch.frombuffer(kept.view, dtype=torch.uint8, count=64)
     assert kept.pinned and probe.is_pinned() and cache.pinned_bytes == cache.nbytes > 0
     del probe
-    taken, take = [], loader.PINNED.take
-    monkeypatch.setattr(loader.PINNED, "take", lambda n, nbytes: taken.append(n) or take(n, nbytes))
+    taken, take = [], pipeline.PINNED.take
+    monkeypatch.setattr(pipeline.PINNED, "take", lambda n, nbytes: taken.append(n) or take(n, nbytes))
     with cache.use(str(tiny_archive), verify=True, threads=4, direct=None) as use:
         again = decode_archive(tiny_archive, cuda, early=use.read)
     assert use.hit and taken == [0] and again.stats.h2d_s > 0

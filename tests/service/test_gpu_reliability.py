@@ -1,4 +1,4 @@
-"""Reliability on a GPU (skipped without one; scripts/device_reliability.sh runs it on a lent
+"""Reliability on a GPU (skipped without one; scripts/gpu/run.sh (stage reliability) runs it on a lent
 H100/H200): after every unload `torch.cuda.memory_allocated` is back at its baseline exactly and
 `memory_reserved` stops growing; lying archives through the CUDA decoder give typed errors, and
 on mutated streams the CUDA decoder and the server's CUDA loader agree bit for bit with the NumPy
@@ -43,8 +43,8 @@ async def test_allocated_returns_to_baseline_after_every_unload(serve, tmp_path,
     async with serve(tmp_path / "store") as server:
         name = "m"
         for _ in range(CYCLES):
-            r = await server.client.post(f"/models/{name}/load", params={"resident": resident})
-            assert r.status_code == 200 and r.json()["resident"] == resident, r.text
+            r = await server.client.post(f"/models/{name}/load", params={"weights": resident})
+            assert r.status_code == 200 and r.json()["weights"] == resident, r.text
             body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 2}}
             assert (await server.client.post("/generate", json=body)).status_code == 200
             assert (await server.client.post(f"/models/{name}/unload")).status_code == 200

@@ -10,8 +10,8 @@ import weakref
 import pytest
 from service_helpers import CHAT_PROMPT, DEMO, generate_body
 
-from service import demo as demo_module
-from service.engine import compute
+from service.load import demo as demo_module
+from service.model import cpu_dtype
 from service.registry import ModelState
 
 pytestmark = pytest.mark.anyio
@@ -73,7 +73,7 @@ async def test_load_generate_stream_unload(serve, store) -> None:
         # to this CPU, the float32 scratch (a block of rows of the tied 49152 x 576 head)
         itemsize = server.registry.get(DEMO).served.dtype.itemsize
         head = server.registry.get(DEMO).served.model.lm_head
-        scratch = (compute.CHUNK_FLOATS // 576) * 576 * 4 if isinstance(head, compute.MixedLinear) else 0
+        scratch = (cpu_dtype.CHUNK_FLOATS // 576) * 576 * 4 if isinstance(head, cpu_dtype.MixedLinear) else 0
         assert await server.metric("wcodec_model_memory_allocated_bytes", model=DEMO,
                                    device="cpu") == 269030016 * itemsize // 2 + scratch
 

@@ -7,7 +7,7 @@ import pytest
 from service_helpers import DEMO, generate_body
 
 from service.engine.worker import GenRequest
-from service.generation import Finished
+from service.engine.sampling import Finished
 from service.registry import ModelState
 
 pytestmark = pytest.mark.anyio

@@ -15,8 +15,8 @@ import pytest
 import torch
 from service_helpers import DEMO, FileReads, generate_body
 
-from service.prefetch import start_early_reads
-from service.preload import start_early_loads
+from service.load.early_read import start_early_reads
+from service.load.early_load import start_early_loads
 from service.settings import Settings
 from service.timeline import Timeline
 

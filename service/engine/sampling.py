@@ -1,0 +1,156 @@
+"""One request's decoding state (`Row`) and how a token is chosen for it; the batching itself is
+service/engine/.
+
+    ids, mask   [B, S]    left-padded prompts, 1 where a token is real
+    logits      [B, V]    float32, last position only
+
+Sampling follows TGI: greedy unless `do_sample` or a warper (temperature != 1, top_k, top_p < 1)
+is set; a sampled row gets a seed (the request's, or a random one that the details report)."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from ..model.build import ServedModel
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    do_sample: bool = False
+    seed: int | None = None
+    repetition_penalty: float | None = None
+    stop: tuple[str, ...] = ()
+
+    @property
+    def sampling(self) -> bool:
+        warped = self.temperature not in (None, 1.0) or bool(self.top_k) or (self.top_p or 1.0) < 1.0
+        return self.do_sample or warped
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    id: int
+    text: str
+    logprob: float
+    special: bool
+
+
+@dataclass(frozen=True)
+class Finished:
+    generated_text: str
+    finish_reason: str | None          # "length" | "eos_token" | "stop_sequence"; None: cancelled
+    tokens: list[TokenEvent]
+    seed: int | None
+    input_length: int
+
+
+class Row:
+    """One request's decoding state: its tokens, its text so far, and why it stopped."""
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, served: ServedModel, owner=None):
+        self.prompt_ids, self.params, self.served, self.owner = prompt_ids, params, served, owner
+        self.ids: list[int] = []
+        self.tokens: list[TokenEvent] = []
+        self.text = ""                          # special tokens kept: what stop sequences see
+        self.finish_reason: str | None = None
+        self.cancelled = False
+        self._prefix = self._read = 0           # incremental detokenization offsets
+        self.seed = (params.seed if params.seed is not None else random.getrandbits(63)) \
+            if params.sampling else None
+        self.generator = torch.Generator(served.device).manual_seed(self.seed) if self.seed is not None else None
+        self.history = torch.tensor(prompt_ids, device=served.device) if params.repetition_penalty else None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None or self.cancelled
+
+    def _detokenize(self) -> str:
+        """The text the newest token completes; "" while a UTF-8 sequence is unfinished."""
+        decode = self.served.tokenizer.decode
+        prefix = decode(self.ids[self._prefix:self._read], skip_special_tokens=False)
+        full = decode(self.ids[self._prefix:], skip_special_tokens=False)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self.ids)
+            return full[len(prefix):]
+        return ""
+
+    def push(self, token: int, logprob: float) -> TokenEvent:
+        self.ids.append(token)
+        if self.history is not None:
+            self.history = torch.cat([self.history, self.history.new_tensor([token])])
+        piece = self._detokenize()
+        self.text += piece
+        event = TokenEvent(token, piece, logprob, token in self.served.special_ids)
+        self.tokens.append(event)
+        longest = max((len(s) for s in self.params.stop), default=0)
+        window = self.text[-(len(piece) + longest):] if longest else ""
+        if token in self.served.eos_ids:
+            self.finish_reason = "eos_token"
+        elif longest and any(s in window for s in self.params.stop):
+            self.finish_reason = "stop_sequence"
+        elif len(self.ids) >= self.params.max_new_tokens:
+            self.finish_reason = "length"
+        return event
+
+    def finished(self) -> Finished:
+        text = self.served.tokenizer.decode(self.ids, skip_special_tokens=True)
+        return Finished(text, self.finish_reason, self.tokens, self.seed, len(self.prompt_ids))
+
+
+def _penalize(logits: torch.Tensor, history: torch.Tensor, penalty: float) -> torch.Tensor:
+    seen = logits.gather(0, history)                                     # [T]
+    return logits.scatter(0, history, torch.where(seen < 0, seen * penalty, seen / penalty))
+
+
+def _warp(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    logits = logits / p.temperature if p.temperature else logits
+    if p.top_k:
+        kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if p.top_p is not None and p.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs >= p.top_p                         # mass before it >= top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, row: Row) -> tuple[int, float]:
+    """One token for one row from its logits [V]; returns (token, its log-probability)."""
+    p = row.params
+    if row.history is not None:
+        logits = _penalize(logits, row.history, p.repetition_penalty)
+    logprobs = logits.log_softmax(-1)
+    if p.sampling:
+        probs = _warp(logits, p).softmax(-1)
+        token = int(torch.multinomial(probs, 1, generator=row.generator))
+    else:
+        token = int(logits.argmax())
+    return token, float(logprobs[token])
+
+
+def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)      # [B, S]
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    return ids, mask
+
+
+def sample_rows(logits: torch.Tensor, rows: list[Row]) -> list[tuple[int, float]]:
+    """One (token, logprob) per row from logits [B, V]: plain greedy rows with one argmax and one
+    device-to-host copy between them, the others (sampling, penalty) one by one with `sample`."""
+    plain = [i for i, r in enumerate(rows) if r.history is None and not r.params.sampling]
+    out: list[tuple[int, float] | None] = [None] * len(rows)
+    if plain:
+        sub = logits[torch.tensor(plain, device=logits.device)] if len(plain) < len(rows) else logits   # [G, V]
+        tokens = sub.argmax(-1)                                                                         # [G]
+        logprobs = sub.log_softmax(-1).gather(-1, tokens[:, None])[:, 0]                               # [G]
+        for i, token, logprob in zip(plain, tokens.tolist(), logprobs.tolist()):
+            out[i] = (token, logprob)
+    return [o if o is not None else sample(logits[i], rows[i]) for i, o in enumerate(out)]

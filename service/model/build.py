@@ -1,0 +1,225 @@
+"""A servable model from decoded tensors, gpt-fast style: the model is built on the `meta` device
+from the archive's embedded config and the decoded tensors are assigned as its parameters
+(`load_state_dict(assign=True)`), so the weights exist once, where they were decoded.
+
+Only what the forward pass needs is imported: Llama-family models (llama.py) and generic fast
+tokenizers (tokenizer.py) never import transformers; other architectures
+and tokenizers use transformers' Auto classes, imported on first use.
+
+Non-persistent buffers (rotary `inv_freq`) are not in a checkpoint: the modules that hold them
+are rebuilt on the target device. Tied heads (`lm_head` = embeddings) are re-tied."""
+from __future__ import annotations
+
+import itertools
+import json
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from ..errors import LoadFailed
+from ..timeline import Timeline
+from . import compressed, llama
+from .tokenizer import Tokenizer
+
+
+@dataclass
+class ServedModel:
+    name: str
+    model: torch.nn.Module
+    tokenizer: object               # service.model.tokenizer.Tokenizer or a transformers PreTrainedTokenizerFast
+    device: torch.device
+    dtype: torch.dtype
+    eos_ids: frozenset[int]
+    pad_id: int
+    max_positions: int
+    weight_bytes: int               # device bytes of its weights as they are held (`weights`)
+    weights: str = "decoded"        # "compressed": decoder layers decoded per forward (compressed.py)
+    schedule: compressed.UnitSchedule | None = None     # in compressed mode
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        return frozenset(self.tokenizer.all_special_ids)
+
+    def release(self) -> None:
+        """Give the weights back now (an unload): a request still unwinding may hold this object,
+        so it keeps a skeleton on meta; compressed mode's hooks, scratch and kept streams go too."""
+        self.model.to("meta")
+        if self.schedule is not None:
+            self.schedule.remove()
+            self.schedule = None
+
+
+def _write_files(files: dict[str, bytes], folder: Path) -> None:
+    for name, blob in files.items():
+        if Path(name).name != name or name.startswith("."):
+            raise LoadFailed(f"embedded file name {name!r} is not a plain file name")
+        (folder / name).write_bytes(blob)
+
+
+def _rebuild_meta_buffers(model: torch.nn.Module, config, device: torch.device) -> None:
+    """Re-create, on `device`, every module whose own buffers are still on meta (rotary tables)."""
+    for name, module in list(model.named_modules()):
+        if not any(b.is_meta for b in module.buffers(recurse=False)):
+            continue
+        parent_name, _, attr = name.rpartition(".")
+        try:
+            with torch.device(device):
+                fresh = type(module)(config=config)
+        except TypeError as e:
+            raise LoadFailed(f"cannot rebuild {name} ({type(module).__name__}): {e}") from None
+        setattr(model.get_submodule(parent_name), attr, fresh)
+
+
+_IMPORT_LOCK = threading.Lock()
+
+
+def hf(*names: str) -> tuple:
+    """transformers classes by name. Its lazy module is not thread-safe: two threads importing
+    different names at once can fail, and loads prepare on a thread beside the start-up warm-up."""
+    with _IMPORT_LOCK:
+        import transformers
+        return tuple(getattr(transformers, n) for n in names)
+
+
+def skeleton(config) -> torch.nn.Module:
+    """The causal LM of `config` on the meta device: structure only, no memory."""
+    (auto_lm,) = hf("AutoModelForCausalLM")
+    with torch.device("meta"):
+        return auto_lm.from_config(config)
+
+
+def assemble(config, tensors: dict[str, torch.Tensor], device: torch.device,
+             model: torch.nn.Module | None = None) -> torch.nn.Module:
+    """The causal LM of `config` with `tensors` as its weights; no tensor is copied."""
+    model = model if model is not None else skeleton(config)
+    result = model.load_state_dict(tensors, assign=True, strict=False)
+    if result.unexpected_keys:
+        raise LoadFailed(f"tensors unknown to {config.model_type}: {result.unexpected_keys[:5]}")
+    model.tie_weights()
+    _rebuild_meta_buffers(model, config, device)
+    missing = [n for n, t in itertools.chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
+    if missing:
+        raise LoadFailed(f"the archive lacks tensors: {missing[:5]}")
+    return model.eval().requires_grad_(False)
+
+
+def _eos_ids(config, generation, tokenizer) -> frozenset[int]:
+    ids: set[int] = set()
+    for value in (getattr(generation, "eos_token_id", None), config.eos_token_id, tokenizer.eos_token_id):
+        ids.update(value if isinstance(value, list) else [] if value is None else [value])
+    return frozenset(ids)
+
+
+@dataclass
+class Prepared:
+    """What a model needs besides its weights; built while the weights decode."""
+
+    config: object
+    tokenizer: object
+    generation: object | None
+    model: torch.nn.Module          # on meta until finish() assigns the decoded tensors
+    seconds: float
+
+
+def _hf_prepare(files: dict[str, bytes], tokenizer: object | None) -> tuple[object, object, object | None]:
+    """Config, tokenizer and generation config through transformers' Auto classes."""
+    AutoConfig, AutoTokenizer, GenerationConfig = hf("AutoConfig", "AutoTokenizer", "GenerationConfig")  # noqa: N806
+    with tempfile.TemporaryDirectory(prefix="wcodec-") as tmp:
+        _write_files(files, Path(tmp))
+        config = AutoConfig.from_pretrained(tmp)
+        tokenizer = tokenizer or AutoTokenizer.from_pretrained(tmp)
+        has_generation = (Path(tmp) / "generation_config.json").exists()
+        generation = GenerationConfig.from_pretrained(tmp) if has_generation else None
+    return config, tokenizer, generation
+
+
+def prepare(name: str, files: dict[str, bytes]) -> Prepared:
+    """Config, tokenizer, generation config and the meta-device skeleton from embedded files."""
+    t0 = time.perf_counter()
+    if "config.json" not in files:
+        raise LoadFailed(f"model {name!r} embeds no config.json: it cannot be served")
+    try:
+        native = llama.LlamaConfig.parse(json.loads(files["config.json"]))
+    except (ValueError, KeyError, TypeError) as e:
+        raise LoadFailed(f"model {name!r}: config.json is not valid: {type(e).__name__}: {e}") from None
+    tokenizer = Tokenizer.from_files(files)
+    if native is None:
+        config, tokenizer, generation = _hf_prepare(files, tokenizer)
+        return Prepared(config, tokenizer, generation, skeleton(config), time.perf_counter() - t0)
+    if tokenizer is None:
+        (auto_tokenizer,) = hf("AutoTokenizer")
+        with tempfile.TemporaryDirectory(prefix="wcodec-") as tmp:
+            _write_files(files, Path(tmp))
+            tokenizer = auto_tokenizer.from_pretrained(tmp)
+    blob = files.get("generation_config.json")
+    generation = SimpleNamespace(**json.loads(blob)) if blob else None
+    model = llama.LlamaForCausalLM(native, device="meta")
+    return Prepared(native, tokenizer, generation, model, time.perf_counter() - t0)
+
+
+def finish(name: str, prepared: Prepared, decoded: dict[str, torch.Tensor], kept: list[compressed.CompressedLayer],
+           device: torch.device, scratch: int = 2, on_forward=None) -> ServedModel:
+    """Assign the `decoded` tensors. Layers the loader `kept` compressed get a decode schedule
+    (`scratch` buffers on CUDA)."""
+    config, tokenizer = prepared.config, prepared.tokenizer
+    tensors, schedule = decoded, None
+    if kept:
+        schedule = compressed.attach(prepared.model, kept, device, scratch, on_forward)
+        tensors = {**tensors, **schedule.placeholders()}
+    model = assemble(config, tensors, device, prepared.model)
+    weight_bytes = sum(t.nbytes for t in decoded.values())
+    if schedule is not None:
+        schedule.install()
+        weight_bytes += schedule.compressed_bytes + schedule.scratch_bytes
+    eos = _eos_ids(config, prepared.generation, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos, default=0)
+    dtype = next(model.parameters()).dtype
+    return ServedModel(name, model, tokenizer, device, dtype, eos, pad,
+                       getattr(config, "max_position_embeddings", 2048), weight_bytes,
+                       "compressed" if schedule is not None else "decoded", schedule)
+
+
+def device_of(settings) -> torch.device:
+    """Where models are decoded and run: WCODEC_DEVICE, else CUDA when there is a GPU."""
+    return torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+_WARM_LOCK = threading.Lock()
+_WARMED: set[str] = set()                  # device types warmed up in this process
+
+
+def warm_up(device: torch.device, timeline: Timeline | None = None) -> None:
+    """One-time costs paid at start-up, not at the first load: the decoder extension and the CUDA
+    context. `wcodec serve` starts this on a thread right after torch's import; the lifespan calls
+    it again, which waits for that one and then returns."""
+    timeline = timeline or Timeline()
+    with _WARM_LOCK:
+        if device.type in _WARMED:
+            return
+        with timeline.span("warm-up: import cuda_ext (decoder extension)"):
+            import cuda_ext
+            cuda_ext.available()
+        if device.type == "cuda":
+            with timeline.span("warm-up: CUDA context"):
+                torch.empty(1, device=device)
+        _WARMED.add(device.type)
+
+
+def first_kernels(device: torch.device, dtype: torch.dtype, timeline: Timeline) -> None:
+    """Run the kinds of kernel a forward of `dtype` uses once, at toy sizes, so that cuBLAS's
+    handle and the kernels' modules are loaded before the first request: the first token came
+    ~0.9 s after /health/ready without it (H100 box, 7B-shaped, page cache warm). An early load
+    runs it on a thread that nothing waits for: with the page cache dropped it read the kernels
+    from the disk for 4.8 s, which must not hold a load back."""
+    import torch.nn.functional as F  # noqa: N812
+    with timeline.span(f"warm-up: cuBLAS and attention kernels ({dtype})"):
+        x = torch.randn(2, 3, 64, device=device, dtype=dtype)
+        q = F.silu(F.linear(x, torch.randn(64, 64, device=device, dtype=dtype))).view(2, 3, 2, 32).transpose(1, 2)
+        mask = torch.ones(2, 1, 3, 3, dtype=torch.bool, device=device).tril()
+        F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+        torch.cuda.synchronize(device)

@@ -1,0 +1,112 @@
+"""How a model computes on the CPU (WCODEC_CPU_DTYPE).
+
+A CPU without native bf16/fp16 arithmetic (no AVX512-BF16, no AMX: e.g. AVX2-only x86) runs
+PyTorch's bf16 matmuls through a fallback several times slower than float32's BLAS once a step has
+more than a few rows; with one or two rows the step is memory-bound instead, and bf16 weights are
+read in half the time. Measured on this project's 2-core AVX2 EPYC, SmolLM2-135M, one decoding
+step (docs/BENCHMARKS.md):
+
+    rows   bf16 weights, bf16 matmuls   float32 weights   bf16 weights, float32 matmuls (mixed)
+    1            47 ms                      84 ms                 -
+    4           108 ms                       -                  136 ms
+    29              -                      255 ms               281 ms
+
+So `auto` keeps the archive's bf16/fp16 weights and multiplies in float32 only in calls of at
+least MIXED_ROWS rows, through one float32 scratch buffer per model (the weight of each Linear is
+widened into it just before its matmul, and stays in cache): no second copy of the weights, the
+batch-1 speed of bf16 and most of float32's speed at many rows. Both paths sum exact products in
+float32 and round once to the weight's dtype, so they differ only in summation order.
+A weight larger than CHUNK_FLOATS (the tied 49152 x 576 head) is widened and multiplied a block of
+output rows at a time, so that the block is still in cache when the matmul reads it: the head at
+32 rows took 65 ms widened whole (113 MB written, then read), 33 ms in blocks of ~2k rows.
+Compressed-resident models (decoded into bf16 scratch buffers every forward) and GPU models keep
+their dtype.
+
+    auto      mixed (above) on a CPU without native bf16 (fp16: without AMX-FP16), else the archive's
+    model     the archive's dtype, always
+    float32   the whole model cast to float32 once, after its load (twice the bytes)
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from . import llama
+from .build import ServedModel
+
+CpuDtype = Literal["auto", "model", "float32"]
+MIXED_ROWS = 6                   # rows of a call from which float32 matmuls win (table above)
+CHUNK_FLOATS = 1 << 20           # float32 elements of a weight widened at a time (4 MiB)
+
+
+def _native(dtype: torch.dtype) -> bool:
+    """Whether this CPU has arithmetic for `dtype` (torch's own feature checks)."""
+    cpu = torch.cpu
+    if dtype == torch.bfloat16:
+        return cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported()
+    if dtype == torch.float16:
+        return cpu._is_amx_fp16_supported()
+    return True
+
+
+def cpu_compute(served: ServedModel, setting: CpuDtype) -> str:
+    """"model", "mixed" or "float32": how `served` computes under `setting`."""
+    if served.device.type != "cpu" or served.weights != "decoded" or setting == "model":
+        return "model"
+    if served.dtype not in (torch.bfloat16, torch.float16):
+        return "model"
+    if setting == "float32":
+        return "float32"
+    return "model" if _native(served.dtype) else "mixed"
+
+
+class MixedLinear(llama.Linear):
+    """A bf16/fp16 Linear whose matmul runs in float32 in calls of `min_rows` rows or more: the
+    weight is widened into the model's shared `scratch` (the model runs one forward at a time),
+    as many output rows at a time as the scratch holds."""
+    scratch: torch.Tensor
+    min_rows: int
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() < self.min_rows * x.shape[-1]:
+            return super().forward(x)
+        xf, step = x.float(), self.scratch.numel() // self.in_features
+        parts = [self._block(xf, slice(i, i + step)) for i in range(0, self.out_features, step)]
+        return (parts[0] if len(parts) == 1 else torch.cat(parts, -1)).to(x.dtype)
+
+    def _block(self, x: torch.Tensor, rows: slice) -> torch.Tensor:
+        """x [..., in] float32 times output rows `rows` of the weight, widened -> [..., rows]."""
+        weight = self.weight[rows]
+        w = self.scratch[:weight.numel()].view(weight.shape)
+        w.copy_(weight)                                                   # [rows, in] float32
+        return F.linear(x, w, None if self.bias is None else self.bias[rows].float())
+
+
+def _scratch_floats(linear: llama.Linear) -> int:
+    """Floats `linear` widens at a time: all of it, or whole rows up to CHUNK_FLOATS."""
+    rows = max(1, CHUNK_FLOATS // linear.in_features)
+    return min(linear.out_features, rows) * linear.in_features
+
+
+def _mix(model: torch.nn.Module, min_rows: int) -> int:
+    """Turn every Linear of `model` into a MixedLinear sharing one scratch; returns its bytes."""
+    linears = [m for m in model.modules() if isinstance(m, llama.Linear)]
+    scratch = torch.empty(max((_scratch_floats(m) for m in linears), default=0), dtype=torch.float32)
+    for m in linears:
+        m.__class__ = MixedLinear
+        m.scratch, m.min_rows = scratch, min_rows
+    return scratch.nbytes
+
+
+def for_cpu(served: ServedModel, setting: CpuDtype) -> ServedModel:
+    """`served` set up to compute as `cpu_compute` says (in place), its bytes counted again."""
+    how = cpu_compute(served, setting)
+    if how == "mixed":
+        return replace(served, weight_bytes=served.weight_bytes + _mix(served.model, MIXED_ROWS))
+    if how == "float32":
+        model = served.model.to(torch.float32)        # each parameter replaced: the old one is freed
+        return replace(served, model=model, dtype=torch.float32, weight_bytes=served.weight_bytes * 2)
+    return served

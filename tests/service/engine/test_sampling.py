@@ -1,0 +1,91 @@
+"""The generation loop's pieces on a stub model: sampling rules (TGI's), penalties, stops,
+incremental detokenization, left padding."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from service.engine.sampling import Row, SamplingParams, left_pad, sample
+
+EOS, SPECIAL = 9, frozenset({9})
+
+
+class ByteTokenizer:
+    """Token i is byte i (so multi-byte UTF-8 characters span tokens); 9 is the end token."""
+
+    def decode(self, ids, skip_special_tokens=False):
+        data = bytes(i for i in ids if not (skip_special_tokens and i in SPECIAL))
+        return data.decode("utf-8", errors="replace")
+
+
+def served() -> SimpleNamespace:
+    return SimpleNamespace(device=torch.device("cpu"), tokenizer=ByteTokenizer(), eos_ids=frozenset({EOS}),
+                           special_ids=SPECIAL)
+
+
+def row(**params) -> Row:
+    return Row([1, 2, 3], SamplingParams(**{"max_new_tokens": 50, **params}), served())
+
+
+def test_sampling_turns_on_like_tgi() -> None:
+    assert not SamplingParams(5).sampling and not SamplingParams(5, temperature=1.0).sampling
+    assert SamplingParams(5, temperature=0.7).sampling and SamplingParams(5, top_k=3).sampling
+    assert SamplingParams(5, top_p=0.9).sampling and SamplingParams(5, do_sample=True).sampling
+
+
+def test_greedy_takes_the_argmax_and_reports_its_logprob() -> None:
+    logits = torch.tensor([0.0, 3.0, 1.0, -1.0])
+    token, logprob = sample(logits, row())
+    assert token == 1 and logprob == pytest.approx(float(logits.log_softmax(-1)[1]))
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy_whatever_the_seed() -> None:
+    logits = torch.randn(100, generator=torch.Generator().manual_seed(3))
+    best = int(logits.argmax())
+    for seed in range(5):
+        assert sample(logits, row(do_sample=True, top_k=1, seed=seed))[0] == best
+        assert sample(logits, row(do_sample=True, top_p=1e-6, seed=seed))[0] == best
+
+
+def test_seeded_sampling_is_reproducible() -> None:
+    logits = torch.zeros(1000)
+    a, b = row(do_sample=True, seed=11), row(do_sample=True, seed=11)
+    assert [sample(logits, a)[0] for _ in range(5)] == [sample(logits, b)[0] for _ in range(5)]
+    assert a.seed == 11 and row(do_sample=True).seed is not None and row().seed is None
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits() -> None:
+    r = row(repetition_penalty=2.0)                      # history: the prompt 1, 2, 3
+    logits = torch.tensor([0.5, 4.0, -1.0, 3.0, 2.5])
+    token, _ = sample(logits, r)
+    assert token == 4                                     # 4.0 -> 2.0 and 3.0 -> 1.5 fall below 2.5
+
+
+def test_finish_reasons() -> None:
+    r = row(max_new_tokens=2)
+    r.push(ord("a"), 0.0)
+    assert not r.done
+    r.push(ord("b"), 0.0)
+    assert r.finish_reason == "length"
+    r = row()
+    r.push(EOS, 0.0)
+    assert r.finish_reason == "eos_token" and r.tokens[0].special and r.finished().generated_text == ""
+    r = row(stop=("lo w",))
+    for ch in "hello world":
+        r.push(ord(ch), 0.0)
+        if r.done:
+            break
+    assert r.finish_reason == "stop_sequence" and r.finished().generated_text == "hello w"
+
+
+def test_incremental_text_never_splits_a_character() -> None:
+    r = row()
+    pieces = [r.push(b, 0.0).text for b in "é€x".encode()]
+    assert pieces == ["", "é", "", "", "€", "x"] and r.finished().generated_text == "é€x"
+
+
+def test_left_pad() -> None:
+    ids, mask = left_pad([[5, 6, 7], [8]], 0, torch.device("cpu"))
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]

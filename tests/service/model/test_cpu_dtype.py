@@ -1,0 +1,64 @@
+"""CPU compute modes (service/model/cpu_dtype.py): which one a model gets, and that the mixed
+Linear multiplies in the weight's dtype for a few rows and in float32 for many, with no second
+copy of the weights."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from service.model import llama
+from service.model import cpu_dtype
+
+
+def served(dtype=torch.bfloat16, device="cpu", weights="decoded"):
+    return SimpleNamespace(dtype=dtype, device=torch.device(device), weights=weights)
+
+
+@pytest.mark.parametrize(("setting", "kw", "want"), [
+    ("model", {}, "model"),
+    ("float32", {}, "float32"),
+    ("float32", {"dtype": torch.float32}, "model"),
+    ("auto", {"weights": "compressed"}, "model"),
+    ("float32", {"device": "meta"}, "model"),
+])
+def test_mode_chosen(setting, kw, want):
+    assert cpu_dtype.cpu_compute(served(**kw), setting) == want
+
+
+def test_auto_follows_the_cpu(monkeypatch):
+    monkeypatch.setattr(cpu_dtype, "_native", lambda dtype: False)
+    assert cpu_dtype.cpu_compute(served(), "auto") == "mixed"
+    monkeypatch.setattr(cpu_dtype, "_native", lambda dtype: True)
+    assert cpu_dtype.cpu_compute(served(), "auto") == "model"
+
+
+def test_mixed_linear_paths():
+    g = torch.Generator().manual_seed(0)
+    model = torch.nn.Sequential(llama.Linear(64, 32, bias=False), llama.Linear(32, 16, bias=False))
+    for m in model:
+        m.weight = torch.nn.Parameter(torch.randn(m.weight.shape, generator=g).bfloat16(), requires_grad=False)
+    ptrs = [m.weight.data_ptr() for m in model]
+    scratch_bytes = cpu_dtype._mix(model, min_rows=6)
+    assert scratch_bytes == 64 * 32 * 4
+    assert [m.weight.data_ptr() for m in model] == ptrs and all(m.weight.dtype == torch.bfloat16 for m in model)
+    lin = model[0]
+    few = torch.randn(1, 5, 64, generator=g).bfloat16()                # 5 rows: the bf16 matmul
+    many = torch.randn(2, 3, 64, generator=g).bfloat16()               # 6 rows: float32
+    assert torch.equal(lin(few), F.linear(few, lin.weight))
+    assert torch.equal(lin(many), F.linear(many.float(), lin.weight.float()).bfloat16())
+    assert model(many).dtype == torch.bfloat16
+
+
+def test_a_large_weight_is_widened_in_blocks_of_rows(monkeypatch):
+    monkeypatch.setattr(cpu_dtype, "CHUNK_FLOATS", 10 * 64)             # 10 rows of 64 at a time
+    g = torch.Generator().manual_seed(0)
+    lin = llama.Linear(64, 25, bias=True)                               # blocks of 10, 10 and 5 rows
+    lin.weight = torch.nn.Parameter(torch.randn(25, 64, generator=g).bfloat16(), requires_grad=False)
+    lin.bias = torch.nn.Parameter(torch.randn(25, generator=g).bfloat16(), requires_grad=False)
+    assert cpu_dtype._mix(lin, min_rows=6) == 10 * 64 * 4
+    x = torch.randn(2, 4, 64, generator=g).bfloat16()
+    want = F.linear(x.float(), lin.weight.float(), lin.bias.float()).bfloat16()
+    torch.testing.assert_close(lin(x), want, rtol=0, atol=0)
