@@ -85,9 +85,9 @@ RUN --mount=type=secret,id=ca \
     && rm /tmp/requirements.txt /tmp/pyproject.toml
 
 
-# cuda_ext._C ahead of time, from cuda_ext/ and setup.py alone. The CUDA build must hold SASS for
-# every architecture of TORCH_CUDA_ARCH_LIST (setup.py would quietly build the C++ twin alone
-# without nvcc): cuobjdump checks.
+# cuda_ext._C ahead of time, from cuda_ext/csrc and setup.py alone (a change to cuda_ext's Python
+# leaves this stage alone). The CUDA build must hold SASS for every architecture of
+# TORCH_CUDA_ARCH_LIST (setup.py would quietly build the C++ twin alone without nvcc): cuobjdump checks.
 FROM deps AS ext
 ARG TORCH_VARIANT
 # keep in sync with setup.py and cuda_ext/build.py: A100, RTX 30xx, RTX 40xx/L4, Hopper, B200, RTX 5090
@@ -95,7 +95,7 @@ ARG TORCH_CUDA_ARCH_LIST="8.0;8.6;8.9;9.0;10.0;12.0"
 ARG MAX_JOBS=2
 WORKDIR /src
 COPY pyproject.toml setup.py ./
-COPY cuda_ext cuda_ext
+COPY cuda_ext/csrc cuda_ext/csrc
 # README.md: pyproject.toml names it; an empty one does for building the extension alone.
 # SHELL (bash, pipefail) comes from build-base.
 # hadolint ignore=DL4006
