@@ -202,8 +202,9 @@ smoke() {
 }
 
 # Copies the build context to a scratch directory, changes one file under service/, rebuilds as
-# <image>-rebuildcheck, and lists each step as cached or built: everything up to the project's own
-# steps (COPY service onwards) must come from the cache, the runtime's venv layer included.
+# <image>-rebuildcheck, and shows what was reused: each build step cached or built (a step's result
+# is the next "-->" line, except COPY --from, whose source stage prints in between), then the
+# runtime image's layers beside the first build's: all but the project's must be the same layers.
 rebuild_check() {
   build
   local tmp; tmp=$(mktemp -d)
@@ -213,17 +214,29 @@ rebuild_check() {
   LOGS=$LOGS/rebuild; mkdir -p "$LOGS"
   local image=$IMAGE; IMAGE=$image-rebuildcheck
   build "$tmp"
-  # buildah prints a step, then "--> Using cache <id>" or "--> <id>" once done; a step that needs
-  # another stage (COPY --from) is answered after that stage's steps: a stack pairs them
   awk '/^(\[[0-9]+\/[0-9]+\] )?STEP [0-9]+\/[0-9]+: / {
-         if ($0 ~ /: FROM / || $0 == last) next; last = $0; stack[++n] = substr($0, 1, 120); next }
-       /^--> Using cache/ { if (n) print "cached " stack[n--]; skip = 1; next }
-       /^--> [0-9a-f]+$/ { if (skip) { skip = 0; next } if (n) print "BUILT  " stack[n--] }' \
+         step = ($0 ~ /: (FROM|COPY --from)/) ? "" : substr($0, 1, 120); next }
+       /^--> Using cache/ { if (step != "") print "cached " step; step = ""; next }
+       /^--> [0-9a-f]+$/ { if (step != "") print "BUILT  " step; step = "" }' \
     "$LOGS/build-$VARIANT.log" | tee "$LOGS/steps.txt"
+  ! grep -E '^BUILT .*(pip-install|build_ext|COPY pyproject.toml /tmp)' "$LOGS/steps.txt" \
+    || die "a dependency step was rebuilt"
+  # the runtime's layers, bottom first: the same digest = the same layer, reused
+  local before after sizes i=0 same total
+  before=$("$ENGINE" image inspect --format '{{range .RootFS.Layers}}{{println .}}{{end}}' "$image")
+  after=$("$ENGINE" image inspect --format '{{range .RootFS.Layers}}{{println .}}{{end}}' "$IMAGE")
+  sizes=$("$ENGINE" history --format '{{.Size}} {{.CreatedBy}}' "$IMAGE" \
+    | grep -v '#(nop) \(ENV\|USER\|WORKDIR\|VOLUME\|EXPOSE\|HEALTHCHECK\|ENTRYPOINT\|CMD\|SHELL\)' | tac | cut -c1-90)
+  while read -r layer; do
+    i=$((i + 1))
+    if [ "$layer" = "$(sed -n "${i}p" <<<"$before")" ]; then printf 'same layer  '; else printf 'new layer   '; fi
+    printf '%s  %s\n' "${layer:7:12}" "$(sed -n "${i}p" <<<"$sizes")"
+  done <<<"$after" >"$LOGS/layers.txt"
+  cat "$LOGS/layers.txt"
   "$ENGINE" rmi "$IMAGE" >/dev/null; rm -rf "$tmp"
-  ! grep -E '^BUILT .*(pip-install|build_ext|COPY --from=venv|COPY pyproject.toml /tmp)' "$LOGS/steps.txt" \
-    || die "a dependency layer was rebuilt"
-  say "rebuild after a change to service/: $(grep -c '^cached' "$LOGS/steps.txt") steps cached, $(grep -c '^BUILT' "$LOGS/steps.txt") built (the project's own); the venv layer reused"
+  same=$(grep -c '^same' "$LOGS/layers.txt"); total=$(wc -l <"$LOGS/layers.txt")
+  [ "$same" -eq $((total - 1)) ] || die "only $same of $total runtime layers reused"
+  say "rebuild after a change to service/: $(grep -c '^cached' "$LOGS/steps.txt") steps cached, $(grep -c '^BUILT' "$LOGS/steps.txt") built; $same of $total runtime layers the same (only the project's is new)"
 }
 
 case "${1:-}" in
