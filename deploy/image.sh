@@ -81,7 +81,7 @@ build() {
 }
 
 image_size() {
-  "$ENGINE" image inspect --format '{{.Size}}' "$1" | awk '{printf "%.2f GB (%d bytes)", $1/1e9, $1}'
+  "$ENGINE" image inspect --format '{{.Size}}' "$1" | awk '{printf "%.2f GB (%.0f bytes)", $1/1e9, $1}'
 }
 
 http() { curl -fsS --max-time "${2:-10}" "http://127.0.0.1:$PORT$1"; }
@@ -103,7 +103,7 @@ check_sass() {
   local archs tmp id
   archs=$(sed -n 's/^ARG TORCH_CUDA_ARCH_LIST="\(.*\)"/\1/p' Dockerfile | tr ';' ' ' | tr -d '.')
   tmp=$(mktemp -d); id=$("$ENGINE" create "$IMAGE")
-  "$ENGINE" cp "$id:/opt/wcodec/cuda_ext/." "$tmp/" && "$ENGINE" rm "$id" >/dev/null
+  "$ENGINE" cp "$id:/opt/wcodec/cuda_ext/." "$tmp/" && "$ENGINE" rm "$id" >/dev/null 2>&1
   chmod -R a+rX "$tmp"
   build_ext_stage
   local so; so=$(cd "$tmp" && ls _C*.so)
