@@ -36,4 +36,4 @@ printf 'deb %s %s main\ndeb %s %s-updates main\n' "$MIRROR" "$SUITE" "$MIRROR" "
 tar --numeric-owner -C "$ROOTFS" -c . | podman import \
   --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
   --change 'CMD ["/bin/bash"]' --message "debootstrap --variant=minbase $SUITE $MIRROR" - "$IMAGE" >/dev/null
-echo "base: $IMAGE in $(( $(date +%s) - start )) s, $(podman image inspect --format '{{.Size}}' "$IMAGE" | numfmt --to=iec)"
+echo "base: $IMAGE in $(( $(date +%s) - start )) s, $(podman image inspect --format '{{.Size}}' "$IMAGE" | numfmt --to=si)B"
