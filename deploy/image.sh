@@ -103,7 +103,7 @@ check_sass() {
   local archs tmp id
   archs=$(sed -n 's/^ARG TORCH_CUDA_ARCH_LIST="\(.*\)"/\1/p' Dockerfile | tr ';' ' ' | tr -d '.')
   tmp=$(mktemp -d); id=$("$ENGINE" create "$IMAGE")
-  "$ENGINE" cp "$id:/opt/wcodec/cuda_ext/." "$tmp/" && "$ENGINE" rm "$id" >/dev/null 2>&1
+  "$ENGINE" cp "$id:/opt/wcodec/cuda_ext/." "$tmp/" && "$ENGINE" rm -v "$id" >/dev/null 2>&1
   chmod -R a+rX "$tmp"
   build_ext_stage
   local so; so=$(cd "$tmp" && ls _C*.so)
