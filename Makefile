@@ -1,7 +1,7 @@
 PY ?= python3
 STAMP := .setup-done
 
-.PHONY: setup test serve clean
+.PHONY: setup test serve clean image image-smoke image-rebuild-check compose-smoke
 
 # `make test` does all set-up on a fresh machine, then runs every test (GPU tests skip without a GPU).
 test: $(STAMP)
@@ -12,6 +12,24 @@ serve: $(STAMP)
 	$(PY) -m wcodec serve $(SERVE_ARGS)
 
 setup: $(STAMP)
+
+# The container image (README, "Deploy"): VARIANT=cpu (default) or cuda. Not part of `make test`.
+# `image` builds wcodec:<version>-<variant>; `image-smoke` builds it, runs it and checks it (health,
+# a chat answer, /metrics, non-root, read-only root, SASS of every architecture for cuda, no secret
+# in a layer); `image-rebuild-check` shows a change to service/ reusing the dependency layers;
+# `compose-smoke` runs it beside Prometheus and checks the scrape through Prometheus' API.
+VARIANT ?= cpu
+image:
+	VARIANT=$(VARIANT) deploy/image.sh build
+
+image-smoke:
+	VARIANT=$(VARIANT) deploy/image.sh smoke
+
+image-rebuild-check:
+	VARIANT=$(VARIANT) deploy/image.sh rebuild-check
+
+compose-smoke:
+	VARIANT=$(VARIANT) deploy/compose-smoke.sh
 
 $(STAMP): pyproject.toml setup.py scripts/setup.sh $(wildcard cuda_ext/csrc/*)
 	PY=$(PY) bash scripts/setup.sh

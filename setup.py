@@ -9,7 +9,7 @@ from setuptools import setup
 CSRC = os.path.join("cuda_ext", "csrc")
 CXX = ["-O3", "-fopenmp", "-ffp-contract=off", "-DWCODEC_PYTHON_MODULE"]   # no FMA: gguf_blocks.h
 NVCC = ["-O3", "--use_fast_math", "-lineinfo"]
-DEFAULT_ARCH_LIST = "8.0;8.6;8.9;9.0;12.0"          # sources and arch list: as cuda_ext/build.py
+DEFAULT_ARCH_LIST = "8.0;8.6;8.9;9.0;10.0;12.0"     # sources and arch list: as cuda_ext/build.py
 
 
 def extensions():
@@ -31,7 +31,23 @@ def extensions():
                             extra_compile_args={"cxx": CXX, "nvcc": NVCC}, **common)
     else:
         ext = CppExtension("cuda_ext._C", cpu, extra_compile_args={"cxx": CXX}, **common)
-    return {"ext_modules": [ext], "cmdclass": {"build_ext": BuildExtension.with_options(use_ninja=False)}}
+    return {"ext_modules": [ext], "cmdclass": {"build_ext": twin_objects(BuildExtension).with_options(use_ninja=False)}}
+
+
+def twin_objects(base):
+    """The .cpp and .cu twins share a stem: setuptools would write both to <stem>.o and link the
+    CUDA one twice ("multiple definition"). The CUDA objects get <stem>.cuda.o, as torch's JIT build
+    names them."""
+    class Build(base):
+        def build_extensions(self):
+            names = self.compiler.object_filenames
+
+            def object_filenames(sources, *args, **kwargs):
+                objects = names(sources, *args, **kwargs)
+                return [o[:-len(".o")] + ".cuda.o" if s.endswith(".cu") else o for s, o in zip(sources, objects)]
+            self.compiler.object_filenames = object_filenames
+            super().build_extensions()
+    return Build
 
 
 setup(**extensions())

@@ -14,6 +14,7 @@ from service.settings import Settings
 
 PORT = Settings().port
 STORE = "/models"                                        # the image's WCODEC_MODEL_STORE and VOLUME
+CACHE = "/cache"                                         # the image's XDG_CACHE_HOME and VOLUME
 
 
 def test_compose_file_is_valid_compose_spec() -> None:
@@ -26,13 +27,14 @@ def test_compose_file_is_valid_compose_spec() -> None:
 def test_compose_runs_wcodec_on_a_gpu_with_the_store_and_the_port() -> None:
     compose = load_yaml(COMPOSE)
     wcodec = compose["services"]["wcodec"]
-    assert wcodec["build"] == {"context": "..", "dockerfile": "Dockerfile"}
+    assert wcodec["build"] == {"context": "..", "dockerfile": "Dockerfile", "args": {"TORCH_VARIANT": "cuda"}}
     (gpu,) = wcodec["deploy"]["resources"]["reservations"]["devices"]
     assert gpu["driver"] == "nvidia" and "gpu" in gpu["capabilities"]
     env = wcodec["environment"]
     assert env["WCODEC_PORT"] == str(PORT) and env["WCODEC_MODEL_STORE"] == STORE
     assert [p.rsplit(":", 1)[1] for p in wcodec["ports"]] == [str(PORT)]
-    assert [v.split(":")[1] for v in wcodec["volumes"]] == [STORE]
+    assert [v.split(":")[1] for v in wcodec["volumes"]] == [STORE, CACHE]
+    assert wcodec["read_only"] is True and wcodec["tmpfs"] == ["/tmp"]
     assert set(compose["volumes"]) >= {v.split(":")[0] for s in compose["services"].values()
                                        for v in s.get("volumes", []) if not v.startswith(".")}
 
@@ -82,10 +84,13 @@ def test_k8s_deployment_probes_port_gpu_and_store() -> None:
         "startupProbe": "/health/ready", "readinessProbe": "/health/ready", "livenessProbe": "/health"}
     assert {p["port"] for p in probes.values()} == {"http"}
     assert {p["path"] for p in probes.values()} <= served_paths()
-    (mount,) = c["volumeMounts"]
-    (volume,) = pod["volumes"]
-    assert mount == {"name": volume["name"], "mountPath": STORE}
-    assert volume["persistentVolumeClaim"]["claimName"] == k8s_kind("PersistentVolumeClaim")["metadata"]["name"]
+    # a read-only root: the store, the caches and /tmp are volumes
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert set(mounts) == {STORE, CACHE, "/tmp"} and set(mounts.values()) == set(volumes)
+    claim = volumes[mounts[STORE]]["persistentVolumeClaim"]["claimName"]
+    assert claim == k8s_kind("PersistentVolumeClaim")["metadata"]["name"]
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
     assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["runAsUser"] == 10001
 
 
