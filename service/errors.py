@@ -63,6 +63,9 @@ class GenerationFailed(ServiceError):
 class QueueFull(ServiceError):
     status_code, error_type, description = 429, "overloaded", "Model is overloaded"
 
+    def __init__(self, message: str, retry_after_s: int = 1):
+        super().__init__(message, {"Retry-After": str(retry_after_s)})
+
 
 class ModelNotReady(ServiceError):
     status_code, error_type, description = 503, "model_not_ready", "Model is not loaded (yet)"
