@@ -146,7 +146,7 @@ class Runner:
         paged.forward(self.model, g.ids, g.context(), self.cache)          # warm-up: lazy inits outside the graph
         torch.cuda.synchronize(self.device)
         g.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g.graph, pool=self.pool):
+        with torch.cuda.graph(g.graph, pool=self.pool, capture_error_mode="thread_local"):
             g.logits = paged.forward(self.model, g.ids, g.context(), self.cache)
         if self.pool is None:
             self.pool = g.graph.pool()
@@ -177,3 +177,6 @@ class Runner:
         self.graphs.clear()
         self.pool = None
         self.cache.k = self.cache.v = None
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if self.use_graphs and clear is not None:
+            clear()                                       # the capture stream's cuBLAS workspace

@@ -103,13 +103,13 @@ class Engine:
 
     def _batcher(self, served: ServedModel, limits: Limits) -> Batcher | paging.Scheduler:
         """The paged scheduler for llama.py's models, batcher.py's padded batches for the others."""
-        args = dict(max_rows=limits.max_rows, max_tokens=limits.max_tokens, on_token=self._on_token,
-                    on_finish=self._done_rows.append)
         if limits.engine == "paged" and isinstance(served.model, LlamaForCausalLM):
-            sched = paging.scheduler(served, limits.max_rows, limits.max_tokens, limits.cache, **args)
+            sched = paging.scheduler(served, limits.max_rows, limits.max_tokens, limits.cache, self._on_token,
+                                     self._done_rows.append)
             self.metrics.track_cache(served.name, sched.blocks)
             return sched
-        return Batcher(served, **args)
+        return Batcher(served, max_rows=limits.max_rows, max_tokens=limits.max_tokens, on_token=self._on_token,
+                       on_finish=self._done_rows.append)
 
     def start(self) -> Engine:
         self._thread.start()

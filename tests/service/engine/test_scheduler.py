@@ -4,6 +4,7 @@ batched; batched rows equal the same requests alone; a full cache makes requests
 a request larger than the cache is refused; the cache is allocated once."""
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
@@ -11,10 +12,11 @@ import torch
 from test_batching import Req, first_divergence_is_a_near_tie, load, prompts_of
 from service_helpers import DEMO
 
-from service.engine import Batcher, paging
+from service.engine import Batcher, Engine, GenRequest, Limits, paging
 from service.engine.blocks import BlockManager
 from service.engine.sampling import Row, SamplingParams
-from service.errors import ValidationFailed
+from service.errors import QueueFull, ValidationFailed
+from service.metrics import Metrics
 
 PROMPTS = ["What is the capital of France?", "Write a poem about the sea.", "1, 2, 3, 4,",
            "Explain gravity to a child.", "def fib(n):", "The best bread is", "Translate 'cat' into French.",
@@ -158,3 +160,32 @@ def test_paged_forward_equals_llama_forward(tiny) -> None:
     c = s.runner.run([Decode(token, len(prompt), table)], [])
     ref = tiny.model(input_ids=torch.tensor([prompt + [token]])).logits[0, -1].float()
     torch.testing.assert_close(c[0], ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.anyio
+async def test_twice_the_cache_budget_completes_or_gets_429(tiny) -> None:
+    """The engine (worker.py) over a cache of 2 requests' worth and a queue of 3, 8 requests at
+    once: each finishes or is refused with 429 and Retry-After; nothing is lost or crashes."""
+    per = paging.paged.PagedCache.token_bytes(tiny.model.config, paging.cache_dtype(tiny))
+    limits = Limits(8, 512, 3, 0.0, cache=paging.CacheSettings(nbytes=per * 2 * 48, max_total_tokens=48))
+    metrics = Metrics()
+    engine = Engine(tiny, metrics, limits).start()
+    try:
+        prompt = tiny.tokenizer.encode("a b c d")
+        reqs, refused = [], 0
+        for _ in range(8):
+            req = GenRequest(prompt, SamplingParams(48 - len(prompt)))
+            try:
+                engine.submit(req)
+                reqs.append(req)
+            except QueueFull as e:
+                assert e.status_code == 429 and e.headers["Retry-After"] == "1"
+                refused += 1
+        done = await asyncio.wait_for(asyncio.gather(*(r.result() for r in reqs)), 120)
+        assert all(d.finish_reason == "length" for d in done) and len(done) + refused == 8 and refused
+        assert engine.batcher.blocks.used == 0
+        text = metrics.render().decode()
+        assert 'wcodec_kv_cache_blocks{model="tiny"} 6.0' in text and 'wcodec_kv_cache_usage{model="tiny"} 0.0' in text
+    finally:
+        engine.close()
+    assert "wcodec_kv_cache_usage{" not in metrics.render().decode()
