@@ -32,6 +32,7 @@ class Prefill:
     length: int                    # S: tokens of the chunk
     past: int                      # keys before the chunk (the prompt's earlier chunks)
     context: torch.Tensor          # [past + S] slots of every key the chunk sees, in order
+    mask: torch.Tensor | None = None   # [1, 1, S, past + S] causal (set by `forward`)
 
 
 @dataclass
@@ -44,6 +45,7 @@ class Context:
     prefills: list[Prefill] = field(default_factory=list)
     last: torch.Tensor | None = None   # [R] tokens whose logits are wanted; None: all
     keys: int | None = None        # T: key columns decode rows gather (>= max(lengths)); None: M * block_size
+    mask: torch.Tensor | None = None   # [B, 1, 1, T] the decode rows' keys (set by `forward`)
 
 
 class PagedCache:
@@ -76,6 +78,7 @@ def forward(model: llama.LlamaForCausalLM, ids: torch.Tensor, ctx: Context, cach
     """Logits [R, V] (float32) of the tokens `ctx.last` (all N when None), after writing every
     token's keys and values into `cache`."""
     m = model.model
+    _masks(ctx, cache.block_size, ids.device)                                      # once a step, not a layer
     x = m.embed_tokens(ids)                                                        # [N, E]
     cos, sin = m.rotary_emb(x, ctx.positions)                                      # [N, D]
     cos, sin = cos[:, None], llama._signed_sin(sin)[:, None]                       # [N, 1, D]
@@ -87,6 +90,16 @@ def forward(model: llama.LlamaForCausalLM, ids: torch.Tensor, ctx: Context, cach
     if ctx.last is not None:
         x = x[ctx.last]                                                            # [R, E]
     return model.lm_head(m.norm(x)).float()                                        # [R, V]
+
+
+def _masks(ctx: Context, block_size: int, device: torch.device) -> None:
+    if ctx.decode:
+        keys = torch.arange(ctx.keys or ctx.tables.shape[1] * block_size, device=device)   # [T]
+        ctx.mask = (keys < ctx.lengths[:, None])[:, None, None, :]                      # [B, 1, 1, T]
+    for p in ctx.prefills:
+        t = p.past + p.length
+        keys, queries = torch.arange(t, device=device), torch.arange(p.past, t, device=device)[:, None]   # [T], [S, 1]
+        p.mask = (keys <= queries)[None, None]                                          # [1, 1, S, T]
 
 
 def attention(attn: llama.Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: Context,
@@ -115,12 +128,10 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: 
     """q [B, H, D]: each row's one query against the keys of its block table -> [B, H, D]."""
     b, m = ctx.tables.shape
     kv, d = k_cache.shape[1:]
-    t = ctx.keys or m * block_size
+    t = ctx.mask.shape[-1]
     k = k_cache.view(-1, block_size, kv, d)[ctx.tables].view(b, m * block_size, kv, d)[:, :t].transpose(1, 2)
     v = v_cache.view(-1, block_size, kv, d)[ctx.tables].view(b, m * block_size, kv, d)[:, :t].transpose(1, 2)
-    keys = torch.arange(t, device=q.device)                                       # [T]; k, v [B, KV, T, D]
-    mask = (keys < ctx.lengths[:, None])[:, None, None, :]                        # [B, 1, 1, T]
-    return llama.grouped_attention(q[:, :, None], k, v, mask, scale)[:, :, 0]     # [B, H, D]
+    return llama.grouped_attention(q[:, :, None], k, v, ctx.mask, scale)[:, :, 0]  # k, v [B, KV, T, D] -> [B, H, D]
 
 
 def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p: Prefill,
@@ -128,9 +139,5 @@ def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p: P
     """q [S, H, D]: a prompt chunk, causal over its `past` keys and itself -> [S, H, D]."""
     k = k_cache[p.context].transpose(0, 1)[None]                                  # [1, KV, T, D]
     v = v_cache[p.context].transpose(0, 1)[None]
-    t = p.past + p.length
-    keys = torch.arange(t, device=q.device)
-    queries = torch.arange(p.past, t, device=q.device)[:, None]                   # [S, 1]
-    mask = (keys <= queries)[None, None]                                          # [1, 1, S, T]
-    out = llama.grouped_attention(q.transpose(0, 1)[None], k, v, mask, scale)      # [1, H, S, D]
+    out = llama.grouped_attention(q.transpose(0, 1)[None], k, v, p.mask, scale)    # [1, H, S, D]
     return out[0].transpose(0, 1)                                                  # [S, H, D]
