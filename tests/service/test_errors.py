@@ -12,7 +12,7 @@ from service_helpers import DEMO, generate_body
 
 from service.load import pipeline
 from service.deps import get_settings
-from service.engine import batcher
+from service.model import paged
 from service.registry import ModelState
 
 pytestmark = pytest.mark.anyio
@@ -96,14 +96,14 @@ async def test_503_with_retry_after_until_ready(serve, store) -> None:
 
 async def test_429_when_the_queue_is_full(serve, store, monkeypatch) -> None:
     entered, release = threading.Event(), threading.Event()
-    real = batcher.forward_all
+    real = paged.forward                                        # the paged engine's forward (runner.py)
 
     def held(*args, **kwargs):                                  # the first request's prefill waits
         entered.set()
         release.wait(30)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(batcher, "forward_all", held)
+    monkeypatch.setattr(paged, "forward", held)
     async with serve(store(), preload=[DEMO], max_queue=1, max_batch_size=1, batch_wait_ms=0) as server:
         await server.wait_state(DEMO, ModelState.READY)
         results = {}
@@ -121,6 +121,7 @@ async def test_429_when_the_queue_is_full(serve, store, monkeypatch) -> None:
             await post("rejected")
             release.set()
         assert_error(results["rejected"], 429, "overloaded")
+        assert results["rejected"].headers["retry-after"] == "5"
         assert results["running"].status_code == results["queued"].status_code == 200
         assert await server.metric("wcodec_generate_requests_total", model=DEMO, status="overloaded") == 1
 
@@ -131,7 +132,7 @@ async def test_424_when_generation_fails(serve, store, monkeypatch) -> None:
 
     async with serve(store(), preload=[DEMO]) as server:
         await server.wait_state(DEMO, ModelState.READY)
-        monkeypatch.setattr(batcher, "forward_all", broken)
+        monkeypatch.setattr(paged, "forward", broken)
         body = assert_error(await server.client.post("/generate", json=generate_body()), 424, "generation")
         assert "the device fell over" in body["error"]
         assert_error(await server.client.post("/generate_stream", json=generate_body()), 424, "generation")
