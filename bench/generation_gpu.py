@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")    # as `wcodec serve` runs (wcodec/serve.py), before torch
+
 import httpx
 import torch
 
@@ -107,7 +109,7 @@ def serve(store: Path, out: Path, device: str, env: dict[str, str]) -> tuple[sub
 def metric(url: str, name: str) -> float:
     """The sum of a metric's samples on the server's /metrics."""
     lines = httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
-    return sum(float(x.rsplit(" ", 1)[1]) for x in lines if x.startswith(name + "{") or x.startswith(name + " "))
+    return sum(float(x.rsplit(" ", 1)[1]) for x in lines if x.startswith((name + "{", name + " ")))
 
 
 def wait_for_graphs(url: str, limit_s: float = 240.0) -> dict:
@@ -185,7 +187,7 @@ def parse() -> argparse.Namespace:
 def prepare(args: argparse.Namespace) -> tuple[str, Path | None]:
     """The store (and a transformers folder of the same weights); returns the device and the folder."""
     if args.demo:
-        from cold_start import _hf_folder  # noqa: PLC0415
+        from cold_start import _hf_folder
 
         from service.load.demo import build_demo
         store = args.store.with_name(args.store.name + "-demo")

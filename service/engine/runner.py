@@ -53,7 +53,7 @@ def bucket(n: int, sizes: tuple[int, ...], top: int) -> int:
 
 class Graph:
     def __init__(self, rows: int, width: int, pad_block: int, block_size: int, device: torch.device):
-        long = dict(dtype=torch.long, device=device)
+        long = {"dtype": torch.long, "device": device}
         self.ids, self.positions = torch.zeros(rows, **long), torch.zeros(rows, **long)     # [b]
         self.slots = torch.full((rows,), pad_block * block_size, **long)                     # [b]
         self.tables = torch.full((rows, width), pad_block, **long)                           # [b, m]

@@ -12,15 +12,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import GenerationFailed, ModelNotReady, QueueFull, ServiceError
-from .sampling import Finished, Row, SamplingParams, TokenEvent
 from ..metrics import Metrics
 from ..model.build import ServedModel
 from ..model.llama import LlamaForCausalLM
 from . import paging
 from .batcher import Batcher
+from .sampling import Finished, Row, SamplingParams, TokenEvent
 
 log = logging.getLogger("wcodec.service")
 
@@ -32,7 +32,7 @@ class Limits:
     max_queue: int          # WCODEC_MAX_QUEUE: waiting requests before 429
     batch_wait_s: float     # WCODEC_BATCH_WAIT_MS: an idle engine waits this long for a burst
     engine: str = "paged"   # WCODEC_ENGINE: "paged" (llama.py models: paging.py), "padded" (batcher.py)
-    cache: paging.CacheSettings = paging.CacheSettings()
+    cache: paging.CacheSettings = field(default_factory=paging.CacheSettings)
     retry_after_s: int = 1  # Retry-After of a 429
 
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from service_helpers import DEMO, generate_body
 
-from service.load import pipeline
 from service.deps import get_settings
+from service.load import pipeline
 from service.model import paged
 from service.registry import ModelState
 

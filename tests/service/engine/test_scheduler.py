@@ -9,8 +9,8 @@ import random
 
 import pytest
 import torch
-from test_batching import Req, first_divergence_is_a_near_tie, load, prompts_of
 from service_helpers import DEMO
+from test_batching import Req, first_divergence_is_a_near_tie, load, prompts_of
 
 from service.engine import Batcher, Engine, GenRequest, Limits, paging
 from service.engine.blocks import BlockManager
@@ -58,7 +58,7 @@ def generate(engine, rows: list[Row], together: bool) -> list[list[int]]:
 @pytest.mark.parametrize("together", [False, True], ids=["batch1", "batch8"])
 def test_demo_greedy_tokens_equal_the_padded_engine(demo, together) -> None:
     prompts = PROMPTS if together else PROMPTS[:5]
-    rows = lambda: [Row(demo.tokenizer.encode(p), SamplingParams(32), demo) for p in prompts]  # noqa: E731
+    rows = lambda: [Row(demo.tokenizer.encode(p), SamplingParams(32), demo) for p in prompts]
     assert generate(paged(demo), rows(), together) == generate(padded(demo), rows(), together)
 
 
@@ -126,7 +126,7 @@ def test_the_cache_is_allocated_once(tiny) -> None:
 
 def test_cache_size_follows_the_budget(tiny) -> None:
     per = paging.paged.PagedCache.token_bytes(tiny.model.config, paging.cache_dtype(tiny))
-    settings = lambda **k: paging.CacheSettings(block_size=16, max_total_tokens=64, **k)  # noqa: E731
+    settings = lambda **k: paging.CacheSettings(block_size=16, max_total_tokens=64, **k)
     assert paging.cache_tokens(tiny, 4, settings(nbytes=per * 100)) == 112        # 100 -> whole blocks
     assert paging.cache_tokens(tiny, 4, settings(nbytes=per * 10 ** 6)) == 4 * 64   # rows x largest request
     assert paging.cache_tokens(tiny, 4, settings(nbytes=0)) == 64                  # one largest request
@@ -162,6 +162,24 @@ def test_paged_forward_equals_llama_forward(tiny) -> None:
     torch.testing.assert_close(c[0], ref, rtol=2e-2, atol=2e-2)
 
 
+async def submit_at_once(engine: Engine, prompt: list[int], n: int, total: int) -> int:
+    """`n` requests of `total` tokens at once: each finishes with its length, or is refused with 429
+    and Retry-After; every block comes back. Returns how many were refused."""
+    reqs, refused = [], 0
+    for _ in range(n):
+        req = GenRequest(prompt, SamplingParams(total - len(prompt)))
+        try:
+            engine.submit(req)
+            reqs.append(req)
+        except QueueFull as e:
+            assert e.status_code == 429 and e.headers["Retry-After"] == str(engine.limits.retry_after_s)
+            refused += 1
+    done = await asyncio.wait_for(asyncio.gather(*(r.result() for r in reqs)), 120)
+    assert all(d.finish_reason == "length" for d in done) and len(done) + refused == n
+    assert engine.batcher.blocks.used == 0
+    return refused
+
+
 @pytest.mark.anyio
 async def test_twice_the_cache_budget_completes_or_gets_429(tiny) -> None:
     """The engine (worker.py) over a cache of 2 requests' worth and a queue of 3, 8 requests at
@@ -171,19 +189,8 @@ async def test_twice_the_cache_budget_completes_or_gets_429(tiny) -> None:
     metrics = Metrics()
     engine = Engine(tiny, metrics, limits).start()
     try:
-        prompt = tiny.tokenizer.encode("a b c d")
-        reqs, refused = [], 0
-        for _ in range(8):
-            req = GenRequest(prompt, SamplingParams(48 - len(prompt)))
-            try:
-                engine.submit(req)
-                reqs.append(req)
-            except QueueFull as e:
-                assert e.status_code == 429 and e.headers["Retry-After"] == "1"
-                refused += 1
-        done = await asyncio.wait_for(asyncio.gather(*(r.result() for r in reqs)), 120)
-        assert all(d.finish_reason == "length" for d in done) and len(done) + refused == 8 and refused
-        assert engine.batcher.blocks.used == 0
+        refused = await submit_at_once(engine, tiny.tokenizer.encode("a b c d"), 8, 48)
+        assert refused
         text = metrics.render().decode()
         assert 'wcodec_kv_cache_blocks{model="tiny"} 6.0' in text and 'wcodec_kv_cache_usage{model="tiny"} 0.0' in text
     finally:

@@ -4,18 +4,16 @@ replay equals the eager paged step; unloading frees graphs and cache; twice the 
 in concurrent requests through the engine: each completes or gets a 429, none is lost."""
 from __future__ import annotations
 
-import asyncio
 import gc
 
 import pytest
 import torch
 from service_helpers import DEMO
-from test_scheduler import PROMPTS, generate
+from test_scheduler import PROMPTS, generate, submit_at_once
 
-from service.engine import Batcher, Engine, GenRequest, Limits, paging
+from service.engine import Batcher, Engine, Limits, paging
 from service.engine.runner import Chunk, Decode
 from service.engine.sampling import Row, SamplingParams
-from service.errors import QueueFull
 from service.load import pipeline
 from service.metrics import Metrics
 from service.model import build
@@ -37,7 +35,7 @@ def paged(served, **cache):
 @pytest.mark.parametrize("together", [False, True], ids=["batch1", "batch8"])
 def test_graph_tokens_equal_the_padded_eager_engine(demo, together) -> None:
     prompts = PROMPTS if together else PROMPTS[:5]
-    rows = lambda: [Row(demo.tokenizer.encode(p), SamplingParams(32), demo) for p in prompts]  # noqa: E731
+    rows = lambda: [Row(demo.tokenizer.encode(p), SamplingParams(32), demo) for p in prompts]
     s = paged(demo)
     ours = generate(s, rows(), together)
     assert s.runner.use_graphs and s.runner.graphs                        # the decode steps were replayed
@@ -87,19 +85,6 @@ async def test_twice_the_cache_budget_completes_or_gets_429(demo) -> None:
     limits = Limits(64, 512, 3, 0.0, cache=paging.CacheSettings(nbytes=per * 4 * 64, max_total_tokens=64))
     engine = Engine(demo, Metrics(), limits).start()
     try:
-        prompt = demo.tokenizer.encode(PROMPTS[0])
-        reqs, refused = [], 0
-        for _ in range(8):
-            req = GenRequest(prompt, SamplingParams(64 - len(prompt)))
-            try:
-                engine.submit(req)
-                reqs.append(req)
-            except QueueFull as e:
-                assert e.headers["Retry-After"]
-                refused += 1
-            await asyncio.sleep(0)
-        done = await asyncio.wait_for(asyncio.gather(*(r.result() for r in reqs)), 120)
-        assert all(d.finish_reason == "length" for d in done) and len(done) + refused == 8
-        assert engine.batcher.blocks.used == 0
+        assert await submit_at_once(engine, demo.tokenizer.encode(PROMPTS[0]), 8, 64)
     finally:
         engine.close()
