@@ -1,7 +1,8 @@
 """The paged engine on CUDA (scripts/gpu/run.sh, stage engine): greedy tokens of captured decode
-steps equal the padded eager engine's on the demo model (5 prompts x 32 alone, 8 together); a graph
-replay equals the eager paged step; unloading frees graphs and cache; twice the cache's budget
-in concurrent requests through the engine: each completes or gets a 429, none is lost."""
+steps equal the padded eager engine's on the demo model (5 prompts x 32 alone, 8 together; needs
+the demo package); on the tiny random Llama (runs anywhere): a graph replay equals the eager paged
+step; closing frees graphs and cache; twice the cache's budget in concurrent requests through the
+engine: each completes or gets a 429, none is lost."""
 from __future__ import annotations
 
 import gc
@@ -22,10 +23,20 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 CUDA = torch.device("cuda")
 
 
+def on_cuda(path, name: str) -> build.ServedModel:
+    decoded = pipeline.decode_archive(path, CUDA)
+    return build.finish(name, build.prepare(name, decoded.files), decoded.tensors, decoded.layers, CUDA)
+
+
 @pytest.fixture(scope="module")
 def demo(demo_archive) -> build.ServedModel:
-    decoded = pipeline.decode_archive(demo_archive, CUDA)
-    return build.finish(DEMO, build.prepare(DEMO, decoded.files), decoded.tensors, decoded.layers, CUDA)
+    return on_cuda(demo_archive, DEMO)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_archive) -> build.ServedModel:
+    """The random tiny Llama (needs no demo package: runs on any GPU box)."""
+    return on_cuda(tiny_archive, "tiny")
 
 
 def paged(served, **cache):
@@ -44,11 +55,11 @@ def test_graph_tokens_equal_the_padded_eager_engine(demo, together) -> None:
 
 
 @torch.inference_mode()
-def test_a_replay_equals_the_eager_step(demo) -> None:
-    s = paged(demo)
+def test_a_replay_equals_the_eager_step(tiny) -> None:
+    s = paged(tiny)
     tables = [s.blocks.allocate(64) for _ in range(3)]
     for i, t in enumerate(tables):                                        # some keys in the cache
-        s.runner.run([], [Chunk(list(range(10 + i, 30 + 3 * i)), 0, t)])
+        s.runner.run([], [Chunk(list(range(10 + i, 30 + 4 * i)), 0, t)])
     decodes = [Decode(11, 20 + 3 * i, t) for i, t in enumerate(tables)]
     snapshot = s.runner.cache.k.clone(), s.runner.cache.v.clone()
     replayed = s.runner.run(decodes, []).clone()
@@ -61,12 +72,12 @@ def test_a_replay_equals_the_eager_step(demo) -> None:
     assert torch.equal(replayed.argmax(-1), eager.argmax(-1))
 
 
-def test_closing_frees_graphs_and_cache(demo) -> None:
+def test_closing_frees_graphs_and_cache(tiny) -> None:
     torch.cuda.synchronize()
     gc.collect()
     base = torch.cuda.memory_allocated()
-    s = paged(demo)
-    generate(s, [Row(demo.tokenizer.encode(p), SamplingParams(8), demo) for p in PROMPTS], True)
+    s = paged(tiny, nbytes=1 << 30)
+    generate(s, [Row(tiny.tokenizer.encode(p), SamplingParams(8), tiny) for p in PROMPTS], True)
     while s.runner.capture_next() and len(s.runner.graphs) < 12:
         pass
     assert torch.cuda.memory_allocated() > base and len(s.runner.graphs) >= 12
@@ -78,13 +89,13 @@ def test_closing_frees_graphs_and_cache(demo) -> None:
 
 
 @pytest.mark.anyio
-async def test_twice_the_cache_budget_completes_or_gets_429(demo) -> None:
+async def test_twice_the_cache_budget_completes_or_gets_429(tiny) -> None:
     """A cache of 4 requests' worth, a queue of 3, 8 requests at once: each finishes or is refused
     with 429 and Retry-After; nothing is lost, nothing crashes, the blocks all come back."""
-    per = paging.paged.PagedCache.token_bytes(demo.model.config, paging.cache_dtype(demo))
+    per = paging.paged.PagedCache.token_bytes(tiny.model.config, paging.cache_dtype(tiny))
     limits = Limits(64, 512, 3, 0.0, cache=paging.CacheSettings(nbytes=per * 4 * 64, max_total_tokens=64))
-    engine = Engine(demo, Metrics(), limits).start()
+    engine = Engine(tiny, Metrics(), limits).start()
     try:
-        assert await submit_at_once(engine, demo.tokenizer.encode(PROMPTS[0]), 8, 64)
+        assert await submit_at_once(engine, tiny.tokenizer.encode(PROMPTS[0]), 8, 64)
     finally:
         engine.close()
