@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .sampling import Row, TokenEvent, left_pad, sample_rows
 from ..model.build import ServedModel
 from .kv import PaddedKV, cache_class, forward_all
-from .sampling import Row, TokenEvent, left_pad, sample_rows
 
 
 @dataclass(frozen=True)

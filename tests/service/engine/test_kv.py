@@ -8,8 +8,8 @@ import random
 
 import torch
 
-from service.engine.kv import PaddedKV
 from service.model import kvcache
+from service.engine.kv import PaddedKV
 
 LAYERS, HEADS, DIM = 3, 2, 4
 
