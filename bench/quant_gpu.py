@@ -273,7 +273,7 @@ def bench_archive(tag: str, path: Path, copies: int, repeat: int) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", type=Path, help="a demo GGUF part (scripts/gpu/gguf_subset.py) whose blocks to decode")
+    ap.add_argument("--part", type=Path, help="a demo GGUF part (scripts/gguf_subset.py) whose blocks to decode")
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--copies", type=int, default=8, help="layer copies decoded per timed launch")
     ap.add_argument("--repeat", type=int, default=10)

@@ -111,7 +111,7 @@ class Raw:
     def describe(self, e) -> str:
         return ""
 
-    def encode(self, dtype: str, data: np.ndarray) -> Encoding:
+    def encode(self, dtype: str, data: np.ndarray, coder=floatcodec.REFERENCE) -> Encoding:
         return Encoding(self.name, None, ("raw",), {"raw": data}, {})
 
 
@@ -148,9 +148,9 @@ class Float:
         what = "whole byte" if e.dtype in planes.WHOLE_BYTE else f"ctx_bits {e.params.ctx_bits}"
         return f"{what}, table_group {e.params.table_group}"
 
-    def encode(self, dtype: str, data: np.ndarray) -> Encoding | None:
+    def encode(self, dtype: str, data: np.ndarray, coder=floatcodec.REFERENCE) -> Encoding | None:
         layout = planes.FLOAT_LAYOUTS[dtype]
-        p = floatcodec.prepare(layout, data.view(layout.word))
+        p = coder.prepare(layout, data.view(layout.word))
         if p is None:
             return None
         raw = {"hi": p.hi, "lo": p.lo}
@@ -210,10 +210,10 @@ class GGUF(_Planes):
         share = sum(s["length"] for s in e.streams.values()) / (params.n_blocks * params.block.type_size)
         return f"{params.block.name}, {share:.4f} of its blocks, coded: {' '.join(coded) or 'none'}"
 
-    def encode(self, dtype: str, blocks: gguf_blocks.Blocks) -> Encoding:
+    def encode(self, dtype: str, blocks: gguf_blocks.Blocks, coder=floatcodec.REFERENCE) -> Encoding:
         bt = blocks.block
         split = gguf_blocks.split(bt, blocks.data)
-        coded = {k: p for k, p in ((k, floatcodec.prepare_bytes(v)) for k, v in split.items()) if p is not None}
+        coded = {k: p for k, p in ((k, coder.prepare_bytes(v)) for k, v in split.items()) if p is not None}
         params = GGUFParams(bt, len(blocks.data), {k: coded[k].params if k in coded else None for k in split})
         return Encoding(self.name, params.to_json(), bt.plane_names,
                         {k: v for k, v in split.items() if k not in coded}, coded)
@@ -290,9 +290,9 @@ class Int8(_Planes):
         coded = [k for k, p in params.planes.items() if p is not None]
         return f"tiles: {shares}, coded: {' '.join(coded) or 'none'}"
 
-    def encode(self, dtype: str, w: np.ndarray) -> Encoding:
+    def encode(self, dtype: str, w: np.ndarray, coder=floatcodec.REFERENCE) -> Encoding:
         z = int8.encode(w)
-        coded = {k: p for k, p in int8.prepare_planes(z).items() if p is not None}
+        coded = {k: p for k, p in int8.prepare_planes(z, coder).items() if p is not None}
         plain = {"scales": z.scales.astype("<f4").view(np.uint8), "modes": z.modes.reshape(-1),
                  "resid": z.resid.reshape(-1)}
         params = Int8Params(*z.q.shape, tuple(int8.mode_shares(z.modes).values()),
@@ -310,17 +310,18 @@ def int8_applies(dtype: str, shape: tuple[int, ...]) -> bool:
     return dtype in COMPUTE_DTYPES and len(shape) == 2 and shape[0] * shape[1] >= INT8_MIN_ELEMENTS
 
 
-def encode(dtype: str, payload, shape: tuple[int, ...] = (), lossy: str | None = None) -> Encoding:
+def encode(dtype: str, payload, shape: tuple[int, ...] = (), lossy: str | None = None,
+           coder=floatcodec.REFERENCE) -> Encoding:
     """The encoding of one tensor: GGUF blocks keep their codec; with lossy="int8" the 2-D float
     weights are int8-coded; floats are float-coded unless raw storage is no larger; anything else
-    is raw."""
+    is raw. `coder` prepares the planes to rANS-code (floatcodec.ReferenceCoder)."""
     if isinstance(payload, gguf_blocks.Blocks):
-        return CODECS[CODEC_GGUF].encode(dtype, payload)
+        return CODECS[CODEC_GGUF].encode(dtype, payload, coder)
     if lossy == CODEC_INT8 and int8_applies(dtype, tuple(shape)):
         w = torch.from_numpy(payload).view(getattr(torch, dtype)).reshape(shape).float().numpy()
-        return CODECS[CODEC_INT8].encode(dtype, w)
+        return CODECS[CODEC_INT8].encode(dtype, w, coder)
     if CODECS[CODEC_FLOAT].applies(dtype):
-        enc = CODECS[CODEC_FLOAT].encode(dtype, payload)
+        enc = CODECS[CODEC_FLOAT].encode(dtype, payload, coder)
         if enc is not None:
             return enc
     return CODECS[CODEC_RAW].encode(dtype, payload)

@@ -24,6 +24,7 @@ SEGMENT_SYMBOLS = LANES * SEGMENT_STEPS
 SEGMENT_ALIGN = 16                  # segments start 16-byte aligned inside their stream
 STATE_BYTES = 4 * LANES             # a segment begins with its 32 little-endian u32 states
 TABLE_BITMAP_BYTES = 32             # a table begins with a 256-bit presence bitmap
+LOG2_FRAC_BITS = 24                 # encoder costs: bits in fixed point (tables.LOG2); not format
 
 # ---- lossless float codec --------------------------------------------------------------------
 MAX_CTX_BITS = 2                    # the exponent is coded with one table per value of the top
@@ -37,3 +38,11 @@ CODEC_FLOAT = "float"
 CODEC_RAW = "raw"
 CODEC_GGUF = "gguf"                 # GGUF quantized blocks kept as stored (codec/gguf_blocks.py)
 CODEC_INT8 = "int8"                 # lossy, opt-in: per-row int8 + tile predictors (codec/int8.py)
+
+# ---- the fixed-rate GPU form (in memory, not in the file; codec/fixedrate.py, FORMAT.md §6) ---
+FR_GROUP = 32                       # weights per group: the unit one thread of the fused kernel decodes
+FR_TILE = 128                       # weights sharing one base: 4 consecutive groups of a row
+FR_BLOCK_GROUPS = 32                # groups per escape block (one warp): esc_start is kept per block
+FR_ESCAPE = 7                       # 3-bit code 7: the field is the next byte of the escape array
+FR_MAX_BASE = 256 - 1 - FR_ESCAPE   # 248: base + 7 <= 255
+FR_LO_WORDS = 2                     # u32 words of 2-bit codes per group (16 codes a word)

@@ -95,14 +95,15 @@ class Writer:
         self._f.write(b"\0" * DATA_ALIGN)
         self._pos = DATA_ALIGN
 
-    def add(self, data) -> dict:
-        """Write one blob (bytes-like); returns its {offset, length, crc32} record."""
+    def add(self, data, sums: dict | None = None) -> dict:
+        """Write one blob (bytes-like); returns its {offset, length, crc32, xxh3} record. `sums`:
+        the blob's checksums(), when the caller has made them already (on other threads)."""
         pad = (-self._pos) % STREAM_ALIGN
         self._f.write(b"\0" * pad)
         self._pos += pad
         view = memoryview(data).cast("B")
         self._f.write(view)
-        record = {"offset": self._pos, "length": len(view), **checksums(view)}
+        record = {"offset": self._pos, "length": len(view), **(sums or checksums(view))}
         self._pos += len(view)
         return record
 

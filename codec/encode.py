@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -12,7 +13,7 @@ import torch
 
 from . import __version__, codecs, floatcodec, gguf_blocks, int8
 from .constants import CODEC_INT8, FORMAT_MAJOR, FORMAT_MINOR
-from .container import Writer, crc32
+from .container import Writer, checksums, crc32
 from .entries import DTYPES, dtype_name
 from .parallel import WORKER_STATE, balanced_limit, default_workers, ordered_map
 from .sources import CheckpointSource, StateDictSource, layer_index, layer_order, open_source
@@ -38,27 +39,43 @@ class CompressStats:
         return self.raw_bytes / 1e6 / max(self.seconds, 1e-9)
 
 
-def encode_tensors(items: list[tuple[str, str, tuple, object]], lossy: str | None = None) -> list[dict]:
+def encode_tensors(items: list[tuple[str, str, tuple, object]], lossy: str | None = None,
+                   coder=floatcodec.REFERENCE) -> list[dict]:
     """Encode (name, dtype, shape, payload) tensors in one batch; a payload is the tensor's raw
     little-endian bytes (uint8) or its GGUF blocks (gguf_blocks.Blocks), whose entry decodes to
     `dtype`. lossy="int8" int8-codes the 2-D float weights. Every coded plane of the batch is
     rANS-coded in one pass. Returns records without offsets: {..., "streams": {role: bytes}};
-    a lossy record also carries "quality" (not part of the header)."""
-    encodings = [codecs.encode(dtype, payload, shape, lossy) for _, dtype, shape, payload in items]
-    coded = iter(floatcodec.encode_batch([p for enc in encodings for p in enc.coded.values()]))
+    a lossy record also carries "quality" (not part of the header). `coder` prepares and encodes
+    the coded planes: the NumPy reference, or the extension's twins (cuda_ext.encode.coder)."""
+    encodings = [codecs.encode(dtype, payload, shape, lossy, coder) for _, dtype, shape, payload in items]
+    decoded = [_decoded_bytes(dtype, shape, payload, enc) for (_, dtype, shape, payload), enc in zip(items, encodings)]
+    with _threads(coder) as pool:            # zlib releases the GIL: the CRCs run beside the encode
+        crcs = pool.map(crc32, decoded)
+        coded = iter(coder.encode_batch([p for enc in encodings for p in enc.coded.values()]))
+        crcs = list(crcs)
     out = []
-    for (name, dtype, shape, payload), enc in zip(items, encodings):
-        decoded = _decoded_bytes(dtype, shape, payload, enc)
-        rec = {"name": name, "dtype": dtype, "shape": list(shape), "nbytes": int(decoded.nbytes),
-               "crc32": crc32(decoded), "codec": enc.codec}
+    for (name, dtype, shape, payload), enc, dec, crc in zip(items, encodings, decoded, crcs):
+        rec = {"name": name, "dtype": dtype, "shape": list(shape), "nbytes": int(dec.nbytes),
+               "crc32": crc, "codec": enc.codec}
         if enc.params is not None:
             rec["params"] = enc.params
         blobs = {role: next(coded) for role in enc.coded}
-        rec["streams"] = {role: blobs[role] if role in blobs else enc.raw[role].tobytes() for role in enc.roles}
+        rec["streams"] = {role: blobs[role] if role in blobs else _as_bytes(enc.raw[role]) for role in enc.roles}
         if enc.codec == CODEC_INT8:
-            rec["quality"] = quality(payload, decoded, dtype)
+            rec["quality"] = quality(payload, dec, dtype)
         out.append(rec)
     return out
+
+
+def _threads(coder) -> ThreadPoolExecutor:
+    """Threads for checksums: as many as torch's for a threaded coder, else one (worker processes
+    are the parallelism there)."""
+    return ThreadPoolExecutor(torch.get_num_threads() if coder.threaded else 1)
+
+
+def _as_bytes(plane: np.ndarray) -> np.ndarray:
+    """A raw plane's bytes, without a copy (the writer takes any buffer)."""
+    return np.ascontiguousarray(plane).reshape(-1).view(np.uint8)
 
 
 def quality(original: np.ndarray, decoded: np.ndarray, dtype: str) -> dict:
@@ -91,9 +108,11 @@ def _raw_bytes(t: torch.Tensor) -> np.ndarray:
 def _encode_job(job: tuple[str, list, str | None]) -> list[dict]:
     """Load (from the source the worker inherited) and encode one batch of tensors."""
     path, infos, lossy = job
-    source = WORKER_STATE["source"]
-    return encode_tensors([(i.name, dtype_name(path, i.name, i.dtype), tuple(i.shape), _payload(source, i.name))
-                           for i in infos], lossy)
+    source, coder = WORKER_STATE["source"], WORKER_STATE.get("coder", floatcodec.REFERENCE)
+    with _threads(coder) as pool:                     # reads release the GIL: a batch's tensors in parallel
+        payloads = list(pool.map(lambda i: _payload(source, i.name), infos))
+    return encode_tensors([(i.name, dtype_name(path, i.name, i.dtype), tuple(i.shape), p)
+                           for i, p in zip(infos, payloads)], lossy, coder)
 
 
 def _payload(source: CheckpointSource, name: str):
@@ -115,30 +134,58 @@ def _jobs(infos, path, limit: int, lossy: str | None):
         yield path, batch, lossy
 
 
+class _Tally:
+    """Writes encoded batches (on the writing thread) and keeps their records and totals."""
+
+    def __init__(self, writer: Writer, total: int, progress, coder):
+        self.writer, self.total, self.progress, self.coder = writer, total, progress, coder
+        self.tensors, self.raw, self.stored, self.quality = [], 0, 0, {}
+
+    def write(self, results: list[dict]) -> None:
+        blobs = [b for rec in results for b in rec["streams"].values()]
+        with _threads(self.coder) as pool:
+            sums = iter(pool.map(lambda b: checksums(memoryview(b).cast("B")), blobs))
+            for rec in results:
+                if "quality" in rec:
+                    self.quality[rec["name"]] = rec.pop("quality")
+                rec["streams"] = {role: self.writer.add(b, next(sums)) for role, b in rec["streams"].items()}
+                rec["layer"] = layer_index(rec["name"])
+                self.tensors.append(rec)
+                self.raw += rec["nbytes"]
+                self.stored += sum(s["length"] for s in rec["streams"].values())
+        if self.progress:
+            self.progress(self.raw, self.total)
+
+
 def compress(src: str | os.PathLike, dst: str | os.PathLike, *, workers: int | None = None,
              gguf_dtype: torch.dtype = torch.bfloat16, gguf_keep: bool = True, lossy: str | None = None,
-             progress: Callable[[int, int], None] | None = None) -> CompressStats:
+             progress: Callable[[int, int], None] | None = None, coder=floatcodec.REFERENCE) -> CompressStats:
     """Compress a checkpoint (HF folder, .safetensors or .gguf) into `dst`. A GGUF file's
     quantized tensors keep their blocks (codec gguf, dequantized to `gguf_dtype` at load), or with
     gguf_keep=False are stored dense in `gguf_dtype`. lossy="int8" int8-codes the 2-D float weights
     (a GGUF file's then from their `gguf_dtype` values).
 
-    `progress(done_bytes, total_bytes)` is called after each batch is written."""
+    `progress(done_bytes, total_bytes)` is called after each batch is written. `coder`: as
+    encode_tensors' (`wcodec compress` passes the extension's on the device it picked)."""
     keep = gguf_keep and lossy is None
     with open_source(src, gguf_dtype=gguf_dtype, gguf_keep=keep) as source:
-        return compress_source(source, dst, workers=workers, lossy=lossy, progress=progress)
+        return compress_source(source, dst, workers=workers, lossy=lossy, progress=progress, coder=coder)
 
 
 def compress_state_dict(state_dict: dict[str, torch.Tensor], dst: str | os.PathLike, *,
-                        files: dict[str, bytes] | None = None, workers: int | None = None) -> CompressStats:
+                        files: dict[str, bytes] | None = None, workers: int | None = None,
+                        coder=floatcodec.REFERENCE) -> CompressStats:
     """Compress in-memory tensors (plus optional model files to embed) into `dst`."""
     with StateDictSource(state_dict, files) as source:
-        return compress_source(source, dst, workers=workers)
+        return compress_source(source, dst, workers=workers, coder=coder)
 
 
 def compress_source(source: CheckpointSource, dst: str | os.PathLike, *, workers: int | None = None,
-                    lossy: str | None = None, progress: Callable[[int, int], None] | None = None) -> CompressStats:
-    """Stream an opened checkpoint source into `dst`, tensors in layer order."""
+                    lossy: str | None = None, progress: Callable[[int, int], None] | None = None,
+                    coder=floatcodec.REFERENCE) -> CompressStats:
+    """Stream an opened checkpoint source into `dst`, tensors in layer order: a batch of tensors
+    at a time is read, encoded and written, so memory holds a few batches, never the model. A
+    threaded coder (the extension's) runs the batches one after another in this process."""
     t0 = time.perf_counter()
     src = source.path
     infos = layer_order(source.tensors())
@@ -146,22 +193,19 @@ def compress_source(source: CheckpointSource, dst: str | os.PathLike, *, workers
     writer = Writer(dst)
     try:
         files = {name: writer.add(blob) for name, blob in sorted(source.files.items())}
-        tensors, raw, stored = [], 0, 0
-        workers = workers or default_workers()
+        workers = 1 if coder.threaded else workers or default_workers()
         limit = balanced_limit(sum(math.prod(i.shape) for i in infos), workers, BATCH_ELEMENTS)
         jobs = list(_jobs(infos, os.fspath(src), limit, lossy))
-        quality = {}
-        for results in ordered_map(_encode_job, jobs, min(workers, len(jobs)), {"source": source}):
-            for rec in results:
-                if "quality" in rec:
-                    quality[rec["name"]] = rec.pop("quality")
-                rec["streams"] = {role: writer.add(b) for role, b in rec["streams"].items()}
-                rec["layer"] = layer_index(rec["name"])
-                tensors.append(rec)
-                raw += rec["nbytes"]
-                stored += sum(s["length"] for s in rec["streams"].values())
-            if progress:
-                progress(raw, total)
+        tally = _Tally(writer, total, progress, coder)
+        with ThreadPoolExecutor(1) as writing:          # batch k is written while batch k + 1 encodes
+            pending: Future | None = None
+            for results in ordered_map(_encode_job, jobs, min(workers, len(jobs)), {"source": source, "coder": coder}):
+                if pending is not None:
+                    pending.result()                    # at most one batch waits: bounded memory
+                pending = writing.submit(tally.write, results)
+            if pending is not None:
+                pending.result()
+        tensors, raw, stored, quality = tally.tensors, tally.raw, tally.stored, tally.quality
         header = {"format": "wcodec", "version": f"{FORMAT_MAJOR}.{FORMAT_MINOR}",
                   "metadata": {"source": os.path.basename(os.fspath(src).rstrip("/")),
                                "created_by": f"wcodec {__version__}"},

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import planes, rans, tables
-from .constants import (MAX_CTX_BITS, MIN_CODED_ELEMENTS, PROB_BITS, PROB_SCALE, SEGMENT_ALIGN,
+from .constants import (LOG2_FRAC_BITS, MAX_CTX_BITS, MIN_CODED_ELEMENTS, PROB_BITS, PROB_SCALE, SEGMENT_ALIGN,
                         SEGMENT_SYMBOLS, STATE_BYTES, TABLE_GROUPS)
 
 _SEGMENT_OVERHEAD_BITS = 8 * (STATE_BYTES + 12 + SEGMENT_ALIGN // 2)
@@ -59,9 +59,10 @@ class Prepared:
     layout: planes.FloatLayout
     params: FloatParams
     freqs: np.ndarray                  # [n_tables, 256]
-    sym: np.ndarray
+    sym: np.ndarray | None             # None when a coder other than the reference prepared it
     hi: np.ndarray
     lo: np.ndarray | None
+    source: object = None              # that coder's own handle on the plane (cuda_ext/encode.py)
 
 
 def _fine_counts(sym: np.ndarray, ctx: np.ndarray, n_segments: int) -> np.ndarray:
@@ -83,10 +84,11 @@ def _grouped(fine: np.ndarray, ctx_bits: int, group: int) -> np.ndarray:
     return padded.reshape(n_sets, group, 1 << ctx_bits, 256).sum(axis=1).reshape(-1, 256)
 
 
-def _cost_bits(counts: np.ndarray) -> tuple[float, np.ndarray]:
+def _cost_fixed(counts: np.ndarray) -> tuple[int, np.ndarray]:
+    """Coded size of the tables' symbols plus the tables and their offsets, fixed point."""
     freqs = tables.normalize(counts)
-    table_bits = 8 * (tables.serialized_size(freqs).sum() + 4 * (len(freqs) + 1))
-    return tables.cost_bits(counts, freqs) + table_bits, freqs
+    table_bits = 8 * (int(tables.serialized_size(freqs).sum()) + 4 * (len(freqs) + 1))
+    return tables.cost_fixed(counts, freqs) + (table_bits << LOG2_FRAC_BITS), freqs
 
 
 def prepare(layout: planes.FloatLayout, u: np.ndarray) -> Prepared | None:
@@ -120,11 +122,11 @@ def _cheapest(fine: np.ndarray, n: int, max_ctx_bits: int) -> tuple[FloatParams,
     best = None
     for ctx_bits in range(max_ctx_bits + 1):
         for group in groups:
-            bits, freqs = _cost_bits(_grouped(fine, ctx_bits, group))
-            if best is None or bits < best[0]:
-                best = (bits, FloatParams(n, ctx_bits, group), freqs)
-    bits, params, freqs = best
-    if bits + n_seg * _SEGMENT_OVERHEAD_BITS >= 8 * n:
+            cost, freqs = _cost_fixed(_grouped(fine, ctx_bits, group))
+            if best is None or cost < best[0]:
+                best = (cost, FloatParams(n, ctx_bits, group), freqs)
+    cost, params, freqs = best
+    if cost + ((n_seg * _SEGMENT_OVERHEAD_BITS) << LOG2_FRAC_BITS) >= (8 * n) << LOG2_FRAC_BITS:
         return None
     return params, freqs
 
@@ -189,6 +191,27 @@ def _assemble(p: Prepared, states: np.ndarray, words: np.ndarray, counts: np.nda
         buf[off + STATE_BYTES:off + STATE_BYTES + 2 * c] = words[word0:word0 + c].astype("<u2").view(np.uint8)
         word0 += c
     return buf.tobytes()
+
+
+class ReferenceCoder:
+    """The plane coder of codec/encode.py: prepare a plane, then encode a batch of them. This one
+    is the NumPy reference (the specification); cuda_ext.encode.coder() gives the extension's
+    twins, which produce the same bytes. `threaded`: the coder spreads its own work over threads
+    (else the encoder runs it in worker processes)."""
+
+    threaded = False
+
+    def prepare(self, layout: planes.FloatLayout, u: np.ndarray) -> Prepared | None:
+        return prepare(layout, u)
+
+    def prepare_bytes(self, sym: np.ndarray, layout: planes.FloatLayout | None = None) -> Prepared | None:
+        return prepare_bytes(sym, layout)
+
+    def encode_batch(self, batch: list[Prepared]) -> list[bytes]:
+        return encode_batch(batch)
+
+
+REFERENCE = ReferenceCoder()
 
 
 class StreamFault(Exception):

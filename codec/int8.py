@@ -180,7 +180,7 @@ def mode_shares(modes: np.ndarray) -> dict[str, int]:
     return {name: int(counts[i]) for i, name in enumerate(MODES)}
 
 
-def prepare_planes(z: Quantized) -> dict[str, floatcodec.Prepared | None]:
+def prepare_planes(z: Quantized, coder=floatcodec.REFERENCE) -> dict[str, floatcodec.Prepared | None]:
     """The coded form of the modes and resid planes, or None where raw is smaller."""
-    return {"modes": floatcodec.prepare_bytes(z.modes.reshape(-1)),
-            "resid": floatcodec.prepare_bytes(z.resid.reshape(-1))}
+    return {"modes": coder.prepare_bytes(z.modes.reshape(-1)),
+            "resid": coder.prepare_bytes(z.resid.reshape(-1))}

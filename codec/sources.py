@@ -5,8 +5,10 @@ Read me first -- the traps:
   `.pth`/`.ckpt`/`.pkl` files that are not safetensors or GGUF by content, are refused: loading
   them can run arbitrary code. The content decides first: a safetensors file's first byte is the
   low byte of its header length, which may be 0x80, the pickle protocol byte (`_sniff`).
-- Tensors are read one at a time through memory maps (`safe_open`, `GGUFReader`); `tensors()` reads
-  only headers, `load(name)` materializes one tensor.
+- Tensors are read one at a time: `tensors()` reads only headers, `load(name)` materializes one
+  tensor. Safetensors data is read with pread into a fresh buffer, not through safe_open's memory
+  map: pages a map has touched count in the process's RSS until it is closed, so streaming a
+  sharded model through maps held its whole size resident (14.3 GB for a 7B, docs/BENCHMARKS.md).
 - GGUF files are read by codec/gguf_source.py (its own traps are listed there).
 """
 
@@ -83,10 +85,13 @@ class SafetensorsSource(CheckpointSource):
         self._files = files
         self._handles: dict[Path, Any] | None = {s: _safe_open(s) for s in shards}
         self._where: dict[str, Path] = {}
+        self._spans: dict[str, tuple[int, int]] = {}
         self._infos: list[TensorInfo] = []
         for shard, handle in self._handles.items():
+            self._spans.update(_data_spans(shard))
             for name in handle.keys():
                 self._add(name, shard, handle)
+        self._by_name = {i.name: i for i in self._infos}
 
     def _add(self, name: str, shard: Path, handle: Any) -> None:
         if name in self._where:
@@ -110,10 +115,30 @@ class SafetensorsSource(CheckpointSource):
             raise self._error("source is closed")
         if name not in self._where:
             raise self._error(f"no tensor named {name!r}")
-        return self._handles[self._where[name]].get_tensor(name).contiguous()
+        info = self._by_name[name]
+        begin, end = self._spans[name]
+        buf = torch.empty(end - begin, dtype=torch.uint8)
+        with open(self._where[name], "rb", buffering=0) as f:
+            f.seek(begin)
+            view, got = memoryview(buf.numpy()), 0
+            while got < len(view):
+                n = f.readinto(view[got:])
+                if not n:
+                    raise self._error(f"tensor {name!r}: file ends inside its data")
+                got += n
+        return buf.view(info.dtype).reshape(info.shape)
 
     def close(self) -> None:
         self._handles = None
+
+
+def _data_spans(path: Path) -> dict[str, tuple[int, int]]:
+    """Absolute byte range of each tensor's data (safe_open has checked the header already)."""
+    with path.open("rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return {k: (8 + n + v["data_offsets"][0], 8 + n + v["data_offsets"][1])
+            for k, v in header.items() if k != "__metadata__"}
 
 
 def _safe_open(path: Path) -> Any:

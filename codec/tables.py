@@ -6,6 +6,10 @@ Read me first
   symbol that occurs keeps a frequency >= 1, so every symbol stays codable.
 * How the encoder normalises is NOT part of the format; the decoder only checks the invariants
   (sum == M, present symbols have freq >= 1).
+* The encoder's costs are integers: bits in units of 2**-LOG2_FRAC_BITS, from the table LOG2 of
+  round(log2(f) * 2**LOG2_FRAC_BITS). NumPy's float64 log2 is not the C library's (its SIMD
+  builds differ from libm in the last bit), so float costs made different tables on different
+  CPUs; integer costs make the same bytes in NumPy, the C++ twin and the kernels, anywhere.
 * Serialised layout (little-endian), 4-byte aligned:
 
       +-------------------------------+------------------------------------+-----+
@@ -20,11 +24,18 @@ Read me first
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-from .constants import PROB_BITS, PROB_SCALE, TABLE_BITMAP_BYTES
+from .constants import LOG2_FRAC_BITS, PROB_BITS, PROB_SCALE, TABLE_BITMAP_BYTES
 
 _SYMBOLS = np.arange(256, dtype=np.int64)
+# LOG2[f] = round(log2(f) * 2**LOG2_FRAC_BITS) for f in [1, M + 1] (LOG2[0] = 0, never used). Every
+# value lies far from a rounding boundary (tests/codec/test_tables.py), so any faithful log2 gives
+# this table: cuda_ext/csrc/encode_common.h builds the same one.
+LOG2 = np.array([0] + [round(math.log2(f) * (1 << LOG2_FRAC_BITS)) for f in range(1, PROB_SCALE + 2)], np.int64)
+_NEVER = np.iinfo(np.int64).max
 
 
 def normalize(counts: np.ndarray) -> np.ndarray:
@@ -56,9 +67,8 @@ def normalize(counts: np.ndarray) -> np.ndarray:
 def _settle(f: np.ndarray, c: np.ndarray, diff: np.ndarray) -> None:
     """One round: rows short of M gain a slot on each of their `diff` cheapest-to-grow symbols,
     rows over M lose one on each of their cheapest-to-shrink ones (at most one per symbol)."""
-    with np.errstate(divide="ignore", invalid="ignore"):
-        grow = np.where(c > 0, c * np.log2((f + 1) / np.maximum(f, 1)), -np.inf)           # bits saved
-        shrink = np.where(f > 1, c * np.log2(f / np.maximum(f - 1, 1)), np.inf)             # bits lost
+    grow = np.where(c > 0, c * (LOG2[f + 1] - LOG2[f]), -1)           # bits saved (fixed point); -1: unused
+    shrink = np.where(f > 1, c * (LOG2[f] - LOG2[f - 1]), _NEVER)      # bits lost
     rank_grow = np.argsort(np.argsort(-grow, axis=1, kind="stable"), axis=1, kind="stable")
     rank_shrink = np.argsort(np.argsort(shrink, axis=1, kind="stable"), axis=1, kind="stable")
     up = (diff[:, None] > 0) & (rank_grow < diff[:, None]) & (c > 0)
@@ -66,12 +76,18 @@ def _settle(f: np.ndarray, c: np.ndarray, diff: np.ndarray) -> None:
     f += up.astype(np.int64) - down.astype(np.int64)
 
 
-def cost_bits(counts: np.ndarray, freqs: np.ndarray) -> float:
-    """Exact coded size in bits of `counts` under `freqs` (same shape [..., 256]), tables excluded."""
-    c = np.asarray(counts, dtype=np.float64)
-    f = np.asarray(freqs, dtype=np.float64)
+def cost_fixed(counts: np.ndarray, freqs: np.ndarray) -> int:
+    """Coded size of `counts` under `freqs` (same shape [..., 256]), tables excluded, in units of
+    2**-LOG2_FRAC_BITS bits: sum of c * (P - log2 f), exact in int64 below 2**34 symbols."""
+    c = np.asarray(counts, dtype=np.int64)
+    f = np.asarray(freqs, dtype=np.int64)
     used = c > 0
-    return float(np.sum(c[used] * (PROB_BITS - np.log2(f[used]))))
+    return int(np.sum(c[used] * ((PROB_BITS << LOG2_FRAC_BITS) - LOG2[f[used]])))
+
+
+def cost_bits(counts: np.ndarray, freqs: np.ndarray) -> float:
+    """Coded size in bits of `counts` under `freqs` (cost_fixed, as a float), tables excluded."""
+    return cost_fixed(counts, freqs) / (1 << LOG2_FRAC_BITS)
 
 
 def serialized_size(freqs: np.ndarray) -> np.ndarray:

@@ -11,7 +11,7 @@ from codec import floatcodec, gguf_blocks, int8, planes, resident
 from codec.constants import SEGMENT_SYMBOLS
 from codec.floatcodec import FloatParams
 
-from .plan import DESC_FIELDS, DTYPE_CODES
+from .plan import BYTES_CODE, DESC_FIELDS, DTYPE_CODES
 
 _LAYOUT_BY_CODE = {code: planes.FLOAT_LAYOUTS[name] for name, code in DTYPE_CODES.items()}
 STATUS_DIRECTORY, STATUS_TABLE = 3, 4
@@ -62,6 +62,49 @@ def crc32_spans(data: torch.Tensor, spans: torch.Tensor) -> torch.Tensor:
     return torch.ops.wcodec.crc32_spans.default(data, spans)
 
 
+def fixedrate_encode(w: torch.Tensor) -> list[torch.Tensor]:
+    """A contiguous 2-D 16-bit weight -> the fixed-rate form's arrays (codec/fixedrate.py), on w's
+    device: [plane uint8, lo int32, hi int32, base uint8, esc uint8, esc_start int32]. One host
+    sync (the escape count)."""
+    return torch.ops.wcodec.fixedrate_encode.default(w)
+
+
+def fixedrate_decode(plane: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, base: torch.Tensor, esc: torch.Tensor,
+                     esc_start: torch.Tensor, cols: int, out: torch.Tensor) -> None:
+    """The fixed-rate form -> its exact 16-bit words in `out` ([rows, cols], contiguous), on the
+    current stream (the kernel's decode steps, written out: the bit-exact test's entry point)."""
+    torch.ops.wcodec.fixedrate_decode.default(plane, lo, hi, base, esc, esc_start, cols, out)
+
+
+def fixedrate_linear(x: torch.Tensor, plane: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, base: torch.Tensor,
+                     esc: torch.Tensor, esc_start: torch.Tensor, cols: int, kernel: int = 0) -> torch.Tensor:
+    """y = x W^T, W in the fixed-rate form, x [1..16, groups*32] (zero past cols) in W's dtype;
+    float32 accumulation, one rounding. On CUDA fused (W decoded in registers), on the current
+    stream, no host syncs; on the CPU the reference (decode, float32 matmul). kernel 0: tensor
+    cores (mma), 1: CUDA cores (the first version, kept for comparison)."""
+    return torch.ops.wcodec.fixedrate_linear.default(x, plane, lo, hi, base, esc, esc_start, cols, kernel)
+
+
+FIXEDRATE_OPS = ("wcodec::fixedrate_encode", "wcodec::fixedrate_decode", "wcodec::fixedrate_linear")
+
+
+def prepare_plane(data: torch.Tensor, dtype: int) -> list[torch.Tensor]:
+    """Split a plane's elements (uint8 `data`, 1-D; `dtype` a plan.DTYPE_CODES value, or
+    plan.BYTES_CODE for bytes coded whole) and choose its tables, as floatcodec.prepare /
+    prepare_bytes do. Returns [choice int64 [3] = (coded, ctx_bits, table_group), freqs int32
+    [4 * ceil(n_seg / 4), 256] (the first n_tables rows used), hi uint8 [n] (empty for bytes),
+    lo uint8 [2n] (float32 only, else empty)], all on data's device."""
+    return torch.ops.wcodec.prepare_plane.default(data, dtype)
+
+
+def encode_planes(data: list[torch.Tensor], dtypes: list[int], freqs: list[torch.Tensor], ctx_bits: list[int],
+                  table_groups: list[int]) -> list[torch.Tensor]:
+    """rANS-encode planes (as prepare_plane took them) with their tables and parameters: each
+    plane's exp stream (uint8, on data's device), byte for byte floatcodec.encode_batch's."""
+    return torch.ops.wcodec.encode_planes.default(data, dtypes, freqs, ctx_bits, table_groups)
+
+
+ENCODE_OPS = ("wcodec::prepare_plane", "wcodec::encode_planes")
 QUANT_OPS = ("wcodec::decode_bytes", "wcodec::dequantize_blocks", "wcodec::reconstruct_int8")
 CHECKSUM_OPS = ("wcodec::crc32_spans",)
 
@@ -96,7 +139,92 @@ def register_fakes() -> None:
         torch.library.register_fake("wcodec::crc32_spans")(
             lambda data, spans: data.new_empty(spans.shape[0], dtype=torch.int64))
 
+    if has_ops(FIXEDRATE_OPS):
+        _register_fixedrate_fakes()
+    if has_ops(ENCODE_OPS):
+        torch.library.register_fake("wcodec::prepare_plane")(_fake_prepare_plane)
+        torch.library.register_fake("wcodec::encode_planes")(_fake_encode_planes)
+
     register_fakes.done = True
+
+
+def _register_fixedrate_fakes() -> None:
+    @torch.library.register_fake("wcodec::fixedrate_encode")
+    def _(w):
+        rows, groups = w.shape[0], -(-w.shape[1] // 32)
+        tiles, blocks = -(-groups // 4), -(-groups // 32)
+        n_esc = torch.library.get_ctx().new_dynamic_size()
+        u8, i32 = dict(dtype=torch.uint8), dict(dtype=torch.int32)
+        return [w.new_empty(rows, groups * 32, **u8), w.new_empty(rows, groups * 2, **i32),
+                w.new_empty(rows, groups, **i32), w.new_empty(rows, tiles, **u8), w.new_empty(n_esc, **u8),
+                w.new_empty(rows, blocks, **i32)]
+
+    torch.library.register_fake("wcodec::fixedrate_decode")(lambda plane, lo, hi, base, esc, esc_start, cols, out: None)
+    torch.library.register_fake("wcodec::fixedrate_linear")(
+        lambda x, plane, lo, hi, base, esc, esc_start, cols, kernel=0: x.new_empty(x.shape[0], plane.shape[0]))
+
+
+def _fake_prepare_plane(data, dtype):
+    n = data.shape[0] // (4 if dtype == DTYPE_CODES["float32"] else 1 if dtype == BYTES_CODE else 2)
+    tables = 4 * -(-(-(-n // SEGMENT_SYMBOLS)) // 4)
+    return [data.new_empty(3, dtype=torch.int64), data.new_empty((tables, 256), dtype=torch.int32),
+            data.new_empty(0 if dtype == BYTES_CODE else n), data.new_empty(2 * n if dtype == DTYPE_CODES["float32"] else 0)]
+
+
+def _fake_encode_planes(data, dtypes, freqs, ctx_bits, table_groups):
+    ctx = torch.library.get_ctx()
+    return [d.new_empty(ctx.new_dynamic_size()) for d in data]
+
+
+def _plane_words(data: torch.Tensor, dtype: int) -> tuple[planes.FloatLayout | None, np.ndarray]:
+    if dtype == BYTES_CODE:
+        return None, data.numpy()
+    layout = _LAYOUT_BY_CODE[dtype]
+    return layout, data.numpy().view(layout.word)
+
+
+def reference_prepare_plane(data: torch.Tensor, dtype: int) -> list[torch.Tensor]:
+    """The NumPy reference of prepare_plane (floatcodec.prepare / prepare_bytes; CPU tensors)."""
+    layout, u = _plane_words(data, dtype)
+    p = floatcodec.prepare_bytes(u) if layout is None else floatcodec.prepare(layout, u)
+    out = _fake_prepare_plane(data, dtype)
+    out[0].zero_(), out[1].zero_()
+    if layout is not None:
+        _, hi, lo = planes.split(layout, u)
+        out[2].copy_(torch.from_numpy(hi))
+        if lo is not None:
+            out[3].copy_(torch.from_numpy(lo.view(np.uint8)))
+    if p is not None:
+        out[0].copy_(torch.tensor([1, p.params.ctx_bits, p.params.table_group]))
+        out[1][:len(p.freqs)] = torch.from_numpy(p.freqs.astype(np.int32))
+    return out
+
+
+def reference_encode_planes(data: list[torch.Tensor], dtypes: list[int], freqs: list[torch.Tensor],
+                            ctx_bits: list[int], table_groups: list[int]) -> list[torch.Tensor]:
+    """The NumPy reference of encode_planes (floatcodec.encode_batch; CPU tensors)."""
+    batch = []
+    for d, code, f, cb, g in zip(data, dtypes, freqs, ctx_bits, table_groups):
+        layout, u = _plane_words(d, code)
+        sym, hi, _ = (u, None, None) if layout is None or layout.itemsize == 1 else planes.split(layout, u)
+        params = FloatParams(len(u), cb, min(g, -(-len(u) // SEGMENT_SYMBOLS)))
+        batch.append(floatcodec.Prepared(layout, params, f[:params.n_tables].numpy().astype(np.uint32), sym, hi, None))
+    return [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in floatcodec.encode_batch(batch)]
+
+
+def sample_encode_inputs(device: str | torch.device) -> list[tuple]:
+    """prepare_plane arguments of every dtype code (one multi-segment, one partial), and one
+    encode_planes call over all of them (its freqs from the reference's prepare)."""
+    g = torch.Generator().manual_seed(1)
+    planes_in = [((torch.randn(SEGMENT_SYMBOLS + 999, generator=g) * 0.02).bfloat16(), DTYPE_CODES["bfloat16"]),
+                 ((torch.randn(5000, generator=g) * 3).half(), DTYPE_CODES["float16"]),
+                 (torch.randn(70, 90, generator=g), DTYPE_CODES["float32"]),
+                 ((torch.rand(9000, generator=g) ** 4 * 255).to(torch.uint8), BYTES_CODE)]
+    prepared = [(t.reshape(-1).view(torch.uint8).to(device), code) for t, code in planes_in]
+    chosen = [reference_prepare_plane(d.cpu(), code) for d, code in prepared]
+    encode = ([d for d, _ in prepared], [c for _, c in prepared], [ch[1].to(device) for ch in chosen],
+              [int(ch[0][1]) for ch in chosen], [int(ch[0][2]) for ch in chosen])
+    return prepared, encode
 
 
 def _tensor_items(buf: np.ndarray, row: list[int]):
@@ -208,7 +336,7 @@ def sample_inputs(device: str | torch.device) -> list[tuple]:
         streams = {}
         for role, b in rec["streams"].items():
             streams[role] = {"offset": len(blob), "length": len(b), "crc32": 0}
-            blob += b + b"\0" * (-len(b) % 64)
+            blob += bytes(b) + b"\0" * (-len(b) % 64)
         entries.append(TensorEntry(rec["name"], rec["dtype"], tuple(rec["shape"]), rec["codec"], None,
                                    rec["nbytes"], rec["crc32"], streams,
                                    FloatParams(int(np.prod(rec["shape"])), **rec["params"])))

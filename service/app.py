@@ -16,13 +16,13 @@ import codec
 from . import errors, openapi
 from .metrics import HttpMetricsMiddleware, Metrics
 from .registry import ModelRegistry
-from .routes import chat, generate, health, models
+from .routes import chat, completions, generate, health, models, openai_models
 from .settings import Settings
 from .timeline import Timeline
 
 log = logging.getLogger("wcodec.service")
 DESCRIPTION = ("Serves `.wcodec` models: decoded onto the GPU (or the CPU) at load time, generation "
-               "in Text Generation Inference's API, model control in the spirit of Triton's.")
+               "in Text Generation Inference's API and OpenAI's (/v1), model control in the spirit of Triton's.")
 
 
 @asynccontextmanager
@@ -51,6 +51,6 @@ def create_app(settings: Settings | None = None, *, timeline: Timeline | None = 
     errors.install(app)
     openapi.install(app)
     app.add_middleware(HttpMetricsMiddleware, metrics=app.state.metrics)
-    for module in (health, models, generate, chat):
+    for module in (health, models, generate, chat, completions, openai_models):
         app.include_router(module.router)
     return app

@@ -1,16 +1,15 @@
 """OpenAI-style chat on top of the TGI path: the model's embedded chat template makes the prompt;
-the engine's result becomes a ChatCompletion (or a stream of chunks ending in `[DONE]`)."""
+the engine's result becomes a ChatCompletion (or a stream of chunks, with usage last when asked
+for, ending in `[DONE]`)."""
 from __future__ import annotations
 
 import time
 import uuid
 from collections.abc import AsyncIterator
 
-import codec
-
-from . import inference
-from .errors import ServiceError, ValidationFailed, error_event
-from .engine.sampling import Finished, SamplingParams, TokenEvent
+from . import inference, openai_api
+from .engine.sampling import Finished, TokenEvent
+from .errors import ServiceError, ValidationFailed, openai_error_event
 from .registry import ModelRegistry
 from .schemas.chat import (
     ChatChoice,
@@ -20,64 +19,50 @@ from .schemas.chat import (
     ChatDelta,
     ChatMessage,
     ChatRequest,
-    Usage,
 )
 from .settings import Settings
 
-FINGERPRINT = f"wcodec-{codec.__version__}"
-
-
-def _params(req: ChatRequest, settings: Settings) -> SamplingParams:
-    stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
-    if len(stop) > 4:
-        raise ValidationFailed("`stop` takes at most 4 sequences")
-    temperature = req.temperature or None                      # 0 means greedy
-    return SamplingParams(req.max_tokens or settings.default_max_new_tokens, temperature, req.top_p, None,
-                          temperature is not None, req.seed, None, tuple(s for s in stop if s))
-
-
-async def start(req: ChatRequest, registry: ModelRegistry, settings: Settings, stream: bool) -> inference.Started:
-    model = req.model if req.model and registry.has(req.model) else None      # TGI ignores it: "tgi"
-    lease = registry.acquire(registry.resolve(model))
+async def start(req: ChatRequest, registry: ModelRegistry, settings: Settings) -> inference.Started:
+    params = openai_api.sampling(req, settings, req.new_tokens())
+    lease = registry.acquire(registry.resolve(openai_api.model_of(req, registry)))
     try:
         tokenizer = lease.served.tokenizer
         if not getattr(tokenizer, "chat_template", None):
-            raise ValidationFailed(f"model {lease.entry.name!r} has no chat template")
-        prompt = tokenizer.apply_chat_template([m.model_dump() for m in req.messages], tokenize=False,
+            raise ValidationFailed(f"model {lease.entry.name!r} has no chat template", param="messages")
+        prompt = tokenizer.apply_chat_template([m.for_template() for m in req.messages], tokenize=False,
                                                add_generation_prompt=True)
     finally:
         lease.release()
-    return await inference.start(registry, settings, lease.entry.name, prompt, _params(req, settings),
-                                 stream=stream, special=False)
+    return await inference.start(registry, settings, lease.entry.name, prompt, params, stream=req.stream,
+                                 special=False, fields=("messages", "max_tokens"))
 
 
-def _reason(fin: Finished) -> str:
-    return "length" if fin.finish_reason == "length" else "stop"
-
-
-def completion(started: inference.Started, fin: Finished) -> ChatCompletion:
-    usage = Usage(prompt_tokens=fin.input_length, completion_tokens=len(fin.tokens),
-                  total_tokens=fin.input_length + len(fin.tokens))
-    choice = ChatChoice(index=0, message=ChatMessage(role="assistant", content=fin.generated_text),
-                        finish_reason=_reason(fin))
+def completion(started: inference.Started, fin: Finished, req: ChatRequest) -> ChatCompletion:
+    text = openai_api.cut(fin.generated_text, req.stops())
+    choice = ChatChoice(index=0, message=ChatMessage(content=text), finish_reason=openai_api.finish_reason(fin))
     return ChatCompletion(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=started.model,
-                          system_fingerprint=FINGERPRINT, choices=[choice], usage=usage)
+                          system_fingerprint=openai_api.FINGERPRINT, choices=[choice], usage=openai_api.usage([fin]))
 
 
-async def chunks(started: inference.Started, first: TokenEvent | Finished) -> AsyncIterator[bytes]:
-    """One chunk per token (special tokens left out), a last one with finish_reason, then [DONE]."""
-    cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+async def chunks(started: inference.Started, first: TokenEvent | Finished, req: ChatRequest) -> AsyncIterator[bytes]:
+    """One chunk per token (special tokens and stop sequences left out), a last one with
+    finish_reason, the usage when `stream_options.include_usage`, then [DONE]."""
+    cid, created, stop = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), openai_api.StopCut(req.stops())
 
-    def chunk(content: str, reason: str | None) -> bytes:
-        choice = ChatChunkChoice(index=0, delta=ChatDelta(content=content), finish_reason=reason)
+    def chunk(content: str | None, reason: str | None = None, fin: Finished | None = None) -> bytes:
+        choices = [] if content is None else [ChatChunkChoice(index=0, delta=ChatDelta(content=content),
+                                                              finish_reason=reason)]
         return inference.sse(ChatCompletionChunk(id=cid, created=created, model=started.model,
-                                                 system_fingerprint=FINGERPRINT, choices=[choice]))
+                                                 system_fingerprint=openai_api.FINGERPRINT, choices=choices,
+                                                 usage=openai_api.usage([fin]) if fin else None))
     try:
         async for item in inference.events(started, first):
             if isinstance(item, Finished):
-                yield chunk("", _reason(item))
-            elif not item.special:
-                yield chunk(item.text, None)
+                yield chunk(stop.flush(), openai_api.finish_reason(item))
+                if req.stream_options and req.stream_options.include_usage:
+                    yield chunk(None, fin=item)
+            elif not item.special and (text := stop.feed(item.text)):
+                yield chunk(text)
     except ServiceError as e:
-        yield inference.sse(error_event(e))
+        yield inference.sse(openai_error_event(e))
     yield inference.sse("[DONE]")

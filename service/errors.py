@@ -1,8 +1,11 @@
 """Every service error and its HTTP mapping, in one place.
 
-Errors answer in TGI's shape `{"error": str, "error_type": str}`. Handlers and the registry raise
-the specific `ServiceError` below; `install(app)` turns them (and FastAPI's own validation and
-routing errors) into responses; `responses(...)` declares them on routes for the OpenAPI schema.
+Errors answer in TGI's shape `{"error": str, "error_type": str}`, except on the OpenAI routes
+(`/v1/*`), which answer in OpenAI's `{"error": {"message", "type", "param", "code"}}` with OpenAI's
+status codes (a validation error is a 400 there, a failed generation a 500). Handlers and the
+registry raise the specific `ServiceError` below; `install(app)` turns them (and FastAPI's own
+validation and routing errors) into responses; `responses(...)` and `openai_responses(...)` declare
+them on routes for the OpenAPI schema.
 """
 from __future__ import annotations
 
@@ -18,19 +21,33 @@ class ErrorResponse(BaseModel):
     error_type: str
 
 
+class OpenAIError(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class OpenAIErrorResponse(BaseModel):
+    error: OpenAIError
+
+
 class ServiceError(Exception):
     status_code = 500
     error_type = "internal"
     description = "Internal error"
+    openai = (500, "server_error", "internal_error")      # (status, type, code) on the OpenAI routes
 
-    def __init__(self, message: str, headers: dict[str, str] | None = None):
+    def __init__(self, message: str, headers: dict[str, str] | None = None, *, param: str | None = None):
         super().__init__(message)
         self.message = message
         self.headers = headers or {}
+        self.param = param                     # the request field at fault (OpenAI's `param`)
 
 
 class Unauthorized(ServiceError):
     status_code, error_type, description = 401, "unauthorized", "Missing bearer token"
+    openai = (401, "authentication_error", "invalid_api_key")
 
     def __init__(self, message: str = "this route needs a bearer token"):
         super().__init__(message, {"WWW-Authenticate": "Bearer"})
@@ -38,30 +55,56 @@ class Unauthorized(ServiceError):
 
 class Forbidden(ServiceError):
     status_code, error_type, description = 403, "forbidden", "Wrong bearer token"
+    openai = (403, "permission_error", "forbidden")
 
 
 class ModelNotFound(ServiceError):
     status_code, error_type, description = 404, "not_found", "Unknown model"
+    openai = (404, "invalid_request_error", "model_not_found")
+
+
+class RouteNotFound(ServiceError):
+    """FastAPI's own routing answers: 404 no such route, 405 wrong method."""
+
+    def __init__(self, status_code: int, message: str, headers: dict[str, str] | None = None):
+        super().__init__(message, headers)
+        self.status_code, self.openai = status_code, (status_code, "invalid_request_error", None)
+        self.error_type = "not_found" if status_code == 404 else "http"
 
 
 class ValidationFailed(ServiceError):
     status_code, error_type, description = 422, "validation", "Input validation error"
+    openai = (400, "invalid_request_error", "invalid_value")
 
 
 class InvalidModelName(ValidationFailed):
     """A name that is not a plain file stem (no separators, no leading dot)."""
 
 
+class UnsupportedParameter(ValidationFailed):
+    """A request field this server cannot honour (set to something other than its neutral value)."""
+    openai = (400, "invalid_request_error", "unsupported_parameter")
+
+    def __init__(self, param: str, why: str = "not supported by this server"):
+        super().__init__(f"`{param}`: {why}", param=param)
+
+
 class LoadFailed(ServiceError):
     status_code, error_type, description = 500, "load_failed", "The model failed to load"
+    openai = (500, "server_error", "load_failed")
 
 
 class GenerationFailed(ServiceError):
     status_code, error_type, description = 424, "generation", "Request failed during generation"
+    openai = (500, "server_error", "generation_failed")
 
 
 class QueueFull(ServiceError):
     status_code, error_type, description = 429, "overloaded", "Model is overloaded"
+    openai = (429, "rate_limit_error", "queue_full")
+
+    def __init__(self, message: str, retry_after_s: int = 1):
+        super().__init__(message, {"Retry-After": str(retry_after_s)})
 
     def __init__(self, message: str, retry_after_s: int = 1):
         super().__init__(message, {"Retry-After": str(retry_after_s)})
@@ -69,6 +112,7 @@ class QueueFull(ServiceError):
 
 class ModelNotReady(ServiceError):
     status_code, error_type, description = 503, "model_not_ready", "Model is not loaded (yet)"
+    openai = (503, "server_error", "model_not_ready")
 
     def __init__(self, message: str, retry_after_s: int):
         super().__init__(message, {"Retry-After": str(retry_after_s)})
@@ -76,11 +120,14 @@ class ModelNotReady(ServiceError):
 
 class InsufficientMemory(ServiceError):
     status_code, error_type, description = 507, "insufficient_memory", "The model does not fit"
+    openai = (507, "server_error", "insufficient_memory")
 
 
 _BY_STATUS: dict[int, type[ServiceError]] = {c.status_code: c for c in (
     Unauthorized, Forbidden, ModelNotFound, ValidationFailed, LoadFailed, GenerationFailed,
     QueueFull, ModelNotReady, InsufficientMemory)}
+_BY_OPENAI_STATUS: dict[int, type[ServiceError]] = {c.openai[0]: c for c in (
+    ModelNotFound, ValidationFailed, QueueFull, ModelNotReady, GenerationFailed)}
 
 
 def responses(*codes: int) -> dict[int | str, dict]:
@@ -88,27 +135,58 @@ def responses(*codes: int) -> dict[int | str, dict]:
     return {code: {"model": ErrorResponse, "description": _BY_STATUS[code].description} for code in codes}
 
 
+def openai_responses(*codes: int) -> dict[int | str, dict]:
+    """The `responses=` of an OpenAI route (/v1/*) that can answer with these (OpenAI) codes."""
+    return {code: {"model": OpenAIErrorResponse, "description": _BY_OPENAI_STATUS[code].description}
+            for code in codes}
+
+
 def _body(message: str, error_type: str) -> dict:
     return ErrorResponse(error=message, error_type=error_type).model_dump()
 
 
-async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
+def _openai_body(exc: ServiceError) -> dict:
+    _, kind, code = exc.openai
+    return OpenAIErrorResponse(error=OpenAIError(message=exc.message, type=kind, param=exc.param,
+                                                 code=code)).model_dump()
+
+
+def is_openai(path: str) -> bool:
+    return path.startswith("/v1/")
+
+
+def _respond(request: Request, exc: ServiceError) -> JSONResponse:
+    if is_openai(request.url.path):
+        return JSONResponse(_openai_body(exc), exc.openai[0], headers=exc.headers)
     return JSONResponse(_body(exc.message, exc.error_type), exc.status_code, headers=exc.headers)
 
 
+async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
+    return _respond(request, exc)
+
+
+def _where(loc) -> str:
+    return ".".join(str(p) for p in loc if p != "body")
+
+
+def _field(loc) -> str | None:
+    """The request body's field an error is about (OpenAI's `param`); None for the body as a whole."""
+    fields = [p for p in loc if p != "body"]
+    return fields[0] if fields and isinstance(fields[0], str) else None
+
+
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    parts = []
-    for err in exc.errors():
-        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
-        parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
-    return JSONResponse(_body("; ".join(parts) or "invalid request", "validation"), 422)
+    errors = exc.errors()
+    wheres = [_where(e.get("loc", ())) for e in errors]
+    parts = [f"{w}: {e.get('msg')}" if w else str(e.get("msg")) for w, e in zip(wheres, errors)]
+    param = _field(errors[0].get("loc", ())) if errors else None
+    return _respond(request, ValidationFailed("; ".join(parts) or "invalid request", param=param))
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     if exc.status_code == 400:                 # FastAPI's "error parsing the body" (not UTF-8, say): a
-        return JSONResponse(_body(f"invalid request body: {exc.detail}", "validation"), 422)   # 422, as for bad JSON
-    error_type = "not_found" if exc.status_code == 404 else "http"
-    return JSONResponse(_body(str(exc.detail), error_type), exc.status_code, headers=exc.headers)
+        return _respond(request, ValidationFailed(f"invalid request body: {exc.detail}"))   # 422, as for bad JSON
+    return _respond(request, RouteNotFound(exc.status_code, str(exc.detail), exc.headers))
 
 
 def install(app: FastAPI) -> None:
@@ -120,3 +198,8 @@ def install(app: FastAPI) -> None:
 def error_event(exc: ServiceError) -> dict:
     """The SSE payload TGI sends when a stream fails after it started."""
     return _body(exc.message, exc.error_type)
+
+
+def openai_error_event(exc: ServiceError) -> dict:
+    """The SSE payload of an OpenAI stream that fails after it started (the client raises it)."""
+    return _openai_body(exc)

@@ -34,28 +34,31 @@ def sampling_params(p: GenerateParameters, settings: Settings) -> SamplingParams
 
 
 def _tokenize(served: ServedModel, prompt: str, params: SamplingParams, truncate: int | None,
-              settings: Settings, special: bool) -> list[int]:
+              settings: Settings, special: bool, fields: tuple[str, str]) -> list[int]:
     ids = served.tokenizer(prompt, add_special_tokens=special)["input_ids"]
     ids = ids[-truncate:] if truncate else ids
+    inputs, new = fields
     if not ids:
-        raise ValidationFailed("`inputs` tokenizes to no tokens")
+        raise ValidationFailed(f"`{inputs}` tokenizes to no tokens", param=inputs)
     if len(ids) > settings.max_input_tokens:
-        raise ValidationFailed(f"`inputs` must have less than {settings.max_input_tokens} tokens. Given: {len(ids)}")
+        raise ValidationFailed(f"`{inputs}` must have less than {settings.max_input_tokens} tokens. Given: {len(ids)}",
+                               param=inputs)
     limit = min(settings.max_total_tokens, served.max_positions)
     if len(ids) + params.max_new_tokens > limit:
-        raise ValidationFailed(f"`inputs` tokens + `max_new_tokens` must be <= {limit}. Given: {len(ids)} "
-                               f"`inputs` tokens and {params.max_new_tokens} `max_new_tokens`")
+        raise ValidationFailed(f"`{inputs}` tokens + `{new}` must be <= {limit}. Given: {len(ids)} "
+                               f"`{inputs}` tokens and {params.max_new_tokens} `{new}`", param=new)
     return ids
 
 
 async def start(registry: ModelRegistry, settings: Settings, model: str | None, prompt: str,
                 params: SamplingParams, *, stream: bool, truncate: int | None = None,
-                special: bool = True) -> Started:
-    """Queue a generation on the model; the lease ends when the engine finishes the request."""
+                special: bool = True, fields: tuple[str, str] = ("inputs", "max_new_tokens")) -> Started:
+    """Queue a generation on the model; the lease ends when the engine finishes the request.
+    `fields`: the request's names for the prompt and the token limit, for the error messages."""
     name = registry.resolve(model)
     lease = registry.acquire(name)
     try:
-        ids = _tokenize(lease.served, prompt, params, truncate, settings, special)
+        ids = _tokenize(lease.served, prompt, params, truncate, settings, special, fields)
         req = GenRequest(ids, params, stream=stream)
         lease.engine.submit(req)
     except BaseException:

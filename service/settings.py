@@ -41,6 +41,18 @@ class Settings(BaseSettings):
     compressed_scratch: int = Field(      # CUDA; the CPU decodes in place with one
         2, ge=1, validation_alias=AliasChoices("WCODEC_COMPRESSED_SCRATCH", "WCODEC_RESIDENT_SLOTS"))
 
+    @classmethod
+    def env_name(cls, loc: tuple) -> str:
+        """The environment variable a validation error's `loc` is about: the name that is set (a
+        field's old name, kept as an alias, included), else WCODEC_<FIELD>."""
+        import os
+        name = ".".join(map(str, loc)).upper()
+        for field in cls.model_fields.values():
+            choices = getattr(field.validation_alias, "choices", ())
+            if name in choices:
+                return next((c for c in choices if c in os.environ), name)
+        return name if name.startswith("WCODEC_") else f"WCODEC_{name}"
+
     def read_threads(self) -> int:
         import os
         return self.load_read_threads or min(16, 2 * (os.cpu_count() or 1))

@@ -155,7 +155,8 @@ def load_tensors(path: str | os.PathLike, cast: torch.dtype | None = None,
 
 
 def decoder(device: str) -> Loader:
-    """Our decoder for `device`. cuda needs the extension's `cuda_ext.load(path, device=...)`."""
+    """Our decoder for `device`: the NumPy reference on the CPU (parallel across tensors), the
+    extension's CUDA kernels through the pipelined loader (`wcodec.load`) on cuda."""
     if device == "cpu":
         return lambda path, threads: decode.load(path, workers=threads)
     if device != "cuda":
@@ -166,10 +167,10 @@ def decoder(device: str) -> Loader:
         ext = importlib.import_module("cuda_ext")
     except ImportError as e:
         raise DeviceUnavailable(f"cuda device unavailable: cuda_ext cannot be imported ({e})") from None
-    load = getattr(ext, "load", None)
-    if load is None:
-        raise DeviceUnavailable("cuda device unavailable: cuda_ext has no load() (CUDA decoder not built)")
-    return lambda path, threads: load(path, device="cuda")
+    if not ext.available().cuda:
+        raise DeviceUnavailable(f"cuda device unavailable: {ext.available().reason}")
+    from service.load.pipeline import load_archive
+    return lambda path, threads: load_archive(path, "cuda")
 
 
 def measure_ours(w: Workload, load: Loader) -> dict:
@@ -275,6 +276,7 @@ def run_bench(path: str | os.PathLike, *, device: str = "cpu", threads: int = 1,
 def measure_cpp_twin(w: Workload) -> dict:
     """The extension's C++ CPU twin, one thread: decode MB/s per thread (beside zipnn's)."""
     ext = importlib.import_module("cuda_ext")
+    from service.load.pipeline import load_archive
     avail = ext.available()
     if not avail.cpp:
         return {"skipped": avail.reason}
@@ -284,7 +286,7 @@ def measure_cpp_twin(w: Workload) -> dict:
         with tempfile.TemporaryDirectory(prefix="wcodec-bench-") as tmp:
             path = os.path.join(tmp, "bench.wcodec")
             compress_state_dict(w.tensors, path, workers=w.threads)
-            model, dec_s = timed(lambda: ext.load(path, "cpu", verify=False), w.repeat)
+            model, dec_s = timed(lambda: load_archive(path, "cpu", verify=False), w.repeat)
             check_equal(w.tensors, model.state_dict, "wcodec c++ twin")
     finally:
         torch.set_num_threads(threads)

@@ -55,12 +55,22 @@ def _progress_bar() -> tuple[Callable[[int, int], None], Callable[[], None]]:
     return update, bar.close
 
 
+def _coder(device: str):
+    """The plane coder of `--device` (cuda_ext/encode.py): the GPU's, the C++ twin's or NumPy's."""
+    from cuda_ext import encode as ext_encode
+    try:
+        return ext_encode.coder(ext_encode.best_device() if device == "auto" else device)
+    except RuntimeError as e:                  # --device cuda where there is no GPU encoder
+        raise bench.DeviceUnavailable(str(e)) from None
+
+
 def cmd_compress(args: argparse.Namespace) -> int:
+    coder = _coder(args.device)
     update, close = _progress_bar()
     try:
         stats = compress(args.src, args.dst, workers=args.workers, gguf_dtype=FLOAT_CHOICES[args.gguf_dtype],
                          gguf_keep=args.gguf == "blocks", lossy=None if args.codec == "lossless" else args.codec,
-                         progress=update)
+                         progress=update, coder=coder)
     finally:
         close()
     if stats.quality is not None:
@@ -246,6 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "elements), with a quality report; others stay lossless (default: lossless)")
     p.add_argument("--ppl-text", metavar="FILE", default=None,
                    help="with --codec int8: the model's perplexity on this text, before and after")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where the planes are encoded: cuda (the GPU encoder), cpu (the C++ encoder, else "
+                        "NumPy); auto: cuda when there is a GPU and the extension has its encoder")
     p = _add(sub, "decompress", cmd_decompress, "decode a .wcodec file into a .safetensors file")
     p.add_argument("src")
     p.add_argument("dst")

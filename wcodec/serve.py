@@ -42,15 +42,9 @@ def _settings(args: argparse.Namespace, timeline: Timeline):
     try:
         return Settings(**{k: v for k, v in flags.items() if v is not None})
     except ValidationError as e:
-        why = "; ".join(f"{_env_name(err['loc'])}: {err['msg']}" for err in e.errors())
+        why = "; ".join(f"{Settings.env_name(err['loc'])}: {err['msg']}" for err in e.errors())
         print(f"wcodec: error: bad server settings: {why}", file=sys.stderr)
         return None
-
-
-def _env_name(loc: tuple) -> str:
-    """The environment variable a settings error is about (an alias's own name, else WCODEC_<FIELD>)."""
-    name = ".".join(map(str, loc)).upper()
-    return name if name.startswith("WCODEC_") else f"WCODEC_{name}"
 
 
 def _start_early_reads(settings, timeline: Timeline, gate) -> tuple[dict, dict]:

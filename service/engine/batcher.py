@@ -124,8 +124,8 @@ class Batcher:
         """`chunk` more columns of the group went in; at the end of its prompts it joins."""
         g.done += chunk
         if g.done == g.width:
+            self._emit(g.rows, logits)           # before the group is let go: a failing one stays in `active`
             self.group = None
-            self._emit(g.rows, logits)
             self.running += g.rows
             self.kv.merge(g.kv)
             self._leave()

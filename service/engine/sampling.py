@@ -108,8 +108,11 @@ def _penalize(logits: torch.Tensor, history: torch.Tensor, penalty: float) -> to
     return logits.scatter(0, history, torch.where(seen < 0, seen * penalty, seen / penalty))
 
 
+MIN_TEMPERATURE = 1e-5         # below it, float32 logits / temperature overflow to inf (and softmax to nan)
+
+
 def _warp(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    logits = logits / p.temperature if p.temperature else logits
+    logits = logits / max(p.temperature, MIN_TEMPERATURE) if p.temperature else logits
     if p.top_k:
         kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -117,6 +120,7 @@ def _warp(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         sorted_logits, order = torch.sort(logits, descending=True)
         probs = sorted_logits.softmax(-1)
         drop = probs.cumsum(-1) - probs >= p.top_p                         # mass before it >= top_p
+        drop[0] = False                                 # the top token stays (a top_p under float32's range)
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     return logits
 

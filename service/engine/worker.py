@@ -33,15 +33,13 @@ class Limits:
     batch_wait_s: float     # WCODEC_BATCH_WAIT_MS: an idle engine waits this long for a burst
     engine: str = "paged"   # WCODEC_ENGINE: "paged" (llama.py models: paging.py), "padded" (batcher.py)
     cache: paging.CacheSettings = field(default_factory=paging.CacheSettings)
-    retry_after_s: int = 1  # Retry-After of a 429
 
 
 def limits(s) -> Limits:
     """The engine's limits from the service's Settings."""
     cache = paging.CacheSettings(s.kv_block_size, s.kv_cache_bytes, s.kv_cache_fraction, s.max_total_tokens,
                                  s.cuda_graphs, s.prefill_wait_ms / 1e3)
-    return Limits(s.max_batch_size, s.max_batch_tokens, s.max_queue, s.batch_wait_ms / 1e3, s.engine, cache,
-                  s.retry_after_s)
+    return Limits(s.max_batch_size, s.max_batch_tokens, s.max_queue, s.batch_wait_ms / 1e3, s.engine, cache)
 
 
 class GenRequest:
@@ -122,7 +120,7 @@ class Engine:
                 raise ModelNotReady(f"model {name!r} is unloading", 1)
             if len(waiting) >= self.limits.max_queue:
                 self.metrics.requests.labels(name, "overloaded").inc()
-                raise QueueFull(f"model {name!r} has {len(waiting)} requests waiting", self.limits.retry_after_s)
+                raise QueueFull(f"model {name!r} has {len(waiting)} requests waiting")
             req.row = Row(req.prompt_ids, req.params, self.served, owner=req)
             self.batcher.add(req.row)
         self.metrics.prompt_tokens.labels(name).inc(len(req.prompt_ids))

@@ -94,8 +94,8 @@ class PinnedRing:
     def take(self, n: int, nbytes: int) -> list[torch.Tensor]:
         with self._lock:
             fits = sorted((b for b in self._free if b.numel() >= nbytes), key=torch.Tensor.numel)[:n]
-            for b in fits:
-                self._free.remove(b)
+            taken = {id(b) for b in fits}                  # by identity: == on tensors compares elements
+            self._free = [b for b in self._free if id(b) not in taken]
         return fits + [aligned_buffer(nbytes, True) for _ in range(n - len(fits))]
 
     def reserve(self, n: int, nbytes: int) -> None:

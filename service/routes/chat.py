@@ -1,13 +1,12 @@
-"""OpenAI's chat completions, as TGI serves them."""
+"""OpenAI's chat completions."""
 from __future__ import annotations
 
 from fastapi import APIRouter
-from fastapi.responses import StreamingResponse
 
 from .. import chat, inference
 from ..deps import RegistryDep, SettingsDep
-from ..errors import responses
-from ..openapi import sse_content
+from ..errors import openai_responses
+from ..openapi import sse_content, sse_response
 from ..schemas.chat import ChatCompletion, ChatCompletionChunk, ChatRequest
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -16,11 +15,10 @@ router = APIRouter(prefix="/v1", tags=["openai"])
 @router.post("/chat/completions", summary="Chat with the model's embedded chat template (OpenAI style)",
              response_model=ChatCompletion,
              responses={200: {"content": sse_content(ChatCompletionChunk), "description": "JSON, or SSE "
-                              "chunks ending in [DONE] when stream=true"}, **responses(404, 422, 424, 429, 503)})
+                              "chunks ending in [DONE] when stream=true"}, **openai_responses(400, 404, 429, 500, 503)})
 async def chat_completions(req: ChatRequest, registry: RegistryDep, settings: SettingsDep):
-    started = await chat.start(req, registry, settings, stream=req.stream)
+    started = await chat.start(req, registry, settings)
     if not req.stream:
-        return chat.completion(started, await inference.finish(started))
+        return chat.completion(started, await inference.finish(started), req)
     first = await inference.first_event(started)
-    return StreamingResponse(chat.chunks(started, first), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
+    return sse_response(chat.chunks(started, first, req))

@@ -7,7 +7,7 @@ from fastapi.responses import StreamingResponse
 from .. import inference
 from ..deps import RegistryDep, SettingsDep
 from ..errors import responses
-from ..openapi import sse_content
+from ..openapi import sse_content, sse_response
 from ..schemas.tgi import CompatGenerateRequest, GenerateRequest, GenerateResponse, StreamResponse
 
 router = APIRouter(tags=["generate"])
@@ -27,8 +27,7 @@ async def _stream(req: GenerateRequest, registry: RegistryDep, settings: Setting
     started = await inference.start(registry, settings, req.model, req.inputs, params, stream=True,
                                     truncate=req.parameters.truncate)
     first = await inference.first_event(started)
-    return StreamingResponse(inference.tgi_stream(started, first, req.parameters), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return sse_response(inference.tgi_stream(started, first, req.parameters))
 
 
 @router.post("/generate", summary="Generate text (TGI)", responses=ERRORS)

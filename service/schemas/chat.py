@@ -1,26 +1,62 @@
-"""The OpenAI chat completions shapes that TGI serves at /v1/chat/completions."""
+"""OpenAI's chat completions shapes (/v1/chat/completions)."""
 from __future__ import annotations
 
 from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from .openai import OpenAIRequest, OpenAIResponse, Usage
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class InputMessage(BaseModel):
+    role: Literal["system", "developer", "user", "assistant"] = Field(description="'developer' is 'system'")
+    content: str | list[TextPart] = Field(description="Text, or a list of text parts (joined).")
+
+    def for_template(self) -> dict:
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class ResponseFormat(BaseModel):
+    type: str = Field(description="Only 'text'.")
+
+
+class ChatRequest(OpenAIRequest):
+    messages: list[InputMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, description="The newer name of `max_tokens`.")
+    logprobs: bool | None = Field(None, description="Not supported on chat: must be false "
+                                                    "(/v1/completions gives them).")
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="Not supported: must be 0.")
+    response_format: ResponseFormat | None = Field(None, description="Only {'type': 'text'}.")
+    tools: list[dict] | None = Field(None, description="Not supported: must be empty.")
+    tool_choice: str | dict | None = Field(None, description="Not supported: 'none' only.")
+    functions: list[dict] | None = Field(None, description="Not supported: must be empty.")
+    function_call: str | dict | None = Field(None, description="Not supported: 'none' only.")
+    parallel_tool_calls: bool | None = Field(None, description="Accepted; there are no tools.")
+
+    def unsupported(self) -> dict[str, str]:
+        bad = super().unsupported()
+        bad |= {"logprobs": "not on chat: /v1/completions gives them"} if self.logprobs else {}
+        bad |= {"top_logprobs": "top alternatives are not computed"} if self.top_logprobs else {}
+        bad |= {f: "tools and function calling are not supported" for f in ("tools", "functions") if getattr(self, f)}
+        bad |= {f: "tools and function calling are not supported" for f in ("tool_choice", "function_call")
+                if getattr(self, f) not in (None, "none")}
+        if self.response_format and self.response_format.type != "text":
+            bad["response_format"] = f"only 'text', not {self.response_format.type!r}"
+        return bad
+
+    def new_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
 
 class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant"]
+    role: Literal["assistant"] = "assistant"
     content: str
-
-
-class ChatRequest(BaseModel):
-    model: str | None = Field(None, description="A model of the store; anything else (OpenAI clients of "
-                                   "TGI send 'tgi') means the default model.")
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = Field(None, ge=0)
-    stop: list[str] | str | None = None
-    stream: bool = False
 
 
 class ChatChoice(BaseModel):
@@ -30,18 +66,8 @@ class ChatChoice(BaseModel):
     logprobs: None = None
 
 
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class ChatCompletion(BaseModel):
-    id: str
+class ChatCompletion(OpenAIResponse):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    system_fingerprint: str
     choices: list[ChatChoice]
     usage: Usage
 
@@ -58,10 +84,7 @@ class ChatChunkChoice(BaseModel):
     logprobs: None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(OpenAIResponse):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    system_fingerprint: str
-    choices: list[ChatChunkChoice]
+    choices: list[ChatChunkChoice] = Field(description="empty in the usage chunk")
+    usage: Usage | None = Field(None, description="only in the last chunk, with stream_options.include_usage")

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 FinishReason = Literal["length", "eos_token", "stop_sequence"]
 MAX_STOP_SEQUENCES = 4
+MAX_SEED = 2**64 - 1                           # torch.Generator.manual_seed's range
 CHAT_EXAMPLE = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -21,7 +22,7 @@ class GenerateParameters(BaseModel):
     top_p: float | None = Field(None, gt=0, le=1, description="Top-p value for nucleus sampling.")
     top_k: int | None = Field(None, gt=0, description="Keep only the top-k tokens when sampling.")
     do_sample: bool = Field(False, description="Sample instead of greedy decoding.")
-    seed: int | None = Field(None, ge=0, description="Random sampling seed.")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Random sampling seed.")
     stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_SEQUENCES,
                             description="Stop generating when one of these is generated.")
     repetition_penalty: float | None = Field(None, gt=0, description="1.0 means no penalty.")

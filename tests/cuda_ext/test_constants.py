@@ -27,6 +27,10 @@ def test_constants_match_codec():
     assert header_value("kTableBitmapBytes") == C.TABLE_BITMAP_BYTES
     assert header_value("kMaxCtxBits") == C.MAX_CTX_BITS
     assert header_value("kSegmentSteps") == C.SEGMENT_STEPS
+    assert header_value("kMinCodedElements") == C.MIN_CODED_ELEMENTS
+    assert header_value("kLog2FracBits") == C.LOG2_FRAC_BITS
+    groups = re.search(r"kTableGroups\[\] = \{(.+?)\};", HEADER).group(1)
+    assert tuple(int(g) for g in groups.split(",")) == C.TABLE_GROUPS
 
 
 def test_modes_and_lut_layout_match():

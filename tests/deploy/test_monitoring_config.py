@@ -30,7 +30,7 @@ REQUIRED_METRICS = {
     "process start to ready": "wcodec_process_start_to_ready_seconds",
     "batch size in tokens": "wcodec_generate_batch_tokens_bucket",
     "inter-token latency": "wcodec_generate_inter_token_latency_seconds_bucket",
-    "resident bytes by mode": "wcodec_model_resident_bytes",
+    "weight bytes, decoded or compressed": "wcodec_model_weight_bytes",
     "forward decode time": "wcodec_forward_decode_duration_seconds_bucket",
     "KV cache usage": "wcodec_kv_cache_usage",
     "blocks in use": "wcodec_kv_cache_blocks_used",

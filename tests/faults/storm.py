@@ -1,6 +1,7 @@
 """The storm: N concurrent clients for a fixed time against a running server, each picking
 requests at random (seeded): /generate, /generate_stream (some hang up mid-stream),
-/v1/chat/completions, load, load?wait=false, GET /models, /metrics and a few invalid bodies,
+/v1/chat/completions, /v1/completions (streamed too), load, load?wait=false, GET /models,
+GET /v1/models, /metrics and a few invalid bodies (TGI's and OpenAI's),
 while an admin unloads the model every `unload_every_s`. Every answer's status is checked against
 what the OpenAPI schema documents for its route; every request has a deadline, so a hang is
 counted, never waited out.
@@ -76,12 +77,16 @@ def check_tgi_stream(lines: list[str]) -> str | None:
     return None
 
 
-def check_chat_stream(lines: list[str]) -> str | None:
+def check_openai_stream(lines: list[str]) -> str | None:
+    """Why a complete OpenAI stream (chat or completions) is malformed, or None: JSON chunks with
+    choices (or a final error), then [DONE]; asked for, the usage comes last."""
     payloads = _sse_payloads(lines)
     if not payloads or payloads[-1] != "[DONE]":
-        return "chat stream does not end with [DONE]"
+        return "OpenAI stream does not end with [DONE]"
     chunks = [json.loads(p) for p in payloads[:-1]]
-    return None if all("choices" in c or "error" in c for c in chunks) else "chunk without choices"
+    if not all("choices" in c or "error" in c for c in chunks):
+        return "chunk without choices"
+    return None if "error" in chunks[-1] or chunks[-1].get("usage") else "no usage chunk last"
 
 
 class _Client:
@@ -133,25 +138,35 @@ class _Client:
 
     def _chat_body(self, stream: bool) -> dict:
         return {"messages": [{"role": "user", "content": self.rng.choice([QUESTION, "Say hello."])}],
-                "max_tokens": self.rng.randint(1, 6), "stream": stream}
+                "max_tokens": self.rng.randint(1, 6), "stream": stream, "stream_options": {"include_usage": True}}
+
+    def _completion_body(self, stream: bool) -> dict:
+        prompts = self.rng.sample(["The capital of France is", "1, 2, 3,", "Once upon a time"], self.rng.randint(1, 2))
+        return {"prompt": prompts, "max_tokens": self.rng.randint(1, 6), "temperature": self.rng.choice([0, 0.8]),
+                "stream": stream, "stream_options": {"include_usage": True}}
 
     async def one(self) -> None:
         m, roll = self.model, self.rng.random()
         table = [
-            (0.30, lambda: self._plain("generate", "POST", "/generate", self._generate_body())),
-            (0.20, lambda: self._stream("generate_stream", "/generate_stream", self._generate_body(),
+            (0.22, lambda: self._plain("generate", "POST", "/generate", self._generate_body())),
+            (0.16, lambda: self._stream("generate_stream", "/generate_stream", self._generate_body(),
                                         self.rng.random() < 0.5, check_tgi_stream)),
             (0.08, lambda: self._plain("chat", "POST", "/v1/chat/completions", self._chat_body(False))),
             (0.07, lambda: self._stream("chat_stream", "/v1/chat/completions", self._chat_body(True),
-                                        self.rng.random() < 0.5, check_chat_stream)),
+                                        self.rng.random() < 0.5, check_openai_stream)),
+            (0.05, lambda: self._plain("completions", "POST", "/v1/completions", self._completion_body(False))),
+            (0.04, lambda: self._stream("completions_stream", "/v1/completions", self._completion_body(True),
+                                        self.rng.random() < 0.5, check_openai_stream)),
             (0.06, lambda: self._plain("models", "GET", "/models")),
-            (0.08, lambda: self._plain("metrics", "GET", "/metrics")),
+            (0.03, lambda: self._plain("v1_models", "GET", "/v1/models")),
+            (0.05, lambda: self._plain("metrics", "GET", "/metrics")),
             (0.03, lambda: self._plain("model", "GET", f"/models/{m}")),
             (0.03, lambda: self._plain("load", "POST", f"/models/{m}/load")),
             (0.03, lambda: self._plain("load_nowait", "POST", f"/models/{m}/load?wait=false")),
             (0.03, lambda: self._plain("model", "GET", f"/models/{m}")),
             (0.05, lambda: self._plain("invalid", "POST", "/generate", {"inputs": "x", "parameters":
                                                                          {"max_new_tokens": 0}})),
+            (0.03, lambda: self._plain("invalid_v1", "POST", "/v1/completions", {"prompt": "x", "max_tokens": -5})),
             (0.04, lambda: self._plain("health", "GET", "/health/ready")),
         ]
         for weight, call in table:

@@ -1,15 +1,20 @@
 """Fixtures of the service tests: the demo archive (built once per session by the service's own
-demo builder), per-test stores that hard-link it, and `serve(...)`: an app with its lifespan
-running, reached through httpx's ASGI transport."""
+demo builder), per-test stores that hard-link it, `serve(...)`: an app with its lifespan
+running, reached through httpx's ASGI transport, and `live`: a real uvicorn server on the
+loopback with the demo loaded, one per test module (for clients that need a URL)."""
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator, Callable
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
 import pytest
+import uvicorn
 from service_helpers import DEMO, Server
 
 from service.app import create_app
@@ -121,3 +126,30 @@ def serve() -> Callable[..., AsyncIterator[Server]]:
                 yield Server(client, app)
     return run
 
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory, demo_archive) -> Iterator[tuple[str, object]]:
+    """(url, app) of a uvicorn server on 127.0.0.1 whose store holds the demo, ready."""
+    root = tmp_path_factory.mktemp("live")
+    os.link(demo_archive, root / f"{DEMO}.wcodec")
+    app = create_app(Settings(model_store=root, demo=False, preload=[DEMO]))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health/ready").status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    else:
+        pytest.fail("the server did not get ready")
+    yield url, app
+    server.should_exit = True
+    thread.join(30)

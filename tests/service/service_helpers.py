@@ -1,10 +1,13 @@
-"""What the service tests share besides fixtures: the demo's name and prompt, request bodies, and
-`Server` (a client of an app whose lifespan runs, plus its registry and /metrics samples), and
-`FileReads` (what a load read of an archive's file)."""
+"""What the service tests share besides fixtures: the demo's name and prompt, request bodies,
+`Server` (a client of an app whose lifespan runs, plus its registry and /metrics samples),
+`when_queue_full` (a request made while the model's queue is full), and `FileReads` (what a load
+read of an archive's file)."""
 from __future__ import annotations
 
 import contextlib
 import re
+import threading
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import anyio
@@ -13,6 +16,7 @@ from fastapi import FastAPI
 
 from service.load import reading
 from service.load.demo import DEMO_NAME
+from service.model import paged
 from service.errors import ModelNotFound
 from service.registry import ModelRegistry, ModelState
 
@@ -51,6 +55,35 @@ class Server:
                     if self.registry.get(name).state is state:
                         return
                 await anyio.sleep(0.02)
+
+
+QUEUE_OF_ONE = {"max_queue": 1, "max_batch_size": 1, "batch_wait_ms": 0}      # serve(...) settings
+
+
+async def when_queue_full(server: Server, monkeypatch, send: Callable[[], Awaitable], probe: Callable[[], Awaitable]):
+    """On a server started with QUEUE_OF_ONE and the demo ready: `send()` twice, the first held in
+    its prefill, the second waiting, then `probe()` while the queue is full; then the held ones go
+    on (and finish before this returns). Returns what `probe()` returned."""
+    entered, release = threading.Event(), threading.Event()
+    real = paged.forward                                 # the paged engine's forward (engine/runner.py)
+
+    def held(*args, **kwargs):
+        entered.set()
+        release.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(paged, "forward", held)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(send)
+        await anyio.to_thread.run_sync(entered.wait, 30)     # the worker holds the first
+        tg.start_soon(send)
+        with anyio.fail_after(10):
+            while server.registry.get(DEMO).in_flight < 2:
+                await anyio.sleep(0.01)
+        try:
+            return await probe()
+        finally:
+            release.set()
 
 
 class FileReads:

@@ -1,17 +1,12 @@
-"""Against a real uvicorn server on localhost: TGI's own client (huggingface_hub's
+"""Against a real uvicorn server on localhost (the `live` fixture): TGI's own client (huggingface_hub's
 InferenceClient.text_generation, which calls TGI's `/` route) and its OpenAI chat client work
 unchanged, and a client that leaves mid-stream cancels its generation."""
 from __future__ import annotations
 
-import os
-import socket
-import threading
 import time
-from collections.abc import Iterator
 
 import httpx
 import pytest
-import uvicorn
 from service_helpers import CHAT_PROMPT, DEMO
 
 
@@ -22,36 +17,8 @@ def loopback_clients_allowed(monkeypatch):
     import huggingface_hub.constants
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
 
-from service.app import create_app
-from service.settings import Settings
 
 hub = pytest.importorskip("huggingface_hub")
-
-
-@pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory, demo_archive) -> Iterator[tuple[str, object]]:
-    root = tmp_path_factory.mktemp("live")
-    os.link(demo_archive, root / f"{DEMO}.wcodec")
-    app = create_app(Settings(model_store=root, demo=False, preload=[DEMO]))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health/ready").status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    else:
-        pytest.fail("the server did not get ready")
-    yield url, app
-    server.should_exit = True
-    thread.join(30)
 
 
 def test_inference_client_text_generation(live) -> None:

@@ -1,17 +1,16 @@
-"""Every error path, in TGI's error shape {error, error_type}: 422, 404, 503 + Retry-After, 429,
+"""Every error path, in TGI's error shape {error, error_type} (the OpenAI routes' shape:
+test_openai.py): 422, 404, 503 + Retry-After, 429 + Retry-After,
 424, 507 (budget and out-of-memory), 401/403 with the admin token, 500 for a corrupt archive,
 and model names that try to leave the store."""
 from __future__ import annotations
 
-import threading
 
-import anyio
 import pytest
 import torch
-from service_helpers import DEMO, generate_body
+from service_helpers import DEMO, QUEUE_OF_ONE, generate_body, when_queue_full
 
-from service.deps import get_settings
 from service.load import pipeline
+from service.deps import get_settings
 from service.model import paged
 from service.registry import ModelState
 
@@ -37,6 +36,7 @@ BAD_BODIES = [
     {"inputs": "hi", "parameters": {"typical_p": 0.5}},
     {"inputs": "hi", "parameters": {"max_new_tokens": 5000}},
     {"inputs": "hi", "parameters": {"truncate": 0}},
+    {"inputs": "hi", "parameters": {"do_sample": True, "seed": 2**64}},        # was a 500: beyond manual_seed
 ]
 
 
@@ -47,8 +47,10 @@ async def test_422_validation(serve, store) -> None:
             for route in ("/generate", "/generate_stream", "/"):
                 assert_error(await server.client.post(route, json=body), 422, "validation")
         chat = {"messages": [{"role": "user", "content": "hi"}]}
-        for bad in ({"messages": []}, {**chat, "max_tokens": 0}, {**chat, "stop": ["1", "2", "3", "4", "5"]}):
-            assert_error(await server.client.post("/v1/chat/completions", json=bad), 422, "validation")
+        for bad, param in (({"messages": []}, "messages"), ({**chat, "max_tokens": 0}, "max_tokens"),
+                           ({**chat, "stop": ["1", "2", "3", "4", "5"]}, "stop")):
+            r = await server.client.post("/v1/chat/completions", json=bad)            # OpenAI's shape and status
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
 async def test_422_not_json_and_several_ready_models(serve, store) -> None:
@@ -95,34 +97,18 @@ async def test_503_with_retry_after_until_ready(serve, store) -> None:
 
 
 async def test_429_when_the_queue_is_full(serve, store, monkeypatch) -> None:
-    entered, release = threading.Event(), threading.Event()
-    real = paged.forward                                        # the paged engine's forward (runner.py)
-
-    def held(*args, **kwargs):                                  # the first request's prefill waits
-        entered.set()
-        release.wait(30)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(paged, "forward", held)
-    async with serve(store(), preload=[DEMO], max_queue=1, max_batch_size=1, batch_wait_ms=0) as server:
+    async with serve(store(), preload=[DEMO], **QUEUE_OF_ONE) as server:
         await server.wait_state(DEMO, ModelState.READY)
-        results = {}
+        held = []
 
-        async def post(key):
-            results[key] = await server.client.post("/generate", json=generate_body(4))
+        async def send():
+            held.append(await server.client.post("/generate", json=generate_body(4)))
 
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(post, "running")
-            await anyio.to_thread.run_sync(entered.wait, 30)     # the worker holds the first
-            tg.start_soon(post, "queued")
-            with anyio.fail_after(10):
-                while server.registry.get(DEMO).in_flight < 2:
-                    await anyio.sleep(0.01)
-            await post("rejected")
-            release.set()
-        assert_error(results["rejected"], 429, "overloaded")
-        assert results["rejected"].headers["retry-after"] == "5"
-        assert results["running"].status_code == results["queued"].status_code == 200
+        rejected = await when_queue_full(server, monkeypatch, send,
+                                         lambda: server.client.post("/generate", json=generate_body(4)))
+        assert_error(rejected, 429, "overloaded")
+        assert rejected.headers["retry-after"] == "1"
+        assert [r.status_code for r in held] == [200, 200]
         assert await server.metric("wcodec_generate_requests_total", model=DEMO, status="overloaded") == 1
 
 

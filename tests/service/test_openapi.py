@@ -16,7 +16,11 @@ ROUTES = {
     ("post", "/generate"): {"404", "422", "424", "429", "503"},
     ("post", "/generate_stream"): {"404", "422", "424", "429", "503"},
     ("post", "/"): {"404", "422", "424", "429", "503"},
-    ("post", "/v1/chat/completions"): {"404", "422", "424", "429", "503"},
+}
+OPENAI_ROUTES = {      # OpenAI's status codes and error shape
+    ("post", "/v1/chat/completions"): {"400", "404", "429", "500", "503"},
+    ("post", "/v1/completions"): {"400", "404", "429", "500", "503"},
+    ("get", "/v1/models"): set(), ("get", "/v1/models/{model_id}"): {"404"},
 }
 
 
@@ -35,21 +39,25 @@ async def test_schema_is_complete(serve, tmp_path) -> None:
         docs = await server.client.get("/docs")
     assert docs.status_code == 200 and "swagger" in docs.text.lower()
     ops = {(m, p): op for p, item in schema["paths"].items() for m, op in item.items()}
-    assert set(ops) == set(ROUTES)
-    for key, codes in ROUTES.items():
-        assert codes | {"200"} <= set(ops[key]["responses"]), key
-        for code in codes - {"202"}:
-            ref = ops[key]["responses"][code]["content"]["application/json"]["schema"]["$ref"]
-            assert ref.endswith("/ErrorResponse"), (key, code)
+    assert set(ops) == set(ROUTES) | set(OPENAI_ROUTES)
+    for routes, shape in ((ROUTES, "/ErrorResponse"), (OPENAI_ROUTES, "/OpenAIErrorResponse")):
+        for key, codes in routes.items():
+            assert codes | {"200"} <= set(ops[key]["responses"]), key
+            for code in codes - {"202"}:
+                ref = ops[key]["responses"][code]["content"]["application/json"]["schema"]["$ref"]
+                assert ref.endswith(shape), (key, code)
+    assert not any("422" in ops[key]["responses"] for key in OPENAI_ROUTES)      # a 400 there
     components = schema["components"]["schemas"]
     for name in ("GenerateRequest", "GenerateParameters", "GenerateResponse", "Details", "Token", "StreamResponse",
                  "StreamDetails", "CompatGenerateRequest", "ErrorResponse", "ModelInfo", "ModelList",
-                 "LoadProgress", "Info", "ChatRequest", "ChatCompletion", "ChatCompletionChunk"):
+                 "LoadProgress", "Info", "ChatRequest", "ChatCompletion", "ChatCompletionChunk", "CompletionRequest",
+                 "Completion", "ModelCardList", "OpenAIErrorResponse"):
         assert name in components, name
     dangling = {r for r in _refs(schema) if r.rsplit("/", 1)[-1] not in components}
     assert not dangling, dangling
-    sse = ops[("post", "/generate_stream")]["responses"]["200"]["content"]["text/event-stream"]["schema"]
-    assert sse["$ref"].endswith("/StreamResponse")
+    for key, event in ((("post", "/generate_stream"), "/StreamResponse"), (("post", "/v1/completions"), "/Completion"),
+                       (("post", "/v1/chat/completions"), "/ChatCompletionChunk")):
+        assert ops[key]["responses"]["200"]["content"]["text/event-stream"]["schema"]["$ref"].endswith(event), key
     assert ops[("post", "/generate")]["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(
         "/GenerateRequest")
     assert "bearer" in json.dumps(schema["components"].get("securitySchemes", {})).lower()

@@ -1,7 +1,7 @@
 """The storm (tests/faults/storm.py): 32 concurrent clients for a fixed time against a real
 `wcodec serve` process on the loopback, mixing generation (some streams hung up on mid-way),
-chat, load, unload, load?wait=false, model listing and /metrics. Only statuses the OpenAPI schema
-documents, no 5xx but 503 (not ready), no hang; afterwards nothing is in flight and the demo
+OpenAI's chat and completions, load, unload, load?wait=false, model listing and /metrics. Only
+statuses the OpenAPI schema documents, no 5xx but 503 (not ready), no hang; afterwards nothing is in flight and the demo
 still answers "Paris". The long form is `python scripts/reliability.py storm`."""
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ def test_storm(store, tmp_path) -> None:
         assert not report.problems(), report.summary()
         assert report.requests > CLIENTS and report.disconnects > 0 and report.streams_complete > 0
         assert report.actions["unload"] >= 1 and report.statuses["POST /generate 200"] > 0
+        assert report.statuses["POST /v1/completions 200"] > 0 and report.statuses["POST /v1/completions 400"] > 0
         models = asyncio.run(settle(server.url))
         assert all(m["in_flight"] == 0 for m in models), models
         assert asyncio.run(answers_paris(server.url, DEMO)).startswith("The capital of France is Paris")

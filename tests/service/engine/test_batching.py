@@ -17,7 +17,7 @@ from service_helpers import DEMO
 
 from service.load import pipeline
 from service.model import build
-from service.engine import Batcher
+from service.engine import Batcher, batcher
 from service.model import cpu_dtype
 from service.engine.sampling import Row, SamplingParams
 
@@ -143,3 +143,20 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(demo) -> None:
     before_long = events[:events.index("long")]
     assert before_long.count("short") >= 120 // 24 - 1, events  # a token per step while the prompt prefilled
     assert all(s.tokens <= 24 for s in steps)
+
+
+def test_a_failed_step_at_the_end_of_a_prefill_keeps_its_rows_for_reset(tiny, monkeypatch) -> None:
+    """Found with the OpenAI routes: a sampling error on the step that ended a group's prefill lost
+    the group's rows (neither running nor the group), so reset() never answered them: a hang."""
+    b = Batcher(tiny, max_rows=4, max_tokens=64, on_token=lambda row, e: None, on_finish=lambda row: None)
+    rows = [Row([5, 6, 7], SamplingParams(4), tiny), Row([8, 9], SamplingParams(4), tiny)]
+    for row in rows:
+        b.add(row)
+
+    def broken(logits, rows):
+        raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+
+    monkeypatch.setattr(batcher, "sample_rows", broken)
+    with pytest.raises(RuntimeError):
+        b.step()                                        # the whole prompts in one chunk: the prefill ends here
+    assert sorted(map(id, b.reset())) == sorted(map(id, rows)) and b.idle

@@ -49,6 +49,15 @@ def test_top_k_1_and_tiny_top_p_are_greedy_whatever_the_seed() -> None:
         assert sample(logits, row(do_sample=True, top_p=1e-6, seed=seed))[0] == best
 
 
+def test_temperatures_and_top_p_under_float32s_range_are_greedy() -> None:
+    """Found with the OpenAI routes: temperature 1e-300 (logits / 0 -> inf) or top_p 1e-300 (every
+    token dropped) made softmax nan and failed the whole step."""
+    logits = torch.randn(100, generator=torch.Generator().manual_seed(3))
+    best = int(logits.argmax())
+    for params in ({"temperature": 1e-300}, {"temperature": 1e-40}, {"temperature": 1.0, "top_p": 1e-300}):
+        assert sample(logits, row(do_sample=True, seed=0, **params))[0] == best, params
+
+
 def test_seeded_sampling_is_reproducible() -> None:
     logits = torch.zeros(1000)
     a, b = row(do_sample=True, seed=11), row(do_sample=True, seed=11)

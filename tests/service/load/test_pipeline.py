@@ -171,3 +171,15 @@ def test_reads_from_the_disk_with_o_direct(demo_archive: Path, tmp_path: Path) -
     os.close(fd)
     decoded = decode_archive(copy, torch.device("cpu"), direct=None)
     assert_same(decoded.tensors, decode_whole(demo_archive))
+
+
+def test_the_pinned_ring_hands_out_buffers_of_other_sizes() -> None:
+    """Buffers kept from loads of other sizes: a load takes the smallest that fit, by identity (a
+    list.remove compared the tensors element by element and raised on a size mismatch)."""
+    from service.load.ring import PinnedRing
+    ring = PinnedRing()
+    kept = [torch.zeros(n, dtype=torch.uint8) for n in (1974272, 1572864, 4096, 1572864)]
+    ring.give(kept)
+    taken = ring.take(2, 1500000)
+    assert [b.numel() for b in taken] == [1572864, 1572864] and all(any(b is k for k in kept) for b in taken)
+    assert sorted(b.numel() for b in ring._free) == [4096, 1974272]

@@ -1,7 +1,7 @@
 """Write a GGUF file holding a subset of another's tensors (all metadata kept, data untouched).
 
 Used to carry the 98 MB demo model to a lent GPU machine in parts that fit one transfer:
-    python scripts/gpu/gguf_subset.py SRC.gguf DST.gguf 'token_embd|blk\\.([0-9]|1[0-4])\\.'
+    python scripts/gguf_subset.py SRC.gguf DST.gguf 'token_embd|blk\\.([0-9]|1[0-4])\\.'
 """
 from __future__ import annotations
 

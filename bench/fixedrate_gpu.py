@@ -1,0 +1,111 @@
+"""The fixed-rate form on the GPU, one trained-like Llama-3-8B layer (bench/gpu_bench.py's weights),
+in one run: the GPU transcoder (bf16 -> form; bit-exact checked through the debug decode), the
+form's size, and the seven matmuls (q, k, v, o, gate, up, down) through the fused op (the CUDA-core
+kernel at 1 row, the tensor-core one above; both beside it) against cuBLAS bf16 (F.linear) on the decoded weights, at 1,
+4, 16 rows (fused) and 64 (decode in L2-sized chunks + cuBLAS).
+Each side is captured in one CUDA graph of its seven calls and replayed (launch gaps out of both).
+
+    python bench/fixedrate_gpu.py [--reps 20] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from fine_decode import LAYER_8B
+from gpu_bench import weights
+
+import cuda_ext
+from cuda_ext import fixedrate as fr_ops
+
+LIMITS = {1: (0.85, 0.65), 4: (0.90, 0.70), 16: (1.00, 0.80), 64: (1.5, 1.2)}
+
+
+def graph_ms(fn, reps: int, trials: int = 7) -> float:
+    """Median time of one fn() (ms): fn captured `reps` times in a graph, replayed `trials` times."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(trials):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / reps)
+    return statistics.median(times)
+
+
+def one_batch(n: int, layer: dict, decoded: dict, frs: dict, reps: int) -> dict:
+    """The layer's seven matmuls at n rows: cuBLAS on the decoded weights, the fused op (and the
+    CUDA-core kernel at <= 16 rows); per matrix at 1 and 16 rows."""
+    xs = {k: torch.randn(n, w.shape[1], device="cuda").bfloat16() for k, w in layer.items()}
+
+    def seven(fn):
+        return graph_ms(lambda: [fn(k) for k in layer], reps)
+
+    row = {"cublas_ms": seven(lambda k: F.linear(xs[k], decoded[k])),
+           "fused_ms": seven(lambda k: fr_ops.linear(xs[k], frs[k])),
+           "tensor_cores_ms": seven(lambda k: fr_ops.linear(xs[k], frs[k], 0)) if n <= 16 else None,
+           "cuda_cores_ms": seven(lambda k: fr_ops.linear(xs[k], frs[k], 1)) if n <= 16 else None}
+    row["ratio"] = row["fused_ms"] / row["cublas_ms"]
+    if n in (1, 16):
+        row["per_matrix_ms"] = {k: [round(graph_ms(lambda k=k: F.linear(xs[k], decoded[k]), reps), 4),
+                                    round(graph_ms(lambda k=k: fr_ops.linear(xs[k], frs[k]), reps), 4)] for k in layer}
+    print(n, json.dumps(row), flush=True)
+    return row
+
+
+def transcode(layer: dict) -> tuple[dict, float]:
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    frs = {k: fr_ops.encode(w) for k, w in layer.items()}
+    torch.cuda.synchronize()
+    return frs, time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    assert cuda_ext.available().cuda, cuda_ext.available().reason
+    layer = {k: w.cuda() for k, w in weights(LAYER_8B, seed=1).items()}
+    fr_ops.encode(layer["k"])                                            # warm-up (module load)
+    frs, seconds = transcode(layer)
+    decoded = {k: fr_ops.decode(fr) for k, fr in frs.items()}
+    exact = all(torch.equal(decoded[k].view(torch.int16), layer[k].view(torch.int16)) for k in layer)
+    raw = sum(w.nbytes for w in layer.values())
+    report = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "bit_exact": exact, "ratio": sum(fr.nbytes for fr in frs.values()) / raw,
+              "transcode_s": seconds, "transcode_gbps": raw / seconds / 1e9,
+              "decode_ms": graph_ms(lambda: [fr_ops.decode(fr, decoded[k]) for k, fr in frs.items()], args.reps)}
+    report["rows"] = {n: one_batch(n, layer, decoded, frs, args.reps) for n in (1, 4, 16, 64)}
+    rows = report["rows"]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    print(f"\n{report['device']}, {report['date']}: Llama-3-8B layer, trained-like bf16")
+    print(f"  resident/bf16 {report['ratio']:.4f}; transcoder bf16->form {report['transcode_gbps']:.1f} GB/s "
+          f"({report['transcode_s'] * 1e3:.1f} ms), bit-exact {exact}; decode to scratch {report['decode_ms']:.3f} ms")
+    print("  rows  cuBLAS ms  fused ms  fused/cuBLAS  limit  goal         tensor-core / CUDA-core kernel ms")
+    for n, r in rows.items():
+        lim, goal = LIMITS[n]
+        print(f"  {n:4d}  {r['cublas_ms']:9.4f}  {r['fused_ms']:8.4f}  {r['ratio']:12.3f}  {lim:5.2f}  {goal:4.2f}"
+              f"  {'met' if r['ratio'] <= lim else 'MISSED'}  {r['tensor_cores_ms'] or 0:.4f} / {r['cuda_cores_ms'] or 0:.4f}")
+
+
+if __name__ == "__main__":
+    main()

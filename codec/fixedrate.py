@@ -1,0 +1,185 @@
+"""The fixed-rate GPU form of a 2-D 16-bit weight (docs/FORMAT.md §6): the NumPy reference
+encoder and decoder. Not the archive (codec/floatcodec.py) and not the rANS resident index
+(codec/resident.py): this form is made at load, lives in GPU memory, and is read by the fused
+matmul (cuda_ext/csrc/fixedrate.cu), which finds any weight's bytes without a prefix sum.
+
+Read me first (the traps):
+- A weight is a 16-bit word w; the coded field is bits 7..14 ("exponent" for bf16) and the byte
+  plane keeps the other 8 bits (sign in bit 7, bits 0..6 below). fp16 goes through the same split
+  losslessly, but its field is then 5 exponent bits + 3 mantissa bits and escapes often.
+- A code is 3 bits: 0..6 mean field = base + code, 7 is an escape (the field is in the escape
+  array). base <= 248 so that base + 7 fits a byte: 4 bases added to 4 codes in one u32 never carry.
+- The codes are split into a 2-bit plane and a 1-bit plane, laid out so that the code of weight
+  4q + b sits in byte lane b of a word (the kernel decodes 4 weights per 32-bit operation).
+- Rows are padded to whole groups with code 0 and plane byte 0; padding never escapes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .constants import (
+    FR_BLOCK_GROUPS,
+    FR_ESCAPE,
+    FR_GROUP,
+    FR_LO_WORDS,
+    FR_MAX_BASE,
+    FR_TILE,
+)
+from .errors import CodecError, UnsupportedTensor
+
+GROUP = FR_GROUP
+TILE = FR_TILE
+BLOCK_GROUPS = FR_BLOCK_GROUPS
+ESCAPE = FR_ESCAPE
+MAX_BASE = FR_MAX_BASE          # choose_bases never goes higher
+LO_WORDS = FR_LO_WORDS
+_CHUNK_TILES = 1 << 14          # tiles per NumPy pass when choosing bases
+
+
+@dataclass
+class FixedRate:
+    """One [rows, cols] weight in the fixed-rate form. Arrays are row-major, one row per weight row."""
+    rows: int
+    cols: int
+    dtype: str                  # "bfloat16" or "float16": how the decoded words are read
+    plane: np.ndarray           # uint8 [rows, groups * 32]: sign (bit 7) | bits 0..6 of each word
+    lo: np.ndarray              # uint32 [rows, groups * 2]: code bits 0..1
+    hi: np.ndarray              # uint32 [rows, groups]: code bit 2
+    base: np.ndarray            # uint8 [rows, tiles]: tile t covers groups 4t .. 4t + 3
+    esc: np.ndarray             # uint8 [n_escapes]: escaped fields, row-major weight order
+    esc_start: np.ndarray       # int32 [rows, blocks]: index in esc of each block's first escape
+
+    @property
+    def groups(self) -> int:
+        return self.plane.shape[1] // GROUP
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.plane, self.lo, self.hi, self.base, self.esc, self.esc_start))
+
+
+def groups_for(cols: int) -> int:
+    return -(-cols // GROUP)
+
+
+def tiles_for(cols: int) -> int:
+    return -(-groups_for(cols) * GROUP // TILE)
+
+
+def blocks_for(cols: int) -> int:
+    return -(-groups_for(cols) // BLOCK_GROUPS)
+
+
+# ---- the split of a word ---------------------------------------------------------------------
+#   word  15 14 ........ 7 6 ...... 0
+#          s [  field 8  ] [ low 7  ]      plane byte = s << 7 | low 7;  field = (w >> 7) & 0xFF
+
+def split_words(words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    w = words.astype(np.uint16)
+    return (((w >> 8) & 0x80) | (w & 0x7F)).astype(np.uint8), ((w >> 7) & 0xFF).astype(np.uint8)
+
+
+def join_words(plane: np.ndarray, field: np.ndarray) -> np.ndarray:
+    p, f = plane.astype(np.uint16), field.astype(np.uint16)
+    return ((p & 0x80) << 8) | (f << 7) | (p & 0x7F)
+
+
+# ---- choose the base of each group -----------------------------------------------------------
+
+def choose_bases(field: np.ndarray, valid: np.ndarray, window: int = ESCAPE) -> np.ndarray:
+    """field, valid: [tiles, n]. base = the smallest b in [0, 255 - window] whose window
+    [b, b + window - 1] covers the most real weights of the tile. (`window` other than 7 and n
+    other than 128 are for bench/fixedrate_ratio.py's sweep.)"""
+    out = np.empty(field.shape[0], np.uint8)
+    for s in range(0, field.shape[0], _CHUNK_TILES):
+        f, v = field[s:s + _CHUNK_TILES], valid[s:s + _CHUNK_TILES]
+        at = (np.arange(f.shape[0])[:, None] * 256 + f)[v]
+        hist = np.bincount(at, minlength=f.shape[0] * 256).reshape(-1, 256)
+        cs = np.concatenate([np.zeros((f.shape[0], 1), np.int64), hist.cumsum(axis=1)], axis=1)
+        cover = cs[:, window:256] - cs[:, :256 - window]                 # cover[:, b] = sum hist[b : b + window]
+        out[s:s + _CHUNK_TILES] = cover.argmax(axis=1)                   # the first maximum: the smallest b
+    return out
+
+
+# ---- pack / unpack the codes -----------------------------------------------------------------
+#   weight i = 4q + b (q = 0..7 the u32 word of the plane, b = 0..3 its byte lane)
+#   lo[w] (w = q // 4, s = q % 4):  bits 8b + 2s .. 8b + 2s + 1 = code bits 0..1
+#   hi:                              bit  8b + q                  = code bit 2
+
+def _lane_shifts() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    i = np.arange(GROUP)
+    q, b = i // 4, i % 4
+    return q // 4, (8 * b + 2 * (q % 4)).astype(np.uint32), (8 * b + q).astype(np.uint32)
+
+
+def pack_codes(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """codes: uint8 [groups, 32] -> lo uint32 [groups, 2], hi uint32 [groups]."""
+    word, lo_shift, hi_shift = _lane_shifts()
+    c = codes.astype(np.uint32)
+    lo_bits = (c & 3) << lo_shift                                       # [g, 32]
+    lo = np.stack([np.bitwise_or.reduce(lo_bits[:, word == k], axis=1) for k in range(LO_WORDS)], 1)
+    hi = np.bitwise_or.reduce((c >> 2) << hi_shift, axis=1)
+    return lo.astype(np.uint32), hi.astype(np.uint32)
+
+
+def unpack_codes(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """lo [groups, 2], hi [groups] -> codes uint8 [groups, 32]."""
+    word, lo_shift, hi_shift = _lane_shifts()
+    low = (lo[:, word] >> lo_shift) & 3
+    return (low | (((hi[:, None] >> hi_shift) & 1) << 2)).astype(np.uint8)
+
+
+# ---- encoder and decoder ---------------------------------------------------------------------
+
+def _as_words(weight: np.ndarray) -> np.ndarray:
+    if weight.ndim != 2 or weight.dtype.itemsize != 2:
+        raise UnsupportedTensor(None, f"the fixed-rate form takes a 2-D 16-bit weight, not {weight.dtype} {weight.shape}")
+    return weight.view(np.uint16)
+
+
+def encode(weight: np.ndarray, dtype: str = "bfloat16") -> FixedRate:
+    """weight: a 2-D array of 16-bit words (bf16/fp16 bits viewed as uint16/int16) -> FixedRate."""
+    words = _as_words(weight)
+    rows, cols = words.shape
+    ng, nt = groups_for(cols), tiles_for(cols)
+    padded = np.zeros((rows, nt * TILE), np.uint16)
+    padded[:, :cols] = words
+    valid = np.zeros((rows, nt * TILE), bool)
+    valid[:, :cols] = True
+    plane, field = split_words(padded)
+    base = choose_bases(field.reshape(-1, TILE), valid.reshape(-1, TILE)).reshape(rows, nt)
+    delta = field.astype(np.int16) - np.repeat(base, TILE, axis=1)
+    escaped = valid & ((delta < 0) | (delta >= ESCAPE))
+    codes = np.where(escaped, ESCAPE, np.where(valid, delta, 0)).astype(np.uint8)[:, :ng * GROUP]
+    plane = np.where(valid, plane, 0).astype(np.uint8)[:, :ng * GROUP]
+    lo, hi = pack_codes(codes.reshape(-1, GROUP))
+    escaped = escaped[:, :ng * GROUP]
+    return FixedRate(rows, cols, dtype, plane, lo.reshape(rows, ng * LO_WORDS), hi.reshape(rows, ng), base,
+                     field[:, :ng * GROUP][escaped], _escape_starts(escaped, rows, ng))
+
+
+def _escape_starts(escaped: np.ndarray, rows: int, ng: int) -> np.ndarray:
+    nb = -(-ng // BLOCK_GROUPS)
+    per_group = np.zeros((rows, nb * BLOCK_GROUPS), np.int64)
+    per_group[:, :ng] = escaped.reshape(rows, ng, GROUP).sum(axis=2)
+    per_block = per_group.reshape(rows, nb, BLOCK_GROUPS).sum(axis=2).reshape(-1)
+    starts = np.cumsum(per_block) - per_block                           # exclusive prefix sum
+    if per_block.sum() >= 2 ** 31:
+        raise UnsupportedTensor(None, "too many escapes for int32 escape starts")
+    return starts.astype(np.int32).reshape(rows, nb)
+
+
+def decode(fr: FixedRate) -> np.ndarray:
+    """FixedRate -> uint16 [rows, cols], the exact words that were encoded."""
+    codes = unpack_codes(fr.lo.reshape(-1, LO_WORDS), fr.hi.reshape(-1)).reshape(fr.rows, fr.plane.shape[1])
+    field = np.repeat(fr.base, TILE, axis=1)[:, :codes.shape[1]].astype(np.uint16) + codes
+    escaped = codes == ESCAPE
+    rank = np.cumsum(escaped, axis=1) - escaped                         # escapes before, in the row
+    row_first = fr.esc_start[:, :1].astype(np.int64)                    # the row's first escape
+    idx = (row_first + rank)[escaped]
+    if idx.size and (idx.max() >= fr.esc.size):
+        raise CodecError(None, "escape index past the escape array")
+    field[escaped] = fr.esc[idx]
+    return join_words(fr.plane, field.astype(np.uint8))[:, :fr.cols]

@@ -1,0 +1,43 @@
+// The encoder's host-side pieces shared by the C++ twin (encode_float.cpp, which defines them) and
+// the CUDA op (encode_float.cu): argument checks, the planes of an encode_planes call with their
+// packed tables, and the layout of an exp stream (floatcodec._assemble) from its word counts.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <vector>
+
+#include "encode_tables.h"
+
+namespace wcodec {
+
+const Log2Table& log2_table();
+
+// Elements of a plane (uint8 `data`, 1-D, contiguous) of the given dtype code; checks the arguments.
+int64_t plane_symbols(const at::Tensor& data, int64_t dtype);
+
+// The cheapest tables of a plane from its fine counts [n_seg][kFineTables][256] (host memory), into
+// choice (int64 [3]: coded, ctx_bits, table_group) and freqs (int32 [>= n_tables, 256]), both CPU.
+void choose_into(const int32_t* fine, int64_t n_seg, int64_t n, int64_t dtype, at::Tensor& choice, at::Tensor& freqs);
+
+struct PlaneJob {               // one plane of an encode_planes call
+  const uint8_t* in;
+  int64_t dtype, n, n_seg, ctx_bits, group, first_seg;
+  at::Tensor freqs;               // int32 [>= n_tables, 256], on the host
+  std::vector<EncodeEntry> entries;
+  std::vector<uint32_t> fc;       // the AVX-512 step's copy: freq << 16 | cum ...
+  std::vector<double> inv;        // ... and 1.0 / freq
+  int64_t n_tables() const { return ((n_seg + group - 1) / group) << ctx_bits; }
+};
+
+std::vector<PlaneJob> plane_jobs(at::TensorList data, at::IntArrayRef dtypes, at::TensorList freqs,
+                                 at::IntArrayRef ctx_bits, at::IntArrayRef groups);
+
+// Where an exp stream's parts go: head = its bytes before the first segment (directory, tables,
+// zero pad); segment s at seg_off[s], seg_off[n_seg] = the stream's length.
+struct StreamLayout {
+  std::vector<uint8_t> head;
+  std::vector<int64_t> seg_off;
+};
+StreamLayout stream_layout(const PlaneJob& p, const int64_t* counts);
+
+}  // namespace wcodec

@@ -1,0 +1,103 @@
+// The fixed-rate GPU form (codec/fixedrate.py, docs/FORMAT.md §6): constants and the per-group
+// steps shared by the C++ twin (fixedrate.cpp) and the kernels (fixedrate.cu). The Python module is
+// the specification; each function here names the step it mirrors. The constants mirror
+// codec/constants.py's FR_* (tests/cuda_ext/test_fixedrate_twin.py checks them).
+//
+//   word  15 14 ........ 7 6 ...... 0
+//          s [  field 8  ] [ low 7  ]      plane byte = s << 7 | low 7;  field = (w >> 7) & 0xFF
+//   weight i = 4q + b of a group:  lo[q / 4] bits 8b + 2(q % 4) .. +1 = code bits 0..1
+//                                   hi       bit  8b + q                = code bit 2
+//   code 0..6: field = base + code;  code 7: the next byte of the escape array.
+#pragma once
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define FR_HD __host__ __device__ __forceinline__
+#else
+#define FR_HD inline
+#endif
+
+namespace wcodec {
+
+constexpr int kFrGroup = 32;          // GROUP: weights per group (one thread of the fused kernel)
+constexpr int kFrTile = 128;          // TILE: weights sharing one base
+constexpr int kFrTileGroups = kFrTile / kFrGroup;
+constexpr int kFrBlockGroups = 32;    // BLOCK_GROUPS: groups per escape block (one warp)
+constexpr int kFrEscape = 7;          // ESCAPE
+constexpr int kFrMaxBase = 248;       // MAX_BASE = 256 - 1 - ESCAPE
+constexpr int kFrLoWords = 2;         // LO_WORDS
+
+// split_words: the plane byte and the field of a word.
+FR_HD uint8_t fr_plane_byte(uint16_t w) { return static_cast<uint8_t>(((w >> 8) & 0x80) | (w & 0x7F)); }
+FR_HD uint8_t fr_field(uint16_t w) { return static_cast<uint8_t>((w >> 7) & 0xFF); }
+
+// join_words: the word back from its plane byte and field.
+FR_HD uint16_t fr_join(uint32_t p, uint32_t f) {
+  return static_cast<uint16_t>(((p & 0x80) << 8) | ((f & 0xFF) << 7) | (p & 0x7F));
+}
+
+// unpack_codes, 4 at a time: the codes of weights 4q .. 4q + 3, one per byte lane.
+FR_HD uint32_t fr_codes4(uint32_t lo_word, uint32_t hi, int q) {
+  return ((lo_word >> (2 * (q & 3))) & 0x03030303u) | (((hi >> q) & 0x01010101u) << 2);
+}
+
+// Bit 8b set where byte lane b of codes4 is the escape code (7 = 0b111).
+FR_HD uint32_t fr_escapes4(uint32_t c4) { return c4 & (c4 >> 1) & (c4 >> 2) & 0x01010101u; }
+
+// choose_bases, one tile of n real words: the smallest b in [0, 248] whose window [b, b + 6]
+// covers the most fields (a histogram, then a sliding window sum).
+FR_HD uint32_t fr_choose_base(const uint16_t* w, int n) {
+  uint8_t hist[256];
+  for (int i = 0; i < 256; ++i) hist[i] = 0;
+  for (int i = 0; i < n; ++i) ++hist[fr_field(w[i])];             // n <= 128: no overflow
+  int cover = 0, best_cover = -1;
+  uint32_t best = 0;
+  for (int i = 0; i < kFrEscape - 1; ++i) cover += hist[i];
+  for (int b = 0; b <= kFrMaxBase; ++b) {
+    cover += hist[b + kFrEscape - 1];                              // cover = sum hist[b .. b + 6]
+    if (cover > best_cover) best_cover = cover, best = static_cast<uint32_t>(b);
+    cover -= hist[b];
+  }
+  return best;
+}
+
+// The code of one weight given its group's base.
+FR_HD uint32_t fr_code(uint32_t field, uint32_t base) {
+  const uint32_t d = field - base;                 // wraps when field < base: then >= 7
+  return d < static_cast<uint32_t>(kFrEscape) ? d : static_cast<uint32_t>(kFrEscape);
+}
+
+// pack_codes, one weight: its bits in the lo word it belongs to and in hi.
+FR_HD uint32_t fr_lo_bits(uint32_t code, int i) { return (code & 3u) << (8 * (i & 3) + 2 * ((i >> 2) & 3)); }
+FR_HD uint32_t fr_hi_bits(uint32_t code, int i) { return (code >> 2) << (8 * (i & 3) + (i >> 2)); }
+FR_HD int fr_lo_word(int i) { return i >> 4; }
+
+// encode, one group (n real words, the rest padding) given its tile's base: plane bytes and
+// packed codes; returns its escape count.
+FR_HD int fr_encode_group(const uint16_t* w, int n, uint32_t base, uint8_t* plane, uint32_t* lo, uint32_t* hi) {
+  uint32_t lw[kFrLoWords] = {0, 0}, hw = 0;
+  int escapes = 0;
+  for (int i = 0; i < kFrGroup; ++i) {
+    const uint32_t code = i < n ? fr_code(fr_field(w[i]), base) : 0;   // padding: code 0, plane byte 0
+    plane[i] = i < n ? fr_plane_byte(w[i]) : 0;
+    lw[fr_lo_word(i)] |= fr_lo_bits(code, i);
+    hw |= fr_hi_bits(code, i);
+    escapes += code == kFrEscape;
+  }
+  lo[0] = lw[0], lo[1] = lw[1], *hi = hw;
+  return escapes;
+}
+
+// encode, one tile of a row: its base, then its (up to 4) groups; counts gets each group's escapes.
+FR_HD void fr_encode_tile(const uint16_t* w, int64_t n, int groups_left, uint8_t* plane, uint32_t* lo, uint32_t* hi,
+                          uint8_t* base, int32_t* counts) {
+  const uint32_t b = fr_choose_base(w, static_cast<int>(n));
+  *base = static_cast<uint8_t>(b);
+  for (int j = 0; j < kFrTileGroups && j < groups_left; ++j) {
+    const int64_t left = n - j * kFrGroup;
+    counts[j] = fr_encode_group(w + j * kFrGroup, static_cast<int>(left < kFrGroup ? left : kFrGroup), b,
+                                plane + j * kFrGroup, lo + j * kFrLoWords, hi + j);
+  }
+}
+
+}  // namespace wcodec

@@ -1,0 +1,123 @@
+// Device side of the fixed-rate form (fixedrate.cu, fixedrate_gemv.cu): a warp's decode of one
+// escape block (lane l the block's l-th group: 32 weights) into field bytes and words. The kernels:
+// decode_kernel (fixedrate.cu) and the fused y = x W^T for 1..16 rows of x (fixedrate_gemv.cu). Steps as codec/fixedrate.py names them:
+//   load_group -> group_fields (unpack_codes + base, 4 weights a u32) -> patch_escapes -> join_words.
+// W's bytes are read once, 16 bytes a load, bypassing L1 (x lives there); nothing is written back
+// but y. Rows of W are spread over warps; when there are few, the K blocks of a row are split over
+// up to 4 warps of a CTA and summed through shared memory (split-K without a second launch).
+#pragma once
+#include <ATen/ATen.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "fixedrate.h"
+
+namespace wcodec {
+
+constexpr int kFrWarps = 4;       // warps per CTA
+constexpr int kFrMaxRows = 16;    // rows of x the fused kernel takes
+
+struct FrArrays {
+  const uint8_t* plane;
+  const uint32_t* lo;
+  const uint32_t* hi;
+  const uint8_t* base;
+  const uint8_t* esc;
+  int64_t n_esc;
+  const int32_t* esc_start;
+  int64_t rows, groups, tiles, blocks;
+};
+
+struct FrGroup {               // one group's bits: 32 plane bytes, 2 + 1 code words, its base
+  uint4 p0, p1;
+  uint2 lo;
+  uint32_t hi, base;
+};
+
+__device__ __forceinline__ uint4 ld_stream(const void* p) {        // 16 bytes, not kept in L1
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ FrGroup load_group(const FrArrays& a, int64_t row, int64_t gr, bool valid) {
+  const int64_t g = row * a.groups + gr;
+  FrGroup t{};
+  if (!valid) return t;                                             // padding lanes: code 0, plane 0
+  t.p0 = ld_stream(a.plane + g * kFrGroup);
+  t.p1 = ld_stream(a.plane + g * kFrGroup + 16);
+  t.lo = __ldg(reinterpret_cast<const uint2*>(a.lo) + g);
+  t.hi = __ldg(a.hi + g);
+  t.base = __ldg(a.base + row * a.tiles + gr / kFrTileGroups);
+  return t;
+}
+
+// unpack_codes + base, 4 fields a u32 (f[q] byte b: weight 4q + b); returns the i-ordered mask of
+// the group's escaped weights (bit 4q + b).
+__device__ __forceinline__ uint32_t group_fields_mask(const FrGroup& t, uint32_t f[8]) {
+  const uint32_t base4 = t.base * 0x01010101u;
+  uint32_t mask = 0;
+#pragma unroll
+  for (int q = 0; q < 8; ++q) {
+    const uint32_t c4 = fr_codes4(q < 4 ? t.lo.x : t.lo.y, t.hi, q);
+    const uint32_t e4 = fr_escapes4(c4);                 // bits 0, 8, 16, 24 -> bits 21..24 of the product
+    mask |= (((e4 * 0x00204081u) >> 21) & 0xFu) << (4 * q);
+    f[q] = c4 + base4;
+  }
+  return mask;
+}
+
+// Escaped fields in weight order from `rank` on (a rank past the array reads 0). Word q is a
+// compile-time index; only the byte lane inside it is not.
+__device__ __forceinline__ void patch_fields(const FrArrays& a, uint32_t mask, int64_t rank, uint32_t f[8]) {
+#pragma unroll
+  for (int q = 0; q < 8; ++q) {
+    uint32_t nib = (mask >> (4 * q)) & 0xFu;
+    while (nib) {
+      const int b = __ffs(nib) - 1;
+      nib &= nib - 1;
+      const uint32_t v = rank < a.n_esc ? a.esc[rank] : 0u;
+      ++rank;
+      f[q] = (f[q] & ~(0xFFu << (8 * b))) | (v << (8 * b));
+    }
+  }
+}
+
+// The fields of lane's group of escape block `blk` of `row`, escapes patched (whole warp calls).
+__device__ __forceinline__ FrGroup block_fields(const FrArrays& a, int64_t row, int64_t blk, uint32_t f[8]) {
+  const int64_t gr = blk * kFrBlockGroups + (threadIdx.x & 31);
+  const bool valid = gr < a.groups;
+  const FrGroup t = load_group(a, row, gr, valid);
+  const uint32_t mask = group_fields_mask(t, f);
+  const int escapes = __popc(mask);
+  int below = escapes;                                              // warp prefix sum: lanes <= this one
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int v = __shfl_up_sync(0xffffffffu, below, d);
+    if ((threadIdx.x & 31) >= static_cast<unsigned>(d)) below += v;
+  }
+  if (mask) patch_fields(a, mask, a.esc_start[row * a.blocks + blk] + below - escapes, f);
+  return t;
+}
+
+// join_words, 4 at a time: plane word p and field word f of weights 4q..4q+3 -> two 16-bit pairs.
+//   h = f << 8 | p  (per weight);  word = (h >> 1 & 0x7F80) | (h & 0x7F) | (h << 8 & 0x8000)
+__device__ __forceinline__ void join4(uint32_t p, uint32_t f, uint32_t& w01, uint32_t& w23) {
+  const uint32_t y0 = __byte_perm(p, f, 0x5140), y1 = __byte_perm(p, f, 0x7362);
+  w01 = ((y0 >> 1) & 0x7F807F80u) | (y0 & 0x007F007Fu) | ((y0 << 8) & 0x80008000u);
+  w23 = ((y1 >> 1) & 0x7F807F80u) | (y1 & 0x007F007Fu) | ((y1 << 8) & 0x80008000u);
+}
+
+__device__ __forceinline__ uint32_t plane_word(const FrGroup& t, int q) {
+  const uint4& v = q < 4 ? t.p0 : t.p1;
+  switch (q & 3) { case 0: return v.x; case 1: return v.y; case 2: return v.z; default: return v.w; }
+}
+
+// y = x W^T on CUDA cores (fixedrate_gemv.cu) or tensor cores (fixedrate_mma.cu).
+void launch_gemv(const FrArrays& a, const at::Tensor& x, const at::Tensor& y, cudaStream_t stream);
+void launch_mma(const FrArrays& a, const at::Tensor& x, const at::Tensor& y, cudaStream_t stream);
+constexpr int64_t kFrKernelMma = 0, kFrKernelSimt = 1;
+
+}  // namespace wcodec

@@ -1,0 +1,135 @@
+// The fused y = x W^T on tensor cores (mma.sync m16n8k16, float32 accumulation) for 1..16 rows of
+// x, W in the fixed-rate form. A warp takes 8 rows of W; lane (n, t) = (lane / 4, lane % 4)
+// decodes group t of the current 128-weight tile of row n into 16 bf16/fp16 pairs, which are
+// exactly its B fragments: mma j (0..7) takes pairs 2j and 2j + 1 (k = 32t + 4j + {0, 1} and
+// + {2, 3}), a permutation of k inside the tile that the x (A) fragments follow. So the decoded
+// weights never leave registers and need no shuffle. C: batch row lane / 4 (+ 8), W rows 2t, 2t + 1.
+// Escape ranks: the row's block start plus a running count (a quad prefix sum per tile).
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+
+#include "fixedrate_gemv.cuh"
+
+namespace wcodec {
+namespace {
+
+constexpr int kMmaWarps = 4;
+constexpr int kTargetWarps = 4096;
+
+template <bool kBf16>
+__device__ __forceinline__ void mma16816(float c[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                         uint32_t b1) {
+  if constexpr (kBf16) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+}
+
+// x row b's 32 values of group gr (zero when the row or the group does not exist).
+__device__ __forceinline__ void load_x(const uint16_t* __restrict__ x, int64_t kp, int b, int nx, int64_t gr, bool valid,
+                                       uint4 v[4]) {
+  const bool ok = valid && b < nx;
+  const uint4* p = reinterpret_cast<const uint4*>(x + b * kp + gr * kFrGroup);
+#pragma unroll
+  for (int m = 0; m < 4; ++m) v[m] = ok ? __ldg(p + m) : make_uint4(0, 0, 0, 0);
+}
+
+// One tile step: 8 mma, mma j over word j's 4 weights (2 pairs) and x rows g, g + 8.
+template <bool kBf16, bool kHigh>
+__device__ __forceinline__ void tile_mma(const uint16_t* __restrict__ x, int64_t kp, int nx, int64_t gr, bool valid,
+                                         const FrGroup& tg, const uint32_t f[8], float c[4]) {
+  const int g = (threadIdx.x & 31) >> 2;
+  uint4 lo[4], hi[4];
+  load_x(x, kp, g, nx, gr, valid, lo);
+  if constexpr (kHigh) load_x(x, kp, g + 8, nx, gr, valid, hi);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const uint4& l = lo[j >> 1];
+    const uint32_t a0 = (j & 1) ? l.z : l.x, a2 = (j & 1) ? l.w : l.y;
+    uint32_t a1 = 0, a3 = 0;
+    if constexpr (kHigh) a1 = (j & 1) ? hi[j >> 1].z : hi[j >> 1].x, a3 = (j & 1) ? hi[j >> 1].w : hi[j >> 1].y;
+    uint32_t b0, b1;
+    join4(plane_word(tg, j), f[j], b0, b1);
+    mma16816<kBf16>(c, a0, a1, a2, a3, b0, b1);
+  }
+}
+
+template <bool kBf16, bool kHigh>
+__device__ __forceinline__ void walk_block(const FrArrays& a, const uint16_t* __restrict__ x, int nx, int64_t row,
+                                           int64_t blk, float c[4]) {
+  const int t = threadIdx.x & 3;
+  const int64_t kp = a.groups * kFrGroup;
+  int64_t run = a.esc_start[row * a.blocks + blk];                 // escapes before this tile, in the row
+  for (int s = 0; s < kFrBlockGroups / kFrTileGroups; ++s) {
+    const int64_t first = blk * kFrBlockGroups + s * kFrTileGroups, gr = first + t;
+    if (first >= a.groups) break;                                    // warp-uniform
+    const bool valid = gr < a.groups;
+    const FrGroup tg = load_group(a, row, gr, valid);
+    uint32_t f[8];
+    const uint32_t mask = group_fields_mask(tg, f);
+    const int cnt = __popc(mask);
+    int incl = cnt;
+#pragma unroll
+    for (int d = 1; d < 4; d <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, incl, d, 4);
+      if (t >= d) incl += v;
+    }
+    if (mask) patch_fields(a, mask, run + incl - cnt, f);
+    run += __shfl_sync(0xffffffffu, incl, 3, 4);
+    tile_mma<kBf16, kHigh>(x, kp, nx, gr, valid, tg, f, c);
+  }
+}
+
+template <bool kBf16, bool kHigh>
+__global__ void __launch_bounds__(32 * kMmaWarps) mma_kernel(FrArrays a, const uint16_t* __restrict__ x, int nx,
+                                                             int splits, uint16_t* __restrict__ y) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t row0 = (blockIdx.x * static_cast<int64_t>(kMmaWarps / splits) + warp / splits) * 8;
+  const int64_t row = min(row0 + (lane >> 2), a.rows - 1);
+  float c[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int64_t blk = warp % splits; blk < a.blocks; blk += splits) walk_block<kBf16, kHigh>(a, x, nx, row, blk, c);
+  __shared__ float red[kMmaWarps][32][4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) red[warp][lane][i] = c[i];
+  __syncthreads();
+  if (warp % splits != 0) return;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float s = 0.f;
+    for (int j = 0; j < splits; ++j) s += red[warp + j][lane][i];
+    const int b = (lane >> 2) + 8 * (i >> 1);
+    const int64_t out_row = row0 + 2 * (lane & 3) + (i & 1);
+    if (b < nx && out_row < a.rows) {
+      if constexpr (kBf16) y[b * a.rows + out_row] = __bfloat16_as_ushort(__float2bfloat16_rn(s));
+      else y[b * a.rows + out_row] = __half_as_ushort(__float2half_rn(s));
+    }
+  }
+}
+
+template <bool kBf16, bool kHigh>
+void launch(const FrArrays& a, const uint16_t* x, int nx, uint16_t* y, cudaStream_t stream) {
+  const int64_t row_groups = (a.rows + 7) / 8;
+  int splits = 1;
+  while (splits < kMmaWarps && row_groups * splits < kTargetWarps && splits * 2 <= a.blocks) splits *= 2;
+  const int64_t ctas = (row_groups + kMmaWarps / splits - 1) / (kMmaWarps / splits);
+  mma_kernel<kBf16, kHigh><<<static_cast<unsigned>(ctas), 32 * kMmaWarps, 0, stream>>>(a, x, nx, splits, y);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+void launch_mma(const FrArrays& a, const at::Tensor& x, const at::Tensor& y, cudaStream_t stream) {
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  const int nx = static_cast<int>(x.size(0));
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  if (nx > 8) (bf16 ? launch<true, true> : launch<false, true>)(a, xp, nx, yp, stream);
+  else (bf16 ? launch<true, false> : launch<false, false>)(a, xp, nx, yp, stream);
+}
+
+}  // namespace wcodec

@@ -1,0 +1,86 @@
+"""wcodec's encoders behind one entry point: the CUDA op (device="cuda"), the C++ twin
+(device="cpu", when built), else the NumPy reference in codec/ (the specification: all three
+produce the same bytes).
+
+    coder(device)                      the plane coder codec/encode.py takes (floatcodec.ReferenceCoder's
+                                       interface): prepare a plane, encode a batch of planes
+    best_device()                      "cuda" when the CUDA op and a GPU are there, else "cpu"
+
+Only the float codec's planes go through the extension: the lossless float planes, fp8 bytes, and
+the byte planes of the GGUF and int8 codecs. Splitting GGUF blocks into planes and the int8 codec's
+quantisation stay in Python (codec/gguf_blocks.py, codec/int8.py).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from codec import floatcodec, planes
+from codec.floatcodec import FloatParams, Prepared
+
+from .build import ensure_loaded
+from .plan import BYTES_CODE, DTYPE_CODES
+
+
+def _registered(device_type: str) -> bool:
+    """The encoder ops are registered for `device_type`, loading the extension if they are not yet
+    (a process that registered them itself, e.g. a device check's encoder-only build, keeps its own)."""
+    from .ops import ENCODE_OPS, has_ops
+    if not has_ops(ENCODE_OPS, device_type):
+        ensure_loaded()
+    return has_ops(ENCODE_OPS, device_type)
+
+
+def best_device() -> str:
+    return "cuda" if torch.cuda.is_available() and _registered("cuda") else "cpu"
+
+
+def coder(device: str | torch.device = "cpu"):
+    """The extension's coder on `device`, or the NumPy reference where the extension (or its
+    encoder ops) is not built. A CUDA device without the CUDA op is a RuntimeError."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not (torch.cuda.is_available() and _registered("cuda")):
+            raise RuntimeError(f"CUDA encoding unavailable: {ensure_loaded().reason}")
+        return ExtensionCoder(device)
+    return ExtensionCoder(device) if _registered("cpu") else floatcodec.REFERENCE
+
+
+class ExtensionCoder:
+    """prepare_plane / encode_planes of the extension (cuda_ext/ops.py) on one device."""
+
+    threaded = True
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def _prepare(self, layout: planes.FloatLayout | None, data: np.ndarray, code: int) -> Prepared | None:
+        from .ops import prepare_plane
+        src = torch.from_numpy(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+        src = src.to(self.device, non_blocking=True) if self.device.type == "cuda" else src
+        choice, freqs, hi, lo = prepare_plane(src, code)
+        coded, ctx_bits, group = choice.tolist()
+        if not coded:
+            return None
+        params = FloatParams(len(data), ctx_bits, group)
+        host = lambda t: t.cpu().numpy() if t.numel() else None   # noqa: E731
+        lo_plane = host(lo)
+        return Prepared(layout, params, host(freqs[:params.n_tables]).astype(np.uint32), None, host(hi),
+                        None if lo_plane is None else lo_plane.view("<u2"), (src, code, freqs))
+
+    def prepare(self, layout: planes.FloatLayout, u: np.ndarray) -> Prepared | None:
+        if layout.itemsize == 1:                          # fp8: the whole byte is the symbol
+            return self.prepare_bytes(u.view(np.uint8), layout)
+        return self._prepare(layout, u, DTYPE_CODES[layout.name])
+
+    def prepare_bytes(self, sym: np.ndarray, layout: planes.FloatLayout | None = None) -> Prepared | None:
+        return self._prepare(layout, sym, BYTES_CODE)
+
+    def encode_batch(self, batch: list[Prepared]) -> list[np.ndarray]:
+        if not batch:
+            return []
+        from .ops import encode_planes
+        streams = encode_planes([p.source[0] for p in batch], [p.source[1] for p in batch],
+                                [p.source[2] for p in batch], [p.params.ctx_bits for p in batch],
+                                [p.params.table_group for p in batch])
+        return [s.cpu().numpy() for s in streams]

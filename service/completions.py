@@ -1,0 +1,134 @@
+"""OpenAI's (legacy) completions on the same engine as the other routes: each prompt of a request
+is one engine request, so they batch with each other and with every other route's. The result is
+a Completion with a choice per prompt, or a stream of chunks (one prompt after the other, each
+chunk naming its choice's index), the usage when asked for, then `[DONE]`."""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from . import inference, openai_api
+from .engine.sampling import Finished, TokenEvent
+from .errors import ServiceError, openai_error_event
+from .registry import ModelRegistry
+from .schemas.completions import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
+from .settings import Settings
+
+
+async def start(req: CompletionRequest, registry: ModelRegistry, settings: Settings) -> list[inference.Started]:
+    params = openai_api.sampling(req, settings, req.max_tokens)
+    model, started = openai_api.model_of(req, registry), []
+    try:
+        for prompt in req.prompts():
+            started.append(await inference.start(registry, settings, model, prompt, params, stream=req.stream,
+                                                 fields=("prompt", "max_tokens")))
+    except BaseException:
+        cancel(started)
+        raise
+    return started
+
+
+def cancel(started: list[inference.Started]) -> None:
+    for s in started:
+        s.request.cancel()
+
+
+async def finish(started: list[inference.Started]) -> list[Finished]:
+    try:
+        return list(await asyncio.gather(*(s.request.result() for s in started)))
+    finally:
+        cancel(started)
+
+
+async def first_events(started: list[inference.Started]) -> list[TokenEvent | Finished]:
+    """Every prompt's first event before answering 200, so a failed prefill is a plain error."""
+    try:
+        return [await s.request.next() for s in started]
+    except BaseException:
+        cancel(started)
+        raise
+
+
+class TokenLog:
+    """logprobs=0: the generated tokens (special ones left out) whose first character is in the
+    returned text, each with its log-probability and offset; `take` hands out those not yet given."""
+
+    def __init__(self):
+        self.events: list[TokenEvent] = []
+        self.offsets: list[int] = []
+        self.end, self.given = 0, 0
+
+    def add(self, e: TokenEvent) -> None:
+        self.events.append(e)
+        self.offsets.append(self.end)
+        self.end += len(e.text)
+
+    def take(self, text_end: int) -> CompletionLogprobs:
+        n = self.given
+        while n < len(self.events) and self.offsets[n] < text_end:
+            n += 1
+        events, offsets, self.given = self.events[self.given:n], self.offsets[self.given:n], n
+        return CompletionLogprobs(tokens=[e.text for e in events], token_logprobs=[e.logprob for e in events],
+                                  top_logprobs=[{e.text: e.logprob} for e in events], text_offset=offsets)
+
+
+def _choice(index: int, s: inference.Started, fin: Finished, req: CompletionRequest) -> CompletionChoice:
+    text = (s.prompt if req.echo else "") + openai_api.cut(fin.generated_text, req.stops())
+    logprobs = None
+    if req.logprobs is not None:
+        log = TokenLog()
+        for e in fin.tokens:
+            if not e.special:
+                log.add(e)
+        logprobs = log.take(len(text))
+    return CompletionChoice(text=text, index=index, logprobs=logprobs, finish_reason=openai_api.finish_reason(fin))
+
+
+def completion(started: list[inference.Started], fins: list[Finished], req: CompletionRequest) -> Completion:
+    return Completion(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=started[0].model,
+                      system_fingerprint=openai_api.FINGERPRINT, usage=openai_api.usage(fins),
+                      choices=[_choice(i, s, f, req) for i, (s, f) in enumerate(zip(started, fins))])
+
+
+async def chunks(started: list[inference.Started], firsts: list[TokenEvent | Finished],
+                 req: CompletionRequest) -> AsyncIterator[bytes]:
+    cid, created, fins = f"cmpl-{uuid.uuid4().hex}", int(time.time()), []
+
+    def chunk(choices: list[CompletionChoice], fin_list: list[Finished] | None = None) -> bytes:
+        return inference.sse(Completion(id=cid, created=created, model=started[0].model, choices=choices,
+                                        system_fingerprint=openai_api.FINGERPRINT,
+                                        usage=openai_api.usage(fin_list) if fin_list else None))
+    try:
+        for index, (s, first) in enumerate(zip(started, firsts)):
+            async for choice in _prompt_chunks(index, s, first, req, fins):
+                yield chunk([choice])
+        if req.stream_options and req.stream_options.include_usage:
+            yield chunk([], fins)
+    except ServiceError as e:
+        yield inference.sse(openai_error_event(e))
+    finally:
+        cancel(started)
+    yield inference.sse("[DONE]")
+
+
+async def _prompt_chunks(index: int, s: inference.Started, first: TokenEvent | Finished, req: CompletionRequest,
+                         fins: list[Finished]) -> AsyncIterator[CompletionChoice]:
+    """One prompt's chunks: the prompt (echo), the text as it comes (held back at a possible stop
+    sequence), then the rest with the finish reason; `fins` gets its result."""
+    stop, sent = openai_api.StopCut(req.stops()), 0
+    log = TokenLog() if req.logprobs is not None else None
+    if req.echo:
+        yield CompletionChoice(text=s.prompt, index=index, finish_reason=None)
+    async for item in inference.events(s, first):
+        done = isinstance(item, Finished)
+        if not done and not item.special and log is not None:
+            log.add(item)
+        text = stop.flush() if done else ("" if item.special else stop.feed(item.text))
+        sent += len(text)
+        if text or done:
+            yield CompletionChoice(text=text, index=index, logprobs=log.take(sent) if log is not None else None,
+                                   finish_reason=openai_api.finish_reason(item) if done else None)
+        if done:
+            fins.append(item)

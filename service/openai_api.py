@@ -1,0 +1,74 @@
+"""What OpenAI's chat and completions routes share on top of inference.py: the model a request
+names, its sampling parameters (a field this server cannot honour is refused, never ignored),
+the text cut before the first stop sequence (OpenAI leaves the stop out; TGI keeps it), and the
+pieces of a response (finish reason, usage)."""
+from __future__ import annotations
+
+import codec
+
+from .engine.sampling import Finished, SamplingParams
+from .errors import ModelNotFound, UnsupportedParameter
+from .registry import ModelRegistry
+from .schemas.openai import OpenAIRequest, Usage
+from .settings import Settings
+
+FINGERPRINT = f"wcodec-{codec.__version__}"          # every response's system_fingerprint
+# what TGI's clients send for a server that ignores `model` (huggingface_hub: "dummy", older "tgi")
+PLACEHOLDERS = ("tgi", "dummy")
+
+
+def model_of(req: OpenAIRequest, registry: ModelRegistry) -> str | None:
+    """The store's model the request names; None (the default model) for none or a placeholder; else 404."""
+    if not req.model or req.model in PLACEHOLDERS:
+        return None
+    if not registry.has(req.model):
+        raise ModelNotFound(f"the model {req.model!r} does not exist (GET /v1/models lists them)", param="model")
+    return req.model
+
+
+def sampling(req: OpenAIRequest, settings: Settings, max_tokens: int | None) -> SamplingParams:
+    if bad := req.unsupported():
+        raise UnsupportedParameter(*next(iter(bad.items())))
+    stops = req.stops()
+    temperature = req.temperature or None                      # 0 means greedy
+    return SamplingParams(max_tokens or settings.default_max_new_tokens, temperature, req.top_p, None,
+                          temperature is not None, req.seed, None, tuple(s for s in stops if s))
+
+
+class StopCut:
+    """The text before the first stop sequence. Streamed pieces are held back while the text's
+    end could still be the start of a stop sequence."""
+
+    def __init__(self, stops: list[str]):
+        self.stops, self.held, self.stopped = [s for s in stops if s], "", False
+
+    def feed(self, piece: str) -> str:
+        """The part of the text so far that is now sure to be returned."""
+        if self.stopped:
+            return ""
+        self.held += piece
+        found = [i for i in (self.held.find(s) for s in self.stops) if i >= 0]
+        if found:
+            out, self.held, self.stopped = self.held[:min(found)], "", True
+            return out
+        keep = max((k for s in self.stops for k in range(1, len(s)) if self.held.endswith(s[:k])), default=0)
+        out, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
+        return out
+
+    def flush(self) -> str:
+        out, self.held = self.held, ""
+        return out
+
+
+def cut(text: str, stops: list[str]) -> str:
+    c = StopCut(stops)
+    return c.feed(text) + c.flush()
+
+
+def finish_reason(fin: Finished) -> str:
+    return "length" if fin.finish_reason == "length" else "stop"
+
+
+def usage(fins: list[Finished]) -> Usage:
+    prompt, completion = sum(f.input_length for f in fins), sum(len(f.tokens) for f in fins)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)

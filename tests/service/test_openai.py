@@ -1,0 +1,210 @@
+"""OpenAI's routes with the official `openai` client: /v1/models, /v1/completions (streamed and
+not), chat with usage in its stream, and a bad request of each error class (400, 404, 429 with
+Retry-After, 500, 503), plus the raw JSON of each route against the field names of OpenAI's own
+types (the `openai` package's models). Most run against one live server (tests/service/conftest.py);
+the error classes that need a held engine or a loading model run in-process."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import httpx2
+import openai
+import pytest
+from service_helpers import DEMO, QUEUE_OF_ONE, when_queue_full
+
+from service.model import paged
+from service.registry import ModelState
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def client(live) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{live[0]}/v1", api_key="unused", max_retries=0)
+
+
+def test_models_list_and_retrieve(client) -> None:
+    models = client.models.list()
+    assert [(m.id, m.object, m.owned_by, m.state) for m in models.data] == [(DEMO, "model", "wcodec", "ready")]
+    assert models.data[0].created > 1_600_000_000
+    assert client.models.retrieve(DEMO).id == DEMO
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
+
+
+def test_completions_streamed_and_not(client) -> None:
+    out = client.completions.create(model=DEMO, prompt=PROMPT, max_tokens=5, temperature=0)
+    assert "Paris" in out.choices[0].text and out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 5 and out.usage.total_tokens == out.usage.prompt_tokens + 5
+    chunks = list(client.completions.create(model=DEMO, prompt=PROMPT, max_tokens=5, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks[:-1]) == out.choices[0].text
+    assert chunks[-2].choices[0].finish_reason == "length" and chunks[-1].choices == []
+    assert chunks[-1].usage.model_dump() == out.usage.model_dump()
+
+
+def test_completions_batch_echo_stop_logprobs(client) -> None:
+    both = client.completions.create(model=DEMO, prompt=[PROMPT, "1, 2, 3,"], max_tokens=5, temperature=0)
+    assert [c.index for c in both.choices] == [0, 1] and "Paris" in both.choices[0].text
+    alone = client.completions.create(model=DEMO, prompt="1, 2, 3,", max_tokens=5, temperature=0)
+    assert both.choices[1].text == alone.choices[0].text
+    echo = client.completions.create(model=DEMO, prompt=PROMPT, max_tokens=5, temperature=0, echo=True)
+    assert echo.choices[0].text == PROMPT + both.choices[0].text
+    cut = client.completions.create(model=DEMO, prompt=PROMPT, max_tokens=5, temperature=0, stop=["aris"])
+    assert cut.choices[0].text == both.choices[0].text.split("aris")[0] and cut.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model=DEMO, prompt=PROMPT, max_tokens=5, temperature=0, stop=["aris"],
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == cut.choices[0].text
+    lp = client.completions.create(model=DEMO, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=0).choices[0]
+    assert "".join(lp.logprobs.tokens) == lp.text and lp.logprobs.text_offset[0] == 0
+    assert all(x <= 0 for x in lp.logprobs.token_logprobs) and len(lp.logprobs.tokens) == 5
+
+
+def test_chat_stream_ends_with_usage(client) -> None:
+    out = client.chat.completions.create(model=DEMO, messages=QUESTION, max_completion_tokens=12)
+    assert out.choices[0].message.content.startswith("The capital of France is Paris")
+    chunks = list(client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=12, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content for c in chunks[:-1]) == out.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == out.usage.model_dump()
+    assert all(c.usage is None for c in chunks[:-1])
+    cut = client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=12, stop="Paris")
+    assert cut.choices[0].message.content == "The capital of France is " and cut.choices[0].finish_reason == "stop"
+
+
+def test_chat_seed_repeats_a_sample(client) -> None:
+    def sample(seed: int) -> str:
+        return client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=8, temperature=1.5,
+                                              seed=seed).choices[0].message.content
+    texts = {seed: sample(seed) for seed in range(4)}
+    assert sample(0) == texts[0] and len(set(texts.values())) > 1
+
+
+UNSUPPORTED = [("n", {"n": 2}), ("logit_bias", {"logit_bias": {"42": 5}}), ("tools", {"tools": [
+    {"type": "function", "function": {"name": "f", "parameters": {}}}]}),
+    ("response_format", {"response_format": {"type": "json_object"}}), ("logprobs", {"logprobs": True}),
+    ("presence_penalty", {"presence_penalty": 0.5})]
+
+
+@pytest.mark.parametrize(("param", "extra"), UNSUPPORTED, ids=[u[0] for u in UNSUPPORTED])
+def test_chat_refuses_what_it_cannot_do(client, param, extra) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=2, **extra)
+    assert e.value.body["param"] == param and e.value.body["code"] == "unsupported_parameter"
+    assert param in e.value.message
+
+
+def test_bad_requests_and_unknown_models(client) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=-5)
+    assert e.value.body["param"] == "max_tokens" and e.value.body["type"] == "invalid_request_error"
+    for kwargs in ({"max_tokens": -5}, {"n": 3}, {"logprobs": 2}, {"best_of": 2}, {"prompt": [PROMPT] * 33}):
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(**{"model": DEMO, "prompt": PROMPT, **kwargs})
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.completions.create(model=DEMO, prompt=PROMPT, echo=True, logprobs=0)
+    with pytest.raises(openai.BadRequestError, match="must be <="):
+        client.completions.create(model=DEMO, prompt=PROMPT, max_tokens=4000)
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4o", messages=QUESTION)
+    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="../etc/passwd", prompt=PROMPT)
+
+
+def _fields(model) -> set[str]:
+    return set(model.model_fields)
+
+
+def _required(model) -> set[str]:
+    return {name for name, f in model.model_fields.items() if f.is_required()}
+
+
+def _same_fields(body: dict, model) -> None:
+    """Every key of `body` is one of the OpenAI type's fields, and every field it requires is there."""
+    assert _required(model) <= set(body) <= _fields(model) | {"state"}, (model.__name__, sorted(body))
+
+
+def _events(text: str) -> list[dict]:
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def test_raw_json_shapes_use_openais_field_names(live) -> None:
+    from openai.types import Completion, CompletionChoice, CompletionUsage, Model
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessage
+    from openai.types.chat.chat_completion import Choice
+    from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
+    from openai.types.completion_choice import Logprobs
+
+    with httpx.Client(base_url=live[0], timeout=60) as http:
+        models = http.get("/v1/models").json()
+        assert set(models) == {"object", "data"} and models["object"] == "list"
+        _same_fields(models["data"][0], Model)
+        _same_fields(http.get(f"/v1/models/{DEMO}").json(), Model)
+        body = {"model": DEMO, "prompt": PROMPT, "max_tokens": 3, "logprobs": 0}
+        out = http.post("/v1/completions", json=body).json()
+        _same_fields(out, Completion)
+        _same_fields(out["choices"][0], CompletionChoice)
+        _same_fields(out["choices"][0]["logprobs"], Logprobs)
+        _same_fields(out["usage"], CompletionUsage)
+        for chunk in _events(http.post("/v1/completions", json={**body, "stream": True}).text):
+            _same_fields(chunk, Completion)
+        chat = {"model": DEMO, "messages": QUESTION, "max_tokens": 3}
+        out = http.post("/v1/chat/completions", json=chat).json()
+        _same_fields(out, ChatCompletion)
+        _same_fields(out["choices"][0], Choice)
+        _same_fields(out["choices"][0]["message"], ChatCompletionMessage)
+        chunks = _events(http.post("/v1/chat/completions", json={**chat, "stream": True}).text)
+        for chunk in chunks:
+            _same_fields(chunk, ChatCompletionChunk)
+            _same_fields(chunk["choices"][0], ChunkChoice)
+        for r in (http.post("/v1/chat/completions", json={**chat, "max_tokens": -5}), http.get("/v1/models/nope"),
+                  http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})):
+            assert r.status_code in (400, 404) and set(r.json()) == {"error"}, r.text
+            assert set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
+
+
+# --- the error classes that need a server in a given state: in-process -------------------------
+
+
+def _async_client(server) -> openai.AsyncOpenAI:
+    """The client on the app in-process (the `openai` package's own httpx, httpx2, has an ASGI transport)."""
+    http = openai.DefaultAsyncHttpxClient(transport=httpx2.ASGITransport(app=server.app))
+    return openai.AsyncOpenAI(base_url="http://wcodec.test/v1", api_key="unused", max_retries=0, http_client=http)
+
+
+@pytest.mark.anyio
+async def test_503_while_the_model_loads_and_500_when_generation_fails(serve, store, monkeypatch) -> None:
+    async with serve(store(), retry_after_s=3) as server:
+        client = _async_client(server)
+        assert (await server.client.post(f"/models/{DEMO}/load", params={"wait": "false"})).status_code == 202
+        with pytest.raises(openai.InternalServerError) as e:
+            await client.completions.create(model=DEMO, prompt=PROMPT, max_tokens=2)
+        assert e.value.status_code == 503 and e.value.response.headers["retry-after"] == "3"
+        assert e.value.body["code"] == "model_not_ready" and "loading" in e.value.message
+        await server.wait_state(DEMO, ModelState.READY)
+        monkeypatch.setattr(paged, "forward", lambda *a, **k: 1 / 0)
+        with pytest.raises(openai.InternalServerError) as e:
+            await client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=2)
+        assert e.value.status_code == 500 and e.value.body["code"] == "generation_failed"
+        assert server.registry.get(DEMO).in_flight == 0
+
+
+@pytest.mark.anyio
+async def test_429_with_retry_after_when_the_queue_is_full(serve, store, monkeypatch) -> None:
+    async with serve(store(), preload=[DEMO], **QUEUE_OF_ONE) as server:
+        await server.wait_state(DEMO, ModelState.READY)
+        client = _async_client(server)
+
+        async def complete():
+            return await client.completions.create(model=DEMO, prompt=PROMPT, max_tokens=2)
+
+        async def refused():
+            with pytest.raises(openai.RateLimitError) as e:
+                await complete()
+            return e.value
+
+        error = await when_queue_full(server, monkeypatch, complete, refused)
+        assert error.response.headers["retry-after"] == "1" and error.body["code"] == "queue_full"
