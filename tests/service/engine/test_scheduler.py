@@ -196,3 +196,22 @@ async def test_twice_the_cache_budget_completes_or_gets_429(tiny) -> None:
     finally:
         engine.close()
     assert "wcodec_kv_cache_usage{" not in metrics.render().decode()
+
+
+def test_a_failed_step_keeps_its_rows_for_reset(tiny, monkeypatch) -> None:
+    """A sampling error on the step that ends the prompts: reset() still answers every row and the
+    blocks come back (the worker fails those requests, the server goes on)."""
+    from service.engine import scheduler
+
+    s = paged(tiny, max_rows=4, max_tokens=64)
+    rows = [Row([5, 6, 7], SamplingParams(4), tiny), Row([8, 9], SamplingParams(4), tiny)]
+    for row in rows:
+        s.add(row)
+
+    def broken(logits, rows):
+        raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+
+    monkeypatch.setattr(scheduler, "sample_rows", broken)
+    with pytest.raises(RuntimeError):
+        s.step()
+    assert sorted(map(id, s.reset())) == sorted(map(id, rows)) and s.blocks.used == 0 and not s.waiting
