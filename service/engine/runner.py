@@ -173,10 +173,9 @@ class Runner:
         return True
 
     def close(self) -> None:
-        """Drop the graphs, their pool and the cache (an unload)."""
+        """Drop the graphs, their pool and the cache (an unload). The cuBLAS workspace of the capture
+        stream (torch.cuda.graph's one side stream) stays, as every stream's does: allocated by the
+        process's first capture, reused by every later one."""
         self.graphs.clear()
         self.pool = None
         self.cache.k = self.cache.v = None
-        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-        if self.use_graphs and clear is not None:
-            clear()                                       # the capture stream's cuBLAS workspace
