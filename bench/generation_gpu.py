@@ -112,7 +112,7 @@ def metric(url: str, name: str) -> float:
     return sum(float(x.rsplit(" ", 1)[1]) for x in lines if x.startswith((name + "{", name + " ")))
 
 
-def wait_for_graphs(url: str, limit_s: float = 240.0) -> dict:
+def wait_for_graphs(url: str, limit_s: float = 120.0) -> dict:
     """Until the engine's graph count stops growing for 3 s (idle captures, runner.py)."""
     t0, last, since = time.perf_counter(), -1.0, time.perf_counter()
     while time.perf_counter() - t0 < limit_s:
