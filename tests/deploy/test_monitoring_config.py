@@ -32,6 +32,9 @@ REQUIRED_METRICS = {
     "inter-token latency": "wcodec_generate_inter_token_latency_seconds_bucket",
     "weight bytes, decoded or compressed": "wcodec_model_weight_bytes",
     "forward decode time": "wcodec_forward_decode_duration_seconds_bucket",
+    "KV cache usage": "wcodec_kv_cache_usage",
+    "blocks in use": "wcodec_kv_cache_blocks_used",
+    "CUDA graphs": "wcodec_engine_cuda_graphs",
 }
 
 

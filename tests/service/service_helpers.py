@@ -16,7 +16,7 @@ from fastapi import FastAPI
 
 from service.load import reading
 from service.load.demo import DEMO_NAME
-from service.engine import batcher
+from service.model import paged
 from service.errors import ModelNotFound
 from service.registry import ModelRegistry, ModelState
 
@@ -65,14 +65,14 @@ async def when_queue_full(server: Server, monkeypatch, send: Callable[[], Awaita
     its prefill, the second waiting, then `probe()` while the queue is full; then the held ones go
     on (and finish before this returns). Returns what `probe()` returned."""
     entered, release = threading.Event(), threading.Event()
-    real = batcher.forward_all
+    real = paged.forward                                 # the paged engine's forward (engine/runner.py)
 
     def held(*args, **kwargs):
         entered.set()
         release.wait(30)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(batcher, "forward_all", held)
+    monkeypatch.setattr(paged, "forward", held)
     async with anyio.create_task_group() as tg:
         tg.start_soon(send)
         await anyio.to_thread.run_sync(entered.wait, 30)     # the worker holds the first

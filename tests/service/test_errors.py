@@ -11,7 +11,7 @@ from service_helpers import DEMO, QUEUE_OF_ONE, generate_body, when_queue_full
 
 from service.load import pipeline
 from service.deps import get_settings
-from service.engine import batcher
+from service.model import paged
 from service.registry import ModelState
 
 pytestmark = pytest.mark.anyio
@@ -118,7 +118,7 @@ async def test_424_when_generation_fails(serve, store, monkeypatch) -> None:
 
     async with serve(store(), preload=[DEMO]) as server:
         await server.wait_state(DEMO, ModelState.READY)
-        monkeypatch.setattr(batcher, "forward_all", broken)
+        monkeypatch.setattr(paged, "forward", broken)
         body = assert_error(await server.client.post("/generate", json=generate_body()), 424, "generation")
         assert "the device fell over" in body["error"]
         assert_error(await server.client.post("/generate_stream", json=generate_body()), 424, "generation")

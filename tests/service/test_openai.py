@@ -13,7 +13,7 @@ import openai
 import pytest
 from service_helpers import DEMO, QUEUE_OF_ONE, when_queue_full
 
-from service.engine import batcher
+from service.model import paged
 from service.registry import ModelState
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -185,7 +185,7 @@ async def test_503_while_the_model_loads_and_500_when_generation_fails(serve, st
         assert e.value.status_code == 503 and e.value.response.headers["retry-after"] == "3"
         assert e.value.body["code"] == "model_not_ready" and "loading" in e.value.message
         await server.wait_state(DEMO, ModelState.READY)
-        monkeypatch.setattr(batcher, "forward_all", lambda *a, **k: 1 / 0)
+        monkeypatch.setattr(paged, "forward", lambda *a, **k: 1 / 0)
         with pytest.raises(openai.InternalServerError) as e:
             await client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=2)
         assert e.value.status_code == 500 and e.value.body["code"] == "generation_failed"

@@ -1,0 +1,65 @@
+"""How big a model's paged KV cache is, and the scheduler that serves from it (scheduler.py).
+
+The cache is allocated once, when the engine starts: `kv_cache_bytes` if set; else on CUDA
+`kv_cache_fraction` of the device memory free after the weights, on the CPU CPU_BYTES. Never more
+than `max_rows` rows of `max_total_tokens` need, never less than one such row.
+
+    tokens = clamp(budget // token_bytes, max_total_tokens, max_rows * max_total_tokens)
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..model import paged
+from ..model.build import ServedModel
+from .blocks import BlockManager
+from .runner import Runner
+from .sampling import Row, TokenEvent
+from .scheduler import Scheduler
+
+CPU_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    block_size: int = 16              # WCODEC_KV_BLOCK_SIZE: tokens a block
+    nbytes: int | None = None         # WCODEC_KV_CACHE_BYTES
+    fraction: float = 0.5             # WCODEC_KV_CACHE_FRACTION: of the free device memory (CUDA)
+    max_total_tokens: int = 2048      # WCODEC_MAX_TOTAL_TOKENS: the largest request
+    cuda_graphs: bool = True          # WCODEC_CUDA_GRAPHS
+    prefill_wait_s: float = 0.0       # WCODEC_PREFILL_WAIT_MS / 1e3
+
+
+def cache_tokens(served: ServedModel, max_rows: int, s: CacheSettings) -> int:
+    """Tokens of the model's cache, rounded down to whole blocks (above)."""
+    per = paged.PagedCache.token_bytes(served.model.config, cache_dtype(served))
+    if s.nbytes is not None:
+        budget = s.nbytes
+    elif served.device.type == "cuda":
+        budget = int(torch.cuda.mem_get_info(served.device)[0] * s.fraction)
+    else:
+        budget = CPU_BYTES
+    largest = min(s.max_total_tokens, served.max_positions)
+    tokens = max(min(budget // per, max_rows * largest), largest)
+    return -(-tokens // s.block_size) * s.block_size
+
+
+def cache_dtype(served: ServedModel) -> torch.dtype:
+    """The dtype of the keys and values: the activations' (the embeddings', on every path)."""
+    return served.model.model.embed_tokens.weight.dtype
+
+
+def scheduler(served: ServedModel, max_rows: int, max_tokens: int, s: CacheSettings,
+              on_token: Callable[[Row, TokenEvent], None], on_finish: Callable[[Row], None]) -> Scheduler:
+    """A paged scheduler for `served` (a llama.py model), its cache allocated now."""
+    tokens = cache_tokens(served, max_rows, s)
+    blocks = BlockManager(tokens // s.block_size, s.block_size)
+    cache = paged.PagedCache(served.model.config, blocks.blocks, s.block_size, cache_dtype(served), served.device)
+    graphs = s.cuda_graphs and served.schedule is None          # compressed mode's hooks: eager
+    runner = Runner(served.model, cache, max_rows, blocks.blocks_for(min(s.max_total_tokens, served.max_positions)),
+                    graphs)
+    return Scheduler(runner, blocks, max_rows=max_rows, max_tokens=max_tokens, on_token=on_token,
+                     on_finish=on_finish, prefill_wait_s=s.prefill_wait_s)

@@ -1,0 +1,181 @@
+"""The model runner (nano-vllm's `model_runner`): a step's sequences -> service/model/paged.py's
+Context -> logits; a decode-only step on CUDA replays a captured graph.
+
+Read me first.
+* One CUDA graph per (batch bucket, width bucket): B rows padded up to a bucket of BATCH_BUCKETS,
+  the block tables padded to a width of WIDTHS blocks (the keys a step gathers). Each graph owns
+  its static inputs (ids, positions, slots, tables, lengths) and its logits; all share one memory
+  pool (they never run at once, and their logits are read before the next replay).
+* Padded rows read and write only the cache's padding block and see one key, so they cannot
+  touch a real row and never make an empty softmax.
+* A graph is captured the first time its shape is needed, or ahead of need while the engine is
+  idle (`capture_next`); `capture_seconds` adds up what captures cost.
+* Steps with a prompt chunk, steps on the CPU, and models whose weights are decoded by hooks
+  (weights=compressed: host work between the kernels, service/model/compressed.py) run eagerly:
+  the same forward, not captured.
+
+    ids, positions, slots [N]   tables [B, M]   lengths [B]   logits [B + P, V] float32
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..model import paged
+from ..model.llama import LlamaForCausalLM
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+@dataclass
+class Decode:
+    """A decode row: its newest token goes in at `position`, it then sees position + 1 keys."""
+    token: int
+    position: int
+    table: list[int]
+
+
+@dataclass
+class Chunk:
+    """Prompt tokens start:start + len(tokens) of a sequence."""
+    tokens: list[int]
+    start: int
+    table: list[int]
+
+
+def bucket(n: int, sizes: tuple[int, ...], top: int) -> int:
+    """The smallest size >= n (sizes capped at `top`, which is always one)."""
+    return next((s for s in sizes if n <= s < top), top)
+
+
+class Graph:
+    def __init__(self, rows: int, width: int, pad_block: int, block_size: int, device: torch.device):
+        long = {"dtype": torch.long, "device": device}
+        self.ids, self.positions = torch.zeros(rows, **long), torch.zeros(rows, **long)     # [b]
+        self.slots = torch.full((rows,), pad_block * block_size, **long)                     # [b]
+        self.tables = torch.full((rows, width), pad_block, **long)                           # [b, m]
+        self.lengths = torch.ones(rows, **long)                                              # [b]
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None                                              # [b, V]
+
+    def context(self) -> paged.Context:
+        return paged.Context(self.positions, self.slots, self.ids.shape[0], self.tables, self.lengths)
+
+
+class Runner:
+    def __init__(self, model: LlamaForCausalLM, cache: paged.PagedCache, max_rows: int, max_blocks: int,
+                 graphs: bool):
+        self.model, self.cache, self.max_rows, self.max_blocks = model, cache, max_rows, max_blocks
+        self.device = cache.k.device
+        self.use_graphs = graphs and self.device.type == "cuda"
+        self.graphs: dict[tuple[int, int], Graph] = {}
+        self.pool = None
+        self.capture_seconds = 0.0
+
+    @property
+    def block_size(self) -> int:
+        return self.cache.block_size
+
+    # ---- a step ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, decodes: list[Decode], chunks: list[Chunk]) -> torch.Tensor:
+        """Logits [len(decodes) + len(chunks), V]: each decode row's, then each chunk's last token's."""
+        if self.use_graphs and decodes and not chunks and len(decodes) <= self.max_rows:
+            return self._replay(decodes)
+        ids, ctx = self._eager_inputs(decodes, chunks)
+        return paged.forward(self.model, ids, ctx, self.cache)
+
+    def _tables(self, tables: list[list[int]], width: int, rows: int) -> torch.Tensor:
+        """[rows, width] block tables, padded with the padding block (host)."""
+        pad = self.cache.pad_block
+        return torch.tensor([t[:width] + [pad] * (width - len(t[:width])) for t in tables]
+                            + [[pad] * width] * (rows - len(tables)), dtype=torch.long)
+
+    def _decode_inputs(self, decodes: list[Decode], rows: int, width: int) -> tuple[torch.Tensor, ...]:
+        """Host tensors of `decodes` padded to `rows`: ids, positions, slots [rows], tables [rows, width],
+        lengths [rows]."""
+        pad, bs = rows - len(decodes), self.block_size
+        ids = torch.tensor([d.token for d in decodes] + [0] * pad, dtype=torch.long)
+        positions = torch.tensor([d.position for d in decodes] + [0] * pad, dtype=torch.long)
+        tables = self._tables([d.table for d in decodes], width, rows)
+        slots = tables.gather(1, (positions // bs)[:, None])[:, 0] * bs + positions % bs     # pad rows: pad block
+        lengths = positions + 1
+        return ids, positions, slots, tables, lengths
+
+    def _width(self, decodes: list[Decode]) -> int:
+        return -(-max(d.position + 1 for d in decodes) // self.block_size)
+
+    def _eager_inputs(self, decodes: list[Decode], chunks: list[Chunk]) -> tuple[torch.Tensor, paged.Context]:
+        b, bs = len(decodes), self.block_size
+        ids, pos, slots, tables, lengths = self._decode_inputs(decodes, b, self._width(decodes)) if b else \
+            (torch.zeros(0, dtype=torch.long),) * 5
+        ids, pos, slots, prefills, last, start = [ids], [pos], [slots], [], list(range(b)), b
+        for c in chunks:
+            end = c.start + len(c.tokens)
+            table = torch.tensor(c.table[:-(-end // bs)], dtype=torch.long)
+            context = (table[:, None] * bs + torch.arange(bs)).flatten()[:end]                  # [end] slots
+            ids.append(torch.tensor(c.tokens, dtype=torch.long))
+            pos.append(torch.arange(c.start, end))
+            slots.append(context[c.start:])
+            prefills.append(paged.Prefill(start, len(c.tokens), c.start, context.to(self.device)))
+            start += len(c.tokens)
+            last.append(start - 1)
+        dev = self.device
+        ctx = paged.Context(torch.cat(pos).to(dev), torch.cat(slots).to(dev), b, tables.to(dev) if b else None,
+                            lengths.to(dev) if b else None, prefills, torch.tensor(last, device=dev),
+                            int(lengths.max()) if b else None)
+        return torch.cat(ids).to(dev), ctx
+
+    # ---- CUDA graphs -----------------------------------------------------------------------------
+    def _replay(self, decodes: list[Decode]) -> torch.Tensor:
+        rows = bucket(len(decodes), BATCH_BUCKETS, self.max_rows)
+        width = bucket(self._width(decodes), WIDTHS, self.max_blocks)
+        g = self.graphs.get((rows, width)) or self._capture(rows, width)
+        for dst, src in zip((g.ids, g.positions, g.slots, g.tables, g.lengths),
+                            self._decode_inputs(decodes, rows, width)):
+            dst.copy_(src)
+        g.graph.replay()
+        return g.logits[:len(decodes)]
+
+    def _capture(self, rows: int, width: int) -> Graph:
+        t0 = time.perf_counter()
+        g = Graph(rows, width, self.cache.pad_block, self.block_size, self.device)
+        paged.forward(self.model, g.ids, g.context(), self.cache)          # warm-up: lazy inits outside the graph
+        torch.cuda.synchronize(self.device)
+        g.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g.graph, pool=self.pool, capture_error_mode="thread_local"):
+            g.logits = paged.forward(self.model, g.ids, g.context(), self.cache)
+        if self.pool is None:
+            self.pool = g.graph.pool()
+        torch.cuda.synchronize(self.device)
+        self.graphs[(rows, width)] = g
+        self.capture_seconds += time.perf_counter() - t0
+        return g
+
+    def shapes(self) -> list[tuple[int, int]]:
+        """Every (rows, width) a decode step can take, narrow and few rows first."""
+        rows = sorted({bucket(n, BATCH_BUCKETS, self.max_rows) for n in range(1, self.max_rows + 1)})
+        widths = sorted({bucket(n, WIDTHS, self.max_blocks) for n in range(1, self.max_blocks + 1)})
+        return [(r, w) for w in widths for r in rows]
+
+    @torch.inference_mode()
+    def capture_next(self) -> bool:
+        """Capture one graph not captured yet (the engine calls this while idle); False: none left."""
+        if not self.use_graphs:
+            return False
+        missing = next((s for s in self.shapes() if s not in self.graphs), None)
+        if missing is None:
+            return False
+        self._capture(*missing)
+        return True
+
+    def close(self) -> None:
+        """Drop the graphs, their pool and the cache (an unload). The cuBLAS workspace of the capture
+        stream (torch.cuda.graph's one side stream) stays, as every stream's does: allocated by the
+        process's first capture, reused by every later one."""
+        self.graphs.clear()
+        self.pool = None
+        self.cache.k = self.cache.v = None

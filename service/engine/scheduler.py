@@ -1,0 +1,158 @@
+"""Continuous batching over a paged KV cache, for llama.py's models: rows (requests) in, token
+events out, without threads. The same interface as batcher.py's `Batcher` (which serves
+transformers' models), so the worker runs either.
+
+Each `step()`:
+  1. rows that finished or were cancelled leave; their blocks go back (blocks.py);
+  2. admit: waiting rows, first come first served, while rows are free and the cache has the
+     blocks of their whole budget (prompt + max_new_tokens); the others wait. With CUDA graphs, while
+     rows are decoding, admission waits up to `prefill_wait_s` to gather arrivals into one eager
+     step (a step with a prompt chunk is not captured);
+  3. chunk: the token budget (`max_tokens` less one per decoding row) goes to the prefilling rows'
+     prompts in order, a chunk each, so a long prompt never stalls the decoding rows;
+  4. one forward (runner.py): every decoding row's newest token and every chunk, each row against
+     its own blocks; a decode-only step replays a CUDA graph;
+  5. decoding rows sample their next token; a row whose prompt is complete samples its first and
+     starts decoding.
+
+A row's attention sees only its own blocks, so batching changes no row's tokens beyond
+floating-point reordering. `on_token(row, event)` fires for every token, `on_finish(row)` once per row.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+from ..errors import ValidationFailed
+from .batcher import Step
+from .blocks import BlockManager
+from .runner import Chunk, Decode, Runner
+from .sampling import Row, TokenEvent, sample_rows
+
+
+class Seq:
+    """A row's place in the cache: its blocks and how much of its prompt is in."""
+
+    def __init__(self, row: Row, table: list[int]):
+        self.row, self.table, self.prefilled = row, table, 0
+
+    @property
+    def prompt_done(self) -> bool:
+        return self.prefilled == len(self.row.prompt_ids)
+
+    def decode(self) -> Decode:
+        return Decode(self.row.ids[-1], len(self.row.prompt_ids) + len(self.row.ids) - 1, self.table)
+
+
+class Scheduler:
+    def __init__(self, runner: Runner, blocks: BlockManager, *, max_rows: int, max_tokens: int,
+                 on_token: Callable[[Row, TokenEvent], None], on_finish: Callable[[Row], None],
+                 prefill_wait_s: float = 0.0):
+        self.runner, self.blocks = runner, blocks
+        self.max_rows, self.max_tokens, self.prefill_wait_s = max_rows, max_tokens, prefill_wait_s
+        self.on_token, self.on_finish = on_token, on_finish
+        self.waiting: deque[Row] = deque()      # appended by other threads (deque ops are atomic)
+        self.arrived: dict[int, float] = {}
+        self.running: list[Seq] = []            # decoding
+        self.prefilling: list[Seq] = []
+
+    def add(self, row: Row) -> None:
+        """Queue `row`; ValidationFailed when its budget is more than the whole cache holds."""
+        if not self.blocks.fits(self._budget(row)):
+            raise ValidationFailed(f"{self._budget(row)} tokens (prompt + max_new_tokens) do not fit the KV "
+                                   f"cache ({self.blocks.blocks} blocks of {self.blocks.block_size} tokens)")
+        self.arrived[id(row)] = time.perf_counter()
+        self.waiting.append(row)
+
+    @property
+    def idle(self) -> bool:
+        return not (self.waiting or self.running or self.prefilling)
+
+    @property
+    def active(self) -> list[Row]:
+        return [s.row for s in self.running + self.prefilling]
+
+    @torch.inference_mode()
+    def step(self) -> Step:
+        self._leave()
+        self._admit()
+        chunks = self._chunks(self.max_tokens - len(self.running))
+        decoding = list(self.running)
+        if not decoding and not chunks:
+            return Step(0, 0)
+        logits = self.runner.run([s.decode() for s in decoding], [c for _, c in chunks])   # [B + P, V]
+        self._emit([s.row for s in decoding], logits[:len(decoding)])
+        done = [(i, s) for i, (s, c) in enumerate(chunks) if self._advance(s, c)]
+        if done:
+            self._emit([s.row for _, s in done], logits[[len(decoding) + i for i, _ in done]])
+            for _, s in done:
+                self.prefilling.remove(s)
+                self.running.append(s)
+        self._leave()
+        return Step(len(decoding), len(decoding) + sum(len(c.tokens) for _, c in chunks))
+
+    def reset(self) -> list[Row]:
+        """Forget every running and prefilling row (after a failed step); returns their rows."""
+        rows = self.active
+        for s in self.running + self.prefilling:
+            self.blocks.release(s.table)
+        self.running, self.prefilling = [], []
+        return rows
+
+    def _advance(self, s: Seq, c: Chunk) -> bool:
+        s.prefilled = c.start + len(c.tokens)
+        return s.prompt_done
+
+    def _chunks(self, budget: int) -> list[tuple[Seq, Chunk]]:
+        out = []
+        for s in self.prefilling:
+            if budget <= 0 and out:
+                break
+            n = max(1, min(len(s.row.prompt_ids) - s.prefilled, budget))
+            out.append((s, Chunk(s.row.prompt_ids[s.prefilled:s.prefilled + n], s.prefilled, s.table)))
+            budget -= n
+        return out
+
+    def _budget(self, row: Row) -> int:
+        return len(row.prompt_ids) + row.params.max_new_tokens
+
+    def _ready_to_admit(self) -> bool:
+        """Now, unless graphs run the decoding rows and the first waiting row arrived under
+        `prefill_wait_s` ago while fewer rows wait than are free."""
+        if not self.running or not self.runner.use_graphs or self.prefill_wait_s <= 0:
+            return True
+        free = self.max_rows - len(self.running) - len(self.prefilling)
+        waited = time.perf_counter() - self.arrived.get(id(self.waiting[0]), 0.0)
+        return waited >= self.prefill_wait_s or len(self.waiting) >= free
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) + len(self.prefilling) < self.max_rows:
+            row = self.waiting[0]
+            if row.cancelled:
+                self._gone(self.waiting.popleft())
+                continue
+            need = self._budget(row)
+            if not self.blocks.can_allocate(need) or not self._ready_to_admit():
+                return                                      # waits for blocks (or for company)
+            self.prefilling.append(Seq(self.waiting.popleft(), self.blocks.allocate(need)))
+
+    def _gone(self, row: Row) -> None:
+        self.arrived.pop(id(row), None)
+        self.on_finish(row)
+
+    def _emit(self, rows: list[Row], logits: torch.Tensor) -> None:
+        for row, (token, logprob) in zip(rows, sample_rows(logits, rows)):
+            if not row.done:
+                self.on_token(row, row.push(token, logprob))
+
+    def _leave(self) -> None:
+        for seqs in (self.running, self.prefilling):
+            gone = [s for s in seqs if s.row.done]
+            for s in gone:
+                seqs.remove(s)
+                self.blocks.release(s.table)
+                self._gone(s.row)
+

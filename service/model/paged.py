@@ -1,0 +1,143 @@
+"""llama.py's models over a paged KV cache (vLLM / nano-vllm style): one forward of flat tokens,
+every token's keys and values written into a slot of a cache allocated once, attention reading
+them back through each row's block table. The engine's runner (service/engine/runner.py) builds
+the `Context`; a decode-only context has fixed shapes, so its forward can be captured as a CUDA graph.
+
+Read me first.
+* The cache of a layer is flat slots: slot = block * block_size + offset. A row (a sequence) owns
+  the blocks of its block table; its token at position p lives in slot table[p // bs] * bs + p % bs.
+* The last block of the cache is padding: the padded rows of a captured batch write there and
+  read only there, so they never touch a real row's keys.
+* The first `decode` tokens are decode rows (one new token each, attention over their block
+  tables, batched); the rest are prompt chunks (`Prefill`), attended one sequence at a time.
+* The modules are llama.py's, called as modules (compressed mode's hooks fire as they do there);
+  the maths is Layer.forward's, token for token: the same rotary products, RMSNorm, SDPA.
+
+    ids, positions, slots [N]   x [N, E]   q [N, H, D]   k, v [N, KV, D]
+    cache k, v [L, slots, KV, D]   tables [B, M] (blocks)   lengths [B] (keys a decode row sees)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from . import llama
+
+
+@dataclass
+class Prefill:
+    """One sequence's prompt chunk: tokens start:start + length of the step, after `past` keys."""
+    start: int                     # first token in the step's flat tokens
+    length: int                    # S: tokens of the chunk
+    past: int                      # keys before the chunk (the prompt's earlier chunks)
+    context: torch.Tensor          # [past + S] slots of every key the chunk sees, in order
+    mask: torch.Tensor | None = None   # [1, 1, S, past + S] causal (set by `forward`)
+
+
+@dataclass
+class Context:
+    positions: torch.Tensor        # [N] int64
+    slots: torch.Tensor            # [N] int64: where each token's keys and values go
+    decode: int                    # B: the first B tokens are decode rows
+    tables: torch.Tensor | None    # [B, M] int64 block tables of the decode rows
+    lengths: torch.Tensor | None   # [B] int64: keys each decode row sees (its new token included)
+    prefills: list[Prefill] = field(default_factory=list)
+    last: torch.Tensor | None = None   # [R] tokens whose logits are wanted; None: all
+    keys: int | None = None        # T: key columns decode rows gather (>= max(lengths)); None: M * block_size
+    mask: torch.Tensor | None = None   # [B, 1, 1, T] the decode rows' keys (set by `forward`)
+
+
+class PagedCache:
+    """Keys and values of every layer, allocated once: [L, (blocks + 1) * block_size, KV, D],
+    zeroed (a masked key's weight is 0, and 0 times a finite value stays 0)."""
+
+    def __init__(self, config: llama.LlamaConfig, blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.blocks, self.block_size = blocks, block_size
+        shape = (config.num_hidden_layers, (blocks + 1) * block_size, config.num_key_value_heads, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def pad_block(self) -> int:
+        return self.blocks
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    @staticmethod
+    def token_bytes(config: llama.LlamaConfig, dtype: torch.dtype) -> int:
+        """Bytes one token's keys and values take over all layers."""
+        size = torch.empty(0, dtype=dtype).element_size()
+        return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * size
+
+
+def forward(model: llama.LlamaForCausalLM, ids: torch.Tensor, ctx: Context, cache: PagedCache) -> torch.Tensor:
+    """Logits [R, V] (float32) of the tokens `ctx.last` (all N when None), after writing every
+    token's keys and values into `cache`."""
+    m = model.model
+    _masks(ctx, cache.block_size, ids.device)                                      # once a step, not a layer
+    x = m.embed_tokens(ids)                                                        # [N, E]
+    cos, sin = m.rotary_emb(x, ctx.positions)                                      # [N, D]
+    cos, sin = cos[:, None], llama._signed_sin(sin)[:, None]                       # [N, 1, D]
+    for i, layer in enumerate(m.layers):
+        h = attention(layer.self_attn, layer.input_layernorm(x), cos, sin, ctx, cache.k[i], cache.v[i],
+                      cache.block_size)
+        x = x + h
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    if ctx.last is not None:
+        x = x[ctx.last]                                                            # [R, E]
+    return model.lm_head(m.norm(x)).float()                                        # [R, V]
+
+
+def _masks(ctx: Context, block_size: int, device: torch.device) -> None:
+    if ctx.decode:
+        keys = torch.arange(ctx.keys or ctx.tables.shape[1] * block_size, device=device)   # [T]
+        ctx.mask = (keys < ctx.lengths[:, None])[:, None, None, :]                      # [B, 1, 1, T]
+    for p in ctx.prefills:
+        t = p.past + p.length
+        keys, queries = torch.arange(t, device=device), torch.arange(p.past, t, device=device)[:, None]   # [T], [S, 1]
+        p.mask = (keys <= queries)[None, None]                                          # [1, 1, S, T]
+
+
+def attention(attn: llama.Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: Context,
+              k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int) -> torch.Tensor:
+    """x [N, E] -> [N, E]: the projections on every token at once, the new keys and values into
+    their slots, then attention of the decode rows (batched) and of each prompt chunk."""
+    n, d = x.shape[0], attn.head_dim
+    q = attn.q_proj(x).view(n, -1, d)                                              # [N, H, D]
+    k = attn.k_proj(x).view(n, -1, d)                                              # [N, KV, D]
+    v = attn.v_proj(x).view(n, -1, d)
+    half = d // 2
+    q, k = q * cos + q.roll(half, -1) * sin, k * cos + k.roll(half, -1) * sin      # sin: signed
+    k_cache.index_copy_(0, ctx.slots, k)                                           # [slots, KV, D]
+    v_cache.index_copy_(0, ctx.slots, v)
+    scale, outs = d ** -0.5, []
+    if ctx.decode:
+        outs.append(_decode(q[:ctx.decode], k_cache, v_cache, ctx, block_size, scale))
+    for p in ctx.prefills:
+        outs.append(_prefill(q[p.start:p.start + p.length], k_cache, v_cache, p, scale))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)                           # [N, H, D]
+    return attn.o_proj(out.reshape(n, -1))
+
+
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context, block_size: int,
+            scale: float) -> torch.Tensor:
+    """q [B, H, D]: each row's one query against the keys of its block table -> [B, H, D]."""
+    b, m = ctx.tables.shape
+    kv, d = k_cache.shape[1:]
+    t = ctx.mask.shape[-1]
+    k = k_cache.view(-1, block_size, kv, d)[ctx.tables].view(b, m * block_size, kv, d)[:, :t].transpose(1, 2)
+    v = v_cache.view(-1, block_size, kv, d)[ctx.tables].view(b, m * block_size, kv, d)[:, :t].transpose(1, 2)
+    return llama.grouped_attention(q[:, :, None], k, v, ctx.mask, scale)[:, :, 0]  # k, v [B, KV, T, D] -> [B, H, D]
+
+
+def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p: Prefill,
+             scale: float) -> torch.Tensor:
+    """q [S, H, D]: a prompt chunk, causal over its `past` keys and itself -> [S, H, D]."""
+    k = k_cache[p.context].transpose(0, 1)[None]                                  # [1, KV, T, D]
+    v = v_cache[p.context].transpose(0, 1)[None]
+    out = llama.grouped_attention(q.transpose(0, 1)[None], k, v, p.mask, scale)    # [1, H, S, D]
+    return out[0].transpose(0, 1)                                                  # [S, H, D]

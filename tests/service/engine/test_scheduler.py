@@ -1,0 +1,225 @@
+"""The paged engine (scheduler.py over blocks.py, runner.py, model/paged.py) on the CPU: its greedy
+tokens equal the padded engine's (batcher.py, the engine before it) on the demo model, alone and
+batched; batched rows equal the same requests alone; a full cache makes requests wait, never fail;
+a request larger than the cache is refused; the cache is allocated once."""
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+from service_helpers import DEMO
+from test_batching import Req, first_divergence_is_a_near_tie, load, prompts_of
+
+from service.engine import Batcher, Engine, GenRequest, Limits, paging
+from service.engine.blocks import BlockManager
+from service.engine.sampling import Row, SamplingParams
+from service.engine.worker import paged_engine
+from service.errors import QueueFull, ValidationFailed
+from service.metrics import Metrics
+
+PROMPTS = ["What is the capital of France?", "Write a poem about the sea.", "1, 2, 3, 4,",
+           "Explain gravity to a child.", "def fib(n):", "The best bread is", "Translate 'cat' into French.",
+           "Once upon a time"]
+
+
+@pytest.fixture(scope="module")
+def demo(demo_archive):
+    return load(demo_archive, DEMO)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_archive):
+    return load(tiny_archive, "tiny")
+
+
+def paged(served, max_rows=64, max_tokens=512, left=None, **cache):
+    left = [] if left is None else left
+    return paging.scheduler(served, max_rows, max_tokens, paging.CacheSettings(**cache), lambda r, e: None,
+                            left.append)
+
+
+def padded(served, max_rows=64, max_tokens=512):
+    return Batcher(served, max_rows=max_rows, max_tokens=max_tokens, on_token=lambda r, e: None,
+                   on_finish=lambda r: None)
+
+
+def generate(engine, rows: list[Row], together: bool) -> list[list[int]]:
+    """Every row's tokens: all added at once, or each alone after the one before."""
+    for row in rows:
+        engine.add(row)
+        while not together and not engine.idle:
+            engine.step()
+    while not engine.idle:
+        engine.step()
+    return [r.ids for r in rows]
+
+
+@pytest.mark.parametrize("together", [False, True], ids=["batch1", "batch8"])
+def test_demo_greedy_tokens_equal_the_padded_engine(demo, together) -> None:
+    prompts = PROMPTS if together else PROMPTS[:5]
+    rows = lambda: [Row(demo.tokenizer.encode(p), SamplingParams(32), demo) for p in prompts]
+    assert generate(paged(demo), rows(), together) == generate(padded(demo), rows(), together)
+
+
+def test_batched_rows_equal_alone(tiny) -> None:
+    """Arrivals at different steps, chunked prompts, a cancellation, rows waiting for a free row
+    and for blocks; every row's tokens equal its tokens alone (or part at a near-tie)."""
+    rng = random.Random(1)
+    prompts = [p for p in prompts_of(tiny, 20, rng) if len(p) <= 100][:12]
+    reqs = [Req(p, SamplingParams(rng.randint(1, 12)), arrive=rng.randint(0, 15)) for p in prompts]
+    reqs[3].cancel_at = reqs[3].arrive + 2
+    left: list[Row] = []
+    per = paging.paged.PagedCache.token_bytes(tiny.model.config, paging.cache_dtype(tiny))
+    s = paged(tiny, max_rows=6, max_tokens=48, left=left, nbytes=per * 300)   # two or three requests' worth
+    rows, step = [Row(r.prompt, r.params, tiny) for r in reqs], 0
+    while step <= max(r.arrive for r in reqs) or not s.idle:
+        for row, r in zip(rows, reqs):
+            if r.arrive == step:
+                s.add(row)
+            if r.cancel_at == step:
+                row.cancelled = True
+        s.step()
+        assert s.blocks.used == sum(len(q.table) for q in s.running + s.prefilling)
+        step += 1
+    assert s.blocks.used == 0 and sorted(map(id, left)) == sorted(map(id, rows))
+    for req, row in zip(reqs, rows):
+        (alone,) = [Row(req.prompt, req.params, tiny)]
+        generate(paged(tiny), [alone], False)
+        if req.cancel_at is not None:
+            assert row.cancelled and len(row.ids) <= len(alone.ids)
+            continue
+        if first_divergence_is_a_near_tie(tiny, req.prompt, alone.ids, row.ids) == len(alone.ids):
+            assert row.ids == alone.ids and row.finish_reason == alone.finish_reason
+
+
+def test_a_full_cache_makes_requests_wait(tiny) -> None:
+    s = paged(tiny, max_rows=8, nbytes=1, max_total_tokens=64)        # 64 tokens: 4 blocks
+    assert s.blocks.blocks == 4
+    rows = [Row(tiny.tokenizer.encode("a b c"), SamplingParams(20), tiny) for _ in range(5)]
+    need = s.blocks.blocks_for(len(rows[0].prompt_ids) + 20)
+    held = []
+    for row in rows:
+        s.add(row)
+    while not s.idle:
+        s.step()
+        held.append(len(s.running) + len(s.prefilling))
+        assert s.blocks.used == need * held[-1] <= s.blocks.blocks
+    assert max(held) == s.blocks.blocks // need < len(rows)             # the others waited
+    assert all(r.finish_reason == "length" and len(r.ids) == 20 for r in rows) and s.blocks.used == 0
+
+
+def test_a_request_larger_than_the_cache_is_refused(tiny) -> None:
+    s = paged(tiny, nbytes=1, max_total_tokens=32)
+    with pytest.raises(ValidationFailed, match="do not fit the KV cache"):
+        s.add(Row(tiny.tokenizer.encode("a b c"), SamplingParams(40), tiny))
+    assert not s.waiting
+
+
+def test_the_cache_is_allocated_once(tiny) -> None:
+    s = paged(tiny)
+    k, v = s.runner.cache.k.data_ptr(), s.runner.cache.v.data_ptr()
+    generate(s, [Row(p, SamplingParams(6), tiny) for p in prompts_of(tiny, 4, random.Random(2))], True)
+    assert (s.runner.cache.k.data_ptr(), s.runner.cache.v.data_ptr()) == (k, v)
+    assert not s.runner.graphs and not s.runner.use_graphs              # no graphs on the CPU
+
+
+def test_cache_size_follows_the_budget(tiny) -> None:
+    per = paging.paged.PagedCache.token_bytes(tiny.model.config, paging.cache_dtype(tiny))
+    settings = lambda **k: paging.CacheSettings(block_size=16, max_total_tokens=64, **k)
+    assert paging.cache_tokens(tiny, 4, settings(nbytes=per * 100)) == 112        # 100 -> whole blocks
+    assert paging.cache_tokens(tiny, 4, settings(nbytes=per * 10 ** 6)) == 4 * 64   # rows x largest request
+    assert paging.cache_tokens(tiny, 4, settings(nbytes=0)) == 64                  # one largest request
+
+
+def test_block_manager() -> None:
+    b = BlockManager(5, 4)
+    assert b.blocks_for(1) == 1 and b.blocks_for(4) == 1 and b.blocks_for(5) == 2
+    t = b.allocate(9)
+    assert len(t) == 3 and b.used == 3 and b.usage == 0.6 and not b.can_allocate(9) and b.can_allocate(8)
+    with pytest.raises(RuntimeError):
+        b.allocate(12)
+    b.release(t)
+    assert t == [] and b.used == 0 and b.fits(20) and not b.fits(21)
+
+
+@torch.inference_mode()
+def test_paged_forward_equals_llama_forward(tiny) -> None:
+    """One prompt in two chunks, then a decode step: the logits equal llama.py's forward's."""
+    s = paged(tiny)
+    prompt = prompts_of(tiny, 1, random.Random(3))[0]
+    table = s.blocks.allocate(len(prompt) + 1)
+    from service.engine.runner import Chunk, Decode
+    half = len(prompt) // 2
+    a = s.runner.run([], [Chunk(prompt[:half], 0, table)])
+    b = s.runner.run([], [Chunk(prompt[half:], half, table)])
+    ref = tiny.model(input_ids=torch.tensor([prompt])).logits[0].float()          # [S, V]
+    torch.testing.assert_close(a[0], ref[half - 1], rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(b[0], ref[-1], rtol=2e-2, atol=2e-2)
+    token = int(b[0].argmax())
+    c = s.runner.run([Decode(token, len(prompt), table)], [])
+    ref = tiny.model(input_ids=torch.tensor([prompt + [token]])).logits[0, -1].float()
+    torch.testing.assert_close(c[0], ref, rtol=2e-2, atol=2e-2)
+
+
+async def submit_at_once(engine: Engine, prompt: list[int], n: int, total: int) -> int:
+    """`n` requests of `total` tokens at once: each finishes with its length, or is refused with 429
+    and Retry-After; every block comes back. Returns how many were refused."""
+    reqs, refused = [], 0
+    for _ in range(n):
+        req = GenRequest(prompt, SamplingParams(total - len(prompt)))
+        try:
+            engine.submit(req)
+            reqs.append(req)
+        except QueueFull as e:
+            assert e.status_code == 429 and e.headers["Retry-After"] == "1"
+            refused += 1
+    done = await asyncio.wait_for(asyncio.gather(*(r.result() for r in reqs)), 120)
+    assert all(d.finish_reason == "length" for d in done) and len(done) + refused == n
+    assert engine.batcher.blocks.used == 0
+    return refused
+
+
+@pytest.mark.anyio
+async def test_twice_the_cache_budget_completes_or_gets_429(tiny) -> None:
+    """The engine (worker.py) over a cache of 2 requests' worth and a queue of 3, 8 requests at
+    once: each finishes or is refused with 429 and Retry-After; nothing is lost or crashes."""
+    per = paging.paged.PagedCache.token_bytes(tiny.model.config, paging.cache_dtype(tiny))
+    limits = Limits(8, 512, 3, 0.0, cache=paging.CacheSettings(nbytes=per * 2 * 48, max_total_tokens=48))
+    metrics = Metrics()
+    engine = Engine(tiny, metrics, limits).start()
+    try:
+        refused = await submit_at_once(engine, tiny.tokenizer.encode("a b c d"), 8, 48)
+        assert refused
+        text = metrics.render().decode()
+        assert 'wcodec_kv_cache_blocks{model="tiny"} 6.0' in text and 'wcodec_kv_cache_usage{model="tiny"} 0.0' in text
+    finally:
+        engine.close()
+    assert "wcodec_kv_cache_usage{" not in metrics.render().decode()
+
+
+def test_a_failed_step_keeps_its_rows_for_reset(tiny, monkeypatch) -> None:
+    """A sampling error on the step that ends the prompts: reset() still answers every row and the
+    blocks come back (the worker fails those requests, the server goes on)."""
+    from service.engine import scheduler
+
+    s = paged(tiny, max_rows=4, max_tokens=64)
+    rows = [Row([5, 6, 7], SamplingParams(4), tiny), Row([8, 9], SamplingParams(4), tiny)]
+    for row in rows:
+        s.add(row)
+
+    def broken(logits, rows):
+        raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+
+    monkeypatch.setattr(scheduler, "sample_rows", broken)
+    with pytest.raises(RuntimeError):
+        s.step()
+    assert sorted(map(id, s.reset())) == sorted(map(id, rows)) and s.blocks.used == 0 and not s.waiting
+
+
+@pytest.mark.parametrize("engine, device, paged_wanted", [
+    ("auto", "cpu", True), ("auto", "cuda", False), ("paged", "cuda", True), ("padded", "cpu", False)])
+def test_engine_setting_picks_paged_where_it_is_proven(engine, device, paged_wanted) -> None:
+    """WCODEC_ENGINE=auto: the paged engine on the CPU, the padded one on CUDA until a GPU run proves it."""
+    assert paged_engine(engine, torch.device(device)) is paged_wanted
