@@ -22,12 +22,14 @@ from service.model import cpu_dtype
 from service.engine.sampling import Row, SamplingParams
 
 TIE = 1e-3
+CPU = torch.device("cpu")
 
 
-def load(path, name: str) -> build.ServedModel:
-    decoded = pipeline.decode_archive(path, torch.device("cpu"))
-    served = build.finish(name, build.prepare(name, decoded.files), decoded.tensors, decoded.layers, torch.device("cpu"))
-    return cpu_dtype.for_cpu(served, "auto")
+def load(path, name: str, device: torch.device = CPU) -> build.ServedModel:
+    """The model as the server builds it (on the CPU in its compute dtype)."""
+    decoded = pipeline.decode_archive(path, device)
+    served = build.finish(name, build.prepare(name, decoded.files), decoded.tensors, decoded.layers, device)
+    return cpu_dtype.for_cpu(served, "auto") if device.type == "cpu" else served
 
 
 @pytest.fixture(scope="module")
@@ -48,22 +50,32 @@ class Req:
     cancel_at: int | None = None     # the step before which it is cancelled
 
 
+def drive(engine, served, reqs: list[Req], check) -> list[Row]:
+    """Step `engine` (a Batcher or a Scheduler) until idle, adding each request at its arrival step
+    and cancelling at its cancel step; `check(step result)` after every step. Returns the rows."""
+    rows = [Row(r.prompt, r.params, served) for r in reqs]
+    step = 0
+    while step <= max(r.arrive for r in reqs) or not engine.idle:
+        for row, r in zip(rows, reqs):
+            if r.arrive == step:
+                engine.add(row)
+            if r.cancel_at == step:
+                row.cancelled = True
+        check(engine.step())
+        step += 1
+    return rows
+
+
 def run(served, reqs: list[Req], *, max_rows: int, max_tokens: int):
     """Drive a Batcher step by step; returns the rows, the steps, and the order rows left in."""
     left, steps = [], []
     b = Batcher(served, max_rows=max_rows, max_tokens=max_tokens, on_token=lambda row, e: None,
                 on_finish=left.append)
-    rows = [Row(r.prompt, r.params, served) for r in reqs]
-    step = 0
-    while step <= max(r.arrive for r in reqs) or not b.idle:
-        for row, r in zip(rows, reqs):
-            if r.arrive == step:
-                b.add(row)
-            if r.cancel_at == step:
-                row.cancelled = True
-        steps.append(b.step())
+    def check(step):
+        steps.append(step)
         assert b.kv.rows == len(b.running) and all(not r.done for r in b.running)
-        step += 1
+
+    rows = drive(b, served, reqs, check)
     assert b.kv.rows == 0 and b.kv.width == 0 and b.group is None
     return rows, steps, left
 
@@ -145,18 +157,25 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(demo) -> None:
     assert all(s.tokens <= 24 for s in steps)
 
 
-def test_a_failed_step_at_the_end_of_a_prefill_keeps_its_rows_for_reset(tiny, monkeypatch) -> None:
-    """Found with the OpenAI routes: a sampling error on the step that ended a group's prefill lost
-    the group's rows (neither running nor the group), so reset() never answered them: a hang."""
-    b = Batcher(tiny, max_rows=4, max_tokens=64, on_token=lambda row, e: None, on_finish=lambda row: None)
+def fail_the_prompts_step(engine, module, monkeypatch, tiny) -> list[Row]:
+    """Two rows whose prompts end in the first step, which fails in sampling (patched in `module`);
+    returns the rows engine.reset() must answer."""
     rows = [Row([5, 6, 7], SamplingParams(4), tiny), Row([8, 9], SamplingParams(4), tiny)]
     for row in rows:
-        b.add(row)
+        engine.add(row)
 
     def broken(logits, rows):
         raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
 
-    monkeypatch.setattr(batcher, "sample_rows", broken)
+    monkeypatch.setattr(module, "sample_rows", broken)
     with pytest.raises(RuntimeError):
-        b.step()                                        # the whole prompts in one chunk: the prefill ends here
+        engine.step()                                   # the whole prompts in one chunk: the prefill ends here
+    return rows
+
+
+def test_a_failed_step_at_the_end_of_a_prefill_keeps_its_rows_for_reset(tiny, monkeypatch) -> None:
+    """Found with the OpenAI routes: a sampling error on the step that ended a group's prefill lost
+    the group's rows (neither running nor the group), so reset() never answered them: a hang."""
+    b = Batcher(tiny, max_rows=4, max_tokens=64, on_token=lambda row, e: None, on_finish=lambda row: None)
+    rows = fail_the_prompts_step(b, batcher, monkeypatch, tiny)
     assert sorted(map(id, b.reset())) == sorted(map(id, rows)) and b.idle

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 from service_helpers import DEMO
-from test_batching import Req, first_divergence_is_a_near_tie, load, prompts_of
+from test_batching import Req, drive, fail_the_prompts_step, first_divergence_is_a_near_tie, load, prompts_of
 
 from service.engine import Batcher, Engine, GenRequest, Limits, paging
 from service.engine.blocks import BlockManager
@@ -73,16 +73,10 @@ def test_batched_rows_equal_alone(tiny) -> None:
     left: list[Row] = []
     per = paging.paged.PagedCache.token_bytes(tiny.model.config, paging.cache_dtype(tiny))
     s = paged(tiny, max_rows=6, max_tokens=48, left=left, nbytes=per * 300)   # two or three requests' worth
-    rows, step = [Row(r.prompt, r.params, tiny) for r in reqs], 0
-    while step <= max(r.arrive for r in reqs) or not s.idle:
-        for row, r in zip(rows, reqs):
-            if r.arrive == step:
-                s.add(row)
-            if r.cancel_at == step:
-                row.cancelled = True
-        s.step()
+    def check(_):
         assert s.blocks.used == sum(len(q.table) for q in s.running + s.prefilling)
-        step += 1
+
+    rows = drive(s, tiny, reqs, check)
     assert s.blocks.used == 0 and sorted(map(id, left)) == sorted(map(id, rows))
     for req, row in zip(reqs, rows):
         (alone,) = [Row(req.prompt, req.params, tiny)]
@@ -205,16 +199,7 @@ def test_a_failed_step_keeps_its_rows_for_reset(tiny, monkeypatch) -> None:
     from service.engine import scheduler
 
     s = paged(tiny, max_rows=4, max_tokens=64)
-    rows = [Row([5, 6, 7], SamplingParams(4), tiny), Row([8, 9], SamplingParams(4), tiny)]
-    for row in rows:
-        s.add(row)
-
-    def broken(logits, rows):
-        raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
-
-    monkeypatch.setattr(scheduler, "sample_rows", broken)
-    with pytest.raises(RuntimeError):
-        s.step()
+    rows = fail_the_prompts_step(s, scheduler, monkeypatch, tiny)
     assert sorted(map(id, s.reset())) == sorted(map(id, rows)) and s.blocks.used == 0 and not s.waiting
 
 

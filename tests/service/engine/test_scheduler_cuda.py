@@ -10,12 +10,12 @@ import gc
 import pytest
 import torch
 from service_helpers import DEMO
+from test_batching import load
 from test_scheduler import PROMPTS, generate, submit_at_once
 
 from service.engine import Batcher, Engine, Limits, paging
 from service.engine.runner import Chunk, Decode
 from service.engine.sampling import Row, SamplingParams
-from service.load import pipeline
 from service.metrics import Metrics
 from service.model import build
 
@@ -23,20 +23,15 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 CUDA = torch.device("cuda")
 
 
-def on_cuda(path, name: str) -> build.ServedModel:
-    decoded = pipeline.decode_archive(path, CUDA)
-    return build.finish(name, build.prepare(name, decoded.files), decoded.tensors, decoded.layers, CUDA)
-
-
 @pytest.fixture(scope="module")
 def demo(demo_archive) -> build.ServedModel:
-    return on_cuda(demo_archive, DEMO)
+    return load(demo_archive, DEMO, CUDA)
 
 
 @pytest.fixture(scope="module")
 def tiny(tiny_archive) -> build.ServedModel:
     """The random tiny Llama (needs no demo package: runs on any GPU box)."""
-    return on_cuda(tiny_archive, "tiny")
+    return load(tiny_archive, "tiny", CUDA)
 
 
 def paged(served, **cache):
