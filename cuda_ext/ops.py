@@ -88,6 +88,16 @@ def fixedrate_linear(x: torch.Tensor, plane: torch.Tensor, lo: torch.Tensor, hi:
 FIXEDRATE_OPS = ("wcodec::fixedrate_encode", "wcodec::fixedrate_decode", "wcodec::fixedrate_linear")
 
 
+def linear16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for a contiguous bf16/fp16 weight [N, K] and x [..., K] of its
+    dtype, on the CPU (linear16.cpp): exact products summed in float32 in an order that does not
+    depend on x's rows (batch invariant), rounded once; only that order differs from PyTorch's."""
+    return torch.ops.wcodec.linear16.default(x, weight, bias)
+
+
+LINEAR16_OPS = ("wcodec::linear16",)
+
+
 def prepare_plane(data: torch.Tensor, dtype: int) -> list[torch.Tensor]:
     """Split a plane's elements (uint8 `data`, 1-D; `dtype` a plan.DTYPE_CODES value, or
     plan.BYTES_CODE for bytes coded whole) and choose its tables, as floatcodec.prepare /
@@ -141,6 +151,9 @@ def register_fakes() -> None:
 
     if has_ops(FIXEDRATE_OPS):
         _register_fixedrate_fakes()
+    if has_ops(LINEAR16_OPS):
+        torch.library.register_fake("wcodec::linear16")(
+            lambda x, weight, bias=None: x.new_empty(*x.shape[:-1], weight.shape[0]))
     if has_ops(ENCODE_OPS):
         torch.library.register_fake("wcodec::prepare_plane")(_fake_prepare_plane)
         torch.library.register_fake("wcodec::encode_planes")(_fake_encode_planes)

@@ -22,17 +22,28 @@ output rows at a time, so that the block is still in cache when the matmul reads
 Compressed-resident models (decoded into bf16 scratch buffers every forward) and GPU models keep
 their dtype.
 
-    auto      mixed (above) on a CPU without native bf16 (fp16: without AMX-FP16), else the archive's
-    model     the archive's dtype, always
+On a CPU with AVX512-BF16, PyTorch's bf16 matmul of a row or a few (a decode step) reads the weight
+at 4-8 GB/s, a third of what memory gives. There `auto` sends every call of a bf16 Linear to the
+extension's `linear16` (cuda_ext/csrc/linear16.cpp: vdpbf16ps over weight blocks transposed in
+registers, float32 sums, one rounding). Every call, not only the few-row ones: a row's sums must
+not depend on the rows beside it, or a request's tokens would change with the batch it lands in.
+
+    auto      linear16 for bf16 on an AVX512-BF16 CPU; else mixed (above) on a CPU without native
+              bf16 (fp16: without AMX-FP16); else the archive's dtype
+    model     the archive's dtype and PyTorch's matmuls, always
     float32   the whole model cast to float32 once, after its load (twice the bytes)
 """
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
+
+import cuda_ext
+from cuda_ext import ops
 
 from . import llama
 from .build import ServedModel
@@ -52,15 +63,31 @@ def _native(dtype: torch.dtype) -> bool:
     return True
 
 
+def linear16_kernel(dtype: torch.dtype) -> bool:
+    """Whether linear16 runs its vdpbf16ps loop for `dtype` here."""
+    return dtype == torch.bfloat16 and torch.cpu._is_avx512_bf16_supported() \
+        and torch.backends.cpu.get_cpu_capability().startswith("AVX512") and os.environ.get("WCODEC_CPU_SIMD") != "0" \
+        and cuda_ext.available().cpp and ops.has_ops(ops.LINEAR16_OPS, "cpu")
+
+
 def cpu_compute(served: ServedModel, setting: CpuDtype) -> str:
-    """"model", "mixed" or "float32": how `served` computes under `setting`."""
+    """"model", "linear16", "mixed" or "float32": how `served` computes under `setting`."""
     if served.device.type != "cpu" or served.weights != "decoded" or setting == "model":
         return "model"
     if served.dtype not in (torch.bfloat16, torch.float16):
         return "model"
     if setting == "float32":
         return "float32"
+    if linear16_kernel(served.dtype):
+        return "linear16"
     return "model" if _native(served.dtype) else "mixed"
+
+
+class Linear16(llama.Linear):
+    """A bf16 Linear computed by the extension's linear16 (batch invariant)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear16(x, self.weight, self.bias)
 
 
 class MixedLinear(llama.Linear):
@@ -104,6 +131,10 @@ def _mix(model: torch.nn.Module, min_rows: int) -> int:
 def for_cpu(served: ServedModel, setting: CpuDtype) -> ServedModel:
     """`served` set up to compute as `cpu_compute` says (in place), its bytes counted again."""
     how = cpu_compute(served, setting)
+    if how == "linear16":
+        for m in served.model.modules():
+            if isinstance(m, llama.Linear):
+                m.__class__ = Linear16
     if how == "mixed":
         return replace(served, weight_bytes=served.weight_bytes + _mix(served.model, MIXED_ROWS))
     if how == "float32":

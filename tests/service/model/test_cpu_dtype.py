@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from cuda_ext import ops
 from service.model import llama
 from service.model import cpu_dtype
 
@@ -29,10 +30,38 @@ def test_mode_chosen(setting, kw, want):
 
 
 def test_auto_follows_the_cpu(monkeypatch):
+    monkeypatch.setattr(cpu_dtype, "linear16_kernel", lambda dtype: False)
     monkeypatch.setattr(cpu_dtype, "_native", lambda dtype: False)
     assert cpu_dtype.cpu_compute(served(), "auto") == "mixed"
     monkeypatch.setattr(cpu_dtype, "_native", lambda dtype: True)
     assert cpu_dtype.cpu_compute(served(), "auto") == "model"
+    monkeypatch.setattr(cpu_dtype, "linear16_kernel", lambda dtype: True)
+    assert cpu_dtype.cpu_compute(served(), "auto") == "linear16"
+    assert cpu_dtype.cpu_compute(served(), "model") == "model"
+
+
+def test_linear16_kernel_only_for_bf16_with_its_instructions(monkeypatch):
+    assert not cpu_dtype.linear16_kernel(torch.float16)
+    monkeypatch.setenv("WCODEC_CPU_SIMD", "0")
+    assert not cpu_dtype.linear16_kernel(torch.bfloat16)
+
+
+@pytest.mark.skipif(not cpu_dtype.linear16_kernel(torch.bfloat16), reason="needs an AVX512-BF16 CPU and the extension")
+def test_auto_model_multiplies_with_linear16():
+    """A served bf16 model under `auto`: every Linear (the tied head too) computes with linear16,
+    whose rows do not depend on the rows beside them."""
+    g = torch.Generator().manual_seed(0)
+    model = torch.nn.Sequential(llama.Linear(64, 32, bias=True), llama.Linear(32, 16, bias=False))
+    for m in model:
+        m.weight = torch.nn.Parameter(torch.randn(m.weight.shape, generator=g).bfloat16(), requires_grad=False)
+    model[0].bias = torch.nn.Parameter(torch.randn(32, generator=g).bfloat16(), requires_grad=False)
+    out = cpu_dtype.for_cpu(SimpleNamespace(dtype=torch.bfloat16, device=torch.device("cpu"), weights="decoded",
+                                            model=model, weight_bytes=0), "auto")
+    assert all(type(m) is cpu_dtype.Linear16 for m in out.model)
+    x = torch.randn(9, 64, generator=g).bfloat16()
+    y = model(x)
+    assert torch.equal(y, ops.linear16(ops.linear16(x, model[0].weight, model[0].bias), model[1].weight))
+    assert all(torch.equal(model(x[i:i + 1])[0], y[i]) for i in range(9))
 
 
 def test_mixed_linear_paths():

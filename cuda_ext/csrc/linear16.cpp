@@ -1,0 +1,315 @@
+// y = x W^T + b on the CPU for a bf16/fp16 weight W [N, K] and x [..., K] of W's dtype: the served
+// model's Linears (service/model/cpu_dtype.py).
+//
+// Why: PyTorch's bf16 matmul on the CPU reads a one-row call's weight at 4-8 GB/s on this project's
+// AVX-512 machine, a third of what its memory gives, and at batch 1 a decode step is those reads
+// (docs/BENCHMARKS.md). Here each weight element is widened to float32 in registers (bf16: a 16-bit
+// shift; fp16: vcvtph2ps), multiplied by x (widened once) and summed in float32 with FMA; the sum is
+// rounded once to W's dtype. Products of two 16-bit floats are exact in float32, so the result
+// differs from PyTorch's only in the order of the float32 sums.
+//
+// The order is fixed: output (r, o) sums 16 lanes k = l, l + 16, ... in k order, then the 16 lanes
+// (_mm512_reduce_add_ps). It does not depend on how many rows the call has or where row r sits in
+// it, so a request's logits are the same alone and batched (the engine's batch invariance); that is
+// why every call goes here, not only the one-row ones. Work: blocks of 4 weight rows (one task
+// reads them from memory once, then from L1 for every 4 rows of x), 4 x 4 accumulators.
+//
+// A CPU without AVX-512 (or WCODEC_CPU_SIMD=0) takes the scalar loop in the same order, 16 lane sums
+// then their reduction, so it gives the same sums up to the reduction tree of the 16 lanes.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define WCODEC_LINEAR16_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,f16c")))
+#define WCODEC_LINEAR16_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#endif
+
+namespace wcodec {
+namespace {
+
+constexpr int kOuts = 4;                     // weight rows a block
+constexpr int kRows = 4;                     // rows of x a step of a block
+constexpr int kLanes = 16;
+constexpr int64_t kTaskWork = 1 << 18;       // multiply-adds a thread does at least (fewer: one thread)
+
+bool bf16_dot_allowed() {
+#if defined(__x86_64__)
+  static const bool yes = __builtin_cpu_supports("avx512bf16");
+  return yes;
+#else
+  return false;
+#endif
+}
+
+bool simd_allowed() {
+#if defined(__x86_64__)
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c") &&
+                          !(std::getenv("WCODEC_CPU_SIMD") && std::string(std::getenv("WCODEC_CPU_SIMD")) == "0");
+  return yes;
+#else
+  return false;
+#endif
+}
+
+inline float widen_scalar(uint16_t v, bool half) {
+  if (half) return static_cast<float>(c10::Half(v, c10::Half::from_bits()));
+  uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+struct Problem {
+  const float* x;         // [rows, k] float32
+  const uint16_t* x16;    // [rows, k] in the weight's dtype
+  const uint16_t* w;      // [n, k]
+  float* y;               // [rows, n]
+  int64_t rows, k, n;
+  bool half;
+};
+
+// weight rows [o0, o1) against every row of x, 16 lane sums each, in the kernel's order
+void block_scalar(const Problem& p, int64_t o0, int64_t o1) {
+  for (int64_t o = o0; o < o1; ++o)
+    for (int64_t r = 0; r < p.rows; ++r) {
+      float lanes[kLanes] = {};
+      for (int64_t k = 0; k < p.k; ++k)
+        lanes[k % kLanes] += p.x[r * p.k + k] * widen_scalar(p.w[o * p.k + k], p.half);
+      float sum = 0.f;
+      for (float v : lanes) sum += v;
+      p.y[r * p.n + o] = sum;
+    }
+}
+
+#if defined(__x86_64__)
+template <bool Half>
+WCODEC_LINEAR16_AVX512 inline __m512 widen16(const uint16_t* ptr, __mmask16 m) {
+  __m256i h = _mm256_maskz_loadu_epi16(m, ptr);
+  if constexpr (Half) return _mm512_cvtph_ps(h);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// float32 weights: the 16-bit ones widened (from memory, or a block's rows widened once into L1)
+template <bool Half>
+struct Widen {
+  WCODEC_LINEAR16_AVX512 static inline __m512 at(const uint16_t* ptr, __mmask16 m) { return widen16<Half>(ptr, m); }
+};
+struct Ready {
+  WCODEC_LINEAR16_AVX512 static inline __m512 at(const float* ptr, __mmask16 m) { return _mm512_maskz_loadu_ps(m, ptr); }
+};
+
+// weight rows wr[0..kOuts) (k_len each; a row past n repeats row 0, and is not stored) x rows [r, r + Rows)
+template <class Load, class W, int Rows>
+WCODEC_LINEAR16_AVX512 void tile(const Problem& p, const W* const* wr, int64_t o, int64_t r) {
+  const float* xr = p.x + r * p.k;
+  __m512 acc[Rows][kOuts];
+  for (int j = 0; j < Rows; ++j)
+    for (int i = 0; i < kOuts; ++i) acc[j][i] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < p.k; k += kLanes) {
+    const __mmask16 m = k + kLanes <= p.k ? __mmask16(0xFFFF) : __mmask16((1u << (p.k - k)) - 1);
+    __m512 wv[kOuts];
+    for (int i = 0; i < kOuts; ++i) wv[i] = Load::at(wr[i] + k, m);
+    for (int j = 0; j < Rows; ++j) {
+      const __m512 xv = _mm512_maskz_loadu_ps(m, xr + j * p.k + k);
+      for (int i = 0; i < kOuts; ++i) acc[j][i] = _mm512_fmadd_ps(wv[i], xv, acc[j][i]);
+    }
+  }
+  for (int j = 0; j < Rows; ++j)
+    for (int i = 0; i < kOuts && o + i < p.n; ++i) p.y[(r + j) * p.n + o + i] = _mm512_reduce_add_ps(acc[j][i]);
+}
+
+template <class Load, class W>
+void rows_of_block(const Problem& p, const W* const* wr, int64_t o) {
+  int64_t r = 0;
+  for (; r + kRows <= p.rows; r += kRows) tile<Load, W, kRows>(p, wr, o, r);
+  switch (p.rows - r) {
+    case 1: tile<Load, W, 1>(p, wr, o, r); break;
+    case 2: tile<Load, W, 2>(p, wr, o, r); break;
+    case 3: tile<Load, W, 3>(p, wr, o, r); break;
+    default: break;
+  }
+}
+
+// Up to kRows rows: the weight widened as it is read. More: each block's rows widened once into a
+// float32 buffer that stays in L1/L2 while every row of x passes it (the same float32 values, so
+// the same sums).
+// bf16 on a CPU with AVX512-BF16: 16 outputs along a vector's lanes, no horizontal sums. A block of
+// 16 weight rows x 32 k is loaded (16 vectors of 16 k-pairs) and transposed, so that vector t holds
+// k-pair t of the 16 rows; vdpbf16ps then multiplies it by row r's k-pair t (broadcast) and adds
+// each lane's two products to its float32 sum in turn (element 2t + 1, then 2t; round to nearest;
+// subnormals read and written as zero). Output (r, o) is one lane summing k = 0, 1, ... in order,
+// whatever the call's rows: batch invariant, and no reduction tree.
+constexpr int kDotOuts = 32;                 // outputs a block (two vectors' lanes)
+constexpr int kDotRows = 12;                 // rows of x a tile: 12 accumulators
+constexpr int kDotK = 32;                    // k a transposed block (16 pairs)
+
+// 16 x 16 dwords: in[i] = row i's 16 k-pairs -> out[t] = k-pair t of rows 0..15
+WCODEC_LINEAR16_BF16 inline void transpose16(__m512i* v) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    v[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    v[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    v[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    v[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 16; i += 8)
+    for (int j = 0; j < 4; ++j) {
+      t[i + j] = _mm512_shuffle_i32x4(v[i + j], v[i + j + 4], 0x88);
+      t[i + j + 4] = _mm512_shuffle_i32x4(v[i + j], v[i + j + 4], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    v[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+    v[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+  }
+}
+
+// rows [r, r + Rows) of x against a block's transposed k-pairs `wt` (16 lanes of 16 pairs a chunk):
+// each row's k-pair t (broadcast) times vector t, into one float32 lane an output
+template <int Rows>
+WCODEC_LINEAR16_BF16 void dot_rows(const Problem& p, const uint32_t* wt, int64_t o, int64_t r, __mmask16 keep0,
+                                   __mmask16 keep1) {
+  __m512 acc0[Rows], acc1[Rows];
+  for (int j = 0; j < Rows; ++j) acc0[j] = acc1[j] = _mm512_setzero_ps();
+  const int64_t pairs = (p.k + 1) / 2;                   // an odd K's last element pairs with a zero
+  for (int64_t t = 0; t < pairs; ++t) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wt + t * 32);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wt + t * 32 + 16);
+    const bool whole = 2 * t + 1 < p.k;
+    for (int j = 0; j < Rows; ++j) {
+      int32_t pair = p.x16[(r + j) * p.k + 2 * t];
+      if (whole) std::memcpy(&pair, p.x16 + (r + j) * p.k + 2 * t, sizeof pair);
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      acc0[j] = _mm512_dpbf16_ps(acc0[j], xv, w0);
+      acc1[j] = _mm512_dpbf16_ps(acc1[j], xv, w1);
+    }
+  }
+  for (int j = 0; j < Rows; ++j) {
+    _mm512_mask_storeu_ps(p.y + (r + j) * p.n + o, keep0, acc0[j]);
+    if (keep1) _mm512_mask_storeu_ps(p.y + (r + j) * p.n + o + 16, keep1, acc1[j]);
+  }
+}
+
+WCODEC_LINEAR16_BF16 void block_dot(const Problem& p, int64_t o0, int64_t o1) {
+  std::vector<uint32_t> wt((p.k + kDotK - 1) / kDotK * 16 * kDotOuts);   // the block's transposed k-pairs
+  for (int64_t o = o0; o < o1; o += kDotOuts) {
+    const int outs = static_cast<int>(std::min<int64_t>(kDotOuts, o1 - o));
+    for (int g = 0; g < 2; ++g)
+      for (int64_t k = 0, c = 0; k < p.k; k += kDotK, ++c) {
+        const int kk = static_cast<int>(std::min<int64_t>(kDotK, p.k - k));
+        const __mmask32 m = kk == kDotK ? ~__mmask32(0) : __mmask32((1u << kk) - 1);
+        __m512i v[16];
+        for (int i = 0; i < 16; ++i)
+          v[i] = 16 * g + i < outs ? _mm512_maskz_loadu_epi16(m, p.w + (o + 16 * g + i) * p.k + k)
+                                   : _mm512_setzero_si512();
+        transpose16(v);
+        for (int t = 0; t < 16; ++t) _mm512_storeu_si512(wt.data() + ((c * 16 + t) * 2 + g) * 16, v[t]);
+      }
+    const auto lanes = [](int n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << std::max(n, 0)) - 1); };
+    const __mmask16 keep0 = lanes(outs), keep1 = lanes(outs - 16);
+    int64_t r = 0;
+    for (; r + kDotRows <= p.rows; r += kDotRows) dot_rows<kDotRows>(p, wt.data(), o, r, keep0, keep1);
+    switch (p.rows - r) {
+#define WCODEC_DOT_CASE(n) case n: dot_rows<n>(p, wt.data(), o, r, keep0, keep1); break;
+      WCODEC_DOT_CASE(1) WCODEC_DOT_CASE(2) WCODEC_DOT_CASE(3) WCODEC_DOT_CASE(4) WCODEC_DOT_CASE(5)
+      WCODEC_DOT_CASE(6) WCODEC_DOT_CASE(7) WCODEC_DOT_CASE(8) WCODEC_DOT_CASE(9) WCODEC_DOT_CASE(10)
+      WCODEC_DOT_CASE(11)
+#undef WCODEC_DOT_CASE
+      default: break;
+    }
+  }
+}
+
+template <bool Half>
+WCODEC_LINEAR16_AVX512 void block_avx512(const Problem& p, int64_t o0, int64_t o1) {
+  std::vector<float> wide(p.rows > kRows ? kOuts * p.k : 0);
+  for (int64_t o = o0; o < o1; o += kOuts) {
+    const uint16_t* wr[kOuts];
+    for (int i = 0; i < kOuts; ++i) wr[i] = p.w + (o + i < p.n ? o + i : o) * p.k;
+    if (wide.empty()) {
+      rows_of_block<Widen<Half>, uint16_t>(p, wr, o);
+      continue;
+    }
+    const float* wf[kOuts];
+    for (int i = 0; i < kOuts; ++i) {
+      float* dst = wide.data() + i * p.k;
+      for (int64_t k = 0; k < p.k; k += kLanes) {
+        const __mmask16 m = k + kLanes <= p.k ? __mmask16(0xFFFF) : __mmask16((1u << (p.k - k)) - 1);
+        _mm512_mask_storeu_ps(dst + k, m, widen16<Half>(wr[i] + k, m));
+      }
+      wf[i] = dst;
+    }
+    rows_of_block<Ready, float>(p, wf, o);
+  }
+}
+#endif
+
+at::Tensor linear16_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  const auto dtype = weight.scalar_type();
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, "linear16: the weight must be bfloat16 or float16, not ",
+              dtype);
+  TORCH_CHECK(x.scalar_type() == dtype, "linear16: x is ", x.scalar_type(), ", the weight ", dtype);
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "linear16: the weight must be a contiguous [N, K] matrix");
+  const int64_t k_len = weight.size(1), n_out = weight.size(0);
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k_len, "linear16: x's last dimension is ", x.size(-1),
+              ", the weight's K is ", k_len);
+  if (bias) TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n_out, "linear16: bias must be [N]");
+  const int64_t rows = k_len ? x.numel() / k_len : 0;
+
+  auto out_shape = x.sizes().vec();
+  out_shape.back() = n_out;
+  const bool dot = dtype == at::kBFloat16 && simd_allowed() && bf16_dot_allowed();
+  auto x16 = x.reshape({rows, k_len}).contiguous();
+  auto xf = dot ? x16 : x16.to(at::kFloat);
+  auto y = at::zeros({rows, n_out}, x.options().dtype(at::kFloat));
+  if (rows && n_out && k_len) {
+    const Problem p{dot ? nullptr : xf.data_ptr<float>(), reinterpret_cast<const uint16_t*>(x16.data_ptr()),
+                    reinterpret_cast<const uint16_t*>(weight.data_ptr()), y.data_ptr<float>(),
+                    rows, k_len, n_out, dtype == at::kHalf};
+    const int64_t unit = dot ? kDotOuts : kOuts;        // outputs a block
+    const int64_t blocks = (n_out + unit - 1) / unit;
+    const int64_t grain = std::max<int64_t>(1, kTaskWork / (unit * k_len * rows));
+    const bool simd = simd_allowed();
+    at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+      const int64_t o0 = b0 * unit, o1 = std::min(b1 * unit, n_out);
+#if defined(__x86_64__)
+      if (dot) {
+        block_dot(p, o0, o1);
+        return;
+      }
+      if (simd) {
+        p.half ? block_avx512<true>(p, o0, o1) : block_avx512<false>(p, o0, o1);
+        return;
+      }
+#endif
+      block_scalar(p, o0, o1);
+    });
+  }
+  if (bias) y.add_(bias->to(at::kFloat));
+  return y.to(dtype).view(out_shape);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(wcodec, m) {
+  m.def("linear16(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(wcodec, CPU, m) {
+  m.impl("linear16", &linear16_cpu);
+}
+
+}  // namespace wcodec

@@ -1,0 +1,129 @@
+"""linear16 (cuda_ext/csrc/linear16.cpp), the CPU matmul of served bf16/fp16 Linears, against a
+float64 matmul of the same values: within one rounding to the weight's dtype plus the float32 sums'
+error bound; a row's result the same alone and batched (bit for bit); NaN and infinities where
+the reference has them; the scalar loop (WCODEC_CPU_SIMD=0) within the same bound; clear errors."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import cuda_ext
+from cuda_ext import ops
+
+REPO = Path(__file__).resolve().parents[2]
+UNIT = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}     # unit roundoff of the output
+# (rows, K, N): ragged K (pairs, 16- and 32-wide steps), ragged N (4-, 16- and 32-row blocks), rows
+# past a 4- and 12-row tile, none
+SHAPES = [(1, 1, 1), (1, 15, 3), (2, 16, 17), (3, 33, 31), (4, 64, 32), (5, 577, 33), (13, 1000, 40),
+          (1, 576, 1536), (0, 64, 8), (25, 130, 65)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def extension():
+    avail = cuda_ext.available()
+    assert avail.cpp, f"the C++ twin must build in CI: {avail.reason}"
+    if not ops.has_ops(ops.LINEAR16_OPS, "cpu"):
+        pytest.fail("the extension lacks linear16: rebuild it (python setup.py build_ext --inplace)")
+
+
+def operands(rows: int, k: int, n: int, dtype: torch.dtype, seed: int, bias: bool):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g) * 0.1).to(dtype)   # rows of varied scale
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    return x, w, b
+
+
+def assert_within_bound(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
+    """|y - exact| <= u |exact| + 2 (K + 32) 2^-24 sum |x w| (+ |b| 2^-24): one rounding to the dtype
+    after float32 sums of exact products (and float32 bias)."""
+    xd, wd = x.double(), w.double()
+    exact = xd @ wd.T + (0 if b is None else b.double())
+    mass = xd.abs() @ wd.abs().T + (0 if b is None else b.double().abs())
+    bound = UNIT[w.dtype] * exact.abs() + 2 * (x.shape[-1] + 32) * 2.0 ** -24 * mass + 1e-30
+    err = (y.double() - exact).abs()
+    assert y.dtype == w.dtype and y.shape == exact.shape
+    assert bool((err <= bound).all()), f"worst {float((err - bound).max())} over the bound"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_within_one_rounding_of_the_exact_product(shape, dtype, bias):
+    x, w, b = operands(*shape, dtype, seed=sum(shape), bias=bias)
+    assert_within_bound(ops.linear16(x, w, b), x, w, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(13, 1000, 40), (25, 130, 65), (6, 576, 1536)])
+def test_a_row_is_the_same_alone_and_batched(shape, dtype):
+    x, w, b = operands(*shape, dtype, seed=7, bias=True)
+    y = ops.linear16(x, w, b)
+    for i in range(x.shape[0]):
+        assert torch.equal(ops.linear16(x[i:i + 1], w, b)[0], y[i]), i
+        assert torch.equal(ops.linear16(x[i:i + 3], w, b)[0], y[i]), i
+
+
+def test_leading_dimensions_and_strided_x():
+    x, w, b = operands(12, 96, 40, torch.bfloat16, seed=3, bias=True)
+    y = ops.linear16(x, w, b)
+    assert torch.equal(ops.linear16(x.view(3, 4, 96), w, b), y.view(3, 4, 40))
+    wide = torch.cat([x, x], dim=1)[:, :96]                            # rows of x not contiguous
+    assert torch.equal(ops.linear16(wide, w, b), y)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_nan_and_infinities_where_the_reference_has_them(dtype):
+    x, w, _ = operands(3, 40, 20, dtype, seed=5, bias=False)
+    w[2, 7], w[5, 0], w[9, 39] = float("inf"), float("-inf"), float("nan")
+    x[1, 3] = float("inf")
+    want = torch.nn.functional.linear(x.double(), w.double())
+    got = ops.linear16(x, w).double()
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.isinf(), want.isinf()) and torch.equal(got[got.isinf()], want[want.isinf()])
+
+
+def test_the_scalar_loop_is_within_the_same_bound():
+    """WCODEC_CPU_SIMD=0 (read once a process): the loop a CPU without AVX-512 runs."""
+    script = f"""
+import torch, sys
+sys.path.insert(0, {str(REPO)!r})
+import cuda_ext
+from cuda_ext import ops
+from tests.cuda_ext.test_linear16 import SHAPES, assert_within_bound, operands
+cuda_ext.available()
+for dtype in (torch.bfloat16, torch.float16):
+    for shape in SHAPES:
+        x, w, b = operands(*shape, dtype, seed=1, bias=True)
+        y = ops.linear16(x, w, b)
+        assert_within_bound(y, x, w, b)
+        assert all(torch.equal(ops.linear16(x[i:i + 1], w, b)[0], y[i]) for i in range(x.shape[0]))
+print("scalar ok")
+"""
+    out = subprocess.run([sys.executable, "-c", script], env={**os.environ, "WCODEC_CPU_SIMD": "0"},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "scalar ok" in out.stdout, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    ((torch.zeros(1, 4), torch.zeros(3, 4)), "bfloat16 or float16"),
+    ((torch.zeros(1, 4, dtype=torch.float16), torch.zeros(3, 4, dtype=torch.bfloat16)), "x is Half"),
+    ((torch.zeros(1, 5, dtype=torch.bfloat16), torch.zeros(3, 4, dtype=torch.bfloat16)), "the weight's K is 4"),
+    ((torch.zeros(1, 3, dtype=torch.bfloat16), torch.zeros(4, 3, dtype=torch.bfloat16).T), "contiguous"),
+    ((torch.zeros(1, 4, dtype=torch.bfloat16), torch.zeros(3, 4, dtype=torch.bfloat16),
+      torch.zeros(2, dtype=torch.bfloat16)), "bias must be"),
+])
+def test_bad_operands_raise_clear_errors(args, message):
+    with pytest.raises(RuntimeError, match=message):
+        ops.linear16(*args)
+
+
+def test_opcheck():
+    x, w, b = operands(5, 40, 20, torch.bfloat16, seed=2, bias=True)
+    torch.library.opcheck(torch.ops.wcodec.linear16.default, (x, w, b))
+    torch.library.opcheck(torch.ops.wcodec.linear16.default, (x[:1], w, None))
