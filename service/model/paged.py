@@ -129,15 +129,16 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: 
     b, m = ctx.tables.shape
     kv, d = k_cache.shape[1:]
     t = ctx.mask.shape[-1]
-    k = k_cache.view(-1, block_size, kv, d)[ctx.tables].view(b, m * block_size, kv, d)[:, :t].transpose(1, 2)
-    v = v_cache.view(-1, block_size, kv, d)[ctx.tables].view(b, m * block_size, kv, d)[:, :t].transpose(1, 2)
+    blocks = ctx.tables.flatten()                                                  # index_select: a row copy
+    k = k_cache.view(-1, block_size, kv, d).index_select(0, blocks).view(b, m * block_size, kv, d)[:, :t].transpose(1, 2)
+    v = v_cache.view(-1, block_size, kv, d).index_select(0, blocks).view(b, m * block_size, kv, d)[:, :t].transpose(1, 2)
     return llama.grouped_attention(q[:, :, None], k, v, ctx.mask, scale)[:, :, 0]  # k, v [B, KV, T, D] -> [B, H, D]
 
 
 def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p: Prefill,
              scale: float) -> torch.Tensor:
     """q [S, H, D]: a prompt chunk, causal over its `past` keys and itself -> [S, H, D]."""
-    k = k_cache[p.context].transpose(0, 1)[None]                                  # [1, KV, T, D]
-    v = v_cache[p.context].transpose(0, 1)[None]
+    k = k_cache.index_select(0, p.context).transpose(0, 1)[None]                  # [1, KV, T, D]
+    v = v_cache.index_select(0, p.context).transpose(0, 1)[None]
     out = llama.grouped_attention(q.transpose(0, 1)[None], k, v, p.mask, scale)    # [1, H, S, D]
     return out[0].transpose(0, 1)                                                  # [S, H, D]
