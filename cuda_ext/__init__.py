@@ -8,6 +8,7 @@
     build_index(plan, data)           the same, also recording the resident index (codec/resident.py)
     Prepared(plan, data, outputs,...) one launch bound to caller-owned buffers: run() allocates nothing
     crc32_spans(data, spans)          zlib.crc32 of byte spans of `data`, on its device
+    ops.linear16(x, weight, bias)     the CPU matmul of served bf16/fp16 Linears (batch invariant)
 """
 from __future__ import annotations
 
