@@ -18,11 +18,11 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402, N812
+import torch
+import torch.nn.functional as F
 
-import cuda_ext  # noqa: E402
-from cuda_ext import ops  # noqa: E402
+import cuda_ext
+from cuda_ext import ops
 
 LAYERS, HIDDEN, MLP, KV, VOCAB = 30, 576, 1536, 192, 49152
 SHAPES = [(HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN), (MLP, HIDDEN), (MLP, HIDDEN), (HIDDEN, MLP)]

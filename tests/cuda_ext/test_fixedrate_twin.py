@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-import cuda_ext
 from codec import fixedrate as F
 from cuda_ext import fixedrate as fr_ops
 from cuda_ext import ops
+from tests.cuda_ext.extension import require_cpu_ops
 from tests.tensors import make_tensor
 
 SHAPES = [(1, 1), (3, 31), (2, 33), (5, 127), (4, 129), (7, 1000), (3, 1024), (2, 4096 + 160), (0, 64), (40, 2049)]
@@ -21,10 +21,7 @@ HEADER = (Path(__file__).parents[2] / "cuda_ext" / "csrc" / "fixedrate.h").read_
 
 @pytest.fixture(scope="module", autouse=True)
 def twin():
-    avail = cuda_ext.available()
-    assert avail.cpp, f"the C++ twin must build in CI: {avail.reason}"
-    if not ops.has_ops(ops.FIXEDRATE_OPS, "cpu"):
-        pytest.fail("the extension lacks the fixed-rate ops: rebuild it (python setup.py build_ext --inplace)")
+    require_cpu_ops(ops.FIXEDRATE_OPS, "the fixed-rate ops")
 
 
 def assert_same_arrays(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
