@@ -3,19 +3,19 @@
 //
 // Why: PyTorch's bf16 matmul on the CPU reads a one-row call's weight at 4-8 GB/s on this project's
 // AVX-512 machine, a third of what its memory gives, and at batch 1 a decode step is those reads
-// (docs/BENCHMARKS.md). Here each weight element is widened to float32 in registers (bf16: a 16-bit
-// shift; fp16: vcvtph2ps), multiplied by x (widened once) and summed in float32 with FMA; the sum is
-// rounded once to W's dtype. Products of two 16-bit floats are exact in float32, so the result
-// differs from PyTorch's only in the order of the float32 sums.
+// (docs/BENCHMARKS.md). Products of two 16-bit floats are exact in float32; here they are summed in
+// float32 and rounded once to W's dtype, so the result differs from PyTorch's only in the order of
+// the sums. That order is fixed per output, whatever the call's rows or where row r sits in it, so a
+// request's logits are the same alone and batched (the engine's batch invariance); that is why every
+// call goes here, not only the one-row ones. Three loops, one chosen per process:
 //
-// The order is fixed: output (r, o) sums 16 lanes k = l, l + 16, ... in k order, then the 16 lanes
-// (_mm512_reduce_add_ps). It does not depend on how many rows the call has or where row r sits in
-// it, so a request's logits are the same alone and batched (the engine's batch invariance); that is
-// why every call goes here, not only the one-row ones. Work: blocks of 4 weight rows (one task
-// reads them from memory once, then from L1 for every 4 rows of x), 4 x 4 accumulators.
-//
-// A CPU without AVX-512 (or WCODEC_CPU_SIMD=0) takes the scalar loop in the same order, 16 lane sums
-// then their reduction, so it gives the same sums up to the reduction tree of the 16 lanes.
+//   bf16 on AVX512-BF16   block_dot: vdpbf16ps over blocks of 32 weight rows transposed in
+//                         registers; output (r, o) is one float32 lane summing k = 0, 1, ... in order
+//   fp16, or no BF16      block_avx512: weights widened in registers (bf16: a 16-bit shift; fp16:
+//                         vcvtph2ps), FMA into 16 lanes k = l, l + 16, ..., then _mm512_reduce_add_ps;
+//                         blocks of 4 weight rows x 4 rows of x
+//   no AVX-512            block_scalar (or WCODEC_CPU_SIMD=0): block_avx512's 16 lane sums in the same
+//                         order, reduced in sequence
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -99,18 +99,10 @@ WCODEC_LINEAR16_AVX512 inline __m512 widen16(const uint16_t* ptr, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// float32 weights: the 16-bit ones widened (from memory, or a block's rows widened once into L1)
-template <bool Half>
-struct Widen {
-  WCODEC_LINEAR16_AVX512 static inline __m512 at(const uint16_t* ptr, __mmask16 m) { return widen16<Half>(ptr, m); }
-};
-struct Ready {
-  WCODEC_LINEAR16_AVX512 static inline __m512 at(const float* ptr, __mmask16 m) { return _mm512_maskz_loadu_ps(m, ptr); }
-};
-
-// weight rows wr[0..kOuts) (k_len each; a row past n repeats row 0, and is not stored) x rows [r, r + Rows)
-template <class Load, class W, int Rows>
-WCODEC_LINEAR16_AVX512 void tile(const Problem& p, const W* const* wr, int64_t o, int64_t r) {
+// weight rows wr[0..kOuts) (k_len each; a row past n repeats row 0, and is not stored) x rows [r, r + Rows),
+// each weight vector widened as it is read (from L1 after the first row group)
+template <bool Half, int Rows>
+WCODEC_LINEAR16_AVX512 void tile(const Problem& p, const uint16_t* const* wr, int64_t o, int64_t r) {
   const float* xr = p.x + r * p.k;
   __m512 acc[Rows][kOuts];
   for (int j = 0; j < Rows; ++j)
@@ -118,7 +110,7 @@ WCODEC_LINEAR16_AVX512 void tile(const Problem& p, const W* const* wr, int64_t o
   for (int64_t k = 0; k < p.k; k += kLanes) {
     const __mmask16 m = k + kLanes <= p.k ? __mmask16(0xFFFF) : __mmask16((1u << (p.k - k)) - 1);
     __m512 wv[kOuts];
-    for (int i = 0; i < kOuts; ++i) wv[i] = Load::at(wr[i] + k, m);
+    for (int i = 0; i < kOuts; ++i) wv[i] = widen16<Half>(wr[i] + k, m);
     for (int j = 0; j < Rows; ++j) {
       const __m512 xv = _mm512_maskz_loadu_ps(m, xr + j * p.k + k);
       for (int i = 0; i < kOuts; ++i) acc[j][i] = _mm512_fmadd_ps(wv[i], xv, acc[j][i]);
@@ -128,21 +120,22 @@ WCODEC_LINEAR16_AVX512 void tile(const Problem& p, const W* const* wr, int64_t o
     for (int i = 0; i < kOuts && o + i < p.n; ++i) p.y[(r + j) * p.n + o + i] = _mm512_reduce_add_ps(acc[j][i]);
 }
 
-template <class Load, class W>
-void rows_of_block(const Problem& p, const W* const* wr, int64_t o) {
-  int64_t r = 0;
-  for (; r + kRows <= p.rows; r += kRows) tile<Load, W, kRows>(p, wr, o, r);
-  switch (p.rows - r) {
-    case 1: tile<Load, W, 1>(p, wr, o, r); break;
-    case 2: tile<Load, W, 2>(p, wr, o, r); break;
-    case 3: tile<Load, W, 3>(p, wr, o, r); break;
-    default: break;
+template <bool Half>
+void block_avx512(const Problem& p, int64_t o0, int64_t o1) {
+  for (int64_t o = o0; o < o1; o += kOuts) {
+    const uint16_t* wr[kOuts];
+    for (int i = 0; i < kOuts; ++i) wr[i] = p.w + (o + i < p.n ? o + i : o) * p.k;
+    int64_t r = 0;
+    for (; r + kRows <= p.rows; r += kRows) tile<Half, kRows>(p, wr, o, r);
+    switch (p.rows - r) {
+      case 1: tile<Half, 1>(p, wr, o, r); break;
+      case 2: tile<Half, 2>(p, wr, o, r); break;
+      case 3: tile<Half, 3>(p, wr, o, r); break;
+      default: break;
+    }
   }
 }
 
-// Up to kRows rows: the weight widened as it is read. More: each block's rows widened once into a
-// float32 buffer that stays in L1/L2 while every row of x passes it (the same float32 values, so
-// the same sums).
 // bf16 on a CPU with AVX512-BF16: 16 outputs along a vector's lanes, no horizontal sums. A block of
 // 16 weight rows x 32 k is loaded (16 vectors of 16 k-pairs) and transposed, so that vector t holds
 // k-pair t of the 16 rows; vdpbf16ps then multiplies it by row r's k-pair t (broadcast) and adds
@@ -233,28 +226,6 @@ WCODEC_LINEAR16_BF16 void block_dot(const Problem& p, int64_t o0, int64_t o1) {
   }
 }
 
-template <bool Half>
-WCODEC_LINEAR16_AVX512 void block_avx512(const Problem& p, int64_t o0, int64_t o1) {
-  std::vector<float> wide(p.rows > kRows ? kOuts * p.k : 0);
-  for (int64_t o = o0; o < o1; o += kOuts) {
-    const uint16_t* wr[kOuts];
-    for (int i = 0; i < kOuts; ++i) wr[i] = p.w + (o + i < p.n ? o + i : o) * p.k;
-    if (wide.empty()) {
-      rows_of_block<Widen<Half>, uint16_t>(p, wr, o);
-      continue;
-    }
-    const float* wf[kOuts];
-    for (int i = 0; i < kOuts; ++i) {
-      float* dst = wide.data() + i * p.k;
-      for (int64_t k = 0; k < p.k; k += kLanes) {
-        const __mmask16 m = k + kLanes <= p.k ? __mmask16(0xFFFF) : __mmask16((1u << (p.k - k)) - 1);
-        _mm512_mask_storeu_ps(dst + k, m, widen16<Half>(wr[i] + k, m));
-      }
-      wf[i] = dst;
-    }
-    rows_of_block<Ready, float>(p, wf, o);
-  }
-}
 #endif
 
 at::Tensor linear16_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
@@ -274,7 +245,8 @@ at::Tensor linear16_cpu(const at::Tensor& x, const at::Tensor& weight, const c10
   const bool dot = dtype == at::kBFloat16 && simd_allowed() && bf16_dot_allowed();
   auto x16 = x.reshape({rows, k_len}).contiguous();
   auto xf = dot ? x16 : x16.to(at::kFloat);
-  auto y = at::zeros({rows, n_out}, x.options().dtype(at::kFloat));
+  auto y = k_len ? at::empty({rows, n_out}, x.options().dtype(at::kFloat))    // every sum written below
+                 : at::zeros({rows, n_out}, x.options().dtype(at::kFloat));   // sums of nothing
   if (rows && n_out && k_len) {
     const Problem p{dot ? nullptr : xf.data_ptr<float>(), reinterpret_cast<const uint16_t*>(x16.data_ptr()),
                     reinterpret_cast<const uint16_t*>(weight.data_ptr()), y.data_ptr<float>(),
