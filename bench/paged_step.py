@@ -1,0 +1,122 @@
+"""One decode step of the paged engine (issue 23), without a server or an archive: a 7B-shaped
+Llama (llama.py) with trained-like random bf16 weights made on the device, its paged cache, and
+the runner's step at batch 1, 32 and 64: eager, replayed as a CUDA graph, and the whole
+`Runner.run` with its host work and a greedy pick; beside the limit (weight bytes / the device's
+measured read bandwidth) in the same run. Then the kernels of one eager batch-1 step, by GPU time.
+
+    python bench/paged_step.py                         # a lent GPU (scripts/gpu/run.sh stage paged-step)
+    python bench/paged_step.py --smoke --device cpu    # the same path, 2 small layers, no figures
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
+
+from generation_gpu import CONFIG, SMOKE, read_bandwidth  # noqa: E402
+from service.engine.runner import Decode, Runner  # noqa: E402
+from service.model import llama, paged  # noqa: E402
+
+
+def model(config: dict, device: torch.device, seed: int = 7) -> llama.LlamaForCausalLM:
+    """llama.py's model, weights N(0, 0.02) with per-row scales (norms N(1, 0.02)), bf16."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        m = llama.LlamaForCausalLM(llama.LlamaConfig.parse(config), device).to(torch.bfloat16)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if p.dim() == 1:
+                p.copy_(1 + 0.02 * torch.randn_like(p, dtype=torch.float32))
+            else:
+                rows = 0.02 * torch.exp(0.3 * torch.randn(p.shape[0], 1, device=device))
+                p.copy_(torch.randn_like(p, dtype=torch.float32) * rows)
+    return m.eval()
+
+
+def timed(fn, device: torch.device, repeat: int) -> float:
+    """Median seconds of `fn` (CUDA-synchronized)."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+@torch.inference_mode()
+def step_times(runner: Runner, rows: int, position: int, repeat: int) -> dict:
+    blocks_per_row = -(-(position + 1) // runner.block_size)
+    decodes = [Decode(11 + i, position, list(range(i * blocks_per_row, (i + 1) * blocks_per_row)))
+               for i in range(rows)]
+    ids, ctx = runner._eager_inputs(decodes, [])
+    eager = timed(lambda: paged.forward(runner.model, ids, ctx, runner.cache), runner.device, repeat)
+    out = {"eager_ms": eager * 1e3}
+    if runner.use_graphs:
+        runner.run(decodes, [])                                  # captures this shape
+        g = next(iter(v for k, v in runner.graphs.items() if k[0] >= rows))
+        out["replay_ms"] = timed(g.graph.replay, runner.device, repeat) * 1e3
+        out["run_ms"] = timed(lambda: runner.run(decodes, []).argmax(-1).tolist(), runner.device, repeat) * 1e3
+    best = min(v for v in out.values())
+    out["tokens_per_s"] = rows / (out.get("run_ms", best) / 1e3)
+    return out
+
+
+def kernels(runner: Runner, position: int, top: int) -> str:
+    from torch.profiler import ProfilerActivity, profile
+    decodes = [Decode(11, position, list(range(-(-(position + 1) // runner.block_size))))]
+    with torch.inference_mode():
+        ids, ctx = runner._eager_inputs(decodes, [])
+        paged.forward(runner.model, ids, ctx, runner.cache)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            paged.forward(runner.model, ids, ctx, runner.cache)
+            torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=top)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--rows", type=int, nargs="*", default=[1, 32, 64])
+    ap.add_argument("--position", type=int, default=72, help="keys each row has (8 prompt + 64 new)")
+    ap.add_argument("--repeat", type=int, default=30)
+    ap.add_argument("--smoke", action="store_true", help="2 small layers: checks the path, no figures")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    config = {**CONFIG, **SMOKE} if args.smoke else CONFIG
+    m = model(config, device)
+    weight_bytes = sum(p.nbytes for p in m.parameters())
+    block_size, rows = 16, max(args.rows)
+    width = -(-(args.position + 1) // block_size)
+    cache = paged.PagedCache(m.config, rows * width, block_size, torch.bfloat16, device)
+    runner = Runner(m, cache, max_rows=rows, max_blocks=width, graphs=True)
+    limit = read_bandwidth(args.device) / weight_bytes
+    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+              "date": time.strftime("%Y-%m-%d %H:%M"), "weight_bytes": weight_bytes,
+              "limit_tokens_per_s": limit}
+    for r in args.rows:
+        result[str(r)] = step_times(runner, r, args.position, args.repeat)
+        result[str(r)]["of_limit"] = result[str(r)]["tokens_per_s"] / (limit * r)
+        print(r, json.dumps(result[str(r)]), flush=True)
+    result["capture_s"] = runner.capture_seconds
+    print(json.dumps({k: v for k, v in result.items() if not k.isdigit()}))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    if device.type == "cuda":
+        print(kernels(runner, args.position, 30))
+
+
+if __name__ == "__main__":
+    main()
