@@ -1,8 +1,9 @@
 """One decode step of the paged engine (issue 23), without a server or an archive: a 7B-shaped
 Llama (llama.py) with trained-like random bf16 weights made on the device, its paged cache, and
 the runner's step at batch 1, 32 and 64: eager, replayed as a CUDA graph, and the whole
-`Runner.run` with its host work and a greedy pick; beside the limit (weight bytes / the device's
-measured read bandwidth) in the same run. Then the kernels of one eager batch-1 step, by GPU time.
+`Runner.run` with its host work and a greedy pick; the step of Triton kernels (paged.Fused) and
+the modules' (paged.Modules) each, beside the limit (weight bytes / the device's measured read
+bandwidth) in the same run. Then the kernels of one eager batch-1 step, by GPU time.
 
     python bench/paged_step.py                         # a lent GPU (scripts/gpu/run.sh stage paged-step)
     python bench/paged_step.py --smoke --device cpu    # the same path, 2 small layers, no figures
@@ -20,6 +21,7 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 
 from generation_gpu import CONFIG, SMOKE, read_bandwidth  # noqa: E402
+from cuda_ext import step_kernels  # noqa: E402
 from service.engine.runner import Decode, Runner  # noqa: E402
 from service.model import llama, paged  # noqa: E402
 
@@ -60,7 +62,7 @@ def step_times(runner: Runner, rows: int, position: int, repeat: int) -> dict:
     decodes = [Decode(11 + i, position, list(range(i * blocks_per_row, (i + 1) * blocks_per_row)))
                for i in range(rows)]
     ids, ctx = runner._eager_inputs(decodes, [])
-    eager = timed(lambda: paged.forward(runner.model, ids, ctx, runner.cache), runner.device, repeat)
+    eager = timed(lambda: paged.forward(runner.model, ids, ctx, runner.cache, runner.fused), runner.device, repeat)
     out = {"eager_ms": eager * 1e3}
     if runner.use_graphs:
         runner.run(decodes, [])                                  # captures this shape
@@ -77,9 +79,9 @@ def kernels(runner: Runner, position: int, top: int) -> str:
     decodes = [Decode(11, position, list(range(-(-(position + 1) // runner.block_size))))]
     with torch.inference_mode():
         ids, ctx = runner._eager_inputs(decodes, [])
-        paged.forward(runner.model, ids, ctx, runner.cache)
+        paged.forward(runner.model, ids, ctx, runner.cache, runner.fused)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            paged.forward(runner.model, ids, ctx, runner.cache)
+            paged.forward(runner.model, ids, ctx, runner.cache, runner.fused)
             torch.cuda.synchronize()
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=top)
 
@@ -100,22 +102,28 @@ def main() -> None:
     block_size, rows = 16, max(args.rows)
     width = -(-(args.position + 1) // block_size)
     cache = paged.PagedCache(m.config, rows * width, block_size, torch.bfloat16, device)
-    runner = Runner(m, cache, max_rows=rows, max_blocks=width, graphs=True)
     limit = read_bandwidth(args.device) / weight_bytes
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "date": time.strftime("%Y-%m-%d %H:%M"), "weight_bytes": weight_bytes,
               "limit_tokens_per_s": limit}
-    for r in args.rows:
-        result[str(r)] = step_times(runner, r, args.position, args.repeat)
-        result[str(r)]["of_limit"] = result[str(r)]["tokens_per_s"] / (limit * r)
-        print(r, json.dumps(result[str(r)]), flush=True)
-    result["capture_s"] = runner.capture_seconds
-    print(json.dumps({k: v for k, v in result.items() if not k.isdigit()}))
+    fused = step_kernels.triton_kernels(device)
+    for kind in (["triton"] if fused else []) + ["modules"]:
+        if kind == "triton":                     # as the engine does (paging.py); the modules' weights become views
+            before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+            paged.fuse_projections(m)
+            result["joined_extra_bytes"] = (torch.cuda.memory_allocated(device) if device.type == "cuda" else 0) - before
+        runner = Runner(m, cache, max_rows=rows, max_blocks=width, graphs=True, fused=fused if kind == "triton" else None)
+        for r in args.rows:
+            out = result[f"{kind}-{r}"] = step_times(runner, r, args.position, args.repeat)
+            out["of_limit"] = out["tokens_per_s"] / (limit * r)
+            print(kind, r, json.dumps(out), flush=True)
+        result[f"{kind}-capture_s"] = runner.capture_seconds
+        if device.type == "cuda":
+            print(kernels(runner, args.position, 24))
+    print(json.dumps({k: v for k, v in result.items() if "-" not in k or k.endswith("capture_s")}))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
-    if device.type == "cuda":
-        print(kernels(runner, args.position, 30))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,9 @@
 #   engine       the paged engine on CUDA (tests/service/engine/test_scheduler_cuda.py): graphs vs the
 #                padded eager engine on the demo model (DEMO=<its GGUF>, as for demo), replay vs eager,
 #                closing frees graphs and cache, 2x the cache budget (the tiny Llama: no DEMO needed)
+#   step         the decode step's Triton kernels against their references (tests/gpu/test_step_kernels.py),
+#                then bench/paged_step.py: a 7B-shaped step at batch 1/32/64, Triton's and the modules',
+#                beside the limit (no extension needed: a short call)
 #   decode-bench bench/fine_decode.py: one 8B layer, single tensors, a 7B in bulk, beside DFloat11
 #                and nvCOMP (carry .whlpeers)
 #   quick        bench/quick_cuda.py: our decoder alone at 256/128/64-step pieces
@@ -80,6 +83,10 @@ for s in ${STAGES:-build tests}; do
                tests/service/test_gpu.py tests/service/test_gpu_reliability.py ;;
     engine) [ -n "${DEMO:-}" ] && demo_package    # without DEMO the demo's token test skips, the tiny ones run
             pytest_stage engine engine_tests.log 300 -s tests/service/engine/test_scheduler_cuda.py ;;
+    step) pytest_stage step step_tests.log 150 tests/gpu/test_step_kernels.py
+          stage paged-step timeout "$(left 150)" python3 bench/paged_step.py --json "$OUT/paged_step.json" \
+            > "$OUT/paged_step.log" 2>&1
+          grep -E "^(triton|modules) |^\{" "$OUT/paged_step.log" ;;
     demo) demo_package
           pytest_stage demo demo_tests.log 240 tests/service/model/test_compressed.py -k cuda ;;
     decode-bench) stage decode-bench timeout "$(left 500)" python3 bench/fine_decode.py --layers 6 --model-layers 32 \

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from cuda_ext import step_kernels
+
 from ..model import paged
 from ..model.build import ServedModel
 from .blocks import BlockManager
@@ -58,8 +60,11 @@ def scheduler(served: ServedModel, max_rows: int, max_tokens: int, s: CacheSetti
     tokens = cache_tokens(served, max_rows, s)
     blocks = BlockManager(tokens // s.block_size, s.block_size)
     cache = paged.PagedCache(served.model.config, blocks.blocks, s.block_size, cache_dtype(served), served.device)
-    graphs = s.cuda_graphs and served.schedule is None          # compressed mode's hooks: eager
+    plain = served.schedule is None                  # compressed mode's hooks: eager modules, no graphs
+    fused = step_kernels.triton_kernels(served.device) if plain else None
+    if fused is not None:
+        paged.fuse_projections(served.model)
     runner = Runner(served.model, cache, max_rows, blocks.blocks_for(min(s.max_total_tokens, served.max_positions)),
-                    graphs)
+                    s.cuda_graphs and plain, fused)
     return Scheduler(runner, blocks, max_rows=max_rows, max_tokens=max_tokens, on_token=on_token,
                      on_finish=on_finish, prefill_wait_s=s.prefill_wait_s)

@@ -13,6 +13,8 @@ Read me first.
 * Steps with a prompt chunk, steps on the CPU, and models whose weights are decoded by hooks
   (weights=compressed: host work between the kernels, service/model/compressed.py) run eagerly:
   the same forward, not captured.
+* On CUDA with decoded weights every step runs the forward's Triton kernels (`fused`,
+  paged.Fused), captured or not; elsewhere the modules'.
 
     ids, positions, slots [N]   tables [B, M]   lengths [B]   logits [B + P, V] float32
 """
@@ -67,8 +69,9 @@ class Graph:
 
 class Runner:
     def __init__(self, model: LlamaForCausalLM, cache: paged.PagedCache, max_rows: int, max_blocks: int,
-                 graphs: bool):
+                 graphs: bool, fused=None):
         self.model, self.cache, self.max_rows, self.max_blocks = model, cache, max_rows, max_blocks
+        self.fused = fused                       # cuda_ext/step_triton.py, or None: the modules (paged.py)
         self.device = cache.k.device
         self.use_graphs = graphs and self.device.type == "cuda"
         self.graphs: dict[tuple[int, int], Graph] = {}
@@ -86,7 +89,7 @@ class Runner:
         if self.use_graphs and decodes and not chunks and len(decodes) <= self.max_rows:
             return self._replay(decodes)
         ids, ctx = self._eager_inputs(decodes, chunks)
-        return paged.forward(self.model, ids, ctx, self.cache)
+        return paged.forward(self.model, ids, ctx, self.cache, self.fused)
 
     def _tables(self, tables: list[list[int]], width: int, rows: int) -> torch.Tensor:
         """[rows, width] block tables, padded with the padding block (host)."""
@@ -143,11 +146,11 @@ class Runner:
     def _capture(self, rows: int, width: int) -> Graph:
         t0 = time.perf_counter()
         g = Graph(rows, width, self.cache.pad_block, self.block_size, self.device)
-        paged.forward(self.model, g.ids, g.context(), self.cache)          # warm-up: lazy inits outside the graph
+        paged.forward(self.model, g.ids, g.context(), self.cache, self.fused)          # warm-up: lazy inits outside the graph
         torch.cuda.synchronize(self.device)
         g.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g.graph, pool=self.pool, capture_error_mode="thread_local"):
-            g.logits = paged.forward(self.model, g.ids, g.context(), self.cache)
+            g.logits = paged.forward(self.model, g.ids, g.context(), self.cache, self.fused)
         if self.pool is None:
             self.pool = g.graph.pool()
         torch.cuda.synchronize(self.device)

@@ -10,8 +10,11 @@ Read me first.
   read only there, so they never touch a real row's keys.
 * The first `decode` tokens are decode rows (one new token each, attention over their block
   tables, batched); the rest are prompt chunks (`Prefill`), attended one sequence at a time.
-* The modules are llama.py's, called as modules (compressed mode's hooks fire as they do there);
-  the maths is Layer.forward's, token for token: the same rotary products, RMSNorm, SDPA.
+* Two ways to run a step, one forward: `Modules` calls llama.py's modules (compressed mode's
+  hooks fire as they do there), the maths of Layer.forward token for token (the same rotary
+  products, RMSNorm, SDPA); `Fused` (CUDA, decoded weights) runs the small ops as Triton kernels
+  (cuda_ext/step_triton.py: add + RMSNorm, rotary + cache write, paged decode attention,
+  SiLU * up), equal to those up to float32 summation order; the projections stay the modules'.
 
     ids, positions, slots [N]   x [N, E]   q [N, H, D]   k, v [N, KV, D]
     cache k, v [L, slots, KV, D]   tables [B, M] (blocks)   lengths [B] (keys a decode row sees)
@@ -21,6 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F  # noqa: N812
+
+from cuda_ext import step_kernels
 
 from . import llama
 
@@ -74,26 +80,119 @@ class PagedCache:
         return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * size
 
 
-def forward(model: llama.LlamaForCausalLM, ids: torch.Tensor, ctx: Context, cache: PagedCache) -> torch.Tensor:
+def forward(model: llama.LlamaForCausalLM, ids: torch.Tensor, ctx: Context, cache: PagedCache,
+            fused=None) -> torch.Tensor:
     """Logits [R, V] (float32) of the tokens `ctx.last` (all N when None), after writing every
-    token's keys and values into `cache`."""
-    m = model.model
-    _masks(ctx, cache.block_size, ids.device)                                      # once a step, not a layer
+    token's keys and values into `cache`. `fused`: cuda_ext/step_triton.py (its kernels read the
+    norms' weights directly: decoded weights only); None: the modules, called."""
+    m, ops = model.model, (Fused(fused) if fused is not None else MODULES)
+    _masks(ctx, cache.block_size, ids.device, fused is None)                       # once a step, not a layer
     x = m.embed_tokens(ids)                                                        # [N, E]
     cos, sin = m.rotary_emb(x, ctx.positions)                                      # [N, D]
-    cos, sin = cos[:, None], llama._signed_sin(sin)[:, None]                       # [N, 1, D]
+    sin, h = llama._signed_sin(sin), None
     for i, layer in enumerate(m.layers):
-        h = attention(layer.self_attn, layer.input_layernorm(x), cos, sin, ctx, cache.k[i], cache.v[i],
-                      cache.block_size)
-        x = x + h
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x, normed = ops.add_norm(x, h, layer.input_layernorm)                     # x += h; RMSNorm
+        h = attention(layer.self_attn, normed, cos, sin, ctx, cache.k[i], cache.v[i], cache.block_size, ops)
+        x, normed = ops.add_norm(x, h, layer.post_attention_layernorm)
+        h = ops.mlp(layer.mlp, normed)
+    x = x + h
     if ctx.last is not None:
         x = x[ctx.last]                                                            # [R, E]
     return model.lm_head(m.norm(x)).float()                                        # [R, V]
 
 
-def _masks(ctx: Context, block_size: int, device: torch.device) -> None:
-    if ctx.decode:
+class Modules:
+    """The eager step: the model's modules, called (compressed mode's hooks fire), the keys a
+    decode row sees gathered by block and attended by SDPA (`_decode`)."""
+
+    @staticmethod
+    def add_norm(x: torch.Tensor, h: torch.Tensor | None, norm: llama.RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x if h is None else x + h
+        return x, norm(x)
+
+    @staticmethod
+    def projections(attn: llama.Attention, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+
+    @staticmethod
+    def mlp(mlp: llama.MLP, x: torch.Tensor) -> torch.Tensor:
+        return mlp(x)
+
+    rope_store = staticmethod(step_kernels.rope_store_reference)
+
+    @staticmethod
+    def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context,
+                         block_size: int, scale: float) -> torch.Tensor:
+        return _decode(q, k_cache, v_cache, ctx, block_size, scale)
+
+
+MODULES = Modules()
+
+
+class Fused:
+    """The step of Triton kernels (cuda_ext/step_triton.py): add + RMSNorm, rotary + cache write,
+    paged decode attention, SiLU * up; q, k, v and gate, up each one matmul where
+    `fuse_projections` joined their weights (else the modules')."""
+
+    def __init__(self, kernels):
+        self.k = kernels
+
+    def add_norm(self, x: torch.Tensor, h: torch.Tensor | None, norm: llama.RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k.add_rms_norm(x, h, norm.weight, norm.eps)
+
+    @staticmethod
+    def projections(attn: llama.Attention, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return _joined(attn, "qkv", (attn.q_proj, attn.k_proj, attn.v_proj), x)
+
+    def mlp(self, mlp: llama.MLP, x: torch.Tensor) -> torch.Tensor:
+        gate, up = _joined(mlp, "gate_up", (mlp.gate_proj, mlp.up_proj), x)
+        return mlp.down_proj(self.k.silu_mul(gate, up))
+
+    def rope_store(self, *args) -> torch.Tensor:
+        return self.k.rope_store(*args)
+
+    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context,
+                         block_size: int, scale: float) -> torch.Tensor:
+        return self.k.decode_attention(q, k_cache, v_cache, ctx.tables, ctx.lengths, block_size, scale)
+
+
+def fuse_projections(model: llama.LlamaForCausalLM) -> None:
+    """Each layer's q, k, v and gate, up weights joined into one [sum of outs, in] buffer
+    (`qkv_weight`, `gate_up_weight`): one matmul of each set, about 5% of a 7B step at batch 1
+    on an H100 (docs/BENCHMARKS.md). The modules' weights become row views of the joined buffer,
+    so no byte is held twice, the modules still compute alone, and `model.to("meta")` (an
+    unload) frees it. Only plain Linears of one dtype, all with bias or none; once."""
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        _join(attn, "qkv", (attn.q_proj, attn.k_proj, attn.v_proj))
+        _join(mlp, "gate_up", (mlp.gate_proj, mlp.up_proj))
+
+
+def _join(parent: torch.nn.Module, name: str, parts: tuple[torch.nn.Linear, ...]) -> None:
+    if hasattr(parent, f"{name}_weight") or any(type(p) is not llama.Linear for p in parts) \
+            or len({(p.weight.dtype, p.bias is None) for p in parts}) != 1:
+        return
+    for kind in ("weight", "bias"):
+        if getattr(parts[0], kind) is None:
+            parent.register_buffer(f"{name}_{kind}", None, persistent=False)
+            continue
+        joined = torch.cat([getattr(p, kind).detach() for p in parts])              # [sum of outs, ...]
+        parent.register_buffer(f"{name}_{kind}", joined, persistent=False)
+        for p, rows in zip(parts, joined.split([p.out_features for p in parts])):
+            setattr(p, kind, torch.nn.Parameter(rows, requires_grad=False))
+
+
+def _joined(parent: torch.nn.Module, name: str, parts: tuple[torch.nn.Linear, ...],
+            x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each part's output: one matmul over the joined weight (column views of it), else each module."""
+    weight = getattr(parent, f"{name}_weight", None)
+    if weight is None:
+        return tuple(p(x) for p in parts)
+    return F.linear(x, weight, getattr(parent, f"{name}_bias")).split([p.out_features for p in parts], -1)
+
+
+def _masks(ctx: Context, block_size: int, device: torch.device, decode: bool) -> None:
+    if ctx.decode and decode:
         keys = torch.arange(ctx.keys or ctx.tables.shape[1] * block_size, device=device)   # [T]
         ctx.mask = (keys < ctx.lengths[:, None])[:, None, None, :]                      # [B, 1, 1, T]
     for p in ctx.prefills:
@@ -103,20 +202,15 @@ def _masks(ctx: Context, block_size: int, device: torch.device) -> None:
 
 
 def attention(attn: llama.Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: Context,
-              k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int) -> torch.Tensor:
-    """x [N, E] -> [N, E]: the projections on every token at once, the new keys and values into
-    their slots, then attention of the decode rows (batched) and of each prompt chunk."""
+              k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int, ops) -> torch.Tensor:
+    """x [N, E] -> [N, E]: the projections on every token at once, rotary and the new keys and
+    values into their slots, then attention of the decode rows (batched) and of each prompt chunk."""
     n, d = x.shape[0], attn.head_dim
-    q = attn.q_proj(x).view(n, -1, d)                                              # [N, H, D]
-    k = attn.k_proj(x).view(n, -1, d)                                              # [N, KV, D]
-    v = attn.v_proj(x).view(n, -1, d)
-    half = d // 2
-    q, k = q * cos + q.roll(half, -1) * sin, k * cos + k.roll(half, -1) * sin      # sin: signed
-    k_cache.index_copy_(0, ctx.slots, k)                                           # [slots, KV, D]
-    v_cache.index_copy_(0, ctx.slots, v)
+    q, k, v = (t.view(n, -1, d) for t in ops.projections(attn, x))                 # [N, H, D], [N, KV, D]
+    q = ops.rope_store(q, k, v, cos, sin, k_cache, v_cache, ctx.slots)             # sin: signed
     scale, outs = d ** -0.5, []
     if ctx.decode:
-        outs.append(_decode(q[:ctx.decode], k_cache, v_cache, ctx, block_size, scale))
+        outs.append(ops.decode_attention(q[:ctx.decode], k_cache, v_cache, ctx, block_size, scale))
     for p in ctx.prefills:
         outs.append(_prefill(q[p.start:p.start + p.length], k_cache, v_cache, p, scale))
     out = outs[0] if len(outs) == 1 else torch.cat(outs)                           # [N, H, D]

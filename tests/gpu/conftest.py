@@ -10,12 +10,13 @@ def pytest_collection_modifyitems(items):
         item.add_marker(pytest.mark.gpu)
 
 
-@pytest.fixture(autouse=True, scope="session")
-def cuda_kernels():
+@pytest.fixture(autouse=True)
+def cuda_kernels(request):
     """Load the extension before any test touches torch.ops.wcodec (its ops register on import),
-    whatever order the tests run in; without its CUDA kernels there is nothing here to test."""
+    whatever order the tests run in; without its CUDA kernels there is nothing here to test.
+    Tests marked `triton` (the decode step's Triton kernels) need no extension."""
     import os
-    if os.environ.get("WCODEC_ENCODER_ONLY") == "1":      # scripts/gpu/run.sh (stages encode-build, tests, sanitize-encode, encode-bench, encode-7b): the encoder's ops alone
+    if request.node.get_closest_marker("triton") or os.environ.get("WCODEC_ENCODER_ONLY") == "1":      # scripts/gpu/run.sh (stages encode-build, tests, sanitize-encode, encode-bench, encode-7b): the encoder's ops alone
         return
     import cuda_ext
     avail = cuda_ext.available()

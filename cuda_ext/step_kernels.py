@@ -1,0 +1,86 @@
+"""The decode step's small kernels in Triton (issue 23), each beside the PyTorch reference it
+replaces: a residual add fused with RMSNorm, rotary embedding fused with the KV cache write,
+attention of one query per row over a paged KV cache, and SiLU(gate) * up. On an H100 a 7B
+decode step was ~40 launches a layer, a third of its time outside the matmuls
+(docs/BENCHMARKS.md); these make it ~10.
+
+Read me first.
+* Each kernel rounds where its reference rounds: every product or sum that PyTorch rounds to the
+  activations' dtype (bf16, fp16) is rounded here too, so rotary and SiLU * up give the
+  reference's bits, and RMSNorm and attention differ only where a float32 reduction adds in
+  another order (the mean of squares; attention's dot products and softmax): the last bf16 place
+  at most (tests/gpu/test_step_kernels.py checks each against its reference).
+* The kernels (step_triton.py) know nothing of layers or models; `triton_kernels(device)` gives
+  them on CUDA when triton imports (not with WCODEC_TRITON=0), and service/model/paged.py decides
+  which a layer calls. The references here are the kernels' specification and tests' oracle.
+* Every launch is capturable in a CUDA graph: shapes come from the arguments, lengths and block
+  tables are read on the device.
+
+    x, h [N, E]   q [N, H, D]   k, v [N, KV, D]   cos, sin [N, D] (sin: first half negated)
+    k_cache, v_cache [slots, KV, D]   slots [N]   tables [B, M]   lengths [B]   gate, up [N, F]
+"""
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+
+# ---- the references (PyTorch; service/model/llama.py's maths) -------------------------------------
+def add_rms_norm_reference(x: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + h, RMSNorm(x + h)): llama.RMSNorm on the residual stream after adding `h` (None: x)."""
+    x = x if h is None else x + h
+    f = x.to(torch.float32)
+    f = f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)
+    return x, weight * f.to(x.dtype)
+
+
+def rope_store_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Rotary on q and k (`x * cos + x.roll(D/2) * sin`, sin signed), k and v into their slots;
+    returns the rotated q [N, H, D]."""
+    half = q.shape[-1] // 2
+    cos, sin = cos[:, None], sin[:, None]                                          # [N, 1, D]
+    q, k = q * cos + q.roll(half, -1) * sin, k * cos + k.roll(half, -1) * sin
+    k_cache.index_copy_(0, slots, k)
+    v_cache.index_copy_(0, slots, v)
+    return q
+
+
+def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                               lengths: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
+    """q [B, H, D]: each row's one query against the first lengths[b] keys of its block table,
+    query head h reading KV head h // (H / KV); float32 softmax -> [B, H, D]."""
+    out = torch.empty_like(q)
+    g = q.shape[1] // k_cache.shape[1]
+    for b in range(q.shape[0]):
+        pos = torch.arange(int(lengths[b]), device=q.device)                      # [T]
+        slots = tables[b, pos // block_size] * block_size + pos % block_size
+        k = k_cache[slots].float().repeat_interleave(g, 1)                        # [T, H, D]
+        v = v_cache[slots].float().repeat_interleave(g, 1)
+        weights = (torch.einsum("hd,thd->ht", q[b].float(), k) * scale).softmax(-1)   # [H, T]
+        out[b] = torch.einsum("ht,thd->hd", weights, v).to(q.dtype)
+    return out
+
+
+def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def triton_kernels(device: torch.device):
+    """cuda_ext/step_triton.py on CUDA when triton imports (WCODEC_TRITON=0: never); else None."""
+    if device.type != "cuda" or os.environ.get("WCODEC_TRITON", "1") == "0":
+        return None
+    return _step_triton()
+
+
+@lru_cache(maxsize=1)
+def _step_triton():
+    try:
+        from . import step_triton
+    except ImportError:                    # no triton here
+        return None
+    return step_triton

@@ -1,0 +1,172 @@
+"""Triton kernels of the decode step; their references and the rules they keep are in
+step_kernels.py (read that first). Each wrapper checks what a caller can get wrong, allocates its
+outputs, and launches on the current stream.
+
+`_round(x, dtype)`: a float32 value rounded to the activations' dtype and widened back, as
+PyTorch rounds each elementwise op's result; the kernels call it wherever the reference rounds.
+For bf16 it rounds the bits itself (to nearest, ties to even): a float -> bf16 -> float
+conversion pair was seen to vanish on an H100 (a product then fused into the next add), which
+left rotary one bf16 place off the reference.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _round(x, dtype: tl.constexpr):
+    if dtype == tl.bfloat16:                                             # keep the top 16 bits, rounded
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    return x.to(dtype).to(tl.float32)
+
+
+# ---- RMSNorm on the residual stream --------------------------------------------------------------
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, h_ptr, w_ptr, sum_ptr, out_ptr, cols, eps, HAS_H: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK)
+    inside = c < cols
+    x = tl.load(x_ptr + row * cols + c, mask=inside, other=0.0).to(tl.float32)
+    if HAS_H:                                                            # x + h, rounded
+        h = tl.load(h_ptr + row * cols + c, mask=inside, other=0.0).to(tl.float32)
+        x = _round(x + h, sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + row * cols + c, x.to(sum_ptr.dtype.element_ty), mask=inside)
+    inv = tl.math.rsqrt(tl.sum(x * x, axis=0) / cols + eps)             # rsqrt(mean(x^2) + eps)
+    normed = _round(x * inv, sum_ptr.dtype.element_ty)                   # f.to(x.dtype)
+    w = tl.load(w_ptr + c, mask=inside, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * cols + c, _round(w * normed, out_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty),
+             mask=inside)
+
+
+def add_rms_norm(x: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, h [N, E] contiguous -> (x + h, RMSNorm(x + h) * weight); h None: (x, RMSNorm(x))."""
+    n, e = x.shape
+    torch._check(x.is_contiguous() and (h is None or (h.is_contiguous() and h.shape == x.shape)),
+                 lambda: "add_rms_norm: x and h must be contiguous [N, E] of one shape")
+    total = x if h is None else torch.empty_like(x)
+    out = torch.empty(x.shape, dtype=torch.result_type(weight, x), device=x.device)
+    block = triton.next_power_of_2(e)
+    _add_rms_norm_kernel[(n,)](x, x if h is None else h, weight, total, out, e, eps, HAS_H=h is not None,
+                               BLOCK=block, num_warps=8 if block >= 4096 else 4)
+    return total, out
+
+
+# ---- rotary embedding and the KV cache write -----------------------------------------------------
+@triton.jit
+def _rope_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, slots_ptr, kc_ptr, vc_ptr, qo_ptr,
+                       q_row, k_row, v_row, heads, kv_heads, D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    d = tl.arange(0, D)
+    rolled = (d + D // 2) % D                                            # x.roll(D/2)[d] = x[(d - D/2) mod D]
+    cos = tl.load(cos_ptr + t * D + d).to(tl.float32)
+    sin = tl.load(sin_ptr + t * D + d).to(tl.float32)                    # signed
+    dtype = qo_ptr.dtype.element_ty
+    if head < heads:
+        src = q_ptr + t * q_row + head * D
+        x, xr = tl.load(src + d).to(tl.float32), tl.load(src + rolled).to(tl.float32)
+        y = _round(_round(x * cos, dtype) + _round(xr * sin, dtype), dtype)
+        tl.store(qo_ptr + (t * heads + head) * D + d, y.to(dtype))
+    else:
+        j = head - heads
+        slot = tl.load(slots_ptr + t)
+        src = k_ptr + t * k_row + j * D
+        x, xr = tl.load(src + d).to(tl.float32), tl.load(src + rolled).to(tl.float32)
+        y = _round(_round(x * cos, dtype) + _round(xr * sin, dtype), dtype)
+        tl.store(kc_ptr + (slot * kv_heads + j) * D + d, y.to(dtype))
+        tl.store(vc_ptr + (slot * kv_heads + j) * D + d, tl.load(v_ptr + t * v_row + j * D + d))
+
+
+def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """q [N, H, D], k, v [N, KV, D] (rows may be strided: views of one projection), cos, sin [N, D]
+    -> rotated q [N, H, D]; rotated k and v written to k_cache, v_cache [slots, KV, D] at `slots`."""
+    n, heads, d = q.shape
+    kv = k.shape[1]
+    torch._check(q.stride()[1:] == (d, 1) and k.stride()[1:] == (d, 1) and v.stride()[1:] == (d, 1)
+                 and cos.is_contiguous() and sin.is_contiguous() and k_cache.is_contiguous()
+                 and v_cache.is_contiguous() and d == triton.next_power_of_2(d),
+                 lambda: "rope_store: heads must be dense, caches contiguous, head_dim a power of 2")
+    out = torch.empty((n, heads, d), dtype=q.dtype, device=q.device)
+    if n:
+        _rope_store_kernel[(n, heads + kv)](q, k, v, cos, sin, slots, k_cache, v_cache, out, q.stride(0),
+                                            k.stride(0), v.stride(0), heads, kv, D=d, num_warps=1)
+    return out
+
+
+# ---- attention of one query a row over a paged KV cache ------------------------------------------
+@triton.jit
+def _decode_attention_kernel(q_ptr, kc_ptr, vc_ptr, tables_ptr, lengths_ptr, out_ptr, scale, width,
+                             heads, kv_heads, BS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    kvh = head // (heads // kv_heads)
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + (b * heads + head) * D + d).to(tl.float32)
+    length = tl.load(lengths_ptr + b)
+    best = tl.max(tl.full([BLOCK_N], float("-inf"), tl.float32), axis=0)     # running max of the scores
+    total = tl.sum(tl.zeros([BLOCK_N], tl.float32), axis=0)                  # running sum of exp(s - best)
+    acc = tl.zeros([D], tl.float32)                                          # running sum of exp(s - best) * v
+    for start in range(0, length, BLOCK_N):
+        p = start + tl.arange(0, BLOCK_N)                                    # key positions
+        valid = p < length
+        block = tl.load(tables_ptr + b * width + p // BS, mask=valid, other=0)
+        at = ((block * BS + p % BS) * kv_heads + kvh)[:, None] * D + d[None, :]   # [BLOCK_N, D]
+        k = tl.load(kc_ptr + at, mask=valid[:, None], other=0.0).to(tl.float32)
+        s = tl.where(valid, tl.sum(k * q[None, :], axis=1) * scale, float("-inf"))
+        new = tl.maximum(best, tl.max(s, axis=0))
+        fade, e = tl.exp(best - new), tl.exp(s - new)
+        v = tl.load(vc_ptr + at, mask=valid[:, None], other=0.0).to(tl.float32)
+        total = total * fade + tl.sum(e, axis=0)
+        acc = acc * fade + tl.sum(e[:, None] * v, axis=0)
+        best = new
+    dtype = out_ptr.dtype.element_ty
+    tl.store(out_ptr + (b * heads + head) * D + d, _round(acc / total, dtype).to(dtype))
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                     lengths: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
+    """q [B, H, D] contiguous, caches [slots, KV, D], tables [B, M] int64, lengths [B] int64 (>= 1)
+    -> [B, H, D]."""
+    b, heads, d = q.shape
+    kv = k_cache.shape[1]
+    torch._check(q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
+                 and tables.is_contiguous() and heads % kv == 0 and d == triton.next_power_of_2(d),
+                 lambda: "decode_attention: contiguous inputs, H a multiple of KV, head_dim a power of 2")
+    out = torch.empty_like(q)
+    if b:
+        _decode_attention_kernel[(b, heads)](q, k_cache, v_cache, tables, lengths, out, scale, tables.shape[1],
+                                             heads, kv, BS=block_size, D=d, BLOCK_N=32, num_warps=4)
+    return out
+
+
+# ---- SiLU(gate) * up -----------------------------------------------------------------------------
+@triton.jit
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, cols, g_row, u_row, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = c < cols
+    dtype = out_ptr.dtype.element_ty
+    g = tl.load(g_ptr + row * g_row + c, mask=inside, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * u_row + c, mask=inside, other=0.0).to(tl.float32)
+    silu = _round(g / (1.0 + tl.exp(-g)), dtype)                          # F.silu, rounded
+    tl.store(out_ptr + row * cols + c, _round(silu * u, dtype).to(dtype), mask=inside)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gate, up [N, F] (rows may be strided: halves of one projection) -> SiLU(gate) * up [N, F]."""
+    n, f = gate.shape
+    torch._check(up.shape == gate.shape and gate.stride(1) == 1 and up.stride(1) == 1 and up.dtype == gate.dtype,
+                 lambda: "silu_mul: gate and up of one shape and dtype, dense rows")
+    out = torch.empty((n, f), dtype=gate.dtype, device=gate.device)
+    block = 1024
+    if n:
+        _silu_mul_kernel[(n, triton.cdiv(f, block))](gate, up, out, f, gate.stride(0), up.stride(0), BLOCK=block,
+                                                     num_warps=4)
+    return out

@@ -1,0 +1,135 @@
+"""The decode step's Triton kernels (cuda_ext/step_triton.py) against their PyTorch references
+(cuda_ext/step_kernels.py) on the GPU: rotary + cache write and SiLU * up bit for bit; the
+residual sum exact and RMSNorm within one bf16 place (a float32 mean summed in another order);
+paged decode attention within bf16 rounding of a float32 softmax; fixed and fuzzed shapes (MHA
+and grouped KV heads, one key, keys across blocks, rows of other lengths); then a whole paged
+forward of a Llama with both step kinds, and a CUDA-graph replay of the Triton step."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cuda_ext import step_kernels as ref
+
+pytestmark = pytest.mark.triton                          # needs triton, not the extension (conftest.py)
+triton_ops = ref.triton_kernels(torch.device("cuda"))
+if triton_ops is None:
+    pytest.skip("triton is not importable here", allow_module_level=True)
+BF16 = torch.bfloat16
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a - b| in units of b's last bf16 place."""
+    spacing = torch.finfo(BF16).eps * b.float().abs().clamp_min(torch.finfo(BF16).tiny)
+    return (a.float() - b.float()).abs() / spacing
+
+
+@pytest.mark.parametrize("n,e", [(1, 4096), (7, 576), (64, 4096), (3, 5000)])
+@pytest.mark.parametrize("with_h", [False, True])
+def test_add_rms_norm(n, e, with_h) -> None:
+    g = torch.Generator(device="cuda").manual_seed(n * e)
+    x = torch.randn(n, e, device="cuda", generator=g).to(BF16) * 3
+    h = torch.randn(n, e, device="cuda", generator=g).to(BF16) if with_h else None
+    w = (1 + 0.1 * torch.randn(e, device="cuda", generator=g)).to(BF16)
+    (s1, n1), (s2, n2) = triton_ops.add_rms_norm(x, h, w, 1e-5), ref.add_rms_norm_reference(x, h, w, 1e-5)
+    assert torch.equal(s1, s2)
+    assert ulps(n1, n2).max() <= 1.0 and (n1 != n2).float().mean() < 0.02
+
+
+def test_add_rms_norm_float32_weight() -> None:
+    """A float32 norm weight (GGUF keeps norms in f32) gives float32 out, as the reference."""
+    x, w = torch.randn(4, 576, device="cuda").to(BF16), 1 + 0.1 * torch.randn(576, device="cuda")
+    (_, a), (_, b) = triton_ops.add_rms_norm(x, None, w, 1e-5), ref.add_rms_norm_reference(x, None, w, 1e-5)
+    assert a.dtype == b.dtype == torch.float32
+    torch.testing.assert_close(a, b, rtol=8e-3, atol=1e-5)
+
+
+def rotary(n: int, d: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    pos = torch.randint(0, 4000, (n,), device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed))
+    freqs = pos[:, None].float() / (10000 ** (torch.arange(0, d, 2, device="cuda").float() / d))
+    emb = torch.cat((freqs, freqs), -1)
+    sin = emb.sin().to(BF16)
+    return emb.cos().to(BF16), torch.cat((-sin[:, :d // 2], sin[:, d // 2:]), -1)
+
+
+@pytest.mark.parametrize("n,h,kv,d", [(1, 32, 32, 128), (9, 9, 3, 64), (40, 32, 8, 128), (0, 4, 2, 64)])
+def test_rope_store(n, h, kv, d) -> None:
+    g = torch.Generator(device="cuda").manual_seed(n + h)
+    qkv = torch.randn(n, (h + 2 * kv) * d, device="cuda", generator=g).to(BF16)      # one projection's views
+    q, k, v = (t.view(n, -1, d) for t in qkv.split([h * d, kv * d, kv * d], 1))
+    cos, sin = rotary(n, d, n)
+    slots = torch.randperm(256, device="cuda", generator=g)[:n]
+    caches = [torch.randn(256, kv, d, device="cuda", generator=g).to(BF16) for _ in range(2)]
+    theirs = [c.clone() for c in caches]
+    got = triton_ops.rope_store(q, k, v, cos, sin, *caches, slots)
+    want = ref.rope_store_reference(q, k, v, cos, sin, *theirs, slots)
+    assert torch.equal(got, want) and torch.equal(caches[0], theirs[0]) and torch.equal(caches[1], theirs[1])
+
+
+def paged_case(b: int, h: int, kv: int, d: int, lengths: list[int], bs: int, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    width = max(-(-n // bs) for n in lengths)
+    blocks = b * width + 1
+    tables = torch.randperm(blocks, device="cuda", generator=g)[:b * width].view(b, width).contiguous()
+    k_cache, v_cache = (torch.randn(blocks * bs, kv, d, device="cuda", generator=g).to(BF16) for _ in range(2))
+    q = torch.randn(b, h, d, device="cuda", generator=g).to(BF16)
+    return q, k_cache, v_cache, tables, torch.tensor(lengths, device="cuda")
+
+
+CASES = [(1, 32, 32, 128, [1], 16), (1, 32, 32, 128, [136], 16), (3, 32, 8, 128, [40, 17, 1], 16),
+         (4, 9, 3, 64, [100, 33, 64, 65], 16), (2, 8, 8, 64, [31, 300], 32), (64, 32, 32, 128, list(range(8, 136, 2)), 16)]
+
+
+@pytest.mark.parametrize("b,h,kv,d,lengths,bs", CASES)
+def test_decode_attention(b, h, kv, d, lengths, bs) -> None:
+    q, kc, vc, tables, lens = paged_case(b, h, kv, d, lengths, bs, b * 7 + h)
+    got = triton_ops.decode_attention(q, kc, vc, tables, lens, bs, d ** -0.5)
+    want = ref.decode_attention_reference(q, kc, vc, tables, lens, bs, d ** -0.5)
+    torch.testing.assert_close(got, want, rtol=1.6e-2, atol=2e-3)
+
+
+def test_decode_attention_fuzzed() -> None:
+    rng = torch.Generator().manual_seed(11)
+    for trial in range(25):
+        r = lambda lo, hi: int(torch.randint(lo, hi, (1,), generator=rng))
+        kv = r(1, 5)
+        b, h, d, bs = r(1, 9), kv * r(1, 5), [32, 64, 128][r(0, 3)], [8, 16, 32][r(0, 3)]
+        lengths = [r(1, 400) for _ in range(b)]
+        q, kc, vc, tables, lens = paged_case(b, h, kv, d, lengths, bs, trial)
+        got = triton_ops.decode_attention(q, kc, vc, tables, lens, bs, d ** -0.5)
+        want = ref.decode_attention_reference(q, kc, vc, tables, lens, bs, d ** -0.5)
+        torch.testing.assert_close(got, want, rtol=1.6e-2, atol=2e-3, msg=f"trial {trial}")
+
+
+@pytest.mark.parametrize("n,f", [(1, 11008), (5, 1536), (64, 11008), (3, 1000)])
+def test_silu_mul(n, f) -> None:
+    gu = torch.randn(n, 2 * f, device="cuda", generator=torch.Generator(device="cuda").manual_seed(f)).to(BF16) * 4
+    gate, up = gu[:, :f], gu[:, f:]                                      # halves of one projection
+    got, want = triton_ops.silu_mul(gate, up), ref.silu_mul_reference(gate, up)
+    assert ulps(got, want).max() <= 1.0 and (got != want).float().mean() < 1e-3
+
+
+@torch.inference_mode()
+def test_the_triton_step_equals_the_modules_step() -> None:
+    """A small Llama's paged forward (prompt chunks, then decode rows replayed as a CUDA graph)
+    with Triton's kernels and with the modules: logits within bf16 rounding, the same greedy tokens."""
+    from service.engine.runner import Chunk, Decode, Runner
+    from service.model import llama, paged
+    config = {"model_type": "llama", "hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 4,
+              "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 1000, "max_position_embeddings": 512}
+    torch.manual_seed(0)
+    m = llama.LlamaForCausalLM(llama.LlamaConfig.parse(config), "cuda").to(BF16).eval()
+    for p in m.parameters():
+        p.copy_(1 + 0.02 * torch.randn_like(p) if p.dim() == 1 else 0.05 * torch.randn_like(p))
+    runs = {}
+    for kind, fused in (("triton", triton_ops), ("modules", None)):
+        cache = paged.PagedCache(m.config, 16, 16, BF16, torch.device("cuda"))
+        runner = Runner(m, cache, max_rows=4, max_blocks=8, graphs=True, fused=fused)
+        tables = [[2 * i, 2 * i + 1, 8 + i] for i in range(3)]
+        first = [runner.run([], [Chunk(list(range(5 + i, 30 + i)), 0, t)]) for i, t in enumerate(tables)]
+        decodes = [Decode(int(f[0].argmax()), 25, t) for f, t in zip(first, tables)]
+        runs[kind] = torch.cat(first), runner.run(decodes, []).clone()
+        assert runner.graphs                                             # the decode step was replayed
+    for a, b in zip(runs["triton"], runs["modules"]):
+        torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-2)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))

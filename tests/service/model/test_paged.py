@@ -1,0 +1,78 @@
+"""service/model/paged.py's two step kinds on the CPU: the `Fused` step (run here with the
+kernels' PyTorch references in place of Triton's, cuda_ext/step_kernels.py) over weights joined
+by `fuse_projections` equals the `Modules` step, prompt chunks and decode rows; joining holds no
+byte twice, happens once, and skips what it cannot join. The Triton kernels themselves are
+tested on the GPU (tests/gpu/test_step_kernels.py)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from cuda_ext import step_kernels
+from service.engine.runner import Chunk, Decode, Runner
+from service.model import llama, paged
+
+REFERENCES = SimpleNamespace(add_rms_norm=step_kernels.add_rms_norm_reference,
+                             rope_store=step_kernels.rope_store_reference,
+                             decode_attention=step_kernels.decode_attention_reference,
+                             silu_mul=step_kernels.silu_mul_reference)
+CONFIG = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 344, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300, "max_position_embeddings": 256}
+
+
+def model(**extra) -> llama.LlamaForCausalLM:
+    torch.manual_seed(0)
+    m = llama.LlamaForCausalLM(llama.LlamaConfig.parse({**CONFIG, **extra}), "cpu").to(torch.bfloat16).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(1 + 0.02 * torch.randn_like(p) if p.dim() == 1 else 0.05 * torch.randn_like(p))
+    return m
+
+
+@torch.inference_mode()
+def steps(m: llama.LlamaForCausalLM, fused) -> list[torch.Tensor]:
+    """Two prompts in chunks, then a decode step of both: every step's logits."""
+    runner = Runner(m, paged.PagedCache(m.config, 8, 16, torch.bfloat16, torch.device("cpu")), 4, 4, False, fused)
+    tables, out = [[0, 1, 2], [5, 3]], []
+    out.append(runner.run([], [Chunk(list(range(3, 23)), 0, tables[0]), Chunk(list(range(40, 47)), 0, tables[1])]))
+    out.append(runner.run([Decode(int(out[0][1].argmax()), 7, tables[1])], [Chunk(list(range(23, 30)), 20, tables[0])]))
+    out.append(runner.run([Decode(9, 30, tables[0]), Decode(11, 8, tables[1])], []))
+    return out
+
+
+@pytest.mark.parametrize("extra", [{}, {"model_type": "qwen2"}], ids=["llama", "qwen2-bias"])
+def test_the_fused_step_over_joined_weights_equals_the_modules_step(extra) -> None:
+    m = model(**extra)
+    want = steps(m, None)
+    before = {n: p.clone() for n, p in m.named_parameters()}
+    paged.fuse_projections(m)
+    attn = m.model.layers[0].self_attn
+    assert attn.q_proj.weight.untyped_storage().data_ptr() == attn.qkv_weight.untyped_storage().data_ptr()
+    assert (attn.qkv_bias is not None) == (extra != {})
+    assert all(torch.equal(p, before[n]) for n, p in m.named_parameters())       # the same weights, views now
+    for got, ref in zip(steps(m, REFERENCES), want):
+        torch.testing.assert_close(got, ref, rtol=0, atol=2e-2)
+        assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    assert torch.equal(torch.cat(steps(m, None)), torch.cat(want))              # the modules still compute alone
+
+
+def test_joining_holds_no_byte_twice_and_happens_once() -> None:
+    m = model()
+    storages = lambda: {p.untyped_storage().data_ptr() for p in m.parameters()} | \
+        {b.untyped_storage().data_ptr() for b in m.buffers() if b is not None}
+    per_layer = len(storages())
+    paged.fuse_projections(m)
+    joined = m.model.layers[0].mlp.gate_up_weight
+    assert len(storages()) == per_layer - 2 * 3                      # 5 weights became 2 buffers, in each of 2 layers
+    paged.fuse_projections(m)
+    assert m.model.layers[0].mlp.gate_up_weight is joined
+
+
+def test_joining_skips_parts_it_cannot_join() -> None:
+    m = model()
+    mlp = m.model.layers[1].mlp
+    mlp.up_proj.weight = torch.nn.Parameter(mlp.up_proj.weight.float(), requires_grad=False)    # two dtypes
+    paged.fuse_projections(m)
+    assert not hasattr(mlp, "gate_up_weight") and hasattr(m.model.layers[0].mlp, "gate_up_weight")
