@@ -58,7 +58,7 @@ def _restore_once_read(reads: dict, switch: float) -> None:
     """The short switch interval only helps the early reads along: back to `switch` as soon as
     they are all in (on a 2-core CPU it cost the demo's start ~0.1 s), or at once without any."""
     def restore() -> None:
-        for read in reads.values():
+        for read in list(reads.values()):           # the early loads add to `reads` meanwhile
             try:
                 read.wait_until(read.end)
             except Exception:                # the load reports it

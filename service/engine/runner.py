@@ -54,17 +54,39 @@ def bucket(n: int, sizes: tuple[int, ...], top: int) -> int:
 
 
 class Graph:
+    """One captured decode step. Its inputs are views of one device buffer, filled by one copy from
+    a pinned host buffer (two, used in turn: a step's copy may still be queued while the next
+    step's inputs are written); in it, a row takes the previous launch's pick (`from_prev`, at
+    `index` of it) or its host token (`ids`); out: logits, the greedy picks and their logprobs."""
+    INPUTS = ("ids", "positions", "slots", "lengths", "index", "from_prev")
+
     def __init__(self, rows: int, width: int, pad_block: int, block_size: int, device: torch.device):
-        long = {"dtype": torch.long, "device": device}
-        self.ids, self.positions = torch.zeros(rows, **long), torch.zeros(rows, **long)     # [b]
-        self.slots = torch.full((rows,), pad_block * block_size, **long)                     # [b]
-        self.tables = torch.full((rows, width), pad_block, **long)                           # [b, m]
-        self.lengths = torch.ones(rows, **long)                                              # [b]
+        k = len(self.INPUTS)
+        self.rows, self.width = rows, width
+        self.inputs = torch.zeros(rows * (k + width), dtype=torch.long, device=device)
+        for name, view in zip(self.INPUTS, self.inputs[:k * rows].view(k, rows)):           # [b] each
+            setattr(self, name, view)
+        self.tables = self.inputs[k * rows:].view(rows, width)                               # [b, m]
+        self.slots.fill_(pad_block * block_size)
+        self.tables.fill_(pad_block)
+        self.lengths.fill_(1)
+        self.staging = [torch.empty_like(self.inputs, device="cpu", pin_memory=True) for _ in range(2)]
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None                                              # [b, V]
+        self.picks: torch.Tensor | None = None                                               # [b] argmax
+        self.logprobs: torch.Tensor | None = None                                            # [b]
 
     def context(self) -> paged.Context:
-        return paged.Context(self.positions, self.slots, self.ids.shape[0], self.tables, self.lengths)
+        return paged.Context(self.positions, self.slots, self.rows, self.tables, self.lengths)
+
+
+@dataclass
+class Launched:
+    """A decode step queued on the device: its picks land in pinned memory when `done` fires."""
+    rows: int
+    done: torch.cuda.Event | None  # None: an eager launch, done already
+    picks: torch.Tensor            # [b] int64, pinned
+    logprobs: torch.Tensor         # [b] float32, pinned
 
 
 class Runner:
@@ -77,6 +99,14 @@ class Runner:
         self.graphs: dict[tuple[int, int], Graph] = {}
         self.pool = None
         self.capture_seconds = 0.0
+        self.turn = 0                            # which pinned buffers a step uses (they alternate)
+        self.pipelined = self.use_graphs         # the scheduler may launch steps ahead (scheduler.py)
+        self.last_host: list[int] = []           # an eager launch's picks
+        if self.use_graphs:                      # the last launch's picks, read by the next launch's graph
+            self.last_picks = torch.zeros(max_rows, dtype=torch.long, device=self.device)
+            pinned = {"device": "cpu", "pin_memory": True}
+            self.out = [(torch.empty(max_rows, dtype=torch.long, **pinned),
+                         torch.empty(max_rows, dtype=torch.float32, **pinned)) for _ in range(2)]
 
     @property
     def block_size(self) -> int:
@@ -133,24 +163,75 @@ class Runner:
         return torch.cat(ids).to(dev), ctx
 
     # ---- CUDA graphs -----------------------------------------------------------------------------
-    def _replay(self, decodes: list[Decode]) -> torch.Tensor:
+    def _graph_for(self, decodes: list[Decode], prev_index: list[int] | None) -> Graph:
+        """The graph of this step's shape, its inputs queued: the host's (one copy from pinned
+        memory), `prev_index[i]` >= 0: row i takes that row's pick of the previous launch."""
         rows = bucket(len(decodes), BATCH_BUCKETS, self.max_rows)
         width = bucket(self._width(decodes), WIDTHS, self.max_blocks)
         g = self.graphs.get((rows, width)) or self._capture(rows, width)
-        for dst, src in zip((g.ids, g.positions, g.slots, g.tables, g.lengths),
-                            self._decode_inputs(decodes, rows, width)):
-            dst.copy_(src)
+        ids, positions, slots, tables, lengths = self._decode_inputs(decodes, rows, width)
+        index = torch.tensor((prev_index or []) + [-1] * (rows - len(prev_index or [])), dtype=torch.long)
+        staging = g.staging[self.turn % 2]
+        self.turn += 1
+        torch.cat([ids, positions, slots, lengths, index.clamp(min=0), (index >= 0).long(), tables.flatten()],
+                  out=staging)
+        g.inputs.copy_(staging, non_blocking=True)
+        return g
+
+    def _replay(self, decodes: list[Decode]) -> torch.Tensor:
+        g = self._graph_for(decodes, None)
         g.graph.replay()
         return g.logits[:len(decodes)]
+
+    @torch.inference_mode()
+    def launch(self, decodes: list[Decode], prev_index: list[int] | None) -> Launched:
+        """A decode-only step queued without waiting for it: each row's token is its host `token`,
+        or where prev_index[i] >= 0 the previous launch's pick for that row, read on the device
+        (a graph replay; without graphs, an eager step that waits: the same bookkeeping, for the
+        CPU's tests). `picks(...)` gives its greedy picks."""
+        n = len(decodes)
+        if not self.use_graphs:
+            tokens = [self.last_host[i] if i >= 0 else d.token for d, i in zip(decodes, prev_index or [-1] * n)]
+            logits = self.run([Decode(t, d.position, d.table) for t, d in zip(tokens, decodes)], [])
+            picks = logits.argmax(-1)
+            self.last_host = picks.tolist()
+            return Launched(n, None, picks, logits.log_softmax(-1).gather(-1, picks[:, None])[:, 0])
+        g = self._graph_for(decodes, prev_index)
+        g.graph.replay()
+        picks, logprobs = self.out[self.turn % 2]
+        picks[:n].copy_(g.picks[:n], non_blocking=True)
+        logprobs[:n].copy_(g.logprobs[:n], non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return Launched(n, done, picks, logprobs)
+
+    @staticmethod
+    def picks(launched: Launched) -> list[tuple[int, float]]:
+        """(token, logprob) of each row of a launched step, once it is done."""
+        if launched.done is not None:
+            launched.done.synchronize()
+        n = launched.rows
+        return list(zip(launched.picks[:n].tolist(), launched.logprobs[:n].tolist()))
+
+    def _step_of_graph(self, g: Graph) -> torch.Tensor:
+        """The captured step: ids from the host or the last picks, the forward, the greedy picks."""
+        ids = torch.where(g.from_prev.bool(), self.last_picks.index_select(0, g.index), g.ids)       # [b]
+        logits = paged.forward(self.model, ids, g.context(), self.cache, self.fused)                  # [b, V]
+        g.picks = logits.argmax(-1)
+        g.logprobs = logits.log_softmax(-1).gather(-1, g.picks[:, None])[:, 0]
+        self.last_picks[:g.rows].copy_(g.picks)
+        return logits
 
     def _capture(self, rows: int, width: int) -> Graph:
         t0 = time.perf_counter()
         g = Graph(rows, width, self.cache.pad_block, self.block_size, self.device)
-        paged.forward(self.model, g.ids, g.context(), self.cache, self.fused)          # warm-up: lazy inits outside the graph
+        kept = self.last_picks.clone()                                    # a launch in flight may read them next
+        self._step_of_graph(g)                                            # warm-up: lazy inits outside the graph
+        self.last_picks.copy_(kept)
         torch.cuda.synchronize(self.device)
         g.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g.graph, pool=self.pool, capture_error_mode="thread_local"):
-            g.logits = paged.forward(self.model, g.ids, g.context(), self.cache, self.fused)
+            g.logits = self._step_of_graph(g)
         if self.pool is None:
             self.pool = g.graph.pool()
         torch.cuda.synchronize(self.device)

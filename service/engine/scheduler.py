@@ -14,6 +14,10 @@ Each `step()`:
      its own blocks; a decode-only step replays a CUDA graph;
   5. decoding rows sample their next token; a row whose prompt is complete samples its first and
      starts decoding.
+Pipelined (CUDA graphs; decoding rows only, all greedy, none waiting to be admitted), a step
+instead launches the rows' next step, its tokens read on the device from the last launch's picks,
+then pushes the last launch's tokens while the device computes: the host's work per token
+(sampling's copy, detokenizing, the events) overlaps the step rather than following it.
 
 A row's attention sees only its own blocks, so batching changes no row's tokens beyond
 floating-point reordering. `on_token(row, event)` fires for every token, `on_finish(row)` once per row.
@@ -23,28 +27,39 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from ..errors import ValidationFailed
 from .batcher import Step
 from .blocks import BlockManager
-from .runner import Chunk, Decode, Runner
+from .runner import Chunk, Decode, Launched, Runner
 from .sampling import Row, TokenEvent, sample_rows
 
 
 class Seq:
-    """A row's place in the cache: its blocks and how much of its prompt is in."""
+    """A row's place in the cache: its blocks, how much of its prompt is in, and whether a
+    launched step's token for it is still on its way (`ahead`: 0 or 1)."""
 
     def __init__(self, row: Row, table: list[int]):
-        self.row, self.table, self.prefilled = row, table, 0
+        self.row, self.table, self.prefilled, self.ahead = row, table, 0, 0
 
     @property
     def prompt_done(self) -> bool:
         return self.prefilled == len(self.row.prompt_ids)
 
     def decode(self) -> Decode:
-        return Decode(self.row.ids[-1], len(self.row.prompt_ids) + len(self.row.ids) - 1, self.table)
+        """Its next decode step; with a token on its way, the token is the device's (0 here)."""
+        token = self.row.ids[-1] if not self.ahead else 0
+        return Decode(token, len(self.row.prompt_ids) + len(self.row.ids) - 1 + self.ahead, self.table)
+
+
+@dataclass
+class Pending:
+    """A launched decode step whose tokens are not pushed yet."""
+    seqs: list[Seq]
+    launched: Launched
 
 
 class Scheduler:
@@ -58,6 +73,7 @@ class Scheduler:
         self.arrived: dict[int, float] = {}
         self.running: list[Seq] = []            # decoding
         self.prefilling: list[Seq] = []
+        self.pending: Pending | None = None     # a launched step (pipelined: below)
 
     def add(self, row: Row) -> None:
         """Queue `row`; ValidationFailed when its budget is more than the whole cache holds."""
@@ -69,7 +85,7 @@ class Scheduler:
 
     @property
     def idle(self) -> bool:
-        return not (self.waiting or self.running or self.prefilling)
+        return not (self.waiting or self.running or self.prefilling or self.pending)
 
     @property
     def active(self) -> list[Row]:
@@ -78,6 +94,9 @@ class Scheduler:
     @torch.inference_mode()
     def step(self) -> Step:
         self._leave()
+        if self._pipelines():
+            return self._launch()
+        self._drain()
         self._admit()
         chunks = self._chunks(self.max_tokens - len(self.running))
         decoding = list(self.running)
@@ -99,8 +118,46 @@ class Scheduler:
         rows = self.active
         for s in self.running + self.prefilling:
             self.blocks.release(s.table)
-        self.running, self.prefilling = [], []
+        self.running, self.prefilling, self.pending = [], [], None
         return rows
+
+    # ---- pipelined decode steps ------------------------------------------------------------------
+    def _pipelines(self) -> bool:
+        """Whether this step is queued behind the last one before the last one's tokens are known
+        (the host's work on those tokens then overlaps the device's step): CUDA graphs, decoding
+        rows only, every one greedy without a penalty, and no waiting row that could be admitted."""
+        return self.runner.pipelined and bool(self.running) and not self.prefilling \
+            and len(self.running) <= self.runner.max_rows and not self._admissible() \
+            and all(s.row.history is None and not s.row.params.sampling for s in self.running)
+
+    def _admissible(self) -> bool:
+        return bool(self.waiting) and len(self.running) + len(self.prefilling) < self.max_rows \
+            and self.blocks.can_allocate(self._budget(self.waiting[0])) and self._ready_to_admit()
+
+    def _launch(self) -> Step:
+        """Launch a step of the running rows, then push the previous launch's tokens. A row that
+        those tokens finish has had one more step launched: its token is dropped, and the blocks
+        it wrote were its own (the budget covers that position) until the stream has passed it."""
+        prev, seqs = self.pending, list(self.running)
+        where = {id(s): i for i, s in enumerate(prev.seqs)} if prev else {}
+        launched = self.runner.launch([s.decode() for s in seqs], [where.get(id(s), -1) for s in seqs])
+        for s in seqs:
+            s.ahead += 1
+        self.pending = Pending(seqs, launched)
+        if prev is not None:
+            self._push(prev)
+        return Step(len(seqs), len(seqs))
+
+    def _drain(self) -> None:
+        if self.pending is not None:
+            prev, self.pending = self.pending, None
+            self._push(prev)
+
+    def _push(self, p: Pending) -> None:
+        for s, (token, logprob) in zip(p.seqs, self.runner.picks(p.launched)):
+            s.ahead -= 1
+            if not s.row.done:
+                self.on_token(s.row, s.row.push(token, logprob))
 
     def _advance(self, s: Seq, c: Chunk) -> bool:
         s.prefilled = c.start + len(c.tokens)

@@ -88,6 +88,30 @@ def test_batched_rows_equal_alone(tiny) -> None:
             assert row.ids == alone.ids and row.finish_reason == alone.finish_reason
 
 
+def test_pipelined_steps_give_the_tokens_of_waiting_steps(tiny) -> None:
+    """Decode steps launched before the last one's tokens are pushed (CUDA's pipelining, run
+    eagerly here): arrivals, rows waiting for a row, a cancellation; the same tokens, finish
+    reasons and logprobs as steps that wait (or parting at a near-tie), every block back."""
+    rng = random.Random(4)
+    prompts = [p for p in prompts_of(tiny, 12, rng) if len(p) <= 100][:8]
+    reqs = [Req(p, SamplingParams(rng.randint(1, 12)), arrive=rng.randint(0, 10)) for p in prompts]
+    reqs[2].cancel_at = reqs[2].arrive + 3
+    runs = {}
+    for pipelined in (False, True):
+        s = paged(tiny, max_rows=4, max_tokens=48)
+        s.runner.pipelined, ahead = pipelined, []
+        rows = drive(s, tiny, reqs, lambda _: ahead.append(s.pending is not None))
+        assert s.blocks.used == 0 and s.pending is None and all(q.ahead == 0 for q in s.running)
+        runs[pipelined] = rows, sum(ahead)
+    assert runs[True][1] > 10 and runs[False][1] == 0                # steps were launched ahead
+    for req, waited, piped in zip(reqs, runs[False][0], runs[True][0]):
+        if req.cancel_at is not None:
+            assert piped.cancelled and piped.ids == waited.ids[:len(piped.ids)]
+        elif first_divergence_is_a_near_tie(tiny, req.prompt, waited.ids, piped.ids) == len(waited.ids):
+            assert piped.ids == waited.ids and piped.finish_reason == waited.finish_reason
+            assert [t.logprob for t in piped.tokens] == pytest.approx([t.logprob for t in waited.tokens], abs=1e-4)
+
+
 def test_a_full_cache_makes_requests_wait(tiny) -> None:
     s = paged(tiny, max_rows=8, nbytes=1, max_total_tokens=64)        # 64 tokens: 4 blocks
     assert s.blocks.blocks == 4

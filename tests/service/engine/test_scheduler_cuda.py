@@ -38,15 +38,33 @@ def paged(served, **cache):
     return paging.scheduler(served, 64, 512, paging.CacheSettings(**cache), lambda r, e: None, lambda r: None)
 
 
+def first_parting(demo, prompts: list[str], ours: list[list[int]], theirs: list[list[int]]) -> str:
+    """Where the two engines' tokens first part, and the eager model's top-2 logit margin there."""
+    for p, a, b in zip(prompts, ours, theirs):
+        j = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if j is not None:
+            ids = torch.tensor([demo.tokenizer.encode(p) + b[:j]], device=CUDA)
+            top = demo.model(input_ids=ids).logits[0, -1].float().topk(2).values
+            return f"{p!r}: token {j} ({a[j]} vs {b[j]}), eager top-2 margin {float(top[0] - top[1]):.4f}"
+    return "none"
+
+
+@pytest.mark.parametrize("kind", ["triton", "modules"])
 @pytest.mark.parametrize("together", [False, True], ids=["batch1", "batch8"])
-def test_graph_tokens_equal_the_padded_eager_engine(demo, together) -> None:
+def test_graph_tokens_equal_the_padded_eager_engine(demo, together, kind, monkeypatch) -> None:
+    """Both step kinds (Triton's kernels; WCODEC_TRITON=0: the modules), decode steps replayed."""
+    monkeypatch.setenv("WCODEC_TRITON", "1" if kind == "triton" else "0")
     prompts = PROMPTS if together else PROMPTS[:5]
     rows = lambda: [Row(demo.tokenizer.encode(p), SamplingParams(32), demo) for p in prompts]
     s = paged(demo)
+    assert (s.runner.fused is not None) == (kind == "triton")
     ours = generate(s, rows(), together)
     assert s.runner.use_graphs and s.runner.graphs                        # the decode steps were replayed
     eager = Batcher(demo, max_rows=64, max_tokens=512, on_token=lambda r, e: None, on_finish=lambda r: None)
-    assert ours == generate(eager, rows(), together)
+    theirs = generate(eager, rows(), together)
+    with torch.inference_mode():
+        print(f"{kind} {together} ({demo.dtype}): first parting:", first_parting(demo, prompts, ours, theirs))
+    assert ours == theirs
 
 
 @torch.inference_mode()
