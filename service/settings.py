@@ -73,7 +73,7 @@ class Settings(BaseSettings):
     cpu_dtype: Literal["auto", "model", "float32"] = "auto"   # CPU compute dtype (service/model/cpu_dtype.py)
     # llama.py's models: "paged" KV cache, CUDA graphs (service/engine/scheduler.py); "padded": the
     # engine before it (service/engine/batcher.py, which serves transformers' models either way);
-    # "auto": paged on the CPU, padded on CUDA until the paged engine has run on a GPU (docs/BENCHMARKS.md)
+    # "auto": paged (the two engines' figures: docs/BENCHMARKS.md)
     engine: Literal["auto", "paged", "padded"] = "auto"
     kv_block_size: int = Field(16, ge=1)         # tokens a KV cache block
     kv_cache_bytes: int | None = Field(None, ge=0)   # the KV cache; None: kv_cache_fraction (CUDA), 1 GiB (CPU)

@@ -29,6 +29,7 @@ from ..model import paged
 from ..model.llama import LlamaForCausalLM
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+SHORT_PROMPT = 256                 # keys of a chunk's context up to which its tokens attend as decode rows
 WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
 
@@ -142,6 +143,8 @@ class Runner:
         return -(-max(d.position + 1 for d in decodes) // self.block_size)
 
     def _eager_inputs(self, decodes: list[Decode], chunks: list[Chunk]) -> tuple[torch.Tensor, paged.Context]:
+        if self.fused is not None and chunks and all(c.start + len(c.tokens) <= SHORT_PROMPT for c in chunks):
+            return self._as_decode_rows(decodes, chunks)
         b, bs = len(decodes), self.block_size
         ids, pos, slots, tables, lengths = self._decode_inputs(decodes, b, self._width(decodes)) if b else \
             (torch.zeros(0, dtype=torch.long),) * 5
@@ -161,6 +164,17 @@ class Runner:
                             lengths.to(dev) if b else None, prefills, torch.tensor(last, device=dev),
                             int(lengths.max()) if b else None)
         return torch.cat(ids).to(dev), ctx
+
+    def _as_decode_rows(self, decodes: list[Decode], chunks: list[Chunk]) -> tuple[torch.Tensor, paged.Context]:
+        """Every prompt token as a decode row of its sequence (it sees its position + 1 keys, its
+        own chunk's earlier ones written in the same step): one attention launch a layer for the
+        whole step, where SDPA took one per chunk (Triton's step, short prompts only: a token
+        reads its keys alone, O(S^2) reads a chunk)."""
+        rows = decodes + [Decode(t, c.start + i, c.table) for c in chunks for i, t in enumerate(c.tokens)]
+        ids, ctx = self._eager_inputs(rows, [])
+        ends = torch.tensor([len(c.tokens) for c in chunks]).cumsum(0) + len(decodes) - 1      # each chunk's last
+        ctx.last = torch.cat([torch.arange(len(decodes)), ends]).to(self.device)
+        return ids, ctx
 
     # ---- CUDA graphs -----------------------------------------------------------------------------
     def _graph_for(self, decodes: list[Decode], prev_index: list[int] | None) -> Graph:

@@ -34,7 +34,7 @@ class Limits:
     max_queue: int          # WCODEC_MAX_QUEUE: waiting requests before 429
     batch_wait_s: float     # WCODEC_BATCH_WAIT_MS: an idle engine waits this long for a burst
     engine: str = "auto"    # WCODEC_ENGINE: "paged" (llama.py models: paging.py), "padded" (batcher.py),
-                            # "auto": paged on the CPU, padded on CUDA (the paged engine is unproven there)
+                            # "auto": paged
     cache: paging.CacheSettings = field(default_factory=paging.CacheSettings)
 
 
@@ -45,10 +45,10 @@ def limits(s) -> Limits:
     return Limits(s.max_batch_size, s.max_batch_tokens, s.max_queue, s.batch_wait_ms / 1e3, s.engine, cache)
 
 
-def paged_engine(engine: str, device: torch.device) -> bool:
-    """Whether WCODEC_ENGINE picks the paged engine on this device. "auto" keeps CUDA on the padded
-    engine: the paged one and its CUDA graphs have passed their tests on the CPU only, so far."""
-    return engine == "paged" or (engine == "auto" and device.type != "cuda")
+def paged_engine(engine: str) -> bool:
+    """Whether WCODEC_ENGINE picks the paged engine ("auto" does, on every device: it passed its
+    tests on the CPU and on an H100, docs/BENCHMARKS.md; "padded" keeps the engine before it)."""
+    return engine in ("paged", "auto")
 
 
 class GenRequest:
@@ -110,7 +110,7 @@ class Engine:
 
     def _batcher(self, served: ServedModel, limits: Limits) -> Batcher | paging.Scheduler:
         """The paged scheduler for llama.py's models, batcher.py's padded batches for the others."""
-        if paged_engine(limits.engine, served.device) and isinstance(served.model, LlamaForCausalLM):
+        if paged_engine(limits.engine) and isinstance(served.model, LlamaForCausalLM):
             sched = paging.scheduler(served, limits.max_rows, limits.max_tokens, limits.cache, self._on_token,
                                      self._done_rows.append)
             self.metrics.track_cache(served.name, sched.blocks)

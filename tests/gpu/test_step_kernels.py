@@ -56,7 +56,7 @@ def rotary(n: int, d: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 def test_rope_store(n, h, kv, d) -> None:
     g = torch.Generator(device="cuda").manual_seed(n + h)
     qkv = torch.randn(n, (h + 2 * kv) * d, device="cuda", generator=g).to(BF16)      # one projection's views
-    q, k, v = (t.view(n, -1, d) for t in qkv.split([h * d, kv * d, kv * d], 1))
+    q, k, v = (t.view(n, heads, d) for t, heads in zip(qkv.split([h * d, kv * d, kv * d], 1), (h, kv, kv)))
     cos, sin = rotary(n, d, n)
     slots = torch.randperm(256, device="cuda", generator=g)[:n]
     caches = [torch.randn(256, kv, d, device="cuda", generator=g).to(BF16) for _ in range(2)]
@@ -112,7 +112,8 @@ def test_silu_mul(n, f) -> None:
 @torch.inference_mode()
 def test_the_triton_step_equals_the_modules_step() -> None:
     """A small Llama's paged forward (prompt chunks, then decode rows replayed as a CUDA graph)
-    with Triton's kernels and with the modules: logits within bf16 rounding, the same greedy tokens."""
+    with Triton's kernels and with the modules: logits within four bf16 places of the largest,
+    greedy picks equal or tied to a place."""
     from service.engine.runner import Chunk, Decode, Runner
     from service.model import llama, paged
     config = {"model_type": "llama", "hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 4,
@@ -131,5 +132,7 @@ def test_the_triton_step_equals_the_modules_step() -> None:
         runs[kind] = torch.cat(first), runner.run(decodes, []).clone()
         assert runner.graphs                                             # the decode step was replayed
     for a, b in zip(runs["triton"], runs["modules"]):
-        torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-2)
-        assert torch.equal(a.argmax(-1), b.argmax(-1))
+        place = torch.finfo(BF16).eps * float(b.abs().max())             # a bf16 place at the largest logit
+        torch.testing.assert_close(a, b, rtol=0, atol=4 * place)
+        picked = b.gather(-1, a.argmax(-1)[:, None])[:, 0]                # Triton's pick, by the modules' logits
+        assert (b.max(-1).values - picked <= place).all()                 # their top, or tied with it to a place

@@ -38,21 +38,27 @@ def paged(served, **cache):
     return paging.scheduler(served, 64, 512, paging.CacheSettings(**cache), lambda r, e: None, lambda r: None)
 
 
-def first_parting(demo, prompts: list[str], ours: list[list[int]], theirs: list[list[int]]) -> str:
-    """Where the two engines' tokens first part, and the eager model's top-2 logit margin there."""
+def partings(demo, prompts: list[str], ours: list[list[int]], theirs: list[list[int]]) -> list[tuple[str, int, float]]:
+    """Where the two engines' tokens first part, per prompt that parts: (prompt, token, the eager
+    model's top-2 logit margin there, in bf16 places of the top logit)."""
+    out = []
     for p, a, b in zip(prompts, ours, theirs):
         j = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
         if j is not None:
             ids = torch.tensor([demo.tokenizer.encode(p) + b[:j]], device=CUDA)
             top = demo.model(input_ids=ids).logits[0, -1].float().topk(2).values
-            return f"{p!r}: token {j} ({a[j]} vs {b[j]}), eager top-2 margin {float(top[0] - top[1]):.4f}"
-    return "none"
+            place = 2.0 ** (torch.floor(torch.log2(top[0].abs())) - 7)              # bf16's spacing at the top logit
+            out.append((p, j, float((top[0] - top[1]) / place)))
+    return out
 
 
 @pytest.mark.parametrize("kind", ["triton", "modules"])
 @pytest.mark.parametrize("together", [False, True], ids=["batch1", "batch8"])
 def test_graph_tokens_equal_the_padded_eager_engine(demo, together, kind, monkeypatch) -> None:
-    """Both step kinds (Triton's kernels; WCODEC_TRITON=0: the modules), decode steps replayed."""
+    """Both step kinds (Triton's kernels; WCODEC_TRITON=0: the modules), decode steps replayed
+    (and pipelined): the padded engine's tokens, or parting at a tie of the bf16 logits (their
+    top two within two bf16 places: seen on the H100 for one of the prompts, a margin of 0.125,
+    either way round, as rounding in either engine tips it), for one prompt at most."""
     monkeypatch.setenv("WCODEC_TRITON", "1" if kind == "triton" else "0")
     prompts = PROMPTS if together else PROMPTS[:5]
     rows = lambda: [Row(demo.tokenizer.encode(p), SamplingParams(32), demo) for p in prompts]
@@ -63,8 +69,11 @@ def test_graph_tokens_equal_the_padded_eager_engine(demo, together, kind, monkey
     eager = Batcher(demo, max_rows=64, max_tokens=512, on_token=lambda r, e: None, on_finish=lambda r: None)
     theirs = generate(eager, rows(), together)
     with torch.inference_mode():
-        print(f"{kind} {together} ({demo.dtype}): first parting:", first_parting(demo, prompts, ours, theirs))
-    assert ours == theirs
+        parted = partings(demo, prompts, ours, theirs)
+    print(f"{kind} {'batch8' if together else 'batch1'} ({demo.dtype}): equal {len(prompts) - len(parted)} of "
+          f"{len(prompts)}; partings (prompt, token, top-2 margin in bf16 places): {parted}")
+    assert all(margin <= 2 for _, _, margin in parted)             # only at a tie of the bf16 logits
+    assert len(parted) <= 1
 
 
 @torch.inference_mode()
