@@ -21,6 +21,8 @@
 #   engine       the paged engine on CUDA (tests/service/engine/test_scheduler_cuda.py): graphs vs the
 #                padded eager engine on the demo model (DEMO=<its GGUF>, as for demo), replay vs eager,
 #                closing frees graphs and cache, 2x the cache budget (the tiny Llama: no DEMO needed)
+#   sanitize-step  compute-sanitizer memcheck over the Triton kernels' tests (every kernel, its edge
+#                shapes; PyTorch's caching allocator off, so each tensor is its own allocation)
 #   step         the decode step's Triton kernels against their references (tests/gpu/test_step_kernels.py),
 #                then bench/paged_step.py: a 7B-shaped step at batch 1/32/64, Triton's and the modules',
 #                beside the limit (no extension needed: a short call)
@@ -87,6 +89,10 @@ for s in ${STAGES:-build tests}; do
           stage paged-step timeout "$(left 150)" python3 bench/paged_step.py --json "$OUT/paged_step.json" \
             > "$OUT/paged_step.log" 2>&1
           grep -E "^(triton|modules) |^\{" "$OUT/paged_step.log" ;;
+    sanitize-step) PYTORCH_NO_CUDA_MEMORY_CACHING=1 stage sanitize-step timeout "$(left 240)" compute-sanitizer \
+                     --tool memcheck --error-exitcode 1 python3 -m pytest -q -p no:cacheprovider \
+                     tests/gpu/test_step_kernels.py -k "not fuzzed" > "$OUT/sanitizer_step.log" 2>&1
+                   grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitizer_step.log" | tail -3 ;;
     demo) demo_package
           pytest_stage demo demo_tests.log 240 tests/service/model/test_compressed.py -k cuda ;;
     decode-bench) stage decode-bench timeout "$(left 500)" python3 bench/fine_decode.py --layers 6 --model-layers 32 \
