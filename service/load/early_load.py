@@ -11,7 +11,6 @@ load started by the registry would; `release()` drops a result nobody took."""
 from __future__ import annotations
 
 import collections
-import logging
 import os
 import threading
 import time
@@ -68,7 +67,7 @@ class EarlyLoad:
             if pinned is not None:
                 pinned.result()
         with ThreadPoolExecutor(1, thread_name_prefix="wcodec-prepare") as pool:
-            prepared = pool.submit(self._prepare, opened[1], _dtype(opened[0]), settings.kv_block_size)
+            prepared = pool.submit(self._prepare, opened[1])
             decoded = pipeline.decode_archive(self.path, self.device, ring=settings.load_ring_buffers,
                                             verify=settings.verify_crc, opened=opened, early=early,
                                             on_batch=lambda batch, seconds: self.batches.append((batch, seconds)),
@@ -94,22 +93,10 @@ class EarlyLoad:
         from ..model import build
         build.first_kernels(self.device, dtype, self.timeline)
 
-    def _prepare(self, files: dict[str, bytes], dtype: torch.dtype, block_size: int):
-        """Tokenizer and skeleton; then the engine's Triton kernels on a thread nothing waits for."""
+    def _prepare(self, files: dict[str, bytes]):
         from ..model import build
         with self.timeline.span(f"early load {self.name}: tokenizer and skeleton"):
-            prepared = build.prepare(self.name, files)
-        threading.Thread(target=self._guarded, args=(build.first_step_kernels, prepared.config, self.device, dtype,
-                                                     block_size, self.timeline),
-                         name="wcodec-step-kernels", daemon=True).start()
-        return prepared
-
-    @staticmethod
-    def _guarded(fn, *args) -> None:
-        try:
-            fn(*args)
-        except Exception:                    # a warm-up only: the first request compiles instead
-            logging.getLogger("wcodec.service").warning("warming up the step kernels failed", exc_info=True)
+            return build.prepare(self.name, files)
 
     def matches(self, path, device: torch.device) -> bool:
         try:

@@ -210,18 +210,6 @@ def warm_up(device: torch.device, timeline: Timeline | None = None) -> None:
         _WARMED.add(device.type)
 
 
-def first_step_kernels(config, device: torch.device, dtype: torch.dtype, block_size: int, timeline: Timeline) -> None:
-    """The paged engine's Triton kernels (cuda_ext/step_kernels.py) compiled for a llama.py model's
-    dimensions before its first request; nothing for other models or off CUDA."""
-    if device.type != "cuda" or not isinstance(config, llama.LlamaConfig):
-        return
-    from cuda_ext import step_kernels
-    with timeline.span("warm-up: the decode step's Triton kernels"):
-        c = config
-        step_kernels.warm_up(device, dtype, c.hidden_size, c.intermediate_size, c.num_attention_heads,
-                             c.num_key_value_heads, c.head_dim, block_size)
-
-
 def first_kernels(device: torch.device, dtype: torch.dtype, timeline: Timeline) -> None:
     """Run the kinds of kernel a forward of `dtype` uses once, at toy sizes, so that cuBLAS's
     handle and the kernels' modules are loaded before the first request: the first token came
