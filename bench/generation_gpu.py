@@ -117,11 +117,12 @@ def metric(url: str, name: str) -> float:
 
 
 def wait_for_graphs(url: str, limit_s: float = 120.0) -> dict:
-    """Until the engine's graph count stops growing for 3 s (idle captures, runner.py)."""
+    """Until the engine has graphs and their count stops growing for 3 s (idle captures once the
+    Triton kernels are warm, runner.py)."""
     t0, last, since = time.perf_counter(), -1.0, time.perf_counter()
     while time.perf_counter() - t0 < limit_s:
         n = metric(url, "wcodec_engine_cuda_graphs")
-        if n != last:
+        if n != last or n == 0:
             last, since = n, time.perf_counter()
         elif time.perf_counter() - since > 3:
             break

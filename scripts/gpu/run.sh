@@ -22,7 +22,8 @@
 #                padded eager engine on the demo model (DEMO=<its GGUF>, as for demo), replay vs eager,
 #                closing frees graphs and cache, 2x the cache budget (the tiny Llama: no DEMO needed)
 #   sanitize-step  compute-sanitizer memcheck over the Triton kernels' tests (every kernel, its edge
-#                shapes; PyTorch's caching allocator off, so each tensor is its own allocation)
+#                shapes; PyTorch's caching allocator off, so each tensor is its own allocation, which
+#                CUDA-graph capture cannot take: the whole-step graph test is left out)
 #   step         the decode step's Triton kernels against their references (tests/gpu/test_step_kernels.py),
 #                then bench/paged_step.py: a 7B-shaped step at batch 1/32/64, Triton's and the modules',
 #                beside the limit (no extension needed: a short call)
@@ -91,7 +92,7 @@ for s in ${STAGES:-build tests}; do
           grep -E "^(triton|modules) |^\{" "$OUT/paged_step.log" ;;
     sanitize-step) PYTORCH_NO_CUDA_MEMORY_CACHING=1 stage sanitize-step timeout "$(left 240)" compute-sanitizer \
                      --tool memcheck --error-exitcode 1 python3 -m pytest -q -p no:cacheprovider \
-                     tests/gpu/test_step_kernels.py -k "not fuzzed" > "$OUT/sanitizer_step.log" 2>&1
+                     tests/gpu/test_step_kernels.py -k "not fuzzed and not modules_step" > "$OUT/sanitizer_step.log" 2>&1
                    grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitizer_step.log" | tail -3 ;;
     demo) demo_package
           pytest_stage demo demo_tests.log 240 tests/service/model/test_compressed.py -k cuda ;;

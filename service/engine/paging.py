@@ -62,9 +62,13 @@ def scheduler(served: ServedModel, max_rows: int, max_tokens: int, s: CacheSetti
     cache = paged.PagedCache(served.model.config, blocks.blocks, s.block_size, cache_dtype(served), served.device)
     plain = served.schedule is None                  # compressed mode's hooks: eager modules, no graphs
     fused = step_kernels.triton_kernels(served.device) if plain else None
-    if fused is not None:
-        paged.fuse_projections(served.model)
     runner = Runner(served.model, cache, max_rows, blocks.blocks_for(min(s.max_total_tokens, served.max_positions)),
-                    s.cuda_graphs and plain, fused)
+                    s.cuda_graphs and plain)
+    if fused is not None:                            # Triton's step once compiled (runner.py), the modules till then
+        paged.fuse_projections(served.model)
+        c = served.model.config
+        runner.warm_later(fused, lambda: step_kernels.warm_up(served.device, cache_dtype(served), c.hidden_size,
+                                                              c.intermediate_size, c.num_attention_heads,
+                                                              c.num_key_value_heads, c.head_dim, s.block_size))
     return Scheduler(runner, blocks, max_rows=max_rows, max_tokens=max_tokens, on_token=on_token,
                      on_finish=on_finish, prefill_wait_s=s.prefill_wait_s)

@@ -14,13 +14,18 @@ Read me first.
   (weights=compressed: host work between the kernels, service/model/compressed.py) run eagerly:
   the same forward, not captured.
 * On CUDA with decoded weights every step runs the forward's Triton kernels (`fused`,
-  paged.Fused), captured or not; elsewhere the modules'.
+  paged.Fused), captured or not; elsewhere the modules'. A new process takes seconds to compile
+  (or load) Triton's kernels, so they are warmed on a thread (`warm_later`) while the modules
+  serve; the first step after that adopts them (`adopt`), dropping the graphs captured so far.
 
     ids, positions, slots [N]   tables [B, M]   lengths [B]   logits [B + P, V] float32
 """
 from __future__ import annotations
 
+import logging
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -103,6 +108,10 @@ class Runner:
         self.turn = 0                            # which pinned buffers a step uses (they alternate)
         self.pipelined = self.use_graphs         # the scheduler may launch steps ahead (scheduler.py)
         self.last_host: list[int] = []           # an eager launch's picks
+        self.warmed = threading.Event()          # set once kernels warmed by `warm_later` wait in _warm
+        self.warmed.set()
+        self._warm = None
+        self.on_warmed: Callable[[], None] | None = None     # the engine's wake-up (worker.py)
         if self.use_graphs:                      # the last launch's picks, read by the next launch's graph
             self.last_picks = torch.zeros(max_rows, dtype=torch.long, device=self.device)
             pinned = {"device": "cpu", "pin_memory": True}
@@ -112,6 +121,33 @@ class Runner:
     @property
     def block_size(self) -> int:
         return self.cache.block_size
+
+    # ---- kernels warmed beside serving -----------------------------------------------------------
+    def warm_later(self, kernels, warm_up: Callable[[], object]) -> None:
+        """Run `warm_up` (compiling `kernels`) on a thread; `adopt` then switches the steps to them."""
+        self.warmed.clear()
+        threading.Thread(target=self._warm_up, args=(kernels, warm_up), name="wcodec-step-kernels",
+                         daemon=True).start()
+
+    def _warm_up(self, kernels, warm_up: Callable[[], object]) -> None:
+        try:
+            warm_up()
+            self._warm = kernels
+        except Exception:                        # the modules go on serving
+            logging.getLogger("wcodec.service").warning("the step kernels did not compile", exc_info=True)
+        self.warmed.set()
+        if self.on_warmed is not None:
+            self.on_warmed()
+
+    def adopt(self) -> bool:
+        """Between steps (none launched ahead): take kernels warmed since; the graphs go (captured
+        with the modules' kernels). True if it did."""
+        if self._warm is None:
+            return False
+        self.fused, self._warm = self._warm, None
+        self.graphs.clear()
+        self.pool = None
+        return True
 
     # ---- a step ----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -262,8 +298,9 @@ class Runner:
     @torch.inference_mode()
     def capture_next(self) -> bool:
         """Capture one graph not captured yet (the engine calls this while idle); False: none left."""
-        if not self.use_graphs:
+        if not self.use_graphs or not self.warmed.is_set():      # no graphs of kernels about to go
             return False
+        self.adopt()
         missing = next((s for s in self.shapes() if s not in self.graphs), None)
         if missing is None:
             return False

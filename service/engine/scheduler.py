@@ -94,6 +94,8 @@ class Scheduler:
     @torch.inference_mode()
     def step(self) -> Step:
         self._leave()
+        if self.pending is None:
+            self.runner.adopt()                     # kernels warmed since the last step (runner.py)
         if self._pipelines():
             return self._launch()
         self._drain()

@@ -101,9 +101,9 @@ class Engine:
     def __init__(self, served: ServedModel, metrics: Metrics, limits: Limits):
         self.served, self.metrics, self.limits = served, metrics, limits
         self._done_rows: list[Row] = []          # rows a step finished, answered once its metrics are in
+        self._wake = threading.Event()
         self.batcher = self._batcher(served, limits)
         self._lock = threading.Lock()            # submit's check-then-append against close
-        self._wake = threading.Event()
         self._closed = False
         metrics.track_engine(served.name, limits.max_queue)
         self._thread = threading.Thread(target=self._run, name=f"wcodec-engine-{served.name}", daemon=True)
@@ -114,6 +114,7 @@ class Engine:
             sched = paging.scheduler(served, limits.max_rows, limits.max_tokens, limits.cache, self._on_token,
                                      self._done_rows.append)
             self.metrics.track_cache(served.name, sched.blocks)
+            sched.runner.on_warmed = self._wake.set         # warmed kernels: adopt them, capture graphs
             return sched
         return Batcher(served, max_rows=limits.max_rows, max_tokens=limits.max_tokens, on_token=self._on_token,
                        on_finish=self._done_rows.append)

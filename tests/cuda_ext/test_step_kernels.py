@@ -38,5 +38,6 @@ def test_decode_attention_reference_is_the_paged_engines() -> None:
 
 def test_no_triton_kernels_off_cuda(monkeypatch) -> None:
     assert step_kernels.triton_kernels(torch.device("cpu")) is None
+    assert step_kernels.warm_up(torch.device("cpu"), torch.bfloat16, 64, 96, 4, 2, 16, 16) is False
     monkeypatch.setenv("WCODEC_TRITON", "0")
     assert step_kernels.triton_kernels(torch.device("cuda")) is None

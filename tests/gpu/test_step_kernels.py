@@ -136,3 +136,17 @@ def test_the_triton_step_equals_the_modules_step() -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=4 * place)
         picked = b.gather(-1, a.argmax(-1)[:, None])[:, 0]                # Triton's pick, by the modules' logits
         assert (b.max(-1).values - picked <= place).all()                 # their top, or tied with it to a place
+
+
+def test_warm_up_compiles_the_variants_a_step_takes() -> None:
+    """After warm_up with a model's dimensions, a decode step and a prompt's step of that model
+    compile nothing new (Triton's per-kernel caches of compiled variants stop growing)."""
+    from cuda_ext import step_triton
+    jitted = [step_triton._add_rms_norm_kernel, step_triton._rope_store_kernel, step_triton._decode_attention_kernel,
+              step_triton._silu_mul_kernel]
+    variants = lambda: sum(len(entry[0]) for k in jitted for entry in k.device_caches.values())   # compiled
+    assert ref.warm_up(torch.device("cuda"), BF16, 576, 1536, 9, 3, 64, 16)
+    before = variants()
+    q, kc, vc, tables, lens = paged_case(3, 9, 3, 64, [40, 17, 1], 16, 5)
+    triton_ops.decode_attention(q, kc, vc, tables, lens, 16, 0.125)
+    assert variants() == before

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
 from service_helpers import DEMO
 from test_batching import Req, drive, fail_the_prompts_step, first_divergence_is_a_near_tie, load, prompts_of
 
+from cuda_ext import step_kernels
 from service.engine import Batcher, Engine, GenRequest, Limits, paging
 from service.engine.blocks import BlockManager
 from service.engine.sampling import Row, SamplingParams
@@ -110,6 +113,31 @@ def test_pipelined_steps_give_the_tokens_of_waiting_steps(tiny) -> None:
         elif first_divergence_is_a_near_tie(tiny, req.prompt, waited.ids, piped.ids) == len(waited.ids):
             assert piped.ids == waited.ids and piped.finish_reason == waited.finish_reason
             assert [t.logprob for t in piped.tokens] == pytest.approx([t.logprob for t in waited.tokens], abs=1e-4)
+
+
+def test_kernels_warmed_beside_serving_are_adopted_between_steps(tiny) -> None:
+    """Runner.warm_later (CUDA's Triton kernels; here their references): the modules serve until
+    the warm-up ends, no graph is captured meanwhile, the engine is woken, the next step takes the
+    kernels and the row goes on; a warm-up that fails leaves the modules."""
+    refs = SimpleNamespace(add_rms_norm=step_kernels.add_rms_norm_reference, rope_store=step_kernels.rope_store_reference,
+                           decode_attention=step_kernels.decode_attention_reference,
+                           silu_mul=step_kernels.silu_mul_reference)
+    gate, woken = threading.Event(), threading.Event()
+    s = paged(tiny)
+    s.runner.on_warmed = woken.set
+    s.runner.warm_later(refs, gate.wait)
+    row = Row(tiny.tokenizer.encode("a b c"), SamplingParams(8), tiny)
+    s.add(row)
+    s.step(), s.step()
+    assert s.runner.fused is None and len(row.ids) == 2 and not s.runner.capture_next()
+    gate.set()
+    assert woken.wait(5)
+    while not s.idle:
+        s.step()
+    assert s.runner.fused is refs and len(row.ids) == 8 and row.finish_reason == "length"
+    broken = paged(tiny)
+    broken.runner.warm_later(refs, lambda: 1 / 0)
+    assert broken.runner.warmed.wait(5) and not broken.runner.adopt() and broken.runner.fused is None
 
 
 def test_a_full_cache_makes_requests_wait(tiny) -> None:

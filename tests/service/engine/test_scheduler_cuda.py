@@ -35,7 +35,11 @@ def tiny(tiny_archive) -> build.ServedModel:
 
 
 def paged(served, **cache):
-    return paging.scheduler(served, 64, 512, paging.CacheSettings(**cache), lambda r, e: None, lambda r: None)
+    """The paged scheduler with its Triton kernels adopted (warmed beside serving: runner.py)."""
+    s = paging.scheduler(served, 64, 512, paging.CacheSettings(**cache), lambda r, e: None, lambda r: None)
+    assert s.runner.warmed.wait(300)
+    s.runner.adopt()
+    return s
 
 
 def partings(demo, prompts: list[str], ours: list[list[int]], theirs: list[list[int]]) -> list[tuple[str, int, float]]:
