@@ -34,6 +34,7 @@ from ..model import paged
 from ..model.llama import LlamaForCausalLM
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+WARM_AFTER_S = 1.0                 # an idle engine starts warming its kernels after this long (warm_later)
 SHORT_PROMPT = 256                 # keys of a chunk's context up to which its tokens attend as decode rows
 WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
@@ -110,7 +111,8 @@ class Runner:
         self.last_host: list[int] = []           # an eager launch's picks
         self.warmed = threading.Event()          # set once kernels warmed by `warm_later` wait in _warm
         self.warmed.set()
-        self._warm = None
+        self._warm = self._later = None
+        self._warm_at = 0.0
         self.on_warmed: Callable[[], None] | None = None     # the engine's wake-up (worker.py)
         if self.use_graphs:                      # the last launch's picks, read by the next launch's graph
             self.last_picks = torch.zeros(max_rows, dtype=torch.long, device=self.device)
@@ -123,11 +125,25 @@ class Runner:
         return self.cache.block_size
 
     # ---- kernels warmed beside serving -----------------------------------------------------------
-    def warm_later(self, kernels, warm_up: Callable[[], object]) -> None:
-        """Run `warm_up` (compiling `kernels`) on a thread; `adopt` then switches the steps to them."""
+    def warm_later(self, kernels, warm_up: Callable[[], object], after_s: float = WARM_AFTER_S) -> None:
+        """Run `warm_up` (compiling `kernels`) on a thread once a step has been served, or after
+        `after_s` (the engine idles that long at most: `warm_due_in`); `adopt` then switches the
+        steps to them. Not at once: Triton's compile holds the GIL for seconds, and the first
+        request (served by the modules meanwhile) would wait for it (H100: 2.1 s after ready)."""
         self.warmed.clear()
+        self._later, self._warm_at = (kernels, warm_up), time.perf_counter() + after_s
+
+    def start_warming(self, now: bool = False) -> None:
+        """Start the warm-up if one is waiting and due (now: a step has been served)."""
+        if self._later is None or (not now and time.perf_counter() < self._warm_at):
+            return
+        (kernels, warm_up), self._later = self._later, None
         threading.Thread(target=self._warm_up, args=(kernels, warm_up), name="wcodec-step-kernels",
                          daemon=True).start()
+
+    def warm_due_in(self) -> float | None:
+        """Seconds until a waiting warm-up is due; None: none waits."""
+        return None if self._later is None else max(0.0, self._warm_at - time.perf_counter())
 
     def _warm_up(self, kernels, warm_up: Callable[[], object]) -> None:
         try:
@@ -298,6 +314,7 @@ class Runner:
     @torch.inference_mode()
     def capture_next(self) -> bool:
         """Capture one graph not captured yet (the engine calls this while idle); False: none left."""
+        self.start_warming()
         if not self.use_graphs or not self.warmed.is_set():      # no graphs of kernels about to go
             return False
         self.adopt()

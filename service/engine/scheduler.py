@@ -105,6 +105,7 @@ class Scheduler:
         if not decoding and not chunks:
             return Step(0, 0)
         logits = self.runner.run([s.decode() for s in decoding], [c for _, c in chunks])   # [B + P, V]
+        self.runner.start_warming(now=True)         # a request has been served: its kernels may compile
         self._emit([s.row for s in decoding], logits[:len(decoding)])
         done = [(i, s) for i, (s, c) in enumerate(chunks) if self._advance(s, c)]
         if done:

@@ -159,7 +159,8 @@ class Engine:
                     return
                 if self._capture_while_idle():
                     continue
-                self._wake.wait()
+                runner = getattr(self.batcher, "runner", None)
+                self._wake.wait(runner.warm_due_in() if runner is not None else None)
                 time.sleep(self.limits.batch_wait_s)         # let a burst arrive and prefill as one group
                 continue
             self._step()

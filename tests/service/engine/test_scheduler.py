@@ -116,19 +116,22 @@ def test_pipelined_steps_give_the_tokens_of_waiting_steps(tiny) -> None:
 
 
 def test_kernels_warmed_beside_serving_are_adopted_between_steps(tiny) -> None:
-    """Runner.warm_later (CUDA's Triton kernels; here their references): the modules serve until
-    the warm-up ends, no graph is captured meanwhile, the engine is woken, the next step takes the
-    kernels and the row goes on; a warm-up that fails leaves the modules."""
+    """Runner.warm_later (CUDA's Triton kernels; here their references): nothing compiles before
+    the first step or the idle deadline; the modules serve until the warm-up ends, no graph is
+    captured meanwhile, the engine is woken, the next step takes the kernels and the row goes on;
+    a warm-up that fails leaves the modules."""
     refs = SimpleNamespace(add_rms_norm=step_kernels.add_rms_norm_reference, rope_store=step_kernels.rope_store_reference,
                            decode_attention=step_kernels.decode_attention_reference,
                            silu_mul=step_kernels.silu_mul_reference)
-    gate, woken = threading.Event(), threading.Event()
+    gate, woken, started = threading.Event(), threading.Event(), threading.Event()
     s = paged(tiny)
     s.runner.on_warmed = woken.set
-    s.runner.warm_later(refs, gate.wait)
+    s.runner.warm_later(refs, lambda: (started.set(), gate.wait()))
+    assert 0 < s.runner.warm_due_in() <= 1 and not started.wait(0.1)
     row = Row(tiny.tokenizer.encode("a b c"), SamplingParams(8), tiny)
     s.add(row)
     s.step(), s.step()
+    assert started.wait(5) and s.runner.warm_due_in() is None                   # the first step started it
     assert s.runner.fused is None and len(row.ids) == 2 and not s.runner.capture_next()
     gate.set()
     assert woken.wait(5)
@@ -136,7 +139,8 @@ def test_kernels_warmed_beside_serving_are_adopted_between_steps(tiny) -> None:
         s.step()
     assert s.runner.fused is refs and len(row.ids) == 8 and row.finish_reason == "length"
     broken = paged(tiny)
-    broken.runner.warm_later(refs, lambda: 1 / 0)
+    broken.runner.warm_later(refs, lambda: 1 / 0, after_s=0)
+    broken.runner.capture_next()                                                 # the idle engine's call: due
     assert broken.runner.warmed.wait(5) and not broken.runner.adopt() and broken.runner.fused is None
 
 

@@ -37,6 +37,7 @@ def tiny(tiny_archive) -> build.ServedModel:
 def paged(served, **cache):
     """The paged scheduler with its Triton kernels adopted (warmed beside serving: runner.py)."""
     s = paging.scheduler(served, 64, 512, paging.CacheSettings(**cache), lambda r, e: None, lambda r: None)
+    s.runner.start_warming(now=True)
     assert s.runner.warmed.wait(300)
     s.runner.adopt()
     return s
