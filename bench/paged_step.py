@@ -3,7 +3,9 @@ Llama (llama.py) with trained-like random bf16 weights made on the device, its p
 the runner's step at batch 1, 32 and 64: eager, replayed as a CUDA graph, the whole
 `Runner.run` with its host work and a greedy pick, and pipelined launches (tokens/s from these); the step of Triton kernels (paged.Fused) and
 the modules' (paged.Modules) each, beside the limit (weight bytes / the device's measured read
-bandwidth) in the same run. Then the kernels of one eager batch-1 step, by GPU time.
+bandwidth) in the same run. Then the kernels of one eager batch-1 step, by GPU time, and each
+step kind against llama.py's own forward (the padded engine's) on one 8-token prompt: the
+first decode step's largest logit difference and the greedy tokens that agree.
 
     python bench/paged_step.py                         # a lent GPU (scripts/gpu/run.sh stage paged-step)
     python bench/paged_step.py --smoke --device cpu    # the same path, 2 small layers, no figures
@@ -22,7 +24,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).
 
 from generation_gpu import CONFIG, SMOKE, read_bandwidth  # noqa: E402
 from cuda_ext import step_kernels  # noqa: E402
-from service.engine.runner import Decode, Runner  # noqa: E402
+from service.engine.runner import Chunk, Decode, Runner  # noqa: E402
 from service.model import llama, paged  # noqa: E402
 
 
@@ -87,6 +89,31 @@ def pipelined(runner: Runner, decodes: list[Decode], steps: int) -> float:
     return (time.perf_counter() - t0) / steps
 
 
+@torch.inference_mode()
+def against_llama(runner: Runner, prompt: list[int], tokens: int) -> dict:
+    """The runner's step (its kernels, graphs, pipelining off) against llama.py's own forward with
+    its KV cache (what the padded engine runs) on one prompt: the largest difference of the first
+    decode step's logits, and how many greedy tokens agree before they part."""
+    from service.model.kvcache import KVCache
+    m, bs = runner.model, runner.block_size
+    table = list(range(-(-(len(prompt) + tokens) // bs)))
+    ids, cache, theirs, logits = torch.tensor([prompt], device=runner.device), KVCache(), [], []
+    for _ in range(tokens):
+        out = m(input_ids=ids, past_key_values=cache).logits[0, -1].float()
+        logits.append(out)
+        theirs.append(int(out.argmax()))
+        ids = torch.tensor([[theirs[-1]]], device=runner.device)
+    first = runner.run([], [Chunk(prompt, 0, table)])[0]
+    ours, step_logits = [int(first.argmax())], None
+    for i in range(1, tokens):
+        out = runner.run([Decode(ours[-1], len(prompt) + i - 1, table)], [])[0]
+        step_logits = out if step_logits is None else step_logits
+        ours.append(int(out.argmax()))
+    agree = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), tokens)
+    return {"first_decode_max_abs_diff": float((step_logits - logits[1]).abs().max()),
+            "largest_logit": float(logits[1].abs().max()), "greedy_tokens_agree": agree, "of": tokens}
+
+
 def kernels(runner: Runner, position: int, top: int) -> str:
     from torch.profiler import ProfilerActivity, profile
     decodes = [Decode(11, position, list(range(-(-(position + 1) // runner.block_size))))]
@@ -105,6 +132,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="*", default=[1, 32, 64])
     ap.add_argument("--position", type=int, default=72, help="keys each row has (8 prompt + 64 new)")
     ap.add_argument("--repeat", type=int, default=30)
+    ap.add_argument("--agree-tokens", type=int, default=16, help="greedy tokens compared with llama.py's forward")
     ap.add_argument("--smoke", action="store_true", help="2 small layers: checks the path, no figures")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -131,9 +159,11 @@ def main() -> None:
             out["of_limit"] = out["tokens_per_s"] / (limit * r)
             print(kind, r, json.dumps(out), flush=True)
         result[f"{kind}-capture_s"] = runner.capture_seconds
+        result[f"{kind}-against_llama"] = against_llama(runner, list(range(100, 108)), args.agree_tokens)
+        print(kind, "against llama.py's forward:", json.dumps(result[f"{kind}-against_llama"]), flush=True)
         if device.type == "cuda":
             print(kernels(runner, args.position, 24))
-    print(json.dumps({k: v for k, v in result.items() if "-" not in k or k.endswith("capture_s")}))
+    print(json.dumps({k: v for k, v in result.items() if "-" not in k or k.endswith(("capture_s", "llama"))}))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
