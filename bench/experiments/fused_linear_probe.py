@@ -7,31 +7,16 @@ set captured in one CUDA graph (no launch gaps), beside the device's read bandwi
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from fixedrate_gpu import graph_ms  # noqa: E402  (the bench's graph timing: fn captured, replayed)
+
 E, F_, L = 4096, 11008, 32
-
-
-def graph_ms(fn, repeat: int = 20) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(repeat):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeat
 
 
 def main() -> None:
@@ -62,7 +47,7 @@ def main() -> None:
         def four():
             for ws in fused:
                 F.linear(xe, ws[0]); F.linear(xe, ws[1]); F.linear(xe, ws[2]); F.linear(xf, ws[3])
-        a, c = graph_ms(seven), graph_ms(four)
+        a, c = graph_ms(seven, 1), graph_ms(four, 1)
         print(f"B={b}: seven linears {a:.3f} ms ({nbytes / a / 1e6:.0f} GB/s), fused four {c:.3f} ms "
               f"({nbytes / c / 1e6:.0f} GB/s)")
 
