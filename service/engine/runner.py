@@ -109,7 +109,7 @@ class Runner:
         self.turn = 0                            # which pinned buffers a step uses (they alternate)
         self.pipelined = self.use_graphs         # the scheduler may launch steps ahead (scheduler.py)
         self.last_host: list[int] = []           # an eager launch's picks
-        self.warmed = threading.Event()          # set once kernels warmed by `warm_later` wait in _warm
+        self.warmed = threading.Event()          # clear while a `warm_later` warm-up waits or runs
         self.warmed.set()
         self._warm = self._later = None
         self._warm_at = 0.0
