@@ -15,7 +15,7 @@ import torch
 
 from cuda_ext import step_kernels
 
-from ..model import paged
+from ..model import cpu_dtype, paged
 from ..model.build import ServedModel
 from .blocks import BlockManager
 from .runner import Runner
@@ -64,8 +64,9 @@ def scheduler(served: ServedModel, max_rows: int, max_tokens: int, s: CacheSetti
     fused = step_kernels.triton_kernels(served.device) if plain else None
     runner = Runner(served.model, cache, max_rows, blocks.blocks_for(min(s.max_total_tokens, served.max_positions)),
                     s.cuda_graphs and plain)
+    if plain and (fused is not None or cpu_dtype.joins_exactly(served.model)):
+        paged.fuse_projections(served.model)         # CUDA: faster; the CPU's linear16: also exact
     if fused is not None:                            # Triton's step once compiled (runner.py), the modules till then
-        paged.fuse_projections(served.model)
         c = served.model.config
         runner.warm_later(fused, lambda: step_kernels.warm_up(served.device, cache_dtype(served), c.hidden_size,
                                                               c.intermediate_size, c.num_attention_heads,

@@ -89,11 +89,23 @@ class Linear16(llama.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.linear16(x, self.weight, self.bias)
 
+    @staticmethod
+    def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return ops.linear16(x, weight, bias)
+
+
+def joins_exactly(model: torch.nn.Module) -> bool:
+    """Whether joining `model`'s projections (paged.fuse_projections) changes no output bit: its
+    Linears are Linear16, whose every output is its own dot product, in the same order whatever
+    rows sit beside it (tests/service/model/test_paged.py)."""
+    return any(isinstance(m, Linear16) for m in model.modules())
+
 
 class MixedLinear(llama.Linear):
     """A bf16/fp16 Linear whose matmul runs in float32 in calls of `min_rows` rows or more: the
     weight is widened into the model's shared `scratch` (the model runs one forward at a time),
     as many output rows at a time as the scratch holds."""
+    joinable = False                            # its forward is not a matmul of its own weight alone
     scratch: torch.Tensor
     min_rows: int
 

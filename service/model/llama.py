@@ -98,8 +98,14 @@ def inv_freq(c: LlamaConfig, device=None) -> tuple[torch.Tensor, float]:
 
 
 class Linear(nn.Linear):
+    joinable = True                             # forward is `matmul` of its own weight and bias (paged.fuse_projections)
+
     def reset_parameters(self) -> None:         # weights are assigned, never initialised
         pass
+
+    @staticmethod
+    def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, weight, bias)
 
 
 class Embedding(nn.Embedding):

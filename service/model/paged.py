@@ -102,8 +102,9 @@ def forward(model: llama.LlamaForCausalLM, ids: torch.Tensor, ctx: Context, cach
 
 
 class Modules:
-    """The eager step: the model's modules, called (compressed mode's hooks fire), the keys a
-    decode row sees gathered by block and attended by SDPA (`_decode`)."""
+    """The eager step: the model's modules, called (compressed mode's hooks fire), or where
+    `fuse_projections` joined them, their joined weights; the keys a decode row sees gathered by
+    block and attended by SDPA (`_decode`)."""
 
     @staticmethod
     def add_norm(x: torch.Tensor, h: torch.Tensor | None, norm: llama.RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,11 +113,14 @@ class Modules:
 
     @staticmethod
     def projections(attn: llama.Attention, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        return _joined(attn, "qkv", (attn.q_proj, attn.k_proj, attn.v_proj), x)
 
     @staticmethod
     def mlp(mlp: llama.MLP, x: torch.Tensor) -> torch.Tensor:
-        return mlp(x)
+        if getattr(mlp, "gate_up_weight", None) is None:
+            return mlp(x)
+        gate, up = _joined(mlp, "gate_up", (mlp.gate_proj, mlp.up_proj), x)
+        return mlp.down_proj(F.silu(gate) * up)                                   # MLP.forward's maths
 
     rope_store = staticmethod(step_kernels.rope_store_reference)
 
@@ -159,9 +163,10 @@ class Fused:
 def fuse_projections(model: llama.LlamaForCausalLM) -> None:
     """Each layer's q, k, v and gate, up weights joined into one [sum of outs, in] buffer
     (`qkv_weight`, `gate_up_weight`): one matmul of each set, about 5% of a 7B step at batch 1
-    on an H100 (docs/BENCHMARKS.md). The modules' weights become row views of the joined buffer,
-    so no byte is held twice, the modules still compute alone, and `model.to("meta")` (an
-    unload) frees it. Only plain Linears of one dtype, all with bias or none; once."""
+    on an H100, and on the CPU's linear16 bit for bit the same outputs in fewer calls
+    (docs/BENCHMARKS.md). The modules' weights become row views of the joined buffer, so no
+    byte is held twice, the modules still compute alone, and `model.to("meta")` (an unload)
+    frees it. Only `joinable` Linears of one class and dtype, all with bias or none; once."""
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         _join(attn, "qkv", (attn.q_proj, attn.k_proj, attn.v_proj))
@@ -169,8 +174,8 @@ def fuse_projections(model: llama.LlamaForCausalLM) -> None:
 
 
 def _join(parent: torch.nn.Module, name: str, parts: tuple[torch.nn.Linear, ...]) -> None:
-    if hasattr(parent, f"{name}_weight") or any(type(p) is not llama.Linear for p in parts) \
-            or len({(p.weight.dtype, p.bias is None) for p in parts}) != 1:
+    if hasattr(parent, f"{name}_weight") or not getattr(type(parts[0]), "joinable", False) \
+            or len({(type(p), p.weight.dtype, p.bias is None) for p in parts}) != 1:
         return
     for kind in ("weight", "bias"):
         if getattr(parts[0], kind) is None:
@@ -188,7 +193,8 @@ def _joined(parent: torch.nn.Module, name: str, parts: tuple[torch.nn.Linear, ..
     weight = getattr(parent, f"{name}_weight", None)
     if weight is None:
         return tuple(p(x) for p in parts)
-    return F.linear(x, weight, getattr(parent, f"{name}_bias")).split([p.out_features for p in parts], -1)
+    joined = type(parts[0]).matmul(x, weight, getattr(parent, f"{name}_bias"))
+    return joined.split([p.out_features for p in parts], -1)
 
 
 def _masks(ctx: Context, block_size: int, device: torch.device, decode: bool) -> None:

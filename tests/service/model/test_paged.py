@@ -71,8 +71,30 @@ def test_joining_holds_no_byte_twice_and_happens_once() -> None:
 
 
 def test_joining_skips_parts_it_cannot_join() -> None:
+    from service.model import cpu_dtype
     m = model()
     mlp = m.model.layers[1].mlp
     mlp.up_proj.weight = torch.nn.Parameter(mlp.up_proj.weight.float(), requires_grad=False)    # two dtypes
+    m.model.layers[0].self_attn.k_proj.__class__ = cpu_dtype.Linear16                           # two classes
+    m.model.layers[1].self_attn.q_proj.__class__ = cpu_dtype.MixedLinear                        # not joinable
     paged.fuse_projections(m)
     assert not hasattr(mlp, "gate_up_weight") and hasattr(m.model.layers[0].mlp, "gate_up_weight")
+    assert not hasattr(m.model.layers[0].self_attn, "qkv_weight")
+    assert not hasattr(m.model.layers[1].self_attn, "qkv_weight")
+
+
+def test_joined_linear16_projections_change_no_bit() -> None:
+    """On the CPU's linear16 (every output its own dot product) the joined projections give the
+    modules' step bit for bit, so the paged engine joins them there too (paging.py)."""
+    from service.model import cpu_dtype
+    if not cpu_dtype.linear16_kernel(torch.bfloat16):
+        pytest.skip("this CPU has no AVX512-BF16: linear16's vdpbf16ps loop does not run here")
+    m = model()
+    for mod in m.modules():
+        if type(mod) is llama.Linear:
+            mod.__class__ = cpu_dtype.Linear16
+    assert cpu_dtype.joins_exactly(m)
+    want = steps(m, None)
+    paged.fuse_projections(m)
+    assert hasattr(m.model.layers[0].self_attn, "qkv_weight")
+    assert all(torch.equal(a, b) for a, b in zip(steps(m, None), want))
