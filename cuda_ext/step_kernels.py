@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 from functools import lru_cache
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -68,6 +69,11 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
+
+
+REFERENCES = SimpleNamespace(add_rms_norm=add_rms_norm_reference, rope_store=rope_store_reference,
+                             decode_attention=decode_attention_reference, silu_mul=silu_mul_reference)
+"""The references as a kernel set: step_triton.py's interface (paged.Fused runs either)."""
 
 
 def triton_kernels(device: torch.device):

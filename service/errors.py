@@ -106,9 +106,6 @@ class QueueFull(ServiceError):
     def __init__(self, message: str, retry_after_s: int = 1):
         super().__init__(message, {"Retry-After": str(retry_after_s)})
 
-    def __init__(self, message: str, retry_after_s: int = 1):
-        super().__init__(message, {"Retry-After": str(retry_after_s)})
-
 
 class ModelNotReady(ServiceError):
     status_code, error_type, description = 503, "model_not_ready", "Model is not loaded (yet)"

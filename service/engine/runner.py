@@ -32,6 +32,7 @@ import torch
 
 from ..model import paged
 from ..model.llama import LlamaForCausalLM
+from .sampling import greedy
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 WARM_AFTER_S = 1.0                 # an idle engine starts warming its kernels after this long (warm_later)
@@ -69,7 +70,7 @@ class Graph:
 
     def __init__(self, rows: int, width: int, pad_block: int, block_size: int, device: torch.device):
         k = len(self.INPUTS)
-        self.rows, self.width = rows, width
+        self.rows = rows
         self.inputs = torch.zeros(rows * (k + width), dtype=torch.long, device=device)
         for name, view in zip(self.INPUTS, self.inputs[:k * rows].view(k, rows)):           # [b] each
             setattr(self, name, view)
@@ -259,9 +260,9 @@ class Runner:
         if not self.use_graphs:
             tokens = [self.last_host[i] if i >= 0 else d.token for d, i in zip(decodes, prev_index or [-1] * n)]
             logits = self.run([Decode(t, d.position, d.table) for t, d in zip(tokens, decodes)], [])
-            picks = logits.argmax(-1)
+            picks, logprobs = greedy(logits)
             self.last_host = picks.tolist()
-            return Launched(n, None, picks, logits.log_softmax(-1).gather(-1, picks[:, None])[:, 0])
+            return Launched(n, None, picks, logprobs)
         g = self._graph_for(decodes, prev_index)
         g.graph.replay()
         picks, logprobs = self.out[self.turn % 2]
@@ -283,8 +284,7 @@ class Runner:
         """The captured step: ids from the host or the last picks, the forward, the greedy picks."""
         ids = torch.where(g.from_prev.bool(), self.last_picks.index_select(0, g.index), g.ids)       # [b]
         logits = paged.forward(self.model, ids, g.context(), self.cache, self.fused)                  # [b, V]
-        g.picks = logits.argmax(-1)
-        g.logprobs = logits.log_softmax(-1).gather(-1, g.picks[:, None])[:, 0]
+        g.picks, g.logprobs = greedy(logits)
         self.last_picks[:g.rows].copy_(g.picks)
         return logits
 

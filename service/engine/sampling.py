@@ -67,6 +67,11 @@ class Row:
         self.history = torch.tensor(prompt_ids, device=served.device) if params.repetition_penalty else None
 
     @property
+    def greedy(self) -> bool:
+        """Its token is the argmax of its logits (no sampling, no penalty)."""
+        return self.history is None and not self.params.sampling
+
+    @property
     def done(self) -> bool:
         return self.finish_reason is not None or self.cancelled
 
@@ -146,15 +151,20 @@ def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tup
     return ids, mask
 
 
+def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] -> each row's argmax token [B] and its log-probability [B] (on the device)."""
+    tokens = logits.argmax(-1)
+    return tokens, logits.log_softmax(-1).gather(-1, tokens[:, None])[:, 0]
+
+
 def sample_rows(logits: torch.Tensor, rows: list[Row]) -> list[tuple[int, float]]:
     """One (token, logprob) per row from logits [B, V]: plain greedy rows with one argmax and one
     device-to-host copy between them, the others (sampling, penalty) one by one with `sample`."""
-    plain = [i for i, r in enumerate(rows) if r.history is None and not r.params.sampling]
+    plain = [i for i, r in enumerate(rows) if r.greedy]
     out: list[tuple[int, float] | None] = [None] * len(rows)
     if plain:
         sub = logits[torch.tensor(plain, device=logits.device)] if len(plain) < len(rows) else logits   # [G, V]
-        tokens = sub.argmax(-1)                                                                         # [G]
-        logprobs = sub.log_softmax(-1).gather(-1, tokens[:, None])[:, 0]                               # [G]
+        tokens, logprobs = greedy(sub)                                                                  # [G]
         for i, token, logprob in zip(plain, tokens.tolist(), logprobs.tolist()):
             out[i] = (token, logprob)
     return [o if o is not None else sample(logits[i], rows[i]) for i, o in enumerate(out)]

@@ -131,7 +131,7 @@ class Scheduler:
         rows only, every one greedy without a penalty, and no waiting row that could be admitted."""
         return self.runner.pipelined and bool(self.running) and not self.prefilling \
             and len(self.running) <= self.runner.max_rows and not self._admissible() \
-            and all(s.row.history is None and not s.row.params.sampling for s in self.running)
+            and all(s.row.greedy for s in self.running)
 
     def _admissible(self) -> bool:
         return bool(self.waiting) and len(self.running) + len(self.prefilling) < self.max_rows \

@@ -14,8 +14,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
 from ..errors import GenerationFailed, ModelNotReady, QueueFull, ServiceError
 from ..metrics import Metrics
 from ..model.build import ServedModel
@@ -119,6 +117,11 @@ class Engine:
         return Batcher(served, max_rows=limits.max_rows, max_tokens=limits.max_tokens, on_token=self._on_token,
                        on_finish=self._done_rows.append)
 
+    @property
+    def _runner(self):
+        """The paged scheduler's runner (its graphs, its kernels); None for batcher.py's engine."""
+        return getattr(self.batcher, "runner", None)
+
     def start(self) -> Engine:
         self._thread.start()
         return self
@@ -144,7 +147,7 @@ class Engine:
             self._closed = True
         self._wake.set()
         self._thread.join()
-        runner = getattr(self.batcher, "runner", None)
+        runner = self._runner
         if runner is not None:
             runner.close()
             self.metrics.untrack_cache(self.served.name)
@@ -159,15 +162,14 @@ class Engine:
                     return
                 if self._capture_while_idle():
                     continue
-                runner = getattr(self.batcher, "runner", None)
-                self._wake.wait(runner.warm_due_in() if runner is not None else None)
+                self._wake.wait(self._runner.warm_due_in() if self._runner is not None else None)
                 time.sleep(self.limits.batch_wait_s)         # let a burst arrive and prefill as one group
                 continue
             self._step()
 
     def _capture_while_idle(self) -> bool:
         """One CUDA graph the runner has not captured yet (runner.py); False: none left, or no graphs."""
-        runner = getattr(self.batcher, "runner", None)
+        runner = self._runner
         if runner is None:
             return False
         try:
@@ -201,7 +203,7 @@ class Engine:
         if step.tokens:
             m.batch_size.labels(name).observe(step.rows)
             m.batch_tokens.labels(name).observe(step.tokens)
-        runner = getattr(self.batcher, "runner", None)
+        runner = self._runner
         if runner is not None:
             m.set_graphs(name, len(runner.graphs), runner.capture_seconds)
         self._answer_done_rows()

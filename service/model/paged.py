@@ -24,7 +24,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F  # noqa: N812
 
 from cuda_ext import step_kernels
 
@@ -105,6 +104,8 @@ class Modules:
     """The eager step: the model's modules, called (compressed mode's hooks fire), or where
     `fuse_projections` joined them, their joined weights; the keys a decode row sees gathered by
     block and attended by SDPA (`_decode`)."""
+    rope_store = staticmethod(step_kernels.rope_store_reference)
+    silu_mul = staticmethod(step_kernels.silu_mul_reference)
 
     @staticmethod
     def add_norm(x: torch.Tensor, h: torch.Tensor | None, norm: llama.RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,14 +116,9 @@ class Modules:
     def projections(attn: llama.Attention, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return _joined(attn, "qkv", (attn.q_proj, attn.k_proj, attn.v_proj), x)
 
-    @staticmethod
-    def mlp(mlp: llama.MLP, x: torch.Tensor) -> torch.Tensor:
-        if getattr(mlp, "gate_up_weight", None) is None:
-            return mlp(x)
+    def mlp(self, mlp: llama.MLP, x: torch.Tensor) -> torch.Tensor:
         gate, up = _joined(mlp, "gate_up", (mlp.gate_proj, mlp.up_proj), x)
-        return mlp.down_proj(F.silu(gate) * up)                                   # MLP.forward's maths
-
-    rope_store = staticmethod(step_kernels.rope_store_reference)
+        return mlp.down_proj(self.silu_mul(gate, up))                             # MLP.forward's maths
 
     @staticmethod
     def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context,
@@ -133,27 +129,15 @@ class Modules:
 MODULES = Modules()
 
 
-class Fused:
+class Fused(Modules):
     """The step of Triton kernels (cuda_ext/step_triton.py): add + RMSNorm, rotary + cache write,
-    paged decode attention, SiLU * up; q, k, v and gate, up each one matmul where
-    `fuse_projections` joined their weights (else the modules')."""
+    paged decode attention, SiLU * up; the projections as the modules' step has them."""
 
     def __init__(self, kernels):
-        self.k = kernels
+        self.k, self.rope_store, self.silu_mul = kernels, kernels.rope_store, kernels.silu_mul
 
     def add_norm(self, x: torch.Tensor, h: torch.Tensor | None, norm: llama.RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k.add_rms_norm(x, h, norm.weight, norm.eps)
-
-    @staticmethod
-    def projections(attn: llama.Attention, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return _joined(attn, "qkv", (attn.q_proj, attn.k_proj, attn.v_proj), x)
-
-    def mlp(self, mlp: llama.MLP, x: torch.Tensor) -> torch.Tensor:
-        gate, up = _joined(mlp, "gate_up", (mlp.gate_proj, mlp.up_proj), x)
-        return mlp.down_proj(self.k.silu_mul(gate, up))
-
-    def rope_store(self, *args) -> torch.Tensor:
-        return self.k.rope_store(*args)
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context,
                          block_size: int, scale: float) -> torch.Tensor:

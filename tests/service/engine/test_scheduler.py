@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -120,9 +119,7 @@ def test_kernels_warmed_beside_serving_are_adopted_between_steps(tiny) -> None:
     the first step or the idle deadline; the modules serve until the warm-up ends, no graph is
     captured meanwhile, the engine is woken, the next step takes the kernels and the row goes on;
     a warm-up that fails leaves the modules."""
-    refs = SimpleNamespace(add_rms_norm=step_kernels.add_rms_norm_reference, rope_store=step_kernels.rope_store_reference,
-                           decode_attention=step_kernels.decode_attention_reference,
-                           silu_mul=step_kernels.silu_mul_reference)
+    refs = step_kernels.REFERENCES
     gate, woken, started = threading.Event(), threading.Event(), threading.Event()
     s = paged(tiny)
     s.runner.on_warmed = woken.set

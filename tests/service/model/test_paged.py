@@ -5,8 +5,6 @@ byte twice, happens once, and skips what it cannot join. The Triton kernels them
 tested on the GPU (tests/gpu/test_step_kernels.py)."""
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -14,10 +12,7 @@ from cuda_ext import step_kernels
 from service.engine.runner import Chunk, Decode, Runner
 from service.model import llama, paged
 
-REFERENCES = SimpleNamespace(add_rms_norm=step_kernels.add_rms_norm_reference,
-                             rope_store=step_kernels.rope_store_reference,
-                             decode_attention=step_kernels.decode_attention_reference,
-                             silu_mul=step_kernels.silu_mul_reference)
+REFERENCES = step_kernels.REFERENCES
 CONFIG = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 344, "num_hidden_layers": 2,
           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300, "max_position_embeddings": 256}
 
