@@ -16,7 +16,8 @@ workload (greedy, --tokens new tokens, every prompt different) at 1 user, then e
 The summary (and every run's JSON) goes to --out. Batch 1's tokens/s against the limit is a
 request's: --tokens / its latency p50 (prefill and HTTP included, as transformers' `generate` is
 timed); the closed loop's aggregate (tokens received / the duration, the client's gaps between
-requests included) is reported beside it.
+requests included) is reported beside it. --weights decoded compressed: one server per resident
+mode, compressed mode's rates and weight bytes also as ratios of decoded mode's.
 """
 from __future__ import annotations
 
@@ -184,6 +185,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--duration", type=float, default=40.0)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--env", action="append", default=[], metavar="WCODEC_X=V", help="a setting for the server")
+    ap.add_argument("--weights", nargs="+", default=["decoded"], choices=["decoded", "compressed"],
+                    help="resident modes, one server each, in this order (the first is against the limit)")
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="a 2-layer model on the CPU: checks the path, no figures")
     return ap.parse_args()
@@ -206,40 +209,55 @@ def prepare(args: argparse.Namespace) -> tuple[str, Path | None]:
     return device, build(args.store, args.tokenizer, config, device)
 
 
+def served_runs(args: argparse.Namespace, device: str, env: dict[str, str], out: Path) -> dict:
+    """One server (`env`'s settings): the warm-up request, its graphs, then 1 user and each of --users."""
+    out.mkdir(parents=True, exist_ok=True)
+    proc, url = serve(args.store, out, device, env)
+    try:
+        httpx.post(f"{url}/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 8}},
+                   timeout=600).raise_for_status()
+        graphs = wait_for_graphs(url) if device == "cuda" else {}
+        weight_bytes = metric(url, "wcodec_model_weight_bytes")
+        runs = {str(u): bench(url, u, args.duration, args.tokens, out) for u in [1, *args.users]}
+        graphs_after = metric(url, "wcodec_engine_cuda_graphs")
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    return {"weight_bytes": weight_bytes, "request_tokens_per_s_1": args.tokens / runs["1"]["latency_s"]["p50"],
+            **{f"tokens_per_s_{u}": r["tokens_per_s"] for u, r in runs.items()},
+            "ttft_p50": {u: r["ttft_s"]["p50"] for u, r in runs.items()},
+            "errors": sum(r["errors"] for r in runs.values()), **graphs, "graphs_after": graphs_after, "runs": runs}
+
+
 def main() -> None:
     args = parse()
     args.out.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(ROOT / "bench"))
     device, folder = prepare(args)
     env = dict(e.split("=", 1) for e in args.env)
-    proc, url = serve(args.store, args.out, device, env)
-    try:
-        httpx.post(f"{url}/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 8}},
-                   timeout=600).raise_for_status()
-        graphs = wait_for_graphs(url) if device == "cuda" else {}
-        weight_bytes = metric(url, "wcodec_model_weight_bytes")
-        runs = {str(u): bench(url, u, args.duration, args.tokens, args.out) for u in [1, *args.users]}
-        graphs_after = metric(url, "wcodec_engine_cuda_graphs")
-    finally:
-        proc.terminate()
-        proc.wait(60)
+    modes = {w: served_runs(args, device, {**env, "WCODEC_WEIGHTS": w}, args.out / w if len(args.weights) > 1 else args.out)
+             for w in args.weights}
+    first = modes[args.weights[0]]
     theirs = transformers_generate(folder, device, args.tokens) if folder and not args.no_transformers else {}
     bandwidth = read_bandwidth(device)
-    limit = bandwidth / weight_bytes
+    limit = bandwidth / first["weight_bytes"]
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    summary = {"device": name, "date": time.strftime("%Y-%m-%d %H:%M"), "weights": env.get("WCODEC_WEIGHTS", "decoded"),
-               "tokens": args.tokens, "weight_bytes": weight_bytes, "read_GBps": bandwidth / 1e9,
-               "limit_tokens_per_s": limit, **{f"tokens_per_s_{u}": r["tokens_per_s"] for u, r in runs.items()},
-               "request_tokens_per_s_1": args.tokens / runs["1"]["latency_s"]["p50"],
-               "of_limit_1": args.tokens / runs["1"]["latency_s"]["p50"] / limit,
-               "aggregate_of_limit_1": runs["1"]["tokens_per_s"] / limit,
+    summary = {"device": name, "date": time.strftime("%Y-%m-%d %H:%M"), "weights": args.weights[0],
+               "tokens": args.tokens, "read_GBps": bandwidth / 1e9, "limit_tokens_per_s": limit,
+               **{k: v for k, v in first.items() if k != "runs"},
+               "of_limit_1": first["request_tokens_per_s_1"] / limit,
+               "aggregate_of_limit_1": first["tokens_per_s_1"] / limit,
                **{f"transformers_{k}_1": v for k, v in theirs.items()},
-               **{f"ours_over_transformers_{k}": runs["1"]["tokens_per_s"] / v for k, v in theirs.items()},
-               "ttft_p50": {u: r["ttft_s"]["p50"] for u, r in runs.items()},
-               "errors": sum(r["errors"] for r in runs.values()), **graphs, "graphs_after": graphs_after,
-               "runs": runs}
-    (args.out / "generation_gpu.json").write_text(json.dumps(summary, indent=1))
-    print(json.dumps({k: v for k, v in summary.items() if k != "runs"}, indent=1))
+               **{f"ours_over_transformers_{k}": first["tokens_per_s_1"] / v for k, v in theirs.items()}}
+    if "decoded" in modes and "compressed" in modes:        # issue 23's compressed rows: against decoded, same run
+        d, c = modes["decoded"], modes["compressed"]
+        summary["compressed"] = {k: v for k, v in c.items() if k != "runs"}
+        summary["compressed_over_decoded"] = {
+            "weight_bytes": c["weight_bytes"] / d["weight_bytes"],
+            "request_tokens_per_s_1": c["request_tokens_per_s_1"] / d["request_tokens_per_s_1"],
+            **{f"tokens_per_s_{u}": c[f"tokens_per_s_{u}"] / d[f"tokens_per_s_{u}"] for u in [1, *args.users]}}
+    (args.out / "generation_gpu.json").write_text(json.dumps({**summary, "modes": modes}, indent=1))
+    print(json.dumps(summary, indent=1))
 
 
 if __name__ == "__main__":

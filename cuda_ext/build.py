@@ -38,26 +38,41 @@ def cuda_buildable() -> bool:
         and (CSRC / CUDA_SOURCES[0]).exists()
 
 
+NVCC_FLAGS = ["-O3", "--use_fast_math", "-lineinfo"]
+
+
 def _cache_dir(with_cuda: bool) -> Path:
+    """The build's directory: named by its sources, flags, arch list and torch, so that a library
+    found there is the build of exactly these (`_jit` loads it without asking ninja)."""
     digest = hashlib.sha256()
     for name in sorted(p.name for p in CSRC.iterdir()):
         digest.update(name.encode() + (CSRC / name).read_bytes())
-    digest.update(f"{torch.__version__}|{with_cuda}".encode())
+    arch = os.environ.get("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
+    digest.update(f"{torch.__version__}|{with_cuda}|{CXX_FLAGS}|{NVCC_FLAGS}|{arch}".encode())
     root = Path(os.environ.get("WCODEC_EXT_CACHE", Path.home() / ".cache" / "wcodec"))
     return root / f"ext-{digest.hexdigest()[:16]}"
 
 
 def _jit(with_cuda: bool) -> None:
+    """Load the JIT build in the cache directory, building it first if it is not there. A library
+    already built is loaded directly: torch's `load` would import its build tools and run ninja to
+    find it up to date, about a second of a server's start that the GIL shares with its imports."""
+    name = "wcodec_ext_cuda" if with_cuda else "wcodec_ext"
+    build_dir = _cache_dir(with_cuda)
+    built = build_dir / f"{name}.so"
+    if built.exists():
+        try:
+            torch.ops.load_library(str(built))
+            return
+        except OSError:                      # half written (a build interrupted): build it again
+            log.warning("the JIT build in %s does not load; building it again", build_dir)
     from torch.utils.cpp_extension import load
     sources = [str(CSRC / s) for s in CPU_SOURCES + (CUDA_SOURCES if with_cuda else ())]
-    build_dir = _cache_dir(with_cuda)
     build_dir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
-    load(name="wcodec_ext_cuda" if with_cuda else "wcodec_ext", sources=sources,
-         build_directory=str(build_dir), extra_cflags=CXX_FLAGS + ["-march=native"],
-         extra_ldflags=["-fopenmp"], extra_include_paths=[str(CSRC)],
-         extra_cuda_cflags=["-O3", "--use_fast_math", "-lineinfo"], with_cuda=with_cuda,
-         is_python_module=False, verbose=False)
+    load(name=name, sources=sources, build_directory=str(build_dir), extra_cflags=CXX_FLAGS + ["-march=native"],
+         extra_ldflags=["-fopenmp"], extra_include_paths=[str(CSRC)], extra_cuda_cflags=NVCC_FLAGS,
+         with_cuda=with_cuda, is_python_module=False, verbose=False)
 
 
 def _has_cuda_kernel() -> bool:

@@ -253,7 +253,7 @@ class ModelRegistry:
         entry.served, entry.stats, entry.reserved_bytes = loaded.served, loaded.stats, loaded.reserved_bytes
         entry.weight_bytes = loaded.budget_bytes               # the archive's dtype (README)
         entry.loaded_at, entry.last_error = time.time(), None
-        entry.engine = Engine(loaded.served, self.metrics, limits(s)).start()
+        entry.engine = Engine(loaded.served, self.metrics, limits(s), self.timeline).start()
         entry.last_used = time.monotonic()
         self.metrics.loads.labels(entry.name, "ok").inc()
         self._set_state(entry, ModelState.READY)

@@ -60,10 +60,11 @@ def scheduler(served: ServedModel, max_rows: int, max_tokens: int, s: CacheSetti
     tokens = cache_tokens(served, max_rows, s)
     blocks = BlockManager(tokens // s.block_size, s.block_size)
     cache = paged.PagedCache(served.model.config, blocks.blocks, s.block_size, cache_dtype(served), served.device)
-    plain = served.schedule is None                  # compressed mode's hooks: eager modules, no graphs
-    fused = step_kernels.triton_kernels(served.device) if plain else None
+    plain = served.schedule is None
+    steps = plain or served.schedule.linears_only    # compressed mode: its hooks captured in the graphs too
+    fused = step_kernels.triton_kernels(served.device) if steps else None
     runner = Runner(served.model, cache, max_rows, blocks.blocks_for(min(s.max_total_tokens, served.max_positions)),
-                    s.cuda_graphs and plain)
+                    s.cuda_graphs and steps)
     if plain and (fused is not None or cpu_dtype.joins_exactly(served.model)):
         paged.fuse_projections(served.model)         # CUDA: faster; the CPU's linear16: also exact
     if fused is not None:                            # Triton's step once compiled (runner.py), the modules till then

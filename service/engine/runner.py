@@ -10,11 +10,11 @@ Read me first.
   touch a real row and never make an empty softmax.
 * A graph is captured the first time its shape is needed, or ahead of need while the engine is
   idle (`capture_next`); `capture_seconds` adds up what captures cost.
-* Steps with a prompt chunk, steps on the CPU, and models whose weights are decoded by hooks
-  (weights=compressed: host work between the kernels, service/model/compressed.py) run eagerly:
-  the same forward, not captured.
-* On CUDA with decoded weights every step runs the forward's Triton kernels (`fused`,
-  paged.Fused), captured or not; elsewhere the modules'. A new process takes seconds to compile
+* Steps with a prompt chunk and steps on the CPU run eagerly: the same forward, not captured.
+  In compressed mode (service/model/compressed.py) the capture runs the modules' hooks once: the
+  graph holds each Linear's decode on the side stream, one unit ahead, and the waits.
+* On CUDA every step runs the forward's Triton kernels (`fused`, paged.Fused), captured or not;
+  elsewhere the modules'. A new process takes seconds to compile
   (or load) Triton's kernels, so they are warmed on a thread (`warm_later`) while the modules
   serve; the first step after that adopts them (`adopt`), dropping the graphs captured so far.
 

@@ -18,6 +18,7 @@ from ..errors import GenerationFailed, ModelNotReady, QueueFull, ServiceError
 from ..metrics import Metrics
 from ..model.build import ServedModel
 from ..model.llama import LlamaForCausalLM
+from ..timeline import Timeline
 from . import paging
 from .batcher import Batcher
 from .sampling import Finished, Row, SamplingParams, TokenEvent
@@ -96,11 +97,14 @@ class GenRequest:
 
 
 class Engine:
-    def __init__(self, served: ServedModel, metrics: Metrics, limits: Limits):
+    def __init__(self, served: ServedModel, metrics: Metrics, limits: Limits, timeline: Timeline | None = None):
         self.served, self.metrics, self.limits = served, metrics, limits
+        self.timeline = timeline or Timeline()   # the start-up's: the engine's build, its first request and step
         self._done_rows: list[Row] = []          # rows a step finished, answered once its metrics are in
         self._wake = threading.Event()
-        self.batcher = self._batcher(served, limits)
+        self._firsts = {"request", "step"}       # firsts not yet marked on the timeline
+        with self.timeline.span(f"engine {served.name}: built (its cache, runner, joined weights)"):
+            self.batcher = self._batcher(served, limits)
         self._lock = threading.Lock()            # submit's check-then-append against close
         self._closed = False
         metrics.track_engine(served.name, limits.max_queue)
@@ -136,6 +140,7 @@ class Engine:
                 raise QueueFull(f"model {name!r} has {len(waiting)} requests waiting")
             req.row = Row(req.prompt_ids, req.params, self.served, owner=req)
             self.batcher.add(req.row)
+        self._first("request", f"{len(req.prompt_ids)} prompt tokens")
         self.metrics.prompt_tokens.labels(name).inc(len(req.prompt_ids))
         self.metrics.queue_depth.labels(name).set(len(waiting))
         self._wake.set()
@@ -199,6 +204,7 @@ class Engine:
             for row in self.batcher.reset():
                 self._finish(row.owner, GenerationFailed(f"generation failed: {type(e).__name__}: {e}"))
             return
+        self._first("step", f"{step.tokens} tokens, {step.rows} rows")
         m.queue_depth.labels(name).set(len(self.batcher.waiting))
         if step.tokens:
             m.batch_size.labels(name).observe(step.rows)
@@ -207,6 +213,11 @@ class Engine:
         if runner is not None:
             m.set_graphs(name, len(runner.graphs), runner.capture_seconds)
         self._answer_done_rows()
+
+    def _first(self, what: str, detail: str) -> None:
+        if what in self._firsts:
+            self._firsts.discard(what)
+            self.timeline.mark(f"engine {self.served.name}: first {what} ({detail})")
 
     def _answer_done_rows(self) -> None:
         for row in self._done_rows:

@@ -93,6 +93,7 @@ class Loader:
         progress.phase = "building"
         mark("skeleton ready")
         served = self._build(name, weights, decoded, ready)
+        mark("model assembled")
         budget_bytes = served.weight_bytes
         served = cpu_dtype.for_cpu(served, self.settings.cpu_dtype)
         mark("weights assigned")

@@ -12,9 +12,16 @@ weights are decoded into a small ring of scratch buffers just before the module 
   model's ring is 2 x 90 MB, so the weights stay under 0.70 of bf16.
 * The next unit is the one that ran after this one last time (the first forward follows archive
   order), so any execution order is served; a unit with no free buffer decodes at its own pre-hook.
+  A forward's decodes stay inside it: the side stream first waits for everything queued before
+  the forward (a graph replay reading the buffers, say), and the last unit does not prefetch the
+  next forward's first.
 * Decodes are prepared launches (cuda_ext.Prepared, mode INDEXED: pieces of the resident index,
   codec/resident.py): no allocation, no host work but the launch. Their statuses are copied to
   pinned memory on the side stream and checked once the forward's decodes have completed.
+* So a forward can be captured as a CUDA graph (the paged engine's decode steps): the hooks run
+  once, at capture, and the graph holds the fork to the side stream, each decode and each wait.
+  A captured forward keeps no timings and no statuses (event timing and reading back need the
+  host); the load checked every stream, and eager forwards (prompt steps) go on checking.
 * On the CPU there are no streams: one buffer, decoded by the C++ twin in the pre-hook.
 """
 from __future__ import annotations
@@ -203,6 +210,8 @@ class UnitSchedule:
         self.free, self.buffer_of = list(range(self.n_scratch)), [-1] * len(units)
         self.issued, self.prev, self.first = [False] * len(units), None, None
         self.seconds, self.handles = 0.0, []
+        self.capturing = False                                     # this forward is being captured
+        self.fresh = [False] * self.n_scratch                      # released in this forward
         if self.cuda:
             self.side = torch.cuda.Stream(device)
             self.decoded = [torch.cuda.Event() for _ in units]
@@ -218,6 +227,12 @@ class UnitSchedule:
     @property
     def layers(self) -> list[CompressedLayer]:
         return list({id(u.layer): u.layer for u in self.units}.values())
+
+    @property
+    def linears_only(self) -> bool:
+        """Whether every unit is a Linear's: the modules that every step calls (the paged engine's
+        Triton step reads the norms' weights without calling them, so no hook would fire there)."""
+        return all(isinstance(u.module, torch.nn.Linear) for u in self.units)
 
     @property
     def scratch_bytes(self) -> int:
@@ -259,13 +274,14 @@ class UnitSchedule:
         for (leaf, _, _, _), p in zip(self.units[k].leaves, self.params[k][self.buffer_of[k]]):
             self.units[k].module._parameters[leaf] = p
         nxt = self.next_of[k]
-        if self.cuda and self.free and not self.issued[nxt]:
+        if self.cuda and self.free and not self.issued[nxt] and nxt != self.first:
             self._issue(nxt)
 
     def _after(self, k: int) -> None:
         buf = self.buffer_of[k]
         if self.cuda:
             self.released[buf].record(torch.cuda.current_stream())
+            self.fresh[buf] = True
         self.free.append(buf)
 
     def _issue(self, k: int) -> None:
@@ -279,7 +295,12 @@ class UnitSchedule:
             self.seconds += time.perf_counter() - t0
             return
         with torch.cuda.stream(self.side):
-            self.side.wait_event(self.released[buf])
+            if self.fresh[buf]:                                   # else the forward's fork covers it
+                self.side.wait_event(self.released[buf])
+            if self.capturing:
+                job.run()
+                self.decoded[k].record(self.side)
+                return
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(self.side)
             job.run()
@@ -289,13 +310,19 @@ class UnitSchedule:
         self.groups[-1].append((start, end, k, buf))
 
     def _forward_starts(self) -> None:
-        """One observation per earlier forward: its decode time, once its decodes completed (on the
-        GPU, with their statuses: a decode's status is read before its buffer is reused, which waits
-        for the forward that reads it)."""
+        """The side stream forks from the compute stream (it waits for all queued before this
+        forward); then one observation per earlier forward: its decode time, once its decodes
+        completed (on the GPU, with their statuses: a decode's status is read before its buffer is
+        reused, which waits for the forward that reads it). None while capturing."""
         if not self.cuda:
             if self.seconds:
                 self.on_forward(self.seconds)
             self.seconds = 0.0
+            return
+        self.capturing = torch.cuda.is_current_stream_capturing()
+        self.fresh = [False] * self.n_scratch
+        self.side.wait_stream(torch.cuda.current_stream())
+        if self.capturing:
             return
         while self.groups and self.groups[0] and self.groups[0][-1][1].query():
             group = self.groups.pop(0)

@@ -1,7 +1,7 @@
 """The paged engine on CUDA (scripts/gpu/run.sh, stage engine): greedy tokens of captured decode
 steps equal the padded eager engine's on the demo model (5 prompts x 32 alone, 8 together; needs
-the demo package); on the tiny random Llama (runs anywhere): a graph replay equals the eager paged
-step; closing frees graphs and cache; twice the cache's budget in concurrent requests through the
+the demo package), and so do compressed mode's, its decodes captured in the graphs, against its
+eager steps; on the tiny random Llama (runs anywhere): a graph replay equals the eager paged step; closing frees graphs and cache; twice the cache's budget in concurrent requests through the
 engine: each completes or gets a 429, none is lost."""
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from test_scheduler import PROMPTS, generate, submit_at_once
 from service.engine import Batcher, Engine, Limits, paging
 from service.engine.runner import Chunk, Decode
 from service.engine.sampling import Row, SamplingParams
+from service.load import pipeline
 from service.metrics import Metrics
 from service.model import build
 
@@ -79,6 +80,33 @@ def test_graph_tokens_equal_the_padded_eager_engine(demo, together, kind, monkey
           f"{len(prompts)}; partings (prompt, token, top-2 margin in bf16 places): {parted}")
     assert all(margin <= 2 for _, _, margin in parted)             # only at a tie of the bf16 logits
     assert len(parted) <= 1
+
+
+@pytest.fixture(scope="module")
+def packed(dense_demo_archive) -> build.ServedModel:
+    """The demo float-coded (its GGUF blocks dequantized), its layers kept compressed."""
+    decoded = pipeline.decode_archive(dense_demo_archive, CUDA, compressed=True)
+    return build.finish(DEMO, build.prepare(DEMO, decoded.files), decoded.tensors, decoded.layers, CUDA)
+
+
+@pytest.mark.parametrize("together", [False, True], ids=["batch1", "batch8"])
+def test_compressed_mode_captures_its_decodes(packed, together) -> None:
+    """weights=compressed: the decode steps are graphs too, each Linear decoded on the side stream
+    inside them (compressed.py). Their tokens equal compressed mode's eager steps' (the same
+    kernels, the same unjoined matmuls), every prompt, every token; its statuses stay clean."""
+    assert packed.schedule is not None and packed.schedule.linears_only
+    prompts = PROMPTS if together else PROMPTS[:5]
+    rows = lambda: [Row(packed.tokenizer.encode(p), SamplingParams(32), packed) for p in prompts]
+    s = paged(packed)
+    assert s.runner.use_graphs and s.runner.fused is not None
+    ours = generate(s, rows(), together)
+    assert s.runner.graphs                                                # the decode steps were replayed
+    eager = paged(packed, cuda_graphs=False)
+    assert not eager.runner.use_graphs
+    theirs = generate(eager, rows(), together)
+    assert ours == theirs
+    torch.cuda.synchronize()
+    packed.schedule._forward_starts()                                     # reads and checks every status
 
 
 @torch.inference_mode()
