@@ -109,9 +109,10 @@ class CompressedLayer:
 
 def stays_compressed(e) -> bool:
     """Whether compressed-resident mode keeps a tensor compressed: a decoder layer's float-coded
-    bf16/fp16/fp32 tensor (what decode_pieces decodes in pieces). Every other codec -- raw, fp8,
+    bf16/fp16/fp32 matrix (what decode_pieces decodes in pieces; a norm's vector, 0.01 % of a
+    layer, stays decoded, as the paged engine's Triton step reads it without calling its module). Every other codec -- raw, fp8,
     GGUF blocks, int8 -- is decoded at load, as in decoded mode."""
-    return e.layer is not None and e.codec == CODEC_FLOAT and e.dtype in plans.DTYPE_CODES
+    return e.layer is not None and e.codec == CODEC_FLOAT and e.dtype in plans.DTYPE_CODES and len(e.shape) >= 2
 
 
 def estimate_bytes(entries, scratch: int) -> int:
