@@ -93,7 +93,8 @@ def pipelined(runner: Runner, decodes: list[Decode], steps: int) -> float:
 def against_llama(runner: Runner, prompt: list[int], tokens: int) -> dict:
     """The runner's step (its kernels, graphs, pipelining off) against llama.py's own forward with
     its KV cache (what the padded engine runs) on one prompt: the largest difference of the first
-    decode step's logits, and how many greedy tokens agree before they part."""
+    decode step's logits (and the prefill's), how many greedy tokens agree before they part, and a
+    control: how far llama.py's own logits move when the same step is computed another way."""
     from service.model.kvcache import KVCache
     m, bs = runner.model, runner.block_size
     table = list(range(-(-(len(prompt) + tokens) // bs)))
@@ -110,7 +111,12 @@ def against_llama(runner: Runner, prompt: list[int], tokens: int) -> dict:
         step_logits = out if step_logits is None else step_logits
         ours.append(int(out.argmax()))
     agree = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), tokens)
-    return {"first_decode_max_abs_diff": float((step_logits - logits[1]).abs().max()),
+    # the control: llama.py against itself, the first decode step's logits recomputed without the
+    # cache (the whole sequence at once: other matmul shapes, other summation orders)
+    whole = m(input_ids=torch.tensor([prompt + theirs[:1]], device=runner.device)).logits[0, -1].float()
+    return {"prefill_max_abs_diff": float((first - logits[0]).abs().max()),
+            "first_decode_max_abs_diff": float((step_logits - logits[1]).abs().max()),
+            "llama_cache_vs_whole_max_abs_diff": float((whole - logits[1]).abs().max()),
             "largest_logit": float(logits[1].abs().max()), "greedy_tokens_agree": agree, "of": tokens}
 
 

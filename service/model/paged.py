@@ -144,6 +144,33 @@ class Fused(Modules):
         return self.k.decode_attention(q, k_cache, v_cache, ctx.tables, ctx.lengths, block_size, scale)
 
 
+WARM_UP_CONFIG = {"model_type": "llama", "vocab_size": 64, "hidden_size": 64, "intermediate_size": 128,
+                  "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1}
+
+
+def warm_up(device: torch.device, dtype: torch.dtype) -> None:
+    """The eager step of a toy model once as the engine's first request takes it (a prompt chunk,
+    then a decode row, joined projections, the greedy pick), so that the kernels it launches are
+    loaded before that request: CUDA loads each kernel at its first launch, 0.4 s of the H100's
+    first 7B step after start-up (docs/BENCHMARKS.md)."""
+    config = llama.LlamaConfig.parse(WARM_UP_CONFIG)
+    model = llama.LlamaForCausalLM(config, device=device)
+    for p in model.parameters():                                   # never initialised (llama.Linear)
+        p.data = (0.02 * torch.randn(p.shape, device=device)).to(dtype)
+    fuse_projections(model)
+    cache = PagedCache(config, 1, 16, dtype, device)
+    with torch.inference_mode():
+        slots = torch.arange(5, device=device)
+        ids = torch.tensor([1, 2, 3, 4, 5], device=device)
+        prompt = Context(slots, slots, 0, None, None, [Prefill(0, 5, 0, slots)], torch.tensor([4], device=device))
+        forward(model, ids, prompt, cache)
+        five = torch.tensor([5], device=device)
+        step = Context(five, five, 1, torch.zeros(1, 1, dtype=torch.long, device=device), five + 1, keys=6)
+        forward(model, ids[:1], step, cache).log_softmax(-1).max(-1)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def fuse_projections(model: llama.LlamaForCausalLM) -> None:
     """Each layer's q, k, v and gate, up weights joined into one [sum of outs, in] buffer
     (`qkv_weight`, `gate_up_weight`): one matmul of each set, about 5% of a 7B step at batch 1

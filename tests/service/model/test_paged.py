@@ -93,3 +93,16 @@ def test_joined_linear16_projections_change_no_bit() -> None:
     paged.fuse_projections(m)
     assert hasattr(m.model.layers[0].self_attn, "qkv_weight")
     assert all(torch.equal(a, b) for a, b in zip(steps(m, None), want))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_start_up_warm_up_runs_the_eager_step(dtype, monkeypatch) -> None:
+    """build.first_kernels' toy step (paged.warm_up): a prompt chunk and a decode row through the
+    joined projections, each forward once per kind."""
+    calls = []
+    real = paged.forward
+    monkeypatch.setattr(paged, "forward", lambda model, ids, ctx, cache, fused=None:
+                        calls.append((ctx.decode, len(ctx.prefills), model.model.layers[0].self_attn.qkv_weight.dtype))
+                        or real(model, ids, ctx, cache, fused))
+    paged.warm_up(torch.device("cpu"), dtype)
+    assert calls == [(0, 1, dtype), (1, 0, dtype)]
