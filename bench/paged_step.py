@@ -167,6 +167,10 @@ def main() -> None:
         result[f"{kind}-capture_s"] = runner.capture_seconds
         result[f"{kind}-against_llama"] = against_llama(runner, list(range(100, 108)), args.agree_tokens)
         print(kind, "against llama.py's forward:", json.dumps(result[f"{kind}-against_llama"]), flush=True)
+        runner.use_graphs = False                # the same, each step eager
+        result[f"{kind}-eager-against_llama"] = against_llama(runner, list(range(100, 108)), args.agree_tokens)
+        print(kind, "eager, against llama.py's forward:", json.dumps(result[f"{kind}-eager-against_llama"]), flush=True)
+        runner.use_graphs = True
         if device.type == "cuda":
             print(kernels(runner, args.position, 24))
     print(json.dumps({k: v for k, v in result.items() if "-" not in k or k.endswith(("capture_s", "llama"))}))
