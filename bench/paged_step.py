@@ -108,7 +108,7 @@ def against_llama(runner: Runner, prompt: list[int], tokens: int) -> dict:
     ours, step_logits = [int(first.argmax())], None
     for i in range(1, tokens):
         out = runner.run([Decode(ours[-1], len(prompt) + i - 1, table)], [])[0]
-        step_logits = out if step_logits is None else step_logits
+        step_logits = out.clone() if step_logits is None else step_logits   # a graph's output is overwritten by its next replay
         ours.append(int(out.argmax()))
     agree = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), tokens)
     # the control: llama.py against itself, the first decode step's logits recomputed without the
