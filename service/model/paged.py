@@ -12,7 +12,7 @@ Read me first.
   tables, batched); the rest are prompt chunks (`Prefill`), attended one sequence at a time.
 * Two ways to run a step, one forward: `Modules` calls llama.py's modules (compressed mode's
   hooks fire as they do there), the maths of Layer.forward token for token (the same rotary
-  products, RMSNorm, SDPA); `Fused` (CUDA, decoded weights) runs the small ops as Triton kernels
+  products, RMSNorm, SDPA); `Fused` (CUDA) runs the small ops as Triton kernels
   (cuda_ext/step_triton.py: add + RMSNorm, rotary + cache write, paged decode attention,
   SiLU * up), equal to those up to float32 summation order; the projections stay the modules'.
 
@@ -83,7 +83,7 @@ def forward(model: llama.LlamaForCausalLM, ids: torch.Tensor, ctx: Context, cach
             fused=None) -> torch.Tensor:
     """Logits [R, V] (float32) of the tokens `ctx.last` (all N when None), after writing every
     token's keys and values into `cache`. `fused`: cuda_ext/step_triton.py (its kernels read the
-    norms' weights directly: decoded weights only); None: the modules, called."""
+    norms' weights directly: compressed mode keeps them decoded); None: the modules, called."""
     m, ops = model.model, (Fused(fused) if fused is not None else MODULES)
     _masks(ctx, cache.block_size, ids.device, fused is None)                       # once a step, not a layer
     x = m.embed_tokens(ids)                                                        # [N, E]
