@@ -95,7 +95,20 @@ def linear16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     return torch.ops.wcodec.linear16.default(x, weight, bias)
 
 
+def linear16_pack(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 weight [N, K] (N and K multiples of 32; an AVX512-BF16 CPU) in the layout linear16
+    transposes its blocks into on every call: the same shape and bytes, permuted, for
+    `linear16_packed`."""
+    return torch.ops.wcodec.linear16_pack.default(weight)
+
+
+def linear16_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """linear16(x, W, bias) bit for bit, from W packed by `linear16_pack`: no transposes per call."""
+    return torch.ops.wcodec.linear16_packed.default(x, packed, bias)
+
+
 LINEAR16_OPS = ("wcodec::linear16",)
+PACKED_OPS = ("wcodec::linear16_pack", "wcodec::linear16_packed")
 
 
 def prepare_plane(data: torch.Tensor, dtype: int) -> list[torch.Tensor]:
@@ -154,6 +167,10 @@ def register_fakes() -> None:
     if has_ops(LINEAR16_OPS):
         torch.library.register_fake("wcodec::linear16")(
             lambda x, weight, bias=None: x.new_empty(*x.shape[:-1], weight.shape[0]))
+    if has_ops(PACKED_OPS):
+        torch.library.register_fake("wcodec::linear16_packed")(
+            lambda x, packed, bias=None: x.new_empty(*x.shape[:-1], packed.shape[0]))
+        torch.library.register_fake("wcodec::linear16_pack")(lambda weight: torch.empty_like(weight))
     if has_ops(ENCODE_OPS):
         torch.library.register_fake("wcodec::prepare_plane")(_fake_prepare_plane)
         torch.library.register_fake("wcodec::encode_planes")(_fake_encode_planes)

@@ -40,6 +40,11 @@ constexpr int kOuts = 4;                     // weight rows a block
 constexpr int kRows = 4;                     // rows of x a step of a block
 constexpr int kLanes = 16;
 constexpr int64_t kTaskWork = 1 << 18;       // multiply-adds a thread does at least (fewer: one thread)
+constexpr int kDotOuts = 32;                 // outputs a block (two vectors' lanes)
+constexpr int kDotRows = 12;                 // rows of x a tile: 12 accumulators
+constexpr int kDotK = 32;                    // k a transposed block (16 pairs)
+
+inline int64_t block_dwords(int64_t k_len) { return (k_len + kDotK - 1) / kDotK * 16 * kDotOuts; }
 
 bool bf16_dot_allowed() {
 #if defined(__x86_64__)
@@ -142,9 +147,6 @@ void block_avx512(const Problem& p, int64_t o0, int64_t o1) {
 // each lane's two products to its float32 sum in turn (element 2t + 1, then 2t; round to nearest;
 // subnormals read and written as zero). Output (r, o) is one lane summing k = 0, 1, ... in order,
 // whatever the call's rows: batch invariant, and no reduction tree.
-constexpr int kDotOuts = 32;                 // outputs a block (two vectors' lanes)
-constexpr int kDotRows = 12;                 // rows of x a tile: 12 accumulators
-constexpr int kDotK = 32;                    // k a transposed block (16 pairs)
 
 // 16 x 16 dwords: in[i] = row i's 16 k-pairs -> out[t] = k-pair t of rows 0..15
 WCODEC_LINEAR16_BF16 inline void transpose16(__m512i* v) {
@@ -196,39 +198,62 @@ WCODEC_LINEAR16_BF16 void dot_rows(const Problem& p, const uint32_t* wt, int64_t
   }
 }
 
+// the k-pairs of weight rows [o, o + outs) (outs <= 32; rows past them zero), transposed as dot_rows
+// reads them: pair t of output 16 g + i at wt[(t * 2 + g) * 16 + i], pairs past the last 32-k chunk zero
+WCODEC_LINEAR16_BF16 void pack_block(const uint16_t* w, int64_t k_len, int64_t o, int outs, uint32_t* wt) {
+  for (int g = 0; g < 2; ++g)
+    for (int64_t k = 0, c = 0; k < k_len; k += kDotK, ++c) {
+      const int kk = static_cast<int>(std::min<int64_t>(kDotK, k_len - k));
+      const __mmask32 m = kk == kDotK ? ~__mmask32(0) : __mmask32((1u << kk) - 1);
+      __m512i v[16];
+      for (int i = 0; i < 16; ++i)
+        v[i] = 16 * g + i < outs ? _mm512_maskz_loadu_epi16(m, w + (o + 16 * g + i) * k_len + k) : _mm512_setzero_si512();
+      transpose16(v);
+      for (int t = 0; t < 16; ++t) _mm512_storeu_si512(wt + ((c * 16 + t) * 2 + g) * 16, v[t]);
+    }
+}
+
+// every row of x against one block's transposed k-pairs: outputs [o, o + outs)
+WCODEC_LINEAR16_BF16 void dot_block(const Problem& p, const uint32_t* wt, int64_t o, int outs) {
+  const auto lanes = [](int n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << std::max(n, 0)) - 1); };
+  const __mmask16 keep0 = lanes(outs), keep1 = lanes(outs - 16);
+  int64_t r = 0;
+  for (; r + kDotRows <= p.rows; r += kDotRows) dot_rows<kDotRows>(p, wt, o, r, keep0, keep1);
+  switch (p.rows - r) {
+#define WCODEC_DOT_CASE(n) case n: dot_rows<n>(p, wt, o, r, keep0, keep1); break;
+    WCODEC_DOT_CASE(1) WCODEC_DOT_CASE(2) WCODEC_DOT_CASE(3) WCODEC_DOT_CASE(4) WCODEC_DOT_CASE(5)
+    WCODEC_DOT_CASE(6) WCODEC_DOT_CASE(7) WCODEC_DOT_CASE(8) WCODEC_DOT_CASE(9) WCODEC_DOT_CASE(10)
+    WCODEC_DOT_CASE(11)
+#undef WCODEC_DOT_CASE
+    default: break;
+  }
+}
+
 WCODEC_LINEAR16_BF16 void block_dot(const Problem& p, int64_t o0, int64_t o1) {
-  std::vector<uint32_t> wt((p.k + kDotK - 1) / kDotK * 16 * kDotOuts);   // the block's transposed k-pairs
+  std::vector<uint32_t> wt(block_dwords(p.k));            // the block's transposed k-pairs
   for (int64_t o = o0; o < o1; o += kDotOuts) {
     const int outs = static_cast<int>(std::min<int64_t>(kDotOuts, o1 - o));
-    for (int g = 0; g < 2; ++g)
-      for (int64_t k = 0, c = 0; k < p.k; k += kDotK, ++c) {
-        const int kk = static_cast<int>(std::min<int64_t>(kDotK, p.k - k));
-        const __mmask32 m = kk == kDotK ? ~__mmask32(0) : __mmask32((1u << kk) - 1);
-        __m512i v[16];
-        for (int i = 0; i < 16; ++i)
-          v[i] = 16 * g + i < outs ? _mm512_maskz_loadu_epi16(m, p.w + (o + 16 * g + i) * p.k + k)
-                                   : _mm512_setzero_si512();
-        transpose16(v);
-        for (int t = 0; t < 16; ++t) _mm512_storeu_si512(wt.data() + ((c * 16 + t) * 2 + g) * 16, v[t]);
-      }
-    const auto lanes = [](int n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << std::max(n, 0)) - 1); };
-    const __mmask16 keep0 = lanes(outs), keep1 = lanes(outs - 16);
-    int64_t r = 0;
-    for (; r + kDotRows <= p.rows; r += kDotRows) dot_rows<kDotRows>(p, wt.data(), o, r, keep0, keep1);
-    switch (p.rows - r) {
-#define WCODEC_DOT_CASE(n) case n: dot_rows<n>(p, wt.data(), o, r, keep0, keep1); break;
-      WCODEC_DOT_CASE(1) WCODEC_DOT_CASE(2) WCODEC_DOT_CASE(3) WCODEC_DOT_CASE(4) WCODEC_DOT_CASE(5)
-      WCODEC_DOT_CASE(6) WCODEC_DOT_CASE(7) WCODEC_DOT_CASE(8) WCODEC_DOT_CASE(9) WCODEC_DOT_CASE(10)
-      WCODEC_DOT_CASE(11)
-#undef WCODEC_DOT_CASE
-      default: break;
-    }
+    pack_block(p.w, p.k, o, outs, wt.data());
+    dot_block(p, wt.data(), o, outs);
   }
+}
+
+// a weight packed once (linear16_pack): block o / 32's pairs at packed + (o / 32) * block_dwords
+WCODEC_LINEAR16_BF16 void block_packed(const Problem& p, int64_t o0, int64_t o1) {
+  const auto* packed = reinterpret_cast<const uint32_t*>(p.w);
+  for (int64_t o = o0; o < o1; o += kDotOuts)
+    dot_block(p, packed + o / kDotOuts * block_dwords(p.k), o, static_cast<int>(std::min<int64_t>(kDotOuts, o1 - o)));
 }
 
 #endif
 
-at::Tensor linear16_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+bool packable(const at::Tensor& weight) {
+  return weight.scalar_type() == at::kBFloat16 && weight.dim() == 2 && weight.size(0) % kDotOuts == 0 &&
+         weight.size(1) % kDotK == 0;
+}
+
+at::Tensor linear16_impl(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                         bool packed) {
   const auto dtype = weight.scalar_type();
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, "linear16: the weight must be bfloat16 or float16, not ",
               dtype);
@@ -243,6 +268,8 @@ at::Tensor linear16_cpu(const at::Tensor& x, const at::Tensor& weight, const c10
   auto out_shape = x.sizes().vec();
   out_shape.back() = n_out;
   const bool dot = dtype == at::kBFloat16 && simd_allowed() && bf16_dot_allowed();
+  TORCH_CHECK(!packed || (dot && packable(weight)), "linear16_packed: needs AVX512-BF16 and a bf16 weight of "
+              "[N, K], N and K multiples of 32 (linear16_pack)");
   auto x16 = x.reshape({rows, k_len}).contiguous();
   auto xf = dot ? x16 : x16.to(at::kFloat);
   auto y = k_len ? at::empty({rows, n_out}, x.options().dtype(at::kFloat))    // every sum written below
@@ -259,7 +286,7 @@ at::Tensor linear16_cpu(const at::Tensor& x, const at::Tensor& weight, const c10
       const int64_t o0 = b0 * unit, o1 = std::min(b1 * unit, n_out);
 #if defined(__x86_64__)
       if (dot) {
-        block_dot(p, o0, o1);
+        packed ? block_packed(p, o0, o1) : block_dot(p, o0, o1);
         return;
       }
       if (simd) {
@@ -274,14 +301,44 @@ at::Tensor linear16_cpu(const at::Tensor& x, const at::Tensor& weight, const c10
   return y.to(dtype).view(out_shape);
 }
 
+at::Tensor linear16_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  return linear16_impl(x, weight, bias, false);
+}
+
+at::Tensor linear16_packed_cpu(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  return linear16_impl(x, packed, bias, true);
+}
+
+// W [N, K] in the layout block_dot transposes each call's blocks into, once: the same bytes (N and
+// K multiples of 32, so no padding), and the same sums, bit for bit, with no transposes per call
+at::Tensor linear16_pack_cpu(const at::Tensor& weight) {
+  TORCH_CHECK(packable(weight) && weight.is_contiguous(),
+              "linear16_pack: the weight must be a contiguous bf16 [N, K], N and K multiples of 32");
+  TORCH_CHECK(simd_allowed() && bf16_dot_allowed(), "linear16_pack: this CPU has no AVX512-BF16");
+  auto out = at::empty_like(weight);
+  const int64_t k_len = weight.size(1), blocks = weight.size(0) / kDotOuts;
+#if defined(__x86_64__)
+  const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr());
+  auto* packed = reinterpret_cast<uint32_t*>(out.data_ptr());
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) pack_block(w, k_len, b * kDotOuts, kDotOuts, packed + b * block_dwords(k_len));
+  });
+#endif
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(wcodec, m) {
   m.def("linear16(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+  m.def("linear16_packed(Tensor x, Tensor packed, Tensor? bias=None) -> Tensor");
+  m.def("linear16_pack(Tensor weight) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(wcodec, CPU, m) {
   m.impl("linear16", &linear16_cpu);
+  m.impl("linear16_packed", &linear16_packed_cpu);
+  m.impl("linear16_pack", &linear16_pack_cpu);
 }
 
 }  // namespace wcodec

@@ -186,7 +186,7 @@ def fuse_projections(model: llama.LlamaForCausalLM) -> None:
 
 def _join(parent: torch.nn.Module, name: str, parts: tuple[torch.nn.Linear, ...]) -> None:
     if hasattr(parent, f"{name}_weight") or not getattr(type(parts[0]), "joinable", False) \
-            or len({(type(p), p.weight.dtype, p.bias is None) for p in parts}) != 1:
+            or len({(type(p), p.weight.dtype, p.bias is None, getattr(p, 'packed', False)) for p in parts}) != 1:
         return
     for kind in ("weight", "bias"):
         if getattr(parts[0], kind) is None:
@@ -204,7 +204,7 @@ def _joined(parent: torch.nn.Module, name: str, parts: tuple[torch.nn.Linear, ..
     weight = getattr(parent, f"{name}_weight", None)
     if weight is None:
         return tuple(p(x) for p in parts)
-    joined = type(parts[0]).matmul(x, weight, getattr(parent, f"{name}_bias"))
+    joined = parts[0].matmul(x, weight, getattr(parent, f"{name}_bias"))
     return joined.split([p.out_features for p in parts], -1)
 
 

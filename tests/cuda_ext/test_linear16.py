@@ -124,3 +124,52 @@ def test_opcheck():
     x, w, b = operands(5, 40, 20, torch.bfloat16, seed=2, bias=True)
     torch.library.opcheck(torch.ops.wcodec.linear16.default, (x, w, b))
     torch.library.opcheck(torch.ops.wcodec.linear16.default, (x[:1], w, None))
+
+
+BF16_DOT = torch.cpu._is_avx512_bf16_supported() and os.environ.get("WCODEC_CPU_SIMD") != "0"
+needs_bf16_dot = pytest.mark.skipif(not BF16_DOT, reason="linear16_pack needs an AVX512-BF16 CPU")
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(1, 32, 32), (1, 576, 960), (3, 64, 1536), (12, 1536, 576), (13, 96, 64),
+                                   (29, 576, 3072), (0, 64, 32)])
+def test_a_packed_weight_gives_linear16_bit_for_bit(shape, bias):
+    """linear16_pack once, linear16_packed every call: the same outputs as linear16, bit for bit
+    (the same blocks, transposed ahead), specials included; and row blocks of a packed weight are
+    the packed row blocks (so joined projections and their row views stay packed)."""
+    require_cpu_ops(ops.PACKED_OPS, "linear16_pack")
+    rows, k, n = shape
+    x, w, b = operands(rows, k, n, torch.bfloat16, seed=k + n, bias=bias)
+    if rows:
+        x[0, :3] = torch.tensor([float("nan"), float("inf"), -0.0])
+    w[1, 5] = float("-inf")
+    packed = ops.linear16_pack(w)
+    assert packed.shape == w.shape and packed.dtype == w.dtype and not torch.equal(packed, w)
+    bits = lambda t: t.view(torch.int16)                            # NaN's bits too
+    assert torch.equal(bits(ops.linear16_packed(x, packed, b)), bits(ops.linear16(x, w, b)))
+    half = n // 64 * 32
+    if half:
+        assert torch.equal(bits(ops.linear16_pack(w[half:].contiguous())), bits(packed[half:]))
+        assert torch.equal(bits(ops.linear16_packed(x, packed[:half])), bits(ops.linear16(x, w[:half])))
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("shape", [(33, 64), (32, 48), (31, 32)])
+def test_pack_refuses_what_it_cannot_pack_in_place(shape):
+    require_cpu_ops(ops.PACKED_OPS, "linear16_pack")
+    w = torch.zeros(shape, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="multiples of 32"):
+        ops.linear16_pack(w)
+    with pytest.raises(RuntimeError, match="multiples of 32"):
+        ops.linear16_packed(torch.zeros(1, shape[1], dtype=torch.bfloat16), w)
+    with pytest.raises(RuntimeError, match="multiples of 32"):
+        ops.linear16_pack(torch.zeros(64, 64, dtype=torch.float16))
+
+
+@needs_bf16_dot
+def test_packed_opcheck():
+    require_cpu_ops(ops.PACKED_OPS, "linear16_pack")
+    x, w, b = operands(3, 64, 96, torch.bfloat16, seed=5, bias=True)
+    torch.library.opcheck(torch.ops.wcodec.linear16_pack.default, (w,))
+    torch.library.opcheck(torch.ops.wcodec.linear16_packed.default, (x, ops.linear16_pack(w), b))

@@ -3,6 +3,8 @@ Linear multiplies in the weight's dtype for a few rows and in float32 for many, 
 copy of the weights."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from types import SimpleNamespace
 
 import pytest
@@ -55,13 +57,41 @@ def test_auto_model_multiplies_with_linear16():
     for m in model:
         m.weight = torch.nn.Parameter(torch.randn(m.weight.shape, generator=g).bfloat16(), requires_grad=False)
     model[0].bias = torch.nn.Parameter(torch.randn(32, generator=g).bfloat16(), requires_grad=False)
-    out = cpu_dtype.for_cpu(SimpleNamespace(dtype=torch.bfloat16, device=torch.device("cpu"), weights="decoded",
-                                            model=model, weight_bytes=0), "auto")
+    weights = [m.weight.clone() for m in model]
+    out = cpu_dtype.for_cpu(Served(torch.bfloat16, torch.device("cpu"), "decoded", model, 0), "auto")
     assert all(type(m) is cpu_dtype.Linear16 for m in out.model)
+    assert [m.packed for m in model] == [torch.cpu._is_avx512_bf16_supported(), False]     # 16 outputs: not packable
+    assert out.weight_bytes == 0                                                            # packed in place
     x = torch.randn(9, 64, generator=g).bfloat16()
     y = model(x)
-    assert torch.equal(y, ops.linear16(ops.linear16(x, model[0].weight, model[0].bias), model[1].weight))
+    assert torch.equal(y, ops.linear16(ops.linear16(x, weights[0], model[0].bias), weights[1]))
     assert all(torch.equal(model(x[i:i + 1])[0], y[i]) for i in range(9))
+
+
+@dataclass
+class Served:
+    dtype: torch.dtype
+    device: torch.device
+    weights: str
+    model: torch.nn.Module
+    weight_bytes: int
+
+
+def test_a_tied_head_gets_a_packed_copy():
+    """A weight two modules hold (a head tied to the embedding, whose rows the embedding gathers)
+    stays as it is; its Linear multiplies a packed copy, counted in the model's bytes."""
+    if not torch.cpu._is_avx512_bf16_supported():
+        pytest.skip("linear16_pack needs an AVX512-BF16 CPU")
+    g = torch.Generator().manual_seed(1)
+    emb, head = llama.Embedding(64, 32), llama.Linear(32, 64, bias=False)
+    emb.weight = head.weight = torch.nn.Parameter(torch.randn(64, 32, generator=g).bfloat16(), requires_grad=False)
+    model = torch.nn.ModuleDict({"emb": emb, "head": head})
+    kept = emb.weight.clone()
+    out = cpu_dtype.for_cpu(Served(torch.bfloat16, torch.device("cpu"), "decoded", model, 100), "auto")
+    assert torch.equal(emb.weight, kept) and head.weight is emb.weight and not head.packed
+    assert out.weight_bytes == 100 + kept.nbytes
+    x = torch.randn(3, 32, generator=g).bfloat16()
+    assert torch.equal(head(x), ops.linear16(x, kept))
 
 
 def test_mixed_linear_paths():
