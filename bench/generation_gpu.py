@@ -30,7 +30,9 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")    # as `wcodec serve` runs (wcodec/serve.py), before torch
+# No OMP_WAIT_POLICY here: transformers runs in this process as a user runs it, with OpenMP's
+# defaults (`wcodec serve` sets its own, wcodec/serve.py). Until 2026-11-26 this bench set PASSIVE
+# here too, which halved transformers' CPU rate (10-12 against 19-20 tokens/s on the demo).
 
 import httpx
 import torch
