@@ -88,13 +88,14 @@ def cpu_compute(served: ServedModel, setting: CpuDtype) -> str:
 class Linear16(llama.Linear):
     """A bf16 Linear computed by the extension's linear16 (batch invariant). Packed (`pack`): its
     weight holds linear16's block layout in place (`packed`), or, where the weight is another
-    module's too (a tied head: the embedding gathers its rows), a packed copy beside it (`copy`)."""
+    module's too (a tied head: the embedding gathers its rows), a packed copy beside it (the
+    buffer `packed_copy`: an unload's `model.to("meta")` frees it with the weights)."""
     packed = False
-    copy: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.copy is not None:
-            return ops.linear16_packed(x, self.copy, self.bias)
+        copy = self._buffers.get("packed_copy")
+        if copy is not None:
+            return ops.linear16_packed(x, copy, self.bias)
         return self.matmul(x, self.weight, self.bias)
 
     def matmul(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -120,8 +121,8 @@ def pack(model: torch.nn.Module) -> int:
         if not isinstance(m, Linear16) or w.dtype != torch.bfloat16 or w.shape[0] % 32 or w.shape[1] % 32:
             continue
         if holders[id(w)] > 1:
-            m.copy = ops.linear16_pack(w.detach().contiguous())
-            extra += m.copy.nbytes
+            m.register_buffer("packed_copy", ops.linear16_pack(w.detach().contiguous()), persistent=False)
+            extra += m.packed_copy.nbytes
         else:
             m.weight = torch.nn.Parameter(ops.linear16_pack(w.detach().contiguous()), requires_grad=False)
             m.packed = True

@@ -92,6 +92,9 @@ def test_a_tied_head_gets_a_packed_copy():
     assert out.weight_bytes == 100 + kept.nbytes
     x = torch.randn(3, 32, generator=g).bfloat16()
     assert torch.equal(head(x), ops.linear16(x, kept))
+    assert "head.packed_copy" not in model.state_dict()
+    model.to("meta")                                                      # an unload
+    assert head.packed_copy.is_meta
 
 
 def test_mixed_linear_paths():
