@@ -1,61 +1,43 @@
-"""Interleaved A/B of the CPU engine (no HTTP): two paged schedulers on their own copies of the demo,
-one with its linear16 weights packed at load (service/model/cpu_dtype.py: pack), one without;
-48 greedy tokens each round, tokens/s and whether the tokens are equal. OMP_WAIT_POLICY as set
-(default here: PASSIVE, as `wcodec serve` runs; UNSET: OpenMP's own).
+"""Interleaved A/B of the CPU engine (no HTTP): the paged engine's batch-1 decode on two copies of
+the demo, one with its linear16 weights packed at load (service/model/cpu_dtype.py: pack), one
+without (bench/engine_paged_ab.py's batch1, bench/engine_step.py's load). OMP_WAIT_POLICY as set
+(default here: PASSIVE, as `wcodec serve` runs; UNSET: OpenMP's own). The outputs are equal bit
+for bit (tests/cuda_ext/test_linear16.py).
 
     python bench/experiments/linear16_packed_ab.py ARCHIVE [ROUNDS]
 """
 import os
 import sys
-import time
+from pathlib import Path
 
 if os.environ.get("OMP_WAIT_POLICY") == "UNSET":
     del os.environ["OMP_WAIT_POLICY"]
 else:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from pathlib import Path  # noqa: E402
+BENCH = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(BENCH.parent), str(BENCH)]
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT / "tests/service/engine"), str(ROOT / "tests/service"), str(ROOT)]
+from engine_paged_ab import batch1  # noqa: E402
+from engine_step import load, prompts  # noqa: E402
 
-from test_batching import load  # noqa: E402
-
-from service.engine import paging  # noqa: E402
-from service.engine.sampling import Row, SamplingParams  # noqa: E402
 from service.model import cpu_dtype  # noqa: E402
 
-PROMPT = "<|im_start|>user\nWrite a long story about the sea.<|im_end|>\n<|im_start|>assistant\n"
 
-
-def scheduler(path: Path, packed: bool):
+def served(path: Path, packed: bool):
     real = cpu_dtype.pack
     cpu_dtype.pack = real if packed else (lambda model: 0)
     try:
-        served = load(path, "demo")
+        return load(path)
     finally:
         cpu_dtype.pack = real
-    return served, paging.scheduler(served, 64, 512, paging.CacheSettings(), lambda r, e: None, lambda r: None)
-
-
-def one(served, s, prompt: list[int], n: int = 48) -> tuple[float, list[int]]:
-    row = Row(prompt, SamplingParams(n), served)
-    s.add(row)
-    s.step()                                   # the prompt and the first token
-    t0 = time.perf_counter()
-    while not s.idle:
-        s.step()
-    return (len(row.ids) - 1) / (time.perf_counter() - t0), row.ids
 
 
 def main() -> None:
     path, rounds = Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 5
-    pair = {packed: scheduler(path, packed) for packed in (False, True)}
-    prompt = pair[True][0].tokenizer.encode(PROMPT)
+    pair, texts = {name: served(path, name == "packed") for name in ("unpacked", "packed")}, prompts()
     for _ in range(rounds):
-        out = {packed: one(*pair[packed], prompt) for packed in (False, True)}
-        print({("packed" if k else "unpacked"): round(v[0], 1) for k, v in out.items()},
-              "same tokens:", out[False][1] == out[True][1], flush=True)
+        print({name: round(batch1(s, "paged", texts, 48), 1) for name, s in pair.items()}, flush=True)
 
 
 if __name__ == "__main__":

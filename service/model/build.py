@@ -211,18 +211,12 @@ def warm_up(device: torch.device, timeline: Timeline | None = None) -> None:
 
 
 def first_kernels(device: torch.device, dtype: torch.dtype, timeline: Timeline) -> None:
-    """Run the kinds of kernel a forward of `dtype` uses once, at toy sizes (and the paged engine's
-    eager step on a toy model), so that cuBLAS's
+    """Run the kernels a forward of `dtype` uses once, at toy sizes (the paged engine's eager step
+    on a toy model: its matmuls, SiLU, masked SDPA, norms, rotary, cache writes), so that cuBLAS's
     handle and the kernels' modules are loaded before the first request: the first token came
     ~0.9 s after /health/ready without it (H100 box, 7B-shaped, page cache warm). An early load
     runs it on a thread that nothing waits for: with the page cache dropped it read the kernels
     from the disk for 4.8 s, which must not hold a load back."""
-    import torch.nn.functional as F  # noqa: N812
-
     from . import paged
     with timeline.span(f"warm-up: cuBLAS and attention kernels ({dtype})"):
-        x = torch.randn(2, 3, 64, device=device, dtype=dtype)
-        q = F.silu(F.linear(x, torch.randn(64, 64, device=device, dtype=dtype))).view(2, 3, 2, 32).transpose(1, 2)
-        mask = torch.ones(2, 1, 3, 3, dtype=torch.bool, device=device).tril()
-        F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
-        paged.warm_up(device, dtype)                # the paged engine's eager step (synchronizes)
+        paged.warm_up(device, dtype)                # synchronizes
