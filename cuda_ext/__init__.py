@@ -116,6 +116,12 @@ def decode_plan(p: plans.Plan, data: torch.Tensor, path=None) -> dict[str, torch
     return _with_raw(p, data, job.outputs) | quant.decode(p, data, path)
 
 
+def keep_blocks(p: plans.Plan, data: torch.Tensor, path=None) -> dict[str, quant.QuantBlocks]:
+    """A plan of GGUF tensors, kept as their blocks (compressed-resident mode): coded planes
+    decoded, raw ones copied out of `data`."""
+    return quant.decode(p, data, path, keep_blocks=True)
+
+
 def build_index(p: plans.Plan, data: torch.Tensor, entry_steps: int = resident.ENTRY_STEPS, path=None,
                 outputs: list[torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], DeviceIndex]:
     """Decode a plan in full (into `outputs` when given) while recording its resident index.

@@ -5,7 +5,9 @@ fp8 floats (whole byte coded), GGUF blocks and int8. Two steps, the same on ever
     FINISH[codec]       the planes -> the tensor: fp8 decodes straight into its output; int8
                         residuals, tile modes and scales -> reconstruct_int8; GGUF planes (decoded
                         ones, raw ones read in place from `data`) -> dequantize_blocks, one call
-                        for all the plan's tensors of one block type and dtype
+                        for all the plan's tensors of one block type and dtype; or, in
+                        compressed-resident mode (keep_blocks), the planes kept as QuantBlocks,
+                        whose rows dequantize_rows / gather_rows dequantize when a forward needs them
 
 Ops: the C++ twin (or CUDA kernels) when the extension has them for data's device, else the
 NumPy reference in cuda_ext/ops.py. On a CUDA device whose build lacks the kernels, the planes
@@ -19,6 +21,7 @@ import torch
 
 from codec import errors
 from codec.codecs import GGUFParams
+from codec.gguf_blocks import BlockType
 from codec.constants import CODEC_FLOAT, CODEC_GGUF, CODEC_INT8
 from codec.int8 import MODES
 from codec.entries import TensorEntry
@@ -47,6 +50,44 @@ def byte_planes(p: Plan) -> tuple[list[BytePlane], torch.Tensor]:
             planes.append(BytePlane(e, role, first, fp.n_segments))
             first += fp.n_segments
     return planes, torch.tensor(rows, dtype=torch.int64).reshape(-1, len(DESC_FIELDS))
+
+
+@dataclass
+class QuantBlocks:
+    """A GGUF tensor kept as its blocks on a device (compressed-resident mode): its planes in
+    codec/gguf_blocks.py order, each uint8 [rows x blocks a row x the plane's width], row after
+    row; whole rows dequantize alone (`rows`, `dequantize_rows`) or gathered (`gather_rows`)."""
+
+    block: BlockType
+    planes: list[torch.Tensor]
+    shape: tuple[int, int]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.planes)
+
+
+def _row_bytes(block: BlockType, cols: int) -> list[int]:
+    """Bytes of one row in each plane."""
+    return [cols // block.block_size * block.plane_width(name) for name in block.plane_names]
+
+
+def rows(block: BlockType, planes: list[torch.Tensor], cols: int, start: int, stop: int) -> list[torch.Tensor]:
+    """The planes of rows [start, stop): views, no copy."""
+    return [p[start * n:stop * n] for p, n in zip(planes, _row_bytes(block, cols))]
+
+
+def dequantize_rows(block: BlockType, planes: list[torch.Tensor], out: torch.Tensor, start: int = 0) -> None:
+    """Rows [start, start + R) of the tensor -> out [R, cols] (contiguous, the tensor's dtype)."""
+    _ops(out.device).dequantize_blocks(rows(block, planes, out.shape[1], start, start + out.shape[0]), block.code, [out])
+
+
+def gather_rows(block: BlockType, planes: list[torch.Tensor], ids: torch.Tensor, out: torch.Tensor) -> None:
+    """Rows `ids` [N] of the tensor -> out [N, cols] (llama.cpp's get_rows): only those rows'
+    blocks are gathered and dequantized."""
+    picked = [p.view(-1, n).index_select(0, ids).view(-1) for p, n in zip(planes, _row_bytes(block, out.shape[1]))]
+    _ops(out.device).dequantize_blocks(picked, block.code, [out])
 
 
 @dataclass(frozen=True)
@@ -84,6 +125,18 @@ def _fp8(e: TensorEntry, offsets, data, decoded, run: Ops, path) -> torch.Tensor
     return decoded["exp"]
 
 
+def _kept(group: list, data, by_entry, run: Ops) -> dict[str, QuantBlocks]:
+    """GGUF tensors kept as their blocks: the decoded planes, and copies of the raw ones (`data`
+    is a load's staging buffer)."""
+    out = {}
+    for e, offsets in group:
+        decoded = by_entry.get(e.name, {})
+        planes = [decoded[role] if role in decoded else _stream(e, role, offsets, data, decoded).clone()
+                  for role in e.params.block.plane_names]
+        out[e.name] = QuantBlocks(e.params.block, planes, tuple(e.shape), e.torch_dtype)
+    return out
+
+
 def _gguf(group: list, data, by_entry, run: Ops) -> dict[str, torch.Tensor]:
     """GGUF tensors of one block type and dtype: one dequantize_blocks call."""
     params: GGUFParams = group[0][0].params
@@ -107,14 +160,15 @@ def _int8(e: TensorEntry, offsets, data, decoded, run: Ops, path) -> torch.Tenso
 FINISH = {CODEC_FLOAT: _fp8, CODEC_INT8: _int8}     # codec -> its planes to the tensor (GGUF: _gguf, by group)
 
 
-def decode(p: Plan, data: torch.Tensor, path=None) -> dict[str, torch.Tensor]:
+def decode(p: Plan, data: torch.Tensor, path=None, keep_blocks: bool = False) -> dict[str, torch.Tensor]:
     """Decode the plan's coded entries from `data` (the archive bytes [p.start, p.end), on the
-    target device). Corrupt streams raise CorruptStreamError naming the tensor, stream and segment."""
+    target device). Corrupt streams raise CorruptStreamError naming the tensor, stream and segment.
+    `keep_blocks`: GGUF tensors come back as QuantBlocks, their blocks undequantized."""
     if not p.coded_entries:
         return {}
     device, run = data.device, _ops(data.device)
     if device.type == "cuda" and run.decode_bytes is ops.reference_decode_bytes:
-        return {k: v.to(device) for k, v in decode(p, data.cpu(), path).items()}
+        return {k: v.to(device) for k, v in decode(p, data.cpu(), path, keep_blocks).items()}
     planes, desc = byte_planes(p)
     numel = DESC_FIELDS.index("numel")
     outputs = [torch.empty(pl.entry.shape, dtype=pl.entry.torch_dtype, device=device) if pl.entry.codec == CODEC_FLOAT
@@ -134,6 +188,6 @@ def decode(p: Plan, data: torch.Tensor, path=None) -> dict[str, torch.Tensor]:
         else:
             done[e.name] = FINISH[e.codec](e, offsets, data, by_entry.get(e.name, {}), run, path)
     for group in groups.values():
-        done.update(_gguf(group, data, by_entry, run))
+        done.update((_kept if keep_blocks else _gguf)(group, data, by_entry, run))
     return {e.name: done[e.name] for e, _ in p.coded_entries}
 

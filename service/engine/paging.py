@@ -51,7 +51,7 @@ def cache_tokens(served: ServedModel, max_rows: int, s: CacheSettings) -> int:
 
 def cache_dtype(served: ServedModel) -> torch.dtype:
     """The dtype of the keys and values: the activations' (the embeddings', on every path)."""
-    return served.model.model.embed_tokens.weight.dtype
+    return served.dtype
 
 
 def scheduler(served: ServedModel, max_rows: int, max_tokens: int, s: CacheSettings,

@@ -108,7 +108,7 @@ class Loader:
         t0 = time.perf_counter()
         on_forward = self.metrics.forward_decode_seconds.labels(name, weights).observe
         served = build.finish(name, ready, decoded.tensors, decoded.layers, self.device,
-                              self.settings.compressed_scratch, on_forward)
+                              self.settings.compressed_scratch, on_forward, decoded.blocks)
         decoded.stats.build_s = ready.seconds + time.perf_counter() - t0
         return served
 

@@ -36,9 +36,9 @@ from codec.container import crc32
 from codec.decode import Archive, LoadedModel
 from codec.errors import ChecksumError
 from codec.entries import TensorEntry
-from cuda_ext import plans
+from cuda_ext import plans, quant
 
-from ..model import compressed
+from ..model import compressed, quantized
 from . import devicecheck
 from .early_read import EarlyRead
 from .reading import ArchiveFile
@@ -70,6 +70,7 @@ class Decoded:
     files: dict[str, bytes]
     stats: LoadStats = field(default_factory=LoadStats)
     layers: list[compressed.CompressedLayer] = field(default_factory=list)   # compressed-resident mode
+    blocks: dict[str, quant.QuantBlocks] = field(default_factory=dict)       # its GGUF tensors (quantized.py)
 
 
 OnBatch = Callable[[Batch, float], None]
@@ -78,20 +79,24 @@ OnBatch = Callable[[Batch, float], None]
 DecodeFn = Callable[[Batch, torch.Tensor, str], dict[str, torch.Tensor]]
 
 
-def _decode(batch: Batch, data: torch.Tensor, path: str) -> dict[str, torch.Tensor]:
-    return cuda_ext.decode_plan(plans.build(batch.entries, path, batch.start, batch.end), data, path)
+def _decode(batch: Batch, data: torch.Tensor, path: str, entries: list | None = None) -> dict[str, torch.Tensor]:
+    entries = batch.entries if entries is None else entries
+    return cuda_ext.decode_plan(plans.build(entries, path, batch.start, batch.end), data, path) if entries else {}
 
 
-def _keeping(layers: list[compressed.CompressedLayer]) -> DecodeFn:
+def _keeping(layers: list[compressed.CompressedLayer], blocks: dict[str, quant.QuantBlocks]) -> DecodeFn:
     """Compressed-resident mode: a decoder layer's float tensors stay compressed (their bytes kept
-    on the device, with the resident index); everything else, and every layer without such a
-    tensor (GGUF blocks, int8, fp8), is decoded as usual."""
+    on the device, with the resident index), GGUF matrices stay their blocks (`blocks`);
+    everything else (norms, int8, fp8) is decoded as usual."""
     def decode(batch: Batch, data: torch.Tensor, path: str) -> dict[str, torch.Tensor]:
-        layer = batch.entries[0].layer
-        if layer is None or not any(compressed.stays_compressed(e) for e in batch.entries):
-            return _decode(batch, data, path)
+        held = [e for e in batch.entries if quantized.keeps(e)]
+        if held:
+            blocks.update(cuda_ext.keep_blocks(plans.build(held, path, batch.start, batch.end), data, path))
+        rest = [e for e in batch.entries if not quantized.keeps(e)]
+        if not rest or rest[0].layer is None or not any(compressed.stays_compressed(e) for e in rest):
+            return _decode(batch, data, path, rest)
         kept = data.clone() if data.device.type == "cpu" else data       # the CPU ring buffer is reused
-        layer_kept, raw = compressed.keep_layer(layer, batch.entries, (batch.start, batch.end), kept, path)
+        layer_kept, raw = compressed.keep_layer(rest[0].layer, rest, (batch.start, batch.end), kept, path)
         layers.append(layer_kept)
         return raw
     return decode
@@ -195,7 +200,8 @@ def decode_archive(path: str | Path, device: torch.device, *, ring: int = 4, ver
     bytes in memory, read at start-up or held by the host cache (used only if it is of this very
     file; released at the end); `direct`: False never uses O_DIRECT, None uses it for bytes not in
     the page cache. `compressed`: keep the decoder layers' float tensors compressed on the device
-    (Decoded.layers; service/model/compressed.py)."""
+    (Decoded.layers; service/model/compressed.py), and GGUF matrices as their blocks (Decoded.blocks;
+    service/model/quantized.py)."""
     t0 = time.perf_counter()
     path = os.fspath(path)
     if device.type == "cuda":
@@ -219,7 +225,8 @@ def decode_archive(path: str | Path, device: torch.device, *, ring: int = 4, ver
                       source="file" if early is None else "early read")
     on_batch = on_batch or (lambda batch, seconds: None)
     layers: list[compressed.CompressedLayer] = []
-    decode = _keeping(layers) if compressed else _decode
+    blocks: dict[str, quant.QuantBlocks] = {}
+    decode = _keeping(layers, blocks) if compressed else _decode
     file = ArchiveFile(path, direct) if early is None else None
     try:
         with RingReader(path, file, batches, buffers, on_host, threads or read_threads(), early) as reader:
@@ -236,7 +243,7 @@ def decode_archive(path: str | Path, device: torch.device, *, ring: int = 4, ver
             PINNED.give(buffers)
     stats.read_s, stats.total_s = reader.read_s, time.perf_counter() - t0
     mark(f"{len(batches)} batches decoded")
-    return Decoded(tensors, files, stats, layers)
+    return Decoded(tensors, files, stats, layers, blocks)
 
 
 def load_archive(path: str | os.PathLike, device: str | torch.device = "cpu", *, verify: bool = True,

@@ -21,9 +21,11 @@ from types import SimpleNamespace
 
 import torch
 
+from cuda_ext import quant
+
 from ..errors import LoadFailed
 from ..timeline import Timeline
-from . import compressed, llama
+from . import compressed, llama, quantized
 from .tokenizer import Tokenizer
 
 
@@ -163,25 +165,31 @@ def prepare(name: str, files: dict[str, bytes]) -> Prepared:
 
 
 def finish(name: str, prepared: Prepared, decoded: dict[str, torch.Tensor], kept: list[compressed.CompressedLayer],
-           device: torch.device, scratch: int = 2, on_forward=None) -> ServedModel:
+           device: torch.device, scratch: int = 2, on_forward=None,
+           blocks: dict[str, quant.QuantBlocks] | None = None) -> ServedModel:
     """Assign the `decoded` tensors. Layers the loader `kept` compressed get a decode schedule
-    (`scratch` buffers on CUDA)."""
+    (`scratch` buffers on CUDA); GGUF tensors kept as `blocks`, block modules (quantized.py; a
+    model that is not llama.py's gets them dequantized instead)."""
     config, tokenizer = prepared.config, prepared.tokenizer
-    tensors, schedule = decoded, None
+    tensors, schedule, held = decoded, None, 0
+    if blocks and not isinstance(prepared.model, llama.LlamaForCausalLM):
+        tensors, blocks = {**tensors, **quantized.dequantized(blocks)}, None
+    if blocks:
+        held = quantized.attach(prepared.model, blocks, device)
     if kept:
         schedule = compressed.attach(prepared.model, kept, device, scratch, on_forward)
         tensors = {**tensors, **schedule.placeholders()}
     model = assemble(config, tensors, device, prepared.model)
-    weight_bytes = sum(t.nbytes for t in decoded.values())
+    weight_bytes = sum(t.nbytes for t in decoded.values()) + held
     if schedule is not None:
         schedule.install()
         weight_bytes += schedule.compressed_bytes + schedule.scratch_bytes
     eos = _eos_ids(config, prepared.generation, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos, default=0)
-    dtype = next(model.parameters()).dtype
+    dtype = next(iter(blocks.values())).dtype if blocks else next(model.parameters()).dtype
     return ServedModel(name, model, tokenizer, device, dtype, eos, pad,
                        getattr(config, "max_position_embeddings", 2048), weight_bytes,
-                       "compressed" if schedule is not None else "decoded", schedule)
+                       "compressed" if schedule is not None or blocks else "decoded", schedule)
 
 
 def device_of(settings) -> torch.device:

@@ -36,6 +36,8 @@ import cuda_ext
 from codec.constants import CODEC_FLOAT, LANES, SEGMENT_STEPS
 from cuda_ext import plans
 
+from . import quantized
+
 ENTRY_STEPS = 256                  # the resident index's piece: 32 x 256 weights
 LARGE_ENTRY_STEPS = 512            # pieces of a tensor of LARGE weights or more
 LARGE = 1 << 25
@@ -110,24 +112,27 @@ class CompressedLayer:
 def stays_compressed(e) -> bool:
     """Whether compressed-resident mode keeps a tensor compressed: a decoder layer's float-coded
     bf16/fp16/fp32 matrix (what decode_pieces decodes in pieces; a norm's vector, 0.01 % of a
-    layer, stays decoded, as the paged engine's Triton step reads it without calling its module). Every other codec -- raw, fp8,
-    GGUF blocks, int8 -- is decoded at load, as in decoded mode."""
+    layer, stays decoded, as the paged engine's Triton step reads it without calling its module).
+    GGUF matrices stay their blocks (quantized.py); every other codec -- raw, fp8, int8 -- is
+    decoded at load, as in decoded mode."""
     return e.layer is not None and e.codec == CODEC_FLOAT and e.dtype in plans.DTYPE_CODES and len(e.shape) >= 2
 
 
 def estimate_bytes(entries, scratch: int) -> int:
     """Device bytes a model takes in compressed-resident mode, from its header: kept streams of the
-    decoder layers' float tensors, their index, `scratch` scratch buffers, and the rest decoded."""
+    decoder layers' float tensors, their index, `scratch` scratch buffers, GGUF matrices' blocks and
+    their scratch (quantized.py), and the rest decoded."""
     kept = [e for e in entries if stays_compressed(e)]
+    blocks = [e for e in entries if quantized.keeps(e)]
     streams = sum(r["length"] for e in kept for r in e.streams.values())
     steps = piece_steps(kept)
     index = sum(e.params.n_segments * (SEGMENT_STEPS // steps[e.name]) * (LANES + 1) * 4 for e in kept)
     per_module: dict[str, int] = {}
     for e in kept:
         per_module[_module(e)] = per_module.get(_module(e), 0) + _scratch_bytes(e)
-    kept_ids = {id(e) for e in kept}
+    kept_ids = {id(e) for e in kept + blocks}
     rest = sum(e.nbytes for e in entries if id(e) not in kept_ids)
-    return streams + index + scratch * max(per_module.values(), default=0) + rest
+    return streams + index + scratch * max(per_module.values(), default=0) + quantized.estimate_bytes(blocks) + rest
 
 
 def keep_layer(index: int, entries: list, span: tuple[int, int], data: torch.Tensor,

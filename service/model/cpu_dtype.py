@@ -19,8 +19,9 @@ float32 and round once to the weight's dtype, so they differ only in summation o
 A weight larger than CHUNK_FLOATS (the tied 49152 x 576 head) is widened and multiplied a block of
 output rows at a time, so that the block is still in cache when the matmul reads it: the head at
 32 rows took 65 ms widened whole (113 MB written, then read), 33 ms in blocks of ~2k rows.
-Compressed-resident models (decoded into bf16 scratch buffers every forward) and GPU models keep
-their dtype.
+Compressed-resident models (decoded into bf16 scratch buffers every forward) keep their dtype and
+use linear16 where it runs (unpacked: the scratch is rewritten every forward), so that they give
+decoded mode's tokens; GPU models keep their dtype.
 
 On a CPU with AVX512-BF16, PyTorch's bf16 matmul of a row or a few (a decode step) reads the weight
 at 4-8 GB/s, a third of what memory gives. There `auto` sends every call of a bf16 Linear to the
@@ -47,7 +48,7 @@ import torch.nn.functional as F
 import cuda_ext
 from cuda_ext import ops
 
-from . import llama
+from . import llama, quantized
 from .build import ServedModel
 
 CpuDtype = Literal["auto", "model", "float32"]
@@ -73,11 +74,12 @@ def linear16_kernel(dtype: torch.dtype) -> bool:
 
 
 def cpu_compute(served: ServedModel, setting: CpuDtype) -> str:
-    """"model", "linear16", "mixed" or "float32": how `served` computes under `setting`."""
-    if served.device.type != "cpu" or served.weights != "decoded" or setting == "model":
+    """"model", "linear16", "mixed" or "float32": how `served` computes under `setting`.
+    Compressed weights are decoded into scratch every forward: linear16 or the model's dtype."""
+    if served.device.type != "cpu" or setting == "model" or served.dtype not in (torch.bfloat16, torch.float16):
         return "model"
-    if served.dtype not in (torch.bfloat16, torch.float16):
-        return "model"
+    if served.weights != "decoded":
+        return "linear16" if linear16_kernel(served.dtype) else "model"
     if setting == "float32":
         return "float32"
     if linear16_kernel(served.dtype):
@@ -182,7 +184,9 @@ def for_cpu(served: ServedModel, setting: CpuDtype) -> ServedModel:
         for m in served.model.modules():
             if isinstance(m, llama.Linear):
                 m.__class__ = Linear16
-        return replace(served, weight_bytes=served.weight_bytes + pack(served.model))
+        quantized.use_kernel(served.model, ops.linear16)        # GGUF blocks kept: decoded mode's kernel
+        packed = pack(served.model) if served.weights == "decoded" else 0   # scratch views are not packed
+        return replace(served, weight_bytes=served.weight_bytes + packed)
     if how == "mixed":
         return replace(served, weight_bytes=served.weight_bytes + _mix(served.model, MIXED_ROWS))
     if how == "float32":

@@ -1,7 +1,8 @@
 """Compressed-resident mode on the CPU (C++ twin), with the real demo model float-coded (its GGUF
 blocks dequantized to bf16: `--gguf dense`): the same tokens and bit-identical logits as decoded
 mode, a memory budget that only the compressed mode fits, and the mode and bytes in GET /models and
-/metrics. The default demo archive keeps GGUF blocks, which compressed mode decodes at load."""
+/metrics. The default demo archive keeps GGUF blocks, which compressed mode keeps as blocks
+(test_quantized.py)."""
 from __future__ import annotations
 
 import pytest
@@ -53,26 +54,6 @@ def both_modes(dense_demo_archive):
     return served(dense_demo_archive, compressed=False), served(dense_demo_archive, compressed=True)
 
 
-def test_gguf_blocks_stay_decoded_in_compressed_mode(demo_archive) -> None:
-    """Only float-coded layers stay compressed: an archive of GGUF blocks loads in compressed mode
-    exactly as in decoded mode (no layer kept, no schedule, the same tensors), and the memory
-    estimate is the decoded bytes."""
-    from codec.decode import Archive
-
-    with Archive.open(demo_archive) as archive:
-        entries = archive.entries
-    layer_codecs = {e.codec for e in entries if e.layer is not None}
-    assert "gguf" in layer_codecs and not any(compressed.stays_compressed(e) for e in entries), layer_codecs
-    plain = pipeline.decode_archive(demo_archive, torch.device("cpu"))
-    kept = pipeline.decode_archive(demo_archive, torch.device("cpu"), compressed=True)
-    assert kept.layers == [] and kept.tensors.keys() == plain.tensors.keys()
-    assert all(torch.equal(kept.tensors[k], plain.tensors[k]) for k in plain.tensors)
-    decoded_bytes = sum(e.nbytes for e in entries)
-    assert compressed.estimate_bytes(entries, scratch=2) == decoded_bytes
-    model = build.finish(DEMO, build.prepare(DEMO, kept.files), kept.tensors, kept.layers, torch.device("cpu"))
-    assert model.weights == "decoded" and model.schedule is None
-
-
 def test_compressed_mode_keeps_layers_compressed(both_modes) -> None:
     decoded, packed = both_modes
     schedule = packed.schedule
@@ -86,15 +67,16 @@ def test_compressed_mode_keeps_layers_compressed(both_modes) -> None:
     assert packed.weight_bytes < 0.8 * decoded.weight_bytes, (packed.weight_bytes, decoded.weight_bytes)
 
 
-def assert_same_greedy(decoded, packed, batch: int, steps: int = 32, prompts=PROMPTS) -> None:
-    """The same greedy tokens and bit-identical logits, prompt by prompt (batch 1) or in one batch."""
+def assert_same_greedy(decoded, packed, batch: int, steps: int = 32, prompts=PROMPTS, exact_logits: bool = True) -> None:
+    """The same greedy tokens and (`exact_logits`) bit-identical logits, prompt by prompt (batch 1)
+    or in one batch."""
     groups = [[p] for p in prompts] if batch == 1 else [(list(prompts) * batch)[:batch]]
     for group in groups:
         enc = encode(decoded, group)
         t_dec, l_dec = greedy(decoded, enc, steps)
         t_cmp, l_cmp = greedy(packed, enc, steps)
         assert torch.equal(t_dec, t_cmp), group
-        assert torch.equal(l_dec, l_cmp), group
+        assert torch.equal(l_dec, l_cmp) or not exact_logits, group
 
 
 @pytest.mark.timeout(1800)

@@ -24,7 +24,6 @@ def served(dtype=torch.bfloat16, device="cpu", weights="decoded"):
     ("model", {}, "model"),
     ("float32", {}, "float32"),
     ("float32", {"dtype": torch.float32}, "model"),
-    ("auto", {"weights": "compressed"}, "model"),
     ("float32", {"device": "meta"}, "model"),
 ])
 def test_mode_chosen(setting, kw, want):
@@ -40,6 +39,9 @@ def test_auto_follows_the_cpu(monkeypatch):
     monkeypatch.setattr(cpu_dtype, "linear16_kernel", lambda dtype: True)
     assert cpu_dtype.cpu_compute(served(), "auto") == "linear16"
     assert cpu_dtype.cpu_compute(served(), "model") == "model"
+    assert cpu_dtype.cpu_compute(served(weights="compressed"), "auto") == "linear16"   # unpacked: scratch views
+    monkeypatch.setattr(cpu_dtype, "linear16_kernel", lambda dtype: False)
+    assert cpu_dtype.cpu_compute(served(weights="compressed"), "float32") == "model"   # no cast of the scratch
 
 
 def test_linear16_kernel_only_for_bf16_with_its_instructions(monkeypatch):
