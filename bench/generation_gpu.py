@@ -16,8 +16,9 @@ workload (greedy, --tokens new tokens, every prompt different) at 1 user, then e
 The summary (and every run's JSON) goes to --out. Batch 1's tokens/s against the limit is a
 request's: --tokens / its latency p50 (prefill and HTTP included, as transformers' `generate` is
 timed); the closed loop's aggregate (tokens received / the duration, the client's gaps between
-requests included) is reported beside it. --weights decoded compressed: one server per resident
-mode, compressed mode's rates and weight bytes also as ratios of decoded mode's.
+requests included) is reported beside it. --weights decoded compressed compressed-indexed: one
+server per resident mode (compressed: CUDA's fixed-rate form; -indexed: the rANS streams), each
+compressed mode's rates and weight bytes also as ratios of decoded mode's.
 """
 from __future__ import annotations
 
@@ -41,6 +42,8 @@ from codec.encode import compress_state_dict
 
 ROOT = Path(__file__).resolve().parent.parent
 NAME = "llama7b"
+MODES = {"decoded": {"WCODEC_WEIGHTS": "decoded"}, "compressed": {"WCODEC_WEIGHTS": "compressed"},
+         "compressed-indexed": {"WCODEC_WEIGHTS": "compressed", "WCODEC_COMPRESSED_FORM": "indexed"}}
 CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
           "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
           "num_key_value_heads": 32, "vocab_size": 49152, "max_position_embeddings": 4096,
@@ -187,8 +190,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--duration", type=float, default=40.0)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--env", action="append", default=[], metavar="WCODEC_X=V", help="a setting for the server")
-    ap.add_argument("--weights", nargs="+", default=["decoded"], choices=["decoded", "compressed"],
-                    help="resident modes, one server each, in this order (the first is against the limit)")
+    ap.add_argument("--weights", nargs="+", default=["decoded"], choices=list(MODES),
+                    help="resident modes, one server each, in this order (the first is against the limit); "
+                         "compressed: CUDA's default form (fixed-rate), compressed-indexed: the rANS streams")
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="a 2-layer model on the CPU: checks the path, no figures")
     return ap.parse_args()
@@ -237,7 +241,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "bench"))
     device, folder = prepare(args)
     env = dict(e.split("=", 1) for e in args.env)
-    modes = {w: served_runs(args, device, {**env, "WCODEC_WEIGHTS": w}, args.out / w if len(args.weights) > 1 else args.out)
+    modes = {w: served_runs(args, device, {**env, **MODES[w]}, args.out / w if len(args.weights) > 1 else args.out)
              for w in args.weights}
     first = modes[args.weights[0]]
     theirs = transformers_generate(folder, device, args.tokens) if folder and not args.no_transformers else {}
@@ -251,10 +255,10 @@ def main() -> None:
                "aggregate_of_limit_1": first["tokens_per_s_1"] / limit,
                **{f"transformers_{k}_1": v for k, v in theirs.items()},
                **{f"ours_over_transformers_{k}": first["tokens_per_s_1"] / v for k, v in theirs.items()}}
-    if "decoded" in modes and "compressed" in modes:        # issue 23's compressed rows: against decoded, same run
-        d, c = modes["decoded"], modes["compressed"]
-        summary["compressed"] = {k: v for k, v in c.items() if k != "runs"}
-        summary["compressed_over_decoded"] = {
+    for w in [w for w in modes if w != "decoded" and "decoded" in modes]:   # against decoded, same run
+        d, c = modes["decoded"], modes[w]
+        summary[w] = {k: v for k, v in c.items() if k != "runs"}
+        summary[f"{w}_over_decoded"] = {
             "weight_bytes": c["weight_bytes"] / d["weight_bytes"],
             "request_tokens_per_s_1": c["request_tokens_per_s_1"] / d["request_tokens_per_s_1"],
             **{f"tokens_per_s_{u}": c[f"tokens_per_s_{u}"] / d[f"tokens_per_s_{u}"] for u in [1, *args.users]}}

@@ -72,6 +72,14 @@ def blocks_for(cols: int) -> int:
     return -(-groups_for(cols) // BLOCK_GROUPS)
 
 
+def fixed_nbytes(rows: int, cols: int) -> int:
+    """Bytes of a [rows, cols] weight's form without its escapes (one byte each, on top):
+    plane 32 + codes 8 + 4 + bases 1/4 + escape starts 4/32 bytes a group of 32 weights, about
+    0.693 of bf16."""
+    ng = groups_for(cols)
+    return rows * (ng * GROUP + ng * LO_WORDS * 4 + ng * 4 + tiles_for(cols) + blocks_for(cols) * 4)
+
+
 # ---- the split of a word ---------------------------------------------------------------------
 #   word  15 14 ........ 7 6 ...... 0
 #          s [  field 8  ] [ low 7  ]      plane byte = s << 7 | low 7;  field = (w >> 7) & 0xFF

@@ -38,6 +38,10 @@ class Settings(BaseSettings):
     # aliases for one release
     weights: Literal["decoded", "compressed"] = Field(
         "decoded", validation_alias=AliasChoices("WCODEC_WEIGHTS", "WCODEC_RESIDENT"))
+    # the form compressed weights take on CUDA (docs/RESIDENT.md): "fixed" (the fixed-rate form,
+    # multiplied by the fused decode-matmul: fixed.py) or "indexed" (the archive's rANS streams and
+    # their index, decoded a module ahead on a side stream: compressed.py; the CPU's form)
+    compressed_form: Literal["fixed", "indexed"] = "fixed"
     compressed_scratch: int = Field(      # CUDA; the CPU decodes in place with one
         2, ge=1, validation_alias=AliasChoices("WCODEC_COMPRESSED_SCRATCH", "WCODEC_RESIDENT_SLOTS"))
 

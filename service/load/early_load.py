@@ -56,6 +56,7 @@ class EarlyLoad:
         import cuda_ext
         from codec.decode import Archive
 
+        from ..model import fixed
         from . import pipeline
         with Archive.open(self.path) as archive:
             opened = archive.entries, archive.reader.files(settings.verify_crc)
@@ -72,7 +73,8 @@ class EarlyLoad:
                                             verify=settings.verify_crc, opened=opened, early=early,
                                             on_batch=lambda batch, seconds: self.batches.append((batch, seconds)),
                                             mark=self._mark, direct=settings.direct_io(),
-                                            threads=settings.read_threads(), compressed=self.weights == "compressed")
+                                            threads=settings.read_threads(), compressed=self.weights == "compressed",
+                                            form=fixed.form_for(settings.compressed_form, self.device))
             ready = prepared.result()
         self._mark("weights decoded, skeleton ready")
         return decoded, ready

@@ -26,7 +26,7 @@ import torch
 from codec.decode import Archive
 
 from ..metrics import Metrics
-from ..model import build, compressed, cpu_dtype
+from ..model import build, compressed, cpu_dtype, fixed
 from ..settings import Settings
 from ..timeline import Timeline
 from . import devicecheck, memory, pipeline
@@ -68,7 +68,10 @@ class Loader:
             return decoded_bytes
         with Archive.open(path) as archive:
             scratch = self.settings.compressed_scratch if self.device.type == "cuda" else 1
-            return compressed.estimate_bytes(archive.entries, scratch)
+            return compressed.estimate_bytes(archive.entries, scratch, self._form())
+
+    def _form(self) -> str:
+        return fixed.form_for(self.settings.compressed_form, self.device)
 
     def warm_up(self) -> None:
         build.warm_up(self.device, self.timeline)
@@ -108,7 +111,7 @@ class Loader:
         t0 = time.perf_counter()
         on_forward = self.metrics.forward_decode_seconds.labels(name, weights).observe
         served = build.finish(name, ready, decoded.tensors, decoded.layers, self.device,
-                              self.settings.compressed_scratch, on_forward, decoded.blocks)
+                              self.settings.compressed_scratch, on_forward, decoded.blocks, decoded.fixed)
         decoded.stats.build_s = ready.seconds + time.perf_counter() - t0
         return served
 
@@ -128,7 +131,7 @@ class Loader:
                 decoded = pipeline.decode_archive(path, self.device, ring=s.load_ring_buffers, verify=s.verify_crc,
                                          on_batch=on_batch, opened=opened, mark=mark, early=cached.read,
                                          direct=s.direct_io(), threads=s.read_threads(),
-                                         compressed=weights == "compressed")
+                                         compressed=weights == "compressed", form=self._form())
             decoded.stats.source = cached.source
             return decoded, prepared.result()
 

@@ -36,9 +36,9 @@ from codec.container import crc32
 from codec.decode import Archive, LoadedModel
 from codec.errors import ChecksumError
 from codec.entries import TensorEntry
-from cuda_ext import plans, quant
+from cuda_ext import fixedrate, plans, quant
 
-from ..model import compressed, quantized
+from ..model import compressed, fixed, quantized
 from . import devicecheck
 from .early_read import EarlyRead
 from .reading import ArchiveFile
@@ -71,6 +71,7 @@ class Decoded:
     stats: LoadStats = field(default_factory=LoadStats)
     layers: list[compressed.CompressedLayer] = field(default_factory=list)   # compressed-resident mode
     blocks: dict[str, quant.QuantBlocks] = field(default_factory=dict)       # its GGUF tensors (quantized.py)
+    fixed: dict[str, fixedrate.FixedRateWeight] = field(default_factory=dict)   # or its fixed-rate form (fixed.py)
 
 
 OnBatch = Callable[[Batch, float], None]
@@ -84,15 +85,21 @@ def _decode(batch: Batch, data: torch.Tensor, path: str, entries: list | None = 
     return cuda_ext.decode_plan(plans.build(entries, path, batch.start, batch.end), data, path) if entries else {}
 
 
-def _keeping(layers: list[compressed.CompressedLayer], blocks: dict[str, quant.QuantBlocks]) -> DecodeFn:
-    """Compressed-resident mode: a decoder layer's float tensors stay compressed (their bytes kept
-    on the device, with the resident index), GGUF matrices stay their blocks (`blocks`);
-    everything else (norms, int8, fp8) is decoded as usual."""
+def _keeping(layers: list[compressed.CompressedLayer], blocks: dict[str, quant.QuantBlocks],
+             fixed_form: dict[str, fixedrate.FixedRateWeight] | None) -> DecodeFn:
+    """Compressed-resident mode: GGUF matrices stay their blocks (`blocks`); float-coded matrices
+    are transcoded into the fixed-rate form (`fixed_form`, CUDA), or else a decoder layer's stay
+    its compressed streams, kept on the device with the resident index (`layers`); everything
+    else (norms, int8, fp8) is decoded as usual."""
     def decode(batch: Batch, data: torch.Tensor, path: str) -> dict[str, torch.Tensor]:
         held = [e for e in batch.entries if quantized.keeps(e)]
         if held:
             blocks.update(cuda_ext.keep_blocks(plans.build(held, path, batch.start, batch.end), data, path))
         rest = [e for e in batch.entries if not quantized.keeps(e)]
+        if fixed_form is not None:
+            tensors = _decode(batch, data, path, rest)
+            fixed_form.update({e.name: fixedrate.encode(tensors.pop(e.name)) for e in rest if fixed.keeps(e)})
+            return tensors
         if not rest or rest[0].layer is None or not any(compressed.stays_compressed(e) for e in rest):
             return _decode(batch, data, path, rest)
         kept = data.clone() if data.device.type == "cpu" else data       # the CPU ring buffer is reused
@@ -194,13 +201,15 @@ def read_threads() -> int:
 def decode_archive(path: str | Path, device: torch.device, *, ring: int = 4, verify: bool = True,
                    on_batch: OnBatch | None = None, opened: tuple[list[TensorEntry], dict] | None = None,
                    mark: Callable[[str], None] = lambda what: None, early: EarlyRead | None = None,
-                   direct: bool | None = None, threads: int | None = None, compressed: bool = False) -> Decoded:
+                   direct: bool | None = None, threads: int | None = None, compressed: bool = False,
+                   form: str = "indexed") -> Decoded:
     """Every tensor of an archive, decoded onto `device` through the pipeline above. `opened`:
     its (entries, embedded files) when the caller has read them already; `early`: the archive's
     bytes in memory, read at start-up or held by the host cache (used only if it is of this very
     file; released at the end); `direct`: False never uses O_DIRECT, None uses it for bytes not in
     the page cache. `compressed`: keep the decoder layers' float tensors compressed on the device
-    (Decoded.layers; service/model/compressed.py), and GGUF matrices as their blocks (Decoded.blocks;
+    (Decoded.layers; service/model/compressed.py) or, with `form` "fixed", in the fixed-rate form
+    (Decoded.fixed; service/model/fixed.py), and GGUF matrices as their blocks (Decoded.blocks;
     service/model/quantized.py)."""
     t0 = time.perf_counter()
     path = os.fspath(path)
@@ -226,7 +235,8 @@ def decode_archive(path: str | Path, device: torch.device, *, ring: int = 4, ver
     on_batch = on_batch or (lambda batch, seconds: None)
     layers: list[compressed.CompressedLayer] = []
     blocks: dict[str, quant.QuantBlocks] = {}
-    decode = _keeping(layers, blocks) if compressed else _decode
+    fixed_form = {} if form == "fixed" else None
+    decode = _keeping(layers, blocks, fixed_form) if compressed else _decode
     file = ArchiveFile(path, direct) if early is None else None
     try:
         with RingReader(path, file, batches, buffers, on_host, threads or read_threads(), early) as reader:
@@ -243,7 +253,7 @@ def decode_archive(path: str | Path, device: torch.device, *, ring: int = 4, ver
             PINNED.give(buffers)
     stats.read_s, stats.total_s = reader.read_s, time.perf_counter() - t0
     mark(f"{len(batches)} batches decoded")
-    return Decoded(tensors, files, stats, layers, blocks)
+    return Decoded(tensors, files, stats, layers, blocks, fixed_form or {})
 
 
 def load_archive(path: str | os.PathLike, device: str | torch.device = "cpu", *, verify: bool = True,

@@ -21,11 +21,11 @@ from types import SimpleNamespace
 
 import torch
 
-from cuda_ext import quant
+from cuda_ext import fixedrate, quant
 
 from ..errors import LoadFailed
 from ..timeline import Timeline
-from . import compressed, llama, quantized
+from . import compressed, fixed, llama, quantized
 from .tokenizer import Tokenizer
 
 
@@ -166,16 +166,21 @@ def prepare(name: str, files: dict[str, bytes]) -> Prepared:
 
 def finish(name: str, prepared: Prepared, decoded: dict[str, torch.Tensor], kept: list[compressed.CompressedLayer],
            device: torch.device, scratch: int = 2, on_forward=None,
-           blocks: dict[str, quant.QuantBlocks] | None = None) -> ServedModel:
+           blocks: dict[str, quant.QuantBlocks] | None = None,
+           fixed_form: dict[str, fixedrate.FixedRateWeight] | None = None) -> ServedModel:
     """Assign the `decoded` tensors. Layers the loader `kept` compressed get a decode schedule
     (`scratch` buffers on CUDA); GGUF tensors kept as `blocks`, block modules (quantized.py; a
-    model that is not llama.py's gets them dequantized instead)."""
+    model that is not llama.py's gets them dequantized instead); matrices in the fixed-rate form
+    (`fixed_form`), FixedLinears (fixed.py)."""
     config, tokenizer = prepared.config, prepared.tokenizer
     tensors, schedule, held = decoded, None, 0
     if blocks and not isinstance(prepared.model, llama.LlamaForCausalLM):
         tensors, blocks = {**tensors, **quantized.dequantized(blocks)}, None
     if blocks:
         held = quantized.attach(prepared.model, blocks, device)
+    if fixed_form:
+        held_fixed, back = fixed.attach(prepared.model, fixed_form)
+        tensors, decoded, held = {**tensors, **back}, {**decoded, **back}, held + held_fixed
     if kept:
         schedule = compressed.attach(prepared.model, kept, device, scratch, on_forward)
         tensors = {**tensors, **schedule.placeholders()}
@@ -189,7 +194,7 @@ def finish(name: str, prepared: Prepared, decoded: dict[str, torch.Tensor], kept
     dtype = next(iter(blocks.values())).dtype if blocks else next(model.parameters()).dtype
     return ServedModel(name, model, tokenizer, device, dtype, eos, pad,
                        getattr(config, "max_position_embeddings", 2048), weight_bytes,
-                       "compressed" if schedule is not None or blocks else "decoded", schedule)
+                       "compressed" if schedule is not None or blocks or fixed_form else "decoded", schedule)
 
 
 def device_of(settings) -> torch.device:

@@ -36,7 +36,7 @@ import cuda_ext
 from codec.constants import CODEC_FLOAT, LANES, SEGMENT_STEPS
 from cuda_ext import plans
 
-from . import quantized
+from . import fixed, quantized
 
 ENTRY_STEPS = 256                  # the resident index's piece: 32 x 256 weights
 LARGE_ENTRY_STEPS = 512            # pieces of a tensor of LARGE weights or more
@@ -118,12 +118,17 @@ def stays_compressed(e) -> bool:
     return e.layer is not None and e.codec == CODEC_FLOAT and e.dtype in plans.DTYPE_CODES and len(e.shape) >= 2
 
 
-def estimate_bytes(entries, scratch: int) -> int:
-    """Device bytes a model takes in compressed-resident mode, from its header: kept streams of the
-    decoder layers' float tensors, their index, `scratch` scratch buffers, GGUF matrices' blocks and
-    their scratch (quantized.py), and the rest decoded."""
-    kept = [e for e in entries if stays_compressed(e)]
+def estimate_bytes(entries, scratch: int, form: str = "indexed") -> int:
+    """Device bytes a model takes in compressed-resident mode, from its header: GGUF matrices'
+    blocks and their scratch (quantized.py); float matrices in the fixed-rate form (fixed.py), or
+    else the decoder layers' kept streams, their index and `scratch` scratch buffers; the rest decoded."""
     blocks = [e for e in entries if quantized.keeps(e)]
+    if form == "fixed":                 # outside the layers (a head, the embedding): counted decoded
+        matrices = [e for e in entries if fixed.keeps(e) and e.layer is not None]
+        ids = {id(e) for e in blocks + matrices}
+        rest = sum(e.nbytes for e in entries if id(e) not in ids)
+        return quantized.estimate_bytes(blocks) + fixed.estimate_bytes(matrices) + rest
+    kept = [e for e in entries if stays_compressed(e)]
     streams = sum(r["length"] for e in kept for r in e.streams.values())
     steps = piece_steps(kept)
     index = sum(e.params.n_segments * (SEGMENT_STEPS // steps[e.name]) * (LANES + 1) * 4 for e in kept)

@@ -1,0 +1,87 @@
+"""The fixed-rate form in compressed-resident mode on CUDA (docs/RESIDENT.md, FORMAT.md §6): each
+float-coded matrix is decoded at load by the archive decoder, transcoded on the GPU into the
+fixed-rate form (cuda_ext.fixedrate.encode, bit-exact) and its bf16 copy dropped. A Linear of
+that form (`FixedLinear`) multiplies with the fused decode-matmul for 1 to 16 rows (the weights
+decoded in registers; nothing written back) and, for more rows (prompts, large batches), decodes
+the weight into a temporary and calls cuBLAS.
+
+* About 0.70 of bf16 bytes: 0.693 fixed, plus a byte for each escaped exponent.
+* A matrix that is not a Linear's (the embedding table, gathered by row) is decoded back at load.
+* The fused op launches on the current stream with no host sync, so the engine's decode steps
+  capture it in their CUDA graphs.
+
+    form  plane [rows, groups*32] u8, lo [rows, groups*2] i32, hi [rows, groups] i32,
+          base [rows, tiles] u8, esc [escapes] u8, esc_start [rows, blocks] i32
+"""
+from __future__ import annotations
+
+import torch
+
+from codec import fixedrate as form
+from codec.constants import CODEC_FLOAT
+import cuda_ext
+from cuda_ext import fixedrate
+
+from . import llama
+
+ESCAPES = 0.03                   # escaped weights the estimate allows (trained-like 8B layer: ~0.02)
+ARRAYS = ("plane", "lo", "hi", "base", "esc", "esc_start")
+
+
+def form_for(setting: str, device: torch.device) -> str:
+    """The compressed form a load on `device` takes: "fixed" (WCODEC_COMPRESSED_FORM's default)
+    on CUDA where the extension has the fixed-rate ops, else "indexed" (compressed.py; the CPU's)."""
+    from cuda_ext import ops
+    fits = device.type == "cuda" and cuda_ext.available().cuda and ops.has_ops(ops.FIXEDRATE_OPS, "cuda")
+    return "fixed" if setting == "fixed" and fits else "indexed"
+
+
+def keeps(e) -> bool:
+    """Whether the fixed form holds a tensor: a float-coded 16-bit matrix."""
+    return e.codec == CODEC_FLOAT and len(e.shape) == 2 and e.torch_dtype in (torch.bfloat16, torch.float16)
+
+
+def estimate_bytes(kept: list) -> int:
+    """Device bytes of the kept tensors (ESCAPES of their weights escaped) and of the temporary
+    that the largest one decodes into for more than 16 rows."""
+    held = sum(form.fixed_nbytes(*e.shape) + int(ESCAPES * e.shape[0] * e.shape[1]) for e in kept)
+    return held + max((e.nbytes for e in kept), default=0)
+
+
+class FixedLinear(torch.nn.Module):
+    """y = x W^T (+ b), W [out, in] held in the fixed-rate form (its arrays are buffers, so an
+    unload's `model.to("meta")` frees them)."""
+
+    def __init__(self, linear: torch.nn.Linear, w: fixedrate.FixedRateWeight):
+        super().__init__()
+        self.in_features, self.out_features, self.dtype = linear.in_features, linear.out_features, w.dtype
+        for name, t in zip(ARRAYS, w.arrays):
+            self.register_buffer(name, t, persistent=False)
+        self.bias = linear.bias                  # on meta until the load assigns it
+
+    @property
+    def weight_form(self) -> fixedrate.FixedRateWeight:
+        return fixedrate.FixedRateWeight(self.out_features, self.in_features, self.dtype,
+                                         *(getattr(self, name) for name in ARRAYS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = fixedrate.linear(x, self.weight_form)                                       # [..., out]
+        return y if self.bias is None else y + self.bias
+
+
+def attach(model: torch.nn.Module, kept: dict[str, fixedrate.FixedRateWeight]) -> tuple[int, dict[str, torch.Tensor]]:
+    """Put FixedLinears in place of the Linears whose weights were `kept` (in `model`, still on
+    meta). Returns their bytes and, decoded back, the kept tensors that are not a Linear's weight
+    (the embedding; a tied head then shares it, as in decoded mode)."""
+    held, rest = 0, {}
+    for name, w in kept.items():
+        path = name.removesuffix(".weight")
+        parent, _, attr = path.rpartition(".")
+        owner = model.get_submodule(parent)
+        module = getattr(owner, attr, None)
+        if name.endswith(".weight") and type(module) is llama.Linear:
+            setattr(owner, attr, FixedLinear(module, w))
+            held += w.nbytes
+        else:
+            rest[name] = fixedrate.decode(w)
+    return held, rest

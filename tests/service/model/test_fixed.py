@@ -1,0 +1,83 @@
+"""The fixed-rate form in compressed-resident mode (service/model/fixed.py), on the real demo model
+float-coded (`--gguf dense`): every float matrix transcoded at load and multiplied by its own op,
+the embedding decoded back, the load's estimate above what it holds, decoded mode's tokens (and
+on the CPU, where the op decodes and multiplies with PyTorch, its logits bit for bit). On CUDA
+(a lent GPU): the fused op, decoded mode's greedy tokens, and a budget of 0.8x bf16 that only
+this mode fits through the server."""
+from __future__ import annotations
+
+import pytest
+import torch
+from service_helpers import DEMO, generate_body
+from test_compressed import assert_same_greedy
+
+from codec.decode import Archive
+from cuda_ext import fixedrate
+from service.load import pipeline
+from service.model import build, compressed, fixed, llama
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on a lent GPU)")
+
+
+def served(path, weights: str, device: str = "cpu") -> build.ServedModel:
+    d = pipeline.decode_archive(path, torch.device(device), compressed=weights == "compressed", form="fixed")
+    return build.finish(DEMO, build.prepare(DEMO, d.files), d.tensors, d.layers, torch.device(device),
+                        blocks=d.blocks, fixed_form=d.fixed)
+
+
+@pytest.fixture(scope="module")
+def both_modes(dense_demo_archive):
+    return served(dense_demo_archive, "decoded"), served(dense_demo_archive, "compressed")
+
+
+def test_every_linear_holds_the_fixed_form(both_modes, dense_demo_archive) -> None:
+    decoded, packed = both_modes
+    m = packed.model
+    assert packed.weights == "compressed" and packed.schedule is None
+    linears = [x for x in m.modules() if isinstance(x, fixed.FixedLinear)]
+    assert len(linears) == 7 * m.config.num_hidden_layers                # q k v o gate up down; the head is tied
+    assert not any(type(x) is llama.Linear and x is not m.lm_head for x in m.modules())
+    assert m.lm_head.weight is m.model.embed_tokens.weight                 # decoded back, tied as in decoded mode
+    assert torch.equal(m.model.embed_tokens.weight, decoded.model.model.embed_tokens.weight)
+    down, want = packed.model.model.layers[3].mlp.down_proj, decoded.model.model.layers[3].mlp.down_proj.weight
+    assert torch.equal(fixedrate.decode(down.weight_form), want)          # bit-exact through the transcoder
+    with Archive.open(dense_demo_archive) as archive:
+        entries = archive.entries
+    layer_bytes = sum(e.nbytes for e in entries if e.layer is not None and len(e.shape) == 2)
+    held = sum(x.weight_form.nbytes for x in linears)
+    assert 0.69 * layer_bytes < held < 0.72 * layer_bytes
+    assert packed.weight_bytes == held + sum(t.nbytes for t in m.parameters())
+    assert packed.weight_bytes <= compressed.estimate_bytes(entries, scratch=2, form="fixed") < 0.8 * decoded.weight_bytes
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("batch", [1, 8])
+def test_same_tokens_and_logits_as_decoded_mode(both_modes, batch) -> None:
+    assert_same_greedy(*both_modes, batch)
+
+
+@pytest.mark.timeout(900)
+@CUDA
+@pytest.mark.parametrize("batch", [1, 8])
+def test_same_tokens_as_decoded_mode_on_cuda(dense_demo_archive, batch) -> None:
+    """The fused decode-matmul (1..16 rows) and decode + cuBLAS (prompts): decoded mode's greedy
+    tokens; the logits differ by float32 summation order."""
+    assert_same_greedy(served(dense_demo_archive, "decoded", "cuda"), served(dense_demo_archive, "compressed", "cuda"),
+                       batch, exact_logits=False)
+
+
+@pytest.mark.anyio
+@CUDA
+async def test_budget_of_0_8_bf16_serves_only_compressed_on_cuda(serve, dense_store) -> None:
+    async with serve(dense_store, device="cuda") as server:
+        c = server.client
+        decoded_bytes = (await c.get(f"/models/{DEMO}")).json()["decoded_bytes"]
+        server.registry.settings.gpu_memory_budget = int(0.8 * decoded_bytes)
+        r = await c.post(f"/models/{DEMO}/load", params={"weights": "decoded"})
+        assert r.status_code == 507, r.text
+        r = await c.post(f"/models/{DEMO}/load", params={"weights": "compressed"})
+        assert r.status_code == 200 and r.json()["weight_bytes"] <= 0.8 * decoded_bytes, r.text
+        model = server.registry.get(DEMO).served.model
+        assert any(isinstance(x, fixed.FixedLinear) for x in model.modules())   # the default form on CUDA
+        r = await c.post("/generate", json=generate_body())
+        assert r.status_code == 200 and r.json()["generated_text"].startswith("The capital of France is Paris"), r.text
