@@ -47,7 +47,7 @@ def encode_tensors(items: list[tuple[str, str, tuple, object]], lossy: str | Non
     rANS-coded in one pass. Returns records without offsets: {..., "streams": {role: bytes}};
     a lossy record also carries "quality" (not part of the header). `coder` prepares and encodes
     the coded planes: the NumPy reference, or the extension's twins (cuda_ext.encode.coder)."""
-    encodings = [codecs.encode(dtype, payload, shape, lossy, coder) for _, dtype, shape, payload in items]
+    encodings = codecs.encode_many([(dtype, payload, shape) for _, dtype, shape, payload in items], lossy, coder)
     decoded = [_decoded_bytes(dtype, shape, payload, enc) for (_, dtype, shape, payload), enc in zip(items, encodings)]
     with _threads(coder) as pool:            # zlib releases the GIL: the CRCs run beside the encode
         crcs = pool.map(crc32, decoded)
