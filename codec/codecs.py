@@ -148,9 +148,13 @@ class Float:
         what = "whole byte" if e.dtype in planes.WHOLE_BYTE else f"ctx_bits {e.params.ctx_bits}"
         return f"{what}, table_group {e.params.table_group}"
 
-    def encode(self, dtype: str, data: np.ndarray, coder=floatcodec.REFERENCE) -> Encoding | None:
+    def plane(self, dtype: str, data: np.ndarray) -> tuple[planes.FloatLayout, np.ndarray]:
+        """What a coder prepares for a tensor's bytes: (layout, elements)."""
         layout = planes.FLOAT_LAYOUTS[dtype]
-        p = coder.prepare(layout, data.view(layout.word))
+        return layout, data.view(layout.word)
+
+    def encoding(self, dtype: str, p: floatcodec.Prepared | None) -> Encoding | None:
+        """The encoding of a tensor whose plane a coder prepared as `p`; None when raw is cheaper."""
         if p is None:
             return None
         raw = {"hi": p.hi, "lo": p.lo}
@@ -312,16 +316,33 @@ def int8_applies(dtype: str, shape: tuple[int, ...]) -> bool:
 
 def encode(dtype: str, payload, shape: tuple[int, ...] = (), lossy: str | None = None,
            coder=floatcodec.REFERENCE) -> Encoding:
-    """The encoding of one tensor: GGUF blocks keep their codec; with lossy="int8" the 2-D float
-    weights are int8-coded; floats are float-coded unless raw storage is no larger; anything else
-    is raw. `coder` prepares the planes to rANS-code (floatcodec.ReferenceCoder)."""
-    if isinstance(payload, gguf_blocks.Blocks):
-        return CODECS[CODEC_GGUF].encode(dtype, payload, coder)
-    if lossy == CODEC_INT8 and int8_applies(dtype, tuple(shape)):
-        w = torch.from_numpy(payload).view(getattr(torch, dtype)).reshape(shape).float().numpy()
-        return CODECS[CODEC_INT8].encode(dtype, w, coder)
-    if CODECS[CODEC_FLOAT].applies(dtype):
-        enc = CODECS[CODEC_FLOAT].encode(dtype, payload, coder)
-        if enc is not None:
-            return enc
-    return CODECS[CODEC_RAW].encode(dtype, payload)
+    """The encoding of one tensor (encode_many of one)."""
+    return encode_many([(dtype, payload, shape)], lossy, coder)[0]
+
+
+def encode_many(items: list[tuple[str, object, tuple[int, ...]]], lossy: str | None = None,
+                coder=floatcodec.REFERENCE) -> list[Encoding]:
+    """The encoding of each (dtype, payload, shape): GGUF blocks keep their codec; with lossy="int8"
+    the 2-D float weights are int8-coded; floats are float-coded unless raw storage is no larger;
+    anything else is raw. `coder` prepares the planes to rANS-code (floatcodec.ReferenceCoder): the
+    float planes of all the items in one prepare_many call (the CUDA coder waits once for them)."""
+    floats = [k for k, (dtype, payload, shape) in enumerate(items) if _float_coded(dtype, payload, shape, lossy)]
+    float_codec = CODECS[CODEC_FLOAT]
+    prepared = dict(zip(floats, coder.prepare_many([float_codec.plane(*items[k][:2]) for k in floats])))
+    out = []
+    for k, (dtype, payload, shape) in enumerate(items):
+        if isinstance(payload, gguf_blocks.Blocks):
+            out.append(CODECS[CODEC_GGUF].encode(dtype, payload, coder))
+        elif k not in prepared and lossy == CODEC_INT8 and int8_applies(dtype, tuple(shape)):
+            w = torch.from_numpy(payload).view(getattr(torch, dtype)).reshape(shape).float().numpy()
+            out.append(CODECS[CODEC_INT8].encode(dtype, w, coder))
+        else:
+            enc = float_codec.encoding(dtype, prepared[k]) if k in prepared else None
+            out.append(enc or CODECS[CODEC_RAW].encode(dtype, payload))
+    return out
+
+
+def _float_coded(dtype: str, payload, shape: tuple[int, ...], lossy: str | None) -> bool:
+    """The float codec (lossless) is tried on this tensor."""
+    return not isinstance(payload, gguf_blocks.Blocks) and CODECS[CODEC_FLOAT].applies(dtype) \
+        and not (lossy == CODEC_INT8 and int8_applies(dtype, tuple(shape)))

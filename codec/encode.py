@@ -47,7 +47,7 @@ def encode_tensors(items: list[tuple[str, str, tuple, object]], lossy: str | Non
     rANS-coded in one pass. Returns records without offsets: {..., "streams": {role: bytes}};
     a lossy record also carries "quality" (not part of the header). `coder` prepares and encodes
     the coded planes: the NumPy reference, or the extension's twins (cuda_ext.encode.coder)."""
-    encodings = [codecs.encode(dtype, payload, shape, lossy, coder) for _, dtype, shape, payload in items]
+    encodings = codecs.encode_many([(dtype, payload, shape) for _, dtype, shape, payload in items], lossy, coder)
     decoded = [_decoded_bytes(dtype, shape, payload, enc) for (_, dtype, shape, payload), enc in zip(items, encodings)]
     with _threads(coder) as pool:            # zlib releases the GIL: the CRCs run beside the encode
         crcs = pool.map(crc32, decoded)
@@ -107,12 +107,33 @@ def _raw_bytes(t: torch.Tensor) -> np.ndarray:
 
 def _encode_job(job: tuple[str, list, str | None]) -> list[dict]:
     """Load (from the source the worker inherited) and encode one batch of tensors."""
+    return _encode_loaded(_load_job(job))
+
+
+def _load_job(job: tuple[str, list, str | None]) -> tuple[list, str | None]:
+    """One batch's items for encode_tensors, read from the source the worker inherited."""
     path, infos, lossy = job
     source, coder = WORKER_STATE["source"], WORKER_STATE.get("coder", floatcodec.REFERENCE)
     with _threads(coder) as pool:                     # reads release the GIL: a batch's tensors in parallel
         payloads = list(pool.map(lambda i: _payload(source, i.name), infos))
-    return encode_tensors([(i.name, dtype_name(path, i.name, i.dtype), tuple(i.shape), p)
-                           for i, p in zip(infos, payloads)], lossy, coder)
+    return [(i.name, dtype_name(path, i.name, i.dtype), tuple(i.shape), p) for i, p in zip(infos, payloads)], lossy
+
+
+def _encode_loaded(loaded: tuple[list, str | None]) -> list[dict]:
+    items, lossy = loaded
+    return encode_tensors(items, lossy, WORKER_STATE.get("coder", floatcodec.REFERENCE))
+
+
+def _read_ahead(jobs: list, state: dict):
+    """encode_tensors of each job in turn, in this process (a threaded coder), the next batch read
+    on a thread meanwhile: the reads overlap the encode, and one batch more is held."""
+    WORKER_STATE.update(state)
+    with ThreadPoolExecutor(1) as reading:
+        ahead = reading.submit(_load_job, jobs[0]) if jobs else None
+        for k in range(len(jobs)):
+            loaded = ahead.result()
+            ahead = reading.submit(_load_job, jobs[k + 1]) if k + 1 < len(jobs) else None
+            yield _encode_loaded(loaded)
 
 
 def _payload(source: CheckpointSource, name: str):
@@ -185,7 +206,8 @@ def compress_source(source: CheckpointSource, dst: str | os.PathLike, *, workers
                     coder=floatcodec.REFERENCE) -> CompressStats:
     """Stream an opened checkpoint source into `dst`, tensors in layer order: a batch of tensors
     at a time is read, encoded and written, so memory holds a few batches, never the model. A
-    threaded coder (the extension's) runs the batches one after another in this process."""
+    threaded coder (the extension's) runs the batches one after another in this process, reading
+    the next batch while it encodes one and writing the one before."""
     t0 = time.perf_counter()
     src = source.path
     infos = layer_order(source.tensors())
@@ -199,7 +221,10 @@ def compress_source(source: CheckpointSource, dst: str | os.PathLike, *, workers
         tally = _Tally(writer, total, progress, coder)
         with ThreadPoolExecutor(1) as writing:          # batch k is written while batch k + 1 encodes
             pending: Future | None = None
-            for results in ordered_map(_encode_job, jobs, min(workers, len(jobs)), {"source": source, "coder": coder}):
+            state = {"source": source, "coder": coder}
+            batches = (_read_ahead(jobs, state) if coder.threaded
+                       else ordered_map(_encode_job, jobs, min(workers, len(jobs)), state))
+            for results in batches:
                 if pending is not None:
                     pending.result()                    # at most one batch waits: bounded memory
                 pending = writing.submit(tally.write, results)

@@ -207,6 +207,10 @@ class ReferenceCoder:
     def prepare_bytes(self, sym: np.ndarray, layout: planes.FloatLayout | None = None) -> Prepared | None:
         return prepare_bytes(sym, layout)
 
+    def prepare_many(self, items: list[tuple[planes.FloatLayout, np.ndarray]]) -> list[Prepared | None]:
+        """prepare() of each (layout, elements): a batched coder prepares them in one call."""
+        return [self.prepare(layout, u) for layout, u in items]
+
     def encode_batch(self, batch: list[Prepared]) -> list[bytes]:
         return encode_batch(batch)
 

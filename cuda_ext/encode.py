@@ -47,34 +47,37 @@ def coder(device: str | torch.device = "cpu"):
 
 
 class ExtensionCoder:
-    """prepare_plane / encode_planes of the extension (cuda_ext/ops.py) on one device."""
+    """prepare_planes / encode_planes of the extension (cuda_ext/ops.py) on one device: a batch's
+    planes are prepared in one call (on CUDA one wait for the whole batch, not one per plane)."""
 
     threaded = True
 
     def __init__(self, device: torch.device):
         self.device = device
 
-    def _prepare(self, layout: planes.FloatLayout | None, data: np.ndarray, code: int) -> Prepared | None:
-        from .ops import prepare_plane
+    def _source(self, data: np.ndarray) -> torch.Tensor:
         src = torch.from_numpy(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
-        src = src.to(self.device, non_blocking=True) if self.device.type == "cuda" else src
-        choice, freqs, hi, lo = prepare_plane(src, code)
-        coded, ctx_bits, group = choice.tolist()
-        if not coded:
-            return None
-        params = FloatParams(len(data), ctx_bits, group)
-        host = lambda t: t.cpu().numpy() if t.numel() else None   # noqa: E731
-        lo_plane = host(lo)
-        return Prepared(layout, params, host(freqs[:params.n_tables]).astype(np.uint32), None, host(hi),
-                        None if lo_plane is None else lo_plane.view("<u2"), (src, code, freqs))
+        return src.to(self.device, non_blocking=True) if self.device.type == "cuda" else src
+
+    def _prepare_many(self, items: list[tuple[planes.FloatLayout | None, np.ndarray, int]]) -> list[Prepared | None]:
+        """(layout, elements, dtype code) of each plane -> its Prepared, or None where raw is cheaper."""
+        if not items:
+            return []
+        from .ops import prepare_planes
+        srcs = [self._source(data) for _, data, _ in items]
+        out = prepare_planes(srcs, [code for _, _, code in items])
+        return [_prepared(layout, len(data), src, code, choice, *out[1 + 3 * i:4 + 3 * i])
+                for i, ((layout, data, code), src, choice) in enumerate(zip(items, srcs, out[0].tolist()))]
+
+    def prepare_many(self, items: list[tuple[planes.FloatLayout, np.ndarray]]) -> list[Prepared | None]:
+        return self._prepare_many([(layout, u.view(np.uint8), BYTES_CODE) if layout.itemsize == 1   # fp8: whole bytes
+                                   else (layout, u, DTYPE_CODES[layout.name]) for layout, u in items])
 
     def prepare(self, layout: planes.FloatLayout, u: np.ndarray) -> Prepared | None:
-        if layout.itemsize == 1:                          # fp8: the whole byte is the symbol
-            return self.prepare_bytes(u.view(np.uint8), layout)
-        return self._prepare(layout, u, DTYPE_CODES[layout.name])
+        return self.prepare_many([(layout, u)])[0]
 
     def prepare_bytes(self, sym: np.ndarray, layout: planes.FloatLayout | None = None) -> Prepared | None:
-        return self._prepare(layout, sym, BYTES_CODE)
+        return self._prepare_many([(layout, sym, BYTES_CODE)])[0]
 
     def encode_batch(self, batch: list[Prepared]) -> list[np.ndarray]:
         if not batch:
@@ -84,3 +87,16 @@ class ExtensionCoder:
                                 [p.source[2] for p in batch], [p.params.ctx_bits for p in batch],
                                 [p.params.table_group for p in batch])
         return [s.cpu().numpy() for s in streams]
+
+
+def _prepared(layout: planes.FloatLayout | None, n: int, src: torch.Tensor, code: int, choice: list[int],
+              freqs: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> Prepared | None:
+    """One plane's Prepared from prepare_planes' outputs (its planes copied to the host)."""
+    coded, ctx_bits, group = choice
+    if not coded:
+        return None
+    params = FloatParams(n, ctx_bits, group)
+    host = lambda t: t.cpu().numpy() if t.numel() else None   # noqa: E731
+    lo_plane = host(lo)
+    return Prepared(layout, params, host(freqs[:params.n_tables]).astype(np.uint32), None, host(hi),
+                    None if lo_plane is None else lo_plane.view("<u2"), (src, code, freqs))

@@ -120,6 +120,15 @@ def prepare_plane(data: torch.Tensor, dtype: int) -> list[torch.Tensor]:
     return torch.ops.wcodec.prepare_plane.default(data, dtype)
 
 
+def prepare_planes(data: list[torch.Tensor], dtypes: list[int]) -> list[torch.Tensor]:
+    """prepare_plane of many planes (all on one device) in one call: [choices int64 [k, 3] (row i is
+    plane i's choice), then per plane its freqs, hi, lo]. On CUDA one count launch, one wait for
+    the counts, and the tables chosen on the host's threads, every (plane, candidate) at once."""
+    if not data:                                  # no tensor to dispatch on
+        return [torch.zeros(0, 3, dtype=torch.int64)]
+    return torch.ops.wcodec.prepare_planes.default(data, dtypes)
+
+
 def encode_planes(data: list[torch.Tensor], dtypes: list[int], freqs: list[torch.Tensor], ctx_bits: list[int],
                   table_groups: list[int]) -> list[torch.Tensor]:
     """rANS-encode planes (as prepare_plane took them) with their tables and parameters: each
@@ -127,7 +136,7 @@ def encode_planes(data: list[torch.Tensor], dtypes: list[int], freqs: list[torch
     return torch.ops.wcodec.encode_planes.default(data, dtypes, freqs, ctx_bits, table_groups)
 
 
-ENCODE_OPS = ("wcodec::prepare_plane", "wcodec::encode_planes")
+ENCODE_OPS = ("wcodec::prepare_plane", "wcodec::prepare_planes", "wcodec::encode_planes")
 QUANT_OPS = ("wcodec::decode_bytes", "wcodec::dequantize_blocks", "wcodec::reconstruct_int8")
 CHECKSUM_OPS = ("wcodec::crc32_spans",)
 
@@ -173,6 +182,7 @@ def register_fakes() -> None:
         torch.library.register_fake("wcodec::linear16_pack")(lambda weight: torch.empty_like(weight))
     if has_ops(ENCODE_OPS):
         torch.library.register_fake("wcodec::prepare_plane")(_fake_prepare_plane)
+        torch.library.register_fake("wcodec::prepare_planes")(_fake_prepare_planes)
         torch.library.register_fake("wcodec::encode_planes")(_fake_encode_planes)
 
     register_fakes.done = True
@@ -199,6 +209,12 @@ def _fake_prepare_plane(data, dtype):
     tables = 4 * -(-(-(-n // SEGMENT_SYMBOLS)) // 4)
     return [data.new_empty(3, dtype=torch.int64), data.new_empty((tables, 256), dtype=torch.int32),
             data.new_empty(0 if dtype == BYTES_CODE else n), data.new_empty(2 * n if dtype == DTYPE_CODES["float32"] else 0)]
+
+
+def _fake_prepare_planes(data, dtypes):
+    per_plane = [_fake_prepare_plane(d, code)[1:] for d, code in zip(data, dtypes)]
+    return [torch.empty(len(data), 3, dtype=torch.int64, device=data[0].device if data else "cpu")] + \
+        [t for ts in per_plane for t in ts]
 
 
 def _fake_encode_planes(data, dtypes, freqs, ctx_bits, table_groups):
@@ -228,6 +244,13 @@ def reference_prepare_plane(data: torch.Tensor, dtype: int) -> list[torch.Tensor
         out[0].copy_(torch.tensor([1, p.params.ctx_bits, p.params.table_group]))
         out[1][:len(p.freqs)] = torch.from_numpy(p.freqs.astype(np.int32))
     return out
+
+
+def reference_prepare_planes(data: list[torch.Tensor], dtypes: list[int]) -> list[torch.Tensor]:
+    """The NumPy reference of prepare_planes: reference_prepare_plane of each plane."""
+    each = [reference_prepare_plane(d, code) for d, code in zip(data, dtypes)]
+    return [torch.stack([e[0] for e in each]) if each else torch.zeros(0, 3, dtype=torch.int64)] + \
+        [t for e in each for t in e[1:]]
 
 
 def reference_encode_planes(data: list[torch.Tensor], dtypes: list[int], freqs: list[torch.Tensor],

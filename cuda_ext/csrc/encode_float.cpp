@@ -1,5 +1,5 @@
-// The C++ CPU twin of the float-codec ENCODER, and the ops' schemas. Mirrors codec/floatcodec.py:
-//   prepare_plane(data, dtype)   split planes -> count symbols -> choose the tables   (floatcodec.prepare)
+// The C++ CPU twin of the float-codec ENCODER's second half, and its op's schema. Mirrors
+// codec/floatcodec.py (encode_prepare.cpp holds the first half, prepare_plane / prepare_planes):
 //   encode_planes(...)           pack the entries -> encode lanes -> assemble          (floatcodec.encode_batch)
 // encode_float.cu is its CUDA twin. Threads (at::parallel_for, OpenMP) run over segments: every
 // segment of every plane of a batch is one task, so small tensors of a batch share the threads.
@@ -15,22 +15,6 @@
 
 namespace wcodec {
 
-const Log2Table& log2_table() {
-  static const Log2Table* table = [] {
-    auto* t = new Log2Table;
-    build_log2(*t);
-    return t;
-  }();
-  return *table;
-}
-
-// Tables are normalised a few dozen at a time per thread: fewer, larger parallel regions.
-auto parallel_rows = [](int64_t n, const auto& fn) {
-  at::parallel_for(0, n, 32, [&](int64_t b, int64_t e) {
-    for (int64_t j = b; j < e; ++j) fn(j);
-  });
-};
-
 int64_t plane_symbols(const at::Tensor& data, int64_t dtype) {
   TORCH_CHECK(dtype >= kBF16 && dtype <= kU8, "dtype must be 0 (bf16), 1 (fp16), 2 (fp32) or 3 (bytes)");
   TORCH_CHECK(data.scalar_type() == at::kByte && data.dim() == 1 && data.is_contiguous(),
@@ -45,86 +29,6 @@ void pack_simd_tables(PlaneJob& p) {
     p.fc[k] = (p.entries[k].freq << 16) | p.entries[k].cum;
     p.inv[k] = p.entries[k].freq ? 1.0 / p.entries[k].freq : 0.0;
   }
-}
-
-template <int Dtype>
-static inline uint32_t fine_bin(const uint8_t* in, int64_t i) {
-  uint32_t sym, h, l;
-  split_element(Dtype, in, i, sym, h, l);
-  return (fine_context(Dtype, h) << 8) | sym;
-}
-
-// Count one segment's symbols by full context in four histograms (a run of one exponent would
-// otherwise wait on one counter), then add them up.
-template <int Dtype>
-static void count_segment(const uint8_t* in, int64_t i0, int64_t end, int32_t* part, int32_t* counts) {
-  std::fill(part, part + 4 * kFineBins, 0);
-  int64_t i = i0;
-  for (; i + 4 <= end; i += 4) {
-    ++part[fine_bin<Dtype>(in, i)];
-    ++part[kFineBins + fine_bin<Dtype>(in, i + 1)];
-    ++part[2 * kFineBins + fine_bin<Dtype>(in, i + 2)];
-    ++part[3 * kFineBins + fine_bin<Dtype>(in, i + 3)];
-  }
-  for (; i < end; ++i) ++part[fine_bin<Dtype>(in, i)];
-  for (int64_t k = 0; k < kFineBins; ++k) counts[k] = part[k] + part[kFineBins + k] + part[2 * kFineBins + k] + part[3 * kFineBins + k];
-}
-
-// The raw planes of elements [i0, end): a loop the compiler vectorises (restrict: no aliasing).
-template <int Dtype>
-static void split_raw(const uint8_t* __restrict in, int64_t i0, int64_t end, uint8_t* __restrict hi,
-                      uint8_t* __restrict lo) {
-  for (int64_t i = i0; i < end; ++i) {
-    uint32_t sym, h, l;
-    split_element(Dtype, in, i, sym, h, l);
-    hi[i] = static_cast<uint8_t>(h);
-    if constexpr (Dtype == kFP32) lo[2 * i] = l & 0xFF, lo[2 * i + 1] = l >> 8;
-  }
-}
-
-// Split planes and count symbols, a segment per task.
-template <int Dtype>
-static void split_and_count(const uint8_t* in, int64_t n, uint8_t* hi, uint8_t* lo, int32_t* fine) {
-  const int64_t n_seg = (n + kSegmentSymbols - 1) / kSegmentSymbols;
-  at::parallel_for(0, n_seg, n_seg < 8 ? 8 : 1, [&](int64_t b, int64_t e) {     // small planes: inline
-    std::vector<int32_t> part(4 * kFineBins);
-    for (int64_t seg = b; seg < e; ++seg) {
-      const int64_t i0 = seg * kSegmentSymbols, end = std::min(n, i0 + kSegmentSymbols);
-      if constexpr (Dtype != kU8) split_raw<Dtype>(in, i0, end, hi, lo);
-      count_segment<Dtype>(in, i0, end, part.data(), fine + seg * kFineBins);
-    }
-  });
-}
-
-// prepare_plane: -> (choice int64 [3] = coded, ctx_bits, table_group; freqs int32 [max_tables, 256],
-// the first n_tables rows used; hi uint8 [n] or [0]; lo uint8 [2n] or [0]).
-static std::vector<at::Tensor> prepare_plane_cpu(const at::Tensor& data, int64_t dtype) {
-  const int64_t n = plane_symbols(data, dtype), n_seg = (n + kSegmentSymbols - 1) / kSegmentSymbols;
-  at::Tensor hi = at::empty({dtype == kU8 ? 0 : n}, data.options());
-  at::Tensor lo = at::empty({dtype == kFP32 ? 2 * n : 0}, data.options());
-  at::Tensor choice = at::zeros({3}, data.options().dtype(at::kLong));
-  at::Tensor freqs = at::zeros({4 * ((n_seg + 3) / 4), 256}, data.options().dtype(at::kInt));
-  std::vector<int32_t> fine(n_seg * kFineBins, 0);
-  const uint8_t* in = data.data_ptr<uint8_t>();
-  uint8_t *h = hi.data_ptr<uint8_t>(), *l = lo.data_ptr<uint8_t>();
-  switch (dtype) {
-    case kBF16: split_and_count<kBF16>(in, n, h, l, fine.data()); break;
-    case kFP16: split_and_count<kFP16>(in, n, h, l, fine.data()); break;
-    case kFP32: split_and_count<kFP32>(in, n, h, l, fine.data()); break;
-    default: split_and_count<kU8>(in, n, h, l, fine.data()); break;
-  }
-  choose_into(fine.data(), n_seg, n, dtype, choice, freqs);
-  return {choice, freqs, hi, lo};
-}
-
-void choose_into(const int32_t* fine, int64_t n_seg, int64_t n, int64_t dtype, at::Tensor& choice, at::Tensor& freqs) {
-  if (n < kMinCodedElements) return;                                   // stored raw
-  std::vector<uint32_t> chosen;
-  const Choice c = choose_tables(fine, n_seg, n, dtype == kU8 ? 0 : kMaxCtxBits, log2_table(), chosen, parallel_rows);
-  int64_t* ch = choice.data_ptr<int64_t>();
-  ch[0] = c.coded, ch[1] = c.ctx_bits, ch[2] = c.table_group;
-  int32_t* f = freqs.data_ptr<int32_t>();
-  for (size_t k = 0; k < chosen.size(); ++k) f[k] = static_cast<int32_t>(chosen[k]);
 }
 
 // ---- encode lanes -------------------------------------------------------------------------------
@@ -215,6 +119,33 @@ static at::Tensor assemble(const PlaneJob& p, const uint32_t* states, const int6
   return out;
 }
 
+// Each plane's tables (its first n_tables rows of freqs) on the host: for device planes one copy,
+// so one wait, for the whole batch.
+static void fetch_freqs(at::TensorList freqs, std::vector<PlaneJob>& jobs) {
+  std::vector<at::Tensor> used;
+  for (size_t i = 0; i < jobs.size(); ++i) used.push_back(freqs[i].reshape(-1).narrow(0, 0, 256 * jobs[i].n_tables()));
+  const bool host = used.empty() || used[0].is_cpu();
+  const at::Tensor all = host ? at::Tensor() : at::cat(used).cpu();
+  int64_t off = 0;
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    jobs[i].freqs = host ? used[i] : all.narrow(0, off, used[i].numel());
+    off += used[i].numel();
+  }
+}
+
+// Pack a plane's tables into its encode entries, checking that each sums to M (or is unused).
+static void pack_tables(PlaneJob& p, size_t i) {
+  p.entries.resize(p.n_tables() * 256);
+  for (int64_t j = 0; j < p.n_tables(); ++j) {
+    const int32_t* row = p.freqs.data_ptr<int32_t>() + 256 * j;
+    uint32_t sum = 0;
+    for (int s = 0; s < 256; ++s) sum += static_cast<uint32_t>(row[s]);
+    TORCH_CHECK(sum == kProbScale || sum == 0, "plane ", i, ": table ", j, " does not sum to ", kProbScale);
+    pack_encode(reinterpret_cast<const uint32_t*>(row), p.entries.data() + 256 * j);
+  }
+  pack_simd_tables(p);
+}
+
 std::vector<PlaneJob> plane_jobs(at::TensorList data, at::IntArrayRef dtypes, at::TensorList freqs,
                                  at::IntArrayRef ctx_bits, at::IntArrayRef groups) {
   const size_t k = data.size();
@@ -233,18 +164,9 @@ std::vector<PlaneJob> plane_jobs(at::TensorList data, at::IntArrayRef dtypes, at
     const int64_t n_tables = p.n_tables();
     TORCH_CHECK(freqs[i].scalar_type() == at::kInt && freqs[i].is_contiguous() && freqs[i].numel() >= 256 * n_tables &&
                     freqs[i].device() == data[i].device(), "plane ", i, ": freqs must be int32 [>= ", n_tables, ", 256]");
-    p.entries.resize(n_tables * 256);
-    p.freqs = freqs[i].cpu();
-    const at::Tensor& f = p.freqs;
-    for (int64_t j = 0; j < n_tables; ++j) {
-      const int32_t* row = f.data_ptr<int32_t>() + 256 * j;
-      uint32_t sum = 0;
-      for (int s = 0; s < 256; ++s) sum += static_cast<uint32_t>(row[s]);
-      TORCH_CHECK(sum == kProbScale || sum == 0, "plane ", i, ": table ", j, " does not sum to ", kProbScale);
-      pack_encode(reinterpret_cast<const uint32_t*>(row), p.entries.data() + 256 * j);
-    }
-    pack_simd_tables(p);
   }
+  fetch_freqs(freqs, jobs);
+  for (size_t i = 0; i < k; ++i) pack_tables(jobs[i], i);
   return jobs;
 }
 
@@ -278,12 +200,10 @@ static std::vector<at::Tensor> encode_planes_cpu(at::TensorList data, at::IntArr
 }
 
 TORCH_LIBRARY_FRAGMENT(wcodec, m) {
-  m.def("prepare_plane(Tensor data, int dtype) -> Tensor[]");
   m.def("encode_planes(Tensor[] data, int[] dtypes, Tensor[] freqs, int[] ctx_bits, int[] table_groups) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(wcodec, CPU, m) {
-  m.impl("prepare_plane", &prepare_plane_cpu);
   m.impl("encode_planes", &encode_planes_cpu);
 }
 

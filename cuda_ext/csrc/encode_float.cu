@@ -1,8 +1,6 @@
 // The CUDA twin of encode_float.cpp: the same steps (encode_common.h) and the same bytes, spread
 // over threads. Launches run on the current stream; element counts and offsets are 64-bit.
-//   prepare_plane   count symbols: a block per segment (per-warp shared histograms), the hi / lo
-//                   planes written as it reads -> fine counts to the host -> choose the tables
-//                   there (encode_tables.h; a few KiB a segment cross the bus, never the plane)
+// (encode_prepare.cu counts the symbols and has the tables chosen.)
 //   encode_planes   encode lanes: a warp per segment of every plane at once, one lane per thread.
 //                   rANS encodes IN REVERSE: a warp walks its segment's steps last to first; each
 //                   step's emitting lanes place their words just below ptr in lane order (ballot +
@@ -21,61 +19,9 @@
 
 namespace wcodec {
 
-constexpr int kCountThreads = 256, kCountWarps = kCountThreads / 32;
 constexpr int kEncodeWarps = 4;                  // a block encodes 4 segments of one plane: one table set
 constexpr int64_t kSlot = kSegmentSymbols;       // scratch words per segment (one at most per symbol)
 constexpr unsigned kFull = 0xFFFFFFFFu;
-
-// ---- count symbols ------------------------------------------------------------------------------
-template <int Dtype>
-__global__ void __launch_bounds__(kCountThreads) count_symbols(const uint8_t* __restrict__ in, int64_t n,
-                                                               uint8_t* __restrict__ hi, uint8_t* __restrict__ lo,
-                                                               int32_t* __restrict__ fine) {
-  __shared__ int32_t hist[kCountWarps][kFineBins];
-  for (int k = threadIdx.x; k < kCountWarps * kFineBins; k += kCountThreads) hist[k / kFineBins][k % kFineBins] = 0;
-  __syncthreads();
-  const int64_t i0 = blockIdx.x * kSegmentSymbols, end = n < i0 + kSegmentSymbols ? n : i0 + kSegmentSymbols;
-  int32_t* mine = hist[threadIdx.x / 32];
-  for (int64_t i = i0 + threadIdx.x; i < end; i += kCountThreads) {
-    uint32_t sym, h, l;
-    split_element(Dtype, in, i, sym, h, l);
-    if (Dtype != kU8) hi[i] = static_cast<uint8_t>(h);
-    if (Dtype == kFP32) lo[2 * i] = l & 0xFF, lo[2 * i + 1] = l >> 8;
-    atomicAdd(&mine[(fine_context(Dtype, h) << 8) | sym], 1);
-  }
-  __syncthreads();
-  for (int k = threadIdx.x; k < kFineBins; k += kCountThreads) {
-    int32_t c = 0;
-    for (int w = 0; w < kCountWarps; ++w) c += hist[w][k];
-    fine[blockIdx.x * kFineBins + k] = c;
-  }
-}
-
-static std::vector<at::Tensor> prepare_plane_cuda(const at::Tensor& data, int64_t dtype) {
-  const int64_t n = plane_symbols(data, dtype), n_seg = (n + kSegmentSymbols - 1) / kSegmentSymbols;
-  const c10::cuda::CUDAGuard guard(data.device());
-  const auto stream = c10::cuda::getCurrentCUDAStream();
-  at::Tensor hi = at::empty({dtype == kU8 ? 0 : n}, data.options());
-  at::Tensor lo = at::empty({dtype == kFP32 ? 2 * n : 0}, data.options());
-  at::Tensor fine = at::empty({n_seg, kFineBins}, data.options().dtype(at::kInt));
-  at::Tensor choice = at::zeros({3}, at::kLong);
-  at::Tensor freqs = at::zeros({4 * ((n_seg + 3) / 4), 256}, at::kInt);
-  if (n_seg) {
-    const uint8_t* in = data.data_ptr<uint8_t>();
-    uint8_t *h = hi.data_ptr<uint8_t>(), *l = lo.data_ptr<uint8_t>();
-    int32_t* f = fine.data_ptr<int32_t>();
-    switch (dtype) {
-      case kBF16: count_symbols<kBF16><<<n_seg, kCountThreads, 0, stream>>>(in, n, h, l, f); break;
-      case kFP16: count_symbols<kFP16><<<n_seg, kCountThreads, 0, stream>>>(in, n, h, l, f); break;
-      case kFP32: count_symbols<kFP32><<<n_seg, kCountThreads, 0, stream>>>(in, n, h, l, f); break;
-      default: count_symbols<kU8><<<n_seg, kCountThreads, 0, stream>>>(in, n, h, l, f); break;
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    const at::Tensor fine_host = fine.cpu();                          // waits for the counts
-    choose_into(fine_host.data_ptr<int32_t>(), n_seg, n, dtype, choice, freqs);
-  }
-  return {choice.to(data.device()), freqs.to(data.device()), hi, lo};
-}
 
 // ---- encode lanes -------------------------------------------------------------------------------
 struct PlaneDev {                // one plane, as the kernel sees it
@@ -219,7 +165,6 @@ static std::vector<at::Tensor> encode_planes_cuda(at::TensorList data, at::IntAr
 }
 
 TORCH_LIBRARY_IMPL(wcodec, CUDA, m) {
-  m.impl("prepare_plane", &prepare_plane_cuda);
   m.impl("encode_planes", &encode_planes_cuda);
 }
 

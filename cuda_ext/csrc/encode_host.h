@@ -15,9 +15,31 @@ const Log2Table& log2_table();
 // Elements of a plane (uint8 `data`, 1-D, contiguous) of the given dtype code; checks the arguments.
 int64_t plane_symbols(const at::Tensor& data, int64_t dtype);
 
-// The cheapest tables of a plane from its fine counts [n_seg][kFineTables][256] (host memory), into
-// choice (int64 [3]: coded, ctx_bits, table_group) and freqs (int32 [>= n_tables, 256]), both CPU.
-void choose_into(const int32_t* fine, int64_t n_seg, int64_t n, int64_t dtype, at::Tensor& choice, at::Tensor& freqs);
+// One plane of a prepare_planes call: its elements and raw planes (on its device), its segments,
+// and its first segment in the batch (its first row of fine counts).
+struct PlaneShape {
+  const uint8_t* in;
+  uint8_t *hi, *lo;
+  int64_t n, n_seg, dtype, first_seg;
+};
+
+// A prepare_planes call: the planes, and its outputs: choices and freqs on the host (pinned for the
+// CUDA op, which copies them over without waiting), hi and lo on the planes' device.
+struct PrepareBatch {
+  std::vector<PlaneShape> planes;
+  int64_t total_seg = 0;
+  at::Tensor choices;                          // int64 [k, 3]: coded, ctx_bits, table_group
+  std::vector<at::Tensor> freqs, hi, lo;       // int32 [4 ceil(n_seg / 4), 256]; uint8 [n] or [0]; [2n] or [0]
+  std::vector<at::Tensor> outputs(const at::Device& device) const;   // [choices, (freqs, hi, lo) per plane]
+};
+PrepareBatch prepare_batch(at::TensorList data, at::IntArrayRef dtypes, bool pinned);
+
+// The cheapest tables of every plane of `b` from their fine counts [total_seg][kFineTables][256] (host
+// memory), into b.choices and b.freqs: one task per (plane, candidate), spread over the threads.
+void choose_planes(const int32_t* fine, PrepareBatch& b);
+
+// prepare_plane's outputs from a prepare_planes call of that one plane.
+std::vector<at::Tensor> first_plane(const std::vector<at::Tensor>& batch);
 
 struct PlaneJob {               // one plane of an encode_planes call
   const uint8_t* in;

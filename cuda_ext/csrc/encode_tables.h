@@ -97,22 +97,28 @@ int64_t price_choice(const int32_t* fine, int64_t n_seg, int ctx_bits, int64_t g
   return total;
 }
 
-// The cheapest (ctx_bits, table_group) of a plane of n symbols, its tables in `freqs`
-// (floatcodec._cheapest); coded = false when raw storage is no larger.
-template <class ParallelFor>
-Choice choose_tables(const int32_t* fine, int64_t n_seg, int64_t n, int max_ctx_bits, const Log2Table& L,
-                     std::vector<uint32_t>& freqs, ParallelFor pfor) {
+// The (ctx_bits, table_group) pairs floatcodec._cheapest tries, in its order: ctx_bits outer.
+struct Candidate {
+  int ctx_bits;
+  int64_t group;
+};
+constexpr int kMaxCandidates = (kMaxCtxBits + 1) * 4;
+
+inline int candidates(int64_t n_seg, int max_ctx_bits, Candidate* out) {
   int64_t groups[4];
   const int n_groups = candidate_groups(n_seg, groups);
-  Choice best{false, 0, 0, 0};
-  std::vector<uint32_t> trial;
+  int m = 0;
   for (int ctx_bits = 0; ctx_bits <= max_ctx_bits; ++ctx_bits)
-    for (int g = 0; g < n_groups; ++g) {
-      const int64_t cost = price_choice(fine, n_seg, ctx_bits, groups[g], L, trial, pfor);
-      if (best.table_group == 0 || cost < best.cost) best = Choice{true, ctx_bits, groups[g], cost}, freqs.swap(trial);
-    }
-  best.coded = best.cost + ((n_seg * kSegmentOverheadBits) << kLog2FracBits) < ((8 * n) << kLog2FracBits);
-  return best;
+    for (int g = 0; g < n_groups; ++g) out[m++] = Candidate{ctx_bits, groups[g]};
+  return m;
+}
+
+// The best of the candidates priced so far: the first of least cost (the reference's strict <).
+inline bool cheaper(const Choice& best, int64_t cost) { return best.table_group == 0 || cost < best.cost; }
+
+// coded = false when storing the plane raw is no larger than the tables, segments and symbols.
+inline bool worth_coding(int64_t cost, int64_t n_seg, int64_t n) {
+  return cost + ((n_seg * kSegmentOverheadBits) << kLog2FracBits) < ((8 * n) << kLog2FracBits);
 }
 
 }  // namespace wcodec

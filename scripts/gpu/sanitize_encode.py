@@ -1,5 +1,6 @@
 """The CUDA encoder's launches under compute-sanitizer (memcheck): the op samples and edge-case
-planes (empty tail steps, one segment, several, every dtype code), each checked against the C++ twin.
+planes (empty tail steps, one segment, several, every dtype code), alone and in one prepare_planes
+batch, each checked against the C++ twin.
     compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/gpu/sanitize_encode.py"""
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from scripts.gpu.encoder_ext import load_encoder  # noqa: E402
 
 load_encoder()
 from cuda_ext import ops  # noqa: E402
-from tests.cuda_ext.test_encode_twin import edge_tensor  # noqa: E402
+from tests.cuda_ext.test_encode_twin import batch_planes, edge_tensor  # noqa: E402
 
 CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2, torch.float8_e4m3fn: 3}
 
@@ -36,6 +37,9 @@ ok = all(torch.equal(a.cpu(), b) for a, b in zip(ops.encode_planes(*encode), ops
 for dtype, code in CODES.items():
     for n, kind in ((4096, "mixed"), (131072 + 33, "normal"), (3 * 131072 + 5, "bits"), (5000, "normal")):
         ok &= check(edge_tensor(dtype, n, n, kind), code)
+data, dtypes = batch_planes("cuda")                 # the batched op: one launch over every dtype code
+ok &= all(torch.equal(a.cpu(), b) for a, b in zip(ops.prepare_planes(data, dtypes),
+                                                   ops.prepare_planes([d.cpu() for d in data], dtypes)))
 torch.cuda.synchronize()
 print("sanitize encode: all equal to the C++ twin:", ok)
 sys.exit(0 if ok else 1)

@@ -58,6 +58,42 @@ def test_ops_equal_their_reference():
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
+def batch_planes(device: str = "cpu") -> tuple[list[torch.Tensor], list[int]]:
+    """One prepare_planes batch of every dtype code: edge sizes (empty, one element, below the coded
+    minimum, partial and several segments), random bits (stored raw) beside weights."""
+    codes = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2, torch.float8_e4m3fn: 3}
+    data, dtypes = [], []
+    for d, (dtype, code) in enumerate(codes.items()):
+        for s, (n, kind) in enumerate(((0, "normal"), (1, "bits"), (4095, "normal"), (4096, "mixed"),
+                                       (SEGMENT_SYMBOLS + 33, "bits"), (3 * SEGMENT_SYMBOLS + 5, "normal"))):
+            data.append(edge_tensor(dtype, n, 10 * d + s, kind).reshape(-1).view(torch.uint8).to(device))
+            dtypes.append(code)
+    return data, dtypes
+
+
+def test_prepare_planes_is_prepare_plane_of_each():
+    """The batched op gives each plane exactly what prepare_plane (held to the reference above) gives it."""
+    data, dtypes = batch_planes()
+    out = ops.prepare_planes(data, dtypes)
+    assert len(out) == 1 + 3 * len(data) and out[0].shape == (len(data), 3)
+    for i, (d, code) in enumerate(zip(data, dtypes)):
+        want = ops.prepare_plane(d, code)
+        assert torch.equal(out[0][i], want[0]), (i, out[0][i], want[0])
+        assert all(torch.equal(a, b) for a, b in zip(out[1 + 3 * i:4 + 3 * i], want[1:])), i
+    coded = out[0][:, 0].tolist()
+    assert 0 < sum(coded) < len(data)                     # some planes coded, some raw
+
+
+def test_prepare_planes_equals_its_reference_and_opcheck():
+    prepared, _ = ops.sample_encode_inputs("cpu")
+    args = ([d for d, _ in prepared], [c for _, c in prepared])
+    got, want = ops.prepare_planes(*args), ops.reference_prepare_planes(*args)
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+    torch.library.opcheck(torch.ops.wcodec.prepare_planes.default, args,
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    assert ops.prepare_planes([], [])[0].shape == (0, 3)
+
+
 def edge_tensor(dtype: torch.dtype, n: int, seed: int, kind: str) -> torch.Tensor:
     if dtype.itemsize == 1:                               # fp8: random bytes, or bf16 values cast
         return make_tensor(torch.uint8, (n,), seed, "bits").view(dtype) if kind == "bits" else \
@@ -129,6 +165,8 @@ def test_bad_arguments_are_caller_errors():
         ops.prepare_plane(torch.zeros(8, dtype=torch.uint8), 7)
     with pytest.raises(RuntimeError, match="partial element"):
         ops.prepare_plane(torch.zeros(7, dtype=torch.uint8), 0)
+    with pytest.raises(RuntimeError, match="one dtype per plane"):
+        ops.prepare_planes([torch.zeros(8, dtype=torch.uint8)], [0, 0])
     bad = torch.zeros(4, 256, dtype=torch.int32)
     bad[0, 0] = 5
     with pytest.raises(RuntimeError, match="does not sum"):

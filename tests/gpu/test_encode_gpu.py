@@ -21,7 +21,7 @@ from codec.constants import SEGMENT_SYMBOLS  # noqa: E402
 from codec.encode import compress, compress_state_dict  # noqa: E402
 from cuda_ext import encode as ext_encode  # noqa: E402
 from cuda_ext import ops  # noqa: E402
-from tests.cuda_ext.test_encode_twin import FLOATS, SIZES, edge_tensor  # noqa: E402
+from tests.cuda_ext.test_encode_twin import FLOATS, SIZES, batch_planes, edge_tensor  # noqa: E402
 
 
 def shas(tmp_path, write) -> dict[str, str]:
@@ -41,6 +41,19 @@ def test_ops_equal_the_cpp_twin():
     got = ops.encode_planes(*encode)
     want = ops.encode_planes([d.cpu() for d in encode[0]], encode[1], [f.cpu() for f in encode[2]], *encode[3:])
     assert all(torch.equal(a.cpu(), b) for a, b in zip(got, want))
+
+
+def test_prepare_planes_equals_the_cpp_twin():
+    """The batched op on the GPU (one count launch, one wait) against the C++ twin, plane for plane,
+    then its planes encoded in one call: the same streams."""
+    data, dtypes = batch_planes("cuda")
+    got, want = ops.prepare_planes(data, dtypes), ops.prepare_planes([d.cpu() for d in data], dtypes)
+    assert len(got) == len(want) and all(torch.equal(a.cpu(), b) for a, b in zip(got, want))
+    coded = [i for i, row in enumerate(want[0].tolist()) if row[0]]
+    args = [[dtypes[i] for i in coded], [want[0][i, 1].item() for i in coded], [want[0][i, 2].item() for i in coded]]
+    streams = ops.encode_planes([data[i] for i in coded], args[0], [got[1 + 3 * i] for i in coded], *args[1:])
+    expect = ops.encode_planes([data[i].cpu() for i in coded], args[0], [want[1 + 3 * i] for i in coded], *args[1:])
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(streams, expect))
 
 
 @pytest.mark.parametrize("kind", ["bits", "normal", "mixed"])
