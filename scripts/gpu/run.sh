@@ -96,7 +96,7 @@ for s in ${STAGES:-build tests}; do
                      tests/gpu/test_step_kernels.py -k "not fuzzed and not modules_step" > "$OUT/sanitizer_step.log" 2>&1
                    grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitizer_step.log" | tail -3 ;;
     demo) demo_package
-          pytest_stage demo demo_tests.log 300 tests/service/model/test_compressed.py tests/service/model/test_quantized.py \
+          pytest_stage demo demo_tests.log 300 tests/service/model/test_compressed.py tests/service/model/test_quantized.py tests/service/model/test_fixed.py \
             -k cuda ;;
     decode-bench) stage decode-bench timeout "$(left 500)" python3 bench/fine_decode.py --layers 6 --model-layers 32 \
                     --json "$OUT/fine_decode.json" ;;
