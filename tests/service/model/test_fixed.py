@@ -56,16 +56,6 @@ def test_same_tokens_and_logits_as_decoded_mode(both_modes, batch) -> None:
     assert_same_greedy(*both_modes, batch)
 
 
-@pytest.mark.timeout(900)
-@CUDA
-@pytest.mark.parametrize("batch", [1, 8])
-def test_same_tokens_as_decoded_mode_on_cuda(dense_demo_archive, batch) -> None:
-    """The fused decode-matmul (1..16 rows) and decode + cuBLAS (prompts): decoded mode's greedy
-    tokens; the logits differ by float32 summation order."""
-    assert_same_greedy(served(dense_demo_archive, "decoded", "cuda"), served(dense_demo_archive, "compressed", "cuda"),
-                       batch, exact_logits=False)
-
-
 @pytest.mark.anyio
 @CUDA
 async def test_budget_of_0_8_bf16_serves_only_compressed_on_cuda(serve, dense_store) -> None:
@@ -81,3 +71,14 @@ async def test_budget_of_0_8_bf16_serves_only_compressed_on_cuda(serve, dense_st
         assert any(isinstance(x, fixed.FixedLinear) for x in model.modules())   # the default form on CUDA
         r = await c.post("/generate", json=generate_body())
         assert r.status_code == 200 and r.json()["generated_text"].startswith("The capital of France is Paris"), r.text
+
+
+@pytest.mark.timeout(900)
+@CUDA
+@pytest.mark.parametrize("batch", [1, 8])
+def test_same_tokens_as_decoded_mode_on_cuda(dense_demo_archive, batch) -> None:
+    """The fused decode-matmul (1..16 rows) and decode + cuBLAS (prompts): decoded mode's greedy
+    tokens up to each row's end of turn; the logits differ by float32 summation order, which parts
+    a row that generates past its end of turn at a near-tie ("2 + 2 =": token 19 of 32, H100)."""
+    assert_same_greedy(served(dense_demo_archive, "decoded", "cuda"), served(dense_demo_archive, "compressed", "cuda"),
+                       batch, exact_logits=False, to_end_of_turn=True)
