@@ -1,13 +1,13 @@
 """The server on a GPU: time to ready through the CUDA decoder, against safetensors.
 
-    python bench/service_gpu.py 7b   --part PART1.gguf --keep DIR   # 7B-shaped vs safetensors
+    python bench/service_gpu.py 7b   --part PART1.gguf --keep DIR   # 7B-shaped vs safetensors (both weight modes)
     python bench/service_gpu.py demo --parts P1,P2,P3                 # the demo model, then Paris
 
 `7b`: a Llama-2-7B-shaped model of random bf16 (>= 13 GB) is written both as .safetensors and as
 .wcodec (config.json for Llama-2-7B; tokenizer files from the demo GGUF so the server can build
 it); with the page cache warm, safetensors.torch.load_file(device="cuda") is timed against the
 server's POST /models/{name}/load (time to ready, phases from GET /models/{name}), CRCs on and
-off. `demo`: the demo model is rebuilt from its GGUF parts (the whole file is over one transfer)
+off, and with weights=compressed (CUDA's fixed-rate form: each matrix transcoded at load). `demo`: the demo model is rebuilt from its GGUF parts (the whole file is over one transfer)
 and served: time to ready, its phases, and a greedy chat answer.
 """
 from __future__ import annotations
@@ -64,9 +64,9 @@ class Server:
                 time.sleep(0.1)
         raise RuntimeError("server did not start")
 
-    def load(self, name: str) -> dict:
+    def load(self, name: str, weights: str = "decoded") -> dict:
         t = time.perf_counter()
-        r = self.client.post(f"/models/{name}/load", params={"wait": "true"})
+        r = self.client.post(f"/models/{name}/load", params={"wait": "true", "weights": weights})
         wall = time.perf_counter() - t
         r.raise_for_status()
         info = self.client.get(f"/models/{name}").json()
@@ -132,6 +132,15 @@ def run_7b(part: str, keep: str) -> dict:
             server.close()
     best = min(r["time_to_ready_s"] for r in out["wcodec_verify_crc_False"] + out["wcodec_verify_crc_True"])
     out["speedup_vs_safetensors"] = out["safetensors_load_file_cuda_s"] / best
+    server = Server(store)                      # weights=compressed: CUDA's fixed-rate form, transcoded at load
+    try:
+        runs = [server.load("llama7b", "compressed")]
+        server.client.post("/models/llama7b/unload").raise_for_status()
+        runs.append(server.load("llama7b", "compressed"))
+        out["wcodec_compressed"] = runs
+    finally:
+        server.close()
+    out["compressed_over_safetensors"] = min(r["time_to_ready_s"] for r in runs) / out["safetensors_load_file_cuda_s"]
     return out
 
 
