@@ -17,7 +17,9 @@
 #include <vector>
 
 #include "decode_common.h"
+#include "gguf_avx512.h"
 #include "gguf_blocks.h"
+#include "gguf_cpu.h"
 #include "int8_tiles.h"
 
 namespace wcodec {
@@ -139,35 +141,33 @@ const gguf::BlockLayout& check_blocks_args(at::TensorList planes, int64_t ggml_t
   return *l;
 }
 
-template <typename Store>
-static void dequantize_range(const gguf::BlockLayout& l, const std::vector<const uint8_t*>& planes, int64_t b0,
-                             int64_t b1, Store store) {
-  uint8_t block[gguf::kMaxTypeSize];
-  float y[gguf::kMaxBlockSize];
-  for (int64_t b = b0; b < b1; ++b) {
-    for (int k = 0; k < l.n_planes; ++k)                             // join the planes (gguf_blocks.join)
-      memcpy(block + l.planes[k].start, planes[k] + b * l.planes[k].width, l.planes[k].width);
-    gguf::dequantize_block(l.code, block, y);
-    for (int j = 0; j < l.block_size; ++j) store(b * l.block_size + j, y[j]);
-  }
+// Blocks [b0, b1) of one tensor, its block type and output dtype fixed (gguf_cpu.h): AVX-512 where
+// the CPU has it, else the scalar loop.
+template <int Code, typename Out>
+static void dequantize_range(const gguf::BlockLayout& l, const gguf::Planes& planes, int64_t b0, int64_t b1,
+                             typename Out::T* out) {
+#if defined(__x86_64__)
+  if (gguf::has_avx512()) return gguf::simd_range<Code, Out>(l, planes, b0, b1, out);
+#endif
+  gguf::scalar_range<Code, Out>(l, planes, b0, b1, out);
+}
+
+template <int Code, typename Out>
+static void dequantize_into(const gguf::BlockLayout& l, const gguf::Planes& planes, const at::Tensor& out) {
+  auto* o = reinterpret_cast<typename Out::T*>(out.data_ptr());
+  at::parallel_for(0, out.numel() / l.block_size, 256,
+                   [&](int64_t b0, int64_t b1) { dequantize_range<Code, Out>(l, planes, b0, b1, o); });
 }
 
 static void dequantize_one_cpu(const gguf::BlockLayout& l, at::TensorList planes, const at::Tensor& out) {
-  std::vector<const uint8_t*> ptrs;
-  for (const auto& p : planes) ptrs.push_back(p.data_ptr<uint8_t>());
-  const int64_t n_blocks = out.numel() / l.block_size;
+  gguf::Planes p{};
+  for (int k = 0; k < l.n_planes; ++k) p.p[k] = planes[k].data_ptr<uint8_t>();
   const auto kind = out.scalar_type();
-  at::parallel_for(0, n_blocks, 256, [&](int64_t b0, int64_t b1) {
-    if (kind == at::kFloat) {
-      float* o = out.data_ptr<float>();
-      dequantize_range(l, ptrs, b0, b1, [o](int64_t i, float v) { o[i] = v; });
-    } else if (kind == at::kBFloat16) {
-      uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr());
-      dequantize_range(l, ptrs, b0, b1, [o](int64_t i, float v) { o[i] = gguf::f32_to_bf16(v); });
-    } else {
-      uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr());
-      dequantize_range(l, ptrs, b0, b1, [o](int64_t i, float v) { o[i] = gguf::f32_to_f16(v); });
-    }
+  gguf::with_block_type(l.code, [&](auto type) {
+    constexpr int kCode = decltype(type)::kCode;
+    if (kind == at::kFloat) dequantize_into<kCode, gguf::OutF32>(l, p, out);
+    else if (kind == at::kBFloat16) dequantize_into<kCode, gguf::OutBF16>(l, p, out);
+    else dequantize_into<kCode, gguf::OutF16>(l, p, out);
   });
 }
 
