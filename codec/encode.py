@@ -12,8 +12,8 @@ import numpy as np
 import torch
 
 from . import __version__, codecs, floatcodec, gguf_blocks, int8
-from .constants import CODEC_INT8, FORMAT_MAJOR, FORMAT_MINOR
-from .container import Writer, checksums, crc32
+from .constants import CODEC_FLOAT, CODEC_INT8, FORMAT_MAJOR, FORMAT_MINOR
+from .container import Summed, Writer, blob_checksums, crc32
 from .entries import DTYPES, dtype_name
 from .parallel import WORKER_STATE, balanced_limit, default_workers, ordered_map
 from .sources import CheckpointSource, StateDictSource, layer_index, layer_order, open_source
@@ -50,9 +50,10 @@ def encode_tensors(items: list[tuple[str, str, tuple, object]], lossy: str | Non
     encodings = codecs.encode_many([(dtype, payload, shape) for _, dtype, shape, payload in items], lossy, coder)
     decoded = [_decoded_bytes(dtype, shape, payload, enc) for (_, dtype, shape, payload), enc in zip(items, encodings)]
     with _threads(coder) as pool:            # zlib releases the GIL: the CRCs run beside the encode
-        crcs = pool.map(crc32, decoded)
+        known = [_sums(enc).get("source") for enc in encodings]        # the GPU coder's CRC32s
+        crcs = [pool.submit(crc32, dec) if k is None else k for k, dec in zip(known, decoded)]
         coded = iter(coder.encode_batch([p for enc in encodings for p in enc.coded.values()]))
-        crcs = list(crcs)
+        crcs = [c.result() if isinstance(c, Future) else c for c in crcs]
     out = []
     for (name, dtype, shape, payload), enc, dec, crc in zip(items, encodings, decoded, crcs):
         rec = {"name": name, "dtype": dtype, "shape": list(shape), "nbytes": int(dec.nbytes),
@@ -60,7 +61,7 @@ def encode_tensors(items: list[tuple[str, str, tuple, object]], lossy: str | Non
         if enc.params is not None:
             rec["params"] = enc.params
         blobs = {role: next(coded) for role in enc.coded}
-        rec["streams"] = {role: blobs[role] if role in blobs else _as_bytes(enc.raw[role]) for role in enc.roles}
+        rec["streams"] = {role: blobs[role] if role in blobs else _raw_blob(enc, role) for role in enc.roles}
         if enc.codec == CODEC_INT8:
             rec["quality"] = quality(payload, dec, dtype)
         out.append(rec)
@@ -71,6 +72,18 @@ def _threads(coder) -> ThreadPoolExecutor:
     """Threads for checksums: as many as torch's for a threaded coder, else one (worker processes
     are the parallelism there)."""
     return ThreadPoolExecutor(torch.get_num_threads() if coder.threaded else 1)
+
+
+def _sums(enc: codecs.Encoding) -> dict[str, int]:
+    """The CRC32s a coder computed for a float-coded tensor ("source": its bytes, "hi", "lo")."""
+    p = enc.coded.get("exp") if enc.codec == CODEC_FLOAT else None
+    return (p.sums if p is not None else None) or {}
+
+
+def _raw_blob(enc: codecs.Encoding, role: str):
+    """A raw stream's bytes, Summed where the coder has its CRC32 already."""
+    data, crc = _as_bytes(enc.raw[role]), _sums(enc).get(role)
+    return data if crc is None else Summed(data, crc)
 
 
 def _as_bytes(plane: np.ndarray) -> np.ndarray:
@@ -165,11 +178,11 @@ class _Tally:
     def write(self, results: list[dict]) -> None:
         blobs = [b for rec in results for b in rec["streams"].values()]
         with _threads(self.coder) as pool:
-            sums = iter(pool.map(lambda b: checksums(memoryview(b).cast("B")), blobs))
+            sums = iter(pool.map(blob_checksums, blobs))
             for rec in results:
                 if "quality" in rec:
                     self.quality[rec["name"]] = rec.pop("quality")
-                rec["streams"] = {role: self.writer.add(b, next(sums)) for role, b in rec["streams"].items()}
+                rec["streams"] = {role: self.writer.add(*next(sums)) for role in rec["streams"]}
                 rec["layer"] = layer_index(rec["name"])
                 self.tensors.append(rec)
                 self.raw += rec["nbytes"]

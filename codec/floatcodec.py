@@ -63,6 +63,8 @@ class Prepared:
     hi: np.ndarray
     lo: np.ndarray | None
     source: object = None              # that coder's own handle on the plane (cuda_ext/encode.py)
+    sums: dict[str, int] | None = None  # CRC32s that coder computed where the planes were: of its
+                                        # input bytes ("source") and of the raw planes ("hi", "lo")
 
 
 def _fine_counts(sym: np.ndarray, ctx: np.ndarray, n_segments: int) -> np.ndarray:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from codec import floatcodec, planes
+from codec.container import Summed
 from codec.floatcodec import FloatParams, Prepared
 
 from .build import ensure_loaded
@@ -48,12 +49,17 @@ def coder(device: str | torch.device = "cpu"):
 
 class ExtensionCoder:
     """prepare_planes / encode_planes of the extension (cuda_ext/ops.py) on one device: a batch's
-    planes are prepared in one call (on CUDA one wait for the whole batch, not one per plane)."""
+    planes are prepared in one call (on CUDA one wait for the whole batch, not one per plane).
+
+    `device_sums` (on by default on CUDA): the CRC32s of each coded plane's input bytes, of its
+    raw planes and of its exp stream are taken by crc32_spans where the bytes are, before they
+    come back (Prepared.sums, container.Summed), instead of by zlib on the host."""
 
     threaded = True
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, device_sums: bool | None = None):
         self.device = device
+        self.device_sums = device.type == "cuda" if device_sums is None else device_sums
 
     def _source(self, data: np.ndarray) -> torch.Tensor:
         src = torch.from_numpy(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
@@ -66,8 +72,18 @@ class ExtensionCoder:
         from .ops import prepare_planes
         srcs = [self._source(data) for _, data, _ in items]
         out = prepare_planes(srcs, [code for _, _, code in items])
-        return [_prepared(layout, len(data), src, code, choice, *out[1 + 3 * i:4 + 3 * i])
-                for i, ((layout, data, code), src, choice) in enumerate(zip(items, srcs, out[0].tolist()))]
+        choices = out[0].tolist()
+        sums = self._plane_sums(srcs, out, choices) if self.device_sums else [None] * len(items)
+        return [_prepared(layout, len(data), src, code, choice, *out[1 + 3 * i:4 + 3 * i], sums=s)
+                for i, ((layout, data, code), src, choice, s) in enumerate(zip(items, srcs, choices, sums))]
+
+    def _plane_sums(self, srcs: list[torch.Tensor], out: list[torch.Tensor], choices: list) -> list[dict | None]:
+        """{"source", "hi", "lo"} CRC32s of each coded plane (None for a plane left raw), in one copy."""
+        named = [{"source": src, "hi": out[2 + 3 * i], "lo": out[3 + 3 * i]} if choice[0] else {}
+                 for i, (src, choice) in enumerate(zip(srcs, choices))]
+        named = [{k: t for k, t in d.items() if t.numel() or k == "source"} for d in named]
+        crcs = iter(_crc32_each([t for d in named for t in d.values()]))
+        return [{k: next(crcs) for k in d} or None for d in named]
 
     def prepare_many(self, items: list[tuple[planes.FloatLayout, np.ndarray]]) -> list[Prepared | None]:
         return self._prepare_many([(layout, u.view(np.uint8), BYTES_CODE) if layout.itemsize == 1   # fp8: whole bytes
@@ -86,11 +102,23 @@ class ExtensionCoder:
         streams = encode_planes([p.source[0] for p in batch], [p.source[1] for p in batch],
                                 [p.source[2] for p in batch], [p.params.ctx_bits for p in batch],
                                 [p.params.table_group for p in batch])
-        return [s.cpu().numpy() for s in streams]
+        if not self.device_sums:
+            return [s.cpu().numpy() for s in streams]
+        crcs = _crc32_each(streams)
+        return [Summed(s.cpu().numpy(), crc) for s, crc in zip(streams, crcs)]
+
+
+def _crc32_each(data: list[torch.Tensor]) -> list[int]:
+    """zlib.crc32 of each uint8 tensor, where it is (crc32_spans), fetched in one copy."""
+    if not data:
+        return []
+    from .ops import crc32_spans
+    crcs = [crc32_spans(t.reshape(-1), torch.tensor([[0, t.numel()]], dtype=torch.int64)) for t in data]
+    return torch.cat(crcs).tolist()
 
 
 def _prepared(layout: planes.FloatLayout | None, n: int, src: torch.Tensor, code: int, choice: list[int],
-              freqs: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> Prepared | None:
+              freqs: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, sums: dict | None = None) -> Prepared | None:
     """One plane's Prepared from prepare_planes' outputs (its planes copied to the host)."""
     coded, ctx_bits, group = choice
     if not coded:
@@ -99,4 +127,4 @@ def _prepared(layout: planes.FloatLayout | None, n: int, src: torch.Tensor, code
     host = lambda t: t.cpu().numpy() if t.numel() else None   # noqa: E731
     lo_plane = host(lo)
     return Prepared(layout, params, host(freqs[:params.n_tables]).astype(np.uint32), None, host(hi),
-                    None if lo_plane is None else lo_plane.view("<u2"), (src, code, freqs))
+                    None if lo_plane is None else lo_plane.view("<u2"), (src, code, freqs), sums)

@@ -112,6 +112,24 @@ def test_edge_case_tensors_give_identical_archives(tmp_path, kind):
     assert numpy_sha == cpp_sha
 
 
+@pytest.mark.parametrize("lossy", [None, "int8"])
+def test_checksums_where_the_planes_are_give_identical_archives(tmp_path, lossy):
+    """device_sums (the CUDA coder's default): CRC32s taken by crc32_spans beside the planes, here
+    on the CPU op, give the archive the host's zlib gives."""
+    from codec.encode import compress_source
+    from codec.sources import StateDictSource
+    state = {f"t.{d}.{s}": edge_tensor(dtype, n, 100 * d + s, "mixed")
+             for d, dtype in enumerate(FLOATS) for s, n in enumerate(SIZES)}
+    state["w"] = (torch.randn(300, 700, generator=torch.Generator().manual_seed(5)) * 0.02).bfloat16()
+    state["ints"] = torch.arange(5000, dtype=torch.int32)
+
+    def write(p, c):
+        with StateDictSource(state) as s:
+            compress_source(s, p, lossy=lossy, coder=c)
+    summing = ext_encode.ExtensionCoder(torch.device("cpu"), device_sums=True)
+    assert sha_of(tmp_path, "sums", lambda p: write(p, summing)) == both_shas(tmp_path, write)[1]
+
+
 def test_scalar_steps_match_the_reference(tmp_path):
     """The scalar encoder alone (a fresh process decides WCODEC_CPU_SIMD=0 at its first step)."""
     import subprocess
