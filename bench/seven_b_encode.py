@@ -11,7 +11,8 @@ ru_maxrss, and subprocess spawns through vfork, so that figure was this generati
     python bench/seven_b_encode.py DIR [--layers 32] [--vocab 32000] [--device auto] [--encoder-only]
 
 --layers / --vocab scale the model down (this 2-core machine); --encoder-only loads the encoder ops
-from scripts/gpu/encoder_ext.py in the child (a lent GPU's short call).
+from scripts/gpu/encoder_ext.py in the child (a lent GPU's short call). The child runs with
+WCODEC_TIMINGS=1: its stderr names the seconds each compress stage took (codec/stagetimes.py).
 """
 from __future__ import annotations
 
@@ -98,7 +99,7 @@ def run(folder: str | os.PathLike, layers: int = 32, vocab: int = 32000, device:
     code = CHILD.format(only=encoder_only, src=str(folder / "model"), dst=str(dst), device=device)
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          cwd=str(Path(__file__).parents[1]), env={**os.environ, "TQDM_DISABLE": "1"})
+                          cwd=str(Path(__file__).parents[1]), env={**os.environ, "TQDM_DISABLE": "1", "WCODEC_TIMINGS": "1"})
     wall = time.perf_counter() - t0
     peak = _vmhwm(proc.stdout)
     bound = (2 << 30) + 2 * largest
@@ -112,7 +113,7 @@ def run(folder: str | os.PathLike, layers: int = 32, vocab: int = 32000, device:
 
 def _vmhwm(stdout: str) -> int | None:
     """The child's peak RSS in bytes, from its `vmhwm_kB` line (None when it died before it)."""
-    found = re.search(r"^vmhwm_kB (\d+)$", stdout, re.M)
+    found = re.search(r"^vmhwm_kB (\d+)$", stdout, re.MULTILINE)
     return int(found.group(1)) * 1024 if found else None
 
 

@@ -17,6 +17,7 @@ from .container import Summed, Writer, blob_checksums, crc32
 from .entries import DTYPES, dtype_name
 from .parallel import WORKER_STATE, balanced_limit, default_workers, ordered_map
 from .sources import CheckpointSource, StateDictSource, layer_index, layer_order, open_source
+from .stagetimes import StageTimes
 
 BATCH_ELEMENTS = 48 << 20          # elements per encode job: big enough to fill the lanes
 
@@ -129,7 +130,9 @@ def _load_job(job: tuple[str, list, str | None]) -> tuple[list, str | None]:
     source, coder = WORKER_STATE["source"], WORKER_STATE.get("coder", floatcodec.REFERENCE)
     with _threads(coder) as pool:                     # reads release the GIL: a batch's tensors in parallel
         payloads = list(pool.map(lambda i: _payload(source, i.name), infos))
-    return [(i.name, dtype_name(path, i.name, i.dtype), tuple(i.shape), p) for i, p in zip(infos, payloads)], lossy
+    items = [(i.name, dtype_name(path, i.name, i.dtype), tuple(i.shape), p) for i, p in zip(infos, payloads)]
+    coder.stage([p for _, dtype, shape, p in items if codecs.float_coded(dtype, p, shape, lossy)])
+    return items, lossy
 
 
 def _encode_loaded(loaded: tuple[list, str | None]) -> list[dict]:
@@ -137,16 +140,23 @@ def _encode_loaded(loaded: tuple[list, str | None]) -> list[dict]:
     return encode_tensors(items, lossy, WORKER_STATE.get("coder", floatcodec.REFERENCE))
 
 
-def _read_ahead(jobs: list, state: dict):
+def _read_ahead(jobs: list, state: dict, times: StageTimes):
     """encode_tensors of each job in turn, in this process (a threaded coder), the next batch read
     on a thread meanwhile: the reads overlap the encode, and one batch more is held."""
     WORKER_STATE.update(state)
+
+    def load(job):
+        with times.stage("read"):
+            return _load_job(job)
     with ThreadPoolExecutor(1) as reading:
-        ahead = reading.submit(_load_job, jobs[0]) if jobs else None
+        ahead = reading.submit(load, jobs[0]) if jobs else None
         for k in range(len(jobs)):
-            loaded = ahead.result()
-            ahead = reading.submit(_load_job, jobs[k + 1]) if k + 1 < len(jobs) else None
-            yield _encode_loaded(loaded)
+            with times.stage("wait for read"):
+                loaded = ahead.result()
+            ahead = reading.submit(load, jobs[k + 1]) if k + 1 < len(jobs) else None
+            with times.stage("encode"):
+                results = _encode_loaded(loaded)
+            yield results
 
 
 def _payload(source: CheckpointSource, name: str):
@@ -171,11 +181,15 @@ def _jobs(infos, path, limit: int, lossy: str | None):
 class _Tally:
     """Writes encoded batches (on the writing thread) and keeps their records and totals."""
 
-    def __init__(self, writer: Writer, total: int, progress, coder):
-        self.writer, self.total, self.progress, self.coder = writer, total, progress, coder
+    def __init__(self, writer: Writer, total: int, progress, coder, times: StageTimes):
+        self.writer, self.total, self.progress, self.coder, self.times = writer, total, progress, coder, times
         self.tensors, self.raw, self.stored, self.quality = [], 0, 0, {}
 
     def write(self, results: list[dict]) -> None:
+        with self.times.stage("write"):
+            self._write(results)
+
+    def _write(self, results: list[dict]) -> None:
         blobs = [b for rec in results for b in rec["streams"].values()]
         with _threads(self.coder) as pool:
             sums = iter(pool.map(blob_checksums, blobs))
@@ -231,24 +245,29 @@ def compress_source(source: CheckpointSource, dst: str | os.PathLike, *, workers
         workers = 1 if coder.threaded else workers or default_workers()
         limit = balanced_limit(sum(math.prod(i.shape) for i in infos), workers, BATCH_ELEMENTS)
         jobs = list(_jobs(infos, os.fspath(src), limit, lossy))
-        tally = _Tally(writer, total, progress, coder)
+        times = StageTimes()
+        tally = _Tally(writer, total, progress, coder, times)
         with ThreadPoolExecutor(1) as writing:          # batch k is written while batch k + 1 encodes
             pending: Future | None = None
             state = {"source": source, "coder": coder}
-            batches = (_read_ahead(jobs, state) if coder.threaded
+            batches = (_read_ahead(jobs, state, times) if coder.threaded
                        else ordered_map(_encode_job, jobs, min(workers, len(jobs)), state))
             for results in batches:
-                if pending is not None:
-                    pending.result()                    # at most one batch waits: bounded memory
+                with times.stage("wait for write"):
+                    if pending is not None:
+                        pending.result()                # at most one batch waits: bounded memory
                 pending = writing.submit(tally.write, results)
-            if pending is not None:
-                pending.result()
+            with times.stage("wait for write"):
+                if pending is not None:
+                    pending.result()
         tensors, raw, stored, quality = tally.tensors, tally.raw, tally.stored, tally.quality
         header = {"format": "wcodec", "version": f"{FORMAT_MAJOR}.{FORMAT_MINOR}",
                   "metadata": {"source": os.path.basename(os.fspath(src).rstrip("/")),
                                "created_by": f"wcodec {__version__}"},
                   "files": files, "tensors": tensors}
-        size = writer.finish(header)
+        with times.stage("finish"):
+            size = writer.finish(header)
+        times.print_if_asked()
     except BaseException:
         writer.abort()
         raise

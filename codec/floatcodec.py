@@ -216,6 +216,10 @@ class ReferenceCoder:
     def encode_batch(self, batch: list[Prepared]) -> list[bytes]:
         return encode_batch(batch)
 
+    def stage(self, data: list[np.ndarray]) -> None:
+        """Where a coder copies planes to its device ahead of prepare_many (cuda_ext/encode.py):
+        the reading thread calls it with a batch's float tensors. Nothing to copy here."""
+
 
 REFERENCE = ReferenceCoder()
 

@@ -12,6 +12,8 @@ quantisation stay in Python (codec/gguf_blocks.py, codec/int8.py).
 """
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import torch
 
@@ -51,18 +53,30 @@ class ExtensionCoder:
     """prepare_planes / encode_planes of the extension (cuda_ext/ops.py) on one device: a batch's
     planes are prepared in one call (on CUDA one wait for the whole batch, not one per plane).
 
-    `device_sums` (on by default on CUDA): the CRC32s of each coded plane's input bytes, of its
+    `device_sums` (on by default on CUDA, where crc32_spans is built): the CRC32s of each coded plane's input bytes, of its
     raw planes and of its exp stream are taken by crc32_spans where the bytes are, before they
-    come back (Prepared.sums, container.Summed), instead of by zlib on the host."""
+    come back (Prepared.sums, container.Summed), instead of by zlib on the host.
+    `staged` (on by default on CUDA): stage(), called by the reading thread, copies a batch's
+    planes to the device on a side stream while the batch before is encoded (_Staging)."""
 
     threaded = True
 
-    def __init__(self, device: torch.device, device_sums: bool | None = None):
+    def __init__(self, device: torch.device, device_sums: bool | None = None, staged: bool | None = None):
         self.device = device
-        self.device_sums = device.type == "cuda" if device_sums is None else device_sums
+        self.device_sums = _sums_on_gpu(device) if device_sums is None else device_sums
+        self._staging = _Staging(device) if (device.type == "cuda" if staged is None else staged) else None
+
+    def stage(self, data: list[np.ndarray]) -> None:
+        """Start copying planes that a later prepare_many will take (a no-op unless `staged`)."""
+        if self._staging is not None:
+            self._staging.put([np.ascontiguousarray(d).reshape(-1).view(np.uint8) for d in data])
 
     def _source(self, data: np.ndarray) -> torch.Tensor:
-        src = torch.from_numpy(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+        host = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        staged = self._staging.take(host) if self._staging is not None else None
+        if staged is not None:
+            return staged
+        src = torch.from_numpy(host)
         return src.to(self.device, non_blocking=True) if self.device.type == "cuda" else src
 
     def _prepare_many(self, items: list[tuple[planes.FloatLayout | None, np.ndarray, int]]) -> list[Prepared | None]:
@@ -106,6 +120,56 @@ class ExtensionCoder:
             return [s.cpu().numpy() for s in streams]
         crcs = _crc32_each(streams)
         return [Summed(s.cpu().numpy(), crc) for s, crc in zip(streams, crcs)]
+
+
+class _Staging:
+    """Planes copied to the device ahead of their batch, on a side stream (the reading thread's),
+    taken once by _source on the encoding thread. An entry is keyed by its host array's address
+    and size and holds that array, so the address cannot be reused while the entry exists."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._lock = threading.Lock()
+        self._ready: dict[tuple[int, int], tuple[np.ndarray, torch.Tensor, object]] = {}
+
+    def put(self, hosts: list[np.ndarray]) -> None:
+        for host in hosts:
+            if not host.nbytes:
+                continue
+            if self._stream is None:                   # CPU: the copy is the whole of it (tests)
+                entry = (host, torch.from_numpy(host).clone(), None)
+            else:
+                with torch.cuda.stream(self._stream):
+                    dev = torch.from_numpy(host).to(self.device, non_blocking=True)
+                    entry = (host, dev, self._stream.record_event())
+            with self._lock:
+                self._ready[_address(host)] = entry
+
+    def take(self, host: np.ndarray) -> torch.Tensor | None:
+        """The staged copy of `host` (the current stream now waits for it), or None."""
+        with self._lock:
+            entry = self._ready.pop(_address(host), None)
+        if entry is None:
+            return None
+        _, dev, copied = entry
+        if copied is not None:
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(copied)
+            dev.record_stream(stream)                  # freed later: not reused before this stream's work
+        return dev
+
+    def __len__(self) -> int:
+        return len(self._ready)
+
+
+def _sums_on_gpu(device: torch.device) -> bool:
+    from .ops import CHECKSUM_OPS, has_ops
+    return device.type == "cuda" and has_ops(CHECKSUM_OPS, "cuda")
+
+
+def _address(host: np.ndarray) -> tuple[int, int]:
+    return host.__array_interface__["data"][0], host.nbytes
 
 
 def _crc32_each(data: list[torch.Tensor]) -> list[int]:

@@ -130,6 +130,19 @@ def test_checksums_where_the_planes_are_give_identical_archives(tmp_path, lossy)
     assert sha_of(tmp_path, "sums", lambda p: write(p, summing)) == both_shas(tmp_path, write)[1]
 
 
+def test_staged_planes_are_taken_once_and_give_identical_archives(tmp_path, minilm_dir):
+    """`staged` (the CUDA coder's default; here its CPU form): the reading thread copies each batch's
+    float tensors ahead, prepare_many takes every copy it made, and the archive is the same."""
+    from codec.encode import compress
+    staging = ext_encode.ExtensionCoder(torch.device("cpu"), staged=True)
+    taken = []
+    take = staging._staging.take
+    staging._staging.take = lambda host: taken.append(take(host)) or taken[-1]
+    staged = sha_of(tmp_path, "staged", lambda p: compress(minilm_dir, p, coder=staging))
+    assert staged == sha_of(tmp_path, "plain", lambda p: compress(minilm_dir, p, coder=ext_encode.coder("cpu")))
+    assert len(staging._staging) == 0 and taken and all(t is not None for t in taken)
+
+
 def test_scalar_steps_match_the_reference(tmp_path):
     """The scalar encoder alone (a fresh process decides WCODEC_CPU_SIMD=0 at its first step)."""
     import subprocess
