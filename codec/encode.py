@@ -205,6 +205,21 @@ class _Tally:
             self.progress(self.raw, self.total)
 
 
+def _write_each(batches, tally: _Tally, times: StageTimes) -> None:
+    """Write each encoded batch on a thread: batch k is written while batch k + 1 encodes, and at
+    most one batch waits to be written (bounded memory)."""
+    with ThreadPoolExecutor(1) as writing:
+        pending: Future | None = None
+        for results in batches:
+            with times.stage("wait for write"):
+                if pending is not None:
+                    pending.result()
+            pending = writing.submit(tally.write, results)
+        with times.stage("wait for write"):
+            if pending is not None:
+                pending.result()
+
+
 def compress(src: str | os.PathLike, dst: str | os.PathLike, *, workers: int | None = None,
              gguf_dtype: torch.dtype = torch.bfloat16, gguf_keep: bool = True, lossy: str | None = None,
              progress: Callable[[int, int], None] | None = None, coder=floatcodec.REFERENCE) -> CompressStats:
@@ -247,19 +262,9 @@ def compress_source(source: CheckpointSource, dst: str | os.PathLike, *, workers
         jobs = list(_jobs(infos, os.fspath(src), limit, lossy))
         times = StageTimes()
         tally = _Tally(writer, total, progress, coder, times)
-        with ThreadPoolExecutor(1) as writing:          # batch k is written while batch k + 1 encodes
-            pending: Future | None = None
-            state = {"source": source, "coder": coder}
-            batches = (_read_ahead(jobs, state, times) if coder.threaded
-                       else ordered_map(_encode_job, jobs, min(workers, len(jobs)), state))
-            for results in batches:
-                with times.stage("wait for write"):
-                    if pending is not None:
-                        pending.result()                # at most one batch waits: bounded memory
-                pending = writing.submit(tally.write, results)
-            with times.stage("wait for write"):
-                if pending is not None:
-                    pending.result()
+        state = {"source": source, "coder": coder}
+        _write_each(_read_ahead(jobs, state, times) if coder.threaded
+                    else ordered_map(_encode_job, jobs, min(workers, len(jobs)), state), tally, times)
         tensors, raw, stored, quality = tally.tensors, tally.raw, tally.stored, tally.quality
         header = {"format": "wcodec", "version": f"{FORMAT_MAJOR}.{FORMAT_MINOR}",
                   "metadata": {"source": os.path.basename(os.fspath(src).rstrip("/")),
