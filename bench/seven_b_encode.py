@@ -3,17 +3,23 @@ one), sharded like a Hugging Face folder, compressed file to file by `wcodec com
 process: its wall time (page cache warm: the shards were just written) and its peak RSS beside the
 bound 2 GB + 2 x the largest tensor.
 
+The peak RSS is the child's own VmHWM (/proc/self/status), printed as it exits. Not
+getrusage(RUSAGE_CHILDREN): Linux carries the peak of the memory a process leaves at exec into its
+ru_maxrss, and subprocess spawns through vfork, so that figure was this generating parent's RSS
+(2.12 GB for a child whose VmHWM is 0.78 GB, 1.33 GB folder; 2.98 GB on the H100 with 2 GB shards).
+
     python bench/seven_b_encode.py DIR [--layers 32] [--vocab 32000] [--device auto] [--encoder-only]
 
 --layers / --vocab scale the model down (this 2-core machine); --encoder-only loads the encoder ops
-from scripts/gpu/encoder_ext.py in the child (a lent GPU's short call).
+from scripts/gpu/encoder_ext.py in the child (a lent GPU's short call). The child runs with
+WCODEC_TIMINGS=1: its stderr names the seconds each compress stage took (codec/stagetimes.py).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import resource
+import re
 import subprocess
 import sys
 import time
@@ -77,7 +83,8 @@ if {only}:
     from scripts.gpu.encoder_ext import load_encoder; load_encoder()
 from wcodec.entry import main
 t0 = time.perf_counter(); rc = main(["compress", {src!r}, {dst!r}, "--device", {device!r}])
-print(f"compress wall {{time.perf_counter() - t0:.2f}} s"); sys.exit(rc)
+print(f"compress wall {{time.perf_counter() - t0:.2f}} s")
+print("vmhwm_kB", next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM"))); sys.exit(rc)
 """
 
 
@@ -92,16 +99,22 @@ def run(folder: str | os.PathLike, layers: int = 32, vocab: int = 32000, device:
     code = CHILD.format(only=encoder_only, src=str(folder / "model"), dst=str(dst), device=device)
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          cwd=str(Path(__file__).parents[1]), env={**os.environ, "TQDM_DISABLE": "1"})
+                          cwd=str(Path(__file__).parents[1]), env={**os.environ, "TQDM_DISABLE": "1", "WCODEC_TIMINGS": "1"})
     wall = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    peak = _vmhwm(proc.stdout)
     bound = (2 << 30) + 2 * largest
     print(proc.stdout.strip()[-600:], proc.stderr.strip()[-600:], sep="\n")
     res = {"raw_GB": raw / 1e9, "file_GB": dst.stat().st_size / 1e9 if dst.exists() else None,
-           "child_wall_s": round(wall, 2), "GB_per_s": raw / 1e9 / wall, "peak_rss_GB": peak / 1e9,
-           "bound_GB": bound / 1e9, "within_bound": peak <= bound, "rc": proc.returncode, "device": device}
+           "child_wall_s": round(wall, 2), "GB_per_s": raw / 1e9 / wall, "peak_rss_GB": peak and peak / 1e9,
+           "bound_GB": bound / 1e9, "within_bound": peak is not None and peak <= bound, "rc": proc.returncode, "device": device}
     print(json.dumps(res))
     return res
+
+
+def _vmhwm(stdout: str) -> int | None:
+    """The child's peak RSS in bytes, from its `vmhwm_kB` line (None when it died before it)."""
+    found = re.search(r"^vmhwm_kB (\d+)$", stdout, re.MULTILINE)
+    return int(found.group(1)) * 1024 if found else None
 
 
 if __name__ == "__main__":

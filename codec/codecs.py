@@ -326,7 +326,7 @@ def encode_many(items: list[tuple[str, object, tuple[int, ...]]], lossy: str | N
     the 2-D float weights are int8-coded; floats are float-coded unless raw storage is no larger;
     anything else is raw. `coder` prepares the planes to rANS-code (floatcodec.ReferenceCoder): the
     float planes of all the items in one prepare_many call (the CUDA coder waits once for them)."""
-    floats = [k for k, (dtype, payload, shape) in enumerate(items) if _float_coded(dtype, payload, shape, lossy)]
+    floats = [k for k, (dtype, payload, shape) in enumerate(items) if float_coded(dtype, payload, shape, lossy)]
     float_codec = CODECS[CODEC_FLOAT]
     prepared = dict(zip(floats, coder.prepare_many([float_codec.plane(*items[k][:2]) for k in floats])))
     out = []
@@ -342,7 +342,7 @@ def encode_many(items: list[tuple[str, object, tuple[int, ...]]], lossy: str | N
     return out
 
 
-def _float_coded(dtype: str, payload, shape: tuple[int, ...], lossy: str | None) -> bool:
+def float_coded(dtype: str, payload, shape: tuple[int, ...], lossy: str | None) -> bool:
     """The float codec (lossless) is tried on this tensor."""
     return not isinstance(payload, gguf_blocks.Blocks) and CODECS[CODEC_FLOAT].applies(dtype) \
         and not (lossy == CODEC_INT8 and int8_applies(dtype, tuple(shape)))

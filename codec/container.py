@@ -26,6 +26,7 @@ import os
 import struct
 import zlib
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import xxhash
@@ -68,6 +69,22 @@ def xxh3(data) -> str:
 def checksums(data) -> dict:
     """The checksum fields of a blob record."""
     return {"crc32": crc32(data), "xxh3": xxh3(data)}
+
+
+class Summed(NamedTuple):
+    """A blob whose CRC32 its producer has computed already (the GPU coder, where the bytes were)."""
+
+    data: object
+    crc32: int
+
+
+def blob_checksums(blob) -> tuple[memoryview, dict]:
+    """(bytes, checksums()) of a blob or a Summed blob: only the missing CRC32 is computed here."""
+    if isinstance(blob, Summed):
+        view = memoryview(blob.data).cast("B")
+        return view, {"crc32": blob.crc32, "xxh3": xxh3(view)}
+    view = memoryview(blob).cast("B")
+    return view, checksums(view)
 
 
 def checksum_fault(data, record: dict) -> str | None:

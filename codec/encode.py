@@ -12,11 +12,12 @@ import numpy as np
 import torch
 
 from . import __version__, codecs, floatcodec, gguf_blocks, int8
-from .constants import CODEC_INT8, FORMAT_MAJOR, FORMAT_MINOR
-from .container import Writer, checksums, crc32
+from .constants import CODEC_FLOAT, CODEC_INT8, FORMAT_MAJOR, FORMAT_MINOR
+from .container import Summed, Writer, blob_checksums, crc32
 from .entries import DTYPES, dtype_name
 from .parallel import WORKER_STATE, balanced_limit, default_workers, ordered_map
 from .sources import CheckpointSource, StateDictSource, layer_index, layer_order, open_source
+from .stagetimes import StageTimes
 
 BATCH_ELEMENTS = 48 << 20          # elements per encode job: big enough to fill the lanes
 
@@ -50,9 +51,10 @@ def encode_tensors(items: list[tuple[str, str, tuple, object]], lossy: str | Non
     encodings = codecs.encode_many([(dtype, payload, shape) for _, dtype, shape, payload in items], lossy, coder)
     decoded = [_decoded_bytes(dtype, shape, payload, enc) for (_, dtype, shape, payload), enc in zip(items, encodings)]
     with _threads(coder) as pool:            # zlib releases the GIL: the CRCs run beside the encode
-        crcs = pool.map(crc32, decoded)
+        known = [_sums(enc).get("source") for enc in encodings]        # the GPU coder's CRC32s
+        crcs = [pool.submit(crc32, dec) if k is None else k for k, dec in zip(known, decoded)]
         coded = iter(coder.encode_batch([p for enc in encodings for p in enc.coded.values()]))
-        crcs = list(crcs)
+        crcs = [c.result() if isinstance(c, Future) else c for c in crcs]
     out = []
     for (name, dtype, shape, payload), enc, dec, crc in zip(items, encodings, decoded, crcs):
         rec = {"name": name, "dtype": dtype, "shape": list(shape), "nbytes": int(dec.nbytes),
@@ -60,7 +62,7 @@ def encode_tensors(items: list[tuple[str, str, tuple, object]], lossy: str | Non
         if enc.params is not None:
             rec["params"] = enc.params
         blobs = {role: next(coded) for role in enc.coded}
-        rec["streams"] = {role: blobs[role] if role in blobs else _as_bytes(enc.raw[role]) for role in enc.roles}
+        rec["streams"] = {role: blobs[role] if role in blobs else _raw_blob(enc, role) for role in enc.roles}
         if enc.codec == CODEC_INT8:
             rec["quality"] = quality(payload, dec, dtype)
         out.append(rec)
@@ -71,6 +73,18 @@ def _threads(coder) -> ThreadPoolExecutor:
     """Threads for checksums: as many as torch's for a threaded coder, else one (worker processes
     are the parallelism there)."""
     return ThreadPoolExecutor(torch.get_num_threads() if coder.threaded else 1)
+
+
+def _sums(enc: codecs.Encoding) -> dict[str, int]:
+    """The CRC32s a coder computed for a float-coded tensor ("source": its bytes, "hi", "lo")."""
+    p = enc.coded.get("exp") if enc.codec == CODEC_FLOAT else None
+    return (p.sums if p is not None else None) or {}
+
+
+def _raw_blob(enc: codecs.Encoding, role: str):
+    """A raw stream's bytes, Summed where the coder has its CRC32 already."""
+    data, crc = _as_bytes(enc.raw[role]), _sums(enc).get(role)
+    return data if crc is None else Summed(data, crc)
 
 
 def _as_bytes(plane: np.ndarray) -> np.ndarray:
@@ -116,7 +130,9 @@ def _load_job(job: tuple[str, list, str | None]) -> tuple[list, str | None]:
     source, coder = WORKER_STATE["source"], WORKER_STATE.get("coder", floatcodec.REFERENCE)
     with _threads(coder) as pool:                     # reads release the GIL: a batch's tensors in parallel
         payloads = list(pool.map(lambda i: _payload(source, i.name), infos))
-    return [(i.name, dtype_name(path, i.name, i.dtype), tuple(i.shape), p) for i, p in zip(infos, payloads)], lossy
+    items = [(i.name, dtype_name(path, i.name, i.dtype), tuple(i.shape), p) for i, p in zip(infos, payloads)]
+    coder.stage([p for _, dtype, shape, p in items if codecs.float_coded(dtype, p, shape, lossy)])
+    return items, lossy
 
 
 def _encode_loaded(loaded: tuple[list, str | None]) -> list[dict]:
@@ -124,16 +140,23 @@ def _encode_loaded(loaded: tuple[list, str | None]) -> list[dict]:
     return encode_tensors(items, lossy, WORKER_STATE.get("coder", floatcodec.REFERENCE))
 
 
-def _read_ahead(jobs: list, state: dict):
+def _read_ahead(jobs: list, state: dict, times: StageTimes):
     """encode_tensors of each job in turn, in this process (a threaded coder), the next batch read
     on a thread meanwhile: the reads overlap the encode, and one batch more is held."""
     WORKER_STATE.update(state)
+
+    def load(job):
+        with times.stage("read"):
+            return _load_job(job)
     with ThreadPoolExecutor(1) as reading:
-        ahead = reading.submit(_load_job, jobs[0]) if jobs else None
+        ahead = reading.submit(load, jobs[0]) if jobs else None
         for k in range(len(jobs)):
-            loaded = ahead.result()
-            ahead = reading.submit(_load_job, jobs[k + 1]) if k + 1 < len(jobs) else None
-            yield _encode_loaded(loaded)
+            with times.stage("wait for read"):
+                loaded = ahead.result()
+            ahead = reading.submit(load, jobs[k + 1]) if k + 1 < len(jobs) else None
+            with times.stage("encode"):
+                results = _encode_loaded(loaded)
+            yield results
 
 
 def _payload(source: CheckpointSource, name: str):
@@ -158,24 +181,43 @@ def _jobs(infos, path, limit: int, lossy: str | None):
 class _Tally:
     """Writes encoded batches (on the writing thread) and keeps their records and totals."""
 
-    def __init__(self, writer: Writer, total: int, progress, coder):
-        self.writer, self.total, self.progress, self.coder = writer, total, progress, coder
+    def __init__(self, writer: Writer, total: int, progress, coder, times: StageTimes):
+        self.writer, self.total, self.progress, self.coder, self.times = writer, total, progress, coder, times
         self.tensors, self.raw, self.stored, self.quality = [], 0, 0, {}
 
     def write(self, results: list[dict]) -> None:
+        with self.times.stage("write"):
+            self._write(results)
+
+    def _write(self, results: list[dict]) -> None:
         blobs = [b for rec in results for b in rec["streams"].values()]
         with _threads(self.coder) as pool:
-            sums = iter(pool.map(lambda b: checksums(memoryview(b).cast("B")), blobs))
+            sums = iter(pool.map(blob_checksums, blobs))
             for rec in results:
                 if "quality" in rec:
                     self.quality[rec["name"]] = rec.pop("quality")
-                rec["streams"] = {role: self.writer.add(b, next(sums)) for role, b in rec["streams"].items()}
+                rec["streams"] = {role: self.writer.add(*next(sums)) for role in rec["streams"]}
                 rec["layer"] = layer_index(rec["name"])
                 self.tensors.append(rec)
                 self.raw += rec["nbytes"]
                 self.stored += sum(s["length"] for s in rec["streams"].values())
         if self.progress:
             self.progress(self.raw, self.total)
+
+
+def _write_each(batches, tally: _Tally, times: StageTimes) -> None:
+    """Write each encoded batch on a thread: batch k is written while batch k + 1 encodes, and at
+    most one batch waits to be written (bounded memory)."""
+    with ThreadPoolExecutor(1) as writing:
+        pending: Future | None = None
+        for results in batches:
+            with times.stage("wait for write"):
+                if pending is not None:
+                    pending.result()
+            pending = writing.submit(tally.write, results)
+        with times.stage("wait for write"):
+            if pending is not None:
+                pending.result()
 
 
 def compress(src: str | os.PathLike, dst: str | os.PathLike, *, workers: int | None = None,
@@ -218,24 +260,19 @@ def compress_source(source: CheckpointSource, dst: str | os.PathLike, *, workers
         workers = 1 if coder.threaded else workers or default_workers()
         limit = balanced_limit(sum(math.prod(i.shape) for i in infos), workers, BATCH_ELEMENTS)
         jobs = list(_jobs(infos, os.fspath(src), limit, lossy))
-        tally = _Tally(writer, total, progress, coder)
-        with ThreadPoolExecutor(1) as writing:          # batch k is written while batch k + 1 encodes
-            pending: Future | None = None
-            state = {"source": source, "coder": coder}
-            batches = (_read_ahead(jobs, state) if coder.threaded
-                       else ordered_map(_encode_job, jobs, min(workers, len(jobs)), state))
-            for results in batches:
-                if pending is not None:
-                    pending.result()                    # at most one batch waits: bounded memory
-                pending = writing.submit(tally.write, results)
-            if pending is not None:
-                pending.result()
+        times = StageTimes()
+        tally = _Tally(writer, total, progress, coder, times)
+        state = {"source": source, "coder": coder}
+        _write_each(_read_ahead(jobs, state, times) if coder.threaded
+                    else ordered_map(_encode_job, jobs, min(workers, len(jobs)), state), tally, times)
         tensors, raw, stored, quality = tally.tensors, tally.raw, tally.stored, tally.quality
         header = {"format": "wcodec", "version": f"{FORMAT_MAJOR}.{FORMAT_MINOR}",
                   "metadata": {"source": os.path.basename(os.fspath(src).rstrip("/")),
                                "created_by": f"wcodec {__version__}"},
                   "files": files, "tensors": tensors}
-        size = writer.finish(header)
+        with times.stage("finish"):
+            size = writer.finish(header)
+        times.print_if_asked()
     except BaseException:
         writer.abort()
         raise

@@ -63,6 +63,8 @@ class Prepared:
     hi: np.ndarray
     lo: np.ndarray | None
     source: object = None              # that coder's own handle on the plane (cuda_ext/encode.py)
+    sums: dict[str, int] | None = None  # CRC32s that coder computed where the planes were: of its
+                                        # input bytes ("source") and of the raw planes ("hi", "lo")
 
 
 def _fine_counts(sym: np.ndarray, ctx: np.ndarray, n_segments: int) -> np.ndarray:
@@ -213,6 +215,10 @@ class ReferenceCoder:
 
     def encode_batch(self, batch: list[Prepared]) -> list[bytes]:
         return encode_batch(batch)
+
+    def stage(self, data: list[np.ndarray]) -> None:
+        """Where a coder copies planes to its device ahead of prepare_many (cuda_ext/encode.py):
+        the reading thread calls it with a batch's float tensors. Nothing to copy here."""
 
 
 REFERENCE = ReferenceCoder()

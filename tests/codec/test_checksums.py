@@ -81,3 +81,12 @@ def test_checksum_fault_names_what_fails() -> None:
     assert container.checksum_fault(data, {"crc32": container.crc32(data)}) is None
     assert container.checksum_fault(data + b"x", {"crc32": container.crc32(data)}) == "CRC32"
     assert container.checksum_fault(data + b"x", container.checksums(data)) == "XXH3-64"
+
+
+def test_blob_checksums_take_a_producers_crc32() -> None:
+    """A Summed blob keeps the CRC32 its producer gave (the GPU coder's); xxh3 is always taken here."""
+    data = bytes(range(256)) * 9
+    view, sums = container.blob_checksums(data)
+    assert bytes(view) == data and sums == container.checksums(data)
+    view, sums = container.blob_checksums(container.Summed(data, 12345))
+    assert bytes(view) == data and sums == {"crc32": 12345, "xxh3": container.xxh3(data)}

@@ -264,3 +264,15 @@ def test_minilm_bf16_beats_zipnn(tmp_path: Path, minilm_dir: Path, bit_exact) ->
     bit_exact(state, load(dst, workers=2).state_dict)
     ratio = os.path.getsize(dst) / sum(t.nbytes for t in state.values())
     assert ratio < ZIPNN_MINILM_BF16_RATIO, ratio          # shared/PEERS.md: ZipNN's 0.6648
+
+
+def test_stage_times_are_printed_when_asked(tmp_path, monkeypatch, capsys):
+    """WCODEC_TIMINGS=1: compress names the seconds of its stages on stderr (codec/stagetimes.py)."""
+    state = {"w": make_tensor(torch.bfloat16, (300, 200), 3, "normal")}
+    compress_state_dict(state, tmp_path / "quiet.wcodec")
+    assert "compress stages" not in capsys.readouterr().err
+    monkeypatch.setenv("WCODEC_TIMINGS", "1")
+    compress_state_dict(state, tmp_path / "timed.wcodec")
+    err = capsys.readouterr().err
+    assert "compress stages (s):" in err and "wait for write" in err and "finish" in err
+    assert (tmp_path / "quiet.wcodec").read_bytes() == (tmp_path / "timed.wcodec").read_bytes()

@@ -112,6 +112,37 @@ def test_edge_case_tensors_give_identical_archives(tmp_path, kind):
     assert numpy_sha == cpp_sha
 
 
+@pytest.mark.parametrize("lossy", [None, "int8"])
+def test_checksums_where_the_planes_are_give_identical_archives(tmp_path, lossy):
+    """device_sums (the CUDA coder's default): CRC32s taken by crc32_spans beside the planes, here
+    on the CPU op, give the archive the host's zlib gives."""
+    from codec.encode import compress_source
+    from codec.sources import StateDictSource
+    state = {f"t.{d}.{s}": edge_tensor(dtype, n, 100 * d + s, "mixed")
+             for d, dtype in enumerate(FLOATS) for s, n in enumerate(SIZES)}
+    state["w"] = (torch.randn(300, 700, generator=torch.Generator().manual_seed(5)) * 0.02).bfloat16()
+    state["ints"] = torch.arange(5000, dtype=torch.int32)
+
+    def write(p, c):
+        with StateDictSource(state) as s:
+            compress_source(s, p, lossy=lossy, coder=c)
+    summing = ext_encode.ExtensionCoder(torch.device("cpu"), device_sums=True)
+    assert sha_of(tmp_path, "sums", lambda p: write(p, summing)) == both_shas(tmp_path, write)[1]
+
+
+def test_staged_planes_are_taken_once_and_give_identical_archives(tmp_path, minilm_dir):
+    """`staged` (the CUDA coder's default; here its CPU form): the reading thread copies each batch's
+    float tensors ahead, prepare_many takes every copy it made, and the archive is the same."""
+    from codec.encode import compress
+    staging = ext_encode.ExtensionCoder(torch.device("cpu"), staged=True)
+    taken = []
+    take = staging._staging.take
+    staging._staging.take = lambda host: taken.append(take(host)) or taken[-1]
+    staged = sha_of(tmp_path, "staged", lambda p: compress(minilm_dir, p, coder=staging))
+    assert staged == sha_of(tmp_path, "plain", lambda p: compress(minilm_dir, p, coder=ext_encode.coder("cpu")))
+    assert len(staging._staging) == 0 and taken and all(t is not None for t in taken)
+
+
 def test_scalar_steps_match_the_reference(tmp_path):
     """The scalar encoder alone (a fresh process decides WCODEC_CPU_SIMD=0 at its first step)."""
     import subprocess

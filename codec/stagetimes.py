@@ -1,0 +1,36 @@
+"""Seconds spent in each stage of `compress`, summed over its batches, per thread: with
+WCODEC_TIMINGS=1 in the environment compress prints them on stderr, so that a run on another
+machine tells which thread bounds it (reading, encoding or writing) and how long each waits."""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+ENV = "WCODEC_TIMINGS"
+
+
+class StageTimes:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.seconds[name] += time.perf_counter() - t0
+
+    def report(self) -> str:
+        return "compress stages (s): " + ", ".join(f"{k} {v:.2f}" for k, v in self.seconds.items())
+
+    def print_if_asked(self) -> None:
+        if os.environ.get(ENV) == "1":
+            print(self.report(), file=sys.stderr)
