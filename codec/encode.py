@@ -150,12 +150,12 @@ def _read_ahead(jobs: list, state: dict, times: StageTimes):
     batches read meanwhile (in order, each by chunks on the reader's threads): the reads overlap
     the encode, and READ_AHEAD batches more are held."""
     WORKER_STATE.update(state)
-    source = state["source"]
+    source, pool = state["source"], state["coder"].buffers
 
     def load(job):
         with times.stage("read"):
             return _load_job(job, reader)
-    with BatchReader(source, partial(_payload, source)) as reader, ThreadPoolExecutor(1) as reading:
+    with BatchReader(source, partial(_payload, source), pool=pool) as reader, ThreadPoolExecutor(1) as reading:
         ahead = deque(reading.submit(load, job) for job in jobs[:READ_AHEAD])
         for k in range(len(jobs)):
             with times.stage("wait for read"):

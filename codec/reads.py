@@ -11,21 +11,23 @@ Read me first -- the traps:
   never overwritten. Correctness never depends on when the writer is done; only how much memory
   is reused does. Views keep their owner alive: numpy's `.base` and torch.from_numpy both do.
 - The payloads come back in the order asked for; only the chunk reads run out of order.
-- Pinned buffers (a CUDA coder's): a buffer whose host-to-device copy is still queued could be
-  refilled once its last reference is gone. The encoder drops a batch's payloads only after that
-  batch is written, long after its copy (prepare_planes waits for the counts computed from it).
+- Pinned buffers (a CUDA coder's, cudaHostRegister): a buffer whose host-to-device copy is still
+  queued could be refilled once its last reference is gone. The encoder drops a batch's payloads
+  only after that batch is written, long after its copy (prepare_planes waits for the counts
+  computed from it). A registered buffer is unregistered before it is freed, or a later
+  allocation at its address could not be registered.
 """
 from __future__ import annotations
 
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Self
 
 import numpy as np
-import torch
 
 from .checkpoint import CheckpointSource
 from .errors import SourceError
@@ -41,59 +43,68 @@ def read_threads() -> int:
 
 
 class BufferPool:
-    """Host byte buffers, reused once unreferenced. pinned=True allocates page-locked memory (a CUDA
-    coder's staging copies then run asynchronously at full speed)."""
+    """Host byte buffers, reused once unreferenced. `pinner` (a CUDA coder's: pin(array) -> bool,
+    unpin(array)) page-locks each pooled buffer, so that copies to and from the device run at full
+    speed and asynchronously; each is unpinned before it is freed (eviction, close, the pool's end)."""
 
-    def __init__(self, limit: int = POOL_BYTES, pinned: bool = False):
-        self.limit, self.pinned = limit, pinned
-        self._owned: list = []            # np.ndarray, or pinned torch.Tensor
+    def __init__(self, limit: int = POOL_BYTES, pinner=None):
+        self.limit, self._pinner = limit, pinner
+        self._owned: list[np.ndarray] = []
         self._lock = threading.Lock()
+        self._release = weakref.finalize(self, _unpin_all, self._owned, pinner)
 
     def take(self, nbytes: int) -> np.ndarray:
         """A uint8 array of `nbytes` (contents undefined)."""
         if nbytes < POOLED_MIN_BYTES:
             return np.empty(nbytes, np.uint8)
         with self._lock:
-            k = self._free(nbytes)
-            if k is None:
-                self._evict(nbytes)
-                owner = self._alloc(nbytes)
-                if self._bytes() + nbytes <= self.limit:
-                    self._owned.append(owner)
-            else:
-                owner = self._owned[k]
-        return _as_array(owner)
+            owner = self._reuse(nbytes)
+            if owner is None:
+                owner = self._add(nbytes)
+        return owner[:nbytes]
 
-    def _free(self, nbytes: int) -> int | None:
-        """Index of an unreferenced owner of exactly `nbytes` (tensors come in a few sizes)."""
+    def _reuse(self, nbytes: int) -> np.ndarray | None:
+        """The smallest unreferenced owner of nbytes to 5/4 of that (a checkpoint repeats a few shapes,
+        its coded streams vary a little in size)."""
+        best = None
         for k in range(len(self._owned)):
-            if _nbytes(self._owned[k]) == nbytes and sys.getrefcount(self._owned[k]) == 2:  # the list's, the call's
-                return k
-        return None
+            size = self._owned[k].nbytes
+            if nbytes <= size <= nbytes + nbytes // 4 and (best is None or size < self._owned[best].nbytes) \
+                    and sys.getrefcount(self._owned[k]) == 2:              # the list's, the call's
+                best = k
+        return None if best is None else self._owned[best]
+
+    def _add(self, nbytes: int) -> np.ndarray:
+        """A new owner, kept (and pinned) if it fits within the limit once free ones are evicted."""
+        self._evict(nbytes)
+        owner = np.empty(nbytes, np.uint8)
+        if self._bytes() + nbytes <= self.limit and (self._pinner is None or self._pinner.pin(owner)):
+            self._owned.append(owner)
+        return owner
 
     def _evict(self, nbytes: int) -> None:
-        """Free unreferenced owners of other sizes until `nbytes` more fits within the limit."""
+        """Free unreferenced owners until `nbytes` more fits within the limit."""
         for k in reversed(range(len(self._owned))):
             if self._bytes() + nbytes <= self.limit:
                 return
             if sys.getrefcount(self._owned[k]) == 2:
+                if self._pinner is not None:
+                    self._pinner.unpin(self._owned[k])
                 del self._owned[k]
 
     def _bytes(self) -> int:
-        return sum(_nbytes(o) for o in self._owned)
+        return sum(o.nbytes for o in self._owned)
 
-    def _alloc(self, nbytes: int):
-        if self.pinned:
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        return np.empty(nbytes, np.uint8)
-
-
-def _nbytes(owner) -> int:
-    return owner.nbytes
+    def close(self) -> None:
+        """Unpin and drop every buffer (one still referenced stays valid, no longer pinned)."""
+        with self._lock:
+            self._release()
 
 
-def _as_array(owner) -> np.ndarray:
-    return owner.numpy() if isinstance(owner, torch.Tensor) else owner[:]
+def _unpin_all(owned: list[np.ndarray], pinner) -> None:
+    for owner in owned if pinner is not None else ():
+        pinner.unpin(owner)
+    owned.clear()
 
 
 class BatchReader:

@@ -78,6 +78,42 @@ def test_the_pool_stays_within_its_limit() -> None:
     assert pool._bytes() == 2 * n
 
 
+class _Pinner:
+    def __init__(self, ok: bool = True):
+        self.ok, self.pinned = ok, set()
+
+    def pin(self, a: np.ndarray) -> bool:
+        if self.ok:
+            self.pinned.add(a.__array_interface__["data"][0])
+        return self.ok
+
+    def unpin(self, a: np.ndarray) -> None:
+        self.pinned.remove(a.__array_interface__["data"][0])
+
+
+def test_pooled_buffers_are_pinned_and_unpinned_before_they_are_freed() -> None:
+    n, pinner = reads.POOLED_MIN_BYTES, _Pinner()
+    pool = BufferPool(limit=2 * n, pinner=pinner)
+    a, b = pool.take(n), pool.take(n)
+    assert len(pinner.pinned) == 2
+    del a
+    c = pool.take(2 * n)                                      # evicts a's buffer, c is not pooled
+    assert len(pinner.pinned) == 1 and c.nbytes == 2 * n
+    pool.close()
+    assert not pinner.pinned and b.nbytes == n                # b stays valid, unpinned
+    refused = BufferPool(pinner=_Pinner(ok=False))
+    refused.take(n)
+    assert refused._bytes() == 0                              # not pinned: not pooled
+
+
+def test_a_stream_reuses_a_slightly_larger_buffer() -> None:
+    n = reads.POOLED_MIN_BYTES
+    pool = BufferPool(limit=1 << 30)
+    address = pool.take(n + n // 8).__array_interface__["data"][0]
+    assert pool.take(n).__array_interface__["data"][0] == address
+    assert pool.take(n // 2 + n).__array_interface__["data"][0] != address
+
+
 def test_a_truncated_shard_is_a_source_error(shard) -> None:
     path, _ = shard
     with open_source(path) as src:
