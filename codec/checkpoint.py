@@ -45,6 +45,11 @@ class CheckpointSource(ABC):
         `load(name)` then gives its values."""
         return None
 
+    def extent(self, name: str) -> tuple[int, int, int] | None:
+        """(file descriptor, offset, length) of the tensor's bytes as `load` returns them, where they
+        lie as they are in an open file (reads in parallel chunks: codec/reads.py), else None."""
+        return None
+
     @abstractmethod
     def close(self) -> None:
         """Release the memory maps; `load` fails afterwards."""

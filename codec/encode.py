@@ -4,8 +4,10 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import numpy as np
@@ -16,10 +18,12 @@ from .constants import CODEC_FLOAT, CODEC_INT8, FORMAT_MAJOR, FORMAT_MINOR
 from .container import Summed, Writer, blob_checksums, crc32
 from .entries import DTYPES, dtype_name
 from .parallel import WORKER_STATE, balanced_limit, default_workers, ordered_map
+from .reads import BatchReader
 from .sources import CheckpointSource, StateDictSource, layer_index, layer_order, open_source
 from .stagetimes import StageTimes
 
 BATCH_ELEMENTS = 48 << 20          # elements per encode job: big enough to fill the lanes
+READ_AHEAD = 2                     # batches read ahead of the one encoding (a threaded coder)
 
 
 @dataclass(frozen=True)
@@ -121,15 +125,16 @@ def _raw_bytes(t: torch.Tensor) -> np.ndarray:
 
 def _encode_job(job: tuple[str, list, str | None]) -> list[dict]:
     """Load (from the source the worker inherited) and encode one batch of tensors."""
-    return _encode_loaded(_load_job(job))
+    source = WORKER_STATE["source"]
+    with BatchReader(source, partial(_payload, source), threads=1) as reader:
+        return _encode_loaded(_load_job(job, reader))
 
 
-def _load_job(job: tuple[str, list, str | None]) -> tuple[list, str | None]:
-    """One batch's items for encode_tensors, read from the source the worker inherited."""
+def _load_job(job: tuple[str, list, str | None], reader: BatchReader) -> tuple[list, str | None]:
+    """One batch's items for encode_tensors, its tensors read by `reader` (chunks on its threads)."""
     path, infos, lossy = job
-    source, coder = WORKER_STATE["source"], WORKER_STATE.get("coder", floatcodec.REFERENCE)
-    with _threads(coder) as pool:                     # reads release the GIL: a batch's tensors in parallel
-        payloads = list(pool.map(lambda i: _payload(source, i.name), infos))
+    coder = WORKER_STATE.get("coder", floatcodec.REFERENCE)
+    payloads = reader.read([i.name for i in infos])
     items = [(i.name, dtype_name(path, i.name, i.dtype), tuple(i.shape), p) for i, p in zip(infos, payloads)]
     coder.stage([p for _, dtype, shape, p in items if codecs.float_coded(dtype, p, shape, lossy)])
     return items, lossy
@@ -141,19 +146,22 @@ def _encode_loaded(loaded: tuple[list, str | None]) -> list[dict]:
 
 
 def _read_ahead(jobs: list, state: dict, times: StageTimes):
-    """encode_tensors of each job in turn, in this process (a threaded coder), the next batch read
-    on a thread meanwhile: the reads overlap the encode, and one batch more is held."""
+    """encode_tensors of each job in turn, in this process (a threaded coder), the next READ_AHEAD
+    batches read meanwhile (in order, each by chunks on the reader's threads): the reads overlap
+    the encode, and READ_AHEAD batches more are held."""
     WORKER_STATE.update(state)
+    source, pool = state["source"], state["coder"].buffers
 
     def load(job):
         with times.stage("read"):
-            return _load_job(job)
-    with ThreadPoolExecutor(1) as reading:
-        ahead = reading.submit(load, jobs[0]) if jobs else None
+            return _load_job(job, reader)
+    with BatchReader(source, partial(_payload, source), pool=pool) as reader, ThreadPoolExecutor(1) as reading:
+        ahead = deque(reading.submit(load, job) for job in jobs[:READ_AHEAD])
         for k in range(len(jobs)):
             with times.stage("wait for read"):
-                loaded = ahead.result()
-            ahead = reading.submit(load, jobs[k + 1]) if k + 1 < len(jobs) else None
+                loaded = ahead.popleft().result()
+            if k + READ_AHEAD < len(jobs):
+                ahead.append(reading.submit(load, jobs[k + READ_AHEAD]))
             with times.stage("encode"):
                 results = _encode_loaded(loaded)
             yield results

@@ -202,6 +202,7 @@ class ReferenceCoder:
     (else the encoder runs it in worker processes)."""
 
     threaded = False
+    buffers = None          # host buffers the reader fills (cuda_ext's CUDA coder: pinned); None: its own
 
     def prepare(self, layout: planes.FloatLayout, u: np.ndarray) -> Prepared | None:
         return prepare(layout, u)

@@ -6,7 +6,8 @@ Read me first -- the traps:
   them can run arbitrary code. The content decides first: a safetensors file's first byte is the
   low byte of its header length, which may be 0x80, the pickle protocol byte (`_sniff`).
 - Tensors are read one at a time: `tensors()` reads only headers, `load(name)` materializes one
-  tensor. Safetensors data is read with pread into a fresh buffer, not through safe_open's memory
+  tensor. Safetensors data is read with pread (one descriptor per shard, opened with the source;
+  `extent` lets the encoder read chunks of it on several threads), not through safe_open's memory
   map: pages a map has touched count in the process's RSS until it is closed, so streaming a
   sharded model through maps held its whole size resident (14.3 GB for a 7B, docs/BENCHMARKS.md).
 - GGUF files are read by codec/gguf_source.py (its own traps are listed there).
@@ -26,6 +27,7 @@ from safetensors import safe_open
 
 from .checkpoint import CheckpointSource, TensorInfo
 from .errors import SourceError
+from .reads import pread_full
 
 SIDE_FILES = (  # embedded beside the weights; sentence-transformers side files are not needed
     "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -92,6 +94,7 @@ class SafetensorsSource(CheckpointSource):
             for name in handle.keys():
                 self._add(name, shard, handle)
         self._by_name = {i.name: i for i in self._infos}
+        self._fds: dict[Path, int] | None = {s: os.open(s, os.O_RDONLY) for s in shards}
 
     def _add(self, name: str, shard: Path, handle: Any) -> None:
         if name in self._where:
@@ -110,26 +113,26 @@ class SafetensorsSource(CheckpointSource):
     def tensors(self) -> list[TensorInfo]:
         return list(self._infos)
 
-    def load(self, name: str) -> torch.Tensor:
-        if self._handles is None:
+    def extent(self, name: str) -> tuple[int, int, int]:
+        if self._fds is None:
             raise self._error("source is closed")
         if name not in self._where:
             raise self._error(f"no tensor named {name!r}")
-        info = self._by_name[name]
         begin, end = self._spans[name]
-        buf = torch.empty(end - begin, dtype=torch.uint8)
-        with open(self._where[name], "rb", buffering=0) as f:
-            f.seek(begin)
-            view, got = memoryview(buf.numpy()), 0
-            while got < len(view):
-                n = f.readinto(view[got:])
-                if not n:
-                    raise self._error(f"tensor {name!r}: file ends inside its data")
-                got += n
+        return self._fds[self._where[name]], begin, end - begin
+
+    def load(self, name: str) -> torch.Tensor:
+        fd, offset, nbytes = self.extent(name)
+        info = self._by_name[name]
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        pread_full(fd, memoryview(buf.numpy()), offset, (self.path, name))
         return buf.view(info.dtype).reshape(info.shape)
 
     def close(self) -> None:
         self._handles = None
+        fds, self._fds = self._fds or {}, None
+        for fd in fds.values():
+            os.close(fd)
 
 
 def _data_spans(path: Path) -> dict[str, tuple[int, int]]:

@@ -20,6 +20,7 @@ import torch
 from codec import floatcodec, planes
 from codec.container import Summed
 from codec.floatcodec import FloatParams, Prepared
+from codec.reads import BufferPool
 
 from .build import ensure_loaded
 from .plan import BYTES_CODE, DTYPE_CODES
@@ -57,14 +58,20 @@ class ExtensionCoder:
     raw planes and of its exp stream are taken by crc32_spans where the bytes are, before they
     come back (Prepared.sums, container.Summed), instead of by zlib on the host.
     `staged` (on by default on CUDA): stage(), called by the reading thread, copies a batch's
-    planes to the device on a side stream while the batch before is encoded (_Staging)."""
+    planes to the device on a side stream while the batch before is encoded (_Staging).
+    `pinned` (on by default on CUDA): `buffers`, page-locked host buffers reused once unreferenced
+    (codec/reads.py), which compress reads tensors into and this coder copies planes and streams
+    back into: copies at full speed, asynchronous to the device, and no fresh pages."""
 
     threaded = True
 
-    def __init__(self, device: torch.device, device_sums: bool | None = None, staged: bool | None = None):
+    def __init__(self, device: torch.device, device_sums: bool | None = None, staged: bool | None = None,
+                 pinned: bool | None = None):
         self.device = device
         self.device_sums = _sums_on_gpu(device) if device_sums is None else device_sums
         self._staging = _Staging(device) if (device.type == "cuda" if staged is None else staged) else None
+        pin = device.type == "cuda" if pinned is None else pinned
+        self.buffers = BufferPool(pinner=_Pinner()) if pin else None
 
     def stage(self, data: list[np.ndarray]) -> None:
         """Start copying planes that a later prepare_many will take (a no-op unless `staged`)."""
@@ -88,7 +95,7 @@ class ExtensionCoder:
         out = prepare_planes(srcs, [code for _, _, code in items])
         choices = out[0].tolist()
         sums = self._plane_sums(srcs, out, choices) if self.device_sums else [None] * len(items)
-        return [_prepared(layout, len(data), src, code, choice, *out[1 + 3 * i:4 + 3 * i], sums=s)
+        return [_prepared(layout, len(data), src, code, choice, *out[1 + 3 * i:4 + 3 * i], sums=s, pool=self.buffers)
                 for i, ((layout, data, code), src, choice, s) in enumerate(zip(items, srcs, choices, sums))]
 
     def _plane_sums(self, srcs: list[torch.Tensor], out: list[torch.Tensor], choices: list) -> list[dict | None]:
@@ -117,9 +124,9 @@ class ExtensionCoder:
                                 [p.source[2] for p in batch], [p.params.ctx_bits for p in batch],
                                 [p.params.table_group for p in batch])
         if not self.device_sums:
-            return [s.cpu().numpy() for s in streams]
+            return [_to_host(s, self.buffers) for s in streams]
         crcs = _crc32_each(streams)
-        return [Summed(s.cpu().numpy(), crc) for s, crc in zip(streams, crcs)]
+        return [Summed(_to_host(s, self.buffers), crc) for s, crc in zip(streams, crcs)]
 
 
 class _Staging:
@@ -163,6 +170,27 @@ class _Staging:
         return len(self._ready)
 
 
+class _Pinner:
+    """Page-locks a BufferPool's host buffers (cudaHostRegister), for as long as the pool keeps them.
+    A buffer CUDA refuses to register stays pageable and out of the pool: slower copies, same bytes."""
+
+    def pin(self, a: np.ndarray) -> bool:
+        return int(torch.cuda.cudart().cudaHostRegister(_address(a)[0], a.nbytes, 0)) == 0
+
+    def unpin(self, a: np.ndarray) -> None:
+        torch.cuda.cudart().cudaHostUnregister(_address(a)[0])
+
+
+def _to_host(t: torch.Tensor, pool: BufferPool | None) -> np.ndarray:
+    """`t` on the host: copied into one of `pool`'s buffers where there is a pool (pinned: the copy
+    runs at full speed and faults in no fresh pages), else by .cpu()."""
+    if pool is None or t.device.type == "cpu":
+        return t.cpu().numpy()
+    host = torch.from_numpy(pool.take(t.nbytes)).view(t.dtype).reshape(t.shape)
+    host.copy_(t)
+    return host.numpy()
+
+
 def _sums_on_gpu(device: torch.device) -> bool:
     from .ops import CHECKSUM_OPS, has_ops
     return device.type == "cuda" and has_ops(CHECKSUM_OPS, "cuda")
@@ -182,13 +210,15 @@ def _crc32_each(data: list[torch.Tensor]) -> list[int]:
 
 
 def _prepared(layout: planes.FloatLayout | None, n: int, src: torch.Tensor, code: int, choice: list[int],
-              freqs: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, sums: dict | None = None) -> Prepared | None:
-    """One plane's Prepared from prepare_planes' outputs (its planes copied to the host)."""
+              freqs: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, sums: dict | None = None,
+              pool: BufferPool | None = None) -> Prepared | None:
+    """One plane's Prepared from prepare_planes' outputs (its planes copied to the host, into `pool`'s
+    buffers where there is one)."""
     coded, ctx_bits, group = choice
     if not coded:
         return None
     params = FloatParams(n, ctx_bits, group)
-    host = lambda t: t.cpu().numpy() if t.numel() else None   # noqa: E731
+    host = lambda t: _to_host(t, pool) if t.numel() else None   # noqa: E731
     lo_plane = host(lo)
     return Prepared(layout, params, host(freqs[:params.n_tables]).astype(np.uint32), None, host(hi),
                     None if lo_plane is None else lo_plane.view("<u2"), (src, code, freqs), sums)
