@@ -62,7 +62,7 @@ class EarlyLoad:
             opened = archive.entries, archive.reader.files(settings.verify_crc)
         self._mark("header and files read")
         with ThreadPoolExecutor(1, thread_name_prefix="wcodec-pin") as side:
-            pinned = side.submit(self._pin, settings.load_ring_buffers, *opened) if self.device.type == "cuda" else None
+            pinned = side.submit(self._pin, settings.load_ring_buffers, opened[0]) if self.device.type == "cuda" else None
             with self.timeline.span("early load: import cuda_ext (decoder extension)"):
                 cuda_ext.available()
             if pinned is not None:
@@ -79,7 +79,7 @@ class EarlyLoad:
         self._mark("weights decoded, skeleton ready")
         return decoded, ready
 
-    def _pin(self, ring: int, entries, files: dict[str, bytes]) -> None:
+    def _pin(self, ring: int, entries) -> None:
         """The CUDA context and the load's pinned ring buffers, beside the extension's import; then
         the forward's first kernels on a thread that nothing waits for. (service.model.build is
         imported there: the main thread may be importing it, which would block this one.)"""
@@ -88,12 +88,12 @@ class EarlyLoad:
             torch.empty(1, device=self.device)
         with self.timeline.span("early load: pinned ring buffers"):
             pipeline.PINNED.reserve(*pipeline.ring_shape(ring, pipeline.layer_batches(entries)))
-        threading.Thread(target=self._first_kernels, args=(_dtype(entries), files.get("config.json")),
-                         name="wcodec-first-kernels", daemon=True).start()
+        threading.Thread(target=self._first_kernels, args=(_dtype(entries),), name="wcodec-first-kernels",
+                         daemon=True).start()
 
-    def _first_kernels(self, dtype: torch.dtype, config: bytes | None) -> None:
+    def _first_kernels(self, dtype: torch.dtype) -> None:
         from ..model import build
-        build.first_kernels(self.device, dtype, self.timeline, config)
+        build.first_kernels(self.device, dtype, self.timeline)
 
     def _prepare(self, files: dict[str, bytes]):
         from ..model import build

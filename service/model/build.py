@@ -223,38 +223,13 @@ def warm_up(device: torch.device, timeline: Timeline | None = None) -> None:
         _WARMED.add(device.type)
 
 
-def first_kernels(device: torch.device, dtype: torch.dtype, timeline: Timeline, config: bytes | None = None) -> None:
-    """Run the kernels a forward of `dtype` uses once (the paged engine's eager step on a one-layer
-    model: its matmuls, SiLU, masked SDPA, norms, rotary, cache writes), so that cuBLAS's handle
-    and the kernels' modules are loaded before the first request: the first token came ~0.9 s
-    after /health/ready without it (H100 box, 7B-shaped, page cache warm). With the archive's
-    `config` (config.json) the layer has the model's widths, so that cuBLAS's kernels for its very
-    shapes are the ones loaded; else toy sizes. An early load runs it on a thread that nothing
-    waits for: with the page cache dropped it read the kernels from the disk for 4.8 s, which must
-    not hold a load back."""
+def first_kernels(device: torch.device, dtype: torch.dtype, timeline: Timeline) -> None:
+    """Run the kernels a forward of `dtype` uses once, at toy sizes (the paged engine's eager step
+    on a toy model: its matmuls, SiLU, masked SDPA, norms, rotary, cache writes), so that cuBLAS's
+    handle and the kernels' modules are loaded before the first request: the first token came
+    ~0.9 s after /health/ready without it (H100 box, 7B-shaped, page cache warm). An early load
+    runs it on a thread that nothing waits for: with the page cache dropped it read the kernels
+    from the disk for 4.8 s, which must not hold a load back."""
     from . import paged
-    widths = _widths(config)
-    with timeline.span(f"warm-up: cuBLAS and attention kernels ({dtype}, {'the model' if widths else 'toy'}'s widths)"):
-        paged.warm_up(device, dtype, widths)        # synchronizes
-
-
-WARM_UP_BYTES = 1 << 31         # the one-layer model at the served widths, at most (a 13B's: 0.96 GB)
-
-
-def _widths(config: bytes | None) -> dict | None:
-    """A Llama config's widths for a one-layer warm-up model with a tied head; None for a model
-    that is not llama.py's, or one so wide that the layer would take over WARM_UP_BYTES beside the
-    load (a 70B's: 3.8 GB)."""
-    try:
-        c = llama.LlamaConfig.parse(json.loads(config)) if config else None
-    except (ValueError, KeyError, TypeError):
-        return None
-    if c is None:
-        return None
-    e, q, kv = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    weights = c.vocab_size * e + e * (2 * q + 2 * kv) + 3 * e * c.intermediate_size
-    if 2 * weights > WARM_UP_BYTES:
-        return None
-    return {"hidden_size": e, "intermediate_size": c.intermediate_size, "vocab_size": c.vocab_size,
-            "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
-            "head_dim": c.head_dim, "tie_word_embeddings": True}
+    with timeline.span(f"warm-up: cuBLAS and attention kernels ({dtype})"):
+        paged.warm_up(device, dtype)                # synchronizes

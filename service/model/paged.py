@@ -148,17 +148,15 @@ WARM_UP_CONFIG = {"model_type": "llama", "vocab_size": 64, "hidden_size": 64, "i
                   "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1}
 
 
-def warm_up(device: torch.device, dtype: torch.dtype, widths: dict | None = None) -> None:
-    """The eager step of a one-layer model once as the engine's first request takes it (a prompt
-    chunk, then a decode row, joined projections, the greedy pick), so that the kernels it launches
-    are loaded before that request: CUDA loads each kernel at its first launch, 0.4 s of the H100's
-    first 7B step after start-up (docs/BENCHMARKS.md). `widths`: the served model's (hidden,
-    intermediate, vocab, heads), so that cuBLAS loads the kernels of its shapes; else toy ones."""
-    config = llama.LlamaConfig.parse({**WARM_UP_CONFIG, **(widths or {})})
+def warm_up(device: torch.device, dtype: torch.dtype) -> None:
+    """The eager step of a toy model once as the engine's first request takes it (a prompt chunk,
+    then a decode row, joined projections, the greedy pick), so that the kernels it launches are
+    loaded before that request: CUDA loads each kernel at its first launch, 0.4 s of the H100's
+    first 7B step after start-up (docs/BENCHMARKS.md)."""
+    config = llama.LlamaConfig.parse(WARM_UP_CONFIG)
     model = llama.LlamaForCausalLM(config, device=device)
     for p in model.parameters():                                   # never initialised (llama.Linear)
         p.data = (0.02 * torch.randn(p.shape, device=device)).to(dtype)
-    model.tie_weights()                                            # a served-width head: the embedding's
     fuse_projections(model)
     cache = PagedCache(config, 1, 16, dtype, device)
     with torch.inference_mode():

@@ -5,8 +5,6 @@ byte twice, happens once, and skips what it cannot join. The Triton kernels them
 tested on the GPU (tests/gpu/test_step_kernels.py)."""
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -108,27 +106,3 @@ def test_the_start_up_warm_up_runs_the_eager_step(dtype, monkeypatch) -> None:
                         or real(model, ids, ctx, cache, fused))
     paged.warm_up(torch.device("cpu"), dtype)
     assert calls == [(0, 1, dtype), (1, 0, dtype)]
-
-
-def test_the_warm_up_takes_the_served_models_widths(monkeypatch) -> None:
-    """With the archive's config.json, the warm-up's one layer has the model's widths (cuBLAS
-    loads the kernels of its shapes) and a tied head; a model too wide for a transient layer
-    beside its load, or not llama.py's, gets the toy sizes."""
-    from service.model import build
-    demo = {"model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
-            "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3}
-    widths = build._widths(json.dumps(demo).encode())
-    assert widths == {"hidden_size": 576, "intermediate_size": 1536, "vocab_size": 49152, "num_attention_heads": 9,
-                      "num_key_value_heads": 3, "head_dim": 64, "tie_word_embeddings": True}
-    seventy = {**demo, "vocab_size": 128256, "hidden_size": 8192, "intermediate_size": 28672,
-               "num_attention_heads": 64, "num_key_value_heads": 8}
-    assert build._widths(json.dumps(seventy).encode()) is None
-    assert build._widths(json.dumps({"model_type": "gpt2"}).encode()) is None and build._widths(None) is None
-    shapes = []
-    real = paged.forward
-    monkeypatch.setattr(paged, "forward", lambda model, ids, ctx, cache, fused=None:
-                        shapes.append((model.model.layers[0].self_attn.qkv_weight.shape, model.lm_head.weight.shape,
-                                       model.lm_head.weight is model.model.embed_tokens.weight))
-                        or real(model, ids, ctx, cache, fused))
-    paged.warm_up(torch.device("cpu"), torch.bfloat16, widths)
-    assert shapes == [((576 + 2 * 192, 576), (49152, 576), True)] * 2
