@@ -78,16 +78,27 @@ def rows(block: BlockType, planes: list[torch.Tensor], cols: int, start: int, st
     return [p[start * n:stop * n] for p, n in zip(planes, _row_bytes(block, cols))]
 
 
+def _dequantizer(device: torch.device):
+    """dequantize_blocks for `device`, resolved once a device type (a forward calls it per Linear)."""
+    run = _DEQUANTIZERS.get(device.type)
+    if run is None:
+        run = _DEQUANTIZERS[device.type] = _ops(device).dequantize_blocks
+    return run
+
+
+_DEQUANTIZERS: dict[str, object] = {}
+
+
 def dequantize_rows(block: BlockType, planes: list[torch.Tensor], out: torch.Tensor, start: int = 0) -> None:
     """Rows [start, start + R) of the tensor -> out [R, cols] (contiguous, the tensor's dtype)."""
-    _ops(out.device).dequantize_blocks(rows(block, planes, out.shape[1], start, start + out.shape[0]), block.code, [out])
+    _dequantizer(out.device)(rows(block, planes, out.shape[1], start, start + out.shape[0]), block.code, [out])
 
 
 def gather_rows(block: BlockType, planes: list[torch.Tensor], ids: torch.Tensor, out: torch.Tensor) -> None:
     """Rows `ids` [N] of the tensor -> out [N, cols] (llama.cpp's get_rows): only those rows'
     blocks are gathered and dequantized."""
     picked = [p.view(-1, n).index_select(0, ids).view(-1) for p, n in zip(planes, _row_bytes(block, out.shape[1]))]
-    _ops(out.device).dequantize_blocks(picked, block.code, [out])
+    _dequantizer(out.device)(picked, block.code, [out])
 
 
 @dataclass(frozen=True)

@@ -68,13 +68,12 @@ def _rebuild_meta_buffers(model: torch.nn.Module, config, device: torch.device) 
     for name, module in list(model.named_modules()):
         if not any(b.is_meta for b in module.buffers(recurse=False)):
             continue
-        parent_name, _, attr = name.rpartition(".")
         try:
             with torch.device(device):
                 fresh = type(module)(config=config)
         except TypeError as e:
             raise LoadFailed(f"cannot rebuild {name} ({type(module).__name__}): {e}") from None
-        setattr(model.get_submodule(parent_name), attr, fresh)
+        setattr(*llama.owner_of(model, name), fresh)
 
 
 _IMPORT_LOCK = threading.Lock()

@@ -75,9 +75,7 @@ def attach(model: torch.nn.Module, kept: dict[str, fixedrate.FixedRateWeight]) -
     (the embedding; a tied head then shares it, as in decoded mode)."""
     held, rest = 0, {}
     for name, w in kept.items():
-        path = name.removesuffix(".weight")
-        parent, _, attr = path.rpartition(".")
-        owner = model.get_submodule(parent)
+        owner, attr = llama.owner_of(model, name.removesuffix(".weight"))
         module = getattr(owner, attr, None)
         if name.endswith(".weight") and type(module) is llama.Linear:
             setattr(owner, attr, FixedLinear(module, w))

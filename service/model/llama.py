@@ -97,6 +97,12 @@ def inv_freq(c: LlamaConfig, device=None) -> tuple[torch.Tensor, float]:
     return freq, 1.0
 
 
+def owner_of(model: nn.Module, path: str) -> tuple[nn.Module, str]:
+    """The module that holds submodule `path` of `model`, and its attribute name there."""
+    parent, _, attr = path.rpartition(".")
+    return model.get_submodule(parent), attr
+
+
 class Linear(nn.Linear):
     joinable = True                             # forward is `matmul` of its own weight and bias (paged.fuse_projections)
 

@@ -53,8 +53,8 @@ def estimate_bytes(kept: list) -> int:
 class _Planes(torch.nn.Module):
     """Holds a tensor's planes as buffers, so that an unload's `model.to("meta")` frees them."""
 
-    def _hold(self, block: BlockType, planes: list[torch.Tensor], shape: tuple[int, int], dtype: torch.dtype) -> None:
-        self.block, self.shape, self.dtype, self.n_planes = block, shape, dtype, len(planes)
+    def _hold(self, block: BlockType, planes: list[torch.Tensor], dtype: torch.dtype) -> None:
+        self.block, self.dtype, self.n_planes = block, dtype, len(planes)
         for k, p in enumerate(planes):
             self.register_buffer(f"plane{k}", p, persistent=False)
 
@@ -68,7 +68,7 @@ class BlockEmbedding(_Planes):
 
     def __init__(self, kept: quant.QuantBlocks):
         super().__init__()
-        self._hold(kept.block, kept.planes, kept.shape, kept.dtype)
+        self._hold(kept.block, kept.planes, kept.dtype)
         self.num_embeddings, self.embedding_dim = kept.shape
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -86,7 +86,7 @@ class BlockLinear(_Planes):
                  scratch: torch.Tensor):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self._hold(block, planes, (self.out_features, self.in_features), dtype)
+        self._hold(block, planes, dtype)
         self.bias = linear.bias                  # on meta until the load assigns it
         self.register_buffer("scratch", scratch, persistent=False)
         self.kernel: Callable = F.linear
@@ -110,11 +110,9 @@ def attach(model: llama.LlamaForCausalLM, kept: dict[str, quant.QuantBlocks], de
     if embed is not None and model.config.tie_word_embeddings:
         linears["lm_head"] = embed
     rows = max((_chunk_rows(*k.shape) * k.shape[1] for k in linears.values()), default=0)
-    dtype = next(iter(kept.values())).dtype if kept else torch.bfloat16
-    scratch = torch.empty(rows, dtype=dtype, device=device)
+    scratch = torch.empty(rows, dtype=next(iter(kept.values())).dtype, device=device)
     for path, k in linears.items():
-        parent, _, attr = path.rpartition(".")
-        owner = model.get_submodule(parent)
+        owner, attr = llama.owner_of(model, path)
         setattr(owner, attr, BlockLinear(getattr(owner, attr), k.block, k.planes, k.dtype, scratch))
     if embed is not None:
         model.model.embed_tokens = BlockEmbedding(embed)
