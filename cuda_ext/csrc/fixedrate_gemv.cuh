@@ -1,7 +1,8 @@
 // Device side of the fixed-rate form (fixedrate.cu, fixedrate_gemv.cu): a warp's decode of one
 // escape block (lane l the block's l-th group: 32 weights) into field bytes and words. The kernels:
 // decode_kernel (fixedrate.cu) and the fused y = x W^T for 1..16 rows of x (fixedrate_gemv.cu). Steps as codec/fixedrate.py names them:
-//   load_group -> group_fields (unpack_codes + base, 4 weights a u32) -> patch_escapes -> join_words.
+//   load_group -> group_fields (unpack_codes + base, 4 weights a u32), group_escapes -> patch_fields
+//   -> join_words.
 // W's bytes are read once, 16 bytes a load, bypassing L1 (x lives there); nothing is written back
 // but y. Rows of W are spread over warps; when there are few, the K blocks of a row are split over
 // up to 4 warps of a CTA and summed through shared memory (split-K without a second launch).
@@ -54,51 +55,60 @@ __device__ __forceinline__ FrGroup load_group(const FrArrays& a, int64_t row, in
   return t;
 }
 
-// unpack_codes + base, 4 fields a u32 (f[q] byte b: weight 4q + b); returns the i-ordered mask of
-// the group's escaped weights (bit 4q + b).
-__device__ __forceinline__ uint32_t group_fields_mask(const FrGroup& t, uint32_t f[8]) {
+// unpack_codes + base, 4 fields a u32 (f[q] byte b: weight 4q + b); an escaped weight's field is
+// base + 7 until patch_fields replaces it.
+__device__ __forceinline__ void group_fields(const FrGroup& t, uint32_t f[8]) {
   const uint32_t base4 = t.base * 0x01010101u;
-  uint32_t mask = 0;
 #pragma unroll
-  for (int q = 0; q < 8; ++q) {
-    const uint32_t c4 = fr_codes4(q < 4 ? t.lo.x : t.lo.y, t.hi, q);
-    const uint32_t e4 = fr_escapes4(c4);                 // bits 0, 8, 16, 24 -> bits 21..24 of the product
-    mask |= (((e4 * 0x00204081u) >> 21) & 0xFu) << (4 * q);
-    f[q] = c4 + base4;
-  }
-  return mask;
+  for (int q = 0; q < 8; ++q) f[q] = fr_codes4(q < 4 ? t.lo.x : t.lo.y, t.hi, q) + base4;
 }
 
-// Escaped fields in weight order from `rank` on (a rank past the array reads 0). Word q is a
-// compile-time index; only the byte lane inside it is not.
-__device__ __forceinline__ void patch_fields(const FrArrays& a, uint32_t mask, int64_t rank, uint32_t f[8]) {
+// Bits 8b + s (s < 4) of h onto bits 8b + 2s.
+__device__ __forceinline__ uint32_t spread_nibbles(uint32_t h) {
+  h = (h | (h << 2)) & 0x33333333u;
+  return (h | (h << 1)) & 0x55555555u;
+}
+
+// The group's escaped weights (code 7: lo bits 11 and hi bit 1), word by word rather than code
+// by code: bit 8b + 2s of e[w] is set where weight 16w + 4s + b escapes (q = 4w + s). lo & lo >> 1
+// leaves bit 8b + 2s for lo's pair of weight 4q + b; hi's bit 8b + q is spread onto the same bit.
+__device__ __forceinline__ void group_escapes(const FrGroup& t, uint32_t e[2]) {
+  e[0] = t.lo.x & (t.lo.x >> 1) & spread_nibbles(t.hi & 0x0F0F0F0Fu);
+  e[1] = t.lo.y & (t.lo.y >> 1) & spread_nibbles((t.hi >> 4) & 0x0F0F0F0Fu);
+}
+
+// Escaped fields in weight order from `rank` on (a rank past the array reads 0): word q, then
+// byte lane b. Word q is a compile-time index; only the byte lane inside it is not.
+__device__ __forceinline__ void patch_fields(const FrArrays& a, const uint32_t e[2], int64_t rank, uint32_t f[8]) {
 #pragma unroll
   for (int q = 0; q < 8; ++q) {
-    uint32_t nib = (mask >> (4 * q)) & 0xFu;
-    while (nib) {
-      const int b = __ffs(nib) - 1;
-      nib &= nib - 1;
+    uint32_t lanes = (e[q >> 2] >> (2 * (q & 3))) & 0x01010101u;      // bit 8b: weight 4q + b escapes
+    while (lanes) {
+      const int shift = __ffs(lanes) - 1;
+      lanes &= lanes - 1;
       const uint32_t v = rank < a.n_esc ? a.esc[rank] : 0u;
       ++rank;
-      f[q] = (f[q] & ~(0xFFu << (8 * b))) | (v << (8 * b));
+      f[q] = (f[q] & ~(0xFFu << shift)) | (v << shift);
     }
   }
 }
 
 // The fields of lane's group of escape block `blk` of `row`, escapes patched (whole warp calls).
 __device__ __forceinline__ FrGroup block_fields(const FrArrays& a, int64_t row, int64_t blk, uint32_t f[8]) {
-  const int64_t gr = blk * kFrBlockGroups + (threadIdx.x & 31);
-  const bool valid = gr < a.groups;
-  const FrGroup t = load_group(a, row, gr, valid);
-  const uint32_t mask = group_fields_mask(t, f);
-  const int escapes = __popc(mask);
+  const int lane = threadIdx.x & 31;
+  const int64_t gr = blk * kFrBlockGroups + lane;
+  const FrGroup t = load_group(a, row, gr, gr < a.groups);
+  group_fields(t, f);
+  uint32_t e[2];
+  group_escapes(t, e);
+  const int escapes = __popc(e[0]) + __popc(e[1]);
   int below = escapes;                                              // warp prefix sum: lanes <= this one
 #pragma unroll
   for (int d = 1; d < 32; d <<= 1) {
     const int v = __shfl_up_sync(0xffffffffu, below, d);
-    if ((threadIdx.x & 31) >= static_cast<unsigned>(d)) below += v;
+    if (lane >= d) below += v;
   }
-  if (mask) patch_fields(a, mask, a.esc_start[row * a.blocks + blk] + below - escapes, f);
+  if (escapes) patch_fields(a, e, a.esc_start[row * a.blocks + blk] + below - escapes, f);
   return t;
 }
 

@@ -7,5 +7,8 @@ if ls .whl*/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl*/*.whl || exit 1
 fi
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PWD
+if [ -f .extbuild/target ]; then              # built here by scripts/gpu/prebuild.sh: no JIT build on the box
+  mkdir -p "$(cat .extbuild/target)" && cp -n .extbuild/wcodec_ext_cuda.so "$(cat .extbuild/target)/"
+fi
 stage() { local t0=$SECONDS; echo "== $1"; shift; "$@"; local rc=$?; echo "   ($((SECONDS - t0))s, rc=$rc)"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
