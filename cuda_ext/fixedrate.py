@@ -1,6 +1,6 @@
 """The fixed-rate GPU form (codec/fixedrate.py) held as torch tensors, and the calls a layer makes:
 `encode` (the transcoder's last step: 16-bit words -> the form, on the words' device), `decode`
-(-> words; the > 16-row path's scratch and the debug entry point), `linear` (y = x W^T; 1..16
+(-> words; the > 64-row path's scratch and the debug entry point), `linear` (y = x W^T; 1..64
 rows fused on CUDA, more rows decode into a scratch tensor and call cuBLAS). The NumPy references
 with the ops' semantics and `sample_inputs` for opcheck are here too.
 
@@ -21,7 +21,7 @@ from codec import fixedrate
 from . import ops
 from .build import ensure_loaded
 
-FUSED_MAX_ROWS = 16            # cuda_ext/csrc/fixedrate_gemv.cuh kFrMaxRows
+FUSED_MAX_ROWS = 64            # cuda_ext/csrc/fixedrate_gemv.cuh kFrMaxRows (the tensor-core kernel's)
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -81,8 +81,8 @@ def decode(fr: FixedRateWeight, out: torch.Tensor | None = None) -> torch.Tensor
 
 
 def linear(x: torch.Tensor, fr: FixedRateWeight, kernel: int | None = None) -> torch.Tensor:
-    """y = x W^T (x [..., cols] in fr.dtype): the fused op for 1..16 rows on CUDA (kernel 0 tensor
-    cores, 1 CUDA cores; by default the CUDA-core one for 1 row, where it measured faster on an
+    """y = x W^T (x [..., cols] in fr.dtype): the fused op for 1..64 rows on CUDA (kernel 0 tensor
+    cores, 1 CUDA cores up to 16 rows; by default the CUDA-core one for 1 row, where it measured faster on an
     H100: 0.216 vs 0.294 ms for an 8B layer), else decode into a scratch tensor + cuBLAS. Launches on the
     current stream, no host syncs (usable in CUDA graphs)."""
     flat = x.reshape(-1, fr.cols)

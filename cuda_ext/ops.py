@@ -78,10 +78,10 @@ def fixedrate_decode(plane: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, ba
 
 def fixedrate_linear(x: torch.Tensor, plane: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, base: torch.Tensor,
                      esc: torch.Tensor, esc_start: torch.Tensor, cols: int, kernel: int = 0) -> torch.Tensor:
-    """y = x W^T, W in the fixed-rate form, x [1..16, groups*32] (zero past cols) in W's dtype;
+    """y = x W^T, W in the fixed-rate form, x [1..64, groups*32] (zero past cols) in W's dtype;
     float32 accumulation, one rounding. On CUDA fused (W decoded in registers), on the current
     stream, no host syncs; on the CPU the reference (decode, float32 matmul). kernel 0: tensor
-    cores (mma), 1: CUDA cores (the first version, kept for comparison)."""
+    cores (mma, 1..64 rows), 1: CUDA cores (1..16 rows; faster at one row)."""
     return torch.ops.wcodec.fixedrate_linear.default(x, plane, lo, hi, base, esc, esc_start, cols, kernel)
 
 

@@ -1,9 +1,9 @@
 // The fixed-rate GPU form's CUDA twin (codec/fixedrate.py; the CPU twin is fixedrate.cpp):
 //   - fixedrate_encode: the transcoder's last step, bf16/fp16 words on the GPU -> the form (a thread
 //     a group; a second pass writes the escapes once their starts are known);
-//   - fixedrate_decode: the form -> words (the scratch of the > 16-row path, and the debug entry
+//   - fixedrate_decode: the form -> words (the scratch of the > 64-row path, and the debug entry
 //     point that proves the kernel's decode bit-exact);
-//   - fixedrate_linear: y = x W^T for x of 1..16 rows, W decoded in registers (fixedrate_gemv.cuh).
+//   - fixedrate_linear: y = x W^T for x of 1..64 rows, W decoded in registers (fixedrate_gemv.cuh).
 // A warp always holds the 32 groups of one escape block, lane l the l-th: the escape ranks are the
 // block's start plus a warp prefix sum. Everything launches on the current stream; no host syncs
 // except the encode's escape total (load time, never inside a captured graph).
@@ -128,11 +128,12 @@ at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& plane, const at::T
   const FrShape s = fr_check(plane, lo, hi, base, esc, esc_start, cols);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == s.groups * kFrGroup && x.is_contiguous() && x.device() == plane.device(),
               "x: contiguous [rows, groups*32] (zero-padded past cols) on the arrays' device");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kFrMaxRows, "the fused op takes 1 to 16 rows of x");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kFrMaxRows, "the fused op takes 1 to 64 rows of x");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf, "x: bfloat16 or float16");
   const c10::cuda::CUDAGuard guard(plane.device());
   auto y = at::empty({x.size(0), s.rows}, x.options());
   TORCH_CHECK(kernel == kFrKernelMma || kernel == kFrKernelSimt, "kernel: 0 (tensor cores) or 1 (CUDA cores)");
+  TORCH_CHECK(kernel == kFrKernelMma || x.size(0) <= kFrMaxSimtRows, "the CUDA-core kernel takes 1 to 16 rows of x");
   if (s.rows > 0)
     (kernel == kFrKernelMma ? launch_mma : launch_gemv)(arrays(s, plane, lo, hi, base, esc, esc_start), x, y,
                                                        c10::cuda::getCurrentCUDAStream());

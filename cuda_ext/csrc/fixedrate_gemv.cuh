@@ -1,6 +1,7 @@
 // Device side of the fixed-rate form (fixedrate.cu, fixedrate_gemv.cu): a warp's decode of one
 // escape block (lane l the block's l-th group: 32 weights) into field bytes and words. The kernels:
-// decode_kernel (fixedrate.cu) and the fused y = x W^T for 1..16 rows of x (fixedrate_gemv.cu). Steps as codec/fixedrate.py names them:
+// decode_kernel (fixedrate.cu), the fused y = x W^T for 1..16 rows of x on CUDA cores (fixedrate_gemv.cu)
+// and for 1..64 on tensor cores (fixedrate_mma.cu). Steps as codec/fixedrate.py names them:
 //   load_group -> group_fields (unpack_codes + base, 4 weights a u32), group_escapes -> patch_fields
 //   -> join_words.
 // W's bytes are read once, 16 bytes a load, bypassing L1 (x lives there); nothing is written back
@@ -17,7 +18,8 @@
 namespace wcodec {
 
 constexpr int kFrWarps = 4;       // warps per CTA
-constexpr int kFrMaxRows = 16;    // rows of x the fused kernel takes
+constexpr int kFrMaxRows = 64;    // rows of x the fused op takes (the tensor-core kernel)
+constexpr int kFrMaxSimtRows = 16;  // rows of x the CUDA-core kernel takes
 
 struct FrArrays {
   const uint8_t* plane;

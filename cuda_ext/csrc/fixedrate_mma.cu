@@ -1,9 +1,9 @@
-// The fused y = x W^T on tensor cores (mma.sync m16n8k16, float32 accumulation) for 1..16 rows of
-// x, W in the fixed-rate form. A warp takes 8 rows of W; lane (n, t) = (lane / 4, lane % 4)
+// The fused y = x W^T on tensor cores (mma.sync m16n8k16, float32 accumulation) for 1..64 rows of
+// x (up to four m16 tiles share each decoded B fragment), W in the fixed-rate form. A warp takes 8 rows of W; lane (n, t) = (lane / 4, lane % 4)
 // decodes group t of the current 128-weight tile of row n into 16 bf16/fp16 pairs, which are
 // exactly its B fragments: mma j (0..7) takes pairs 2j and 2j + 1 (k = 32t + 4j + {0, 1} and
 // + {2, 3}), a permutation of k inside the tile that the x (A) fragments follow. So the decoded
-// weights never leave registers and need no shuffle. C: batch row lane / 4 (+ 8), W rows 2t, 2t + 1.
+// weights never leave registers and need no shuffle. C: batch row lane / 4 (+ 8, + 16m), W rows 2t, 2t + 1.
 // Escape ranks: the row's block start plus a running count (a quad prefix sum per tile).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
@@ -30,41 +30,44 @@ __device__ __forceinline__ void mma16816(float c[4], uint32_t a0, uint32_t a1, u
   }
 }
 
-// x row b's 32 values of group gr (zero when the row or the group does not exist).
-__device__ __forceinline__ void load_x(const uint16_t* __restrict__ x, int64_t kp, int b, int nx, int64_t gr, bool valid,
-                                       uint4 v[4]) {
-  const bool ok = valid && b < nx;
-  const uint4* p = reinterpret_cast<const uint4*>(x + b * kp + gr * kFrGroup);
-#pragma unroll
-  for (int m = 0; m < 4; ++m) v[m] = ok ? __ldg(p + m) : make_uint4(0, 0, 0, 0);
-}
-
-// One tile step: 8 mma, mma j over word j's 4 weights (2 pairs) and x rows g, g + 8.
-template <bool kBf16, bool kHigh>
+// One tile step: mma j (0..7) over word j's 4 weights (2 pairs) for each m16 tile of x: x rows
+// g + 8h (slot h; slots 2m and 2m + 1 are tile m's a0/a2 and a1/a3), 16 bytes a slot at a time.
+template <bool kBf16, int kSlots>
 __device__ __forceinline__ void tile_mma(const uint16_t* __restrict__ x, int64_t kp, int nx, int64_t gr, bool valid,
-                                         const FrGroup& tg, const uint32_t f[8], float c[4]) {
+                                         const FrGroup& tg, const uint32_t f[8], float (&c)[(kSlots + 1) / 2][4]) {
   const int g = (threadIdx.x & 31) >> 2;
-  uint4 lo[4], hi[4];
-  load_x(x, kp, g, nx, gr, valid, lo);
-  if constexpr (kHigh) load_x(x, kp, g + 8, nx, gr, valid, hi);
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const uint4& l = lo[j >> 1];
-    const uint32_t a0 = (j & 1) ? l.z : l.x, a2 = (j & 1) ? l.w : l.y;
-    uint32_t a1 = 0, a3 = 0;
-    if constexpr (kHigh) a1 = (j & 1) ? hi[j >> 1].z : hi[j >> 1].x, a3 = (j & 1) ? hi[j >> 1].w : hi[j >> 1].y;
-    uint32_t b0, b1;
-    join4(plane_word(tg, j), f[j], b0, b1);
-    mma16816<kBf16>(c, a0, a1, a2, a3, b0, b1);
+  for (int jj = 0; jj < 4; ++jj) {
+    uint4 xv[kSlots];
+#pragma unroll
+    for (int h = 0; h < kSlots; ++h) {
+      const bool ok = valid && g + 8 * h < nx;
+      xv[h] = ok ? __ldg(reinterpret_cast<const uint4*>(x + (g + 8 * h) * kp + gr * kFrGroup) + jj) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      uint32_t b0, b1;
+      join4(plane_word(tg, 2 * jj + half), f[2 * jj + half], b0, b1);
+#pragma unroll
+      for (int m = 0; m < (kSlots + 1) / 2; ++m) {
+        const uint4& l = xv[2 * m];
+        uint32_t a1 = 0, a3 = 0;
+        if (2 * m + 1 < kSlots) {
+          const uint4& u = xv[(2 * m + 1) % kSlots];
+          a1 = half ? u.z : u.x, a3 = half ? u.w : u.y;
+        }
+        mma16816<kBf16>(c[m], half ? l.z : l.x, a1, half ? l.w : l.y, a3, b0, b1);
+      }
+    }
   }
 }
 
 // A row's escape block, tile by tile, the next tile's bytes requested before this tile's decode and
 // mma (the loads are asm volatile, so the compiler never hoists them itself): 7-8 % faster on an
 // 8B layer at 1, 4 and 16 rows (H100, bench/fixedrate_gpu.py, 2026-11-26).
-template <bool kBf16, bool kHigh>
+template <bool kBf16, int kSlots>
 __device__ __forceinline__ void walk_block(const FrArrays& a, const uint16_t* __restrict__ x, int nx, int64_t row,
-                                           int64_t blk, float c[4]) {
+                                           int64_t blk, float (&c)[(kSlots + 1) / 2][4]) {
   const int t = threadIdx.x & 3;
   const int64_t kp = a.groups * kFrGroup;
   const int tiles = static_cast<int>(min(static_cast<int64_t>(kFrBlockGroups / kFrTileGroups),
@@ -91,29 +94,30 @@ __device__ __forceinline__ void walk_block(const FrArrays& a, const uint16_t* __
     }
     if (cnt) patch_fields(a, e, run + incl - cnt, f);
     run += __shfl_sync(0xffffffffu, incl, 3, 4);
-    tile_mma<kBf16, kHigh>(x, kp, nx, gr, gr < a.groups, tg, f, c);
+    tile_mma<kBf16, kSlots>(x, kp, nx, gr, gr < a.groups, tg, f, c);
     tg = ahead;
   }
 }
 
-template <bool kBf16, bool kHigh>
+template <bool kBf16, int kSlots>
 __global__ void __launch_bounds__(32 * kMmaWarps) mma_kernel(FrArrays a, const uint16_t* __restrict__ x, int nx,
                                                              int splits, uint16_t* __restrict__ y) {
+  constexpr int kM = (kSlots + 1) / 2;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t row0 = (blockIdx.x * static_cast<int64_t>(kMmaWarps / splits) + warp / splits) * 8;
   const int64_t row = min(row0 + (lane >> 2), a.rows - 1);
-  float c[4] = {0.f, 0.f, 0.f, 0.f};
-  for (int64_t blk = warp % splits; blk < a.blocks; blk += splits) walk_block<kBf16, kHigh>(a, x, nx, row, blk, c);
-  __shared__ float red[kMmaWarps][32][4];
+  float c[kM][4] = {};
+  for (int64_t blk = warp % splits; blk < a.blocks; blk += splits) walk_block<kBf16, kSlots>(a, x, nx, row, blk, c);
+  __shared__ float red[kMmaWarps][32][4 * kM];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) red[warp][lane][i] = c[i];
+  for (int i = 0; i < 4 * kM; ++i) red[warp][lane][i] = c[i / 4][i % 4];
   __syncthreads();
   if (warp % splits != 0) return;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < 4 * kM; ++i) {
     float s = 0.f;
     for (int j = 0; j < splits; ++j) s += red[warp + j][lane][i];
-    const int b = (lane >> 2) + 8 * (i >> 1);
+    const int b = (lane >> 2) + 8 * ((i % 4) >> 1) + 16 * (i / 4);       // C: rows g, g + 8 of tile i / 4
     const int64_t out_row = row0 + 2 * (lane & 3) + (i & 1);
     if (b < nx && out_row < a.rows) {
       if constexpr (kBf16) y[b * a.rows + out_row] = __bfloat16_as_ushort(__float2bfloat16_rn(s));
@@ -122,14 +126,22 @@ __global__ void __launch_bounds__(32 * kMmaWarps) mma_kernel(FrArrays a, const u
   }
 }
 
-template <bool kBf16, bool kHigh>
+template <bool kBf16, int kSlots>
 void launch(const FrArrays& a, const uint16_t* x, int nx, uint16_t* y, cudaStream_t stream) {
   const int64_t row_groups = (a.rows + 7) / 8;
   int splits = 1;
   while (splits < kMmaWarps && row_groups * splits < kTargetWarps && splits * 2 <= a.blocks) splits *= 2;
   const int64_t ctas = (row_groups + kMmaWarps / splits - 1) / (kMmaWarps / splits);
-  mma_kernel<kBf16, kHigh><<<static_cast<unsigned>(ctas), 32 * kMmaWarps, 0, stream>>>(a, x, nx, splits, y);
+  mma_kernel<kBf16, kSlots><<<static_cast<unsigned>(ctas), 32 * kMmaWarps, 0, stream>>>(a, x, nx, splits, y);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <bool kBf16>
+void launch_slots(const FrArrays& a, const uint16_t* x, int nx, uint16_t* y, cudaStream_t stream) {
+  if (nx <= 8) launch<kBf16, 1>(a, x, nx, y, stream);
+  else if (nx <= 16) launch<kBf16, 2>(a, x, nx, y, stream);
+  else if (nx <= 32) launch<kBf16, 4>(a, x, nx, y, stream);
+  else launch<kBf16, 8>(a, x, nx, y, stream);
 }
 
 }  // namespace
@@ -138,9 +150,7 @@ void launch_mma(const FrArrays& a, const at::Tensor& x, const at::Tensor& y, cud
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
   const int nx = static_cast<int>(x.size(0));
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
-  if (nx > 8) (bf16 ? launch<true, true> : launch<false, true>)(a, xp, nx, yp, stream);
-  else (bf16 ? launch<true, false> : launch<false, false>)(a, xp, nx, yp, stream);
+  (x.scalar_type() == at::kBFloat16 ? launch_slots<true> : launch_slots<false>)(a, xp, nx, yp, stream);
 }
 
 }  // namespace wcodec

@@ -1,5 +1,6 @@
 """The fixed-rate ops under `compute-sanitizer --tool memcheck`: the GPU transcoder, the decode and
-the fused matmul (every row count 1..16, then 40 rows through decode + cuBLAS) on ragged shapes with
+the fused matmul (every row count 1..16 on both kernels, 24..64 on tensor cores, then 80 rows through
+decode + cuBLAS) on ragged shapes with
 escapes and every bit pattern. Exits non-zero if a result differs from the C++ twin's."""
 import sys
 
@@ -22,7 +23,7 @@ def main() -> int:
         ok &= all(torch.equal(a.cpu(), b) for a, b in zip(fr.arrays, ops.fixedrate_encode(w)))
         ok &= torch.equal(fr_ops.decode(fr).cpu().view(torch.int16), w.view(torch.int16))
         if finite:
-            for n, kernel in [(n, k) for n in range(1, 17) for k in (0, 1)] + [(40, 0)]:
+            for n, kernel in [(n, k) for n in range(1, 17) for k in (0, 1)] + [(n, 0) for n in (24, 40, 64, 80)]:
                 x = torch.randn(n, shape[1]).bfloat16()
                 got = fr_ops.linear(x.cuda(), fr, kernel).cpu().float()
                 ok &= bool(((got - x.float() @ w.float().T).abs() <= 0.02 * (1 + got.abs())).all())

@@ -34,7 +34,7 @@ def test_constants_match_codec():
     for name, value in (("kFrGroup", F.GROUP), ("kFrTile", F.TILE), ("kFrBlockGroups", F.BLOCK_GROUPS),
                         ("kFrEscape", F.ESCAPE), ("kFrMaxBase", F.MAX_BASE), ("kFrLoWords", F.LO_WORDS)):
         assert int(re.search(rf"constexpr int {name} = (\d+);", HEADER).group(1)) == value, name
-    assert fr_ops.FUSED_MAX_ROWS == 16
+    assert fr_ops.FUSED_MAX_ROWS == 64
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
