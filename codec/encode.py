@@ -187,42 +187,60 @@ def _jobs(infos, path, limit: int, lossy: str | None):
 
 
 class _Tally:
-    """Writes encoded batches (on the writing thread) and keeps their records and totals."""
+    """Writes encoded batches (on the writing thread) and keeps their records and totals. A batch's
+    blob checksums are started on the tally's own threads by `checksum`, on the thread that hands
+    the batch over, as soon as it is encoded: they run while the batch before is written, and the
+    writing thread only waits for them (rarely) and writes. Use it as a context manager (its threads)."""
 
     def __init__(self, writer: Writer, total: int, progress, coder, times: StageTimes):
-        self.writer, self.total, self.progress, self.coder, self.times = writer, total, progress, coder, times
+        self.writer, self.total, self.progress, self.times = writer, total, progress, times
         self.tensors, self.raw, self.stored, self.quality = [], 0, 0, {}
+        self._sums = _threads(coder)
 
-    def write(self, results: list[dict]) -> None:
+    def __enter__(self) -> "_Tally":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._sums.shutdown(cancel_futures=True)
+
+    def checksum(self, results: list[dict]) -> list[Future]:
+        """Start the checksums of a batch's blobs, in the order `write` takes them."""
+        return [self._sums.submit(blob_checksums, b) for rec in results for b in rec["streams"].values()]
+
+    def write(self, results: list[dict], sums: list[Future]) -> None:
         with self.times.stage("write"):
-            self._write(results)
+            self._write(results, iter(sums))
 
-    def _write(self, results: list[dict]) -> None:
-        blobs = [b for rec in results for b in rec["streams"].values()]
-        with _threads(self.coder) as pool:
-            sums = iter(pool.map(blob_checksums, blobs))
-            for rec in results:
-                if "quality" in rec:
-                    self.quality[rec["name"]] = rec.pop("quality")
-                rec["streams"] = {role: self.writer.add(*next(sums)) for role in rec["streams"]}
-                rec["layer"] = layer_index(rec["name"])
-                self.tensors.append(rec)
-                self.raw += rec["nbytes"]
-                self.stored += sum(s["length"] for s in rec["streams"].values())
+    def _write(self, results: list[dict], sums) -> None:
+        for rec in results:
+            if "quality" in rec:
+                self.quality[rec["name"]] = rec.pop("quality")
+            rec["streams"] = {role: self._add(next(sums)) for role in rec["streams"]}
+            rec["layer"] = layer_index(rec["name"])
+            self.tensors.append(rec)
+            self.raw += rec["nbytes"]
+            self.stored += sum(s["length"] for s in rec["streams"].values())
         if self.progress:
             self.progress(self.raw, self.total)
+
+    def _add(self, summed: Future) -> dict:
+        with self.times.stage("write/checksums"):          # waiting for them: they run on the tally's threads
+            view, sums = summed.result()
+        with self.times.stage("write/file"):
+            return self.writer.add(view, sums)
 
 
 def _write_each(batches, tally: _Tally, times: StageTimes) -> None:
     """Write each encoded batch on a thread: batch k is written while batch k + 1 encodes, and at
-    most one batch waits to be written (bounded memory)."""
+    most one batch waits to be written (bounded memory). Its checksums start as it arrives."""
     with ThreadPoolExecutor(1) as writing:
         pending: Future | None = None
         for results in batches:
+            sums = tally.checksum(results)
             with times.stage("wait for write"):
                 if pending is not None:
                     pending.result()
-            pending = writing.submit(tally.write, results)
+            pending = writing.submit(tally.write, results, sums)
         with times.stage("wait for write"):
             if pending is not None:
                 pending.result()
@@ -269,10 +287,10 @@ def compress_source(source: CheckpointSource, dst: str | os.PathLike, *, workers
         limit = balanced_limit(sum(math.prod(i.shape) for i in infos), workers, BATCH_ELEMENTS)
         jobs = list(_jobs(infos, os.fspath(src), limit, lossy))
         times = StageTimes()
-        tally = _Tally(writer, total, progress, coder, times)
         state = {"source": source, "coder": coder}
-        _write_each(_read_ahead(jobs, state, times) if coder.threaded
-                    else ordered_map(_encode_job, jobs, min(workers, len(jobs)), state), tally, times)
+        with _Tally(writer, total, progress, coder, times) as tally:
+            _write_each(_read_ahead(jobs, state, times) if coder.threaded
+                        else ordered_map(_encode_job, jobs, min(workers, len(jobs)), state), tally, times)
         tensors, raw, stored, quality = tally.tensors, tally.raw, tally.stored, tally.quality
         header = {"format": "wcodec", "version": f"{FORMAT_MAJOR}.{FORMAT_MINOR}",
                   "metadata": {"source": os.path.basename(os.fspath(src).rstrip("/")),
