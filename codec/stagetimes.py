@@ -28,6 +28,11 @@ class StageTimes:
             with self._lock:
                 self.seconds[name] += time.perf_counter() - t0
 
+    def add(self, name: str, seconds: float) -> None:
+        """Count `seconds` timed elsewhere (before this object existed) to stage `name`."""
+        with self._lock:
+            self.seconds[name] += seconds
+
     def report(self) -> str:
         lines = {"stages": [(k, v) for k, v in self.seconds.items() if "/" not in k]}
         for key, v in self.seconds.items():
@@ -35,7 +40,7 @@ class StageTimes:
                 parent, part = key.split("/", 1)
                 lines.setdefault(f"{parent} parts", []).append((part, v))
         return "\n".join(f"compress {what} (s): " + ", ".join(f"{k} {v:.2f}" for k, v in fields)
-                         for what, fields in lines.items())
+                         for what, fields in lines.items() if fields)
 
     def print_if_asked(self) -> None:
         if os.environ.get(ENV) == "1":

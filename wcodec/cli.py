@@ -9,9 +9,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Callable
 
-import torch
+_IMPORT_T0 = time.perf_counter()
+import torch  # noqa: E402  (timed: the bulk of `wcodec compress`'s start-up)
 
 import codec
 from codec.decode import Archive, decompress
@@ -19,9 +21,11 @@ from codec.encode import compress
 from codec.errors import CodecError
 from codec.parallel import default_workers
 from codec.sources import open_source
-from service.load.pipeline import load_archive
+from codec.stagetimes import StageTimes
 
 from . import bench
+
+IMPORT_SECONDS = time.perf_counter() - _IMPORT_T0     # torch and codec: compress's "import" start-up part
 
 FLOAT_CHOICES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 CAST_CHOICES = FLOAT_CHOICES | {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
@@ -65,7 +69,11 @@ def _coder(device: str):
 
 
 def cmd_compress(args: argparse.Namespace) -> int:
-    coder = _coder(args.device)
+    times = StageTimes()
+    times.add("start-up/import", IMPORT_SECONDS)
+    with times.stage("start-up/coder"):
+        coder = _coder(args.device)
+    times.print_if_asked()
     update, close = _progress_bar()
     try:
         stats = compress(args.src, args.dst, workers=args.workers, gguf_dtype=FLOAT_CHOICES[args.gguf_dtype],
@@ -89,11 +97,17 @@ def cmd_compress(args: argparse.Namespace) -> int:
 def cmd_decompress(args: argparse.Namespace) -> int:
     from safetensors import SafetensorError
     try:
-        written = decompress(args.src, args.dst, loader=lambda p: load_archive(p, "cpu", threads=args.workers))
+        written = decompress(args.src, args.dst, loader=lambda p: _load_archive(p, args.workers, verify=True))
     except SafetensorError as e:               # save_file's own untyped error on a bad destination
         raise CliError(f"{args.dst}: cannot write ({e})") from None
     print(f"{args.dst}: {written} bytes of tensors written")
     return 0
+
+
+def _load_archive(path: str, threads: int | None, verify: bool):
+    """The service's load pipeline onto the CPU, imported here: `wcodec compress` never needs it."""
+    from service.load.pipeline import load_archive
+    return load_archive(path, "cpu", verify=verify, threads=threads)
 
 
 # --- inspect -------------------------------------------------------------------------------------
@@ -173,7 +187,7 @@ def compare_to_source(state: dict[str, torch.Tensor], src: str, gguf_dtype: torc
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    state = load_archive(args.file, "cpu", verify=True, threads=args.workers).state_dict
+    state = _load_archive(args.file, args.workers, verify=True).state_dict
     if args.against is None:
         print(f"OK: {len(state)} tensors bit-exact (every stream and tensor matches its CRC32)")
         return 0

@@ -69,7 +69,7 @@ for s in ${STAGES:-build tests}; do
     encode-bench) stage encode-bench timeout "$(left 120)" python3 bench/encode_speed.py .encfiles/minilm $ONLY --repeat 3 \
                     --gpu-layers 8 > "$OUT/encode_speed.log" 2>&1; tail -12 "$OUT/encode_speed.log" ;;
     encode-7b) stage encode-7b timeout "$(left 150)" python3 bench/seven_b_encode.py /tmp/seven_b $ONLY --device cuda \
-                 > "$OUT/seven_b.log" 2>&1; tail -5 "$OUT/seven_b.log" ;;
+                 > "$OUT/seven_b.log" 2>&1; tail -9 "$OUT/seven_b.log" ;;
     tests) pytest_stage tests gpu_tests.log 240 ${GPU_TESTS:-tests/gpu} ;;
     sanitize)
       stage sanitize-float timeout "$(left 150)" compute-sanitizer --tool memcheck --error-exitcode 1 \
