@@ -15,7 +15,7 @@ import torch
 
 from . import __version__, codecs, floatcodec, gguf_blocks, int8
 from .constants import CODEC_FLOAT, CODEC_INT8, FORMAT_MAJOR, FORMAT_MINOR
-from .container import Summed, Writer, blob_checksums, crc32
+from .container import Prefill, Summed, Writer, blob_checksums, crc32
 from .entries import DTYPES, dtype_name
 from .parallel import WORKER_STATE, balanced_limit, default_workers, ordered_map
 from .reads import BatchReader
@@ -248,17 +248,20 @@ def _write_each(batches, tally: _Tally, times: StageTimes) -> None:
 
 def compress(src: str | os.PathLike, dst: str | os.PathLike, *, workers: int | None = None,
              gguf_dtype: torch.dtype = torch.bfloat16, gguf_keep: bool = True, lossy: str | None = None,
-             progress: Callable[[int, int], None] | None = None, coder=floatcodec.REFERENCE) -> CompressStats:
+             progress: Callable[[int, int], None] | None = None, coder=floatcodec.REFERENCE,
+             prefill: Prefill | None = None) -> CompressStats:
     """Compress a checkpoint (HF folder, .safetensors or .gguf) into `dst`. A GGUF file's
     quantized tensors keep their blocks (codec gguf, dequantized to `gguf_dtype` at load), or with
     gguf_keep=False are stored dense in `gguf_dtype`. lossy="int8" int8-codes the 2-D float weights
     (a GGUF file's then from their `gguf_dtype` values).
 
     `progress(done_bytes, total_bytes)` is called after each batch is written. `coder`: as
-    encode_tensors' (`wcodec compress` passes the extension's on the device it picked)."""
+    encode_tensors' (`wcodec compress` passes the extension's on the device it picked). `prefill`:
+    `dst`'s, started before (codec/container.py)."""
     keep = gguf_keep and lossy is None
     with open_source(src, gguf_dtype=gguf_dtype, gguf_keep=keep) as source:
-        return compress_source(source, dst, workers=workers, lossy=lossy, progress=progress, coder=coder)
+        return compress_source(source, dst, workers=workers, lossy=lossy, progress=progress, coder=coder,
+                               prefill=prefill)
 
 
 def compress_state_dict(state_dict: dict[str, torch.Tensor], dst: str | os.PathLike, *,
@@ -271,16 +274,16 @@ def compress_state_dict(state_dict: dict[str, torch.Tensor], dst: str | os.PathL
 
 def compress_source(source: CheckpointSource, dst: str | os.PathLike, *, workers: int | None = None,
                     lossy: str | None = None, progress: Callable[[int, int], None] | None = None,
-                    coder=floatcodec.REFERENCE) -> CompressStats:
+                    coder=floatcodec.REFERENCE, prefill: Prefill | None = None) -> CompressStats:
     """Stream an opened checkpoint source into `dst`, tensors in layer order: a batch of tensors
     at a time is read, encoded and written, so memory holds a few batches, never the model. A
     threaded coder (the extension's) runs the batches one after another in this process, reading
-    the next batch while it encodes one and writing the one before."""
+    the next batch while it encodes one and writing the one before. `prefill`: as compress's."""
     t0 = time.perf_counter()
     src = source.path
     infos = layer_order(source.tensors())
     total = sum(math.prod(i.shape) * i.dtype.itemsize for i in infos)
-    writer = Writer(dst)
+    writer = Writer(dst, prefill)
     try:
         files = {name: writer.add(blob) for name, blob in sorted(source.files.items())}
         workers = 1 if coder.threaded else workers or default_workers()

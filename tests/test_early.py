@@ -8,6 +8,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from wcodec import early, entry
 
@@ -41,15 +43,48 @@ def test_no_driver_or_no_device_is_no_error(fake_libcuda: Path, tmp_path: Path) 
     assert not early.retain_primary_context(lib=str(fake_libcuda))
 
 
-@pytest.mark.parametrize("args, wanted", [([], True), (["--device", "cuda"], True), (["--device", "auto"], True),
-                                          (["--device", "cpu"], False), (["--device=cpu"], False),
-                                          (["--device=cuda"], True)])
-def test_compress_starts_the_context_unless_on_the_cpu(args, wanted, monkeypatch, tmp_path: Path) -> None:
-    started = []
-    monkeypatch.setattr(early, "start_cuda_context", lambda: started.append(True))
-    monkeypatch.delenv("WCODEC_EARLY_CUDA", raising=False)
+@pytest.fixture
+def started(monkeypatch) -> list[str]:
+    """The early work `wcodec compress` starts, recorded instead of done."""
+    calls: list[str] = []
+    monkeypatch.setattr(early, "start_cuda_context", lambda: calls.append("cuda"))
+    for name in ("WCODEC_EARLY_CUDA", "WCODEC_PREFILL"):
+        monkeypatch.delenv(name, raising=False)
+    return calls
+
+
+@pytest.mark.parametrize("args, cuda", [([], True), (["--device", "cuda"], True), (["--device=cpu"], False),
+                                        (["--device", "cpu"], False)])
+def test_compress_starts_the_context_unless_on_the_cpu(args, cuda, started, monkeypatch, tmp_path: Path) -> None:
     assert entry.main(["compress", str(tmp_path / "missing"), str(tmp_path / "out.wcodec"), *args]) != 0
-    assert started == ([True] if wanted else [])
+    assert started == (["cuda"] if cuda else [])
     monkeypatch.setenv("WCODEC_EARLY_CUDA", "0")
     entry.main(["compress", str(tmp_path / "missing"), str(tmp_path / "out.wcodec"), *args])
-    assert len(started) == (1 if wanted else 0)
+    assert len(started) == (1 if cuda else 0)
+
+
+def test_compress_writes_over_its_prefill(started, tmp_path: Path, monkeypatch, capsys) -> None:
+    """The archive is the same bytes with and without the prefill, which the timings report."""
+    src = tmp_path / "t.safetensors"
+    save_file({"w": torch.randn(500, 300, generator=torch.Generator().manual_seed(0)).bfloat16()}, str(src))
+    monkeypatch.setenv("WCODEC_TIMINGS", "1")
+    assert entry.main(["compress", str(src), str(tmp_path / "a.wcodec"), "--device", "cpu"]) == 0
+    assert "compress prefill: " in capsys.readouterr().err
+    monkeypatch.setenv("WCODEC_PREFILL", "0")
+    assert entry.main(["compress", str(src), str(tmp_path / "b.wcodec"), "--device", "cpu"]) == 0
+    assert "compress prefill: " not in capsys.readouterr().err
+    assert (tmp_path / "a.wcodec").read_bytes() == (tmp_path / "b.wcodec").read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.wcodec", "b.wcodec", "t.safetensors"]
+
+
+def test_a_failed_compress_leaves_no_prefill(started, tmp_path: Path) -> None:
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "model.safetensors").write_bytes(b"not safetensors" * 1000)
+    assert entry.main(["compress", str(tmp_path / "src"), str(tmp_path / "out.wcodec"), "--device", "cpu"]) == 1
+    assert early.source_bytes(str(tmp_path / "src")) == 15000
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_usage_errors_start_nothing(started, tmp_path: Path, capsys) -> None:
+    assert entry.main(["compress", str(tmp_path / "x"), "--device", "gpu"]) == 2
+    assert "usage:" in capsys.readouterr().err and started == [] and list(tmp_path.iterdir()) == []

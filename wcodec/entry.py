@@ -15,19 +15,22 @@ def main(argv: list[str] | None = None) -> int:
         # Before torch loads OpenMP: idle OpenMP threads sleep instead of spinning, so the reading and
         # checksum threads beside the encoder get the cores (MiniLM bf16 on 2 cores: 178 -> 619 MB/s).
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        if _may_use_cuda(argv) and os.environ.get("WCODEC_EARLY_CUDA") != "0":
-            from .early import start_cuda_context     # the CUDA context, made while torch imports
-            start_cuda_context()
+        return _compress(argv)
     from .cli import main as cli_main
     return cli_main(argv)
 
 
-def _may_use_cuda(argv: list[str]) -> bool:
-    """Whether `compress` may encode on the GPU: any --device but cpu (auto, the default, takes one
-    where there is one). WCODEC_EARLY_CUDA=0 leaves the context to torch (to time both ways)."""
-    for k, arg in enumerate(argv):
-        if arg == "--device":
-            return argv[k + 1:k + 2] != ["cpu"]
-        if arg.startswith("--device="):
-            return arg != "--device=cpu"
-    return True
+def _compress(argv: list[str]) -> int:
+    """Parse (no torch needed), start the early work (wcodec/early.py), then import and run."""
+    from . import early, parser
+    args = parser.parse(argv)
+    if isinstance(args, int):
+        return args
+    args.prefill = early.start(args)
+    try:
+        from .cli import run
+        return run(args)
+    finally:
+        if args.prefill is not None:
+            args.prefill.discard()
+
