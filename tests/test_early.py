@@ -68,6 +68,7 @@ def test_compress_writes_over_its_prefill(started, tmp_path: Path, monkeypatch, 
     src = tmp_path / "t.safetensors"
     save_file({"w": torch.randn(500, 300, generator=torch.Generator().manual_seed(0)).bfloat16()}, str(src))
     monkeypatch.setenv("WCODEC_TIMINGS", "1")
+    monkeypatch.setenv("WCODEC_PREFILL", "1")
     assert entry.main(["compress", str(src), str(tmp_path / "a.wcodec"), "--device", "cpu"]) == 0
     assert "compress prefill: " in capsys.readouterr().err
     monkeypatch.setenv("WCODEC_PREFILL", "0")
@@ -77,12 +78,21 @@ def test_compress_writes_over_its_prefill(started, tmp_path: Path, monkeypatch, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.wcodec", "b.wcodec", "t.safetensors"]
 
 
-def test_a_failed_compress_leaves_no_prefill(started, tmp_path: Path) -> None:
+def test_a_failed_compress_leaves_no_prefill(started, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("WCODEC_PREFILL", "1")
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "model.safetensors").write_bytes(b"not safetensors" * 1000)
     assert entry.main(["compress", str(tmp_path / "src"), str(tmp_path / "out.wcodec"), "--device", "cpu"]) == 1
     assert early.source_bytes(str(tmp_path / "src")) == 15000
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+@pytest.mark.parametrize("codec, flag, cpus, wanted", [("lossless", None, 16, True), ("lossless", None, 2, False),
+                                                      ("lossless", "1", 2, True), ("lossless", "0", 16, False),
+                                                      ("int8", "1", 16, False)])
+def test_the_prefill_is_for_lossless_archives_beside_free_cores(codec, flag, cpus, wanted, monkeypatch) -> None:
+    monkeypatch.setattr(early.os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    assert early._prefill_wanted(codec, flag) == wanted
 
 
 def test_usage_errors_start_nothing(started, tmp_path: Path, capsys) -> None:

@@ -25,18 +25,26 @@ if TYPE_CHECKING:
 CUDA_SUCCESS = 0
 LIBCUDA = "libcuda.so.1"
 PREFILL_RATIO = 0.7        # of the source's bytes: a lossless bf16 archive is ~0.665 of its source
+PREFILL_MIN_CPUS = 8       # the prefill takes a core beside the import: on 2 it slowed the command
 
 
 def start(args: argparse.Namespace) -> Prefill | None:
     """Start the early work of a parsed `compress`: the CUDA context unless --device cpu, and the
-    prefill of a lossless archive (WCODEC_EARLY_CUDA=0, WCODEC_PREFILL=0: not them, to time both
-    ways). Returns the prefill, which the caller hands to the writer or discards."""
+    prefill of a lossless archive where there are PREFILL_MIN_CPUS (WCODEC_EARLY_CUDA=0: no early
+    context; WCODEC_PREFILL=0 or 1: no prefill, or one anyway; to time both ways). Returns the
+    prefill, which the caller hands to the writer or discards."""
     if args.device != "cpu" and os.environ.get("WCODEC_EARLY_CUDA") != "0":
         start_cuda_context()
-    if args.codec != "lossless" or os.environ.get("WCODEC_PREFILL") == "0":
+    if not _prefill_wanted(args.codec, os.environ.get("WCODEC_PREFILL")):
         return None
     from codec.container import Prefill                # numpy's import: after the CUDA thread starts
     return Prefill(args.dst, int(PREFILL_RATIO * source_bytes(args.src)))
+
+
+def _prefill_wanted(codec: str, flag: str | None) -> bool:
+    if codec != "lossless" or flag == "0":
+        return False
+    return flag == "1" or len(os.sched_getaffinity(0)) >= PREFILL_MIN_CPUS
 
 
 def source_bytes(src: str) -> int:
