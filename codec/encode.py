@@ -8,7 +8,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable
+from typing import Callable, Self
 
 import numpy as np
 import torch
@@ -197,7 +197,7 @@ class _Tally:
         self.tensors, self.raw, self.stored, self.quality = [], 0, 0, {}
         self._sums = _threads(coder)
 
-    def __enter__(self) -> "_Tally":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

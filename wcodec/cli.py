@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 
 _IMPORT_T0 = time.perf_counter()
-import torch  # noqa: E402  (timed: the bulk of `wcodec compress`'s start-up)
+import torch  # timed: the bulk of `wcodec compress`'s start-up
 
 from codec.decode import Archive, decompress
 from codec.encode import compress

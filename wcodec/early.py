@@ -37,7 +37,7 @@ def start(args: argparse.Namespace) -> Prefill | None:
         start_cuda_context()
     if not _prefill_wanted(args.codec, os.environ.get("WCODEC_PREFILL")):
         return None
-    from codec.container import Prefill                # numpy's import: after the CUDA thread starts
+    from codec.container import Prefill  # numpy's import: after the CUDA thread starts
     return Prefill(args.dst, int(PREFILL_RATIO * source_bytes(args.src)))
 
 
