@@ -8,14 +8,14 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable
+from typing import Callable, Self
 
 import numpy as np
 import torch
 
 from . import __version__, codecs, floatcodec, gguf_blocks, int8
 from .constants import CODEC_FLOAT, CODEC_INT8, FORMAT_MAJOR, FORMAT_MINOR
-from .container import Summed, Writer, blob_checksums, crc32
+from .container import Prefill, Summed, Writer, blob_checksums, crc32
 from .entries import DTYPES, dtype_name
 from .parallel import WORKER_STATE, balanced_limit, default_workers, ordered_map
 from .reads import BatchReader
@@ -187,42 +187,60 @@ def _jobs(infos, path, limit: int, lossy: str | None):
 
 
 class _Tally:
-    """Writes encoded batches (on the writing thread) and keeps their records and totals."""
+    """Writes encoded batches (on the writing thread) and keeps their records and totals. A batch's
+    blob checksums are started on the tally's own threads by `checksum`, on the thread that hands
+    the batch over, as soon as it is encoded: they run while the batch before is written, and the
+    writing thread only waits for them (rarely) and writes. Use it as a context manager (its threads)."""
 
     def __init__(self, writer: Writer, total: int, progress, coder, times: StageTimes):
-        self.writer, self.total, self.progress, self.coder, self.times = writer, total, progress, coder, times
+        self.writer, self.total, self.progress, self.times = writer, total, progress, times
         self.tensors, self.raw, self.stored, self.quality = [], 0, 0, {}
+        self._sums = _threads(coder)
 
-    def write(self, results: list[dict]) -> None:
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._sums.shutdown(cancel_futures=True)
+
+    def checksum(self, results: list[dict]) -> list[Future]:
+        """Start the checksums of a batch's blobs, in the order `write` takes them."""
+        return [self._sums.submit(blob_checksums, b) for rec in results for b in rec["streams"].values()]
+
+    def write(self, results: list[dict], sums: list[Future]) -> None:
         with self.times.stage("write"):
-            self._write(results)
+            self._write(results, iter(sums))
 
-    def _write(self, results: list[dict]) -> None:
-        blobs = [b for rec in results for b in rec["streams"].values()]
-        with _threads(self.coder) as pool:
-            sums = iter(pool.map(blob_checksums, blobs))
-            for rec in results:
-                if "quality" in rec:
-                    self.quality[rec["name"]] = rec.pop("quality")
-                rec["streams"] = {role: self.writer.add(*next(sums)) for role in rec["streams"]}
-                rec["layer"] = layer_index(rec["name"])
-                self.tensors.append(rec)
-                self.raw += rec["nbytes"]
-                self.stored += sum(s["length"] for s in rec["streams"].values())
+    def _write(self, results: list[dict], sums) -> None:
+        for rec in results:
+            if "quality" in rec:
+                self.quality[rec["name"]] = rec.pop("quality")
+            rec["streams"] = {role: self._add(next(sums)) for role in rec["streams"]}
+            rec["layer"] = layer_index(rec["name"])
+            self.tensors.append(rec)
+            self.raw += rec["nbytes"]
+            self.stored += sum(s["length"] for s in rec["streams"].values())
         if self.progress:
             self.progress(self.raw, self.total)
+
+    def _add(self, summed: Future) -> dict:
+        with self.times.stage("write/checksums"):          # waiting for them: they run on the tally's threads
+            view, sums = summed.result()
+        with self.times.stage("write/file"):
+            return self.writer.add(view, sums)
 
 
 def _write_each(batches, tally: _Tally, times: StageTimes) -> None:
     """Write each encoded batch on a thread: batch k is written while batch k + 1 encodes, and at
-    most one batch waits to be written (bounded memory)."""
+    most one batch waits to be written (bounded memory). Its checksums start as it arrives."""
     with ThreadPoolExecutor(1) as writing:
         pending: Future | None = None
         for results in batches:
+            sums = tally.checksum(results)
             with times.stage("wait for write"):
                 if pending is not None:
                     pending.result()
-            pending = writing.submit(tally.write, results)
+            pending = writing.submit(tally.write, results, sums)
         with times.stage("wait for write"):
             if pending is not None:
                 pending.result()
@@ -230,17 +248,20 @@ def _write_each(batches, tally: _Tally, times: StageTimes) -> None:
 
 def compress(src: str | os.PathLike, dst: str | os.PathLike, *, workers: int | None = None,
              gguf_dtype: torch.dtype = torch.bfloat16, gguf_keep: bool = True, lossy: str | None = None,
-             progress: Callable[[int, int], None] | None = None, coder=floatcodec.REFERENCE) -> CompressStats:
+             progress: Callable[[int, int], None] | None = None, coder=floatcodec.REFERENCE,
+             prefill: Prefill | None = None) -> CompressStats:
     """Compress a checkpoint (HF folder, .safetensors or .gguf) into `dst`. A GGUF file's
     quantized tensors keep their blocks (codec gguf, dequantized to `gguf_dtype` at load), or with
     gguf_keep=False are stored dense in `gguf_dtype`. lossy="int8" int8-codes the 2-D float weights
     (a GGUF file's then from their `gguf_dtype` values).
 
     `progress(done_bytes, total_bytes)` is called after each batch is written. `coder`: as
-    encode_tensors' (`wcodec compress` passes the extension's on the device it picked)."""
+    encode_tensors' (`wcodec compress` passes the extension's on the device it picked). `prefill`:
+    `dst`'s, started before (codec/container.py)."""
     keep = gguf_keep and lossy is None
     with open_source(src, gguf_dtype=gguf_dtype, gguf_keep=keep) as source:
-        return compress_source(source, dst, workers=workers, lossy=lossy, progress=progress, coder=coder)
+        return compress_source(source, dst, workers=workers, lossy=lossy, progress=progress, coder=coder,
+                               prefill=prefill)
 
 
 def compress_state_dict(state_dict: dict[str, torch.Tensor], dst: str | os.PathLike, *,
@@ -253,26 +274,26 @@ def compress_state_dict(state_dict: dict[str, torch.Tensor], dst: str | os.PathL
 
 def compress_source(source: CheckpointSource, dst: str | os.PathLike, *, workers: int | None = None,
                     lossy: str | None = None, progress: Callable[[int, int], None] | None = None,
-                    coder=floatcodec.REFERENCE) -> CompressStats:
+                    coder=floatcodec.REFERENCE, prefill: Prefill | None = None) -> CompressStats:
     """Stream an opened checkpoint source into `dst`, tensors in layer order: a batch of tensors
     at a time is read, encoded and written, so memory holds a few batches, never the model. A
     threaded coder (the extension's) runs the batches one after another in this process, reading
-    the next batch while it encodes one and writing the one before."""
+    the next batch while it encodes one and writing the one before. `prefill`: as compress's."""
     t0 = time.perf_counter()
     src = source.path
     infos = layer_order(source.tensors())
     total = sum(math.prod(i.shape) * i.dtype.itemsize for i in infos)
-    writer = Writer(dst)
+    writer = Writer(dst, prefill)
     try:
         files = {name: writer.add(blob) for name, blob in sorted(source.files.items())}
         workers = 1 if coder.threaded else workers or default_workers()
         limit = balanced_limit(sum(math.prod(i.shape) for i in infos), workers, BATCH_ELEMENTS)
         jobs = list(_jobs(infos, os.fspath(src), limit, lossy))
         times = StageTimes()
-        tally = _Tally(writer, total, progress, coder, times)
         state = {"source": source, "coder": coder}
-        _write_each(_read_ahead(jobs, state, times) if coder.threaded
-                    else ordered_map(_encode_job, jobs, min(workers, len(jobs)), state), tally, times)
+        with _Tally(writer, total, progress, coder, times) as tally:
+            _write_each(_read_ahead(jobs, state, times) if coder.threaded
+                        else ordered_map(_encode_job, jobs, min(workers, len(jobs)), state), tally, times)
         tensors, raw, stored, quality = tally.tensors, tally.raw, tally.stored, tally.quality
         header = {"format": "wcodec", "version": f"{FORMAT_MAJOR}.{FORMAT_MINOR}",
                   "metadata": {"source": os.path.basename(os.fspath(src).rstrip("/")),

@@ -28,8 +28,19 @@ class StageTimes:
             with self._lock:
                 self.seconds[name] += time.perf_counter() - t0
 
+    def add(self, name: str, seconds: float) -> None:
+        """Count `seconds` timed elsewhere (before this object existed) to stage `name`."""
+        with self._lock:
+            self.seconds[name] += seconds
+
     def report(self) -> str:
-        return "compress stages (s): " + ", ".join(f"{k} {v:.2f}" for k, v in self.seconds.items())
+        lines = {"stages": [(k, v) for k, v in self.seconds.items() if "/" not in k]}
+        for key, v in self.seconds.items():
+            if "/" in key:
+                parent, part = key.split("/", 1)
+                lines.setdefault(f"{parent} parts", []).append((part, v))
+        return "\n".join(f"compress {what} (s): " + ", ".join(f"{k} {v:.2f}" for k, v in fields)
+                         for what, fields in lines.items() if fields)
 
     def print_if_asked(self) -> None:
         if os.environ.get(ENV) == "1":

@@ -98,6 +98,17 @@ def test_compress_summary_is_consistent(tiny: Path, tmp_path: Path, capsys) -> N
     assert float(m["ratio"]) < 1.0 and float(m["mbps"]) > 0
 
 
+def test_compress_times_its_start_up_when_asked(tiny: Path, tmp_path: Path, monkeypatch, capsys) -> None:
+    """WCODEC_TIMINGS=1: the import and the coder's making on one line, before the compress stages."""
+    monkeypatch.setenv("WCODEC_TIMINGS", "1")
+    code, _, err = run(capsys, "compress", tiny, tmp_path / "t.wcodec", "--workers", "1", "--device", "cpu")
+    assert code == 0, err
+    lines = err.strip().splitlines()
+    start = [k for k, line in enumerate(lines) if line.startswith("compress start-up parts (s): import ")]
+    stages = [k for k, line in enumerate(lines) if line.startswith("compress stages (s): ")]
+    assert len(start) == 1 and ", coder " in lines[start[0]] and stages and start[0] < stages[0], err
+
+
 def test_compress_job_without_float_tensors(tiny: Path, tmp_path: Path, capsys) -> None:
     """Two workers split the tiny file into the bf16 tensor and a job of raw-only tensors."""
     code, _, err = run(capsys, "compress", tiny, tmp_path / "t.wcodec", "--workers", "2")

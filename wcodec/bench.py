@@ -31,7 +31,6 @@ from codec.sources import open_source
 ZIPNN_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32",
                 torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2"}
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-FP8_SCALES = ("row", "block")
 Loader = Callable[[str, int], Any]          # (archive path, threads) -> object with .state_dict
 
 

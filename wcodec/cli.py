@@ -8,24 +8,28 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
 from collections.abc import Callable
 
-import torch
+_IMPORT_T0 = time.perf_counter()
+import torch  # timed: the bulk of `wcodec compress`'s start-up
 
-import codec
 from codec.decode import Archive, decompress
 from codec.encode import compress
 from codec.errors import CodecError
 from codec.parallel import default_workers
 from codec.sources import open_source
-from service.load.pipeline import load_archive
+from codec.stagetimes import ENV, StageTimes
 
-from . import bench
+from . import bench, parser
 
-FLOAT_CHOICES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-CAST_CHOICES = FLOAT_CHOICES | {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
-EXIT_ERROR, EXIT_DEVICE, EXIT_INTERRUPT = 1, 2, 130
+IMPORT_SECONDS = time.perf_counter() - _IMPORT_T0     # torch and codec: compress's "import" start-up part
+
+FLOAT_CHOICES = {name: getattr(torch, name) for name in parser.FLOAT_NAMES}
+CAST_CHOICES = {name: getattr(torch, name) for name in parser.CAST_NAMES}
+EXIT_ERROR, EXIT_DEVICE, EXIT_INTERRUPT = parser.EXIT_ERROR, 2, 130
 
 
 class CliError(Exception):
@@ -65,14 +69,20 @@ def _coder(device: str):
 
 
 def cmd_compress(args: argparse.Namespace) -> int:
-    coder = _coder(args.device)
+    times = StageTimes()
+    times.add("start-up/import", IMPORT_SECONDS)
+    with times.stage("start-up/coder"):
+        coder = _coder(args.device)
+    times.print_if_asked()
     update, close = _progress_bar()
     try:
         stats = compress(args.src, args.dst, workers=args.workers, gguf_dtype=FLOAT_CHOICES[args.gguf_dtype],
                          gguf_keep=args.gguf == "blocks", lossy=None if args.codec == "lossless" else args.codec,
-                         progress=update, coder=coder)
+                         progress=update, coder=coder, prefill=args.prefill)
     finally:
         close()
+    if args.prefill is not None and os.environ.get(ENV) == "1":
+        print(args.prefill.report(), file=sys.stderr)
     if stats.quality is not None:
         from . import quality
         ppl = None
@@ -89,11 +99,17 @@ def cmd_compress(args: argparse.Namespace) -> int:
 def cmd_decompress(args: argparse.Namespace) -> int:
     from safetensors import SafetensorError
     try:
-        written = decompress(args.src, args.dst, loader=lambda p: load_archive(p, "cpu", threads=args.workers))
+        written = decompress(args.src, args.dst, loader=lambda p: _load_archive(p, args.workers, verify=True))
     except SafetensorError as e:               # save_file's own untyped error on a bad destination
         raise CliError(f"{args.dst}: cannot write ({e})") from None
     print(f"{args.dst}: {written} bytes of tensors written")
     return 0
+
+
+def _load_archive(path: str, threads: int | None, verify: bool):
+    """The service's load pipeline onto the CPU, imported here: `wcodec compress` never needs it."""
+    from service.load.pipeline import load_archive
+    return load_archive(path, "cpu", verify=verify, threads=threads)
 
 
 # --- inspect -------------------------------------------------------------------------------------
@@ -173,7 +189,7 @@ def compare_to_source(state: dict[str, torch.Tensor], src: str, gguf_dtype: torc
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    state = load_archive(args.file, "cpu", verify=True, threads=args.workers).state_dict
+    state = _load_archive(args.file, args.workers, verify=True).state_dict
     if args.against is None:
         print(f"OK: {len(state)} tensors bit-exact (every stream and tensor matches its CRC32)")
         return 0
@@ -198,100 +214,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-# --- parser and entry point ----------------------------------------------------------------------
+# --- entry point ---------------------------------------------------------------------------------
 
-
-def _add(sub, name: str, fn: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
-    p = sub.add_parser(name, help=help, description=help)
-    p.set_defaults(func=fn)
-    return p
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
-    return value
-
-
-def _workers(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workers", type=_positive, default=None, metavar="N",
-                   help="worker processes (default: one per CPU, at most 8)")
-
-
-def _read_threads(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workers", type=_positive, default=None, metavar="N",
-                   help="threads reading the archive for the decoder (default: two per CPU, at most 16)")
-
-
-def _gguf_dtype(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--gguf-dtype", choices=FLOAT_CHOICES, default="bfloat16",
-                   help="dtype GGUF tensors are dequantized to (default: bfloat16)")
-
-
-def _gguf_mode(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--gguf", choices=("blocks", "dense"), default="blocks",
-                   help="GGUF quantized tensors: keep their blocks, dequantized to --gguf-dtype at load "
-                        "(default), or store them dequantized")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="wcodec", description="Lossless compression of model checkpoints.",
-                                     epilog="wcodec serve [--host H] [--port P] [--store DIR]: serve models over "
-                                            "HTTP (TGI- and OpenAI-style generation, model control, Prometheus "
-                                            "metrics); see `wcodec serve --help`")
-    parser.add_argument("--version", action="version", version=f"wcodec {codec.__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    p = _add(sub, "compress", cmd_compress, "compress an HF folder, .safetensors or .gguf into a .wcodec file")
-    p.add_argument("src")
-    p.add_argument("dst")
-    _workers(p)
-    _gguf_dtype(p)
-    _gguf_mode(p)
-    p.add_argument("--codec", choices=("lossless", "int8"), default="lossless",
-                   help="int8: LOSSY per-row int8 with tile predictors for 2-D float weights (>= 4096 "
-                        "elements), with a quality report; others stay lossless (default: lossless)")
-    p.add_argument("--ppl-text", metavar="FILE", default=None,
-                   help="with --codec int8: the model's perplexity on this text, before and after")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="where the planes are encoded: cuda (the GPU encoder), cpu (the C++ encoder, else "
-                        "NumPy); auto: cuda when there is a GPU and the extension has its encoder")
-    p = _add(sub, "decompress", cmd_decompress, "decode a .wcodec file into a .safetensors file")
-    p.add_argument("src")
-    p.add_argument("dst")
-    _read_threads(p)
-    p = _add(sub, "inspect", cmd_inspect, "list the tensors, sizes and embedded files of a .wcodec file")
-    p.add_argument("file")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p = _add(sub, "verify", cmd_verify, "decode with checksums, optionally compare bit-exactly with a source")
-    p.add_argument("file")
-    p.add_argument("--against", metavar="SRC", help="checkpoint (HF folder, .safetensors, .gguf) to compare with")
-    _read_threads(p)
-    _gguf_dtype(p)
-    _bench_parser(_add(sub, "bench", cmd_bench, "measure ratio and speeds against peer codecs"))
-    return parser
-
-
-def _bench_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("file", help="a .wcodec file or a checkpoint (HF folder, .safetensors, .gguf)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where our decoder runs")
-    p.add_argument("--threads", type=_positive, default=None, metavar="N",
-                   help="workers/threads for every codec (default: one per CPU, at most 8)")
-    p.add_argument("--cast", choices=CAST_CHOICES, default=None,
-                   help="cast floating tensors first; fp8 keeps the 2-D weights, cast with --fp8-scales")
-    p.add_argument("--fp8-scales", choices=bench.FP8_SCALES, default="row",
-                   help="fp8 casts divide by per-row or per-128x128-block scales first (default: row)")
-    p.add_argument("--repeat", type=_positive, default=3, metavar="R", help="runs per measurement (median)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    _gguf_dtype(p)
+COMMANDS = {"compress": cmd_compress, "decompress": cmd_decompress, "inspect": cmd_inspect, "verify": cmd_verify,
+            "bench": cmd_bench}
 
 
 def _run(args: argparse.Namespace) -> int:
     try:
-        return args.func(args)
+        return COMMANDS[args.command](args)
     except bench.DeviceUnavailable as e:
         _error(str(e))
         return EXIT_DEVICE
@@ -304,10 +235,12 @@ def _run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; returns the process exit status."""
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as e:                     # --help, --version and usage errors
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_ERROR)
+    args = parser.parse(argv)
+    return args if isinstance(args, int) else run(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run one parsed command (wcodec/parser.py); returns the process exit status."""
     try:
         return _run(args)
     except KeyboardInterrupt:

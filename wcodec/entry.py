@@ -15,5 +15,22 @@ def main(argv: list[str] | None = None) -> int:
         # Before torch loads OpenMP: idle OpenMP threads sleep instead of spinning, so the reading and
         # checksum threads beside the encoder get the cores (MiniLM bf16 on 2 cores: 178 -> 619 MB/s).
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        return _compress(argv)
     from .cli import main as cli_main
     return cli_main(argv)
+
+
+def _compress(argv: list[str]) -> int:
+    """Parse (no torch needed), start the early work (wcodec/early.py), then import and run."""
+    from . import early, parser
+    args = parser.parse(argv)
+    if isinstance(args, int):
+        return args
+    args.prefill = early.start(args)
+    try:
+        from .cli import run
+        return run(args)
+    finally:
+        if args.prefill is not None:
+            args.prefill.discard()
+

@@ -12,6 +12,7 @@
 #   sanitize-encode  compute-sanitizer over the encoder ops' samples and edge planes
 #   encode-bench bench/encode_speed.py: encode throughput, GPU and C++ (1 and all threads)
 #   encode-7b    bench/seven_b_encode.py: a 7B-shaped model, safetensors to archive, time and peak RSS
+#                (SEVEN_B_ARGS: its flags, e.g. --no-sync; WCODEC_PREFILL=0 / WCODEC_EARLY_CUDA=0 reach the child)
 #   tests        tests/gpu: every kernel against the C++ twin and the NumPy reference (GPU_TESTS: other paths)
 #   sanitize     compute-sanitizer memcheck over sample decodes (float and quantized kernels) and the
 #                fixed-rate ops (transcoder, decode, fused linear)
@@ -68,8 +69,8 @@ for s in ${STAGES:-build tests}; do
                      grep -E "ERROR SUMMARY|sanitize encode" "$OUT/sanitizer_encode.log" ;;
     encode-bench) stage encode-bench timeout "$(left 120)" python3 bench/encode_speed.py .encfiles/minilm $ONLY --repeat 3 \
                     --gpu-layers 8 > "$OUT/encode_speed.log" 2>&1; tail -12 "$OUT/encode_speed.log" ;;
-    encode-7b) stage encode-7b timeout "$(left 150)" python3 bench/seven_b_encode.py /tmp/seven_b $ONLY --device cuda \
-                 > "$OUT/seven_b.log" 2>&1; tail -5 "$OUT/seven_b.log" ;;
+    encode-7b) stage encode-7b timeout "$(left 150)" python3 bench/seven_b_encode.py /tmp/seven_b $ONLY ${SEVEN_B_ARGS:-} --device cuda \
+                 > "$OUT/seven_b.log" 2>&1; tail -10 "$OUT/seven_b.log" ;;
     tests) pytest_stage tests gpu_tests.log 240 ${GPU_TESTS:-tests/gpu} ;;
     sanitize)
       stage sanitize-float timeout "$(left 150)" compute-sanitizer --tool memcheck --error-exitcode 1 \

@@ -274,5 +274,8 @@ def test_stage_times_are_printed_when_asked(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("WCODEC_TIMINGS", "1")
     compress_state_dict(state, tmp_path / "timed.wcodec")
     err = capsys.readouterr().err
-    assert "compress stages (s):" in err and "wait for write" in err and "finish" in err
+    stages, parts = err.strip().splitlines()[-2:]
+    assert stages.startswith("compress stages (s): ") and " wait for write " in stages and ", finish " in stages
+    assert "/" not in stages and "checksums" not in stages           # the parts have their own line
+    assert parts.startswith("compress write parts (s): checksums ") and ", file " in parts
     assert (tmp_path / "quiet.wcodec").read_bytes() == (tmp_path / "timed.wcodec").read_bytes()
