@@ -22,6 +22,8 @@ from . import ops
 from .build import ensure_loaded
 
 FUSED_MAX_ROWS = 64            # cuda_ext/csrc/fixedrate_gemv.cuh kFrMaxRows (the tensor-core kernel's)
+FUSED_ROWS = 32                # up to here the fused op is faster than decode + cuBLAS (an 8B layer on
+                               # an H100, 2026-11-26: 32 rows 0.41 vs 0.73 ms, 64 rows 0.88 vs 0.73 ms)
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -81,12 +83,12 @@ def decode(fr: FixedRateWeight, out: torch.Tensor | None = None) -> torch.Tensor
 
 
 def linear(x: torch.Tensor, fr: FixedRateWeight, kernel: int | None = None) -> torch.Tensor:
-    """y = x W^T (x [..., cols] in fr.dtype): the fused op for 1..64 rows on CUDA (kernel 0 tensor
-    cores, 1 CUDA cores up to 16 rows; by default the CUDA-core one for 1 row, where it measured faster on an
-    H100: 0.216 vs 0.294 ms for an 8B layer), else decode into a scratch tensor + cuBLAS. Launches on the
-    current stream, no host syncs (usable in CUDA graphs)."""
+    """y = x W^T (x [..., cols] in fr.dtype): on CUDA the fused op (kernel 0 tensor cores, 1..64
+    rows; 1 CUDA cores, 1..16 rows). By default: the CUDA-core kernel for 1 row (an 8B layer on an
+    H100: 0.200 vs 0.261 ms), tensor cores for 2..FUSED_ROWS, above that decode into a scratch
+    tensor + cuBLAS. Launches on the current stream, no host syncs (usable in CUDA graphs)."""
     flat = x.reshape(-1, fr.cols)
-    if flat.shape[0] > FUSED_MAX_ROWS or flat.shape[0] == 0 or not x.is_cuda:
+    if flat.shape[0] > (FUSED_ROWS if kernel is None else FUSED_MAX_ROWS) or flat.shape[0] == 0 or not x.is_cuda:
         return _decode_matmul(flat, fr).reshape(*x.shape[:-1], fr.rows)
     if fr.padded_cols != fr.cols:
         flat = F.pad(flat, (0, fr.padded_cols - fr.cols))

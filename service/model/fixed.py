@@ -1,7 +1,7 @@
 """The fixed-rate form in compressed-resident mode on CUDA (docs/RESIDENT.md, FORMAT.md §6): each
 float-coded matrix is decoded at load by the archive decoder, transcoded on the GPU into the
 fixed-rate form (cuda_ext.fixedrate.encode, bit-exact) and its bf16 copy dropped. A Linear of
-that form (`FixedLinear`) multiplies with the fused decode-matmul for 1 to 64 rows (the weights
+that form (`FixedLinear`) multiplies with the fused decode-matmul for 1 to 32 rows (the weights
 decoded in registers; nothing written back) and, for more rows (prompts, large batches), decodes
 the weight into a temporary and calls cuBLAS.
 
@@ -43,7 +43,7 @@ def keeps(e) -> bool:
 
 def estimate_bytes(kept: list) -> int:
     """Device bytes of the kept tensors (ESCAPES of their weights escaped) and of the temporary
-    that the largest one decodes into for more than 64 rows."""
+    that the largest one decodes into for more than 32 rows."""
     held = sum(form.fixed_nbytes(*e.shape) + int(ESCAPES * e.shape[0] * e.shape[1]) for e in kept)
     return held + max((e.nbytes for e in kept), default=0)
 
