@@ -285,6 +285,7 @@ at::Tensor linear16_impl(const at::Tensor& x, const at::Tensor& weight, const c1
     const int64_t blocks = (n_out + unit - 1) / unit;
     const int64_t piece = std::max<int64_t>(1, kPieceWork / (unit * k_len * rows));     // blocks a piece
     const bool simd = simd_allowed();
+    const CpuPool::Span span{static_cast<const char*>(weight.data_ptr()), weight.nbytes()};
     CpuPool::instance(at::get_num_threads() - 1).run((blocks + piece - 1) / piece, [&](int64_t c) {
       const int64_t o0 = c * piece * unit, o1 = std::min((c + 1) * piece * unit, n_out);
 #if defined(__x86_64__)
@@ -298,7 +299,7 @@ at::Tensor linear16_impl(const at::Tensor& x, const at::Tensor& weight, const c1
       }
 #endif
       block_scalar(p, o0, o1);
-    });
+    }, span);
   }
   if (bias) y.add_(bias->to(at::kFloat));
   return y.to(dtype).view(out_shape);
