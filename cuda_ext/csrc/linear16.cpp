@@ -16,6 +16,9 @@
 //                         blocks of 4 weight rows x 4 rows of x
 //   no AVX-512            block_scalar (or WCODEC_CPU_SIMD=0): block_avx512's 16 lane sums in the same
 //                         order, reduced in sequence
+//
+// A call's blocks are pieces of work for the caller and cpu_pool.h's helpers (not an OpenMP region:
+// a one-row call is 30-1200 us, and a region a call waited on sleeping or descheduled workers).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
