@@ -33,14 +33,18 @@ def make(served, kind: str, on_finish):
     return paging.scheduler(served, 64, 512, paging.CacheSettings(), lambda r, e: None, on_finish)
 
 
-def batch1(served, kind: str, texts, tokens: int) -> float:
+def batch1(served, kind: str, texts, tokens: int, steps: list[float] | None = None) -> float:
+    """Decode tokens/s of one request after its prefill; each step's seconds appended to `steps`."""
     b = make(served, kind, lambda r: None)
     b.add(Row(served.tokenizer.encode(next(texts)), SamplingParams(tokens), served))
     b.step()                                                   # prefill and first token
     t0, n = time.perf_counter(), 0
     while not b.idle:
+        t = time.perf_counter()
         b.step()
         n += 1
+        if steps is not None:
+            steps.append(time.perf_counter() - t)
     return n / (time.perf_counter() - t0)
 
 

@@ -16,6 +16,9 @@
 //                         blocks of 4 weight rows x 4 rows of x
 //   no AVX-512            block_scalar (or WCODEC_CPU_SIMD=0): block_avx512's 16 lane sums in the same
 //                         order, reduced in sequence
+//
+// A call's blocks are pieces of work for the caller and cpu_pool.h's helpers (not an OpenMP region:
+// a one-row call is 30-1200 us, and a region a call waited on sleeping or descheduled workers).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -26,6 +29,8 @@
 #include <cstring>
 #include <string>
 #include <vector>
+
+#include "cpu_pool.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -39,7 +44,7 @@ namespace {
 constexpr int kOuts = 4;                     // weight rows a block
 constexpr int kRows = 4;                     // rows of x a step of a block
 constexpr int kLanes = 16;
-constexpr int64_t kTaskWork = 1 << 18;       // multiply-adds a thread does at least (fewer: one thread)
+constexpr int64_t kPieceWork = 1 << 16;      // multiply-adds a piece of a call at least (cpu_pool.h)
 constexpr int kDotOuts = 32;                 // outputs a block (two vectors' lanes)
 constexpr int kDotRows = 12;                 // rows of x a tile: 12 accumulators
 constexpr int kDotK = 32;                    // k a transposed block (16 pairs)
@@ -230,7 +235,8 @@ WCODEC_LINEAR16_BF16 void dot_block(const Problem& p, const uint32_t* wt, int64_
 }
 
 WCODEC_LINEAR16_BF16 void block_dot(const Problem& p, int64_t o0, int64_t o1) {
-  std::vector<uint32_t> wt(block_dwords(p.k));            // the block's transposed k-pairs
+  thread_local std::vector<uint32_t> wt;                   // the block's transposed k-pairs
+  wt.resize(block_dwords(p.k));
   for (int64_t o = o0; o < o1; o += kDotOuts) {
     const int outs = static_cast<int>(std::min<int64_t>(kDotOuts, o1 - o));
     pack_block(p.w, p.k, o, outs, wt.data());
@@ -280,10 +286,11 @@ at::Tensor linear16_impl(const at::Tensor& x, const at::Tensor& weight, const c1
                     rows, k_len, n_out, dtype == at::kHalf};
     const int64_t unit = dot ? kDotOuts : kOuts;        // outputs a block
     const int64_t blocks = (n_out + unit - 1) / unit;
-    const int64_t grain = std::max<int64_t>(1, kTaskWork / (unit * k_len * rows));
+    const int64_t piece = std::max<int64_t>(1, kPieceWork / (unit * k_len * rows));     // blocks a piece
     const bool simd = simd_allowed();
-    at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-      const int64_t o0 = b0 * unit, o1 = std::min(b1 * unit, n_out);
+    const CpuPool::Span span{static_cast<const char*>(weight.data_ptr()), weight.nbytes()};
+    CpuPool::instance(at::get_num_threads() - 1).run((blocks + piece - 1) / piece, [&](int64_t c) {
+      const int64_t o0 = c * piece * unit, o1 = std::min((c + 1) * piece * unit, n_out);
 #if defined(__x86_64__)
       if (dot) {
         packed ? block_packed(p, o0, o1) : block_dot(p, o0, o1);
@@ -295,7 +302,7 @@ at::Tensor linear16_impl(const at::Tensor& x, const at::Tensor& weight, const c1
       }
 #endif
       block_scalar(p, o0, o1);
-    });
+    }, span);
   }
   if (bias) y.add_(bias->to(at::kFloat));
   return y.to(dtype).view(out_shape);

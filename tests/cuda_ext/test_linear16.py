@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -173,3 +174,26 @@ def test_packed_opcheck():
     x, w, b = operands(3, 64, 96, torch.bfloat16, seed=5, bias=True)
     torch.library.opcheck(torch.ops.wcodec.linear16_pack.default, (w,))
     torch.library.opcheck(torch.ops.wcodec.linear16_packed.default, (x, ops.linear16_pack(w), b))
+
+
+def test_callers_on_several_threads_get_the_same_bits():
+    """linear16 spreads a call over the caller and the pool's helpers (cuda_ext/csrc/cpu_pool.h);
+    callers on other threads at the same time (two engines) each get their own product, bit for
+    bit what one caller alone gets."""
+    jobs = [operands(rows, 576, 960 + 32 * i, torch.bfloat16, seed=i, bias=i % 2 == 0)
+            for i, rows in enumerate((1, 1, 3, 12, 1, 29))]
+    alone = [ops.linear16(*job) for job in jobs]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        for _ in range(20):
+            together = list(pool.map(lambda job: ops.linear16(*job), jobs))
+            assert all(torch.equal(a, b) for a, b in zip(alone, together))
+
+
+def test_a_forked_child_multiplies_without_the_parents_helpers():
+    """A child forked after the pool's helpers started has none of them: it multiplies alone."""
+    x, w, b = operands(1, 576, 3072, torch.bfloat16, seed=4, bias=False)
+    y = ops.linear16(x, w, b)
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if torch.equal(ops.linear16(x, w, b), y) else 1)
+    assert os.waitpid(pid, 0)[1] == 0
