@@ -145,12 +145,12 @@ def padded_x(n: int, fr: FixedRateWeight, seed: int) -> torch.Tensor:
 
 
 def sample_inputs(device: str | torch.device) -> list[tuple[str, tuple]]:
-    """(op name, args) for opcheck: both dtypes, ragged cols, escapes, 1 and 16 rows of x."""
+    """(op name, args) for opcheck: both dtypes, ragged cols, escapes, 1, 16 and 40 rows of x."""
     out = []
     for dtype, (rows, cols) in ((torch.bfloat16, (40, 1000)), (torch.float16, (8, 64))):
         w = sample_weight(dtype, rows, cols, 0).to(device)
         out.append(("fixedrate_encode", (w,)))
         out.append(("fixedrate_decode", (*encode(w).arrays, cols, torch.empty_like(w))))
         fr = encode(sample_weight(dtype, rows, cols, 1, finite=True).to(device))
-        out += [("fixedrate_linear", (padded_x(n, fr, n).to(device), *fr.arrays, cols)) for n in (1, 16)]
+        out += [("fixedrate_linear", (padded_x(n, fr, n).to(device), *fr.arrays, cols)) for n in (1, 16, 40)]
     return out
