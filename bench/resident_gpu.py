@@ -1,5 +1,6 @@
 """Compressed-resident mode on a GPU, a 7B-shaped model, decoded vs compressed in one run:
-weight memory, exactness, decode tokens/s at batch 1 and 32, and the memory-budget case through
+weight memory, exactness, decode tokens/s at batch 1 and 32, each mode's load time beside
+`safetensors.load_file(device="cuda")` of the same weights, and the memory-budget case through
 the server (decoded load 507, compressed load 200 and generates).
 
     python bench/resident_gpu.py --tokenizer DIR [--steps 64] [--json OUT]
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import time
 from pathlib import Path
 
@@ -23,6 +25,8 @@ from service.load import pipeline
 from service.model import build
 from service.model.kvcache import KVCache
 
+FORM = os.environ.get("WCODEC_COMPRESSED_FORM", "fixed")     # compressed mode's form, as the server's default
+
 
 def make_store(tokenizer_dir: Path, store: Path) -> Path:
     tokenizer = {p.name: p.read_bytes() for p in tokenizer_dir.iterdir() if p.is_file()}
@@ -33,17 +37,35 @@ def make_store(tokenizer_dir: Path, store: Path) -> Path:
     return path
 
 
-def load(path: Path, compressed: bool) -> tuple[build.ServedModel, int]:
+def load(path: Path, compressed: bool) -> tuple[build.ServedModel, int, float]:
+    """The server's load of the archive (pipeline + build, no HTTP): the model, its device bytes and
+    the seconds it took (page cache warm)."""
     gc.collect()
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
-    decoded = pipeline.decode_archive(path, torch.device("cuda"), compressed=compressed)
+    t = time.perf_counter()
+    decoded = pipeline.decode_archive(path, torch.device("cuda"), compressed=compressed, form=FORM)
     served = build.finish("llama7b", build.prepare("llama7b", decoded.files), decoded.tensors, decoded.layers,
-                          torch.device("cuda"))
+                          torch.device("cuda"), blocks=decoded.blocks, fixed_form=decoded.fixed)
     del decoded
     gc.collect()
     torch.cuda.synchronize()
-    return served, torch.cuda.memory_allocated() - base
+    return served, torch.cuda.memory_allocated() - base, time.perf_counter() - t
+
+
+def safetensors_load_s(folder: Path) -> float:
+    """`safetensors.torch.load_file(device="cuda")` of the same weights, just written (page cache warm)."""
+    from safetensors.torch import load_file, save_file
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(seven_b_state(), str(folder / "model.safetensors"))
+    gc.collect()
+    t = time.perf_counter()
+    tensors = load_file(str(folder / "model.safetensors"), device="cuda")
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t
+    del tensors
+    (folder / "model.safetensors").unlink()
+    return seconds
 
 
 def greedy(served: build.ServedModel, batch: int, steps: int) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -92,10 +114,10 @@ def main() -> None:
     res = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M")}
     runs = {}
     for mode in ("decoded", "compressed"):
-        served, allocated = load(path, mode == "compressed")
+        served, allocated, load_s = load(path, mode == "compressed")
         for b in (1, 32):                     # untimed: cuBLAS handles, lazily loaded kernels, the allocator
             greedy(served, b, 4)
-        runs[mode] = {"allocated_bytes": allocated, "weight_bytes": served.weight_bytes,
+        runs[mode] = {"allocated_bytes": allocated, "weight_bytes": served.weight_bytes, "load_s": load_s,
                       "batch": {b: greedy(served, b, args.steps) for b in (1, 32)}}
         if served.schedule is not None:
             runs[mode]["parts"] = {"streams_and_index": served.schedule.compressed_bytes,
@@ -111,6 +133,9 @@ def main() -> None:
                             "decoded_tok_s": s_d, "compressed_tok_s": s_c, "speed_ratio": s_c / s_d}
     res["allocated_bytes"] = {m: r["allocated_bytes"] for m, r in runs.items()}
     res["compressed_parts"] = runs["compressed"].get("parts")
+    res["load_s"] = {m: r["load_s"] for m, r in runs.items()}
+    res["load_s"]["safetensors_load_file_cuda"] = safetensors_load_s(Path("/tmp/st_resident"))
+    res["load_over_safetensors"] = {m: res["load_s"][m] / res["load_s"]["safetensors_load_file_cuda"] for m in runs}
     print(json.dumps(res, indent=1), flush=True)
     res["budget"] = budget_case(path.parent, raw)
     print(json.dumps(res["budget"], indent=1))
