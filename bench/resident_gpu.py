@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import torch
-from service_gpu import LLAMA7B, Server, seven_b_state
+from service_gpu import LLAMA7B, Server, safetensors_cuda_s, seven_b_state
 
 from codec.encode import compress_state_dict
 from service.load import pipeline
@@ -55,15 +55,11 @@ def load(path: Path, compressed: bool) -> tuple[build.ServedModel, int, float]:
 
 def safetensors_load_s(folder: Path) -> float:
     """`safetensors.torch.load_file(device="cuda")` of the same weights, just written (page cache warm)."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
     folder.mkdir(parents=True, exist_ok=True)
     save_file(seven_b_state(), str(folder / "model.safetensors"))
     gc.collect()
-    t = time.perf_counter()
-    tensors = load_file(str(folder / "model.safetensors"), device="cuda")
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - t
-    del tensors
+    seconds = safetensors_cuda_s(folder / "model.safetensors")[0]
     (folder / "model.safetensors").unlink()
     return seconds
 

@@ -90,6 +90,20 @@ def seven_b_state(seed: int = 7) -> dict:
     return weights(shapes, seed)
 
 
+def safetensors_cuda_s(path: Path, runs: int = 1) -> list[float]:
+    """Seconds of each `safetensors.torch.load_file(path, device="cuda")`, the tensors freed between."""
+    from safetensors.torch import load_file
+    times = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        sd = load_file(str(path), device="cuda")
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+        del sd
+        torch.cuda.empty_cache()
+    return times
+
+
 def warm(path: Path) -> None:
     with open(path, "rb") as f:
         while f.read(1 << 26):
@@ -97,7 +111,7 @@ def warm(path: Path) -> None:
 
 
 def run_7b(part: str, keep: str) -> dict:
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
     Path(keep).mkdir(parents=True, exist_ok=True)
     shutil.copy(part, Path(keep) / "part1.gguf")                       # for the demo call that follows
     with open_source(part) as src:
@@ -111,14 +125,7 @@ def run_7b(part: str, keep: str) -> dict:
     save_file(state, st_path)
     del state
     warm(st_path), warm(store / "llama7b.wcodec")
-    st_times = []
-    for _ in range(3):
-        t = time.perf_counter()
-        sd = load_file(st_path, device="cuda")
-        torch.cuda.synchronize()
-        st_times.append(time.perf_counter() - t)
-        del sd
-        torch.cuda.empty_cache()
+    st_times = safetensors_cuda_s(st_path, runs=3)
     out = {"raw_GB": raw / 1e9, "file_GB": stats.file_bytes / 1e9, "ratio": stats.ratio,
            "safetensors_load_file_cuda_s": statistics.median(st_times), "safetensors_runs_s": st_times}
     for verify in (True, False):

@@ -1,7 +1,7 @@
 """The fixed-rate GPU form (codec/fixedrate.py) held as torch tensors, and the calls a layer makes:
 `encode` (the transcoder's last step: 16-bit words -> the form, on the words' device), `decode`
-(-> words; the > 64-row path's scratch and the debug entry point), `linear` (y = x W^T; 1..64
-rows fused on CUDA, more rows decode into a scratch tensor and call cuBLAS). The NumPy references
+(-> words; the scratch of the decode + cuBLAS path and the debug entry point), `linear` (y = x W^T;
+up to FUSED_ROWS rows fused on CUDA, more rows decode into a scratch tensor and call cuBLAS). The NumPy references
 with the ops' semantics and `sample_inputs` for opcheck are here too.
 
 The transcoder from an archive: the archive's streams are decoded by the existing GPU decoder

@@ -41,8 +41,6 @@ FR_HD uint32_t fr_codes4(uint32_t lo_word, uint32_t hi, int q) {
   return ((lo_word >> (2 * (q & 3))) & 0x03030303u) | (((hi >> q) & 0x01010101u) << 2);
 }
 
-// Bit 8b set where byte lane b of codes4 is the escape code (7 = 0b111).
-FR_HD uint32_t fr_escapes4(uint32_t c4) { return c4 & (c4 >> 1) & (c4 >> 2) & 0x01010101u; }
 
 // choose_bases, one tile of n real words: the smallest b in [0, 248] whose window [b, b + 6]
 // covers the most fields (a histogram, then a sliding window sum).

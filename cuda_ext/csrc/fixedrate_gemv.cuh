@@ -79,6 +79,13 @@ __device__ __forceinline__ void group_escapes(const FrGroup& t, uint32_t e[2]) {
   e[1] = t.lo.y & (t.lo.y >> 1) & spread_nibbles((t.hi >> 4) & 0x0F0F0F0Fu);
 }
 
+// group_fields and group_escapes of one group; returns its escape count.
+__device__ __forceinline__ int group_decode(const FrGroup& t, uint32_t f[8], uint32_t e[2]) {
+  group_fields(t, f);
+  group_escapes(t, e);
+  return __popc(e[0]) + __popc(e[1]);
+}
+
 // Escaped fields in weight order from `rank` on (a rank past the array reads 0): word q, then
 // byte lane b. Word q is a compile-time index; only the byte lane inside it is not.
 __device__ __forceinline__ void patch_fields(const FrArrays& a, const uint32_t e[2], int64_t rank, uint32_t f[8]) {
@@ -100,10 +107,8 @@ __device__ __forceinline__ FrGroup block_fields(const FrArrays& a, int64_t row, 
   const int lane = threadIdx.x & 31;
   const int64_t gr = blk * kFrBlockGroups + lane;
   const FrGroup t = load_group(a, row, gr, gr < a.groups);
-  group_fields(t, f);
   uint32_t e[2];
-  group_escapes(t, e);
-  const int escapes = __popc(e[0]) + __popc(e[1]);
+  const int escapes = group_decode(t, f, e);
   int below = escapes;                                              // warp prefix sum: lanes <= this one
 #pragma unroll
   for (int d = 1; d < 32; d <<= 1) {

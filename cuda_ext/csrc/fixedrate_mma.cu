@@ -1,5 +1,6 @@
 // The fused y = x W^T on tensor cores (mma.sync m16n8k16, float32 accumulation) for 1..64 rows of
-// x (up to four m16 tiles share each decoded B fragment), W in the fixed-rate form. A warp takes 8 rows of W; lane (n, t) = (lane / 4, lane % 4)
+// x (up to four m16 tiles share each decoded B fragment), W in the fixed-rate form. A warp takes 8
+// rows of W; lane (n, t) = (lane / 4, lane % 4)
 // decodes group t of the current 128-weight tile of row n into 16 bf16/fp16 pairs, which are
 // exactly its B fragments: mma j (0..7) takes pairs 2j and 2j + 1 (k = 32t + 4j + {0, 1} and
 // + {2, 3}), a permutation of k inside the tile that the x (A) fragments follow. So the decoded
@@ -83,9 +84,7 @@ __device__ __forceinline__ void walk_block(const FrArrays& a, const uint16_t* __
     if (s + 1 < tiles) ahead = group_at(s + 1);
     const int64_t gr = blk * kFrBlockGroups + s * kFrTileGroups + t;
     uint32_t f[8], e[2];
-    group_fields(tg, f);
-    group_escapes(tg, e);
-    const int cnt = __popc(e[0]) + __popc(e[1]);
+    const int cnt = group_decode(tg, f, e);
     int incl = cnt;
 #pragma unroll
     for (int d = 1; d < 4; d <<= 1) {
