@@ -29,8 +29,9 @@ __global__ void __launch_bounds__(32 * kFrWarps) decode_kernel(FrArrays a, int64
   const int64_t wid = blockIdx.x * static_cast<int64_t>(kFrWarps) + threadIdx.x / 32;
   if (wid >= a.rows * a.blocks) return;
   const int64_t row = wid / a.blocks, blk = wid % a.blocks;
+  __shared__ uint4 stage[32 * kFrWarps][2];
   uint32_t f[8];
-  const FrGroup t = block_fields(a, row, blk, f);
+  const FrGroup t = block_fields(a, row, blk, a.esc_start[row * a.blocks + blk], stage[threadIdx.x], f);
   const int64_t c0 = (blk * kFrBlockGroups + (threadIdx.x & 31)) * kFrGroup;
   uint32_t w[16];
 #pragma unroll

@@ -96,12 +96,22 @@ __global__ void __launch_bounds__(32 * kFrWarps) gemv_kernel(FrArrays a, const u
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t row0 = (blockIdx.x * static_cast<int64_t>(kFrWarps / splits) + warp / splits) * R;
   const int64_t kp = a.groups * kFrGroup;
+  __shared__ uint4 stage[32 * kFrWarps][2];
+  int32_t starts[R];                    // lane l: esc_start of block l of each row (blocks 32 on: loaded when due)
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+    starts[r] = lane < a.blocks ? a.esc_start[min(row0 + r, a.rows - 1) * a.blocks + lane] : 0;
   float acc[R][B] = {};
   for (int64_t blk = warp % splits; blk < a.blocks; blk += splits) {
     uint32_t f[R][8];
     FrGroup t[R];
 #pragma unroll
-    for (int r = 0; r < R; ++r) t[r] = block_fields(a, min(row0 + r, a.rows - 1), blk, f[r]);
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = min(row0 + r, a.rows - 1);
+      const int32_t start = blk < 32 ? __shfl_sync(0xffffffffu, starts[r], static_cast<int>(blk))
+                                     : a.esc_start[row * a.blocks + blk];
+      t[r] = block_fields(a, row, blk, start, stage[threadIdx.x], f[r]);
+    }
     const int64_t gr = blk * kFrBlockGroups + lane, k0 = gr * kFrGroup;
 #pragma unroll
     for (int qq = 0; qq < 4; ++qq) {

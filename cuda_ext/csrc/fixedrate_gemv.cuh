@@ -79,43 +79,110 @@ __device__ __forceinline__ void group_escapes(const FrGroup& t, uint32_t e[2]) {
   e[1] = t.lo.y & (t.lo.y >> 1) & spread_nibbles((t.hi >> 4) & 0x0F0F0F0Fu);
 }
 
-// group_fields and group_escapes of one group; returns its escape count.
-__device__ __forceinline__ int group_decode(const FrGroup& t, uint32_t f[8], uint32_t e[2]) {
-  group_fields(t, f);
-  group_escapes(t, e);
-  return __popc(e[0]) + __popc(e[1]);
+// The escape flags of e[w] (bit 8b + 2s: weight 16w + 4s + b) in weight order, bit 4s + b: each
+// byte's four flags packed to a nibble (bit s), the nibbles to 16 bits (bit 4b + s), then that 4x4
+// bit matrix transposed by two delta swaps.
+__device__ __forceinline__ uint32_t weight_order(uint32_t e) {
+  e = (e | e >> 1) & 0x33333333u;                  // flag s at bits 0, 1, 4, 5 of its byte
+  e = (e | e >> 2) & 0x0F0F0F0Fu;                  // flag s at bit s
+  e = (e | e >> 4) & 0x00FF00FFu;
+  e = (e | e >> 8) & 0x0000FFFFu;                  // bit 4b + s
+  uint32_t d = (e ^ e >> 3) & 0x0A0Au;
+  e ^= d ^ d << 3;                                 // (b, s) <-> (b + 1, s - 1), b even, s odd
+  d = (e ^ e >> 6) & 0x00CCu;
+  return e ^ d ^ d << 6;                           // (b, s) <-> (b + 2, s - 2), b < 2, s >= 2
 }
 
-// Escaped fields in weight order from `rank` on (a rank past the array reads 0): word q, then
-// byte lane b. Word q is a compile-time index; only the byte lane inside it is not.
-__device__ __forceinline__ void patch_fields(const FrArrays& a, const uint32_t e[2], int64_t rank, uint32_t f[8]) {
-#pragma unroll
-  for (int q = 0; q < 8; ++q) {
-    uint32_t lanes = (e[q >> 2] >> (2 * (q & 3))) & 0x01010101u;      // bit 8b: weight 4q + b escapes
-    while (lanes) {
-      const int shift = __ffs(lanes) - 1;
-      lanes &= lanes - 1;
-      const uint32_t v = rank < a.n_esc ? a.esc[rank] : 0u;
-      ++rank;
-      f[q] = (f[q] & ~(0xFFu << shift)) | (v << shift);
+// group_fields and the group's escapes as a mask in weight order (bit i: weight i escapes).
+__device__ __forceinline__ uint32_t group_decode(const FrGroup& t, uint32_t f[8]) {
+  group_fields(t, f);
+  uint32_t e[2];
+  group_escapes(t, e);
+  return weight_order(e[0]) | weight_order(e[1]) << 16;
+}
+
+// esc's bytes seen as aligned 32-bit words: byte j lies in word (misalign + j) / 4, byte lane
+// (misalign + j) % 4. A word wholly inside the array is one load; bytes outside the array read 0.
+__device__ __forceinline__ int esc_misalign(const FrArrays& a) {
+  return static_cast<int>(reinterpret_cast<uintptr_t>(a.esc) & 3);
+}
+
+__device__ __forceinline__ uint32_t esc_byte(const FrArrays& a, int64_t j) { return j < a.n_esc ? a.esc[j] : 0u; }
+
+__device__ __forceinline__ uint32_t esc_word(const FrArrays& a, int64_t word) {
+  const int mis = esc_misalign(a);
+  const int64_t j0 = 4 * word - mis;                                // esc index of the word's byte 0
+  if (j0 >= 0 && j0 + 4 <= a.n_esc) return __ldg(reinterpret_cast<const uint32_t*>(a.esc - mis) + word);
+  uint32_t v = 0;
+  for (int i = 0; i < 4; ++i)
+    if (j0 + i >= 0) v |= esc_byte(a, j0 + i) << 8 * i;
+  return v;
+}
+
+// patch_fields: the escaped fields, in weight order, replace base + 7. The lane's 8 field words go
+// to its 32-byte slot of shared memory (byte i: weight i), escape i of the lane is stored at the
+// position of mask m's i-th bit, and the words come back. fetch(i) gives escape i's byte; every
+// lane calls it for i below the warp's largest count (it may shuffle), so no lane diverges.
+template <class Fetch>
+__device__ __forceinline__ void patch_fields(uint4 (&slot)[2], uint32_t m, uint32_t f[8], Fetch fetch) {
+  const int iters = static_cast<int>(__reduce_max_sync(0xffffffffu, static_cast<unsigned>(__popc(m))));
+  if (iters == 0) return;
+  slot[0] = make_uint4(f[0], f[1], f[2], f[3]);
+  slot[1] = make_uint4(f[4], f[5], f[6], f[7]);
+  auto* bytes = reinterpret_cast<uint8_t*>(slot);
+  for (int i = 0; i < iters; ++i) {
+    const uint32_t v = fetch(i);
+    if (m) {
+      bytes[__ffs(m) - 1] = static_cast<uint8_t>(v);
+      m &= m - 1;
     }
+  }
+  const uint4 s0 = slot[0], s1 = slot[1];
+  f[0] = s0.x, f[1] = s0.y, f[2] = s0.z, f[3] = s0.w, f[4] = s1.x, f[5] = s1.y, f[6] = s1.z, f[7] = s1.w;
+}
+
+// patch_fields without shared memory: escape i of the lane goes into byte lane b of f[q] by a byte
+// permute, the word chosen by predicate among the 8 (more ALU work, no load/store unit traffic).
+template <class Fetch>
+__device__ __forceinline__ void patch_fields_regs(uint32_t m, uint32_t f[8], Fetch fetch) {
+  const int iters = static_cast<int>(__reduce_max_sync(0xffffffffu, static_cast<unsigned>(__popc(m))));
+  for (int i = 0; i < iters; ++i) {
+    const uint32_t v = fetch(i);
+    const int pos = __ffs(m) - 1, b = pos & 3, qd = pos >> 2;      // pos -1 (no escape left): no word
+    m &= m - 1;
+    const uint32_t sel = 0x3210u ^ ((static_cast<uint32_t>(b) ^ 4u) << 4 * b);
+#pragma unroll
+    for (int q = 0; q < 8; ++q)
+      if (q == qd) f[q] = __byte_perm(f[q], v, sel);
   }
 }
 
-// The fields of lane's group of escape block `blk` of `row`, escapes patched (whole warp calls).
-__device__ __forceinline__ FrGroup block_fields(const FrArrays& a, int64_t row, int64_t blk, uint32_t f[8]) {
+// The fields of lane's group of escape block `blk` of `row`, escapes patched (whole warp calls;
+// `start` is the block's esc_start). Lane l requests word l of the escapes from the block's first
+// on with its group (128 bytes a warp: a block's escapes, unless it has more than about 125), so
+// the escapes cost no second trip to memory; a lane takes its bytes from the word's owner.
+__device__ __forceinline__ FrGroup block_fields(const FrArrays& a, int64_t row, int64_t blk, int64_t start,
+                                                uint4 (&slot)[2], uint32_t f[8]) {
   const int lane = threadIdx.x & 31;
   const int64_t gr = blk * kFrBlockGroups + lane;
   const FrGroup t = load_group(a, row, gr, gr < a.groups);
-  uint32_t e[2];
-  const int escapes = group_decode(t, f, e);
-  int below = escapes;                                              // warp prefix sum: lanes <= this one
+  const int64_t at = start + esc_misalign(a);
+  const uint32_t win = esc_word(a, (at >> 2) + lane);
+  const uint32_t m = group_decode(t, f);
+  const int cnt = __popc(m);
+  int below = cnt;                                                  // warp prefix sum: lanes <= this one
 #pragma unroll
   for (int d = 1; d < 32; d <<= 1) {
     const int v = __shfl_up_sync(0xffffffffu, below, d);
     if (lane >= d) below += v;
   }
-  if (escapes) patch_fields(a, e, a.esc_start[row * a.blocks + blk] + below - escapes, f);
+  const int first = static_cast<int>(at & 3) + below - cnt;         // window byte of the lane's first escape
+  patch_fields(slot, m, f, [&](int i) {
+    const int o = first + i;
+    uint32_t v = __shfl_sync(0xffffffffu, win, (o >> 2) & 31) >> 8 * (o & 3) & 0xFFu;
+    if (o >= 128 && i < cnt) v = esc_byte(a, start + below - cnt + i);
+    return v;
+  });
   return t;
 }
 

@@ -5,7 +5,8 @@
 // exactly its B fragments: mma j (0..7) takes pairs 2j and 2j + 1 (k = 32t + 4j + {0, 1} and
 // + {2, 3}), a permutation of k inside the tile that the x (A) fragments follow. So the decoded
 // weights never leave registers and need no shuffle. C: batch row lane / 4 (+ 8, + 16m), W rows 2t, 2t + 1.
-// Escape ranks: the row's block start plus a running count (a quad prefix sum per tile).
+// Escape ranks: the row's block start plus a running count (a quad prefix sum per tile); a lane
+// requests 8 bytes from its first escape on, and patches its fields through shared memory.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 
@@ -68,7 +69,7 @@ __device__ __forceinline__ void tile_mma(const uint16_t* __restrict__ x, int64_t
 // 8B layer at 1, 4 and 16 rows (H100, bench/fixedrate_gpu.py, 2026-11-26).
 template <bool kBf16, int kSlots>
 __device__ __forceinline__ void walk_block(const FrArrays& a, const uint16_t* __restrict__ x, int nx, int64_t row,
-                                           int64_t blk, float (&c)[(kSlots + 1) / 2][4]) {
+                                           int64_t blk, uint4 (&slot)[2], float (&c)[(kSlots + 1) / 2][4]) {
   const int t = threadIdx.x & 3;
   const int64_t kp = a.groups * kFrGroup;
   const int tiles = static_cast<int>(min(static_cast<int64_t>(kFrBlockGroups / kFrTileGroups),
@@ -77,36 +78,55 @@ __device__ __forceinline__ void walk_block(const FrArrays& a, const uint16_t* __
     const int64_t gr = blk * kFrBlockGroups + s * kFrTileGroups + t;
     return load_group(a, row, gr, gr < a.groups);
   };
-  int64_t run = a.esc_start[row * a.blocks + blk];                 // escapes before this tile, in the row
+  int32_t run = a.esc_start[row * a.blocks + blk];                 // escapes before this tile, in the row
   FrGroup tg = group_at(0);
   for (int s = 0; s < tiles; ++s) {                                  // warp-uniform
     FrGroup ahead{};
     if (s + 1 < tiles) ahead = group_at(s + 1);
     const int64_t gr = blk * kFrBlockGroups + s * kFrTileGroups + t;
-    uint32_t f[8], e[2];
-    const int cnt = group_decode(tg, f, e);
+    uint32_t f[8];
+    const uint32_t m = group_decode(tg, f);
+    const int cnt = __popc(m);
     int incl = cnt;
 #pragma unroll
     for (int d = 1; d < 4; d <<= 1) {
       const int v = __shfl_up_sync(0xffffffffu, incl, d, 4);
       if (t >= d) incl += v;
     }
-    if (cnt) patch_fields(a, e, run + incl - cnt, f);
+    const int32_t first = run + incl - cnt;                          // the lane's first escape (esc_start
+    const uint32_t at = static_cast<uint32_t>(first) + esc_misalign(a);  // is int32: ranks fit 31 bits)
+    uint32_t w0 = 0, w1 = 0;                                        // its 5 to 8 bytes from there
+    if (cnt) w0 = esc_word(a, at >> 2), w1 = esc_word(a, (at >> 2) + 1);
+    auto fetch = [&](int i) {
+      const int o = static_cast<int>(at & 3) + i;
+      uint32_t v = (o < 4 ? w0 : w1) >> 8 * (o & 3) & 0xFFu;
+      if (o >= 8 && i < cnt) v = esc_byte(a, first + i);
+      return v;
+    };
+    if constexpr (kSlots <= 2) patch_fields(slot, m, f, fetch);       // through shared memory; from 32 rows,
+    else patch_fields_regs(m, f, fetch);                             // x's loads fill the load/store unit
     run += __shfl_sync(0xffffffffu, incl, 3, 4);
     tile_mma<kBf16, kSlots>(x, kp, nx, gr, gr < a.groups, tg, f, c);
     tg = ahead;
   }
 }
 
+// CTAs an SM the registers must allow: at 32 rows 5 (96 registers: faster than 98 and 4 CTAs);
+// at 8 and 16 rows 7 (what the compiler chooses unasked; 8, with 64 registers, was slower).
+template <int kSlots>
+constexpr int kMmaCtas = kSlots == 4 ? 5 : kSlots == 8 ? 2 : 7;
+
 template <bool kBf16, int kSlots>
-__global__ void __launch_bounds__(32 * kMmaWarps) mma_kernel(FrArrays a, const uint16_t* __restrict__ x, int nx,
-                                                             int splits, uint16_t* __restrict__ y) {
+__global__ void __launch_bounds__(32 * kMmaWarps, kMmaCtas<kSlots>) mma_kernel(FrArrays a, const uint16_t* __restrict__ x,
+                                                                               int nx, int splits, uint16_t* __restrict__ y) {
   constexpr int kM = (kSlots + 1) / 2;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t row0 = (blockIdx.x * static_cast<int64_t>(kMmaWarps / splits) + warp / splits) * 8;
   const int64_t row = min(row0 + (lane >> 2), a.rows - 1);
+  __shared__ uint4 stage[32 * kMmaWarps][2];
   float c[kM][4] = {};
-  for (int64_t blk = warp % splits; blk < a.blocks; blk += splits) walk_block<kBf16, kSlots>(a, x, nx, row, blk, c);
+  for (int64_t blk = warp % splits; blk < a.blocks; blk += splits)
+    walk_block<kBf16, kSlots>(a, x, nx, row, blk, stage[threadIdx.x], c);
   __shared__ float red[kMmaWarps][32][4 * kM];
 #pragma unroll
   for (int i = 0; i < 4 * kM; ++i) red[warp][lane][i] = c[i / 4][i % 4];
