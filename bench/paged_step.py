@@ -5,7 +5,8 @@ the runner's step at batch 1, 32 and 64: eager, replayed as a CUDA graph, the wh
 the modules' (paged.Modules) each, beside the limit (weight bytes / the device's measured read
 bandwidth) in the same run. Then the kernels of one eager batch-1 step, by GPU time, and each
 step kind against llama.py's own forward (the padded engine's) on one 8-token prompt: the
-first decode step's largest logit difference and the greedy tokens that agree.
+first decode step's largest logit difference and the greedy tokens that agree (`--peaked`: on
+the model whose logits are shaped like a trained model's, `peak`; the timings are the same).
 
     python bench/paged_step.py                         # a lent GPU (scripts/gpu/run.sh stage paged-step)
     python bench/paged_step.py --smoke --device cpu    # the same path, 2 small layers, no figures
@@ -28,8 +29,11 @@ from service.engine.runner import Chunk, Decode, Runner  # noqa: E402
 from service.model import llama, paged  # noqa: E402
 
 
-def model(config: dict, device: torch.device, seed: int = 7) -> llama.LlamaForCausalLM:
-    """llama.py's model, weights N(0, 0.02) with per-row scales (norms N(1, 0.02)), bf16."""
+def model(config: dict, device: torch.device, seed: int = 7, peaked: bool = False) -> llama.LlamaForCausalLM:
+    """llama.py's model, weights N(0, 0.02) with per-row scales (norms N(1, 0.02)), bf16: its
+    logits are flat (no token stands out), so bf16 rounding flips its greedy picks. `peaked`:
+    the same weights, then embeddings and lm_head rebuilt (`peak`) so that each token has a
+    definite next token, as a trained model's logits do."""
     torch.manual_seed(seed)
     with torch.device(device):
         m = llama.LlamaForCausalLM(llama.LlamaConfig.parse(config), device).to(torch.bfloat16)
@@ -40,7 +44,56 @@ def model(config: dict, device: torch.device, seed: int = 7) -> llama.LlamaForCa
             else:
                 rows = 0.02 * torch.exp(0.3 * torch.randn(p.shape[0], 1, device=device))
                 p.copy_(torch.randn_like(p, dtype=torch.float32) * rows)
+    if peaked:
+        peak(m.eval(), seed)
     return m.eval()
+
+
+PEAK_LEAD = 4.0      # the median lead of a token's planted successor over the flat logits' largest
+PEAK_SPREAD = 0.35   # sd of log(lead) across tokens: p5 of the leads 2.2, p95 7.1
+
+
+@torch.no_grad()
+def peak(m: llama.LlamaForCausalLM, seed: int, lead: float = PEAK_LEAD, spread: float = PEAK_SPREAD) -> None:
+    """Trained-like logits on the flat model, its layers untouched (docs/BENCHMARKS.md):
+    1. embeddings N(0, r^2), r the last residual's rms (the final norm's input; 8 random
+       40-token sequences): the input token is then about half of the last residual's energy;
+    2. lm_head's random rows scaled by how much that grew the last residual, which the final norm
+       divides out: each layer's rounding reaches the logits as strongly as in the flat model
+       (their spread grows as much: the embedding passes through these rows too);
+    3. a readout: lm_head row nxt[t] += gain[t] * embed[t] / |embed[t]|, nxt a fixed permutation,
+       gain[t] such that the planted logit leads the (median) largest flat logit by
+       lead * exp(spread * N(0, 1)): confident tokens and a tail of unsure ones."""
+    device, v = m.lm_head.weight.device, m.config.vocab_size
+    g = torch.Generator(device=device).manual_seed(seed + 1)
+    ids = torch.randint(v, (8, 40), generator=g, device=device)
+    flat_rms = readout(m, ids)[0].pow(2).mean().sqrt()
+    emb = m.model.embed_tokens.weight
+    emb.copy_(torch.randn(emb.shape, generator=g, device=device) * flat_rms)
+    h, x, logits = readout(m, ids)
+    grown = h.pow(2).mean().sqrt() / flat_rms
+    unit = torch.nn.functional.normalize(emb.float(), dim=-1)                               # [V, E]
+    per_gain = (x * unit[ids.flatten()]).sum(-1).median()            # the planted logit per unit of gain
+    leads = lead * torch.exp(spread * torch.randn(v, 1, generator=g, device=device))      # [V, 1]
+    gains = ((logits.max(-1).values * grown).median() + leads) / per_gain
+    nxt = torch.randperm(v, generator=g, device=device)
+    w = m.lm_head.weight
+    w.copy_((w.float() * grown).index_add_(0, nxt, gains * unit))
+    m.next_token = nxt                                          # token t's planted successor: nxt[t]
+
+
+def readout(m: llama.LlamaForCausalLM, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """For each position of `ids` [B, S], float32: the last residual (the final norm's input)
+    [B*S, E], lm_head's input [B*S, E] and the logits [B*S, V]."""
+    seen = {}
+    hooks = [m.model.norm.register_forward_pre_hook(lambda _, a: seen.__setitem__("h", a[0])),
+             m.lm_head.register_forward_pre_hook(lambda _, a: seen.__setitem__("x", a[0]))]
+    try:
+        logits = m(input_ids=ids, use_cache=False).logits.flatten(0, 1).float()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return seen["h"].float(), seen["x"].float(), logits
 
 
 def timed(fn, device: torch.device, repeat: int) -> float:
@@ -139,12 +192,13 @@ def main() -> None:
     ap.add_argument("--position", type=int, default=72, help="keys each row has (8 prompt + 64 new)")
     ap.add_argument("--repeat", type=int, default=30)
     ap.add_argument("--agree-tokens", type=int, default=16, help="greedy tokens compared with llama.py's forward")
+    ap.add_argument("--peaked", action="store_true", help="logits shaped like a trained model's (`peak`)")
     ap.add_argument("--smoke", action="store_true", help="2 small layers: checks the path, no figures")
     ap.add_argument("--json")
     args = ap.parse_args()
     device = torch.device(args.device)
     config = {**CONFIG, **SMOKE} if args.smoke else CONFIG
-    m = model(config, device)
+    m = model(config, device, peaked=args.peaked)
     weight_bytes = sum(p.nbytes for p in m.parameters())
     block_size, rows = 16, max(args.rows)
     width = -(-(args.position + 1) // block_size)
@@ -152,7 +206,7 @@ def main() -> None:
     limit = read_bandwidth(args.device) / weight_bytes
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "date": time.strftime("%Y-%m-%d %H:%M"), "weight_bytes": weight_bytes,
-              "limit_tokens_per_s": limit}
+              "limit_tokens_per_s": limit, "model": "peaked" if args.peaked else "flat"}
     fused = step_kernels.triton_kernels(device)
     for kind in (["triton"] if fused else []) + ["modules"]:
         if kind == "triton":                     # as the engine does (paging.py); the modules' weights become views
