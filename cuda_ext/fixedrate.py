@@ -10,6 +10,7 @@ the rANS streams are not transcoded straight into the form.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,6 +63,29 @@ class FixedRateWeight:
         dtype = next(k for k, v in _DTYPES.items() if v == fr.dtype)
         arrays = (fr.plane, fr.lo.view(np.int32), fr.hi.view(np.int32), fr.base, fr.esc, fr.esc_start)
         return cls(fr.rows, fr.cols, dtype, *(torch.from_numpy(np.ascontiguousarray(a)).to(device) for a in arrays))
+
+
+def cat_rows(parts: list[FixedRateWeight]) -> FixedRateWeight:
+    """The parts' rows stacked into one weight (same cols and dtype). Rows are independent in the
+    form but for esc_start, an index into esc: each part's starts move by the escapes before it."""
+    first = parts[0]
+    if any(p.cols != first.cols or p.dtype != first.dtype or p.plane.device != first.plane.device for p in parts):
+        raise ValueError("cat_rows joins weights of one cols, dtype and device")
+    offsets = list(itertools.accumulate((p.esc.numel() for p in parts), initial=0))
+    if offsets[-1] >= 2 ** 31:
+        raise ValueError(f"cat_rows: {offsets[-1]} escapes do not fit esc_start's int32")
+    esc_start = torch.cat([p.esc_start + int(off) for p, off in zip(parts, offsets)])
+    return FixedRateWeight(sum(p.rows for p in parts), first.cols, first.dtype,
+                           *(torch.cat([getattr(p, a) for p in parts]) for a in ("plane", "lo", "hi", "base", "esc")),
+                           esc_start)
+
+
+def row_views(w: FixedRateWeight, rows: list[int]) -> list[FixedRateWeight]:
+    """w's rows split into weights of `rows` rows each, as views (no copy): each keeps w's whole
+    esc, which its rows of esc_start index into."""
+    cut = lambda t: t.split(rows)                                    # noqa: E731
+    return [FixedRateWeight(n, w.cols, w.dtype, *parts, w.esc, es)
+            for n, *parts, es in zip(rows, cut(w.plane), cut(w.lo), cut(w.hi), cut(w.base), cut(w.esc_start))]
 
 
 def encode(w: torch.Tensor) -> FixedRateWeight:

@@ -52,12 +52,29 @@ class FixedLinear(torch.nn.Module):
     """y = x W^T (+ b), W [out, in] held in the fixed-rate form (its arrays are buffers, so an
     unload's `model.to("meta")` frees them)."""
 
-    def __init__(self, linear: torch.nn.Linear, w: fixedrate.FixedRateWeight):
+    def __init__(self, w: fixedrate.FixedRateWeight, bias: torch.nn.Parameter | None):
         super().__init__()
-        self.in_features, self.out_features, self.dtype = linear.in_features, linear.out_features, w.dtype
+        self.in_features, self.out_features, self.dtype = w.cols, w.rows, w.dtype
+        self.hold(w)
+        self.bias = bias                         # a Linear's: on meta until the load assigns it
+
+    def hold(self, w: fixedrate.FixedRateWeight) -> None:
         for name, t in zip(ARRAYS, w.arrays):
             self.register_buffer(name, t, persistent=False)
-        self.bias = linear.bias                  # on meta until the load assigns it
+
+    @staticmethod
+    def join(parent: torch.nn.Module, name: str, parts: tuple[FixedLinear, ...]) -> None:
+        """paged.fuse_projections for FixedLinears: the parts' forms stacked into one FixedLinear,
+        `parent.{name}_linear` (one launch instead of len(parts); the k and v matrices alone fill
+        under a wave of an H100), the parts' arrays become row views of it; once."""
+        if hasattr(parent, f"{name}_linear") or len({(type(p), p.dtype, p.in_features, p.bias is None)
+                                                     for p in parts}) != 1:
+            return
+        joined = fixedrate.cat_rows([p.weight_form for p in parts])
+        bias = None if parts[0].bias is None else torch.cat([p.bias.detach() for p in parts])
+        parent.add_module(f"{name}_linear", FixedLinear(joined, bias))
+        for p, view in zip(parts, fixedrate.row_views(joined, [p.out_features for p in parts])):
+            p.hold(view)
 
     @property
     def weight_form(self) -> fixedrate.FixedRateWeight:
@@ -78,7 +95,7 @@ def attach(model: torch.nn.Module, kept: dict[str, fixedrate.FixedRateWeight]) -
         owner, attr = llama.owner_of(model, name.removesuffix(".weight"))
         module = getattr(owner, attr, None)
         if name.endswith(".weight") and type(module) is llama.Linear:
-            setattr(owner, attr, FixedLinear(module, w))
+            setattr(owner, attr, FixedLinear(w, module.bias))
             held += w.nbytes
         else:
             rest[name] = fixedrate.decode(w)

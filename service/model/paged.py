@@ -177,7 +177,8 @@ def fuse_projections(model: llama.LlamaForCausalLM) -> None:
     on an H100, and on the CPU's linear16 bit for bit the same outputs in fewer calls
     (docs/BENCHMARKS.md). The modules' weights become row views of the joined buffer, so no
     byte is held twice, the modules still compute alone, and `model.to("meta")` (an unload)
-    frees it. Only `joinable` Linears of one class and dtype, all with bias or none; once."""
+    frees it. Only `joinable` Linears of one class and dtype, all with bias or none; once.
+    FixedLinears (compressed mode's fixed-rate form) join their own way (fixed.FixedLinear.join)."""
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         _join(attn, "qkv", (attn.q_proj, attn.k_proj, attn.v_proj))
@@ -185,6 +186,9 @@ def fuse_projections(model: llama.LlamaForCausalLM) -> None:
 
 
 def _join(parent: torch.nn.Module, name: str, parts: tuple[torch.nn.Linear, ...]) -> None:
+    join = getattr(type(parts[0]), "join", None)              # a held form's own (fixed.FixedLinear)
+    if join is not None:
+        return join(parent, name, parts)
     if hasattr(parent, f"{name}_weight") or not getattr(type(parts[0]), "joinable", False) \
             or len({(type(p), p.weight.dtype, p.bias is None, getattr(p, 'packed', False)) for p in parts}) != 1:
         return
@@ -201,6 +205,9 @@ def _join(parent: torch.nn.Module, name: str, parts: tuple[torch.nn.Linear, ...]
 def _joined(parent: torch.nn.Module, name: str, parts: tuple[torch.nn.Linear, ...],
             x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Each part's output: one matmul over the joined weight (column views of it), else each module."""
+    linear = getattr(parent, f"{name}_linear", None)         # FixedLinears joined
+    if linear is not None:
+        return linear(x).split([p.out_features for p in parts], -1)
     weight = getattr(parent, f"{name}_weight", None)
     if weight is None:
         return tuple(p(x) for p in parts)

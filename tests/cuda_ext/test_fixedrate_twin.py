@@ -99,3 +99,20 @@ def test_round_trip_through_codec_objects():
     back = fr_ops.FixedRateWeight.from_codec(fr.to_codec())
     assert_same_arrays(list(back.arrays), list(fr.arrays))
     assert np.array_equal(F.decode(fr.to_codec()), w.view(torch.int16).numpy().view(np.uint16))
+
+
+def test_cat_rows_and_row_views_decode_to_the_parts():
+    parts = [fr_ops.sample_weight(torch.bfloat16, rows, 1000, seed=10 + rows, finite=True) for rows in (7, 1, 33)]
+    joined = fr_ops.cat_rows([fr_ops.encode(w) for w in parts])
+    assert joined.esc.numel() > 0 and torch.equal(fr_ops.decode(joined).view(torch.int16), torch.cat(parts).view(torch.int16))
+    for view, w in zip(fr_ops.row_views(joined, [7, 1, 33]), parts):
+        assert view.plane.untyped_storage().data_ptr() == joined.plane.untyped_storage().data_ptr()   # no copy
+        assert torch.equal(fr_ops.decode(view).view(torch.int16), w.view(torch.int16))
+        x = fr_ops.padded_x(3, view, seed=1)
+        assert torch.equal(ops.fixedrate_linear(x, *view.arrays, view.cols), fr_ops.reference_linear(x, *view.arrays, view.cols))
+
+
+def test_cat_rows_refuses_other_shapes():
+    a, b = (fr_ops.encode(fr_ops.sample_weight(torch.bfloat16, 2, cols, seed=cols)) for cols in (64, 96))
+    with pytest.raises(ValueError):
+        fr_ops.cat_rows([a, b])

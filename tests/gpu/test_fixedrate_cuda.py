@@ -70,6 +70,46 @@ def test_fused_error_within_twice_cublas(kernel, kind, shape):
         assert err <= 2 * base + 1e-30, (n, err, base)
 
 
+def spread_exponents(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """Finite weights whose exponents spread over 40 values: most escape, a block's escapes run far
+    past the kernels' windows (128 bytes a block, 8 a lane), so their slow path runs too."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    e = torch.randint(100, 140, (rows, cols), generator=g, device="cuda")
+    m = torch.randint(0, 256, (rows, cols), generator=g, device="cuda")      # sign and mantissa
+    return ((m & 0x80) << 8 | e << 7 | (m & 0x7F)).to(torch.int16).view(torch.bfloat16)
+
+
+@pytest.mark.parametrize("kernel", [0, 1])
+def test_escapes_past_the_windows_and_at_any_alignment(kernel):
+    """Most weights escaping, and the escape array at each misalignment (a row view of a joined
+    weight keeps the joined esc; a slice may start anywhere): bit-exact decode, the fused output
+    the same bits whatever esc's address, within 2x cuBLAS's error."""
+    w = spread_exponents(40, 4096 + 96, 3)
+    fr = fr_ops.encode(w)
+    assert fr.esc.numel() > 0.7 * w.numel()
+    for shift in range(4):
+        esc = torch.cat([torch.zeros(shift, dtype=torch.uint8, device="cuda"), fr.esc])[shift:]
+        moved = fr_ops.FixedRateWeight(fr.rows, fr.cols, fr.dtype, fr.plane, fr.lo, fr.hi, fr.base, esc, fr.esc_start)
+        assert torch.equal(fr_ops.decode(moved).view(torch.int16), w.view(torch.int16)), shift
+        for n in ([1, 4, 16] if kernel == 1 else [1, 4, 16, 17, 32, 64]):
+            x = torch.randn(n, fr.cols, device="cuda", generator=torch.Generator(device="cuda").manual_seed(n)).bfloat16()
+            ours = fr_ops.linear(x, moved, kernel)
+            assert torch.equal(ours.view(torch.int16), fr_ops.linear(x, fr, kernel).view(torch.int16)), (shift, n)
+            ref = x.double() @ w.double().T
+            err, base = (ours.double() - ref).abs().max().item(), (F.linear(x, w).double() - ref).abs().max().item()
+            assert err <= 2 * base + 1e-30, (shift, n, err, base)
+
+
+def test_row_views_of_a_joined_weight_multiply_as_their_parts():
+    ws = [trained_like(rows, 4096, rows) for rows in (512, 128, 128)]
+    joined = fr_ops.cat_rows([fr_ops.encode(w) for w in ws])
+    for view, w in zip(fr_ops.row_views(joined, [512, 128, 128]), ws):
+        alone = fr_ops.encode(w)
+        for n in (1, 5, 16, 32):
+            x = torch.randn(n, 4096, device="cuda", generator=torch.Generator(device="cuda").manual_seed(n)).bfloat16()
+            assert torch.equal(fr_ops.linear(x, view).view(torch.int16), fr_ops.linear(x, alone).view(torch.int16))
+
+
 def test_more_than_64_rows_decode_then_cublas():
     w = trained_like(512, 1000, 1)
     fr = fr_ops.encode(w)

@@ -84,3 +84,24 @@ def test_same_tokens_as_decoded_mode_on_cuda(dense_demo_archive, batch) -> None:
     a row that generates past its end of turn at a near-tie ("2 + 2 =": token 19 of 32, H100)."""
     assert_same_greedy(served(dense_demo_archive, "decoded", "cuda"), served(dense_demo_archive, "compressed", "cuda"),
                        batch, exact_logits=False, to_end_of_turn=True)
+
+
+def test_joined_projections_are_views_of_one_form() -> None:
+    """paged.fuse_projections on FixedLinears: one FixedLinear over the stacked forms, each part's
+    arrays row views of it (no byte twice), the joined matmul giving each part's outputs."""
+    from service.model import paged
+    ws = [fixedrate.sample_weight(torch.bfloat16, rows, 96, seed=rows, finite=True) for rows in (64, 16, 16)]
+    parent = torch.nn.Module()
+    parts = tuple(fixed.FixedLinear(fixedrate.encode(w), None) for w in ws)
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(0)).bfloat16()
+    alone = [p(x) for p in parts]
+    paged._join(parent, "qkv", parts)
+    joined = parent.qkv_linear
+    assert joined.out_features == 96 and torch.equal(fixedrate.decode(joined.weight_form), torch.cat(ws))
+    for p, w in zip(parts, ws):
+        assert p.plane.untyped_storage().data_ptr() == joined.plane.untyped_storage().data_ptr()
+        assert p.esc is joined.esc and torch.equal(fixedrate.decode(p.weight_form), w)
+    for got, want in zip(paged._joined(parent, "qkv", parts, x), alone):
+        torch.testing.assert_close(got, want, rtol=0.02, atol=1e-3)
+    paged._join(parent, "qkv", parts)                                      # once
+    assert parent.qkv_linear is joined
