@@ -10,6 +10,7 @@ Each side is captured in one CUDA graph of its seven calls and replayed (launch 
 from __future__ import annotations
 
 import argparse
+import subprocess
 import json
 import statistics
 import time
@@ -78,6 +79,19 @@ def transcode(layer: dict) -> tuple[dict, float]:
     return frs, time.perf_counter() - t
 
 
+def clocks() -> str:
+    """The SM clock now and its maximum, and the power draw and limit (nvidia-smi): the fused kernels
+    are bound by instruction issue, cuBLAS by memory, so their ratio moves with the SM clock; boxes
+    differ (the same code measured 1.49 and 1.66 at 16 rows on two H100s, 2026-11-26)."""
+    q = "clocks.sm,clocks.max.sm,power.draw,power.limit"
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader", f"--id={torch.cuda.current_device()}"],
+                             capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "clocks unknown"
+    return f"SM clock, max, power, limit: {out}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=20)
@@ -95,11 +109,12 @@ def main() -> None:
               "transcode_s": seconds, "transcode_gbps": raw / seconds / 1e9,
               "decode_ms": graph_ms(lambda: [fr_ops.decode(fr, decoded[k]) for k, fr in frs.items()], args.reps)}
     report["rows"] = {n: one_batch(n, layer, decoded, frs, args.reps) for n in LIMITS}
+    report["clocks"] = clocks()
     rows = report["rows"]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
-    print(f"\n{report['device']}, {report['date']}: Llama-3-8B layer, trained-like bf16")
+    print(f"\n{report['device']}, {report['date']}: Llama-3-8B layer, trained-like bf16; {report['clocks']}")
     print(f"  resident/bf16 {report['ratio']:.4f}; transcoder bf16->form {report['transcode_gbps']:.1f} GB/s "
           f"({report['transcode_s'] * 1e3:.1f} ms), bit-exact {exact}; decode to scratch {report['decode_ms']:.3f} ms")
     print("  rows  cuBLAS ms  fused ms  fused/cuBLAS  limit  goal         tensor-core / CUDA-core / decode+cuBLAS ms")
