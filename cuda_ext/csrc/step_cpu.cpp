@@ -22,6 +22,7 @@
 //   k_cache, v_cache [slots, KV, D]   slots [N]   tables [B, M]   lengths [B]
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <omp.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -207,6 +208,21 @@ at::Tensor rope_store_cpu(const at::Tensor& q, const at::Tensor& k, const at::Te
   return out;
 }
 
+// A few rows' attention runs on the calling thread: SDPA's parallel_for opened an OpenMP region a
+// layer for microseconds of work, waking a sleeping worker (the server's OMP_WAIT_POLICY=PASSIVE).
+// omp_set_num_threads sets the calling thread's own team size, restored on leaving.
+constexpr int64_t kSerialScores = 1 << 14;   // rows x query heads x keys up to which it is serial
+
+struct SerialRegion {
+  int before = 0;
+  explicit SerialRegion(bool on) {
+    if (on && (before = omp_get_max_threads()) > 1) omp_set_num_threads(1);
+  }
+  ~SerialRegion() {
+    if (before > 1) omp_set_num_threads(before);
+  }
+};
+
 // paged._decode: each row's keys gathered by block (one narrow where a lone row's blocks follow
 // each other), the G = H / KV query heads of a KV head as SDPA's query length, SDPA
 at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -243,6 +259,7 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
   };
   c10::optional<at::Tensor> mask;
   if (!all) mask = (at::arange(keys, len.options()) < len.unsqueeze(1)).view({b, 1, 1, keys});   // [B, 1, 1, T]
+  SerialRegion serial(b * h * keys <= kSerialScores);
   auto out = at::scaled_dot_product_attention(q.unsqueeze(2).reshape({b, kv, h / kv, d}), gather(k_cache),
                                               gather(v_cache), mask, 0.0, false, scale);
   return out.view({b, h, 1, d}).select(2, 0).contiguous();                          // [B, H, D]
