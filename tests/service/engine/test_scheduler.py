@@ -65,6 +65,15 @@ def test_demo_greedy_tokens_equal_the_padded_engine(demo, together) -> None:
     assert generate(paged(demo), rows(), together) == generate(padded(demo), rows(), together)
 
 
+@pytest.mark.skipif(step_kernels.cpu_kernels(torch.device("cpu")) is None, reason="no step ops in the extension")
+def test_the_cpu_step_is_the_extensions_ops(tiny, monkeypatch) -> None:
+    """On the CPU the paged engine's step runs cuda_ext/csrc/step_cpu.cpp's ops, so the greedy
+    comparisons here test them; WCODEC_CPU_STEP=0: the modules."""
+    assert paged(tiny).runner.fused is step_kernels.cpu_kernels(torch.device("cpu"))
+    monkeypatch.setenv("WCODEC_CPU_STEP", "0")
+    assert paged(tiny).runner.fused is None
+
+
 def test_batched_rows_equal_alone(tiny) -> None:
     """Arrivals at different steps, chunked prompts, a cancellation, rows waiting for a free row
     and for blocks; every row's tokens equal its tokens alone (or part at a near-tie)."""
