@@ -21,7 +21,8 @@ def extensions():
     except ImportError:
         return {}
     cpu = [os.path.join(CSRC, name) for name in ("decode_float.cpp", "decode_quant.cpp", "crc32.cpp", "fixedrate.cpp",
-                                                 "encode_float.cpp", "encode_prepare.cpp", "linear16.cpp")]
+                                                 "encode_float.cpp", "encode_prepare.cpp", "linear16.cpp",
+                                                 "step_cpu.cpp")]
     common = dict(include_dirs=[os.path.abspath(CSRC)], extra_link_args=["-fopenmp"])
     if torch.version.cuda and shutil.which("nvcc"):
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)

@@ -17,7 +17,7 @@ import torch
 log = logging.getLogger("wcodec.cuda_ext")
 CSRC = Path(__file__).parent / "csrc"
 CPU_SOURCES = ("decode_float.cpp", "decode_quant.cpp", "crc32.cpp", "fixedrate.cpp", "encode_float.cpp",
-               "encode_prepare.cpp", "linear16.cpp")                                # as setup.py
+               "encode_prepare.cpp", "linear16.cpp", "step_cpu.cpp")                                # as setup.py
 CUDA_SOURCES = ("decode_float.cu", "decode_quant.cu", "crc32.cu", "fixedrate.cu", "fixedrate_gemv.cu",
                 "fixedrate_mma.cu", "encode_float.cu", "encode_prepare.cu")
 DEFAULT_ARCH_LIST = "8.0;8.6;8.9;9.0;10.0;12.0"     # A100, RTX 30xx, RTX 40xx/L4, Hopper, B200, RTX 5090

@@ -111,6 +111,31 @@ LINEAR16_OPS = ("wcodec::linear16",)
 PACKED_OPS = ("wcodec::linear16_pack", "wcodec::linear16_packed")
 
 
+def add_rms_norm(x: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 lanes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """step_kernels.add_rms_norm_reference(x, h, weight, eps) bit for bit on the CPU (step_cpu.cpp), x
+    [N, E], h and the weight of x's dtype: (x + h, RMSNorm(x + h)). `lanes` (8 or 16): the floats a
+    vector of ATen's sum kernel, whose order of sums it follows (step_kernels.norm_lanes)."""
+    return torch.ops.wcodec.add_rms_norm.default(x, h, weight, eps, lanes)
+
+
+def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """step_kernels.rope_store_reference bit for bit on the CPU: rotary on q and k, k and v into
+    their slots of the caches; returns the rotated q [N, H, D] (contiguous)."""
+    return torch.ops.wcodec.rope_store.default(q, k, v, cos, sin, k_cache, v_cache, slots)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                     lengths: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
+    """paged.Modules.decode_attention bit for bit on the CPU (the same gather and SDPA, in one call):
+    q [B, H, D], each row against the first lengths[b] keys of its block table -> [B, H, D]."""
+    return torch.ops.wcodec.decode_attention.default(q, k_cache, v_cache, tables, lengths, block_size, scale)
+
+
+STEP_OPS = ("wcodec::add_rms_norm", "wcodec::rope_store", "wcodec::decode_attention")
+
+
 def prepare_plane(data: torch.Tensor, dtype: int) -> list[torch.Tensor]:
     """Split a plane's elements (uint8 `data`, 1-D; `dtype` a plan.DTYPE_CODES value, or
     plan.BYTES_CODE for bytes coded whole) and choose its tables, as floatcodec.prepare /
@@ -180,6 +205,13 @@ def register_fakes() -> None:
         torch.library.register_fake("wcodec::linear16_packed")(
             lambda x, packed, bias=None: x.new_empty(*x.shape[:-1], packed.shape[0]))
         torch.library.register_fake("wcodec::linear16_pack")(lambda weight: torch.empty_like(weight))
+    if has_ops(STEP_OPS):
+        torch.library.register_fake("wcodec::add_rms_norm")(
+            lambda x, h, weight, eps, lanes: (torch.empty_like(x), torch.empty_like(x)))
+        torch.library.register_fake("wcodec::rope_store")(
+            lambda q, k, v, cos, sin, k_cache, v_cache, slots: q.new_empty(q.shape))
+        torch.library.register_fake("wcodec::decode_attention")(
+            lambda q, k_cache, v_cache, tables, lengths, block_size, scale: q.new_empty(q.shape))
     if has_ops(ENCODE_OPS):
         torch.library.register_fake("wcodec::prepare_plane")(_fake_prepare_plane)
         torch.library.register_fake("wcodec::prepare_planes")(_fake_prepare_planes)

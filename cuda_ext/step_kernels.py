@@ -13,6 +13,8 @@ Read me first.
 * The kernels (step_triton.py) know nothing of layers or models; `triton_kernels(device)` gives
   them on CUDA when triton imports (not with WCODEC_TRITON=0), and service/model/paged.py decides
   which a layer calls. The references here are the kernels' specification and tests' oracle.
+* On the CPU, `cpu_kernels(device)` gives csrc/step_cpu.cpp's twins, which round and sum as the
+  references do, bit for bit (the CPU engine's tokens are compared with the padded engine's).
 * Every launch is capturable in a CUDA graph: shapes come from the arguments, lengths and block
   tables are read on the device.
 
@@ -74,6 +76,46 @@ def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 REFERENCES = SimpleNamespace(add_rms_norm=add_rms_norm_reference, rope_store=rope_store_reference,
                              decode_attention=decode_attention_reference, silu_mul=silu_mul_reference)
 """The references as a kernel set: step_triton.py's interface (paged.Fused runs either)."""
+
+
+def cpu_kernels(device: torch.device) -> SimpleNamespace | None:
+    """csrc/step_cpu.cpp's ops on the CPU, where they give the references' bits: the extension has
+    them and add_rms_norm follows this torch's order of float sums (`norm_lanes`; WCODEC_CPU_STEP=0:
+    never). SiLU * up stays the reference; prompts are attended as chunks (SDPA, as the modules
+    attend them), not as decode rows. None elsewhere."""
+    if device.type != "cpu" or os.environ.get("WCODEC_CPU_STEP", "1") == "0":
+        return None
+    return _step_cpu()
+
+
+@lru_cache(maxsize=1)
+def _step_cpu() -> SimpleNamespace | None:
+    from . import available, ops
+    if not available().cpp or not ops.has_ops(ops.STEP_OPS, "cpu") or (lanes := norm_lanes()) is None:
+        return None
+
+    def add_rms_norm(x, h, weight, eps):
+        if weight.dtype != x.dtype:                # the reference's type promotion: not the op's
+            return add_rms_norm_reference(x, h, weight, eps)
+        return ops.add_rms_norm(x, h, weight, eps, lanes)
+    return SimpleNamespace(add_rms_norm=add_rms_norm, rope_store=ops.rope_store, decode_attention=ops.decode_attention,
+                           silu_mul=silu_mul_reference, prompts_as_decode_rows=False)
+
+
+@lru_cache(maxsize=1)
+def norm_lanes() -> int | None:
+    """The vector width (floats) of ATen's sum kernel here, which add_rms_norm must repeat: the one of
+    8 and 16 whose norms equal the reference's on probe rows (torch 2.13 sums with its AVX2 kernel,
+    8, under the AVX512 capability too: sum_stub has no AVX512 kernel); None: neither does."""
+    from . import ops
+    g = torch.Generator().manual_seed(0)
+    probes = [torch.randn(16, n, generator=g) * torch.exp2(torch.randint(-8, 9, (16, n), generator=g).float())
+              for n in (576, 1000, 4096)]
+    for lanes in (8, 16):
+        if all(torch.equal(ops.add_rms_norm(x, None, torch.ones(x.shape[1]), 1e-5, lanes)[1],
+                           add_rms_norm_reference(x, None, torch.ones(x.shape[1]), 1e-5)[1]) for x in probes):
+            return lanes
+    return None
 
 
 def triton_kernels(device: torch.device):

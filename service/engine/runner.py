@@ -14,7 +14,8 @@ Read me first.
   In compressed mode (service/model/compressed.py) the capture runs the modules' hooks once: the
   graph holds each Linear's decode on the side stream, one unit ahead, and the waits.
 * On CUDA every step runs the forward's Triton kernels (`fused`, paged.Fused), captured or not;
-  elsewhere the modules'. A new process takes seconds to compile
+  on the CPU the extension's twins of them (step_kernels.cpu_kernels), where built; elsewhere the
+  modules'. A new process takes seconds to compile
   (or load) Triton's kernels, so they are warmed on a thread (`warm_later`) while the modules
   serve; the first step after that adopts them (`adopt`), dropping the graphs captured so far.
 
@@ -196,7 +197,8 @@ class Runner:
         return -(-max(d.position + 1 for d in decodes) // self.block_size)
 
     def _eager_inputs(self, decodes: list[Decode], chunks: list[Chunk]) -> tuple[torch.Tensor, paged.Context]:
-        if self.fused is not None and chunks and all(c.start + len(c.tokens) <= SHORT_PROMPT for c in chunks):
+        if self.fused is not None and getattr(self.fused, "prompts_as_decode_rows", True) and chunks \
+                and all(c.start + len(c.tokens) <= SHORT_PROMPT for c in chunks):
             return self._as_decode_rows(decodes, chunks)
         b, bs = len(decodes), self.block_size
         ids, pos, slots, tables, lengths = self._decode_inputs(decodes, b, self._width(decodes)) if b else \

@@ -15,6 +15,8 @@ Read me first.
   products, RMSNorm, SDPA); `Fused` (CUDA) runs the small ops as Triton kernels
   (cuda_ext/step_triton.py: add + RMSNorm, rotary + cache write, paged decode attention,
   SiLU * up), equal to those up to float32 summation order; the projections stay the modules'.
+  On the CPU `Fused` runs the extension's twins (cuda_ext/csrc/step_cpu.cpp: add + RMSNorm, rotary
+  + cache write, the decode rows' gather and SDPA in one call each), equal to the modules' bit for bit.
 
     ids, positions, slots [N]   x [N, E]   q [N, H, D]   k, v [N, KV, D]
     cache k, v [L, slots, KV, D]   tables [B, M] (blocks)   lengths [B] (keys a decode row sees)
@@ -82,8 +84,9 @@ class PagedCache:
 def forward(model: llama.LlamaForCausalLM, ids: torch.Tensor, ctx: Context, cache: PagedCache,
             fused=None) -> torch.Tensor:
     """Logits [R, V] (float32) of the tokens `ctx.last` (all N when None), after writing every
-    token's keys and values into `cache`. `fused`: cuda_ext/step_triton.py (its kernels read the
-    norms' weights directly: compressed mode keeps them decoded); None: the modules, called."""
+    token's keys and values into `cache`. `fused`: cuda_ext/step_triton.py or step_kernels.cpu_kernels
+    (their kernels read the norms' weights directly: compressed mode keeps them decoded); None: the
+    modules, called."""
     m, ops = model.model, (Fused(fused) if fused is not None else MODULES)
     _masks(ctx, cache.block_size, ids.device, fused is None)                       # once a step, not a layer
     x = m.embed_tokens(ids)                                                        # [N, E]
@@ -130,8 +133,9 @@ MODULES = Modules()
 
 
 class Fused(Modules):
-    """The step of Triton kernels (cuda_ext/step_triton.py): add + RMSNorm, rotary + cache write,
-    paged decode attention, SiLU * up; the projections as the modules' step has them."""
+    """The step of Triton kernels (cuda_ext/step_triton.py), or on the CPU of the extension's ops
+    (step_kernels.cpu_kernels): add + RMSNorm, rotary + cache write, paged decode attention, SiLU *
+    up; the projections as the modules' step has them."""
 
     def __init__(self, kernels):
         self.k, self.rope_store, self.silu_mul = kernels, kernels.rope_store, kernels.silu_mul

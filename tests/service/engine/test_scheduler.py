@@ -65,6 +65,15 @@ def test_demo_greedy_tokens_equal_the_padded_engine(demo, together) -> None:
     assert generate(paged(demo), rows(), together) == generate(padded(demo), rows(), together)
 
 
+@pytest.mark.skipif(step_kernels.cpu_kernels(torch.device("cpu")) is None, reason="no step ops in the extension")
+def test_the_cpu_step_is_the_extensions_ops(tiny, monkeypatch) -> None:
+    """On the CPU the paged engine's step runs cuda_ext/csrc/step_cpu.cpp's ops, so the greedy
+    comparisons here test them; WCODEC_CPU_STEP=0: the modules."""
+    assert paged(tiny).runner.fused is step_kernels.cpu_kernels(torch.device("cpu"))
+    monkeypatch.setenv("WCODEC_CPU_STEP", "0")
+    assert paged(tiny).runner.fused is None
+
+
 def test_batched_rows_equal_alone(tiny) -> None:
     """Arrivals at different steps, chunked prompts, a cancellation, rows waiting for a free row
     and for blocks; every row's tokens equal its tokens alone (or part at a near-tie)."""
@@ -116,12 +125,13 @@ def test_pipelined_steps_give_the_tokens_of_waiting_steps(tiny) -> None:
 
 def test_kernels_warmed_beside_serving_are_adopted_between_steps(tiny) -> None:
     """Runner.warm_later (CUDA's Triton kernels; here their references): nothing compiles before
-    the first step or the idle deadline; the modules serve until the warm-up ends, no graph is
-    captured meanwhile, the engine is woken, the next step takes the kernels and the row goes on;
-    a warm-up that fails leaves the modules."""
+    the first step or the idle deadline; the step it had (here the CPU's ops) serves until the
+    warm-up ends, no graph is captured meanwhile, the engine is woken, the next step takes the
+    kernels and the row goes on; a warm-up that fails leaves the step it had."""
     refs = step_kernels.REFERENCES
     gate, woken, started = threading.Event(), threading.Event(), threading.Event()
     s = paged(tiny)
+    before = s.runner.fused                      # the CPU's step ops (step_kernels.cpu_kernels) or the modules
     s.runner.on_warmed = woken.set
     s.runner.warm_later(refs, lambda: (started.set(), gate.wait()))
     assert 0 < s.runner.warm_due_in() <= 1 and not started.wait(0.1)
@@ -129,7 +139,7 @@ def test_kernels_warmed_beside_serving_are_adopted_between_steps(tiny) -> None:
     s.add(row)
     s.step(), s.step()
     assert started.wait(5) and s.runner.warm_due_in() is None                   # the first step started it
-    assert s.runner.fused is None and len(row.ids) == 2 and not s.runner.capture_next()
+    assert s.runner.fused is before and len(row.ids) == 2 and not s.runner.capture_next()
     gate.set()
     assert woken.wait(5)
     while not s.idle:
@@ -138,7 +148,7 @@ def test_kernels_warmed_beside_serving_are_adopted_between_steps(tiny) -> None:
     broken = paged(tiny)
     broken.runner.warm_later(refs, lambda: 1 / 0, after_s=0)
     broken.runner.capture_next()                                                 # the idle engine's call: due
-    assert broken.runner.warmed.wait(5) and not broken.runner.adopt() and broken.runner.fused is None
+    assert broken.runner.warmed.wait(5) and not broken.runner.adopt() and broken.runner.fused is before
 
 
 def test_a_full_cache_makes_requests_wait(tiny) -> None:
