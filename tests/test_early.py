@@ -98,3 +98,45 @@ def test_the_prefill_is_for_lossless_archives_beside_free_cores(codec, flag, cpu
 def test_usage_errors_start_nothing(started, tmp_path: Path, capsys) -> None:
     assert entry.main(["compress", str(tmp_path / "x"), "--device", "gpu"]) == 2
     assert "usage:" in capsys.readouterr().err and started == [] and list(tmp_path.iterdir()) == []
+
+
+def test_torch_libraries_are_found_without_importing_torch(monkeypatch, tmp_path: Path) -> None:
+    found = early.torch_libraries()
+    assert [p.name for p in found] == list(early.TORCH_LIBRARIES)
+    assert found[0].parent == Path(torch.__file__).parent / "lib"
+    monkeypatch.setattr(early.importlib.util, "find_spec", lambda name: None)          # no torch to be found
+    assert early.torch_libraries() == []
+    assert early.torch_libraries(("libnot_there.so",)) == []
+
+
+@pytest.fixture
+def serve_started(monkeypatch):
+    """What `wcodec serve` starts before torch imports, recorded instead of done; the run stops
+    where the early reads would start."""
+    import sys
+
+    from wcodec import serve
+    calls: list = []
+    monkeypatch.setattr(serve.preload, "start", lambda paths, **kw: calls.append(("dlopen", [p.name for p in paths])))
+    monkeypatch.setattr(early, "start_cuda_context", lambda timeline=None: calls.append(("cuda",)))
+    monkeypatch.setattr(serve, "_start_early_reads", lambda *a: (_ for _ in ()).throw(SystemExit(3)))
+    for name in ("WCODEC_EARLY_DLOPEN", "WCODEC_EARLY_CUDA", "WCODEC_DEVICE"):
+        monkeypatch.delenv(name, raising=False)
+    switch = sys.getswitchinterval()            # run() shortens it before the early reads
+    yield calls
+    sys.setswitchinterval(switch)
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({}, [("dlopen", list(early.TORCH_LIBRARIES)), ("cuda",)]),
+    ({"WCODEC_DEVICE": "cpu"}, [("dlopen", list(early.TORCH_LIBRARIES))]),
+    ({"WCODEC_EARLY_DLOPEN": "0", "WCODEC_EARLY_CUDA": "0"}, []),
+    ({"WCODEC_EARLY_DLOPEN": "0", "WCODEC_DEVICE": "cuda"}, [("cuda",)]),
+])
+def test_serve_starts_the_dlopen_and_the_context_unless_told_not(env, expected, serve_started, monkeypatch,
+                                                                  tmp_path: Path) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit):
+        entry.main(["serve", "--store", str(tmp_path)])
+    assert serve_started == expected

@@ -1,6 +1,8 @@
 """Work `wcodec compress` starts before torch imports, on threads of its own (`start`): the CUDA
 context, and the archive file's page cache (codec/container.Prefill: zeros written into the file
 the writer then writes over, the pages of a new file being the costly part of writing it).
+`wcodec serve` starts the CUDA context too, and dlopens torch's CPU libraries meanwhile
+(`torch_libraries`, codec/preload.py: the import's own dlopen holds the GIL).
 
 `import torch` takes ~3 s on the H100 box and creating the CUDA context ~0.35 s after it. The
 context is the device's primary context, which the CUDA runtime (torch's) retains when it first
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import importlib.util
 import os
 import threading
 from pathlib import Path
@@ -26,6 +29,11 @@ CUDA_SUCCESS = 0
 LIBCUDA = "libcuda.so.1"
 PREFILL_RATIO = 0.7        # of the source's bytes: a lossless bf16 archive is ~0.665 of its source
 PREFILL_MIN_CPUS = 8       # the prefill takes a core beside the import: on 2 it slowed the command
+# torch's libraries a thread may dlopen before `import torch` does, in this order: their static
+# initialisers need no Python, and their dependencies resolve through their own RPATH as they
+# would in the import (libtorch_cuda is left to torch: torch/__init__.py preloads CUDA libraries
+# of the pip wheels before it)
+TORCH_LIBRARIES = ("libc10.so", "libtorch_cpu.so")
 
 
 def start(args: argparse.Namespace) -> Prefill | None:
@@ -57,6 +65,23 @@ def source_bytes(src: str) -> int:
         return 0
 
 
+def torch_libraries(names: tuple[str, ...] = TORCH_LIBRARIES) -> list[Path]:
+    """The files of `names` in the lib folder of the torch that `import torch` would import (found
+    without importing it); none where there is no such torch or folder."""
+    try:
+        spec = importlib.util.find_spec("torch")
+    except (ImportError, ValueError):
+        return []
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    paths = [Path(folders[0]) / "lib" / name for name in names] if folders else []
+    return paths if paths and all(p.is_file() for p in paths) else []
+
+
+def early_dlopen_wanted(environ=os.environ) -> bool:
+    """WCODEC_EARLY_DLOPEN=0: torch's libraries are left to its import (to time both ways)."""
+    return environ.get("WCODEC_EARLY_DLOPEN") != "0"
+
+
 def retain_primary_context(device: int = 0, lib: str = LIBCUDA) -> bool:
     """cuInit and cuDevicePrimaryCtxRetain of `device`; False where the driver or device is not there."""
     try:
@@ -69,8 +94,15 @@ def retain_primary_context(device: int = 0, lib: str = LIBCUDA) -> bool:
             and cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) == CUDA_SUCCESS)
 
 
-def start_cuda_context() -> threading.Thread:
-    """retain_primary_context() on a daemon thread, started now (the caller may join it or not)."""
-    thread = threading.Thread(target=retain_primary_context, name="wcodec-cuda-context", daemon=True)
+def start_cuda_context(timeline=None) -> threading.Thread:
+    """retain_primary_context() on a daemon thread, started now (the caller may join it or not);
+    a span of `timeline` (service/timeline.py) where one is given."""
+    def run() -> None:
+        if timeline is None:
+            retain_primary_context()
+            return
+        with timeline.span("CUDA context through the driver API"):
+            retain_primary_context()
+    thread = threading.Thread(target=run, name="wcodec-cuda-context", daemon=True)
     thread.start()
     return thread

@@ -1,7 +1,9 @@
 """`wcodec serve`: start-up as one timeline. Read me first.
 
-    0  the interpreter starts (the timeline's zero is the process's own start)
-    1  settings; then each preloaded model's archive starts reading into memory on a thread
+    0  the interpreter starts (the timeline's zero is the process's own start); a thread dlopens
+       torch's CPU libraries with the GIL released (wcodec/early.py, codec/preload.py)
+    1  settings; the CUDA context retained through the driver API on a thread (unless the device
+       is the CPU); then each preloaded model's archive starts reading into memory on a thread
        pool (service/load/early_read.py: no torch), verified as it arrives; four 2 MiB requests
        at a time until the imports are done (early_read.ImportGate), then all at once
     2  import torch; then, per preloaded model, a thread (service/load/early_load.py) makes the CUDA
@@ -20,7 +22,10 @@ import os
 import sys
 import threading
 
+from codec import preload
 from service.timeline import Timeline
+
+from . import early
 
 EXIT_ERROR = 1
 IMPORT_SWITCH_INTERVAL = 0.001           # s; Python's default 0.005 let the imports starve the early reads
@@ -45,6 +50,15 @@ def _settings(args: argparse.Namespace, timeline: Timeline):
         why = "; ".join(f"{Settings.env_name(err['loc'])}: {err['msg']}" for err in e.errors())
         print(f"wcodec: error: bad server settings: {why}", file=sys.stderr)
         return None
+
+
+def _start_cuda_context(settings, timeline: Timeline, environ=os.environ) -> bool:
+    """The CUDA context through the driver API beside the imports (wcodec/early.py), unless the
+    device is the CPU or WCODEC_EARLY_CUDA=0; torch's own start of it then finds it made."""
+    if (settings.device or "").startswith("cpu") or environ.get("WCODEC_EARLY_CUDA") == "0":
+        return False
+    early.start_cuda_context(timeline)
+    return True
 
 
 def _start_early_reads(settings, timeline: Timeline, gate) -> tuple[dict, dict]:
@@ -93,6 +107,7 @@ def run(args: argparse.Namespace, timeline: Timeline | None = None) -> int:
     if settings is None:
         return EXIT_ERROR
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _start_cuda_context(settings, timeline)
     from service.load.early_read import ImportGate
     gate = ImportGate()                      # the early reads stay narrow while the imports read files,
     switch = sys.getswitchinterval()         # and get the GIL back soon after each request
@@ -137,6 +152,8 @@ def main(argv: list[str]) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_ERROR)
+    if early.early_dlopen_wanted():
+        preload.start(early.torch_libraries(), name="wcodec-dlopen-torch", span=timeline.span)
     try:
         return run(args, timeline)
     except KeyboardInterrupt:

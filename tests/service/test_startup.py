@@ -63,6 +63,9 @@ def test_wcodec_serve_preloads_from_its_first_instant(store) -> None:
     assert at[early_read]["start"] <= at["import torch"]["start"]                   # reads begin before torch
     decoded = next(n for n in names if n.startswith("early load") and "batches decoded" in n)
     assert at[decoded]["start"] > at["import torch"]["end"]
+    dlopen = at["dlopen libtorch_cpu.so (GIL released)"]               # torch's CPU library beside the settings
+    assert dlopen["thread"] == "wcodec-dlopen-torch" and dlopen["start"] < at["import torch"]["start"]
+    assert "CUDA context through the driver API" not in names                     # WCODEC_DEVICE=cpu
     assert "start-up timeline" in log and "import uvicorn, fastapi and the service" in log
 
 
