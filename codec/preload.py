@@ -42,15 +42,15 @@ def dlopen_released(path: str | os.PathLike, mode: int = RTLD_NOW | RTLD_LOCAL) 
         return False
 
 
-def start(paths: Iterable[str | os.PathLike], name: str = "wcodec-preload",
+def start(libraries: Iterable[tuple[str | os.PathLike, int]], name: str = "wcodec-preload",
           span: Callable[[str], contextlib.AbstractContextManager] | None = None) -> threading.Thread:
-    """dlopen_released each of `paths` in order on a daemon thread, started now; one that does not
-    load ends the preload (a later one may need it). `span(name)`: a context manager timing each
-    library (a start-up timeline's)."""
+    """dlopen_released each (file, mode) of `libraries` in order on a daemon thread, started now;
+    one that does not load ends the preload (a later one may need it). `span(name)`: a context
+    manager timing each library (a start-up timeline's)."""
     def run() -> None:
-        for path in paths:
+        for path, mode in libraries:
             with (span or _untimed)(f"dlopen {Path(path).name} (GIL released)"):
-                if not dlopen_released(path):
+                if not dlopen_released(path, mode):
                     return
     thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()

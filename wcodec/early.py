@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import glob
 import importlib.util
 import os
+import re
+import sys
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -29,11 +32,8 @@ CUDA_SUCCESS = 0
 LIBCUDA = "libcuda.so.1"
 PREFILL_RATIO = 0.7        # of the source's bytes: a lossless bf16 archive is ~0.665 of its source
 PREFILL_MIN_CPUS = 8       # the prefill takes a core beside the import: on 2 it slowed the command
-# torch's libraries a thread may dlopen before `import torch` does, in this order: their static
-# initialisers need no Python, and their dependencies resolve through their own RPATH as they
-# would in the import (libtorch_cuda is left to torch: torch/__init__.py preloads CUDA libraries
-# of the pip wheels before it)
-TORCH_LIBRARIES = ("libc10.so", "libtorch_cpu.so")
+TORCH_LIBRARIES = ("libc10.so", "libtorch_cpu.so")   # as _C's dependencies, after what follows
+TORCH_GLOBAL_DEPS = "libtorch_global_deps.so"        # torch/__init__.py's first dlopen, RTLD_GLOBAL
 
 
 def start(args: argparse.Namespace) -> Prefill | None:
@@ -65,20 +65,88 @@ def source_bytes(src: str) -> int:
         return 0
 
 
-def torch_libraries(names: tuple[str, ...] = TORCH_LIBRARIES) -> list[Path]:
-    """The files of `names` in the lib folder of the torch that `import torch` would import (found
-    without importing it); none where there is no such torch or folder."""
+def torch_libraries(environ=os.environ) -> list[tuple[Path, int]]:
+    """(file, dlopen mode) of the libraries a thread may load ahead of `import torch`, exactly as
+    the import would: the same files, in the same order, with the same flags, so that the
+    import's own dlopens only count references (codec/preload.py). Found without importing torch.
+
+    A CPU torch: libc10 and libtorch_cpu. A CUDA torch first loads libtorch_global_deps, then
+    CUDA libraries of the pip wheels by path (torch/__init__.py's _preload_cuda_deps, whose list
+    is read from that file), then _C and its dependencies: replayed only with
+    WCODEC_EARLY_DLOPEN=cuda until timed on a GPU box; by default nothing, as libtorch_cpu's own
+    RPATH could find a CUDA library before torch's preload picks its file. None either where
+    torch is not found, with TORCH_USE_RTLD_GLOBAL (torch then loads _C another way), or where
+    torch's preload is not the one read here."""
+    folder = _torch_folder()
+    if folder is None or environ.get("TORCH_USE_RTLD_GLOBAL"):
+        return []
+    local = os.RTLD_NOW | os.RTLD_LOCAL
+    tail = [(folder / "lib" / name, local) for name in TORCH_LIBRARIES]
+    if not all(path.is_file() for path, _ in tail):
+        return []
+    if not (folder / "lib" / "libtorch_cuda.so").is_file():
+        return tail
+    if environ.get("WCODEC_EARLY_DLOPEN") != "cuda":
+        return []
+    deps = _torch_cuda_deps(folder)
+    if deps is None:
+        return []
+    return [(folder / "lib" / TORCH_GLOBAL_DEPS, os.RTLD_NOW | os.RTLD_GLOBAL), *((p, local) for p in deps), *tail]
+
+
+def _torch_folder() -> Path | None:
     try:
         spec = importlib.util.find_spec("torch")
     except (ImportError, ValueError):
-        return []
+        return None
     folders = list(spec.submodule_search_locations or []) if spec is not None else []
-    paths = [Path(folders[0]) / "lib" / name for name in names] if folders else []
-    return paths if paths and all(p.is_file() for p in paths) else []
+    return Path(folders[0]) if folders else None
+
+
+_PRELOAD_LIST = re.compile(r"def _preload_cuda_deps\(.*?cuda_libs[^=]*=\s*\[(.*?)\]\s*\n(.*?)\n(?=\S)", re.DOTALL)
+_PAIR = re.compile(r'\(\s*"([^"]+)",\s*"([^"]+)"\s*\)')
+_OPTIONAL = re.compile(r'_preload_cuda_lib\(\s*"([^"]+)",\s*"([^"]+)",\s*required=False\s*\)')
+_DEP_PATHS = 'os.path.join(path, "nvidia", f"cu{maj_cuda_version}", "lib", lib_name)'
+_CUDA_VERSION = re.compile(r"^cuda\b[^=]*=\s*['\"](\d+)\.", re.MULTILINE)
+
+
+def _torch_cuda_deps(folder: Path) -> list[Path] | None:
+    """The files torch/__init__.py's _preload_cuda_deps loads, in its order, found by its rules
+    (_get_cuda_dep_paths: nvidia/<folder>/lib, nvidia/cu<major>/lib, <folder>/lib under each
+    sys.path entry, the first match); None where that code is not the one read here or a
+    required library is missing (torch stops there too)."""
+    try:
+        source = (folder / "__init__.py").read_text()
+        major = _CUDA_VERSION.search((folder / "version.py").read_text())
+    except OSError:
+        return None
+    found = _PRELOAD_LIST.search(source)
+    if found is None or major is None or _DEP_PATHS not in source:
+        return None
+    wanted = [(*pair, True) for pair in _PAIR.findall(found.group(1))] + \
+             [(*pair, False) for pair in _OPTIONAL.findall(found.group(2))]
+    out = []
+    for lib_folder, pattern, required in wanted:
+        path = _cuda_dep_path(lib_folder, pattern, major.group(1))
+        if path is None and required:
+            return None
+        out += [] if path is None else [path]
+    return out or None
+
+
+def _cuda_dep_path(lib_folder: str, pattern: str, major: str) -> Path | None:
+    for entry in sys.path:
+        found = glob.glob(os.path.join(entry, "nvidia", lib_folder, "lib", pattern)) + \
+            glob.glob(os.path.join(entry, "nvidia", f"cu{major}", "lib", pattern)) + \
+            glob.glob(os.path.join(entry, lib_folder, "lib", pattern))
+        if found:
+            return Path(found[0])
+    return None
 
 
 def early_dlopen_wanted(environ=os.environ) -> bool:
-    """WCODEC_EARLY_DLOPEN=0: torch's libraries are left to its import (to time both ways)."""
+    """WCODEC_EARLY_DLOPEN=0: torch's libraries are left to its import (to time both ways);
+    =cuda: a CUDA torch's too (torch_libraries)."""
     return environ.get("WCODEC_EARLY_DLOPEN") != "0"
 
 

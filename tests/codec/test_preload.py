@@ -65,6 +65,8 @@ def test_start_loads_in_order_and_stops_at_the_first_failure(libs: Path, tmp_pat
         spans.append(name)
         return preload._untimed(name)
 
-    preload.start([libs / "libb.so", tmp_path / "missing.so", libs / "libc.so"], span=span).join()
+    mode = preload.RTLD_NOW | preload.RTLD_LOCAL
+    preload.start([(libs / "libb.so", mode), (tmp_path / "missing.so", mode), (libs / "libc.so", mode)],
+                  span=span).join()
     assert _mapped(libs / "libb.so") and not _mapped(libs / "libc.so")
     assert spans == ["dlopen libb.so (GIL released)", "dlopen missing.so (GIL released)"]
