@@ -179,10 +179,11 @@ def serve_started(monkeypatch):
     where the early reads would start."""
     import sys
 
+    from service.load import driver
     from wcodec import serve
     calls: list = []
     monkeypatch.setattr(serve.preload, "start", lambda libs, **kw: calls.append(("dlopen", [p.name for p, _ in libs])))
-    monkeypatch.setattr(early, "start_cuda_context", lambda timeline=None: calls.append(("cuda",)))
+    monkeypatch.setattr(driver, "start_primary_context", lambda **kw: calls.append(("cuda",)))
     monkeypatch.setattr(serve, "_start_early_reads", lambda *a: (_ for _ in ()).throw(SystemExit(3)))
     for name in ("WCODEC_EARLY_DLOPEN", "WCODEC_EARLY_CUDA", "WCODEC_DEVICE"):
         monkeypatch.delenv(name, raising=False)

@@ -1,8 +1,9 @@
 """Work `wcodec compress` starts before torch imports, on threads of its own (`start`): the CUDA
 context, and the archive file's page cache (codec/container.Prefill: zeros written into the file
 the writer then writes over, the pages of a new file being the costly part of writing it).
-`wcodec serve` starts the CUDA context too, and dlopens torch's CPU libraries meanwhile
-(`torch_libraries`, codec/preload.py: the import's own dlopen holds the GIL).
+`wcodec serve` dlopens torch's libraries meanwhile (`torch_libraries`, codec/preload.py: the
+import's own dlopen holds the GIL); its CUDA context and page-locked early reads are
+service/load/driver.py's.
 
 `import torch` takes ~3 s on the H100 box and creating the CUDA context ~0.35 s after it. The
 context is the device's primary context, which the CUDA runtime (torch's) retains when it first
@@ -15,7 +16,6 @@ release would destroy the context before torch retains it)."""
 from __future__ import annotations
 
 import argparse
-import ctypes
 import glob
 import importlib.util
 import os
@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from codec.container import Prefill
 
-CUDA_SUCCESS = 0
 LIBCUDA = "libcuda.so.1"
 PREFILL_RATIO = 0.7        # of the source's bytes: a lossless bf16 archive is ~0.665 of its source
 PREFILL_MIN_CPUS = 8       # the prefill takes a core beside the import: on 2 it slowed the command
@@ -151,26 +150,14 @@ def early_dlopen_wanted(environ=os.environ) -> bool:
 
 
 def retain_primary_context(device: int = 0, lib: str = LIBCUDA) -> bool:
-    """cuInit and cuDevicePrimaryCtxRetain of `device`; False where the driver or device is not there."""
-    try:
-        cuda = ctypes.CDLL(lib)
-    except OSError:
-        return False
-    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
-    return (cuda.cuInit(0) == CUDA_SUCCESS
-            and cuda.cuDeviceGet(ctypes.byref(dev), device) == CUDA_SUCCESS
-            and cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) == CUDA_SUCCESS)
+    """cuInit and cuDevicePrimaryCtxRetain of `device` (service/load/driver.py); False where the
+    driver or device is not there."""
+    from service.load import driver
+    return driver.primary_context(device, lib) is not None
 
 
-def start_cuda_context(timeline=None) -> threading.Thread:
-    """retain_primary_context() on a daemon thread, started now (the caller may join it or not);
-    a span of `timeline` (service/timeline.py) where one is given."""
-    def run() -> None:
-        if timeline is None:
-            retain_primary_context()
-            return
-        with timeline.span("CUDA context through the driver API"):
-            retain_primary_context()
-    thread = threading.Thread(target=run, name="wcodec-cuda-context", daemon=True)
+def start_cuda_context() -> threading.Thread:
+    """retain_primary_context() on a daemon thread, started now (the caller may join it or not)."""
+    thread = threading.Thread(target=retain_primary_context, name="wcodec-cuda-context", daemon=True)
     thread.start()
     return thread

@@ -5,10 +5,12 @@
     1  settings; the CUDA context retained through the driver API on a thread (unless the device
        is the CPU); then each preloaded model's archive starts reading into memory on a thread
        pool (service/load/early_read.py: no torch), verified as it arrives; four 2 MiB requests
-       at a time until the imports are done (early_read.ImportGate), then all at once
+       at a time until the imports are done (early_read.ImportGate), then all at once; on CUDA
+       its memory is page-locked meanwhile in that context (service/load/driver.py)
     2  import torch; then, per preloaded model, a thread (service/load/early_load.py) makes the CUDA
-       context, loads the decoder extension and decodes the model from its early read while
-       its tokenizer and meta skeleton are built
+       context (torch's: found made), loads the decoder extension and decodes the model from its
+       early read (copied in place where page-locked, else through the pinned ring) while its
+       tokenizer and meta skeleton are built
     3  meanwhile the main thread imports the service (fastapi, uvicorn) and builds the app;
        uvicorn starts; the lifespan's load of each preloaded model takes the early load's result
 Only what the forward pass needs is imported on the way (service/model/build.py). With
@@ -52,13 +54,22 @@ def _settings(args: argparse.Namespace, timeline: Timeline):
         return None
 
 
-def _start_cuda_context(settings, timeline: Timeline, environ=os.environ) -> bool:
-    """The CUDA context through the driver API beside the imports (wcodec/early.py), unless the
-    device is the CPU or WCODEC_EARLY_CUDA=0; torch's own start of it then finds it made."""
+def _start_cuda_context(settings, timeline: Timeline, environ=os.environ):
+    """The CUDA context through the driver API beside the imports (service/load/driver.py), unless
+    the device is the CPU or WCODEC_EARLY_CUDA=0: a future of its handle (None: none), or None.
+    torch's own start of the context then finds it made."""
     if (settings.device or "").startswith("cpu") or environ.get("WCODEC_EARLY_CUDA") == "0":
-        return False
-    early.start_cuda_context(timeline)
-    return True
+        return None
+    from service.load import driver
+    return driver.start_primary_context(span=timeline.span)
+
+
+def _page_lock_early_reads(reads: dict, context, environ=os.environ) -> None:
+    """Each early read page-locked in that context while torch imports (WCODEC_EARLY_PIN=0: not)."""
+    if context is None or environ.get("WCODEC_EARLY_PIN") == "0":
+        return
+    for read in reads.values():
+        read.page_lock_early(context)
 
 
 def _start_early_reads(settings, timeline: Timeline, gate) -> tuple[dict, dict]:
@@ -107,12 +118,13 @@ def run(args: argparse.Namespace, timeline: Timeline | None = None) -> int:
     if settings is None:
         return EXIT_ERROR
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    _start_cuda_context(settings, timeline)
+    context = _start_cuda_context(settings, timeline)
     from service.load.early_read import ImportGate
     gate = ImportGate()                      # the early reads stay narrow while the imports read files,
     switch = sys.getswitchinterval()         # and get the GIL back soon after each request
     sys.setswitchinterval(IMPORT_SWITCH_INTERVAL)
     paths, reads = _start_early_reads(settings, timeline, gate)
+    _page_lock_early_reads(reads, context)
     _restore_once_read(reads, switch)
     with timeline.span("import torch"):
         import torch  # noqa: F401
