@@ -103,12 +103,13 @@ def test_usage_errors_start_nothing(started, tmp_path: Path, capsys) -> None:
 
 def test_torch_libraries_are_found_without_importing_torch(monkeypatch) -> None:
     """This machine's torch is a CPU build: libc10 and libtorch_cpu, as _C's dependencies."""
-    found = early.torch_libraries({})
+    assert early.torch_libraries({}) == []                                          # only when asked
+    found = early.torch_libraries({"WCODEC_EARLY_DLOPEN": "torch"})
     assert [(p.name, mode) for p, mode in found] == [(n, os.RTLD_NOW | os.RTLD_LOCAL) for n in early.TORCH_LIBRARIES]
     assert found[0][0].parent == Path(torch.__file__).parent / "lib"
-    assert early.torch_libraries({"TORCH_USE_RTLD_GLOBAL": "1"}) == []
+    assert early.torch_libraries({"WCODEC_EARLY_DLOPEN": "torch", "TORCH_USE_RTLD_GLOBAL": "1"}) == []
     monkeypatch.setattr(early.importlib.util, "find_spec", lambda name: None)          # no torch to be found
-    assert early.torch_libraries({}) == []
+    assert early.torch_libraries({"WCODEC_EARLY_DLOPEN": "torch"}) == []
 
 
 FAKE_TORCH_INIT = '''
@@ -154,7 +155,7 @@ def cuda_torch(tmp_path: Path, monkeypatch) -> Path:
 
 def test_a_cuda_torch_is_replayed_only_when_asked(cuda_torch: Path) -> None:
     assert early.torch_libraries({}) == []
-    found = early.torch_libraries({"WCODEC_EARLY_DLOPEN": "cuda"})
+    found = early.torch_libraries({"WCODEC_EARLY_DLOPEN": "torch"})
     local = os.RTLD_NOW | os.RTLD_LOCAL
     assert [(str(p.relative_to(cuda_torch)), mode) for p, mode in found] == [
         (f"site/torch/lib/{early.TORCH_GLOBAL_DEPS}", os.RTLD_NOW | os.RTLD_GLOBAL),
@@ -166,11 +167,11 @@ def test_a_cuda_torch_is_replayed_only_when_asked(cuda_torch: Path) -> None:
 
 def test_a_cuda_torch_missing_a_library_or_read_otherwise_is_not_replayed(cuda_torch: Path) -> None:
     (cuda_torch / "site/nvidia/cu13/lib/libcudart.so.13").unlink()
-    assert early.torch_libraries({"WCODEC_EARLY_DLOPEN": "cuda"}) == []        # torch stops there
+    assert early.torch_libraries({"WCODEC_EARLY_DLOPEN": "torch"}) == []        # torch stops there
     (cuda_torch / "site/nvidia/cu13/lib/libcudart.so.13").touch()
     init = cuda_torch / "site/torch/__init__.py"
     init.write_text(init.read_text().replace('f"cu{maj_cuda_version}"', 'f"cuda{maj_cuda_version}"'))
-    assert early.torch_libraries({"WCODEC_EARLY_DLOPEN": "cuda"}) == []        # other rules than those read here
+    assert early.torch_libraries({"WCODEC_EARLY_DLOPEN": "torch"}) == []        # other rules than those read here
 
 
 @pytest.fixture
@@ -193,9 +194,10 @@ def serve_started(monkeypatch):
 
 
 @pytest.mark.parametrize("env, expected", [
-    ({}, [("dlopen", list(early.TORCH_LIBRARIES)), ("cuda",)]),
-    ({"WCODEC_DEVICE": "cpu"}, [("dlopen", list(early.TORCH_LIBRARIES))]),
-    ({"WCODEC_EARLY_DLOPEN": "0", "WCODEC_EARLY_CUDA": "0"}, []),
+    ({}, [("cuda",)]),
+    ({"WCODEC_DEVICE": "cpu"}, []),
+    ({"WCODEC_EARLY_DLOPEN": "torch", "WCODEC_DEVICE": "cpu"}, [("dlopen", list(early.TORCH_LIBRARIES))]),
+    ({"WCODEC_EARLY_DLOPEN": "torch", "WCODEC_EARLY_CUDA": "0"}, [("dlopen", list(early.TORCH_LIBRARIES))]),
     ({"WCODEC_EARLY_DLOPEN": "0", "WCODEC_DEVICE": "cuda"}, [("cuda",)]),
 ])
 def test_serve_starts_the_dlopen_and_the_context_unless_told_not(env, expected, serve_started, monkeypatch,

@@ -1,9 +1,9 @@
 """Work `wcodec compress` starts before torch imports, on threads of its own (`start`): the CUDA
 context, and the archive file's page cache (codec/container.Prefill: zeros written into the file
 the writer then writes over, the pages of a new file being the costly part of writing it).
-`wcodec serve` dlopens torch's libraries meanwhile (`torch_libraries`, codec/preload.py: the
-import's own dlopen holds the GIL); its CUDA context and page-locked early reads are
-service/load/driver.py's.
+`wcodec serve` may dlopen torch's libraries meanwhile (`torch_libraries`, codec/preload.py: the
+import's own dlopen holds the GIL; WCODEC_EARLY_DLOPEN=torch); its CUDA context and page-locked
+early reads are service/load/driver.py's.
 
 `import torch` takes ~3 s on the H100 box and creating the CUDA context ~0.35 s after it. The
 context is the device's primary context, which the CUDA runtime (torch's) retains when it first
@@ -71,13 +71,17 @@ def torch_libraries(environ=os.environ) -> list[tuple[Path, int]]:
 
     A CPU torch: libc10 and libtorch_cpu. A CUDA torch first loads libtorch_global_deps, then
     CUDA libraries of the pip wheels by path (torch/__init__.py's _preload_cuda_deps, whose list
-    is read from that file), then _C and its dependencies: replayed only with
-    WCODEC_EARLY_DLOPEN=cuda until timed on a GPU box; by default nothing, as libtorch_cpu's own
-    RPATH could find a CUDA library before torch's preload picks its file. None either where
+    is read from that file), then _C and its dependencies (libtorch_cpu's own RPATH could find a
+    CUDA library before torch's preload picks its file, so all of them are replayed). None where
     torch is not found, with TORCH_USE_RTLD_GLOBAL (torch then loads _C another way), or where
-    torch's preload is not the one read here."""
+    torch's preload is not the one read here.
+
+    Only with WCODEC_EARLY_DLOPEN=torch: on the 2-core CPU machine it gained nothing (the main
+    thread's own dlopens before torch, pydantic_core's and numpy's, wait for the loader's lock
+    while libtorch_cpu loads: 0.18 s more before the import, 0.16 s less in it); a CUDA torch's
+    libraries, more and larger, are not yet timed on a GPU box."""
     folder = _torch_folder()
-    if folder is None or environ.get("TORCH_USE_RTLD_GLOBAL"):
+    if folder is None or environ.get("TORCH_USE_RTLD_GLOBAL") or environ.get("WCODEC_EARLY_DLOPEN") != "torch":
         return []
     local = os.RTLD_NOW | os.RTLD_LOCAL
     tail = [(folder / "lib" / name, local) for name in TORCH_LIBRARIES]
@@ -85,8 +89,6 @@ def torch_libraries(environ=os.environ) -> list[tuple[Path, int]]:
         return []
     if not (folder / "lib" / "libtorch_cuda.so").is_file():
         return tail
-    if environ.get("WCODEC_EARLY_DLOPEN") != "cuda":
-        return []
     deps = _torch_cuda_deps(folder)
     if deps is None:
         return []
@@ -141,12 +143,6 @@ def _cuda_dep_path(lib_folder: str, pattern: str, major: str) -> Path | None:
         if found:
             return Path(found[0])
     return None
-
-
-def early_dlopen_wanted(environ=os.environ) -> bool:
-    """WCODEC_EARLY_DLOPEN=0: torch's libraries are left to its import (to time both ways);
-    =cuda: a CUDA torch's too (torch_libraries)."""
-    return environ.get("WCODEC_EARLY_DLOPEN") != "0"
 
 
 def retain_primary_context(device: int = 0, lib: str = LIBCUDA) -> bool:

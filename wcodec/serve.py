@@ -1,7 +1,8 @@
 """`wcodec serve`: start-up as one timeline. Read me first.
 
-    0  the interpreter starts (the timeline's zero is the process's own start); a thread dlopens
-       torch's CPU libraries with the GIL released (wcodec/early.py, codec/preload.py)
+    0  the interpreter starts (the timeline's zero is the process's own start); with
+       WCODEC_EARLY_DLOPEN=torch a thread dlopens torch's libraries with the GIL released
+       (wcodec/early.py, codec/preload.py)
     1  settings; the CUDA context retained through the driver API on a thread (unless the device
        is the CPU); then each preloaded model's archive starts reading into memory on a thread
        pool (service/load/early_read.py: no torch), verified as it arrives; four 2 MiB requests
@@ -164,8 +165,9 @@ def main(argv: list[str]) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_ERROR)
-    if early.early_dlopen_wanted():
-        preload.start(early.torch_libraries(), name="wcodec-dlopen-torch", span=timeline.span)
+    libraries = early.torch_libraries()            # WCODEC_EARLY_DLOPEN=torch
+    if libraries:
+        preload.start(libraries, name="wcodec-dlopen-torch", span=timeline.span)
     try:
         return run(args, timeline)
     except KeyboardInterrupt:

@@ -33,7 +33,8 @@ def _port() -> int:
 def test_wcodec_serve_preloads_from_its_first_instant(store) -> None:
     root, port = store(), _port()
     env = {**os.environ, "WCODEC_MODEL_STORE": str(root), "WCODEC_PRELOAD": json.dumps([DEMO]),
-           "WCODEC_DEMO": "false", "WCODEC_DEVICE": "cpu", "WCODEC_LOG_LEVEL": "debug"}
+           "WCODEC_DEMO": "false", "WCODEC_DEVICE": "cpu", "WCODEC_LOG_LEVEL": "debug",
+           "WCODEC_EARLY_DLOPEN": "torch"}
     started = time.time()
     proc = subprocess.Popen([sys.executable, "-m", "wcodec", "serve", "--port", str(port)], env=env, cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -65,6 +66,7 @@ def test_wcodec_serve_preloads_from_its_first_instant(store) -> None:
     assert at[decoded]["start"] > at["import torch"]["end"]
     dlopen = at["dlopen libtorch_cpu.so (GIL released)"]               # torch's CPU library beside the settings
     assert dlopen["thread"] == "wcodec-dlopen-torch" and dlopen["start"] < at["import torch"]["start"]
+    assert not any(n.endswith("page-locked through the driver") for n in names)
     assert "CUDA context through the driver API" not in names                     # WCODEC_DEVICE=cpu
     assert "start-up timeline" in log and "import uvicorn, fastapi and the service" in log
 
