@@ -8,7 +8,8 @@
        pool (service/load/early_read.py: no torch), verified as it arrives; four 2 MiB requests
        at a time until the imports are done (early_read.ImportGate), then all at once; on CUDA
        its memory is page-locked meanwhile in that context (service/load/driver.py)
-    2  import torch; then, per preloaded model, a thread (service/load/early_load.py) makes the CUDA
+    2  import torch; the decoder extension loads on a thread (its dlopen releases the GIL); then,
+       per preloaded model, a thread (service/load/early_load.py) makes the CUDA
        context (torch's: found made), loads the decoder extension and decodes the model from its
        early read (copied in place where page-locked, else through the pinned ring) while its
        tokenizer and meta skeleton are built
@@ -93,6 +94,19 @@ def _restore_once_read(reads: dict, switch: float) -> None:
     threading.Thread(target=restore, name="wcodec-switch-interval", daemon=True).start()
 
 
+def _start_extension_load(timeline: Timeline) -> threading.Thread:
+    """The decoder extension loaded on a thread as soon as torch is: its dlopen releases the GIL
+    (cuda_ext/build.py), so it runs beside the main thread's imports of the model code and the
+    service rather than after the first of them, in the early load (which then finds it loaded)."""
+    def run() -> None:
+        with timeline.span("load the decoder extension"):
+            from cuda_ext.build import ensure_loaded
+            ensure_loaded()
+    thread = threading.Thread(target=run, name="wcodec-extension", daemon=True)
+    thread.start()
+    return thread
+
+
 def _start_early_loads(settings, paths: dict, reads: dict, timeline: Timeline) -> dict:
     """Decode each preloaded model on its own thread from now on; else only warm up."""
     from service.load.early_load import start_early_loads
@@ -129,6 +143,7 @@ def run(args: argparse.Namespace, timeline: Timeline | None = None) -> int:
     _restore_once_read(reads, switch)
     with timeline.span("import torch"):
         import torch  # noqa: F401
+    _start_extension_load(timeline)
     early = _start_early_loads(settings, paths, reads, timeline)
     with timeline.span("import uvicorn, fastapi and the service"):
         import uvicorn

@@ -67,6 +67,8 @@ def test_wcodec_serve_preloads_from_its_first_instant(store) -> None:
     dlopen = at["dlopen libtorch_cpu.so (GIL released)"]               # torch's CPU library beside the settings
     assert dlopen["thread"] == "wcodec-dlopen-torch" and dlopen["start"] < at["import torch"]["start"]
     assert not any(n.endswith("page-locked through the driver") for n in names)
+    extension = at["load the decoder extension"]                        # beside the main thread's imports
+    assert extension["thread"] == "wcodec-extension" and extension["start"] >= at["import torch"]["end"]
     assert "CUDA context through the driver API" not in names                     # WCODEC_DEVICE=cpu
     assert "start-up timeline" in log and "import uvicorn, fastapi and the service" in log
 
