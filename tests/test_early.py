@@ -184,7 +184,8 @@ def serve_started(monkeypatch):
     from wcodec import serve
     calls: list = []
     monkeypatch.setattr(serve.preload, "start", lambda libs, **kw: calls.append(("dlopen", [p.name for p, _ in libs])))
-    monkeypatch.setattr(driver, "start_primary_context", lambda **kw: calls.append(("cuda",)))
+    monkeypatch.setattr(driver, "start_primary_context",
+                        lambda device=0, **kw: calls.append(("cuda",) if device == 0 else ("cuda", device)))
     monkeypatch.setattr(serve, "_start_early_reads", lambda *a: (_ for _ in ()).throw(SystemExit(3)))
     for name in ("WCODEC_EARLY_DLOPEN", "WCODEC_EARLY_CUDA", "WCODEC_DEVICE"):
         monkeypatch.delenv(name, raising=False)
@@ -199,6 +200,7 @@ def serve_started(monkeypatch):
     ({"WCODEC_EARLY_DLOPEN": "torch", "WCODEC_DEVICE": "cpu"}, [("dlopen", list(early.TORCH_LIBRARIES))]),
     ({"WCODEC_EARLY_DLOPEN": "torch", "WCODEC_EARLY_CUDA": "0"}, [("dlopen", list(early.TORCH_LIBRARIES))]),
     ({"WCODEC_EARLY_DLOPEN": "0", "WCODEC_DEVICE": "cuda"}, [("cuda",)]),
+    ({"WCODEC_DEVICE": "cuda:1"}, [("cuda", 1)]),
 ])
 def test_serve_starts_the_dlopen_and_the_context_unless_told_not(env, expected, serve_started, monkeypatch,
                                                                   tmp_path: Path) -> None:

@@ -57,13 +57,15 @@ def _settings(args: argparse.Namespace, timeline: Timeline):
 
 
 def _start_cuda_context(settings, timeline: Timeline, environ=os.environ):
-    """The CUDA context through the driver API beside the imports (service/load/driver.py), unless
-    the device is the CPU or WCODEC_EARLY_CUDA=0: a future of its handle (None: none), or None.
-    torch's own start of the context then finds it made."""
-    if (settings.device or "").startswith("cpu") or environ.get("WCODEC_EARLY_CUDA") == "0":
+    """The CUDA context of the served device (`cuda:N`, else device 0) through the driver API beside
+    the imports (service/load/driver.py), unless the device is not CUDA or WCODEC_EARLY_CUDA=0: a
+    future of its handle (None: none), or None. torch's own start of the context then finds it made."""
+    device = settings.device or "cuda"
+    if not device.startswith("cuda") or environ.get("WCODEC_EARLY_CUDA") == "0":
         return None
     from service.load import driver
-    return driver.start_primary_context(span=timeline.span)
+    index = device.partition(":")[2]
+    return driver.start_primary_context(int(index) if index.isdigit() else 0, span=timeline.span)
 
 
 def _page_lock_early_reads(reads: dict, context, environ=os.environ) -> None:
