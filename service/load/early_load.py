@@ -68,6 +68,8 @@ class EarlyLoad:
                 cuda_ext.available()
             if pinned is not None:
                 pinned.result()
+        if early is not None:
+            early.go_wide()
         with ThreadPoolExecutor(1, thread_name_prefix="wcodec-prepare") as pool:
             prepared = pool.submit(self._prepare, opened[1])
             decoded = pipeline.decode_archive(self.path, self.device, ring=settings.load_ring_buffers,

@@ -1,7 +1,7 @@
 """service/load/driver.py and the early read's page-locking (early_read.page_lock_early), against
 a stand-in libcuda that records what it is asked (this machine has no driver): the memory
 registered whole in the context retained, unregistered when the read is freed, and every failure
-a pageable read, loaded through the ring as before."""
+a pageable read, loaded through the ring as before; and its reads going wide when its load begins."""
 from __future__ import annotations
 
 import ctypes
@@ -148,3 +148,17 @@ def test_the_host_cache_does_not_lock_a_read_locked_at_start_up(monkeypatch) -> 
     entry.pin()
     entry.pinning.join()
     assert locked == [] and entry.read.pinned
+
+
+def test_an_early_read_goes_wide_when_its_load_begins(archive) -> None:
+    """The early load opens the import gate before it decodes, not when the imports end."""
+    from service.load.early_read import ImportGate
+    gate = ImportGate()
+    read = EarlyRead(str(archive[0]), verify=True, threads=2, direct=None, timeline=Timeline(), gate=gate)
+    assert not gate.is_open()
+    read.go_wide()
+    read.go_wide()                                  # once
+    assert gate.is_open()
+    assert sum(e.name.endswith("wide (its load begins)") for e in read.timeline.entries()) == 1
+    read.release()
+    _read(archive[0]).go_wide()                     # no gate: nothing to open
