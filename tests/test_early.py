@@ -3,6 +3,7 @@ a stand-in libcuda (this machine has no driver), and when `wcodec compress` star
 from __future__ import annotations
 
 import ctypes
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -98,3 +99,113 @@ def test_the_prefill_is_for_lossless_archives_beside_free_cores(codec, flag, cpu
 def test_usage_errors_start_nothing(started, tmp_path: Path, capsys) -> None:
     assert entry.main(["compress", str(tmp_path / "x"), "--device", "gpu"]) == 2
     assert "usage:" in capsys.readouterr().err and started == [] and list(tmp_path.iterdir()) == []
+
+
+def test_torch_libraries_are_found_without_importing_torch(monkeypatch) -> None:
+    """This machine's torch is a CPU build: libc10 and libtorch_cpu, as _C's dependencies."""
+    assert early.torch_libraries({}) == []                                          # only when asked
+    found = early.torch_libraries({"WCODEC_EARLY_DLOPEN": "torch"})
+    assert [(p.name, mode) for p, mode in found] == [(n, os.RTLD_NOW | os.RTLD_LOCAL) for n in early.TORCH_LIBRARIES]
+    assert found[0][0].parent == Path(torch.__file__).parent / "lib"
+    assert early.torch_libraries({"WCODEC_EARLY_DLOPEN": "torch", "TORCH_USE_RTLD_GLOBAL": "1"}) == []
+    monkeypatch.setattr(early.importlib.util, "find_spec", lambda name: None)          # no torch to be found
+    assert early.torch_libraries({"WCODEC_EARLY_DLOPEN": "torch"}) == []
+
+
+FAKE_TORCH_INIT = '''
+def _preload_cuda_deps(err: OSError | None = None) -> None:
+    cuda_libs: list[tuple[str, str]] = [
+        # NOTE: Order matters!
+        ("cublas", "libcublasLt.so.*[0-9]"),
+        ("cublas", "libcublas.so.*[0-9]"),
+        ("cuda_runtime", "libcudart.so.*[0-9]"),
+    ]
+    if err is not None:
+        raise err
+
+    for lib_folder, lib_name in cuda_libs:
+        _preload_cuda_lib(lib_folder, lib_name)
+
+    # libnvToolsExt is Optional Dependency
+    _preload_cuda_lib("nvtx", "libnvToolsExt.so.*[0-9]", required=False)
+
+
+def _get_cuda_dep_paths(path, lib_folder, lib_name):
+    os.path.join(path, "nvidia", f"cu{maj_cuda_version}", "lib", lib_name)
+'''
+
+
+@pytest.fixture
+def cuda_torch(tmp_path: Path, monkeypatch) -> Path:
+    """A CUDA torch's files as torch 2.11 lays them out, its CUDA libraries in two sys.path entries."""
+    folder = tmp_path / "site" / "torch"
+    (folder / "lib").mkdir(parents=True)
+    (folder / "__init__.py").write_text(FAKE_TORCH_INIT)
+    (folder / "version.py").write_text("cuda: Optional[str] = '13.0'\n")
+    for name in ("libtorch_cuda.so", early.TORCH_GLOBAL_DEPS, *early.TORCH_LIBRARIES):
+        (folder / "lib" / name).touch()
+    for where in ("first/nvidia/cu13/lib/libcublasLt.so.13", "site/nvidia/cu13/lib/libcublasLt.so.13",
+                  "site/nvidia/cublas/lib/libcublas.so.13", "site/nvidia/cu13/lib/libcudart.so.13"):
+        (tmp_path / where).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / where).touch()
+    monkeypatch.setattr(early, "_torch_folder", lambda: folder)
+    monkeypatch.setattr(early.sys, "path", [str(tmp_path / "first"), str(tmp_path / "site")])
+    return tmp_path
+
+
+def test_a_cuda_torch_is_replayed_only_when_asked(cuda_torch: Path) -> None:
+    assert early.torch_libraries({}) == []
+    found = early.torch_libraries({"WCODEC_EARLY_DLOPEN": "torch"})
+    local = os.RTLD_NOW | os.RTLD_LOCAL
+    assert [(str(p.relative_to(cuda_torch)), mode) for p, mode in found] == [
+        (f"site/torch/lib/{early.TORCH_GLOBAL_DEPS}", os.RTLD_NOW | os.RTLD_GLOBAL),
+        ("first/nvidia/cu13/lib/libcublasLt.so.13", local),        # the first sys.path entry with it, as torch
+        ("site/nvidia/cublas/lib/libcublas.so.13", local),
+        ("site/nvidia/cu13/lib/libcudart.so.13", local),
+        *((f"site/torch/lib/{name}", local) for name in early.TORCH_LIBRARIES)]
+
+
+def test_a_cuda_torch_missing_a_library_or_read_otherwise_is_not_replayed(cuda_torch: Path) -> None:
+    (cuda_torch / "site/nvidia/cu13/lib/libcudart.so.13").unlink()
+    assert early.torch_libraries({"WCODEC_EARLY_DLOPEN": "torch"}) == []        # torch stops there
+    (cuda_torch / "site/nvidia/cu13/lib/libcudart.so.13").touch()
+    init = cuda_torch / "site/torch/__init__.py"
+    init.write_text(init.read_text().replace('f"cu{maj_cuda_version}"', 'f"cuda{maj_cuda_version}"'))
+    assert early.torch_libraries({"WCODEC_EARLY_DLOPEN": "torch"}) == []        # other rules than those read here
+
+
+@pytest.fixture
+def serve_started(monkeypatch):
+    """What `wcodec serve` starts before torch imports, recorded instead of done; the run stops
+    where the early reads would start."""
+    import sys
+
+    from service.load import driver
+    from wcodec import serve
+    calls: list = []
+    monkeypatch.setattr(serve.preload, "start", lambda libs, **kw: calls.append(("dlopen", [p.name for p, _ in libs])))
+    monkeypatch.setattr(driver, "start_primary_context",
+                        lambda device=0, **kw: calls.append(("cuda",) if device == 0 else ("cuda", device)))
+    monkeypatch.setattr(serve, "_start_early_reads", lambda *a: (_ for _ in ()).throw(SystemExit(3)))
+    for name in ("WCODEC_EARLY_DLOPEN", "WCODEC_EARLY_CUDA", "WCODEC_DEVICE"):
+        monkeypatch.delenv(name, raising=False)
+    switch = sys.getswitchinterval()            # run() shortens it before the early reads
+    yield calls
+    sys.setswitchinterval(switch)
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({}, [("cuda",)]),
+    ({"WCODEC_DEVICE": "cpu"}, []),
+    ({"WCODEC_EARLY_DLOPEN": "torch", "WCODEC_DEVICE": "cpu"}, [("dlopen", list(early.TORCH_LIBRARIES))]),
+    ({"WCODEC_EARLY_DLOPEN": "torch", "WCODEC_EARLY_CUDA": "0"}, [("dlopen", list(early.TORCH_LIBRARIES))]),
+    ({"WCODEC_EARLY_DLOPEN": "0", "WCODEC_DEVICE": "cuda"}, [("cuda",)]),
+    ({"WCODEC_DEVICE": "cuda:1"}, [("cuda", 1)]),
+])
+def test_serve_starts_the_dlopen_and_the_context_unless_told_not(env, expected, serve_started, monkeypatch,
+                                                                  tmp_path: Path) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit):
+        entry.main(["serve", "--store", str(tmp_path)])
+    assert serve_started == expected
