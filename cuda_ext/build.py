@@ -1,15 +1,9 @@
 """Finding the compiled extension: ahead of time (`cuda_ext._C`, built by `pip install`), else
 JIT-compiled into a cache directory, else none (the NumPy reference decodes). Which path is live,
-and why, is logged once and reported by cuda_ext.available().
-
-Either library is first dlopened with the GIL released (codec/preload.py; WCODEC_EARLY_DLOPEN=0:
-not), so that a server's early load maps and relocates it while the main thread imports the
-service: the import's own dlopen holds the GIL, and on an H100 box the load took 1.2-1.4 s of
-the start beside those imports. The import or load_library that follows finds it loaded."""
+and why, is logged once and reported by cuda_ext.available()."""
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import logging
 import os
 import threading
@@ -19,8 +13,6 @@ from functools import lru_cache
 from pathlib import Path
 
 import torch
-
-from codec.preload import dlopen_released
 
 log = logging.getLogger("wcodec.cuda_ext")
 CSRC = Path(__file__).parent / "csrc"
@@ -70,7 +62,6 @@ def _jit(with_cuda: bool) -> None:
     built = build_dir / f"{name}.so"
     if built.exists():
         try:
-            _dlopen_first(built)
             torch.ops.load_library(str(built))
             return
         except OSError:                      # half written (a build interrupted): build it again
@@ -82,22 +73,6 @@ def _jit(with_cuda: bool) -> None:
     load(name=name, sources=sources, build_directory=str(build_dir), extra_cflags=CXX_FLAGS + ["-march=native"],
          extra_ldflags=["-fopenmp"], extra_include_paths=[str(CSRC)], extra_cuda_cflags=NVCC_FLAGS,
          with_cuda=with_cuda, is_python_module=False, verbose=False)
-
-
-def _dlopen_first(path: Path | str | None) -> None:
-    """dlopen_released(path) unless WCODEC_EARLY_DLOPEN=0; a library that does not load is left to
-    the load that follows, which reports why."""
-    if path is not None and os.environ.get("WCODEC_EARLY_DLOPEN") != "0":
-        dlopen_released(path)
-
-
-def _aot_file() -> str | None:
-    """The prebuilt module's file, found without importing it."""
-    try:
-        spec = importlib.util.find_spec("cuda_ext._C")
-    except (ImportError, ValueError):
-        return None
-    return spec.origin if spec is not None and spec.has_location else None
 
 
 def _has_cuda_kernel() -> bool:
@@ -118,7 +93,6 @@ def ensure_loaded() -> Availability:
 def _load() -> Availability:
     path, reason = "numpy", ""
     try:
-        _dlopen_first(_aot_file())
         import cuda_ext._C  # noqa: F401  (registers the ops)
         path, reason = "aot", "prebuilt cuda_ext._C"
     except ImportError as e:

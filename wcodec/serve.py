@@ -1,18 +1,12 @@
 """`wcodec serve`: start-up as one timeline. Read me first.
 
-    0  the interpreter starts (the timeline's zero is the process's own start); with
-       WCODEC_EARLY_DLOPEN=torch a thread dlopens torch's libraries with the GIL released
-       (wcodec/early.py, codec/preload.py)
-    1  settings; the CUDA context retained through the driver API on a thread (unless the device
-       is the CPU); then each preloaded model's archive starts reading into memory on a thread
+    0  the interpreter starts (the timeline's zero is the process's own start)
+    1  settings; then each preloaded model's archive starts reading into memory on a thread
        pool (service/load/early_read.py: no torch), verified as it arrives; four 2 MiB requests
-       at a time until the imports are done (early_read.ImportGate), then all at once; on CUDA
-       its memory is page-locked meanwhile in that context (service/load/driver.py)
-    2  import torch; the decoder extension loads on a thread (its dlopen releases the GIL); then,
-       per preloaded model, a thread (service/load/early_load.py) makes the CUDA
-       context (torch's: found made), loads the decoder extension and decodes the model from its
-       early read (copied in place where page-locked, else through the pinned ring) while its
-       tokenizer and meta skeleton are built
+       at a time until the imports are done (early_read.ImportGate), then all at once
+    2  import torch; then, per preloaded model, a thread (service/load/early_load.py) makes the CUDA
+       context, loads the decoder extension and decodes the model from its early read while
+       its tokenizer and meta skeleton are built
     3  meanwhile the main thread imports the service (fastapi, uvicorn) and builds the app;
        uvicorn starts; the lifespan's load of each preloaded model takes the early load's result
 Only what the forward pass needs is imported on the way (service/model/build.py). With
@@ -26,10 +20,7 @@ import os
 import sys
 import threading
 
-from codec import preload
 from service.timeline import Timeline
-
-from . import early
 
 EXIT_ERROR = 1
 IMPORT_SWITCH_INTERVAL = 0.001           # s; Python's default 0.005 let the imports starve the early reads
@@ -56,26 +47,6 @@ def _settings(args: argparse.Namespace, timeline: Timeline):
         return None
 
 
-def _start_cuda_context(settings, timeline: Timeline, environ=os.environ):
-    """The CUDA context of the served device (`cuda:N`, else device 0) through the driver API beside
-    the imports (service/load/driver.py), unless the device is not CUDA or WCODEC_EARLY_CUDA=0: a
-    future of its handle (None: none), or None. torch's own start of the context then finds it made."""
-    device = settings.device or "cuda"
-    if not device.startswith("cuda") or environ.get("WCODEC_EARLY_CUDA") == "0":
-        return None
-    from service.load import driver
-    index = device.partition(":")[2]
-    return driver.start_primary_context(int(index) if index.isdigit() else 0, span=timeline.span)
-
-
-def _page_lock_early_reads(reads: dict, context, environ=os.environ) -> None:
-    """Each early read page-locked in that context while torch imports (WCODEC_EARLY_PIN=0: not)."""
-    if context is None or environ.get("WCODEC_EARLY_PIN") == "0":
-        return
-    for read in reads.values():
-        read.page_lock_early(context)
-
-
 def _start_early_reads(settings, timeline: Timeline, gate) -> tuple[dict, dict]:
     from service.load import early_read
     paths = early_read.preload_paths(settings) if settings.early_read else {}
@@ -94,19 +65,6 @@ def _restore_once_read(reads: dict, switch: float) -> None:
                 pass
         sys.setswitchinterval(switch)
     threading.Thread(target=restore, name="wcodec-switch-interval", daemon=True).start()
-
-
-def _start_extension_load(timeline: Timeline) -> threading.Thread:
-    """The decoder extension loaded on a thread as soon as torch is: its dlopen releases the GIL
-    (cuda_ext/build.py), so it runs beside the main thread's imports of the model code and the
-    service rather than after the first of them, in the early load (which then finds it loaded)."""
-    def run() -> None:
-        with timeline.span("load the decoder extension"):
-            from cuda_ext.build import ensure_loaded
-            ensure_loaded()
-    thread = threading.Thread(target=run, name="wcodec-extension", daemon=True)
-    thread.start()
-    return thread
 
 
 def _start_early_loads(settings, paths: dict, reads: dict, timeline: Timeline) -> dict:
@@ -135,17 +93,14 @@ def run(args: argparse.Namespace, timeline: Timeline | None = None) -> int:
     if settings is None:
         return EXIT_ERROR
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    context = _start_cuda_context(settings, timeline)
     from service.load.early_read import ImportGate
     gate = ImportGate()                      # the early reads stay narrow while the imports read files,
     switch = sys.getswitchinterval()         # and get the GIL back soon after each request
     sys.setswitchinterval(IMPORT_SWITCH_INTERVAL)
     paths, reads = _start_early_reads(settings, timeline, gate)
-    _page_lock_early_reads(reads, context)
     _restore_once_read(reads, switch)
     with timeline.span("import torch"):
         import torch  # noqa: F401
-    _start_extension_load(timeline)
     early = _start_early_loads(settings, paths, reads, timeline)
     with timeline.span("import uvicorn, fastapi and the service"):
         import uvicorn
@@ -182,9 +137,6 @@ def main(argv: list[str]) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_ERROR)
-    libraries = early.torch_libraries()            # WCODEC_EARLY_DLOPEN=torch
-    if libraries:
-        preload.start(libraries, name="wcodec-dlopen-torch", span=timeline.span)
     try:
         return run(args, timeline)
     except KeyboardInterrupt:

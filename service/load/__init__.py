@@ -8,7 +8,6 @@ whole-archive load of the CLI and the Python API. Nothing here is imported at pa
     demo.py         the demo model, compressed into an empty store
     reading.py      ArchiveFile (pread / O_DIRECT), Blobs (checksums as pieces land), read_range
     early_read.py   EarlyRead: an archive read into memory from process start (no torch); ImportGate
-    driver.py       the CUDA driver through ctypes before torch: the primary context, page-locking
     early_load.py   EarlyLoad: a preloaded model decoded right after torch's import
     hostcache.py    HostCache: compressed archives kept in host memory between loads
     memory.py       host memory: available bytes, unmapping, malloc_trim after an unload

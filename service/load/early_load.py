@@ -62,14 +62,11 @@ class EarlyLoad:
             opened = archive.entries, archive.reader.files(settings.verify_crc)
         self._mark("header and files read")
         with ThreadPoolExecutor(1, thread_name_prefix="wcodec-pin") as side:
-            pinned = side.submit(self._pin, settings.load_ring_buffers, opened[0], early) \
-                if self.device.type == "cuda" else None
+            pinned = side.submit(self._pin, settings.load_ring_buffers, opened[0]) if self.device.type == "cuda" else None
             with self.timeline.span("early load: import cuda_ext (decoder extension)"):
                 cuda_ext.available()
             if pinned is not None:
                 pinned.result()
-        if early is not None:
-            early.go_wide()
         with ThreadPoolExecutor(1, thread_name_prefix="wcodec-prepare") as pool:
             prepared = pool.submit(self._prepare, opened[1])
             decoded = pipeline.decode_archive(self.path, self.device, ring=settings.load_ring_buffers,
@@ -82,17 +79,15 @@ class EarlyLoad:
         self._mark("weights decoded, skeleton ready")
         return decoded, ready
 
-    def _pin(self, ring: int, entries, early: EarlyRead | None) -> None:
-        """The CUDA context and the load's pinned ring buffers, beside the extension's import (no
-        ring where the early read was page-locked while torch imported: it is copied in place);
-        then the forward's first kernels on a thread that nothing waits for. (service.model.build
-        is imported there: the main thread may be importing it, which would block this one.)"""
+    def _pin(self, ring: int, entries) -> None:
+        """The CUDA context and the load's pinned ring buffers, beside the extension's import; then
+        the forward's first kernels on a thread that nothing waits for. (service.model.build is
+        imported there: the main thread may be importing it, which would block this one.)"""
         from . import pipeline
         with self.timeline.span("early load: CUDA context"):
             torch.empty(1, device=self.device)
-        if early is None or not early.wait_pinned():
-            with self.timeline.span("early load: pinned ring buffers"):
-                pipeline.PINNED.reserve(*pipeline.ring_shape(ring, pipeline.layer_batches(entries)))
+        with self.timeline.span("early load: pinned ring buffers"):
+            pipeline.PINNED.reserve(*pipeline.ring_shape(ring, pipeline.layer_batches(entries)))
         threading.Thread(target=self._first_kernels, args=(_dtype(entries),), name="wcodec-first-kernels",
                          daemon=True).start()
 

@@ -5,13 +5,7 @@ The load that follows (service/load/pipeline.py) takes its layers from this memo
 instead of from the file; if the file changed since, or anything here failed, it reads the file
 itself (a bad archive then fails the load with the same typed error). An archive larger than
 half the available memory is not read early. The host cache (hostcache.py) keeps such
-reads after their load (`kept`) and verifies them again from memory for the next (`recheck`).
-
-For a CUDA server the memory is page-locked through the driver while torch imports
-(`page_lock_early`, driver.py): the load then copies it to the device in place, with no copy into
-the pinned ring and no ring to allocate (1 GiB of pinned buffers took 0.8-1.3 s of an H100 box's
-start). The early load waits for that attempt (`wait_pinned`); any failure leaves the read
-pageable, loaded through the ring as before."""
+reads after their load (`kept`) and verifies them again from memory for the next (`recheck`)."""
 from __future__ import annotations
 
 import logging
@@ -26,8 +20,7 @@ from codec.container import Reader
 from codec.errors import CodecError
 
 from ..timeline import Timeline
-from . import driver
-from .memory import address_of, available_memory, unmap
+from .memory import available_memory, unmap
 from .names import DEMO_NAME, SUFFIX, valid_name
 from .reading import ArchiveFile, Blob, Blobs, align_down, align_up, identity, read_range
 
@@ -68,11 +61,8 @@ class ImportGate:
         self._wide = threading.Event()
 
     def open(self) -> None:
-        """The imports are done (or a load waits): every read goes at once, whole."""
+        """The imports are done: every read goes at once, whole."""
         self._wide.set()
-
-    def is_open(self) -> bool:
-        return self._wide.is_set()
 
     def read(self, file: ArchiveFile, buf: memoryview, base: int, start: int, end: int) -> None:
         pos = start
@@ -102,14 +92,11 @@ class EarlyRead:
         self.buf = mmap.mmap(-1, max(align_up(end) - self.base, 1))
         self.view = memoryview(self.buf)
         self.kept, self.pinned, self._freed = False, False, False
-        self._pinning: threading.Thread | None = None
-        self._context: int | None = None            # the driver context it is page-locked in
         self._rechecks: list[Future] = []
         self.file: ArchiveFile | None = ArchiveFile(path, direct)
         self.pool: ThreadPoolExecutor | None = ThreadPoolExecutor(threads, thread_name_prefix="wcodec-early")
         self._left, self._lock = 0, threading.Lock()
         self._t0 = time.perf_counter()
-        self._gate = gate
         fetch = partial(gate.read, self.file) if gate is not None else None
         futures = read_range(self.pool, self.file, self.view, self.base, start, end, self.blobs, fetch)
         self._left = len(futures)
@@ -141,33 +128,6 @@ class EarlyRead:
     def wait_until(self, end: int) -> None:
         self.blobs.wait_until(end)
 
-    def go_wide(self) -> None:
-        """Its load is about to wait for it: the start-up reads go wide now (ImportGate.open), not
-        when the main thread's imports end. On a warm page cache a faster start would otherwise
-        decode from a read still crawling through the gate (1.4 GB/s on the H100 box)."""
-        if self._gate is not None and not self._gate.is_open():
-            self._gate.open()
-            self.timeline.mark(f"early read {os.path.basename(self.path)}: wide (its load begins)")
-
-    def page_lock_early(self, context: Future) -> None:
-        """Page-lock the whole mapping in the driver context `context` gives (a primary context
-        retained through the driver, or None: nothing), on a thread, while it is being read."""
-        def run() -> None:
-            ctx = context.result()
-            if ctx is None:
-                return
-            with self.timeline.span(f"early read {os.path.basename(self.path)}: page-locked through the driver"):
-                if driver.page_lock(address_of(self.buf), len(self.buf), ctx):
-                    self._context, self.pinned = ctx, True
-        self._pinning = threading.Thread(target=run, name="wcodec-early-pin", daemon=True)
-        self._pinning.start()
-
-    def wait_pinned(self) -> bool:
-        """Whether the memory is page-locked, once page_lock_early's attempt (if any) is over."""
-        if self._pinning is not None:
-            self._pinning.join()
-        return self.pinned
-
     def recheck(self, verify: bool, pool: ThreadPoolExecutor) -> None:
         """Verify every stream again from memory (a host cache hit): the same blobs as the read,
         in few large tasks on the cache's long-lived `pool` (making 16 threads a load cost a 7B
@@ -198,9 +158,6 @@ class EarlyRead:
         if self._freed:
             return
         self._freed = True
-        self.wait_pinned()
-        if self.pinned and self._context is not None:       # locked here, not by the host cache
-            self.pinned = not driver.page_unlock(address_of(self.buf), self._context)
         try:
             self.view.release()
         except BufferError:                        # an array still views it: it goes with that array

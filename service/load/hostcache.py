@@ -78,8 +78,6 @@ class _Entry:
 
     def pin(self) -> None:
         def run() -> None:
-            if self.read.wait_pinned():             # page-locked at start-up already
-                return
             self.read.pinned = _page_lock(address_of(self.read.buf), self.nbytes)
         self.pinning = threading.Thread(target=run, name="wcodec-host-cache-pin", daemon=True)
         self.pinning.start()
