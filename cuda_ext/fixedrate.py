@@ -83,9 +83,8 @@ def cat_rows(parts: list[FixedRateWeight]) -> FixedRateWeight:
 def row_views(w: FixedRateWeight, rows: list[int]) -> list[FixedRateWeight]:
     """w's rows split into weights of `rows` rows each, as views (no copy): each keeps w's whole
     esc, which its rows of esc_start index into."""
-    cut = lambda t: t.split(rows)                                    # noqa: E731
-    return [FixedRateWeight(n, w.cols, w.dtype, *parts, w.esc, es)
-            for n, *parts, es in zip(rows, cut(w.plane), cut(w.lo), cut(w.hi), cut(w.base), cut(w.esc_start))]
+    cuts = (t.split(rows) for t in (w.plane, w.lo, w.hi, w.base, w.esc_start))
+    return [FixedRateWeight(n, w.cols, w.dtype, *parts, w.esc, es) for n, *parts, es in zip(rows, *cuts)]
 
 
 def encode(w: torch.Tensor) -> FixedRateWeight:
