@@ -119,13 +119,18 @@ __device__ __forceinline__ uint32_t esc_word(const FrArrays& a, int64_t word) {
   return v;
 }
 
+// The rounds a patch runs: the warp's largest escape count (whole warp calls).
+__device__ __forceinline__ int escape_rounds(uint32_t m) {
+  return static_cast<int>(__reduce_max_sync(0xffffffffu, static_cast<unsigned>(__popc(m))));
+}
+
 // patch_fields: the escaped fields, in weight order, replace base + 7. The lane's 8 field words go
 // to its 32-byte slot of shared memory (byte i: weight i), escape i of the lane is stored at the
 // position of mask m's i-th bit, and the words come back. fetch(i) gives escape i's byte; every
 // lane calls it for i below the warp's largest count (it may shuffle), so no lane diverges.
 template <class Fetch>
 __device__ __forceinline__ void patch_fields(uint4 (&slot)[2], uint32_t m, uint32_t f[8], Fetch fetch) {
-  const int iters = static_cast<int>(__reduce_max_sync(0xffffffffu, static_cast<unsigned>(__popc(m))));
+  const int iters = escape_rounds(m);
   if (iters == 0) return;
   slot[0] = make_uint4(f[0], f[1], f[2], f[3]);
   slot[1] = make_uint4(f[4], f[5], f[6], f[7]);
@@ -145,7 +150,7 @@ __device__ __forceinline__ void patch_fields(uint4 (&slot)[2], uint32_t m, uint3
 // permute, the word chosen by predicate among the 8 (more ALU work, no load/store unit traffic).
 template <class Fetch>
 __device__ __forceinline__ void patch_fields_regs(uint32_t m, uint32_t f[8], Fetch fetch) {
-  const int iters = static_cast<int>(__reduce_max_sync(0xffffffffu, static_cast<unsigned>(__popc(m))));
+  const int iters = escape_rounds(m);
   for (int i = 0; i < iters; ++i) {
     const uint32_t v = fetch(i);
     const int pos = __ffs(m) - 1, b = pos & 3, qd = pos >> 2;      // pos -1 (no escape left): no word
