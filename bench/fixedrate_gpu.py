@@ -2,7 +2,7 @@
 in one run: the GPU transcoder (bf16 -> form; bit-exact checked through the debug decode), the
 form's size, and the seven matmuls (q, k, v, o, gate, up, down) through the fused op (the CUDA-core
 kernel at 1 row, the tensor-core one above; both beside it) against cuBLAS bf16 (F.linear) on the decoded weights, at 1,
-4, 16 rows (fused) and 64 (decode in L2-sized chunks + cuBLAS).
+4, 16, 32 and 64 rows (fused; decode + cuBLAS beside it from 32).
 Each side is captured in one CUDA graph of its seven calls and replayed (launch gaps out of both).
 
     python bench/fixedrate_gpu.py [--reps 20] [--json out.json]

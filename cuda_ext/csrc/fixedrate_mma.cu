@@ -32,19 +32,51 @@ __device__ __forceinline__ void mma16816(float c[4], uint32_t a0, uint32_t a1, u
   }
 }
 
+// x's 16-byte words: chunk c (weights 8c .. 8c+7) of group gr of x row r. In place (x [nx,
+// groups*32], up to 8 rows) a quad's 4 lanes read 16 bytes 64 apart, a warp 16 cache lines a load;
+// from 9 rows, where those loads were the bound, permute_x first copies x so that a warp's load is
+// 32 consecutive words (4 lines): the quad's 4 groups side by side, then the rows, then the chunks:
+//   xp = [ceil(groups / 4) tiles] [4 chunks] [nx rows] [4 groups of the tile] of uint4
+__device__ __forceinline__ int64_t xp_word(int64_t gr, int c, int r, int nx) {
+  return ((gr / kFrTileGroups * 4 + c) * nx + r) * kFrTileGroups + gr % kFrTileGroups;
+}
+
+__global__ void permute_x_kernel(const uint4* __restrict__ x, int64_t groups, int nx, int64_t units,
+                                 uint4* __restrict__ xp) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= units) return;
+  const int64_t q = i / kFrTileGroups / nx;                           // tile * 4 + chunk
+  const int r = static_cast<int>(i / kFrTileGroups % nx), c = static_cast<int>(q % 4);
+  const int64_t gr = q / 4 * kFrTileGroups + i % kFrTileGroups;
+  xp[i] = gr < groups ? x[(r * groups + gr) * 4 + c] : make_uint4(0, 0, 0, 0);
+}
+
+// Where a lane's x words are, kSlots > 1: permuted (the words of chunk c, slot h: at[c * chunk +
+// h * slot]); else in place.
+template <int kSlots>
+struct XWords {
+  const uint4* at;
+  int64_t chunk, slot;
+  __device__ __forceinline__ XWords(const uint4* x, int64_t groups, int nx, int64_t gr, int g) {
+    if constexpr (kSlots > 1) at = x + xp_word(gr, 0, g, nx), chunk = nx * kFrTileGroups, slot = 8 * kFrTileGroups;
+    else at = x + (g * groups + gr) * 4, chunk = 1, slot = 8 * groups * 4;
+  }
+};
+
 // One tile step: mma j (0..7) over word j's 4 weights (2 pairs) for each m16 tile of x: x rows
 // g + 8h (slot h; slots 2m and 2m + 1 are tile m's a0/a2 and a1/a3), 16 bytes a slot at a time.
 template <bool kBf16, int kSlots>
-__device__ __forceinline__ void tile_mma(const uint16_t* __restrict__ x, int64_t kp, int nx, int64_t gr, bool valid,
+__device__ __forceinline__ void tile_mma(const uint4* __restrict__ x, int64_t groups, int nx, int64_t gr, bool valid,
                                          const FrGroup& tg, const uint32_t f[8], float (&c)[(kSlots + 1) / 2][4]) {
   const int g = (threadIdx.x & 31) >> 2;
+  const XWords<kSlots> xw(x, groups, nx, gr, g);
 #pragma unroll
   for (int jj = 0; jj < 4; ++jj) {
     uint4 xv[kSlots];
 #pragma unroll
     for (int h = 0; h < kSlots; ++h) {
-      const bool ok = valid && g + 8 * h < nx;
-      xv[h] = ok ? __ldg(reinterpret_cast<const uint4*>(x + (g + 8 * h) * kp + gr * kFrGroup) + jj) : make_uint4(0, 0, 0, 0);
+      const bool ok = (kSlots > 1 || valid) && g + 8 * h < nx;          // permuted: zeros past the groups
+      xv[h] = ok ? __ldg(xw.at + jj * xw.chunk + h * xw.slot) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -68,10 +100,9 @@ __device__ __forceinline__ void tile_mma(const uint16_t* __restrict__ x, int64_t
 // mma (the loads are asm volatile, so the compiler never hoists them itself): 7-8 % faster on an
 // 8B layer at 1, 4 and 16 rows (H100, bench/fixedrate_gpu.py, 2026-11-26).
 template <bool kBf16, int kSlots>
-__device__ __forceinline__ void walk_block(const FrArrays& a, const uint16_t* __restrict__ x, int nx, int64_t row,
+__device__ __forceinline__ void walk_block(const FrArrays& a, const uint4* __restrict__ x, int nx, int64_t row,
                                            int64_t blk, uint4 (&slot)[2], float (&c)[(kSlots + 1) / 2][4]) {
   const int t = threadIdx.x & 3;
-  const int64_t kp = a.groups * kFrGroup;
   const int tiles = static_cast<int>(min(static_cast<int64_t>(kFrBlockGroups / kFrTileGroups),
                                          (a.groups - blk * kFrBlockGroups + kFrTileGroups - 1) / kFrTileGroups));
   auto group_at = [&](int s) {
@@ -106,7 +137,7 @@ __device__ __forceinline__ void walk_block(const FrArrays& a, const uint16_t* __
     if constexpr (kSlots <= 2) patch_fields(slot, m, f, fetch);       // through shared memory; from 32 rows,
     else patch_fields_regs(m, f, fetch);                             // x's loads fill the load/store unit
     run += __shfl_sync(0xffffffffu, incl, 3, 4);
-    tile_mma<kBf16, kSlots>(x, kp, nx, gr, gr < a.groups, tg, f, c);
+    tile_mma<kBf16, kSlots>(x, a.groups, nx, gr, gr < a.groups, tg, f, c);
     tg = ahead;
   }
 }
@@ -117,7 +148,7 @@ template <int kSlots>
 constexpr int kMmaCtas = kSlots == 4 ? 5 : kSlots == 8 ? 2 : 7;
 
 template <bool kBf16, int kSlots>
-__global__ void __launch_bounds__(32 * kMmaWarps, kMmaCtas<kSlots>) mma_kernel(FrArrays a, const uint16_t* __restrict__ x,
+__global__ void __launch_bounds__(32 * kMmaWarps, kMmaCtas<kSlots>) mma_kernel(FrArrays a, const uint4* __restrict__ x,
                                                                                int nx, int splits, uint16_t* __restrict__ y) {
   constexpr int kM = (kSlots + 1) / 2;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -146,7 +177,7 @@ __global__ void __launch_bounds__(32 * kMmaWarps, kMmaCtas<kSlots>) mma_kernel(F
 }
 
 template <bool kBf16, int kSlots>
-void launch(const FrArrays& a, const uint16_t* x, int nx, uint16_t* y, cudaStream_t stream) {
+void launch(const FrArrays& a, const uint4* x, int nx, uint16_t* y, cudaStream_t stream) {
   const int64_t row_groups = (a.rows + 7) / 8;
   int splits = 1;
   while (splits < kMmaWarps && row_groups * splits < kTargetWarps && splits * 2 <= a.blocks) splits *= 2;
@@ -156,7 +187,7 @@ void launch(const FrArrays& a, const uint16_t* x, int nx, uint16_t* y, cudaStrea
 }
 
 template <bool kBf16>
-void launch_slots(const FrArrays& a, const uint16_t* x, int nx, uint16_t* y, cudaStream_t stream) {
+void launch_slots(const FrArrays& a, const uint4* x, int nx, uint16_t* y, cudaStream_t stream) {
   if (nx <= 8) launch<kBf16, 1>(a, x, nx, y, stream);
   else if (nx <= 16) launch<kBf16, 2>(a, x, nx, y, stream);
   else if (nx <= 32) launch<kBf16, 4>(a, x, nx, y, stream);
@@ -166,10 +197,19 @@ void launch_slots(const FrArrays& a, const uint16_t* x, int nx, uint16_t* y, cud
 }  // namespace
 
 void launch_mma(const FrArrays& a, const at::Tensor& x, const at::Tensor& y, cudaStream_t stream) {
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
   const int nx = static_cast<int>(x.size(0));
-  (x.scalar_type() == at::kBFloat16 ? launch_slots<true> : launch_slots<false>)(a, xp, nx, yp, stream);
+  const at::Tensor xa = reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 ? x : x.clone();   // 16-byte loads
+  at::Tensor xp = xa;
+  if (nx > 8) {                                                     // kSlots > 1: permuted
+    const int64_t units = (a.groups + kFrTileGroups - 1) / kFrTileGroups * kFrTileGroups * 4 * nx;
+    xp = at::empty({units * 8}, x.options());
+    permute_x_kernel<<<static_cast<unsigned>((units + 255) / 256), 256, 0, stream>>>(
+        reinterpret_cast<const uint4*>(xa.data_ptr()), a.groups, nx, units, reinterpret_cast<uint4*>(xp.data_ptr()));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  const auto* xw = reinterpret_cast<const uint4*>(xp.data_ptr());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  (x.scalar_type() == at::kBFloat16 ? launch_slots<true> : launch_slots<false>)(a, xw, nx, yp, stream);
 }
 
 }  // namespace wcodec
