@@ -51,32 +51,35 @@ __global__ void permute_x_kernel(const uint4* __restrict__ x, int64_t groups, in
   xp[i] = gr < groups ? x[(r * groups + gr) * 4 + c] : make_uint4(0, 0, 0, 0);
 }
 
-// Where a lane's x words are, kSlots > 1: permuted (the words of chunk c, slot h: at[c * chunk +
-// h * slot]); else in place.
+// A lane's x words in a block, kSlots > 1 permuted, else in place: chunk c of slot h of the block's
+// tile s at at[s * tile + c * chunk + h * slot].
 template <int kSlots>
 struct XWords {
   const uint4* at;
-  int64_t chunk, slot;
+  int tile, chunk, slot;                                            // < 2^31: x has < 2^31 words
   __device__ __forceinline__ XWords(const uint4* x, int64_t groups, int nx, int64_t gr, int g) {
-    if constexpr (kSlots > 1) at = x + xp_word(gr, 0, g, nx), chunk = nx * kFrTileGroups, slot = 8 * kFrTileGroups;
-    else at = x + (g * groups + gr) * 4, chunk = 1, slot = 8 * groups * 4;
+    if constexpr (kSlots > 1) {
+      at = x + xp_word(gr, 0, g, nx), tile = 4 * nx * kFrTileGroups, chunk = nx * kFrTileGroups, slot = 8 * kFrTileGroups;
+    } else {
+      at = x + (g * groups + gr) * 4, tile = 4 * kFrTileGroups, chunk = 1, slot = static_cast<int>(8 * groups * 4);
+    }
   }
 };
 
 // One tile step: mma j (0..7) over word j's 4 weights (2 pairs) for each m16 tile of x: x rows
-// g + 8h (slot h; slots 2m and 2m + 1 are tile m's a0/a2 and a1/a3), 16 bytes a slot at a time.
+// g + 8h (slot h; slots 2m and 2m + 1 are tile m's a0/a2 and a1/a3), 16 bytes a slot at a time
+// from xt (the tile's words).
 template <bool kBf16, int kSlots>
-__device__ __forceinline__ void tile_mma(const uint4* __restrict__ x, int64_t groups, int nx, int64_t gr, bool valid,
+__device__ __forceinline__ void tile_mma(const uint4* __restrict__ xt, const XWords<kSlots>& xw, int nx, bool valid,
                                          const FrGroup& tg, const uint32_t f[8], float (&c)[(kSlots + 1) / 2][4]) {
   const int g = (threadIdx.x & 31) >> 2;
-  const XWords<kSlots> xw(x, groups, nx, gr, g);
 #pragma unroll
   for (int jj = 0; jj < 4; ++jj) {
     uint4 xv[kSlots];
 #pragma unroll
     for (int h = 0; h < kSlots; ++h) {
       const bool ok = (kSlots > 1 || valid) && g + 8 * h < nx;          // permuted: zeros past the groups
-      xv[h] = ok ? __ldg(xw.at + jj * xw.chunk + h * xw.slot) : make_uint4(0, 0, 0, 0);
+      xv[h] = ok ? __ldg(xt + jj * xw.chunk + h * xw.slot) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -98,23 +101,20 @@ __device__ __forceinline__ void tile_mma(const uint4* __restrict__ x, int64_t gr
 
 // A row's escape block, tile by tile, the next tile's bytes requested before this tile's decode and
 // mma (the loads are asm volatile, so the compiler never hoists them itself): 7-8 % faster on an
-// 8B layer at 1, 4 and 16 rows (H100, bench/fixedrate_gpu.py, 2026-11-26).
+// 8B layer at 1, 4 and 16 rows (H100, bench/fixedrate_gpu.py, 2026-11-26). Up to 8 rows two tiles
+// a turn, so the tile in flight and the one decoded keep their registers (no copy a tile): 4.5 %
+// faster at 4 rows; from 9 rows it spilled and lost 1-3 % (H200, 2026-11-27).
 template <bool kBf16, int kSlots>
 __device__ __forceinline__ void walk_block(const FrArrays& a, const uint4* __restrict__ x, int nx, int64_t row,
                                            int64_t blk, uint4 (&slot)[2], float (&c)[(kSlots + 1) / 2][4]) {
   const int t = threadIdx.x & 3;
   const int tiles = static_cast<int>(min(static_cast<int64_t>(kFrBlockGroups / kFrTileGroups),
                                          (a.groups - blk * kFrBlockGroups + kFrTileGroups - 1) / kFrTileGroups));
-  auto group_at = [&](int s) {
-    const int64_t gr = blk * kFrBlockGroups + s * kFrTileGroups + t;
-    return load_group(a, row, gr, gr < a.groups);
-  };
+  const int64_t gr0 = blk * kFrBlockGroups + t;
+  const XWords<kSlots> xw(x, a.groups, nx, gr0, (threadIdx.x & 31) >> 2);
+  auto group_at = [&](int s) { return load_group(a, row, gr0 + s * kFrTileGroups, gr0 + s * kFrTileGroups < a.groups); };
   int32_t run = a.esc_start[row * a.blocks + blk];                 // escapes before this tile, in the row
-  FrGroup tg = group_at(0);
-  for (int s = 0; s < tiles; ++s) {                                  // warp-uniform
-    FrGroup ahead{};
-    if (s + 1 < tiles) ahead = group_at(s + 1);
-    const int64_t gr = blk * kFrBlockGroups + s * kFrTileGroups + t;
+  auto step = [&](int s, const FrGroup& tg) {
     uint32_t f[8];
     const uint32_t m = group_decode(tg, f);
     const int cnt = __popc(m);
@@ -137,8 +137,25 @@ __device__ __forceinline__ void walk_block(const FrArrays& a, const uint4* __res
     if constexpr (kSlots <= 2) patch_fields(slot, m, f, fetch);       // through shared memory; from 32 rows,
     else patch_fields_regs(m, f, fetch);                             // x's loads fill the load/store unit
     run += __shfl_sync(0xffffffffu, incl, 3, 4);
-    tile_mma<kBf16, kSlots>(x, a.groups, nx, gr, gr < a.groups, tg, f, c);
-    tg = ahead;
+    tile_mma<kBf16, kSlots>(xw.at + s * xw.tile, xw, nx, gr0 + s * kFrTileGroups < a.groups, tg, f, c);
+  };
+  if constexpr (kSlots == 1) {                                       // two tiles a turn: registers for both
+    FrGroup even = group_at(0), odd{};
+    for (int s = 0; s < tiles; s += 2) {                             // warp-uniform
+      if (s + 1 < tiles) odd = group_at(s + 1);
+      step(s, even);
+      if (s + 1 == tiles) break;
+      if (s + 2 < tiles) even = group_at(s + 2);
+      step(s + 1, odd);
+    }
+  } else {                                                           // x's slots need the registers
+    FrGroup tg = group_at(0);
+    for (int s = 0; s < tiles; ++s) {
+      FrGroup ahead{};
+      if (s + 1 < tiles) ahead = group_at(s + 1);
+      step(s, tg);
+      tg = ahead;
+    }
   }
 }
 
