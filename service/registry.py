@@ -33,7 +33,7 @@ from .load.early_load import EarlyLoad
 from .load.job import Loader, LoadStats, Progress
 from .load.store import ModelFile, ModelStore, check_name
 from .metrics import Metrics
-from .model.build import ServedModel, device_of
+from .model.build import ServedModel
 from .settings import Settings
 from .timeline import Timeline
 
@@ -111,7 +111,7 @@ class ModelRegistry:
         self.settings, self.metrics = settings, metrics
         self.timeline = timeline or Timeline()
         self.store = ModelStore(settings.model_store)
-        self.device = device_of(settings)
+        self.device = settings.torch_device()
         self.loader = Loader(settings, metrics, self.device, self.timeline, early)
         self.startup: asyncio.Task | None = None
         self.startup_error: str | None = None

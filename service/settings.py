@@ -68,6 +68,12 @@ class Settings(BaseSettings):
         from .load.memory import available_memory
         return available_memory() // 4 if self.host_cache_bytes is None else self.host_cache_bytes
 
+    def torch_device(self):
+        """Where models are decoded and run: WCODEC_DEVICE, else CUDA when there is a GPU. torch is
+        imported here, not at this module's import: `wcodec serve` reads its settings before it."""
+        import torch
+        return torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
     # generation
     max_batch_size: int = Field(64, ge=1)        # rows in a model's running batch
     max_batch_tokens: int = Field(512, ge=1)     # tokens one step feeds the model: a token per running

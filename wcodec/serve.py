@@ -68,20 +68,20 @@ def _restore_once_read(reads: dict, switch: float) -> None:
 
 
 def _start_early_loads(settings, paths: dict, reads: dict, timeline: Timeline) -> dict:
-    """Decode each preloaded model on its own thread from now on; else only warm up."""
+    """Decode each preloaded model on its own thread from now on; else only warm up. Nothing more
+    is imported here: service.model.build (fastapi, through service.errors) took 0.3-0.5 s on the
+    2-core CPU before the early loads could start; they import only what their decode needs."""
     from service.load.early_load import start_early_loads
-    from service.model.build import device_of
-    device = device_of(settings)
     if paths:
-        return start_early_loads(reads, paths, settings, device, timeline)
+        return start_early_loads(reads, paths, settings, settings.torch_device(), timeline)
     threading.Thread(target=_warm_up, args=(settings, timeline), name="wcodec-warm-up", daemon=True).start()
     return reads
 
 
 def _warm_up(settings, timeline: Timeline) -> None:
-    from service.model.build import device_of, warm_up
+    from service.model.build import warm_up
     try:
-        warm_up(device_of(settings), timeline)
+        warm_up(settings.torch_device(), timeline)
     except Exception:                        # the lifespan's own warm-up reports it
         logging.getLogger("wcodec.service").debug("early warm-up failed", exc_info=True)
 

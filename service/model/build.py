@@ -196,11 +196,6 @@ def finish(name: str, prepared: Prepared, decoded: dict[str, torch.Tensor], kept
                        "compressed" if schedule is not None or blocks or fixed_form else "decoded", schedule)
 
 
-def device_of(settings) -> torch.device:
-    """Where models are decoded and run: WCODEC_DEVICE, else CUDA when there is a GPU."""
-    return torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-
-
 _WARM_LOCK = threading.Lock()
 _WARMED: set[str] = set()                  # device types warmed up in this process
 
