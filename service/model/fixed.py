@@ -67,9 +67,9 @@ class FixedLinear(torch.nn.Module):
         """paged.fuse_projections for FixedLinears: the parts' forms stacked into one FixedLinear,
         `parent.{name}_linear` (one launch instead of len(parts); the k and v matrices alone fill
         under a wave of an H100), the parts' arrays become row views of it; once."""
-        if hasattr(parent, f"{name}_linear") or len({(type(p), p.dtype, p.in_features, p.bias is None)
-                                                     for p in parts}) != 1:
-            return
+        if hasattr(parent, f"{name}_linear") or any(type(p) is not FixedLinear for p in parts) \
+                or len({(p.dtype, p.in_features, p.bias is None) for p in parts}) != 1:
+            return                               # a part kept decoded (a raw-coded matrix): each alone
         joined = fixedrate.cat_rows([p.weight_form for p in parts])
         bias = None if parts[0].bias is None else torch.cat([p.bias.detach() for p in parts])
         parent.add_module(f"{name}_linear", FixedLinear(joined, bias))

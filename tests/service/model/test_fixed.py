@@ -105,3 +105,18 @@ def test_joined_projections_are_views_of_one_form() -> None:
         torch.testing.assert_close(got, want, rtol=0.02, atol=1e-3)
     paged._join(parent, "qkv", parts)                                      # once
     assert parent.qkv_linear is joined
+
+
+def test_parts_kept_decoded_are_not_joined() -> None:
+    """A layer whose k or v matrix is kept decoded (raw-coded in a small model) beside FixedLinears:
+    nothing joined, each part still computes alone (a load of such a model failed with an
+    AttributeError on the plain Linear)."""
+    from service.model import llama, paged
+    w = fixedrate.sample_weight(torch.bfloat16, 32, 64, seed=1, finite=True)
+    plain = llama.Linear(64, 32, bias=False, dtype=torch.bfloat16)
+    parts = (fixed.FixedLinear(fixedrate.encode(w), None), plain, fixed.FixedLinear(fixedrate.encode(w), None))
+    parent = torch.nn.Module()
+    paged._join(parent, "qkv", parts)
+    assert not hasattr(parent, "qkv_linear") and not hasattr(parent, "qkv_weight")
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
+    assert [t.shape for t in paged._joined(parent, "qkv", parts, x)] == [(2, 32)] * 3
