@@ -23,9 +23,10 @@ from . import ops
 from .build import ensure_loaded
 
 FUSED_MAX_ROWS = 64            # cuda_ext/csrc/fixedrate_gemv.cuh kFrMaxRows (the tensor-core kernel's)
-FUSED_ROWS = 64                # up to here the fused op is faster than decode + cuBLAS (an 8B layer on
-                               # an H200, 2026-11-27, x permuted from 9 rows: 32 rows 0.33 vs 0.60 ms,
-                               # 64 rows 0.566 vs 0.602 ms)
+FUSED_ROWS = 32                # the default's fused rows. At 64 the fused op is faster too (an 8B layer,
+                               # H100 2026-11-27: 0.573 vs 0.711 ms decode + cuBLAS), but prompts of
+                               # 33-64 tokens then leave cuBLAS's sums, and the demo's greedy tokens in
+                               # compressed mode parted from decoded mode's at a near-tie (a haiku, token 8)
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
