@@ -115,6 +115,7 @@ class Runner:
         self.warmed.set()
         self._warm = self._later = None
         self._warm_at = 0.0
+        self._warming: threading.Thread | None = None     # the warm-up's thread, joined by `close`
         self.on_warmed: Callable[[], None] | None = None     # the engine's wake-up (worker.py)
         if self.use_graphs:                      # the last launch's picks, read by the next launch's graph
             self.last_picks = torch.zeros(max_rows, dtype=torch.long, device=self.device)
@@ -140,8 +141,9 @@ class Runner:
         if self._later is None or (not now and time.perf_counter() < self._warm_at):
             return
         (kernels, warm_up), self._later = self._later, None
-        threading.Thread(target=self._warm_up, args=(kernels, warm_up), name="wcodec-step-kernels",
-                         daemon=True).start()
+        self._warming = threading.Thread(target=self._warm_up, args=(kernels, warm_up), name="wcodec-step-kernels",
+                                         daemon=True)
+        self._warming.start()
 
     def warm_due_in(self) -> float | None:
         """Seconds until a waiting warm-up is due; None: none waits."""
@@ -327,9 +329,18 @@ class Runner:
         return True
 
     def close(self) -> None:
-        """Drop the graphs, their pool and the cache (an unload). The cuBLAS workspace of the capture
-        stream (torch.cuda.graph's one side stream) stays, as every stream's does: allocated by the
-        process's first capture, reused by every later one."""
+        """Drop the graphs, their pool, the cache and the last picks (an unload), after the warm-up:
+        one still compiling holds its toy tensors on the device and this runner, so the unload waits
+        for it (seconds at most, in a fresh process; engine.close runs off the event loop), and one
+        not started never starts. The cuBLAS workspace of the capture stream (torch.cuda.graph's one
+        side stream) stays, as every stream's does: allocated by the process's first capture, reused
+        by every later one."""
+        self._later = None
+        if self._warming is not None:
+            self._warming.join()
+            self._warming = None
+        self._warm = self.on_warmed = None
         self.graphs.clear()
         self.pool = None
         self.cache.k = self.cache.v = None
+        self.last_picks = None
