@@ -20,8 +20,11 @@ A weight larger than CHUNK_FLOATS (the tied 49152 x 576 head) is widened and mul
 output rows at a time, so that the block is still in cache when the matmul reads it: the head at
 32 rows took 65 ms widened whole (113 MB written, then read), 33 ms in blocks of ~2k rows.
 Compressed-resident models (decoded into bf16 scratch buffers every forward) keep their dtype and
-use linear16 where it runs (unpacked: the scratch is rewritten every forward), so that they give
-decoded mode's tokens; GPU models keep their dtype.
+compute as decoded mode does under `auto`, so that both modes give the same tokens and logits bit
+for bit on every CPU: linear16 where it runs (unpacked: the scratch is rewritten every forward),
+else the mixed matmul, a Linear of GGUF blocks dequantizing chunks that start where the mixed
+blocks do (float32 sums depend on the blocks: MKL's sgemm gives other bits for other splits of
+the output rows). GPU models keep their dtype.
 
 On a CPU with AVX512-BF16, PyTorch's bf16 matmul of a row or a few (a decode step) reads the weight
 at 4-8 GB/s, a third of what memory gives. There `auto` sends every call of a bf16 Linear to the
@@ -34,7 +37,8 @@ call only multiplies.
     auto      linear16 for bf16 on an AVX512-BF16 CPU; else mixed (above) on a CPU without native
               bf16 (fp16: without AMX-FP16); else the archive's dtype
     model     the archive's dtype and PyTorch's matmuls, always
-    float32   the whole model cast to float32 once, after its load (twice the bytes)
+    float32   the whole model cast to float32 once, after its load (twice the bytes); compressed
+              weights (no cast of blocks or scratch) as under `auto`
 """
 from __future__ import annotations
 
@@ -75,12 +79,11 @@ def linear16_kernel(dtype: torch.dtype) -> bool:
 
 def cpu_compute(served: ServedModel, setting: CpuDtype) -> str:
     """"model", "linear16", "mixed" or "float32": how `served` computes under `setting`.
-    Compressed weights are decoded into scratch every forward: linear16 or the model's dtype."""
+    Compressed weights, decoded into scratch every forward, are not cast: they compute as decoded
+    weights under `auto` (the same arithmetic in both modes)."""
     if served.device.type != "cpu" or setting == "model" or served.dtype not in (torch.bfloat16, torch.float16):
         return "model"
-    if served.weights != "decoded":
-        return "linear16" if linear16_kernel(served.dtype) else "model"
-    if setting == "float32":
+    if setting == "float32" and served.weights == "decoded":
         return "float32"
     if linear16_kernel(served.dtype):
         return "linear16"
@@ -138,43 +141,91 @@ def joins_exactly(model: torch.nn.Module) -> bool:
     return any(isinstance(m, Linear16) for m in model.modules())
 
 
+def block_rows(in_features: int) -> int:
+    """Output rows the mixed matmul widens at a time: whole rows up to CHUNK_FLOATS (a shape's
+    blocks, whoever holds the weight)."""
+    return max(1, CHUNK_FLOATS // in_features)
+
+
+def mixed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scratch: torch.Tensor,
+                 min_rows: int) -> torch.Tensor:
+    """x [..., in] times a bf16/fp16 weight [out, in] -> [..., out]: in the weight's dtype below
+    `min_rows` rows; else in float32, block_rows(in) output rows at a time from row 0, each block
+    widened into `scratch` (float32, shared by the model: one forward at a time), rounded once."""
+    if x.numel() < min_rows * x.shape[-1]:
+        return F.linear(x, weight, bias)
+    xf, step = x.float(), block_rows(weight.shape[1])
+    parts = []
+    for i in range(0, weight.shape[0], step):
+        block = weight[i:i + step]
+        w = scratch[:block.numel()].view(block.shape)
+        w.copy_(block)                                                    # [rows, in] float32
+        parts.append(F.linear(xf, w, None if bias is None else bias[i:i + step].float()))
+    return (parts[0] if len(parts) == 1 else torch.cat(parts, -1)).to(x.dtype)
+
+
+class MixedMatmul(torch.nn.Module):
+    """mixed_linear with a model's float32 scratch (a buffer: an unload's `model.to("meta")` frees
+    it), shared by the model's Linears: (x, weight, bias) -> y."""
+
+    def __init__(self, scratch: torch.Tensor, min_rows: int):
+        super().__init__()
+        self.register_buffer("scratch", scratch, persistent=False)
+        self.min_rows = min_rows
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return mixed_linear(x, weight, bias, self.scratch, self.min_rows)
+
+
 class MixedLinear(llama.Linear):
-    """A bf16/fp16 Linear whose matmul runs in float32 in calls of `min_rows` rows or more: the
-    weight is widened into the model's shared `scratch` (the model runs one forward at a time),
-    as many output rows at a time as the scratch holds."""
+    """A bf16/fp16 Linear computed by `mixed_linear`: in float32 in calls of `mixed.min_rows`
+    rows or more, its weight widened into the model's shared scratch a block of rows at a time."""
     joinable = False                            # its forward is not a matmul of its own weight alone
-    scratch: torch.Tensor
-    min_rows: int
+    mixed: MixedMatmul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() < self.min_rows * x.shape[-1]:
-            return super().forward(x)
-        xf, step = x.float(), self.scratch.numel() // self.in_features
-        parts = [self._block(xf, slice(i, i + step)) for i in range(0, self.out_features, step)]
-        return (parts[0] if len(parts) == 1 else torch.cat(parts, -1)).to(x.dtype)
-
-    def _block(self, x: torch.Tensor, rows: slice) -> torch.Tensor:
-        """x [..., in] float32 times output rows `rows` of the weight, widened -> [..., rows]."""
-        weight = self.weight[rows]
-        w = self.scratch[:weight.numel()].view(weight.shape)
-        w.copy_(weight)                                                   # [rows, in] float32
-        return F.linear(x, w, None if self.bias is None else self.bias[rows].float())
+        return self.mixed(x, self.weight, self.bias)
 
 
-def _scratch_floats(linear: llama.Linear) -> int:
-    """Floats `linear` widens at a time: all of it, or whole rows up to CHUNK_FLOATS."""
-    rows = max(1, CHUNK_FLOATS // linear.in_features)
-    return min(linear.out_features, rows) * linear.in_features
+def _scratch_floats(linear: torch.nn.Module) -> int:
+    """Floats `linear` widens at a time: all of it, or its blocks of block_rows."""
+    return min(linear.out_features, block_rows(linear.in_features)) * linear.in_features
+
+
+def _float_scratch(model: torch.nn.Module, floats: int) -> tuple[torch.Tensor, int]:
+    """`floats` float32 elements for mixed_linear, and the bytes they add: none where they fit in
+    the shared scratch of `model`'s GGUF block Linears past their chunks (one block of rows each,
+    written before the block is widened), else a buffer of their own.
+
+        block Linears' scratch   [ chunk: a block of rows, bf16 | pad to 64 bytes | float32 block | free ]
+
+    64-byte aligned as a buffer of its own is: BLAS may take another path, with other sums, for
+    operands aligned otherwise.
+    """
+    blocks = [m for m in model.modules() if isinstance(m, quantized.BlockLinear)]
+    if blocks:
+        shared = blocks[0].scratch.view(torch.uint8)                      # one per model (quantized.attach)
+        chunk = max(_scratch_floats(m) for m in blocks) * blocks[0].scratch.element_size()
+        start = -(-(shared.data_ptr() + chunk) // 64) * 64 - shared.data_ptr()
+        if start + 4 * floats <= shared.numel():
+            return shared[start:start + 4 * floats].view(torch.float32), 0
+    scratch = torch.empty(floats, dtype=torch.float32)
+    return scratch, scratch.nbytes
 
 
 def _mix(model: torch.nn.Module, min_rows: int) -> int:
-    """Turn every Linear of `model` into a MixedLinear sharing one scratch; returns its bytes."""
-    linears = [m for m in model.modules() if isinstance(m, llama.Linear)]
-    scratch = torch.empty(max((_scratch_floats(m) for m in linears), default=0), dtype=torch.float32)
+    """Turn every Linear of `model` into a MixedLinear, and multiply every Linear of GGUF blocks
+    by mixed_linear a block at a time (decoded mode's blocks), all sharing one float32 scratch;
+    returns the bytes it adds."""
+    linears = [m for m in model.modules() if isinstance(m, (llama.Linear, quantized.BlockLinear))]
+    scratch, added = _float_scratch(model, max((_scratch_floats(m) for m in linears), default=0))
+    mixed = MixedMatmul(scratch, min_rows)
     for m in linears:
-        m.__class__ = MixedLinear
-        m.scratch, m.min_rows = scratch, min_rows
-    return scratch.nbytes
+        if isinstance(m, llama.Linear):
+            m.__class__ = MixedLinear
+            m.mixed = mixed
+    quantized.use_kernel(model, mixed, block_rows)
+    return added
 
 
 def for_cpu(served: ServedModel, setting: CpuDtype) -> ServedModel:

@@ -7,9 +7,10 @@ them: a GGUF archive's matrices stay their blocks on the device (a Q4_1 weight i
   buffer (the model runs one forward at a time, on one stream).
 * The embedding (`BlockEmbedding`) dequantizes only the rows it gathers (llama.cpp's get_rows).
   A tied head multiplies by the same blocks, a chunk of rows at a time: the demo's 49152 x 576
-  table in 7 chunks.
-* Each chunk's matmul is the Linear's own (`kernel`): PyTorch's, or on a CPU that decodes with
-  linear16 the same kernel as decoded mode (cpu_dtype.py), so both modes give the same tokens.
+  table in 7 chunks (28 under the CPU's mixed matmul: a chunk is one of its blocks).
+* Each chunk's matmul is the Linear's own (`kernel`): PyTorch's, or on the CPU decoded mode's
+  (cpu_dtype.py: linear16, or the mixed matmul, whose chunks start where its blocks of rows do), so
+  both modes give the same tokens.
 * The modules launch on the current stream and allocate through PyTorch, so a decode step of
   them is captured as a CUDA graph like any other.
 
@@ -90,9 +91,10 @@ class BlockLinear(_Planes):
         self.bias = linear.bias                  # on meta until the load assigns it
         self.register_buffer("scratch", scratch, persistent=False)
         self.kernel: Callable = F.linear
+        self.rows = scratch.numel() // self.in_features          # output rows a chunk (use_kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        step, planes, parts = self.scratch.numel() // self.in_features, self.planes, []
+        step, planes, parts = self.rows, self.planes, []
         for start in range(0, self.out_features, step):
             n = min(step, self.out_features - start)
             w = self.scratch[:n * self.in_features].view(n, self.in_features)           # [n, in]
@@ -128,8 +130,15 @@ def dequantized(kept: dict[str, quant.QuantBlocks]) -> dict[str, torch.Tensor]:
     return out
 
 
-def use_kernel(model: torch.nn.Module, kernel: Callable) -> None:
-    """Every block Linear's chunks multiplied by `kernel` (x, weight, bias) -> y."""
+def use_kernel(model: torch.nn.Module, kernel: Callable, block: Callable[[int], int] | None = None) -> None:
+    """Every block Linear's chunks multiplied by `kernel` (x, weight, bias) -> y. With `block`
+    (in_features -> rows: `kernel` splits a weight into blocks of that many rows from row 0), a
+    chunk is one block, so that the chunks' blocks are the whole weight's."""
     for m in model.modules():
         if isinstance(m, BlockLinear):
             m.kernel = kernel
+            if block is not None:
+                rows = min(m.out_features, block(m.in_features))
+                if rows > m.rows:
+                    raise ValueError(f"a scratch of {m.rows} rows holds no block of {rows}")
+                m.rows = rows

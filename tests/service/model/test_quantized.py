@@ -93,6 +93,22 @@ def test_same_tokens_and_logits_as_decoded_mode(both_modes, batch) -> None:
 
 
 @pytest.mark.timeout(900)
+def test_mixed_cpu_gives_decoded_modes_tokens_and_logits(demo_archive, monkeypatch) -> None:
+    """Where bf16 is not native to the CPU (no AVX512-BF16: decoded mode multiplies in float32 from
+    6 rows), each block Linear dequantizes one of decoded mode's blocks of rows at a time into the
+    mixed matmul, widened in its scratch's tail: the same bits, and no byte more than the estimate."""
+    monkeypatch.setattr(cpu_dtype, "linear16_kernel", lambda dtype: False)
+    monkeypatch.setattr(cpu_dtype, "_native", lambda dtype: False)
+    decoded, kept = served(demo_archive, "decoded"), served(demo_archive, "compressed")
+    assert isinstance(decoded.model.lm_head, cpu_dtype.MixedLinear)
+    assert isinstance(kept.model.lm_head.kernel, cpu_dtype.MixedMatmul)
+    assert kept.model.lm_head.rows == cpu_dtype.CHUNK_FLOATS // 576                  # 1820: decoded mode's blocks
+    with Archive.open(demo_archive) as archive:
+        assert kept.weight_bytes == compressed.estimate_bytes(archive.entries, scratch=1)
+    assert_same_greedy(decoded, kept, batch=6, steps=8)                              # the head at 6 rows too
+
+
+@pytest.mark.timeout(900)
 @CUDA
 @pytest.mark.parametrize("batch", [1, 8])
 def test_same_tokens_as_decoded_mode_on_cuda(demo_archive, batch) -> None:
