@@ -11,16 +11,17 @@ from cuda_ext import fixedrate as fr_ops
 from cuda_ext import ops
 
 
+def check(good: bool, *case) -> bool:
+    """`good`, naming the case when it is not."""
+    if not good:
+        print("  mismatch:", *case)
+    return good
+
+
 def main() -> int:
     assert cuda_ext.available().cuda, cuda_ext.available()
     torch.manual_seed(0)
     ok = True
-
-    def check(good: bool, *case) -> bool:
-        if not good:
-            print("  mismatch:", *case)
-        return good
-
     for shape, finite in (((3, 31), False), ((37, 1000), True), ((130, 2049), True), ((256, 256), False),
                           ((4100, 2048), True)):
         w = fr_ops.sample_weight(torch.bfloat16, *shape, seed=shape[1], finite=finite)
@@ -56,10 +57,8 @@ def escapes_everywhere() -> bool:
         moved = fr_ops.FixedRateWeight(fr.rows, fr.cols, fr.dtype, fr.plane, fr.lo, fr.hi, fr.base, esc, fr.esc_start)
         ok &= torch.equal(fr_ops.decode(moved).cpu().view(torch.int16), w.view(torch.int16))
         for (n, k), y in want.items():
-            same = torch.equal(fr_ops.linear(xs[n], moved, k).view(torch.int16), y.view(torch.int16))
-            ok &= same
-            if not same:
-                print("  mismatch: escapes shifted by", shift, "rows", n, "kernel", k)
+            ok &= check(torch.equal(fr_ops.linear(xs[n], moved, k).view(torch.int16), y.view(torch.int16)),
+                        "escapes shifted by", shift, "rows", n, "kernel", k)
     return ok
 
 
