@@ -5,13 +5,16 @@ matmul (cuda_ext/csrc/fixedrate.cu), which finds any weight's bytes without a pr
 
 Read me first (the traps):
 - A weight is a 16-bit word w; the coded field is bits 7..14 ("exponent" for bf16) and the byte
-  plane keeps the other 8 bits (sign in bit 7, bits 0..6 below). fp16 goes through the same split
-  losslessly, but its field is then 5 exponent bits + 3 mantissa bits and escapes often.
+  plane keeps the other 8 bits: bits 0..6 of w in bits 1..7, and in bit 0 the sign of the *other*
+  weight of its pair (weights 2j, 2j + 1). Crossed so that a pair's two words come back from their
+  plane and field bytes by one byte permute and one 32-bit rotate (FORMAT.md §6). fp16 goes through
+  the same split losslessly, but its field is then 5 exponent bits + 3 mantissa bits and escapes often.
 - A code is 3 bits: 0..6 mean field = base + code, 7 is an escape (the field is in the escape
   array). base <= 248 so that base + 7 fits a byte: 4 bases added to 4 codes in one u32 never carry.
 - The codes are split into a 2-bit plane and a 1-bit plane, laid out so that the code of weight
   4q + b sits in byte lane b of a word (the kernel decodes 4 weights per 32-bit operation).
-- Rows are padded to whole groups with code 0 and plane byte 0; padding never escapes.
+- Rows are padded to whole groups with code 0 and plane byte 0 (but for the sign bit of a real
+  partner: an odd row's last weight); padding never escapes.
 """
 from __future__ import annotations
 
@@ -44,7 +47,7 @@ class FixedRate:
     rows: int
     cols: int
     dtype: str                  # "bfloat16" or "float16": how the decoded words are read
-    plane: np.ndarray           # uint8 [rows, groups * 32]: sign (bit 7) | bits 0..6 of each word
+    plane: np.ndarray           # uint8 [rows, groups * 32]: bits 0..6 of each word << 1 | its partner's sign
     lo: np.ndarray              # uint32 [rows, groups * 2]: code bits 0..1
     hi: np.ndarray              # uint32 [rows, groups]: code bit 2
     base: np.ndarray            # uint8 [rows, tiles]: tile t covers groups 4t .. 4t + 3
@@ -82,16 +85,27 @@ def fixed_nbytes(rows: int, cols: int) -> int:
 
 # ---- the split of a word ---------------------------------------------------------------------
 #   word  15 14 ........ 7 6 ...... 0
-#          s [  field 8  ] [ low 7  ]      plane byte = s << 7 | low 7;  field = (w >> 7) & 0xFF
+#          s [  field 8  ] [ low 7  ]      field = (w >> 7) & 0xFF
+#   plane byte of weight i = low 7 of w_i << 1 | s of w_(i ^ 1)      (pairs 2j, 2j + 1 cross signs)
+# A pair's 32-bit word (w_2j + w_2j+1 << 16) is then the plane and field bytes interleaved,
+#   f_2j+1 << 24 | p_2j+1 << 16 | f_2j << 8 | p_2j, rotated right by one bit.
 
 def split_words(words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """words: 16-bit, an even count along the last axis (pairs) -> plane bytes, fields."""
     w = words.astype(np.uint16)
-    return (((w >> 8) & 0x80) | (w & 0x7F)).astype(np.uint8), ((w >> 7) & 0xFF).astype(np.uint8)
+    return (((w & 0x7F) << 1) | _partners(w >> 15)).astype(np.uint8), ((w >> 7) & 0xFF).astype(np.uint8)
 
 
 def join_words(plane: np.ndarray, field: np.ndarray) -> np.ndarray:
     p, f = plane.astype(np.uint16), field.astype(np.uint16)
-    return ((p & 0x80) << 8) | (f << 7) | (p & 0x7F)
+    return (_partners(p & 1) << 15) | (f << 7) | (p >> 1)
+
+
+def _partners(a: np.ndarray) -> np.ndarray:
+    """a with the two entries of each pair (2j, 2j + 1) of its last axis swapped."""
+    out = np.empty_like(a)
+    out[..., 0::2], out[..., 1::2] = a[..., 1::2], a[..., 0::2]
+    return out
 
 
 # ---- choose the base of each group -----------------------------------------------------------
@@ -161,7 +175,7 @@ def encode(weight: np.ndarray, dtype: str = "bfloat16") -> FixedRate:
     delta = field.astype(np.int16) - np.repeat(base, TILE, axis=1)
     escaped = valid & ((delta < 0) | (delta >= ESCAPE))
     codes = np.where(escaped, ESCAPE, np.where(valid, delta, 0)).astype(np.uint8)[:, :ng * GROUP]
-    plane = np.where(valid, plane, 0).astype(np.uint8)[:, :ng * GROUP]
+    plane = plane[:, :ng * GROUP]                                       # padding words are 0: plane 0 but a sign
     lo, hi = pack_codes(codes.reshape(-1, GROUP))
     escaped = escaped[:, :ng * GROUP]
     return FixedRate(rows, cols, dtype, plane, lo.reshape(rows, ng * LO_WORDS), hi.reshape(rows, ng), base,

@@ -92,7 +92,7 @@ void decode_row(const FrShape& s, int64_t r, const uint8_t* plane, const uint32_
     const uint32_t code = fr_codes4(lo[g * kFrLoWords + fr_lo_word(i)], hi[g], i >> 2) >> (8 * (i & 3)) & 0xFF;
     uint32_t field = base[r * s.tiles + c / kFrTile] + code;
     if (code == kFrEscape) field = at_ < n_esc ? esc[at_++] : 0;     // bounds: never read past esc
-    out[r * s.cols + c] = fr_join(plane[g * kFrGroup + i], field);
+    out[r * s.cols + c] = fr_join(plane[g * kFrGroup + i], plane[g * kFrGroup + (i ^ 1)], field);
   }
 }
 

@@ -4,7 +4,9 @@
 // codec/constants.py's FR_* (tests/cuda_ext/test_fixedrate_twin.py checks them).
 //
 //   word  15 14 ........ 7 6 ...... 0
-//          s [  field 8  ] [ low 7  ]      plane byte = s << 7 | low 7;  field = (w >> 7) & 0xFF
+//          s [  field 8  ] [ low 7  ]      field = (w >> 7) & 0xFF
+//   plane byte of weight i = low 7 of w_i << 1 | s of w_(i ^ 1): a pair's signs cross, so that its
+//   32-bit word is its bytes interleaved (f1 p1 f0 p0) rotated right by one bit (join_pairs)
 //   weight i = 4q + b of a group:  lo[q / 4] bits 8b + 2(q % 4) .. +1 = code bits 0..1
 //                                   hi       bit  8b + q                = code bit 2
 //   code 0..6: field = base + code;  code 7: the next byte of the escape array.
@@ -27,13 +29,15 @@ constexpr int kFrEscape = 7;          // ESCAPE
 constexpr int kFrMaxBase = 248;       // MAX_BASE = 256 - 1 - ESCAPE
 constexpr int kFrLoWords = 2;         // LO_WORDS
 
-// split_words: the plane byte and the field of a word.
-FR_HD uint8_t fr_plane_byte(uint16_t w) { return static_cast<uint8_t>(((w >> 8) & 0x80) | (w & 0x7F)); }
+// split_words: the plane byte of a word (its pair partner gives the sign bit) and its field.
+FR_HD uint8_t fr_plane_byte(uint16_t w, uint16_t partner) {
+  return static_cast<uint8_t>(((w & 0x7F) << 1) | (partner >> 15));
+}
 FR_HD uint8_t fr_field(uint16_t w) { return static_cast<uint8_t>((w >> 7) & 0xFF); }
 
-// join_words: the word back from its plane byte and field.
-FR_HD uint16_t fr_join(uint32_t p, uint32_t f) {
-  return static_cast<uint16_t>(((p & 0x80) << 8) | ((f & 0xFF) << 7) | (p & 0x7F));
+// join_words: the word back from its plane byte, its partner's plane byte and its field.
+FR_HD uint16_t fr_join(uint32_t p, uint32_t partner, uint32_t f) {
+  return static_cast<uint16_t>(((partner & 1) << 15) | ((f & 0xFF) << 7) | ((p >> 1) & 0x7F));
 }
 
 // unpack_codes, 4 at a time: the codes of weights 4q .. 4q + 3, one per byte lane.
@@ -77,7 +81,7 @@ FR_HD int fr_encode_group(const uint16_t* w, int n, uint32_t base, uint8_t* plan
   int escapes = 0;
   for (int i = 0; i < kFrGroup; ++i) {
     const uint32_t code = i < n ? fr_code(fr_field(w[i]), base) : 0;   // padding: code 0, plane byte 0
-    plane[i] = i < n ? fr_plane_byte(w[i]) : 0;
+    plane[i] = fr_plane_byte(i < n ? w[i] : 0, (i ^ 1) < n ? w[i ^ 1] : 0);   // padding: 0 but a sign
     lw[fr_lo_word(i)] |= fr_lo_bits(code, i);
     hw |= fr_hi_bits(code, i);
     escapes += code == kFrEscape;

@@ -192,11 +192,12 @@ __device__ __forceinline__ FrGroup block_fields(const FrArrays& a, int64_t row, 
 }
 
 // join_words, 4 at a time: plane word p and field word f of weights 4q..4q+3 -> two 16-bit pairs.
-//   h = f << 8 | p  (per weight);  word = (h >> 1 & 0x7F80) | (h & 0x7F) | (h << 8 & 0x8000)
+// A pair's bytes interleaved, f1 p1 f0 p0, rotated right by one bit: p0's bit 0 (s1) to bit 31, f1
+// to bits 23..30, p1's bits 1..7 to 16..22, p1's bit 0 (s0) to bit 15, f0 to 7..14, p0's 1..7 to 0..6.
 __device__ __forceinline__ void join4(uint32_t p, uint32_t f, uint32_t& w01, uint32_t& w23) {
   const uint32_t y0 = __byte_perm(p, f, 0x5140), y1 = __byte_perm(p, f, 0x7362);
-  w01 = ((y0 >> 1) & 0x7F807F80u) | (y0 & 0x007F007Fu) | ((y0 << 8) & 0x80008000u);
-  w23 = ((y1 >> 1) & 0x7F807F80u) | (y1 & 0x007F007Fu) | ((y1 << 8) & 0x80008000u);
+  w01 = __funnelshift_r(y0, y0, 1);
+  w23 = __funnelshift_r(y1, y1, 1);
 }
 
 __device__ __forceinline__ uint32_t plane_word(const FrGroup& t, int q) {

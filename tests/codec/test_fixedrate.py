@@ -75,6 +75,15 @@ def test_padding_never_escapes_and_is_not_decoded():
     assert F.decode(fr).shape == (3, 40)
 
 
+def test_plane_bytes_cross_signs_within_pairs():
+    # plane byte of weight i: bits 0..6 of w_i << 1 | the sign of w_(i ^ 1)
+    w = np.array([[0x8001, 0x0002, 0xC07F, 0x4000, 0x8000]], np.uint16)
+    fr = F.encode(w)
+    assert fr.plane[0, :6].tolist() == [0x02, 0x05, 0xFE, 0x01, 0x00, 0x01]   # byte 5: padding, w_4's sign
+    assert not fr.plane[0, 6:].any()
+    assert np.array_equal(F.decode(fr), w)
+
+
 def test_escape_starts_are_an_exclusive_prefix_over_blocks():
     w = words(make_tensor(torch.bfloat16, (4, 3000), seed=2, kind="mixed"))
     fr = F.encode(w)
