@@ -104,16 +104,34 @@ __device__ __forceinline__ void tile_mma(const uint4* __restrict__ xt, const XWo
 // 8B layer at 1, 4 and 16 rows (H100, bench/fixedrate_gpu.py, 2026-11-26). Up to 8 rows two tiles
 // a turn, so the tile in flight and the one decoded keep their registers (no copy a tile): 4.5 %
 // faster at 4 rows; from 9 rows it spilled and lost 1-3 % (H200, 2026-11-27).
+// Escapes of the row in tiles 0 .. s0 - 1 of block blk (whole quad calls): where a split of K
+// starts inside a block, its running count starts past them.
+__device__ __forceinline__ int escapes_before(const FrArrays& a, int64_t row, int64_t blk, int s0) {
+  const int64_t gr0 = blk * kFrBlockGroups + (threadIdx.x & 3);
+  int n = 0;
+  for (int s = 0; s < s0; ++s) {
+    const int64_t g = row * a.groups + gr0 + s * kFrTileGroups;   // s0 < the block's tiles: real groups
+    FrGroup t;
+    t.lo = __ldg(reinterpret_cast<const uint2*>(a.lo) + g), t.hi = __ldg(a.hi + g);
+    uint32_t e[2];
+    group_escapes(t, e);
+    n += __popc(e[0]) + __popc(e[1]);
+  }
+  n += __shfl_xor_sync(0xffffffffu, n, 1);
+  return n + __shfl_xor_sync(0xffffffffu, n, 2);
+}
+
+// Tiles s0 .. tiles - 1 of escape block blk of the lane's row.
 template <bool kBf16, int kSlots>
 __device__ __forceinline__ void walk_block(const FrArrays& a, const uint4* __restrict__ x, int nx, int64_t row,
-                                           int64_t blk, uint4 (&slot)[2], float (&c)[(kSlots + 1) / 2][4]) {
+                                           int64_t blk, int s0, int tiles, uint4 (&slot)[2],
+                                           float (&c)[(kSlots + 1) / 2][4]) {
   const int t = threadIdx.x & 3;
-  const int tiles = static_cast<int>(min(static_cast<int64_t>(kFrBlockGroups / kFrTileGroups),
-                                         (a.groups - blk * kFrBlockGroups + kFrTileGroups - 1) / kFrTileGroups));
   const int64_t gr0 = blk * kFrBlockGroups + t;
   const XWords<kSlots> xw(x, a.groups, nx, gr0, (threadIdx.x & 31) >> 2);
   auto group_at = [&](int s) { return load_group(a, row, gr0 + s * kFrTileGroups, gr0 + s * kFrTileGroups < a.groups); };
   int32_t run = a.esc_start[row * a.blocks + blk];                 // escapes before this tile, in the row
+  if (s0) run += escapes_before(a, row, blk, s0);
   auto step = [&](int s, const FrGroup& tg) {
     uint32_t f[8];
     const uint32_t m = group_decode(tg, f);
@@ -140,8 +158,8 @@ __device__ __forceinline__ void walk_block(const FrArrays& a, const uint4* __res
     tile_mma<kBf16, kSlots>(xw.at + s * xw.tile, xw, nx, gr0 + s * kFrTileGroups < a.groups, tg, f, c);
   };
   if constexpr (kSlots == 1) {                                       // two tiles a turn: registers for both
-    FrGroup even = group_at(0), odd{};
-    for (int s = 0; s < tiles; s += 2) {                             // warp-uniform
+    FrGroup even = group_at(s0), odd{};
+    for (int s = s0; s < tiles; s += 2) {                            // warp-uniform
       if (s + 1 < tiles) odd = group_at(s + 1);
       step(s, even);
       if (s + 1 == tiles) break;
@@ -149,8 +167,8 @@ __device__ __forceinline__ void walk_block(const FrArrays& a, const uint4* __res
       step(s + 1, odd);
     }
   } else {                                                           // x's slots need the registers
-    FrGroup tg = group_at(0);
-    for (int s = 0; s < tiles; ++s) {
+    FrGroup tg = group_at(s0);
+    for (int s = s0; s < tiles; ++s) {
       FrGroup ahead{};
       if (s + 1 < tiles) ahead = group_at(s + 1);
       step(s, tg);
@@ -164,51 +182,97 @@ __device__ __forceinline__ void walk_block(const FrArrays& a, const uint4* __res
 template <int kSlots>
 constexpr int kMmaCtas = kSlots == 4 ? 5 : kSlots == 8 ? 2 : 7;
 
+// K is cut into `splits` ranges of whole tiles (a range may start inside an escape block: its
+// running count then starts past the block's earlier escapes). A CTA's 4 warps take `splits_cta` of
+// them for kMmaWarps / splits_cta groups of 8 rows and sum through shared memory. A matrix with few
+// rows (1024: 128 groups of 8, one CTA an SM) is cut further, gridDim.y CTAs a group of rows, each
+// writing float32 partial sums to `part` [gridDim.y][nx][rows], which sum_parts adds in order.
+// The cut depends on the matrix alone, not on nx: a row of x gets the same sums in any batch.
 template <bool kBf16, int kSlots>
 __global__ void __launch_bounds__(32 * kMmaWarps, kMmaCtas<kSlots>) mma_kernel(FrArrays a, const uint4* __restrict__ x,
-                                                                               int nx, int splits, uint16_t* __restrict__ y) {
+                                                                               int nx, int splits_cta, uint16_t* __restrict__ y,
+                                                                               float* __restrict__ part) {
   constexpr int kM = (kSlots + 1) / 2;
+  constexpr int kBlockTiles = kFrBlockGroups / kFrTileGroups;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t row0 = (blockIdx.x * static_cast<int64_t>(kMmaWarps / splits) + warp / splits) * 8;
+  const int64_t row0 = (blockIdx.x * static_cast<int64_t>(kMmaWarps / splits_cta) + warp / splits_cta) * 8;
   const int64_t row = min(row0 + (lane >> 2), a.rows - 1);
   __shared__ uint4 stage[32 * kMmaWarps][2];
   float c[kM][4] = {};
-  for (int64_t blk = warp % splits; blk < a.blocks; blk += splits)
-    walk_block<kBf16, kSlots>(a, x, nx, row, blk, stage[threadIdx.x], c);
+  const int splits = splits_cta * static_cast<int>(gridDim.y), k = blockIdx.y * splits_cta + warp % splits_cta;
+  const int tiles = static_cast<int>(a.tiles);                      // < 2^31 / 128: k * tiles fits
+  const int t1 = static_cast<int>(static_cast<int64_t>(tiles) * (k + 1) / splits);
+  for (int tile = static_cast<int>(static_cast<int64_t>(tiles) * k / splits); tile < t1;) {   // block by block
+    const int blk = tile / kBlockTiles, s0 = tile % kBlockTiles, s1 = min(kBlockTiles, t1 - blk * kBlockTiles);
+    walk_block<kBf16, kSlots>(a, x, nx, row, blk, s0, s1, stage[threadIdx.x], c);
+    tile = blk * kBlockTiles + s1;
+  }
   __shared__ float red[kMmaWarps][32][4 * kM];
 #pragma unroll
   for (int i = 0; i < 4 * kM; ++i) red[warp][lane][i] = c[i / 4][i % 4];
   __syncthreads();
-  if (warp % splits != 0) return;
+  if (warp % splits_cta != 0) return;
 #pragma unroll
   for (int i = 0; i < 4 * kM; ++i) {
     float s = 0.f;
-    for (int j = 0; j < splits; ++j) s += red[warp + j][lane][i];
+    for (int j = 0; j < splits_cta; ++j) s += red[warp + j][lane][i];
     const int b = (lane >> 2) + 8 * ((i % 4) >> 1) + 16 * (i / 4);       // C: rows g, g + 8 of tile i / 4
     const int64_t out_row = row0 + 2 * (lane & 3) + (i & 1);
     if (b < nx && out_row < a.rows) {
-      if constexpr (kBf16) y[b * a.rows + out_row] = __bfloat16_as_ushort(__float2bfloat16_rn(s));
+      if (part) part[(blockIdx.y * static_cast<int64_t>(nx) + b) * a.rows + out_row] = s;
+      else if constexpr (kBf16) y[b * a.rows + out_row] = __bfloat16_as_ushort(__float2bfloat16_rn(s));
       else y[b * a.rows + out_row] = __half_as_ushort(__float2half_rn(s));
     }
   }
 }
 
+// y = the sum of the CTAs' partial sums, in order of blockIdx.y, rounded once.
+template <bool kBf16>
+__global__ void sum_parts_kernel(const float* __restrict__ part, int64_t n, int parts, uint16_t* __restrict__ y) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= n) return;
+  float s = 0.f;
+  for (int j = 0; j < parts; ++j) s += part[j * n + i];
+  if constexpr (kBf16) y[i] = __bfloat16_as_ushort(__float2bfloat16_rn(s));
+  else y[i] = __half_as_ushort(__float2half_rn(s));
+}
+
+// Splits of K (powers of two, at least kMinSplitTiles tiles each): in a CTA up to kMmaWarps while
+// the warps are below kTargetWarps; across CTAs only while below kFewWarps, where the second
+// launch (sum_parts, ~2 us) costs less than the idle SMs: k and v of an 8B layer at 16 rows
+// 0.0167 -> 0.0112 ms each, but q and o (512 groups of rows) 0.019 -> 0.024 (H100, 2026-11-28).
+constexpr int kMinSplitTiles = 2;
+constexpr int kFewWarps = 2048;
+
 template <bool kBf16, int kSlots>
-void launch(const FrArrays& a, const uint4* x, int nx, uint16_t* y, cudaStream_t stream) {
+void launch(const FrArrays& a, const uint4* x, int nx, uint16_t* y, const at::Tensor& like, cudaStream_t stream) {
   const int64_t row_groups = (a.rows + 7) / 8;
-  int splits = 1;
-  while (splits < kMmaWarps && row_groups * splits < kTargetWarps && splits * 2 <= a.blocks) splits *= 2;
-  const int64_t ctas = (row_groups + kMmaWarps / splits - 1) / (kMmaWarps / splits);
-  mma_kernel<kBf16, kSlots><<<static_cast<unsigned>(ctas), 32 * kMmaWarps, 0, stream>>>(a, x, nx, splits, y);
+  auto fits = [&](int64_t s) { return s * 2 * kMinSplitTiles <= a.tiles; };
+  int64_t splits = 1;
+  while (splits < kMmaWarps && row_groups * splits < kTargetWarps && fits(splits)) splits *= 2;
+  while (row_groups * splits < kFewWarps && fits(splits)) splits *= 2;
+  const int splits_cta = static_cast<int>(std::min<int64_t>(splits, kMmaWarps));
+  const int parts = static_cast<int>(splits / splits_cta);
+  const int64_t ctas = (row_groups + kMmaWarps / splits_cta - 1) / (kMmaWarps / splits_cta);
+  at::Tensor part;
+  if (parts > 1) part = at::empty({parts, nx, a.rows}, like.options().dtype(at::kFloat));
+  float* pp = parts > 1 ? part.data_ptr<float>() : nullptr;
+  mma_kernel<kBf16, kSlots><<<dim3(static_cast<unsigned>(ctas), parts), 32 * kMmaWarps, 0, stream>>>(a, x, nx, splits_cta,
+                                                                                                  y, pp);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (parts > 1) {
+    const int64_t n = nx * a.rows;
+    sum_parts_kernel<kBf16><<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(pp, n, parts, y);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
 }
 
 template <bool kBf16>
-void launch_slots(const FrArrays& a, const uint4* x, int nx, uint16_t* y, cudaStream_t stream) {
-  if (nx <= 8) launch<kBf16, 1>(a, x, nx, y, stream);
-  else if (nx <= 16) launch<kBf16, 2>(a, x, nx, y, stream);
-  else if (nx <= 32) launch<kBf16, 4>(a, x, nx, y, stream);
-  else launch<kBf16, 8>(a, x, nx, y, stream);
+void launch_slots(const FrArrays& a, const uint4* x, int nx, uint16_t* y, const at::Tensor& like, cudaStream_t stream) {
+  if (nx <= 8) launch<kBf16, 1>(a, x, nx, y, like, stream);
+  else if (nx <= 16) launch<kBf16, 2>(a, x, nx, y, like, stream);
+  else if (nx <= 32) launch<kBf16, 4>(a, x, nx, y, like, stream);
+  else launch<kBf16, 8>(a, x, nx, y, like, stream);
 }
 
 }  // namespace
@@ -226,7 +290,7 @@ void launch_mma(const FrArrays& a, const at::Tensor& x, const at::Tensor& y, cud
   }
   const auto* xw = reinterpret_cast<const uint4*>(xp.data_ptr());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  (x.scalar_type() == at::kBFloat16 ? launch_slots<true> : launch_slots<false>)(a, xw, nx, yp, stream);
+  (x.scalar_type() == at::kBFloat16 ? launch_slots<true> : launch_slots<false>)(a, xw, nx, yp, x, stream);
 }
 
 }  // namespace wcodec

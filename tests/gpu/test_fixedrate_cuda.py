@@ -110,6 +110,19 @@ def test_row_views_of_a_joined_weight_multiply_as_their_parts():
             assert torch.equal(fr_ops.linear(x, view).view(torch.int16), fr_ops.linear(x, alone).view(torch.int16))
 
 
+@pytest.mark.parametrize("shape", [(1024, 4096), (64, 4096 + 160), (37, 1000), (4096, 1024)])
+def test_tensor_core_rows_same_alone_as_in_a_batch(shape):
+    """K is cut by the matrix's shape alone (into tiles' ranges, some starting inside an escape
+    block, summed across CTAs where a matrix has few rows): a row of x gets the same bits in a batch
+    of any size as alone."""
+    w = trained_like(*shape, sum(shape))
+    fr = fr_ops.encode(w)
+    x = torch.randn(64, shape[1], device="cuda", generator=torch.Generator(device="cuda").manual_seed(5)).bfloat16()
+    alone = torch.cat([fr_ops.linear(x[i:i + 1], fr, 0) for i in range(64)])
+    for n in (2, 7, 8, 9, 16, 17, 32, 33, 64):
+        assert torch.equal(fr_ops.linear(x[:n], fr, 0).view(torch.int16), alone[:n].view(torch.int16)), n
+
+
 def test_more_than_64_rows_decode_then_cublas():
     w = trained_like(512, 1000, 1)
     fr = fr_ops.encode(w)
