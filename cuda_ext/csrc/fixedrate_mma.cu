@@ -99,11 +99,6 @@ __device__ __forceinline__ void tile_mma(const uint4* __restrict__ xt, const XWo
   }
 }
 
-// A row's escape block, tile by tile, the next tile's bytes requested before this tile's decode and
-// mma (the loads are asm volatile, so the compiler never hoists them itself): 7-8 % faster on an
-// 8B layer at 1, 4 and 16 rows (H100, bench/fixedrate_gpu.py, 2026-11-26). Up to 8 rows two tiles
-// a turn, so the tile in flight and the one decoded keep their registers (no copy a tile): 4.5 %
-// faster at 4 rows; from 9 rows it spilled and lost 1-3 % (H200, 2026-11-27).
 // Escapes of the row in tiles 0 .. s0 - 1 of block blk (whole quad calls): where a split of K
 // starts inside a block, its running count starts past them.
 __device__ __forceinline__ int escapes_before(const FrArrays& a, int64_t row, int64_t blk, int s0) {
@@ -121,7 +116,11 @@ __device__ __forceinline__ int escapes_before(const FrArrays& a, int64_t row, in
   return n + __shfl_xor_sync(0xffffffffu, n, 2);
 }
 
-// Tiles s0 .. tiles - 1 of escape block blk of the lane's row.
+// Tiles s0 .. tiles - 1 of a row's escape block, one by one, the next tile's bytes requested before
+// this tile's decode and mma (the loads are asm volatile, so the compiler never hoists them itself): 7-8 % faster on an
+// 8B layer at 1, 4 and 16 rows (H100, bench/fixedrate_gpu.py, 2026-11-26). Up to 8 rows two tiles
+// a turn, so the tile in flight and the one decoded keep their registers (no copy a tile): 4.5 %
+// faster at 4 rows; from 9 rows it spilled and lost 1-3 % (H200, 2026-11-27).
 template <bool kBf16, int kSlots>
 __device__ __forceinline__ void walk_block(const FrArrays& a, const uint4* __restrict__ x, int nx, int64_t row,
                                            int64_t blk, int s0, int tiles, uint4 (&slot)[2],
