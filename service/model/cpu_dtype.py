@@ -71,10 +71,11 @@ def _native(dtype: torch.dtype) -> bool:
 
 
 def linear16_kernel(dtype: torch.dtype) -> bool:
-    """Whether linear16 runs its vdpbf16ps loop for `dtype` here."""
-    return dtype == torch.bfloat16 and torch.cpu._is_avx512_bf16_supported() \
-        and torch.backends.cpu.get_cpu_capability().startswith("AVX512") and os.environ.get("WCODEC_CPU_SIMD") != "0" \
-        and cuda_ext.available().cpp and ops.has_ops(ops.LINEAR16_OPS, "cpu")
+    """Whether linear16 runs a SIMD loop for `dtype` here (bf16 on an AVX-512 CPU: vdpbf16ps with
+    AVX512-BF16, else FMAs), as the extension itself says: where it does, it packs too."""
+    return dtype == torch.bfloat16 and os.environ.get("WCODEC_CPU_SIMD") != "0" and cuda_ext.available().cpp \
+        and ops.has_ops(ops.LINEAR16_OPS + ops.PACKED_OPS, "cpu") and ops.has_ops(ops.LOOP_OPS) \
+        and ops.linear16_loop(dtype) != "scalar"
 
 
 def cpu_compute(served: ServedModel, setting: CpuDtype) -> str:
@@ -113,8 +114,9 @@ def pack(model: torch.nn.Module) -> int:
     """Pack every Linear16 weight that linear16_pack takes (bf16, out and in features multiples
     of 32): once, so that no call transposes its blocks again (1.7-2.2x the one-row speed on the
     demo's matrices, the same outputs bit for bit). In place, except a weight another module also
-    holds, which gets a packed copy. Returns the copies' bytes."""
-    if not ops.has_ops(ops.PACKED_OPS, "cpu"):
+    holds, which gets a packed copy. Returns the copies' bytes. Only where linear16_kernel: the
+    extension packs where its SIMD loops run (a load that packed elsewhere failed)."""
+    if not linear16_kernel(torch.bfloat16):
         return 0
     holders: dict[int, int] = {}
     for m in model.modules():
