@@ -83,11 +83,27 @@ inline float widen_scalar(uint16_t v, bool half) {
   return f;
 }
 
+// out = n 16-bit floats widened to float32
+void widen_all(const uint16_t* in, int64_t n, bool half, std::vector<float>& out) {
+  out.resize(n);
+  if (half) {
+    for (int64_t i = 0; i < n; ++i) out[i] = widen_scalar(in[i], true);
+  } else {
+    for (int64_t i = 0; i < n; ++i) out[i] = widen_scalar(in[i], false);
+  }
+}
+
+// the weight's dtype from float32, rounded to nearest even (c10's conversions; a NaN stays a NaN)
+inline uint16_t round_scalar(float v, bool half) {
+  return half ? c10::Half(v).x : c10::BFloat16(v).x;
+}
+
 struct Problem {
   const float* x;         // [rows, k] float32 (the FMA loops)
   const uint16_t* x16;    // [rows, k] in the weight's dtype
   const uint16_t* w;      // [n, k], or packed (linear16_pack)
-  float* y;               // [rows, n]
+  const uint16_t* bias;   // [n] in the weight's dtype, or null
+  uint16_t* y;            // [rows, n] in the weight's dtype: round(sum + bias), one rounding
   int64_t rows, k, n;
   bool half;
 };
@@ -98,7 +114,8 @@ void block_scalar(const Problem& p, int64_t o0, int64_t o1) {
     for (int64_t r = 0; r < p.rows; ++r) {
       float sum = 0.f;
       for (int64_t k = 0; k < p.k; ++k) sum = std::fma(widen_scalar(p.w[o * p.k + k], p.half), p.x[r * p.k + k], sum);
-      p.y[r * p.n + o] = sum;
+      if (p.bias) sum += widen_scalar(p.bias[o], p.half);
+      p.y[r * p.n + o] = round_scalar(sum, p.half);
     }
 }
 
@@ -145,6 +162,32 @@ WCODEC_LINEAR16_AVX512 void pack_block(const uint16_t* w, int64_t k_len, int64_t
     }
 }
 
+// 16 values in the weight's dtype (lanes past `keep` zero) as float32, exactly
+template <bool Half>
+WCODEC_LINEAR16_AVX512 inline __m512 widen16(const uint16_t* ptr, __mmask16 keep) {
+  const __m256i h = _mm256_maskz_loadu_epi16(keep, ptr);
+  if constexpr (Half) return _mm512_cvtph_ps(h);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// outputs [o, o + 16) of row r (the lanes of `keep`): sums + bias (float32), rounded once to the
+// weight's dtype as round_scalar rounds (bf16: u + 0x7FFF + the kept part's lowest bit, NaN 0x7FC0)
+template <bool Half>
+WCODEC_LINEAR16_AVX512 inline void store16(const Problem& p, __m512 sum, int64_t r, int64_t o, __mmask16 keep) {
+  if (p.bias) sum = _mm512_add_ps(sum, widen16<Half>(p.bias + o, keep));
+  __m256i h;
+  if constexpr (Half) {
+    h = _mm512_cvtps_ph(sum, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  } else {
+    const __m512i u = _mm512_castps_si512(sum);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i b = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+    b = _mm512_mask_mov_epi32(b, _mm512_cmp_ps_mask(sum, sum, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    h = _mm512_cvtepi32_epi16(b);
+  }
+  _mm256_mask_storeu_epi16(p.y + r * p.n + o, keep, h);
+}
+
 // bf16 on a CPU with AVX512-BF16: vdpbf16ps multiplies row r's k-pair t (broadcast) by vector t
 // and adds each lane's two products to its float32 sum in turn (element 2t + 1, then 2t; round to
 // nearest; subnormals read and written as zero). Output (r, o) is one lane summing k = 0, 1, ...
@@ -167,8 +210,8 @@ WCODEC_LINEAR16_BF16 void dot_rows(const Problem& p, const uint32_t* wt, int64_t
     }
   }
   for (int j = 0; j < Rows; ++j) {
-    _mm512_mask_storeu_ps(p.y + (r + j) * p.n + o, keep0, acc0[j]);
-    if (keep1) _mm512_mask_storeu_ps(p.y + (r + j) * p.n + o + 16, keep1, acc1[j]);
+    store16<false>(p, acc0[j], r + j, o, keep0);
+    if (keep1) store16<false>(p, acc1[j], r + j, o + 16, keep1);
   }
 }
 
@@ -216,8 +259,8 @@ WCODEC_LINEAR16_AVX512 void fma_rows(const Problem& p, const uint32_t* wt, int64
     }
   }
   for (int j = 0; j < Rows; ++j) {
-    _mm512_mask_storeu_ps(p.y + (r + j) * p.n + o, keep0, acc0[j]);
-    if (keep1) _mm512_mask_storeu_ps(p.y + (r + j) * p.n + o + 16, keep1, acc1[j]);
+    store16<Half>(p, acc0[j], r + j, o, keep0);
+    if (keep1) store16<Half>(p, acc1[j], r + j, o + 16, keep1);
   }
 }
 
@@ -288,7 +331,8 @@ at::Tensor linear16_impl(const at::Tensor& x, const at::Tensor& weight, const c1
   const int64_t k_len = weight.size(1), n_out = weight.size(0);
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k_len, "linear16: x's last dimension is ", x.size(-1),
               ", the weight's K is ", k_len);
-  if (bias) TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n_out, "linear16: bias must be [N]");
+  if (bias) TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n_out && bias->scalar_type() == dtype,
+                        "linear16: bias must be [N] of the weight's dtype");
   const int64_t rows = k_len ? x.numel() / k_len : 0;
 
   auto out_shape = x.sizes().vec();
@@ -296,31 +340,36 @@ at::Tensor linear16_impl(const at::Tensor& x, const at::Tensor& weight, const c1
   const bool simd = simd_allowed(), dot = dtype == at::kBFloat16 && simd && bf16_dot_allowed();
   TORCH_CHECK(!packed || (simd && packable(weight)), "linear16_packed: needs AVX-512 and a bf16 weight of "
               "[N, K], N and K multiples of 32 (linear16_pack)");
-  auto x16 = x.reshape({rows, k_len}).contiguous();
-  auto xf = dot ? x16 : x16.to(at::kFloat);
-  auto y = k_len ? at::empty({rows, n_out}, x.options().dtype(at::kFloat))    // every sum written below
-                 : at::zeros({rows, n_out}, x.options().dtype(at::kFloat));   // sums of nothing
-  if (rows && n_out && k_len) {
-    const Problem p{dot ? nullptr : xf.data_ptr<float>(), reinterpret_cast<const uint16_t*>(x16.data_ptr()),
-                    reinterpret_cast<const uint16_t*>(weight.data_ptr()), y.data_ptr<float>(),
-                    rows, k_len, n_out, dtype == at::kHalf};
-    const int64_t blocks = (n_out + kBlockOuts - 1) / kBlockOuts;
-    const int64_t piece = std::max<int64_t>(1, kPieceWork / (kBlockOuts * k_len * rows));     // blocks a piece
-    const CpuPool::Span span{static_cast<const char*>(weight.data_ptr()), weight.nbytes()};
-    CpuPool::instance(at::get_num_threads() - 1).run((blocks + piece - 1) / piece, [&](int64_t c) {
-      const int64_t o0 = c * piece * kBlockOuts, o1 = std::min((c + 1) * piece * kBlockOuts, n_out);
-#if defined(__x86_64__)
-      if (simd) {
-        dot ? block_simd<kDot>(p, o0, o1, packed)
-            : p.half ? block_simd<kFmaHalf>(p, o0, o1, packed) : block_simd<kFmaBf16>(p, o0, o1, packed);
-        return;
-      }
-#endif
-      block_scalar(p, o0, o1);
-    }, span);
+  if (!k_len) {                                                   // sums of nothing: the bias
+    auto y = at::zeros({rows, n_out}, x.options().dtype(at::kFloat));
+    if (bias) y.add_(bias->to(at::kFloat));
+    return y.to(dtype).view(out_shape);
   }
-  if (bias) y.add_(bias->to(at::kFloat));
-  return y.to(dtype).view(out_shape);
+  auto y = at::empty(out_shape, x.options());                     // every output written below
+  if (!rows || !n_out) return y;
+  const auto x16 = x.is_contiguous() ? x : x.contiguous();
+  const auto b16 = bias && !bias->is_contiguous() ? bias->contiguous() : bias.value_or(at::Tensor());
+  const auto* x16p = reinterpret_cast<const uint16_t*>(x16.data_ptr());
+  thread_local std::vector<float> xf;                             // x widened (the FMA and scalar loops)
+  if (!dot) widen_all(x16p, rows * k_len, dtype == at::kHalf, xf);
+  const Problem p{dot ? nullptr : xf.data(), x16p, reinterpret_cast<const uint16_t*>(weight.data_ptr()),
+                  b16.defined() ? reinterpret_cast<const uint16_t*>(b16.data_ptr()) : nullptr,
+                  reinterpret_cast<uint16_t*>(y.data_ptr()), rows, k_len, n_out, dtype == at::kHalf};
+  const int64_t blocks = (n_out + kBlockOuts - 1) / kBlockOuts;
+  const int64_t piece = std::max<int64_t>(1, kPieceWork / (kBlockOuts * k_len * rows));     // blocks a piece
+  const CpuPool::Span span{static_cast<const char*>(weight.data_ptr()), static_cast<int64_t>(weight.nbytes())};
+  CpuPool::instance(at::get_num_threads() - 1).run((blocks + piece - 1) / piece, [&](int64_t c) {
+    const int64_t o0 = c * piece * kBlockOuts, o1 = std::min((c + 1) * piece * kBlockOuts, n_out);
+#if defined(__x86_64__)
+    if (simd) {
+      dot ? block_simd<kDot>(p, o0, o1, packed)
+          : p.half ? block_simd<kFmaHalf>(p, o0, o1, packed) : block_simd<kFmaBf16>(p, o0, o1, packed);
+      return;
+    }
+#endif
+    block_scalar(p, o0, o1);
+  }, span);
+  return y;
 }
 
 at::Tensor linear16_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {

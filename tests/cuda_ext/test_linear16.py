@@ -188,7 +188,7 @@ print("scalar ok")
     ((torch.zeros(1, 5, dtype=torch.bfloat16), torch.zeros(3, 4, dtype=torch.bfloat16)), "the weight's K is 4"),
     ((torch.zeros(1, 3, dtype=torch.bfloat16), torch.zeros(4, 3, dtype=torch.bfloat16).T), "contiguous"),
     ((torch.zeros(1, 4, dtype=torch.bfloat16), torch.zeros(3, 4, dtype=torch.bfloat16),
-      torch.zeros(2, dtype=torch.bfloat16)), "bias must be"),
+      torch.zeros(2, dtype=torch.bfloat16)), "bias must be \\[N\\] of the weight"),
 ])
 def test_bad_operands_raise_clear_errors(args, message):
     with pytest.raises(RuntimeError, match=message):
