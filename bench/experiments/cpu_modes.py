@@ -52,7 +52,7 @@ def decode_step(served, texts, rows: int, steps: int) -> float:
     """Median seconds of a step of `rows` decoding rows (their prefills done first)."""
     b = make(served, "paged", lambda r: None)
     for _ in range(rows):
-        b.add(Row(served.tokenizer.encode(next(texts)), SamplingParams(steps + 8), served))
+        b.add(Row(served.tokenizer.encode(next(texts)), SamplingParams(rows + steps + 8), served))
     for _ in range(rows + 2):                      # every prompt prefilled (a chunk a step at most)
         b.step()
     times = []
