@@ -392,7 +392,8 @@ at::Tensor linear16_pack_cpu(const at::Tensor& weight) {
   const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr());
   auto* packed = reinterpret_cast<uint32_t*>(out.data_ptr());
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) pack_block(w, k_len, b * kBlockOuts, kBlockOuts, packed + b * block_dwords(k_len));
+    for (int64_t b = b0; b < b1; ++b)
+      pack_block(w, k_len, b * kBlockOuts, kBlockOuts, packed + b * block_dwords(k_len));
   });
 #endif
   return out;
