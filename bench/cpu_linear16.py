@@ -5,6 +5,7 @@ than the caches), at M rows of x a call. Prints ms a step for each, their ratio,
 per second; OMP_WAIT_POLICY=PASSIVE as `wcodec serve` runs unless set.
 
     python bench/cpu_linear16.py --rows 1 4 32 --rounds 5
+    python bench/cpu_linear16.py --packed     # linear16's weights packed once (linear16_pack), as served
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 32])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--packed", action="store_true", help="linear16_packed on weights packed once")
     args = ap.parse_args()
     if not (cuda_ext.available().cpp and ops.has_ops(ops.LINEAR16_OPS, "cpu")):
         sys.exit("the extension lacks linear16: python setup.py build_ext --inplace")
@@ -47,17 +49,22 @@ def main() -> None:
     weights = [[torch.randn(s, generator=g).bfloat16() for s in SHAPES] for _ in range(LAYERS)]
     head = torch.randn(VOCAB, HIDDEN, generator=g).bfloat16()
     nbytes = sum(w.nbytes for layer in weights for w in layer) + head.nbytes
+    ours, our_weights, our_head = ops.linear16, weights, head
+    if args.packed:
+        ours, our_weights, our_head = ops.linear16_packed, [[ops.linear16_pack(w) for w in layer] for layer in weights], \
+            ops.linear16_pack(head)
     print(f"{torch.get_num_threads()} threads, OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, "
-          f"{nbytes / 1e6:.0f} MB of weights a step, AVX512-BF16: {torch.cpu._is_avx512_bf16_supported()}")
+          f"{nbytes / 1e6:.0f} MB of weights a step, linear16's loop: {ops.linear16_loop(torch.bfloat16)}, "
+          f"{'packed' if args.packed else 'unpacked'}")
     for rows in args.rows:
         xs = {k: torch.randn(rows, k, generator=g).bfloat16() for k in (HIDDEN, MLP)}
         times: dict[str, list[float]] = {"torch": [], "linear16": []}
         for _ in range(args.rounds):
-            for name, linear in (("torch", F.linear), ("linear16", ops.linear16)):
-                step(linear, weights, head, xs)
+            for name, linear, ws, hd in (("torch", F.linear, weights, head), ("linear16", ours, our_weights, our_head)):
+                step(linear, ws, hd, xs)
                 t0 = time.perf_counter()
                 for _ in range(args.steps):
-                    step(linear, weights, head, xs)
+                    step(linear, ws, hd, xs)
                 times[name].append((time.perf_counter() - t0) / args.steps)
         t, o = statistics.median(times["torch"]), statistics.median(times["linear16"])
         print(f"rows {rows:3d}: torch {t * 1e3:6.1f} ms ({nbytes / t / 1e9:4.1f} GB/s)   linear16 {o * 1e3:6.1f} ms "

@@ -108,6 +108,11 @@ def serve(store: Path, out: Path, device: str, env: dict[str, str]) -> tuple[sub
         try:
             if httpx.get(f"{url}/health/ready", timeout=2).status_code == 200:
                 return proc, url
+            model = httpx.get(f"{url}/models/{NAME}", timeout=2).json()
+            if model.get("state") == "failed" or model.get("last_error"):   # it lives on, never ready
+                proc.terminate()
+                raise SystemExit(f"the server could not load {NAME}: {model.get('last_error')}; "
+                                 f"see {out / 'server.log'}")
         except httpx.TransportError:
             pass
         if proc.poll() is not None:

@@ -96,10 +96,17 @@ def linear16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
 
 
 def linear16_pack(weight: torch.Tensor) -> torch.Tensor:
-    """A bf16 weight [N, K] (N and K multiples of 32; an AVX512-BF16 CPU) in the layout linear16
+    """A bf16 weight [N, K] (N and K multiples of 32; an AVX-512 CPU) in the layout linear16
     transposes its blocks into on every call: the same shape and bytes, permuted, for
     `linear16_packed`."""
     return torch.ops.wcodec.linear16_pack.default(weight)
+
+
+def linear16_loop(dtype: torch.dtype) -> str:
+    """The loop linear16 runs for `dtype` in this process (linear16.cpp): "vdpbf16ps" (bf16 on an
+    AVX512-BF16 CPU), "fma" (other AVX-512 CPUs; cuda_ext/linear16.py's sums) or "scalar" (no
+    AVX-512, or WCODEC_CPU_SIMD=0; the same sums as "fma"). linear16_pack works where it is not "scalar"."""
+    return torch.ops.wcodec.linear16_loop.default(dtype)
 
 
 def linear16_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -109,6 +116,7 @@ def linear16_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | 
 
 LINEAR16_OPS = ("wcodec::linear16",)
 PACKED_OPS = ("wcodec::linear16_pack", "wcodec::linear16_packed")
+LOOP_OPS = ("wcodec::linear16_loop",)          # no tensor arguments: a kernel for every key
 
 
 def add_rms_norm(x: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor, eps: float,

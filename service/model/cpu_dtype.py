@@ -11,10 +11,10 @@ step (docs/BENCHMARKS.md):
     4           108 ms                       -                  136 ms
     29              -                      255 ms               281 ms
 
-So `auto` keeps the archive's bf16/fp16 weights and multiplies in float32 only in calls of at
-least MIXED_ROWS rows, through one float32 scratch buffer per model (the weight of each Linear is
-widened into it just before its matmul, and stays in cache): no second copy of the weights, the
-batch-1 speed of bf16 and most of float32's speed at many rows. Both paths sum exact products in
+So without AVX-512 `auto` keeps the archive's bf16/fp16 weights and multiplies in float32 only in
+calls of at least MIXED_ROWS rows, through one float32 scratch buffer per model (the weight of
+each Linear is widened into it just before its matmul, and stays in cache): no second copy of the
+weights, the batch-1 speed of bf16 and most of float32's speed at many rows. Both paths sum exact products in
 float32 and round once to the weight's dtype, so they differ only in summation order.
 A weight larger than CHUNK_FLOATS (the tied 49152 x 576 head) is widened and multiplied a block of
 output rows at a time, so that the block is still in cache when the matmul reads it: the head at
@@ -26,16 +26,28 @@ else the mixed matmul, a Linear of GGUF blocks dequantizing chunks that start wh
 blocks do (float32 sums depend on the blocks: MKL's sgemm gives other bits for other splits of
 the output rows). GPU models keep their dtype.
 
-On a CPU with AVX512-BF16, PyTorch's bf16 matmul of a row or a few (a decode step) reads the weight
-at 4-8 GB/s, a third of what memory gives. There `auto` sends every call of a bf16 Linear to the
-extension's `linear16` (cuda_ext/csrc/linear16.cpp: vdpbf16ps over weight blocks transposed in
-registers, float32 sums, one rounding). Every call, not only the few-row ones: a row's sums must
-not depend on the rows beside it, or a request's tokens would change with the batch it lands in.
-Its weights are packed once at load (`pack`: the blocks transposed ahead, in place), so that a
-call only multiplies.
+On an AVX-512 CPU `auto` sends every call of a bf16 Linear to the extension's `linear16`
+(cuda_ext/csrc/linear16.cpp: float32 sums of exact products, one rounding): with AVX512-BF16 its
+vdpbf16ps loop, where PyTorch's bf16 matmul of a row or a few reads the weight at 4-8 GB/s, a third
+of what memory gives; without it (AVX-512 F/BW/VL, e.g. this project's Xeon, where PyTorch's bf16
+matmul is its slow fallback) its FMA loop over the same blocks: each weight widened exactly, each
+step s = fl(s + w x) in k order (cuda_ext/linear16.py is its reference). Every call, not only the
+few-row ones: a row's sums must not depend on the rows beside it, or a request's tokens would
+change with the batch it lands in. Its weights are packed once at load (`pack`: the blocks
+transposed ahead, in place), so that a call only multiplies; linear16_loop says which loop runs,
+and where it is "scalar" (no AVX-512, WCODEC_CPU_SIMD=0) `auto` does not take linear16. The
+demo's paged engine on the 2-core Xeon without AVX512-BF16, ms (bench/experiments/cpu_modes.py,
+2026-11-28; a decode step of R rows, and the prefill of one ~22-token prompt):
 
-    auto      linear16 for bf16 on an AVX512-BF16 CPU; else mixed (above) on a CPU without native
-              bf16 (fp16: without AMX-FP16); else the archive's dtype
+    rows      bf16 weights, bf16 matmuls (model)   mixed   linear16 (FMA loop)
+    prefill              206                        292          84
+    1                     68                         77          29
+    4                    118                        115          42
+    29                   320                        420         135
+
+    auto      linear16 for bf16 on an AVX-512 CPU (vdpbf16ps with AVX512-BF16, else FMAs); else
+              mixed (above) on a CPU without native bf16 (fp16: without AMX-FP16); else the
+              archive's dtype
     model     the archive's dtype and PyTorch's matmuls, always
     float32   the whole model cast to float32 once, after its load (twice the bytes); compressed
               weights (no cast of blocks or scratch) as under `auto`
@@ -71,10 +83,11 @@ def _native(dtype: torch.dtype) -> bool:
 
 
 def linear16_kernel(dtype: torch.dtype) -> bool:
-    """Whether linear16 runs its vdpbf16ps loop for `dtype` here."""
-    return dtype == torch.bfloat16 and torch.cpu._is_avx512_bf16_supported() \
-        and torch.backends.cpu.get_cpu_capability().startswith("AVX512") and os.environ.get("WCODEC_CPU_SIMD") != "0" \
-        and cuda_ext.available().cpp and ops.has_ops(ops.LINEAR16_OPS, "cpu")
+    """Whether linear16 runs a SIMD loop for `dtype` here (bf16 on an AVX-512 CPU: vdpbf16ps with
+    AVX512-BF16, else FMAs), as the extension itself says: where it does, it packs too."""
+    return dtype == torch.bfloat16 and os.environ.get("WCODEC_CPU_SIMD") != "0" and cuda_ext.available().cpp \
+        and ops.has_ops(ops.LINEAR16_OPS + ops.PACKED_OPS, "cpu") and ops.has_ops(ops.LOOP_OPS) \
+        and ops.linear16_loop(dtype) != "scalar"
 
 
 def cpu_compute(served: ServedModel, setting: CpuDtype) -> str:
@@ -113,8 +126,9 @@ def pack(model: torch.nn.Module) -> int:
     """Pack every Linear16 weight that linear16_pack takes (bf16, out and in features multiples
     of 32): once, so that no call transposes its blocks again (1.7-2.2x the one-row speed on the
     demo's matrices, the same outputs bit for bit). In place, except a weight another module also
-    holds, which gets a packed copy. Returns the copies' bytes."""
-    if not ops.has_ops(ops.PACKED_OPS, "cpu"):
+    holds, which gets a packed copy. Returns the copies' bytes. Nothing where linear16 has no SIMD
+    loop (the extension packs only where it has one)."""
+    if not linear16_kernel(torch.bfloat16):
         return 0
     holders: dict[int, int] = {}
     for m in model.modules():

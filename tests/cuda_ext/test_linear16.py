@@ -1,7 +1,8 @@
 """linear16 (cuda_ext/csrc/linear16.cpp), the CPU matmul of served bf16/fp16 Linears, against a
 float64 matmul of the same values: within one rounding to the weight's dtype plus the float32 sums'
 error bound; a row's result the same alone and batched (bit for bit); NaN and infinities where
-the reference has them; the scalar loop (WCODEC_CPU_SIMD=0) within the same bound; clear errors."""
+the reference has them; clear errors. The FMA loop (AVX-512 without AVX512-BF16, and fp16) and the
+scalar loop (WCODEC_CPU_SIMD=0) give cuda_ext/linear16.py's reference bit for bit."""
 from __future__ import annotations
 
 import os
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from cuda_ext import ops
+from cuda_ext.linear16 import linear16_reference
 from tests.cuda_ext.extension import require_cpu_ops
 
 REPO = Path(__file__).resolve().parents[2]
@@ -86,21 +88,93 @@ def test_nan_and_infinities_where_the_reference_has_them(dtype):
     assert torch.equal(got.isinf(), want.isinf()) and torch.equal(got[got.isinf()], want[want.isinf()])
 
 
-def test_the_scalar_loop_is_within_the_same_bound():
-    """WCODEC_CPU_SIMD=0 (read once a process): the loop a CPU without AVX-512 runs."""
+def loop(dtype: torch.dtype) -> str:
+    return ops.linear16_loop(dtype) if ops.has_ops(ops.LOOP_OPS) else "none"
+
+
+def same_bits(y: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal bit for bit, any NaN equal to any NaN (their payloads are the CPU's)."""
+    nan = want.isnan()
+    return torch.equal(y.isnan(), nan) and torch.equal(y[~nan].view(torch.int16), want[~nan].view(torch.int16))
+
+
+def test_the_loop_follows_the_cpu():
+    """linear16_loop names the loop a call runs: vdpbf16ps for bf16 on AVX512-BF16, FMAs on other
+    AVX-512 CPUs (and for fp16), scalar without AVX-512."""
+    assert ops.has_ops(ops.LOOP_OPS), "the extension lacks linear16_loop: rebuild it"
+    simd = torch.backends.cpu.get_cpu_capability().startswith("AVX512") and os.environ.get("WCODEC_CPU_SIMD") != "0"
+    bf16 = torch.cpu._is_avx512_bf16_supported()
+    assert loop(torch.bfloat16) == ("vdpbf16ps" if simd and bf16 else "fma" if simd else "scalar")
+    assert loop(torch.float16) == ("fma" if simd else "scalar")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES + [(29, 576, 96), (12, 1536, 64)])
+def test_the_fma_loop_gives_the_reference_bit_for_bit(shape, dtype):
+    """Every output's float32 sum in k order, each step rounded once, then the bias, then one
+    rounding to the dtype: cuda_ext/linear16.py, bit for bit (specials in the last row)."""
+    if loop(dtype) == "vdpbf16ps":
+        pytest.skip("bf16 runs vdpbf16ps on this CPU (checked against the float64 bound)")
+    x, w, b = operands(*shape, dtype, seed=sum(shape) + 1, bias=True)
+    if shape[0] > 1 and shape[1] > 3:
+        x[-1, :3] = torch.tensor([float("inf"), float("nan"), -0.0])
+        w[0, 1] = float("-inf")
+    assert same_bits(ops.linear16(x, w, b), linear16_reference(x, w, b))
+
+
+def test_each_step_is_rounded_once():
+    """s = fl(s + w x) with the product unrounded (an FMA): products 2^-120, 2^-128 and
+    2^-144 (1 + 2^-8 - 2^-15) sum to just above a bf16 tie, which rounds up; a product rounded
+    to float32 on its own (2^-144, float32's subnormals) would leave an exact tie, rounded down."""
+    if loop(torch.bfloat16) == "vdpbf16ps":
+        pytest.skip("bf16 runs vdpbf16ps on this CPU (subnormal products flushed)")
+    x = torch.tensor([[2.0 ** -60, 2.0 ** -64, 2.0 ** -72 * (1 - 2 ** -8)]]).bfloat16()
+    w = torch.tensor([[2.0 ** -60, 2.0 ** -64, 2.0 ** -72 * (1 + 2 ** -7)]]).bfloat16()
+    want = 2.0 ** -120 * (1 + 2 ** -7)
+    assert linear16_reference(x, w).item() == want
+    assert ops.linear16(x, w).item() == want
+    assert (x.float() * w.float()).sum().bfloat16().item() == 2.0 ** -120              # rounded twice
+
+
+def test_wide_exponents_give_the_reference_bit_for_bit():
+    """Sums of products from 2^-150 to 2^120 (subnormal products and sums, cancellation)."""
+    if loop(torch.bfloat16) == "vdpbf16ps":
+        pytest.skip("bf16 runs vdpbf16ps on this CPU")
+    g = torch.Generator().manual_seed(11)
+
+    def wide(shape, lo, hi):
+        e = torch.randint(lo, hi, shape, generator=g).double()
+        return (torch.randn(shape, generator=g, dtype=torch.float64).sign() * (1 + torch.rand(shape, generator=g,
+                dtype=torch.float64)) * 2.0 ** e).bfloat16()
+    for lo, hi in ((-75, -45), (-70, 60)):
+        x, w = wide((7, 96), lo, hi), wide((64, 96), lo, hi)
+        assert same_bits(ops.linear16(x, w), linear16_reference(x, w)), (lo, hi)
+        assert same_bits(ops.linear16_packed(x, ops.linear16_pack(w)), linear16_reference(x, w)), (lo, hi)
+
+
+def test_the_scalar_loop_gives_the_reference_bit_for_bit():
+    """WCODEC_CPU_SIMD=0 (read once a process): the loop a CPU without AVX-512 runs, the FMA
+    loop's sums (std::fma), for both dtypes; linear16_loop says so, and nothing packs."""
     script = f"""
 import torch, sys
 sys.path.insert(0, {str(REPO)!r})
 from cuda_ext import ops
 from tests.cuda_ext.extension import require_cpu_ops
-from tests.cuda_ext.test_linear16 import SHAPES, assert_within_bound, operands
+from tests.cuda_ext.test_linear16 import SHAPES, linear16_reference, operands, same_bits
 require_cpu_ops(ops.LINEAR16_OPS, "linear16")
+assert ops.linear16_loop(torch.bfloat16) == ops.linear16_loop(torch.float16) == "scalar"
 for dtype in (torch.bfloat16, torch.float16):
     for shape in SHAPES:
         x, w, b = operands(*shape, dtype, seed=1, bias=True)
         y = ops.linear16(x, w, b)
-        assert_within_bound(y, x, w, b)
+        assert same_bits(y, linear16_reference(x, w, b)), (dtype, shape)
         assert all(torch.equal(ops.linear16(x[i:i + 1], w, b)[0], y[i]) for i in range(x.shape[0]))
+try:
+    ops.linear16_pack(torch.zeros(32, 32, dtype=torch.bfloat16))
+except RuntimeError as e:
+    assert "no AVX-512" in str(e)
+else:
+    raise AssertionError("packed without AVX-512")
 print("scalar ok")
 """
     out = subprocess.run([sys.executable, "-c", script], env={**os.environ, "WCODEC_CPU_SIMD": "0"},
@@ -114,7 +188,7 @@ print("scalar ok")
     ((torch.zeros(1, 5, dtype=torch.bfloat16), torch.zeros(3, 4, dtype=torch.bfloat16)), "the weight's K is 4"),
     ((torch.zeros(1, 3, dtype=torch.bfloat16), torch.zeros(4, 3, dtype=torch.bfloat16).T), "contiguous"),
     ((torch.zeros(1, 4, dtype=torch.bfloat16), torch.zeros(3, 4, dtype=torch.bfloat16),
-      torch.zeros(2, dtype=torch.bfloat16)), "bias must be"),
+      torch.zeros(2, dtype=torch.bfloat16)), "bias must be \\[N\\] of the weight"),
 ])
 def test_bad_operands_raise_clear_errors(args, message):
     with pytest.raises(RuntimeError, match=message):
@@ -127,11 +201,11 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.wcodec.linear16.default, (x[:1], w, None))
 
 
-BF16_DOT = torch.cpu._is_avx512_bf16_supported() and os.environ.get("WCODEC_CPU_SIMD") != "0"
-needs_bf16_dot = pytest.mark.skipif(not BF16_DOT, reason="linear16_pack needs an AVX512-BF16 CPU")
+SIMD = torch.backends.cpu.get_cpu_capability().startswith("AVX512") and os.environ.get("WCODEC_CPU_SIMD") != "0"
+needs_simd = pytest.mark.skipif(not SIMD, reason="linear16_pack needs an AVX-512 CPU")
 
 
-@needs_bf16_dot
+@needs_simd
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", [(1, 32, 32), (1, 576, 960), (3, 64, 1536), (12, 1536, 576), (13, 96, 64),
                                    (29, 576, 3072), (0, 64, 32)])
@@ -155,7 +229,7 @@ def test_a_packed_weight_gives_linear16_bit_for_bit(shape, bias):
         assert torch.equal(bits(ops.linear16_packed(x, packed[:half])), bits(ops.linear16(x, w[:half])))
 
 
-@needs_bf16_dot
+@needs_simd
 @pytest.mark.parametrize("shape", [(33, 64), (32, 48), (31, 32)])
 def test_pack_refuses_what_it_cannot_pack_in_place(shape):
     require_cpu_ops(ops.PACKED_OPS, "linear16_pack")
@@ -168,7 +242,7 @@ def test_pack_refuses_what_it_cannot_pack_in_place(shape):
         ops.linear16_pack(torch.zeros(64, 64, dtype=torch.float16))
 
 
-@needs_bf16_dot
+@needs_simd
 def test_packed_opcheck():
     require_cpu_ops(ops.PACKED_OPS, "linear16_pack")
     x, w, b = operands(3, 64, 96, torch.bfloat16, seed=5, bias=True)

@@ -50,7 +50,23 @@ def test_linear16_kernel_only_for_bf16_with_its_instructions(monkeypatch):
     assert not cpu_dtype.linear16_kernel(torch.bfloat16)
 
 
-@pytest.mark.skipif(not cpu_dtype.linear16_kernel(torch.bfloat16), reason="needs an AVX512-BF16 CPU and the extension")
+AVX512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
+@pytest.mark.skipif(not AVX512, reason="needs an AVX-512 CPU")
+def test_auto_picks_linear16_on_every_avx512_cpu():
+    """linear16 has a SIMD loop on every AVX-512 CPU (vdpbf16ps with AVX512-BF16, else FMAs), and
+    packs there: `auto` takes it for bf16 whether the CPU has AVX512-BF16 or not, and a weight
+    packs (the trial of 2026-11-28 00:42 let `auto` pick linear16 here while linear16_pack
+    refused this CPU: the preload failed, and the server never got ready)."""
+    assert cpu_dtype.linear16_kernel(torch.bfloat16)
+    assert cpu_dtype.cpu_compute(served(), "auto") == "linear16"
+    assert cpu_dtype.cpu_compute(served(weights="compressed"), "auto") == "linear16"
+    w = torch.randn(64, 96).bfloat16()
+    assert torch.equal(ops.linear16_packed(w[:3], ops.linear16_pack(w)), ops.linear16(w[:3], w))
+
+
+@pytest.mark.skipif(not cpu_dtype.linear16_kernel(torch.bfloat16), reason="needs an AVX-512 CPU and the extension")
 def test_auto_model_multiplies_with_linear16():
     """A served bf16 model under `auto`: every Linear (the tied head too) computes with linear16,
     whose rows do not depend on the rows beside them."""
@@ -62,7 +78,7 @@ def test_auto_model_multiplies_with_linear16():
     weights = [m.weight.clone() for m in model]
     out = cpu_dtype.for_cpu(Served(torch.bfloat16, torch.device("cpu"), "decoded", model, 0), "auto")
     assert all(type(m) is cpu_dtype.Linear16 for m in out.model)
-    assert [m.packed for m in model] == [torch.cpu._is_avx512_bf16_supported(), False]     # 16 outputs: not packable
+    assert [m.packed for m in model] == [True, False]                                      # 16 outputs: not packable
     assert out.weight_bytes == 0                                                            # packed in place
     x = torch.randn(9, 64, generator=g).bfloat16()
     y = model(x)
@@ -82,8 +98,8 @@ class Served:
 def test_a_tied_head_gets_a_packed_copy():
     """A weight two modules hold (a head tied to the embedding, whose rows the embedding gathers)
     stays as it is; its Linear multiplies a packed copy, counted in the model's bytes."""
-    if not torch.cpu._is_avx512_bf16_supported():
-        pytest.skip("linear16_pack needs an AVX512-BF16 CPU")
+    if not cpu_dtype.linear16_kernel(torch.bfloat16):
+        pytest.skip("linear16_pack needs an AVX-512 CPU")
     g = torch.Generator().manual_seed(1)
     emb, head = llama.Embedding(64, 32), llama.Linear(32, 64, bias=False)
     emb.weight = head.weight = torch.nn.Parameter(torch.randn(64, 32, generator=g).bfloat16(), requires_grad=False)

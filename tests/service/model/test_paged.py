@@ -83,7 +83,7 @@ def test_joined_linear16_projections_change_no_bit() -> None:
     modules' step bit for bit, so the paged engine joins them there too (paging.py)."""
     from service.model import cpu_dtype
     if not cpu_dtype.linear16_kernel(torch.bfloat16):
-        pytest.skip("this CPU has no AVX512-BF16: linear16's vdpbf16ps loop does not run here")
+        pytest.skip("linear16 has no SIMD loop on this CPU (no AVX-512)")
     m = model()
     for mod in m.modules():
         if type(mod) is llama.Linear:
