@@ -68,15 +68,16 @@ def chosen(state: dict) -> dict:
     return {"ratio": round(res / raw, 4), "escape_rate": round(esc / n, 5), "bf16_bytes": raw}
 
 
-def escape_rate(w: np.ndarray, tile: int, bits: int) -> float:
-    """Fraction of weights outside their tile's best window of 2^bits - 1 fields."""
+def escape_rate(w: np.ndarray, tile: int, bits: int, listed: bool = False) -> float:
+    """Fraction of weights outside their tile's best window of 2^bits - 1 fields (2^bits when the
+    escapes are listed apart, so that no code marks them)."""
     cols = -(-w.shape[1] // tile) * tile
     padded = np.zeros((w.shape[0], cols), np.uint16)
     padded[:, :w.shape[1]] = w
     valid = np.zeros(padded.shape, bool)
     valid[:, :w.shape[1]] = True
     _, field = F.split_words(padded)
-    window = (1 << bits) - 1
+    window = (1 << bits) - (0 if listed else 1)
     f, v = field.reshape(-1, tile), valid.reshape(-1, tile)
     base = F.choose_bases(f, v, window).astype(np.int16)[:, None]
     d = f.astype(np.int16) - base
@@ -84,20 +85,27 @@ def escape_rate(w: np.ndarray, tile: int, bits: int) -> float:
 
 
 def sweep(state: dict, rows: int) -> list[dict]:
-    """Bits per weight of each (code bits, tile) with two escape layouts: the escaped field as a
-    byte (chosen) or the whole 16-bit word (ZipServ keeps rare values whole). A sample of `rows`
-    rows per 2-D tensor, weighted by its size."""
+    """Bits per weight of each (code bits, tile) with three escape layouts: the escaped field as a
+    byte (chosen) or the whole 16-bit word (ZipServ keeps rare values whole), both marked by the
+    top code; or listed apart, every code a value (a window one wider), each escape a byte of its
+    position in the tile and a byte of its field, a byte a tile for their count (a kernel would
+    patch from the list with no escape flags to find). A sample of `rows` rows per 2-D tensor,
+    weighted by its size."""
     out = []
     mats = [words(t) for t in state.values() if t.dim() == 2]
     total = sum(m.size for m in mats)
     for bits in CODE_BITS:
         for tile in TILES:
-            rate = sum(escape_rate(m[np.linspace(0, m.shape[0] - 1, min(rows, m.shape[0])).astype(int)],
-                                   tile, bits) * m.size for m in mats) / total
+            def rate_of(listed: bool) -> float:
+                return sum(escape_rate(m[np.linspace(0, m.shape[0] - 1, min(rows, m.shape[0])).astype(int)],
+                                       tile, bits, listed) * m.size for m in mats) / total
+            rate, listed = rate_of(False), rate_of(True)
             fixed = 8 + bits + 8 / tile + 32 / (F.GROUP * F.BLOCK_GROUPS)
             out.append({"code_bits": bits, "tile": tile, "escape_rate": round(rate, 5),
                         "ratio_byte_escape": round((fixed + 8 * rate) / 16, 4),
-                        "ratio_word_escape": round((fixed + 16 * rate) / 16, 4)})
+                        "ratio_word_escape": round((fixed + 16 * rate) / 16, 4),
+                        "escape_rate_listed": round(listed, 5),
+                        "ratio_listed": round((8 + bits + 16 / tile + 16 * listed) / 16, 4)})
     return out
 
 
