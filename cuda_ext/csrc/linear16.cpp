@@ -86,11 +86,7 @@ inline float widen_scalar(uint16_t v, bool half) {
 // out = n 16-bit floats widened to float32
 void widen_all(const uint16_t* in, int64_t n, bool half, std::vector<float>& out) {
   out.resize(n);
-  if (half) {
-    for (int64_t i = 0; i < n; ++i) out[i] = widen_scalar(in[i], true);
-  } else {
-    for (int64_t i = 0; i < n; ++i) out[i] = widen_scalar(in[i], false);
-  }
+  for (int64_t i = 0; i < n; ++i) out[i] = widen_scalar(in[i], half);
 }
 
 // the weight's dtype from float32, rounded to nearest even (c10's conversions; a NaN stays a NaN)
@@ -227,6 +223,27 @@ WCODEC_LINEAR16_AVX512 inline void widen_pairs(__m512i v, __m512& even, __m512& 
   }
 }
 
+// a block's k-pair t into the accumulators of Rows rows of x (row j at x + j * k): k = 2t, then,
+// with Both, k = 2t + 1 (an odd K's last pair has k = K - 1 alone)
+template <bool Half, int Rows, bool Both>
+WCODEC_LINEAR16_AVX512 __attribute__((always_inline)) inline void fma_pair(const uint32_t* wt, const float* x,
+                                                                            int64_t k, int64_t t, __m512* acc0,
+                                                                            __m512* acc1) {
+  __m512 e0, d0, e1, d1;                                 // k = 2t and 2t + 1 of outputs 0-15, 16-31
+  widen_pairs<Half>(_mm512_loadu_si512(wt + t * 32), e0, d0);
+  widen_pairs<Half>(_mm512_loadu_si512(wt + t * 32 + 16), e1, d1);
+  for (int j = 0; j < Rows; ++j) {
+    const __m512 xe = _mm512_set1_ps(x[j * k + 2 * t]);
+    acc0[j] = _mm512_fmadd_ps(e0, xe, acc0[j]);
+    acc1[j] = _mm512_fmadd_ps(e1, xe, acc1[j]);
+    if constexpr (Both) {
+      const __m512 xo = _mm512_set1_ps(x[j * k + 2 * t + 1]);
+      acc0[j] = _mm512_fmadd_ps(d0, xo, acc0[j]);
+      acc1[j] = _mm512_fmadd_ps(d1, xo, acc1[j]);
+    }
+  }
+}
+
 // every other AVX-512 CPU (and fp16): rows [r, r + Rows) of x (float32) against a block's k-pairs;
 // lane i of acc_g[j] is output 16 g + i of row r + j: s = fl(s + w_k x_k), k = 0, 1, ... in order
 template <bool Half, int Rows>
@@ -236,28 +253,8 @@ WCODEC_LINEAR16_AVX512 void fma_rows(const Problem& p, const uint32_t* wt, int64
   for (int j = 0; j < Rows; ++j) acc0[j] = acc1[j] = _mm512_setzero_ps();
   const float* x = p.x + r * p.k;
   const int64_t pairs = p.k / 2;
-  for (int64_t t = 0; t < pairs; ++t) {
-    __m512 e0, d0, e1, d1;                               // k = 2t and 2t + 1 of outputs 0-15, 16-31
-    widen_pairs<Half>(_mm512_loadu_si512(wt + t * 32), e0, d0);
-    widen_pairs<Half>(_mm512_loadu_si512(wt + t * 32 + 16), e1, d1);
-    for (int j = 0; j < Rows; ++j) {
-      const __m512 xe = _mm512_set1_ps(x[j * p.k + 2 * t]), xo = _mm512_set1_ps(x[j * p.k + 2 * t + 1]);
-      acc0[j] = _mm512_fmadd_ps(e0, xe, acc0[j]);
-      acc1[j] = _mm512_fmadd_ps(e1, xe, acc1[j]);
-      acc0[j] = _mm512_fmadd_ps(d0, xo, acc0[j]);
-      acc1[j] = _mm512_fmadd_ps(d1, xo, acc1[j]);
-    }
-  }
-  if (p.k % 2) {                                         // an odd K's last pair: k = K - 1 alone
-    __m512 e0, d0, e1, d1;
-    widen_pairs<Half>(_mm512_loadu_si512(wt + pairs * 32), e0, d0);
-    widen_pairs<Half>(_mm512_loadu_si512(wt + pairs * 32 + 16), e1, d1);
-    for (int j = 0; j < Rows; ++j) {
-      const __m512 xe = _mm512_set1_ps(x[j * p.k + p.k - 1]);
-      acc0[j] = _mm512_fmadd_ps(e0, xe, acc0[j]);
-      acc1[j] = _mm512_fmadd_ps(e1, xe, acc1[j]);
-    }
-  }
+  for (int64_t t = 0; t < pairs; ++t) fma_pair<Half, Rows, true>(wt, x, p.k, t, acc0, acc1);
+  if (p.k % 2) fma_pair<Half, Rows, false>(wt, x, p.k, pairs, acc0, acc1);
   for (int j = 0; j < Rows; ++j) {
     store16<Half>(p, acc0[j], r + j, o, keep0);
     if (keep1) store16<Half>(p, acc1[j], r + j, o + 16, keep1);
