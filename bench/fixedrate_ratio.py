@@ -85,12 +85,12 @@ def escape_rate(w: np.ndarray, tile: int, bits: int, listed: bool = False) -> fl
 
 
 def sweep(state: dict, rows: int) -> list[dict]:
-    """Bits per weight of each (code bits, tile) with three escape layouts: the escaped field as a
-    byte (chosen) or the whole 16-bit word (ZipServ keeps rare values whole), both marked by the
-    top code; or listed apart, every code a value (a window one wider), each escape a byte of its
-    position in the tile and a byte of its field, a byte a tile for their count (a kernel would
-    patch from the list with no escape flags to find). A sample of `rows` rows per 2-D tensor,
-    weighted by its size."""
+    """Bits per weight of each (code bits, tile) with three escape layouts: listed apart (chosen:
+    every code a value, so the window is 2^bits wide; each escape a byte of its position in the
+    tile and a byte of its field, a byte a tile for their count, beside the base), or marked by the
+    top code with the escaped field as a byte (the layout before 2026-11-28) or as the whole 16-bit
+    word (ZipServ keeps rare values whole). A sample of `rows` rows per 2-D tensor, weighted by
+    its size."""
     out = []
     mats = [words(t) for t in state.values() if t.dim() == 2]
     total = sum(m.size for m in mats)
@@ -101,11 +101,11 @@ def sweep(state: dict, rows: int) -> list[dict]:
                                        tile, bits, listed) * m.size for m in mats) / total
             rate, listed = rate_of(False), rate_of(True)
             fixed = 8 + bits + 8 / tile + 32 / (F.GROUP * F.BLOCK_GROUPS)
-            out.append({"code_bits": bits, "tile": tile, "escape_rate": round(rate, 5),
+            out.append({"code_bits": bits, "tile": tile, "escape_rate_listed": round(listed, 5),
+                        "ratio_listed": round((fixed + 8 / tile + 16 * listed) / 16, 4),
+                        "escape_rate": round(rate, 5),
                         "ratio_byte_escape": round((fixed + 8 * rate) / 16, 4),
-                        "ratio_word_escape": round((fixed + 16 * rate) / 16, 4),
-                        "escape_rate_listed": round(listed, 5),
-                        "ratio_listed": round((8 + bits + 16 / tile + 16 * listed) / 16, 4)})
+                        "ratio_word_escape": round((fixed + 16 * rate) / 16, 4)})
     return out
 
 
@@ -123,7 +123,7 @@ def main() -> None:
                         "seconds": round(time.perf_counter() - t, 1)}
         print(name, json.dumps(report[name]["chosen"]), flush=True)
     print(json.dumps(report, indent=1))
-    print("\nratio resident/bf16 (3-bit codes, a base per 128 weights, byte escapes):")
+    print("\nratio resident/bf16 (3-bit codes, a base per 128 weights, escapes listed by tile):")
     for name, r in report.items():
         print(f"  {name:20s} {r['chosen']['ratio']:.4f}  escapes {r['chosen']['escape_rate']:.4%}")
 

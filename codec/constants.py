@@ -43,6 +43,8 @@ CODEC_INT8 = "int8"                 # lossy, opt-in: per-row int8 + tile predict
 FR_GROUP = 32                       # weights per group: the unit one thread of the fused kernel decodes
 FR_TILE = 128                       # weights sharing one base: 4 consecutive groups of a row
 FR_BLOCK_GROUPS = 32                # groups per escape block (one warp): esc_start is kept per block
-FR_ESCAPE = 7                       # 3-bit code 7: the field is the next byte of the escape array
-FR_MAX_BASE = 256 - 1 - FR_ESCAPE   # 248: base + 7 <= 255
+FR_CODES = 8                        # 3-bit codes: field = base + code, a window of 8 fields a tile
+FR_MAX_BASE = 256 - FR_CODES        # 248: base + 7 <= 255
+FR_POS_MASK = 0x7F                  # an escape entry (u16): its position in the tile in bits 0..6,
+FR_FIELD_SHIFT = 8                  # its field in bits 8..15
 FR_LO_WORDS = 2                     # u32 words of 2-bit codes per group (16 codes a word)

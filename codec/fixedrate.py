@@ -9,12 +9,18 @@ Read me first (the traps):
   weight of its pair (weights 2j, 2j + 1). Crossed so that a pair's two words come back from their
   plane and field bytes by one byte permute and one 32-bit rotate (FORMAT.md §6). fp16 goes through
   the same split losslessly, but its field is then 5 exponent bits + 3 mantissa bits and escapes often.
-- A code is 3 bits: 0..6 mean field = base + code, 7 is an escape (the field is in the escape
-  array). base <= 248 so that base + 7 fits a byte: 4 bases added to 4 codes in one u32 never carry.
+- A code is 3 bits, and every code is a value: field = base + code (a window of 8 fields a tile
+  of 128 weights). base <= 248 so that base + 7 fits a byte: 4 bases added to 4 codes in one u32
+  never carry. A weight whose field is outside its tile's window is an escape: its code is 0, and
+  the tile lists it apart, as a 16-bit entry (its position in the tile, its field), after the
+  escapes of the tiles before it. The tile's word holds its base and its count of escapes.
 - The codes are split into a 2-bit plane and a 1-bit plane, laid out so that the code of weight
   4q + b sits in byte lane b of a word (the kernel decodes 4 weights per 32-bit operation).
 - Rows are padded to whole groups with code 0 and plane byte 0 (but for the sign bit of a real
   partner: an odd row's last weight); padding never escapes.
+- The entries of a row's tiles are consecutive; esc_start gives the index of each escape block's
+  (32 groups, 8 tiles) first entry, and a tile's first is that plus the counts of the block's tiles
+  before it.
 """
 from __future__ import annotations
 
@@ -24,10 +30,12 @@ import numpy as np
 
 from .constants import (
     FR_BLOCK_GROUPS,
-    FR_ESCAPE,
+    FR_CODES,
+    FR_FIELD_SHIFT,
     FR_GROUP,
     FR_LO_WORDS,
     FR_MAX_BASE,
+    FR_POS_MASK,
     FR_TILE,
 )
 from .errors import CodecError, UnsupportedTensor
@@ -35,7 +43,10 @@ from .errors import CodecError, UnsupportedTensor
 GROUP = FR_GROUP
 TILE = FR_TILE
 BLOCK_GROUPS = FR_BLOCK_GROUPS
-ESCAPE = FR_ESCAPE
+CODES = FR_CODES
+POS_MASK = FR_POS_MASK
+FIELD_SHIFT = FR_FIELD_SHIFT
+ESCAPE_NBYTES = 2               # an escape's entry
 MAX_BASE = FR_MAX_BASE          # choose_bases never goes higher
 LO_WORDS = FR_LO_WORDS
 _CHUNK_TILES = 1 << 14          # tiles per NumPy pass when choosing bases
@@ -50,8 +61,8 @@ class FixedRate:
     plane: np.ndarray           # uint8 [rows, groups * 32]: bits 0..6 of each word << 1 | its partner's sign
     lo: np.ndarray              # uint32 [rows, groups * 2]: code bits 0..1
     hi: np.ndarray              # uint32 [rows, groups]: code bit 2
-    base: np.ndarray            # uint8 [rows, tiles]: tile t covers groups 4t .. 4t + 3
-    esc: np.ndarray             # uint8 [n_escapes]: escaped fields, row-major weight order
+    tile: np.ndarray            # uint16 [rows, tiles]: base | escapes << 8; tile t covers groups 4t .. 4t + 3
+    esc: np.ndarray             # uint16 [n_escapes]: position in the tile | field << 8, row-major weight order
     esc_start: np.ndarray       # int32 [rows, blocks]: index in esc of each block's first escape
 
     @property
@@ -60,7 +71,7 @@ class FixedRate:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.plane, self.lo, self.hi, self.base, self.esc, self.esc_start))
+        return sum(a.nbytes for a in (self.plane, self.lo, self.hi, self.tile, self.esc, self.esc_start))
 
 
 def groups_for(cols: int) -> int:
@@ -76,11 +87,11 @@ def blocks_for(cols: int) -> int:
 
 
 def fixed_nbytes(rows: int, cols: int) -> int:
-    """Bytes of a [rows, cols] weight's form without its escapes (one byte each, on top):
-    plane 32 + codes 8 + 4 + bases 1/4 + escape starts 4/32 bytes a group of 32 weights, about
-    0.693 of bf16."""
+    """Bytes of a [rows, cols] weight's form without its escapes (two bytes each, on top):
+    plane 32 + codes 8 + 4 + tile words 2/4 + escape starts 4/32 bytes a group of 32 weights,
+    about 0.697 of bf16."""
     ng = groups_for(cols)
-    return rows * (ng * GROUP + ng * LO_WORDS * 4 + ng * 4 + tiles_for(cols) + blocks_for(cols) * 4)
+    return rows * (ng * GROUP + ng * LO_WORDS * 4 + ng * 4 + 2 * tiles_for(cols) + blocks_for(cols) * 4)
 
 
 # ---- the split of a word ---------------------------------------------------------------------
@@ -110,9 +121,9 @@ def _partners(a: np.ndarray) -> np.ndarray:
 
 # ---- choose the base of each group -----------------------------------------------------------
 
-def choose_bases(field: np.ndarray, valid: np.ndarray, window: int = ESCAPE) -> np.ndarray:
-    """field, valid: [tiles, n]. base = the smallest b in [0, 255 - window] whose window
-    [b, b + window - 1] covers the most real weights of the tile. (`window` other than 7 and n
+def choose_bases(field: np.ndarray, valid: np.ndarray, window: int = CODES) -> np.ndarray:
+    """field, valid: [tiles, n]. base = the smallest b in [0, 256 - window] whose window
+    [b, b + window - 1] covers the most real weights of the tile. (`window` other than 8 and n
     other than 128 are for bench/fixedrate_ratio.py's sweep.)"""
     out = np.empty(field.shape[0], np.uint8)
     for s in range(0, field.shape[0], _CHUNK_TILES):
@@ -120,7 +131,7 @@ def choose_bases(field: np.ndarray, valid: np.ndarray, window: int = ESCAPE) -> 
         at = (np.arange(f.shape[0])[:, None] * 256 + f)[v]
         hist = np.bincount(at, minlength=f.shape[0] * 256).reshape(-1, 256)
         cs = np.concatenate([np.zeros((f.shape[0], 1), np.int64), hist.cumsum(axis=1)], axis=1)
-        cover = cs[:, window:256] - cs[:, :256 - window]                 # cover[:, b] = sum hist[b : b + window]
+        cover = cs[:, window:] - cs[:, :257 - window]                    # cover[:, b] = sum hist[b : b + window]
         out[s:s + _CHUNK_TILES] = cover.argmax(axis=1)                   # the first maximum: the smallest b
     return out
 
@@ -173,35 +184,58 @@ def encode(weight: np.ndarray, dtype: str = "bfloat16") -> FixedRate:
     plane, field = split_words(padded)
     base = choose_bases(field.reshape(-1, TILE), valid.reshape(-1, TILE)).reshape(rows, nt)
     delta = field.astype(np.int16) - np.repeat(base, TILE, axis=1)
-    escaped = valid & ((delta < 0) | (delta >= ESCAPE))
-    codes = np.where(escaped, ESCAPE, np.where(valid, delta, 0)).astype(np.uint8)[:, :ng * GROUP]
-    plane = plane[:, :ng * GROUP]                                       # padding words are 0: plane 0 but a sign
+    escaped = valid & ((delta < 0) | (delta >= CODES))
+    codes = np.where(valid & ~escaped, delta, 0).astype(np.uint8)[:, :ng * GROUP]
     lo, hi = pack_codes(codes.reshape(-1, GROUP))
-    escaped = escaped[:, :ng * GROUP]
-    return FixedRate(rows, cols, dtype, plane, lo.reshape(rows, ng * LO_WORDS), hi.reshape(rows, ng), base,
-                     field[:, :ng * GROUP][escaped], _escape_starts(escaped, rows, ng))
+    counts = escaped.reshape(rows, nt, TILE).sum(axis=2)
+    pos = np.broadcast_to(np.arange(nt * TILE, dtype=np.uint16) % TILE, escaped.shape)[escaped]
+    esc = (pos | field[escaped].astype(np.uint16) << FIELD_SHIFT).astype(np.uint16)
+    tile = (base.astype(np.uint16) | counts.astype(np.uint16) << 8).astype(np.uint16)
+    return FixedRate(rows, cols, dtype, plane[:, :ng * GROUP], lo.reshape(rows, ng * LO_WORDS),
+                     hi.reshape(rows, ng), tile, esc, _escape_starts(counts, rows, ng))
 
 
-def _escape_starts(escaped: np.ndarray, rows: int, ng: int) -> np.ndarray:
-    nb = -(-ng // BLOCK_GROUPS)
-    per_group = np.zeros((rows, nb * BLOCK_GROUPS), np.int64)
-    per_group[:, :ng] = escaped.reshape(rows, ng, GROUP).sum(axis=2)
-    per_block = per_group.reshape(rows, nb, BLOCK_GROUPS).sum(axis=2).reshape(-1)
-    starts = np.cumsum(per_block) - per_block                           # exclusive prefix sum
+def _escape_starts(counts: np.ndarray, rows: int, ng: int) -> np.ndarray:
+    """counts [rows, tiles] -> the index of each block's first entry (an exclusive prefix sum)."""
+    nb, block_tiles = -(-ng // BLOCK_GROUPS), BLOCK_GROUPS * GROUP // TILE
+    per_tile = np.zeros((rows, nb * block_tiles), np.int64)
+    per_tile[:, :counts.shape[1]] = counts
+    per_block = per_tile.reshape(rows, nb, block_tiles).sum(axis=2).reshape(-1)
+    starts = np.cumsum(per_block) - per_block
     if per_block.sum() >= 2 ** 31:
         raise UnsupportedTensor(None, "too many escapes for int32 escape starts")
     return starts.astype(np.int32).reshape(rows, nb)
 
 
+def tile_starts(fr: FixedRate) -> np.ndarray:
+    """int64 [rows, tiles]: the index in esc of each tile's first entry, as a kernel finds it: its
+    block's esc_start plus the counts of the block's tiles before it."""
+    counts = (fr.tile >> 8).astype(np.int64)
+    block_tiles = BLOCK_GROUPS * GROUP // TILE
+    nt, nb = counts.shape[1], fr.esc_start.shape[1]
+    padded = np.zeros((fr.rows, nb * block_tiles), np.int64)
+    padded[:, :nt] = counts
+    per_block = padded.reshape(fr.rows, nb, block_tiles)
+    within = np.cumsum(per_block, axis=2) - per_block
+    return (within + fr.esc_start[:, :, None].astype(np.int64)).reshape(fr.rows, nb * block_tiles)[:, :nt]
+
+
 def decode(fr: FixedRate) -> np.ndarray:
     """FixedRate -> uint16 [rows, cols], the exact words that were encoded."""
     codes = unpack_codes(fr.lo.reshape(-1, LO_WORDS), fr.hi.reshape(-1)).reshape(fr.rows, fr.plane.shape[1])
-    field = np.repeat(fr.base, TILE, axis=1)[:, :codes.shape[1]].astype(np.uint16) + codes
-    escaped = codes == ESCAPE
-    rank = np.cumsum(escaped, axis=1) - escaped                         # escapes before, in the row
-    row_first = fr.esc_start[:, :1].astype(np.int64)                    # the row's first escape
-    idx = (row_first + rank)[escaped]
-    if idx.size and (idx.max() >= fr.esc.size):
+    base = (fr.tile & 0xFF).astype(np.uint16)
+    field = np.repeat(base, TILE, axis=1)[:, :codes.shape[1]] + codes
+    counts = (fr.tile >> 8).astype(np.int64).reshape(-1)
+    starts = tile_starts(fr).reshape(-1)
+    total = int(counts.sum())
+    first = np.repeat(np.cumsum(counts) - counts, counts)
+    idx = np.repeat(starts, counts) + np.arange(total) - first       # each entry's index in esc
+    if total and (idx.min() < 0 or idx.max() >= fr.esc.size):
         raise CodecError(None, "escape index past the escape array")
-    field[escaped] = fr.esc[idx]
+    entries = fr.esc[idx].astype(np.int64)
+    t = np.repeat(np.arange(counts.size), counts)                     # each entry's tile, row-major
+    col = t % fr.tile.shape[1] * TILE + (entries & POS_MASK)
+    if total and (col.max() >= codes.shape[1] or (entries & ~(POS_MASK | 0xFF << FIELD_SHIFT)).any()):
+        raise CodecError(None, "an escape entry outside its row's groups")
+    field[t // fr.tile.shape[1], col] = entries >> FIELD_SHIFT
     return join_words(fr.plane, field.astype(np.uint8))[:, :fr.cols]

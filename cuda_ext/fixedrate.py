@@ -39,13 +39,13 @@ class FixedRateWeight:
     plane: torch.Tensor         # uint8 [rows, groups*32]
     lo: torch.Tensor            # int32 [rows, groups*2]
     hi: torch.Tensor            # int32 [rows, groups]
-    base: torch.Tensor          # uint8 [rows, tiles]
-    esc: torch.Tensor           # uint8 [n_escapes]
+    tile: torch.Tensor          # int16 [rows, tiles]: base | escapes << 8
+    esc: torch.Tensor           # int16 [n_escapes]: position in the tile | field << 8
     esc_start: torch.Tensor     # int32 [rows, blocks]
 
     @property
     def arrays(self) -> tuple[torch.Tensor, ...]:
-        return self.plane, self.lo, self.hi, self.base, self.esc, self.esc_start
+        return self.plane, self.lo, self.hi, self.tile, self.esc, self.esc_start
 
     @property
     def nbytes(self) -> int:
@@ -58,12 +58,13 @@ class FixedRateWeight:
     def to_codec(self) -> fixedrate.FixedRate:
         a = [t.cpu().numpy() for t in self.arrays]
         return fixedrate.FixedRate(self.rows, self.cols, _DTYPES[self.dtype], a[0], a[1].view(np.uint32),
-                                   a[2].view(np.uint32), a[3], a[4], a[5])
+                                   a[2].view(np.uint32), a[3].view(np.uint16), a[4].view(np.uint16), a[5])
 
     @classmethod
     def from_codec(cls, fr: fixedrate.FixedRate, device: str | torch.device = "cpu") -> FixedRateWeight:
         dtype = next(k for k, v in _DTYPES.items() if v == fr.dtype)
-        arrays = (fr.plane, fr.lo.view(np.int32), fr.hi.view(np.int32), fr.base, fr.esc, fr.esc_start)
+        arrays = (fr.plane, fr.lo.view(np.int32), fr.hi.view(np.int32), fr.tile.view(np.int16), fr.esc.view(np.int16),
+                  fr.esc_start)
         return cls(fr.rows, fr.cols, dtype, *(torch.from_numpy(np.ascontiguousarray(a)).to(device) for a in arrays))
 
 
@@ -78,14 +79,14 @@ def cat_rows(parts: list[FixedRateWeight]) -> FixedRateWeight:
         raise ValueError(f"cat_rows: {offsets[-1]} escapes do not fit esc_start's int32")
     esc_start = torch.cat([p.esc_start + int(off) for p, off in zip(parts, offsets)])
     return FixedRateWeight(sum(p.rows for p in parts), first.cols, first.dtype,
-                           *(torch.cat([getattr(p, a) for p in parts]) for a in ("plane", "lo", "hi", "base", "esc")),
+                           *(torch.cat([getattr(p, a) for p in parts]) for a in ("plane", "lo", "hi", "tile", "esc")),
                            esc_start)
 
 
 def row_views(w: FixedRateWeight, rows: list[int]) -> list[FixedRateWeight]:
     """w's rows split into weights of `rows` rows each, as views (no copy): each keeps w's whole
     esc, which its rows of esc_start index into."""
-    cuts = (t.split(rows) for t in (w.plane, w.lo, w.hi, w.base, w.esc_start))
+    cuts = (t.split(rows) for t in (w.plane, w.lo, w.hi, w.tile, w.esc_start))
     return [FixedRateWeight(n, w.cols, w.dtype, *parts, w.esc, es) for n, *parts, es in zip(rows, *cuts)]
 
 
@@ -136,16 +137,17 @@ def reference_encode(w: torch.Tensor) -> list[torch.Tensor]:
     return list(FixedRateWeight.from_codec(fr).arrays)
 
 
-def reference_decode(plane, lo, hi, base, esc, esc_start, cols: int, out: torch.Tensor) -> None:
+def reference_decode(plane, lo, hi, tile, esc, esc_start, cols: int, out: torch.Tensor) -> None:
     fr = fixedrate.FixedRate(plane.shape[0], cols, "bfloat16", plane.numpy(), lo.numpy().view(np.uint32),
-                             hi.numpy().view(np.uint32), base.numpy(), esc.numpy(), esc_start.numpy())
+                             hi.numpy().view(np.uint32), tile.numpy().view(np.uint16), esc.numpy().view(np.uint16),
+                             esc_start.numpy())
     out.view(torch.int16).copy_(torch.from_numpy(fixedrate.decode(fr).view(np.int16)))
 
 
-def reference_linear(x, plane, lo, hi, base, esc, esc_start, cols: int) -> torch.Tensor:
+def reference_linear(x, plane, lo, hi, tile, esc, esc_start, cols: int) -> torch.Tensor:
     """float32 matmul on the decoded weights, one rounding to x's dtype (x unpadded or padded)."""
     w = torch.empty(plane.shape[0], cols, dtype=x.dtype)
-    reference_decode(plane, lo, hi, base, esc, esc_start, cols, w)
+    reference_decode(plane, lo, hi, tile, esc, esc_start, cols, w)
     return (x[:, :cols].float() @ w.float().T).to(x.dtype)
 
 

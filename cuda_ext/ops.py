@@ -64,25 +64,25 @@ def crc32_spans(data: torch.Tensor, spans: torch.Tensor) -> torch.Tensor:
 
 def fixedrate_encode(w: torch.Tensor) -> list[torch.Tensor]:
     """A contiguous 2-D 16-bit weight -> the fixed-rate form's arrays (codec/fixedrate.py), on w's
-    device: [plane uint8, lo int32, hi int32, base uint8, esc uint8, esc_start int32]. One host
+    device: [plane uint8, lo int32, hi int32, tile int16, esc int16, esc_start int32]. One host
     sync (the escape count)."""
     return torch.ops.wcodec.fixedrate_encode.default(w)
 
 
-def fixedrate_decode(plane: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, base: torch.Tensor, esc: torch.Tensor,
+def fixedrate_decode(plane: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, tile: torch.Tensor, esc: torch.Tensor,
                      esc_start: torch.Tensor, cols: int, out: torch.Tensor) -> None:
     """The fixed-rate form -> its exact 16-bit words in `out` ([rows, cols], contiguous), on the
     current stream (the kernel's decode steps, written out: the bit-exact test's entry point)."""
-    torch.ops.wcodec.fixedrate_decode.default(plane, lo, hi, base, esc, esc_start, cols, out)
+    torch.ops.wcodec.fixedrate_decode.default(plane, lo, hi, tile, esc, esc_start, cols, out)
 
 
-def fixedrate_linear(x: torch.Tensor, plane: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, base: torch.Tensor,
+def fixedrate_linear(x: torch.Tensor, plane: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, tile: torch.Tensor,
                      esc: torch.Tensor, esc_start: torch.Tensor, cols: int, kernel: int = 0) -> torch.Tensor:
     """y = x W^T, W in the fixed-rate form, x [1..64, groups*32] (zero past cols) in W's dtype;
     float32 accumulation, one rounding. On CUDA fused (W decoded in registers), on the current
     stream, no host syncs; on the CPU the reference (decode, float32 matmul). kernel 0: tensor
     cores (mma, 1..64 rows), 1: CUDA cores (1..16 rows; faster at one row)."""
-    return torch.ops.wcodec.fixedrate_linear.default(x, plane, lo, hi, base, esc, esc_start, cols, kernel)
+    return torch.ops.wcodec.fixedrate_linear.default(x, plane, lo, hi, tile, esc, esc_start, cols, kernel)
 
 
 FIXEDRATE_OPS = ("wcodec::fixedrate_encode", "wcodec::fixedrate_decode", "wcodec::fixedrate_linear")
@@ -234,14 +234,14 @@ def _register_fixedrate_fakes() -> None:
         rows, groups = w.shape[0], -(-w.shape[1] // 32)
         tiles, blocks = -(-groups // 4), -(-groups // 32)
         n_esc = torch.library.get_ctx().new_dynamic_size()
-        u8, i32 = dict(dtype=torch.uint8), dict(dtype=torch.int32)
+        u8, i16, i32 = dict(dtype=torch.uint8), dict(dtype=torch.int16), dict(dtype=torch.int32)
         return [w.new_empty(rows, groups * 32, **u8), w.new_empty(rows, groups * 2, **i32),
-                w.new_empty(rows, groups, **i32), w.new_empty(rows, tiles, **u8), w.new_empty(n_esc, **u8),
+                w.new_empty(rows, groups, **i32), w.new_empty(rows, tiles, **i16), w.new_empty(n_esc, **i16),
                 w.new_empty(rows, blocks, **i32)]
 
-    torch.library.register_fake("wcodec::fixedrate_decode")(lambda plane, lo, hi, base, esc, esc_start, cols, out: None)
+    torch.library.register_fake("wcodec::fixedrate_decode")(lambda plane, lo, hi, tile, esc, esc_start, cols, out: None)
     torch.library.register_fake("wcodec::fixedrate_linear")(
-        lambda x, plane, lo, hi, base, esc, esc_start, cols, kernel=0: x.new_empty(x.shape[0], plane.shape[0]))
+        lambda x, plane, lo, hi, tile, esc, esc_start, cols, kernel=0: x.new_empty(x.shape[0], plane.shape[0]))
 
 
 def _fake_prepare_plane(data, dtype):

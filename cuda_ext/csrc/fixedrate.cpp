@@ -12,7 +12,7 @@
 
 namespace wcodec {
 
-FrShape fr_check(const at::Tensor& plane, const at::Tensor& lo, const at::Tensor& hi, const at::Tensor& base,
+FrShape fr_check(const at::Tensor& plane, const at::Tensor& lo, const at::Tensor& hi, const at::Tensor& tile,
                  const at::Tensor& esc, const at::Tensor& esc_start, int64_t cols) {
   TORCH_CHECK(plane.dim() == 2 && plane.scalar_type() == at::kByte && plane.is_contiguous(), "plane: uint8 [rows, groups*32]");
   const int64_t rows = plane.size(0), groups = plane.size(1) / kFrGroup;
@@ -22,103 +22,125 @@ FrShape fr_check(const at::Tensor& plane, const at::Tensor& lo, const at::Tensor
               "plane has ", plane.size(1), " columns, not whole groups holding ", cols);
   TORCH_CHECK(lo.scalar_type() == at::kInt && lo.is_contiguous() && lo.numel() == rows * groups * kFrLoWords, "lo: int32 [rows, groups*2]");
   TORCH_CHECK(hi.scalar_type() == at::kInt && hi.is_contiguous() && hi.numel() == rows * groups, "hi: int32 [rows, groups]");
-  TORCH_CHECK(base.scalar_type() == at::kByte && base.is_contiguous() && base.numel() == rows * tiles, "base: uint8 [rows, tiles]");
-  TORCH_CHECK(esc.scalar_type() == at::kByte && esc.dim() == 1, "esc: uint8 [n]");
+  TORCH_CHECK(tile.scalar_type() == at::kShort && tile.is_contiguous() && tile.numel() == rows * tiles, "tile: int16 [rows, tiles]");
+  TORCH_CHECK(esc.scalar_type() == at::kShort && esc.dim() == 1 && esc.is_contiguous(), "esc: int16 [n]");
   TORCH_CHECK(esc_start.scalar_type() == at::kInt && esc_start.is_contiguous() && esc_start.numel() == rows * blocks,
               "esc_start: int32 [rows, blocks]");
-  for (const auto* t : {&lo, &hi, &base, &esc, &esc_start})
+  for (const auto* t : {&lo, &hi, &tile, &esc, &esc_start})
     TORCH_CHECK(t->device() == plane.device(), "all arrays on one device");
   TORCH_CHECK(esc.numel() < (int64_t{1} << 31), "too many escapes");
   return {rows, cols, groups, tiles, blocks};
 }
 
-std::tuple<at::Tensor, int64_t> fr_escape_starts(const at::Tensor& counts, int64_t blocks) {
-  const int64_t rows = counts.size(0), groups = counts.size(1);
-  auto padded = at::constant_pad_nd(counts.to(at::kLong), {0, blocks * kFrBlockGroups - groups});
-  auto per_block = padded.view({rows * blocks, kFrBlockGroups}).sum(1);
+std::tuple<at::Tensor, int64_t> fr_escape_starts(const at::Tensor& tile, int64_t blocks) {
+  const int64_t rows = tile.size(0), tiles = tile.size(1);
+  auto counts = at::bitwise_and(at::bitwise_right_shift(tile.to(at::kLong), 8), 0xFF);
+  auto padded = at::constant_pad_nd(counts, {0, blocks * kFrBlockTiles - tiles});
+  auto per_block = padded.view({rows * blocks, kFrBlockTiles}).sum(1);
   auto inclusive = per_block.cumsum(0);
   const int64_t total = rows * blocks ? inclusive[-1].item<int64_t>() : 0;     // a host sync (load time only)
   TORCH_CHECK(total < (int64_t{1} << 31), "too many escapes for int32 escape starts");
   return {(inclusive - per_block).to(at::kInt).view({rows, blocks}), total};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fr_alloc(const at::Tensor& w) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fr_alloc(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.element_size() == 2 && w.is_contiguous(), "the fixed-rate form takes a contiguous 2-D 16-bit weight");
   const int64_t rows = w.size(0), groups = (w.size(1) + kFrGroup - 1) / kFrGroup;
   const int64_t tiles = (groups + kFrTileGroups - 1) / kFrTileGroups;
   TORCH_CHECK(w.size(1) > 0, "a weight with no columns");
   auto u8 = w.options().dtype(at::kByte), i32 = w.options().dtype(at::kInt);
   return {at::empty({rows, groups * kFrGroup}, u8), at::empty({rows, groups * kFrLoWords}, i32),
-          at::empty({rows, groups}, i32), at::empty({rows, tiles}, u8), at::empty({rows, groups}, i32)};
+          at::empty({rows, groups}, i32), at::empty({rows, tiles}, w.options().dtype(at::kShort))};
+}
+
+// The index in esc of each tile's first entry: its block's start plus the counts of the block's
+// tiles before it.
+int64_t fr_tile_start(const int32_t* esc_start, const uint16_t* tile, int64_t r, int64_t tiles, int64_t blocks,
+                      int64_t t) {
+  int64_t at_ = esc_start[r * blocks + t / kFrBlockTiles];
+  for (int64_t s = t - t % kFrBlockTiles; s < t; ++s) at_ += tile[r * tiles + s] >> 8;
+  return at_;
 }
 
 namespace {
 
 std::vector<at::Tensor> encode_cpu(const at::Tensor& w_in) {
-  auto [plane, lo, hi, base, counts] = fr_alloc(w_in);
+  auto [plane, lo, hi, tile] = fr_alloc(w_in);
   const auto* w = reinterpret_cast<const uint16_t*>(w_in.data_ptr());
-  const int64_t rows = w_in.size(0), cols = w_in.size(1), groups = hi.size(1), tiles = base.size(1);
+  const int64_t rows = w_in.size(0), cols = w_in.size(1), groups = hi.size(1), tiles = tile.size(1);
+  auto* tw = reinterpret_cast<uint16_t*>(tile.data_ptr<int16_t>());
   at::parallel_for(0, rows * tiles, 64, [&](int64_t a, int64_t z) {
     for (int64_t t = a; t < z; ++t) {
       const int64_t r = t / tiles, g = r * groups + (t % tiles) * kFrTileGroups, c0 = (t % tiles) * kFrTile;
       fr_encode_tile(w + r * cols + c0, std::min<int64_t>(kFrTile, cols - c0), static_cast<int>(groups - (t % tiles) * kFrTileGroups),
                      plane.data_ptr<uint8_t>() + g * kFrGroup, reinterpret_cast<uint32_t*>(lo.data_ptr<int32_t>()) + g * kFrLoWords,
-                     reinterpret_cast<uint32_t*>(hi.data_ptr<int32_t>()) + g, base.data_ptr<uint8_t>() + t,
-                     counts.data_ptr<int32_t>() + g);
+                     reinterpret_cast<uint32_t*>(hi.data_ptr<int32_t>()) + g, tw + t);
     }
   });
   const int64_t blocks = (groups + kFrBlockGroups - 1) / kFrBlockGroups;
-  auto [esc_start, total] = fr_escape_starts(counts, blocks);
-  auto esc = at::empty({total}, plane.options());
-  uint8_t* e = esc.data_ptr<uint8_t>();
-  at::parallel_for(0, rows, 16, [&](int64_t a, int64_t z) {       // escapes in row-major weight order
-    for (int64_t r = a; r < z; ++r) {
-      int64_t at_ = esc_start.data_ptr<int32_t>()[r * blocks];
-      for (int64_t c = 0; c < cols; ++c) {
-        const uint32_t f = fr_field(w[r * cols + c]), b = base.data_ptr<uint8_t>()[r * tiles + c / kFrTile];
-        if (fr_code(f, b) == kFrEscape) e[at_++] = static_cast<uint8_t>(f);
-      }
+  auto [esc_start, total] = fr_escape_starts(tile, blocks);
+  auto esc = at::empty({total}, tile.options());
+  auto* e = reinterpret_cast<uint16_t*>(esc.data_ptr<int16_t>());
+  at::parallel_for(0, rows * tiles, 64, [&](int64_t a, int64_t z) {
+    for (int64_t t = a; t < z; ++t) {
+      const int64_t r = t / tiles, c0 = (t % tiles) * kFrTile;
+      fr_tile_entries(w + r * cols + c0, std::min<int64_t>(kFrTile, cols - c0), tw[t] & 0xFF,
+                      e + fr_tile_start(esc_start.data_ptr<int32_t>(), tw, r, tiles, blocks, t % tiles));
     }
   });
-  return {plane, lo, hi, base, esc, esc_start};
+  return {plane, lo, hi, tile, esc, esc_start};
 }
 
-// decode, one row: the codes of each weight, the escapes in order from the row's first.
+// decode, one row: each tile's fields from its base and codes, then its entries patched in.
 void decode_row(const FrShape& s, int64_t r, const uint8_t* plane, const uint32_t* lo, const uint32_t* hi,
-                const uint8_t* base, const uint8_t* esc, int64_t n_esc, int64_t at_, uint16_t* out) {
-  for (int64_t c = 0; c < s.cols; ++c) {
-    const int64_t g = r * s.groups + c / kFrGroup;
-    const int i = static_cast<int>(c % kFrGroup);
-    const uint32_t code = fr_codes4(lo[g * kFrLoWords + fr_lo_word(i)], hi[g], i >> 2) >> (8 * (i & 3)) & 0xFF;
-    uint32_t field = base[r * s.tiles + c / kFrTile] + code;
-    if (code == kFrEscape) field = at_ < n_esc ? esc[at_++] : 0;     // bounds: never read past esc
-    out[r * s.cols + c] = fr_join(plane[g * kFrGroup + i], plane[g * kFrGroup + (i ^ 1)], field);
+                const uint16_t* tile, const uint16_t* esc, int64_t n_esc, const int32_t* esc_start, uint16_t* out) {
+  for (int64_t t = 0; t < s.tiles; ++t) {
+    uint32_t field[kFrTile];
+    const uint32_t word = tile[r * s.tiles + t];
+    for (int i = 0; i < kFrTile; ++i) {
+      const int64_t g = r * s.groups + t * kFrTileGroups + i / kFrGroup;
+      const int j = i % kFrGroup;
+      const bool real = t * kFrTile + i < s.groups * kFrGroup;
+      const uint32_t code = real ? fr_codes4(lo[g * kFrLoWords + fr_lo_word(j)], hi[g], j >> 2) >> (8 * (j & 3)) & 0xFF : 0;
+      field[i] = (word & 0xFF) + code;
+    }
+    const int64_t first = fr_tile_start(esc_start, tile, r, s.tiles, s.blocks, t);
+    for (int64_t k = first; k < first + (word >> 8); ++k) {
+      const uint32_t e = k >= 0 && k < n_esc ? esc[k] : 0;             // bounds: never read past esc
+      field[e & kFrPosMask] = e >> kFrFieldShift;
+    }
+    for (int i = 0; i < kFrTile && t * kFrTile + i < s.cols; ++i) {
+      const int64_t g = r * s.groups + t * kFrTileGroups + i / kFrGroup;
+      const int j = i % kFrGroup;
+      out[r * s.cols + t * kFrTile + i] = fr_join(plane[g * kFrGroup + j], plane[g * kFrGroup + (j ^ 1)], field[i]);
+    }
   }
 }
 
-void decode_cpu(const at::Tensor& plane, const at::Tensor& lo, const at::Tensor& hi, const at::Tensor& base,
+void decode_cpu(const at::Tensor& plane, const at::Tensor& lo, const at::Tensor& hi, const at::Tensor& tile,
                 const at::Tensor& esc, const at::Tensor& esc_start, int64_t cols, const at::Tensor& out) {
-  const FrShape s = fr_check(plane, lo, hi, base, esc, esc_start, cols);
+  const FrShape s = fr_check(plane, lo, hi, tile, esc, esc_start, cols);
   TORCH_CHECK(out.element_size() == 2 && out.is_contiguous() && out.numel() == s.rows * cols && out.device() == plane.device(),
               "out: contiguous 16-bit [rows, cols] on the arrays' device");
   at::parallel_for(0, s.rows, 16, [&](int64_t a, int64_t z) {
     for (int64_t r = a; r < z; ++r)
       decode_row(s, r, plane.data_ptr<uint8_t>(), reinterpret_cast<const uint32_t*>(lo.data_ptr<int32_t>()),
-                 reinterpret_cast<const uint32_t*>(hi.data_ptr<int32_t>()), base.data_ptr<uint8_t>(),
-                 esc.data_ptr<uint8_t>(), esc.numel(), esc_start.data_ptr<int32_t>()[r * s.blocks],
+                 reinterpret_cast<const uint32_t*>(hi.data_ptr<int32_t>()),
+                 reinterpret_cast<const uint16_t*>(tile.data_ptr<int16_t>()),
+                 reinterpret_cast<const uint16_t*>(esc.data_ptr<int16_t>()), esc.numel(), esc_start.data_ptr<int32_t>(),
                  reinterpret_cast<uint16_t*>(out.data_ptr()));
   });
 }
 
 // The matmul's reference: decode, then y = x W^T in float32, rounded once to x's dtype.
 at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& plane, const at::Tensor& lo, const at::Tensor& hi,
-                      const at::Tensor& base, const at::Tensor& esc, const at::Tensor& esc_start, int64_t cols,
+                      const at::Tensor& tile, const at::Tensor& esc, const at::Tensor& esc_start, int64_t cols,
                       int64_t kernel) {
   TORCH_CHECK(kernel == 0 || kernel == 1, "kernel: 0 (tensor cores) or 1 (CUDA cores)");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == plane.size(1), "x: [rows, groups*32] (zero-padded past cols)");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf, "x: bfloat16 or float16");
   auto w = at::empty({plane.size(0), cols}, x.options());
-  decode_cpu(plane, lo, hi, base, esc, esc_start, cols, w);
+  decode_cpu(plane, lo, hi, tile, esc, esc_start, cols, w);
   return at::matmul(x.narrow(1, 0, cols).to(at::kFloat), w.to(at::kFloat).t()).to(x.scalar_type());
 }
 
@@ -126,9 +148,9 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& plane, const at::Te
 
 TORCH_LIBRARY_FRAGMENT(wcodec, m) {
   m.def("fixedrate_encode(Tensor w) -> Tensor[]");
-  m.def("fixedrate_decode(Tensor plane, Tensor lo, Tensor hi, Tensor base, Tensor esc, Tensor esc_start, int cols, "
+  m.def("fixedrate_decode(Tensor plane, Tensor lo, Tensor hi, Tensor tile, Tensor esc, Tensor esc_start, int cols, "
         "Tensor(a!) out) -> ()");
-  m.def("fixedrate_linear(Tensor x, Tensor plane, Tensor lo, Tensor hi, Tensor base, Tensor esc, Tensor esc_start, "
+  m.def("fixedrate_linear(Tensor x, Tensor plane, Tensor lo, Tensor hi, Tensor tile, Tensor esc, Tensor esc_start, "
         "int cols, int kernel=0) -> Tensor");
 }
 

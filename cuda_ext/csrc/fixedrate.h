@@ -9,7 +9,9 @@
 //   32-bit word is its bytes interleaved (f1 p1 f0 p0) rotated right by one bit (join_pairs)
 //   weight i = 4q + b of a group:  lo[q / 4] bits 8b + 2(q % 4) .. +1 = code bits 0..1
 //                                   hi       bit  8b + q                = code bit 2
-//   code 0..6: field = base + code;  code 7: the next byte of the escape array.
+//   field = base + code (code 0..7); a field outside the tile's window [base, base + 7] is an escape:
+//   code 0, and an entry (position in the tile | field << 8) in the tile's run of the escape array.
+//   tile word = base | escapes << 8.
 #pragma once
 #include <cstdint>
 
@@ -25,8 +27,11 @@ constexpr int kFrGroup = 32;          // GROUP: weights per group (one thread of
 constexpr int kFrTile = 128;          // TILE: weights sharing one base
 constexpr int kFrTileGroups = kFrTile / kFrGroup;
 constexpr int kFrBlockGroups = 32;    // BLOCK_GROUPS: groups per escape block (one warp)
-constexpr int kFrEscape = 7;          // ESCAPE
-constexpr int kFrMaxBase = 248;       // MAX_BASE = 256 - 1 - ESCAPE
+constexpr int kFrCodes = 8;           // CODES: the window of fields a base covers
+constexpr int kFrMaxBase = 248;       // MAX_BASE = 256 - CODES
+constexpr int kFrPosMask = 0x7F;      // POS_MASK: an escape entry's position in its tile
+constexpr int kFrFieldShift = 8;      // FIELD_SHIFT: an escape entry's field
+constexpr int kFrBlockTiles = kFrBlockGroups / kFrTileGroups;
 constexpr int kFrLoWords = 2;         // LO_WORDS
 
 // split_words: the plane byte of a word (its pair partner gives the sign bit) and its field.
@@ -46,7 +51,7 @@ FR_HD uint32_t fr_codes4(uint32_t lo_word, uint32_t hi, int q) {
 }
 
 
-// choose_bases, one tile of n real words: the smallest b in [0, 248] whose window [b, b + 6]
+// choose_bases, one tile of n real words: the smallest b in [0, 248] whose window [b, b + 7]
 // covers the most fields (a histogram, then a sliding window sum).
 FR_HD uint32_t fr_choose_base(const uint16_t* w, int n) {
   uint8_t hist[256];
@@ -54,19 +59,18 @@ FR_HD uint32_t fr_choose_base(const uint16_t* w, int n) {
   for (int i = 0; i < n; ++i) ++hist[fr_field(w[i])];             // n <= 128: no overflow
   int cover = 0, best_cover = -1;
   uint32_t best = 0;
-  for (int i = 0; i < kFrEscape - 1; ++i) cover += hist[i];
+  for (int i = 0; i < kFrCodes - 1; ++i) cover += hist[i];
   for (int b = 0; b <= kFrMaxBase; ++b) {
-    cover += hist[b + kFrEscape - 1];                              // cover = sum hist[b .. b + 6]
+    cover += hist[b + kFrCodes - 1];                               // cover = sum hist[b .. b + 7]
     if (cover > best_cover) best_cover = cover, best = static_cast<uint32_t>(b);
     cover -= hist[b];
   }
   return best;
 }
 
-// The code of one weight given its group's base.
-FR_HD uint32_t fr_code(uint32_t field, uint32_t base) {
-  const uint32_t d = field - base;                 // wraps when field < base: then >= 7
-  return d < static_cast<uint32_t>(kFrEscape) ? d : static_cast<uint32_t>(kFrEscape);
+// Whether a field escapes its tile's window.
+FR_HD bool fr_escapes(uint32_t field, uint32_t base) {
+  return field - base >= static_cast<uint32_t>(kFrCodes);         // wraps when field < base
 }
 
 // pack_codes, one weight: its bits in the lo word it belongs to and in hi.
@@ -75,30 +79,42 @@ FR_HD uint32_t fr_hi_bits(uint32_t code, int i) { return (code >> 2) << (8 * (i 
 FR_HD int fr_lo_word(int i) { return i >> 4; }
 
 // encode, one group (n real words, the rest padding) given its tile's base: plane bytes and
-// packed codes; returns its escape count.
+// packed codes (an escape's code is 0); returns its escape count.
 FR_HD int fr_encode_group(const uint16_t* w, int n, uint32_t base, uint8_t* plane, uint32_t* lo, uint32_t* hi) {
   uint32_t lw[kFrLoWords] = {0, 0}, hw = 0;
   int escapes = 0;
   for (int i = 0; i < kFrGroup; ++i) {
-    const uint32_t code = i < n ? fr_code(fr_field(w[i]), base) : 0;   // padding: code 0, plane byte 0
+    const uint32_t f = i < n ? fr_field(w[i]) : base;                 // padding: code 0, plane byte 0
+    const bool esc = fr_escapes(f, base);
+    const uint32_t code = esc ? 0u : f - base;
     plane[i] = fr_plane_byte(i < n ? w[i] : 0, (i ^ 1) < n ? w[i ^ 1] : 0);   // padding: 0 but a sign
     lw[fr_lo_word(i)] |= fr_lo_bits(code, i);
     hw |= fr_hi_bits(code, i);
-    escapes += code == kFrEscape;
+    escapes += esc;
   }
   lo[0] = lw[0], lo[1] = lw[1], *hi = hw;
   return escapes;
 }
 
-// encode, one tile of a row: its base, then its (up to 4) groups; counts gets each group's escapes.
+// encode, one tile of a row (n real words, up to 4 groups): plane bytes, codes and its word (base |
+// escapes << 8). The entries are written apart (fr_tile_entries), once the tile's first is known.
 FR_HD void fr_encode_tile(const uint16_t* w, int64_t n, int groups_left, uint8_t* plane, uint32_t* lo, uint32_t* hi,
-                          uint8_t* base, int32_t* counts) {
+                          uint16_t* tile) {
   const uint32_t b = fr_choose_base(w, static_cast<int>(n));
-  *base = static_cast<uint8_t>(b);
+  int escapes = 0;
   for (int j = 0; j < kFrTileGroups && j < groups_left; ++j) {
     const int64_t left = n - j * kFrGroup;
-    counts[j] = fr_encode_group(w + j * kFrGroup, static_cast<int>(left < kFrGroup ? left : kFrGroup), b,
-                                plane + j * kFrGroup, lo + j * kFrLoWords, hi + j);
+    escapes += fr_encode_group(w + j * kFrGroup, static_cast<int>(left < kFrGroup ? left : kFrGroup), b,
+                               plane + j * kFrGroup, lo + j * kFrLoWords, hi + j);
+  }
+  *tile = static_cast<uint16_t>(b | static_cast<uint32_t>(escapes) << 8);
+}
+
+// The entries of one tile (n real words, its base), in position order, from esc.
+FR_HD void fr_tile_entries(const uint16_t* w, int64_t n, uint32_t base, uint16_t* esc) {
+  for (int i = 0; i < n; ++i) {
+    const uint32_t f = fr_field(w[i]);
+    if (fr_escapes(f, base)) *esc++ = static_cast<uint16_t>(static_cast<uint32_t>(i) | f << kFrFieldShift);
   }
 }
 

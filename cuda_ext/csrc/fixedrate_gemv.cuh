@@ -2,8 +2,8 @@
 // escape block (lane l the block's l-th group: 32 weights) into field bytes and words. The kernels:
 // decode_kernel (fixedrate.cu), the fused y = x W^T for 1..16 rows of x on CUDA cores (fixedrate_gemv.cu)
 // and for 1..64 on tensor cores (fixedrate_mma.cu). Steps as codec/fixedrate.py names them:
-//   load_group -> group_fields (unpack_codes + base, 4 weights a u32), group_escapes -> patch_fields
-//   -> join_words.
+//   load_group -> group_fields (unpack_codes + base, 4 weights a u32) -> the tile's escape entries
+//   patched in through shared memory -> join_words.
 // W's bytes are read once, 16 bytes a load, bypassing L1 (x lives there); nothing is written back
 // but y. Rows of W are spread over warps; when there are few, the K blocks of a row are split over
 // up to 4 warps of a CTA and summed through shared memory (split-K without a second launch).
@@ -25,17 +25,17 @@ struct FrArrays {
   const uint8_t* plane;
   const uint32_t* lo;
   const uint32_t* hi;
-  const uint8_t* base;
-  const uint8_t* esc;
+  const uint16_t* tile;
+  const uint16_t* esc;
   int64_t n_esc;
   const int32_t* esc_start;
   int64_t rows, groups, tiles, blocks;
 };
 
-struct FrGroup {               // one group's bits: 32 plane bytes, 2 + 1 code words, its base
+struct FrGroup {               // one group's bits: 32 plane bytes, 2 + 1 code words, its tile's word
   uint4 p0, p1;
   uint2 lo;
-  uint32_t hi, base;
+  uint32_t hi, tile;           // base | the tile's escapes << 8
 };
 
 __device__ __forceinline__ uint4 ld_stream(const void* p) {        // 16 bytes, not kept in L1
@@ -45,149 +45,90 @@ __device__ __forceinline__ uint4 ld_stream(const void* p) {        // 16 bytes, 
   return v;
 }
 
+// A group's bits; a padding group (past the row's groups) reads as codes 0, plane bytes 0 and base
+// 0, but keeps its tile's escape count when the tile exists (so a tile's lanes agree on it).
 __device__ __forceinline__ FrGroup load_group(const FrArrays& a, int64_t row, int64_t gr, bool valid) {
   const int64_t g = row * a.groups + gr;
   FrGroup t{};
-  if (!valid) return t;                                             // padding lanes: code 0, plane 0
+  if (gr / kFrTileGroups < a.tiles) t.tile = __ldg(a.tile + row * a.tiles + gr / kFrTileGroups);
+  if (!valid) {
+    t.tile &= 0xFF00u;
+    return t;
+  }
   t.p0 = ld_stream(a.plane + g * kFrGroup);
   t.p1 = ld_stream(a.plane + g * kFrGroup + 16);
   t.lo = __ldg(reinterpret_cast<const uint2*>(a.lo) + g);
   t.hi = __ldg(a.hi + g);
-  t.base = __ldg(a.base + row * a.tiles + gr / kFrTileGroups);
   return t;
 }
 
+__device__ __forceinline__ int tile_escapes(const FrGroup& t) { return static_cast<int>(t.tile >> 8); }
+
 // unpack_codes + base, 4 fields a u32 (f[q] byte b: weight 4q + b); an escaped weight's field is
-// base + 7 until patch_fields replaces it.
+// base + 0 until its entry replaces it.
 __device__ __forceinline__ void group_fields(const FrGroup& t, uint32_t f[8]) {
-  const uint32_t base4 = t.base * 0x01010101u;
+  const uint32_t base4 = (t.tile & 0xFFu) * 0x01010101u;
 #pragma unroll
   for (int q = 0; q < 8; ++q) f[q] = fr_codes4(q < 4 ? t.lo.x : t.lo.y, t.hi, q) + base4;
 }
 
-// Bits 8b + s (s < 4) of h onto bits 8b + 2s.
-__device__ __forceinline__ uint32_t spread_nibbles(uint32_t h) {
-  h = (h | (h << 2)) & 0x33333333u;
-  return (h | (h << 1)) & 0x55555555u;
+// Escape entry j (position in the tile | field << 8); 0 outside the array (a decoder never reads
+// past it: the form is made in memory by the loader, not read from a file).
+__device__ __forceinline__ uint32_t esc_entry(const FrArrays& a, int64_t j) {
+  return j >= 0 && j < a.n_esc ? __ldg(a.esc + j) : 0u;
 }
 
-// The group's escaped weights (code 7: lo bits 11 and hi bit 1), word by word rather than code
-// by code: bit 8b + 2s of e[w] is set where weight 16w + 4s + b escapes (q = 4w + s). lo & lo >> 1
-// leaves bit 8b + 2s for lo's pair of weight 4q + b; hi's bit 8b + q is spread onto the same bit.
-__device__ __forceinline__ void group_escapes(const FrGroup& t, uint32_t e[2]) {
-  e[0] = t.lo.x & (t.lo.x >> 1) & spread_nibbles(t.hi & 0x0F0F0F0Fu);
-  e[1] = t.lo.y & (t.lo.y >> 1) & spread_nibbles((t.hi >> 4) & 0x0F0F0F0Fu);
-}
-
-// The escape flags of e[w] (bit 8b + 2s: weight 16w + 4s + b) in weight order, bit 4s + b: each
-// byte's four flags packed to a nibble (bit s), the nibbles to 16 bits (bit 4b + s), then that 4x4
-// bit matrix transposed by two delta swaps.
-__device__ __forceinline__ uint32_t weight_order(uint32_t e) {
-  e = (e | e >> 1) & 0x33333333u;                  // flag s at bits 0, 1, 4, 5 of its byte
-  e = (e | e >> 2) & 0x0F0F0F0Fu;                  // flag s at bit s
-  e = (e | e >> 4) & 0x00FF00FFu;
-  e = (e | e >> 8) & 0x0000FFFFu;                  // bit 4b + s
-  uint32_t d = (e ^ e >> 3) & 0x0A0Au;
-  e ^= d ^ d << 3;                                 // (b, s) <-> (b + 1, s - 1), b even, s odd
-  d = (e ^ e >> 6) & 0x00CCu;
-  return e ^ d ^ d << 6;                           // (b, s) <-> (b + 2, s - 2), b < 2, s >= 2
-}
-
-// group_fields and the group's escapes as a mask in weight order (bit i: weight i escapes).
-__device__ __forceinline__ uint32_t group_decode(const FrGroup& t, uint32_t f[8]) {
-  group_fields(t, f);
-  uint32_t e[2];
-  group_escapes(t, e);
-  return weight_order(e[0]) | weight_order(e[1]) << 16;
-}
-
-// esc's bytes seen as aligned 32-bit words: byte j lies in word (misalign + j) / 4, byte lane
-// (misalign + j) % 4. A word wholly inside the array is one load; bytes outside the array read 0.
-__device__ __forceinline__ int esc_misalign(const FrArrays& a) {
-  return static_cast<int>(reinterpret_cast<uintptr_t>(a.esc) & 3);
-}
-
-__device__ __forceinline__ uint32_t esc_byte(const FrArrays& a, int64_t j) { return j < a.n_esc ? a.esc[j] : 0u; }
-
-__device__ __forceinline__ uint32_t esc_word(const FrArrays& a, int64_t word) {
-  const int mis = esc_misalign(a);
-  const int64_t j0 = 4 * word - mis;                                // esc index of the word's byte 0
-  if (j0 >= 0 && j0 + 4 <= a.n_esc) return __ldg(reinterpret_cast<const uint32_t*>(a.esc - mis) + word);
-  uint32_t v = 0;
-  for (int i = 0; i < 4; ++i)
-    if (j0 + i >= 0) v |= esc_byte(a, j0 + i) << 8 * i;
-  return v;
-}
-
-// The rounds a patch runs: the warp's largest escape count (whole warp calls).
-__device__ __forceinline__ int escape_rounds(uint32_t m) {
-  return static_cast<int>(__reduce_max_sync(0xffffffffu, static_cast<unsigned>(__popc(m))));
-}
-
-// patch_fields: the escaped fields, in weight order, replace base + 7. The lane's 8 field words go
-// to its 32-byte slot of shared memory (byte i: weight i), escape i of the lane is stored at the
-// position of mask m's i-th bit, and the words come back. fetch(i) gives escape i's byte; every
-// lane calls it for i below the warp's largest count (it may shuffle), so no lane diverges.
-template <class Fetch>
-__device__ __forceinline__ void patch_fields(uint4 (&slot)[2], uint32_t m, uint32_t f[8], Fetch fetch) {
-  const int iters = escape_rounds(m);
-  if (iters == 0) return;
+// The lane's 8 field words to its 32-byte slot of shared memory (byte i: weight i). A quad of lanes
+// holding one tile's 4 groups has consecutive slots: the tile's 128 field bytes in weight order, so
+// an entry patches byte (its position) of the quad's first slot. Then (after the patch) back.
+__device__ __forceinline__ void fields_to_slot(uint4 (&slot)[2], const uint32_t f[8]) {
   slot[0] = make_uint4(f[0], f[1], f[2], f[3]);
   slot[1] = make_uint4(f[4], f[5], f[6], f[7]);
-  auto* bytes = reinterpret_cast<uint8_t*>(slot);
-  for (int i = 0; i < iters; ++i) {
-    const uint32_t v = fetch(i);
-    if (m) {
-      bytes[__ffs(m) - 1] = static_cast<uint8_t>(v);
-      m &= m - 1;
-    }
-  }
+}
+
+__device__ __forceinline__ void fields_from_slot(const uint4 (&slot)[2], uint32_t f[8]) {
   const uint4 s0 = slot[0], s1 = slot[1];
   f[0] = s0.x, f[1] = s0.y, f[2] = s0.z, f[3] = s0.w, f[4] = s1.x, f[5] = s1.y, f[6] = s1.z, f[7] = s1.w;
 }
 
-// patch_fields without shared memory: escape i of the lane goes into byte lane b of f[q] by a byte
-// permute, the word chosen by predicate among the 8 (more ALU work, no load/store unit traffic).
-template <class Fetch>
-__device__ __forceinline__ void patch_fields_regs(uint32_t m, uint32_t f[8], Fetch fetch) {
-  const int iters = escape_rounds(m);
-  for (int i = 0; i < iters; ++i) {
-    const uint32_t v = fetch(i);
-    const int pos = __ffs(m) - 1, b = pos & 3, qd = pos >> 2;      // pos -1 (no escape left): no word
-    m &= m - 1;
-    const uint32_t sel = 0x3210u ^ ((static_cast<uint32_t>(b) ^ 4u) << 4 * b);
-#pragma unroll
-    for (int q = 0; q < 8; ++q)
-      if (q == qd) f[q] = __byte_perm(f[q], v, sel);
-  }
+__device__ __forceinline__ void patch_entry(uint4 (&slot)[2], uint32_t e) {
+  reinterpret_cast<uint8_t*>(&slot[0] - 2 * (threadIdx.x & 3))[e & kFrPosMask] = static_cast<uint8_t>(e >> kFrFieldShift);
 }
 
 // The fields of lane's group of escape block `blk` of `row`, escapes patched (whole warp calls;
-// `start` is the block's esc_start). Lane l requests word l of the escapes from the block's first
-// on with its group (128 bytes a warp: a block's escapes, unless it has more than about 125), so
-// the escapes cost no second trip to memory; a lane takes its bytes from the word's owner.
+// `start` is the block's esc_start; `slot` the lane's, the warp's 32 slots consecutive). Lane l
+// requests the block's entry l with its group (a block has ~13 escapes on trained weights); the
+// tiles' first entries are a warp prefix sum of their counts, and a tile's 4 lanes patch its
+// entries 4 at a time, each taken from the lane that loaded it (a block's entries past the 32nd
+// are loaded one by one).
 __device__ __forceinline__ FrGroup block_fields(const FrArrays& a, int64_t row, int64_t blk, int64_t start,
                                                 uint4 (&slot)[2], uint32_t f[8]) {
   const int lane = threadIdx.x & 31;
   const int64_t gr = blk * kFrBlockGroups + lane;
   const FrGroup t = load_group(a, row, gr, gr < a.groups);
-  const int64_t at = start + esc_misalign(a);
-  const uint32_t win = esc_word(a, (at >> 2) + lane);
-  const uint32_t m = group_decode(t, f);
-  const int cnt = __popc(m);
-  int below = cnt;                                                  // warp prefix sum: lanes <= this one
+  const uint32_t win = esc_entry(a, start + lane);
+  group_fields(t, f);
+  const int c = tile_escapes(t);
+  int incl = (lane & 3) == 0 ? c : 0;                               // warp prefix sum over the tiles
 #pragma unroll
   for (int d = 1; d < 32; d <<= 1) {
-    const int v = __shfl_up_sync(0xffffffffu, below, d);
-    if (lane >= d) below += v;
+    const int v = __shfl_up_sync(0xffffffffu, incl, d);
+    if (lane >= d) incl += v;
   }
-  const int first = static_cast<int>(at & 3) + below - cnt;         // window byte of the lane's first escape
-  patch_fields(slot, m, f, [&](int i) {
-    const int o = first + i;
-    uint32_t v = __shfl_sync(0xffffffffu, win, (o >> 2) & 31) >> 8 * (o & 3) & 0xFFu;
-    if (o >= 128 && i < cnt) v = esc_byte(a, start + below - cnt + i);
-    return v;
-  });
+  const int rounds = static_cast<int>(__reduce_max_sync(0xffffffffu, static_cast<unsigned>(c + 3) >> 2));
+  if (rounds == 0) return t;
+  fields_to_slot(slot, f);
+  __syncwarp();
+  for (int i = 0; i < rounds; ++i) {
+    const int k = (lane & 3) + 4 * i, j = incl - c + k;             // the tile's entry k, the block's j
+    uint32_t e = __shfl_sync(0xffffffffu, win, j & 31);
+    if (k < c) {
+      if (j >= 32) e = esc_entry(a, start + j);
+      patch_entry(slot, e);
+    }
+  }
+  __syncwarp();
+  fields_from_slot(slot, f);
   return t;
 }
 

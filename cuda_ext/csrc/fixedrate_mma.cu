@@ -5,8 +5,9 @@
 // exactly its B fragments: mma j (0..7) takes pairs 2j and 2j + 1 (k = 32t + 4j + {0, 1} and
 // + {2, 3}), a permutation of k inside the tile that the x (A) fragments follow. So the decoded
 // weights never leave registers and need no shuffle. C: batch row lane / 4 (+ 8, + 16m), W rows 2t, 2t + 1.
-// Escape ranks: the row's block start plus a running count (a quad prefix sum per tile); a lane
-// requests 8 bytes from its first escape on, and patches its fields through shared memory.
+// Escapes: the row's block start plus a running count of the tiles' escapes gives a tile's first
+// entry; lane t of a quad requests the tile's entry t with the tile ahead, and the quad patches its
+// tile's 128 field bytes through shared memory.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 
@@ -99,28 +100,20 @@ __device__ __forceinline__ void tile_mma(const uint4* __restrict__ xt, const XWo
   }
 }
 
-// Escapes of the row in tiles 0 .. s0 - 1 of block blk (whole quad calls): where a split of K
-// starts inside a block, its running count starts past them.
+// Escapes of the row in tiles 0 .. s0 - 1 of block blk: where a split of K starts inside a block,
+// its running count starts past them.
 __device__ __forceinline__ int escapes_before(const FrArrays& a, int64_t row, int64_t blk, int s0) {
-  const int64_t gr0 = blk * kFrBlockGroups + (threadIdx.x & 3);
   int n = 0;
-  for (int s = 0; s < s0; ++s) {
-    const int64_t g = row * a.groups + gr0 + s * kFrTileGroups;   // s0 < the block's tiles: real groups
-    FrGroup t;
-    t.lo = __ldg(reinterpret_cast<const uint2*>(a.lo) + g), t.hi = __ldg(a.hi + g);
-    uint32_t e[2];
-    group_escapes(t, e);
-    n += __popc(e[0]) + __popc(e[1]);
-  }
-  n += __shfl_xor_sync(0xffffffffu, n, 1);
-  return n + __shfl_xor_sync(0xffffffffu, n, 2);
+  for (int s = 0; s < s0; ++s) n += __ldg(a.tile + row * a.tiles + blk * kFrBlockTiles + s) >> 8;
+  return n;
 }
 
-// Tiles s0 .. tiles - 1 of a row's escape block, one by one, the next tile's bytes requested before
-// this tile's decode and mma (the loads are asm volatile, so the compiler never hoists them itself): 7-8 % faster on an
-// 8B layer at 1, 4 and 16 rows (H100, bench/fixedrate_gpu.py, 2026-11-26). Up to 8 rows two tiles
-// a turn, so the tile in flight and the one decoded keep their registers (no copy a tile): 4.5 %
-// faster at 4 rows; from 9 rows it spilled and lost 1-3 % (H200, 2026-11-27).
+// Tiles s0 .. tiles - 1 of a row's escape block, one by one, the next tile's bytes (and its first
+// 4 entries: lane t the t-th) requested before this tile's decode and mma (the loads are asm
+// volatile, so the compiler never hoists them itself): 7-8 % faster on an 8B layer at 1, 4 and 16
+// rows (H100, bench/fixedrate_gpu.py, 2026-11-26). Up to 8 rows two tiles a turn, so the tile in
+// flight and the one decoded keep their registers (no copy a tile): 4.5 % faster at 4 rows; from 9
+// rows it spilled and lost 1-3 % (H200, 2026-11-27).
 template <bool kBf16, int kSlots>
 __device__ __forceinline__ void walk_block(const FrArrays& a, const uint4* __restrict__ x, int nx, int64_t row,
                                            int64_t blk, int s0, int tiles, uint4 (&slot)[2],
@@ -129,49 +122,43 @@ __device__ __forceinline__ void walk_block(const FrArrays& a, const uint4* __res
   const int64_t gr0 = blk * kFrBlockGroups + t;
   const XWords<kSlots> xw(x, a.groups, nx, gr0, (threadIdx.x & 31) >> 2);
   auto group_at = [&](int s) { return load_group(a, row, gr0 + s * kFrTileGroups, gr0 + s * kFrTileGroups < a.groups); };
-  int32_t run = a.esc_start[row * a.blocks + blk];                 // escapes before this tile, in the row
+  int32_t run = a.esc_start[row * a.blocks + blk];                 // the tile's first entry (int32: < 2^31)
   if (s0) run += escapes_before(a, row, blk, s0);
-  auto step = [&](int s, const FrGroup& tg) {
+  auto step = [&](int s, const FrGroup& tg, uint32_t e) {
     uint32_t f[8];
-    const uint32_t m = group_decode(tg, f);
-    const int cnt = __popc(m);
-    int incl = cnt;
-#pragma unroll
-    for (int d = 1; d < 4; d <<= 1) {
-      const int v = __shfl_up_sync(0xffffffffu, incl, d, 4);
-      if (t >= d) incl += v;
+    group_fields(tg, f);
+    const int n = tile_escapes(tg);
+    if (__any_sync(0xffffffffu, n != 0)) {
+      fields_to_slot(slot, f);
+      __syncwarp();
+      if (t < n) patch_entry(slot, e);
+      for (int k = t + 4; __any_sync(0xffffffffu, k - t < n); k += 4)   // a tile with over 4 escapes
+        if (k < n) patch_entry(slot, esc_entry(a, run + k));
+      __syncwarp();
+      fields_from_slot(slot, f);
     }
-    const int32_t first = run + incl - cnt;                          // the lane's first escape (esc_start
-    const uint32_t at = static_cast<uint32_t>(first) + esc_misalign(a);  // is int32: ranks fit 31 bits)
-    uint32_t w0 = 0, w1 = 0;                                        // its 5 to 8 bytes from there
-    if (cnt) w0 = esc_word(a, at >> 2), w1 = esc_word(a, (at >> 2) + 1);
-    auto fetch = [&](int i) {
-      const int o = static_cast<int>(at & 3) + i;
-      uint32_t v = (o < 4 ? w0 : w1) >> 8 * (o & 3) & 0xFFu;
-      if (o >= 8 && i < cnt) v = esc_byte(a, first + i);
-      return v;
-    };
-    if constexpr (kSlots <= 2) patch_fields(slot, m, f, fetch);       // through shared memory; from 32 rows,
-    else patch_fields_regs(m, f, fetch);                             // x's loads fill the load/store unit
-    run += __shfl_sync(0xffffffffu, incl, 3, 4);
+    run += n;
     tile_mma<kBf16, kSlots>(xw.at + s * xw.tile, xw, nx, gr0 + s * kFrTileGroups < a.groups, tg, f, c);
   };
   if constexpr (kSlots == 1) {                                       // two tiles a turn: registers for both
     FrGroup even = group_at(s0), odd{};
+    uint32_t e_even = esc_entry(a, run + t), e_odd = 0;
     for (int s = s0; s < tiles; s += 2) {                            // warp-uniform
-      if (s + 1 < tiles) odd = group_at(s + 1);
-      step(s, even);
+      if (s + 1 < tiles) odd = group_at(s + 1), e_odd = esc_entry(a, run + tile_escapes(even) + t);
+      step(s, even, e_even);
       if (s + 1 == tiles) break;
-      if (s + 2 < tiles) even = group_at(s + 2);
-      step(s + 1, odd);
+      if (s + 2 < tiles) even = group_at(s + 2), e_even = esc_entry(a, run + tile_escapes(odd) + t);
+      step(s + 1, odd, e_odd);
     }
   } else {                                                           // x's slots need the registers
     FrGroup tg = group_at(s0);
+    uint32_t e = esc_entry(a, run + t);
     for (int s = s0; s < tiles; ++s) {
       FrGroup ahead{};
-      if (s + 1 < tiles) ahead = group_at(s + 1);
-      step(s, tg);
-      tg = ahead;
+      uint32_t e_ahead = 0;
+      if (s + 1 < tiles) ahead = group_at(s + 1), e_ahead = esc_entry(a, run + tile_escapes(tg) + t);
+      step(s, tg, e);
+      tg = ahead, e = e_ahead;
     }
   }
 }

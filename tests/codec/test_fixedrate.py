@@ -1,5 +1,5 @@
 """The fixed-rate GPU form's NumPy reference (codec/fixedrate.py): lossless for every 16-bit
-pattern and shape, the code layout the kernel relies on, the base rule, and its size."""
+pattern and shape, the code and escape-list layouts the kernels rely on, the base rule, and its size."""
 from __future__ import annotations
 
 import numpy as np
@@ -31,7 +31,7 @@ def test_round_trip_bit_exact(dtype, kind, shape):
     fr = F.encode(w)
     assert np.array_equal(F.decode(fr), w)
     assert fr.plane.shape == (shape[0], F.groups_for(shape[1]) * F.GROUP)
-    assert fr.base.shape == (shape[0], F.tiles_for(shape[1]))
+    assert fr.tile.shape == (shape[0], F.tiles_for(shape[1]))
     assert fr.esc_start.shape == (shape[0], F.blocks_for(shape[1]))
 
 
@@ -41,7 +41,7 @@ def test_special_values_escape_and_survive():
     w[0, 5:15] = specials
     fr = F.encode(w)
     assert np.array_equal(F.decode(fr), w)
-    assert {0xFF} <= set(fr.esc.tolist())                         # Inf/NaN fields (255) always escape
+    assert {0xFF} <= set((fr.esc >> 8).tolist())                  # Inf/NaN fields (255) escape 1.0's window
 
 
 def test_code_of_weight_4q_plus_b_is_in_byte_lane_b():
@@ -58,12 +58,12 @@ def test_code_of_weight_4q_plus_b_is_in_byte_lane_b():
 def test_base_is_the_smallest_window_start_covering_the_most():
     field = np.array([[10, 11, 12, 30, 31, 32, 33] + [20] * 0 + [31] * 121], np.uint8)
     valid = np.ones_like(field, bool)
-    assert F.choose_bases(field, valid)[0] == 27                  # [27, 33] covers all 30..33
+    assert F.choose_bases(field, valid)[0] == 26                  # [26, 33] covers all 30..33
     tie = np.array([[5] * 64 + [50] * 64], np.uint8)
     assert F.choose_bases(tie, np.ones_like(tie, bool))[0] == 0    # both cover 64: the smallest b
-    top = np.array([[255] * 128], np.uint8)                        # no window reaches 255: all escape
-    assert F.choose_bases(top, np.ones_like(top, bool))[0] == 0
-    high = np.array([[250] * 100 + [254] * 28], np.uint8)
+    top = np.array([[255] * 128], np.uint8)                        # the highest window reaches 255
+    assert F.choose_bases(top, np.ones_like(top, bool))[0] == F.MAX_BASE
+    high = np.array([[250] * 100 + [255] * 28], np.uint8)
     assert F.choose_bases(high, np.ones_like(high, bool))[0] == F.MAX_BASE
 
 
@@ -89,6 +89,35 @@ def test_escape_starts_are_an_exclusive_prefix_over_blocks():
     fr = F.encode(w)
     starts = fr.esc_start.reshape(-1)
     assert starts[0] == 0 and np.all(np.diff(starts) >= 0) and starts[-1] <= fr.esc.size
+    counts = (fr.tile >> 8).astype(np.int64)
+    assert counts.sum() == fr.esc.size
+    first = np.cumsum(counts.reshape(-1)) - counts.reshape(-1)        # row-major: the tiles' runs follow on
+    assert np.array_equal(F.tile_starts(fr).reshape(-1), first)
+
+
+def test_escapes_are_listed_by_tile_in_position_order():
+    # tile 0: weights 3 and 9 out of 1.0's window; tile 1 (cols 128..): weight 130
+    w = np.full((1, 200), 0x3F80, np.uint16)                         # bf16 1.0: field 127
+    w[0, 3], w[0, 9], w[0, 130] = 0x7F80, 0x0001, 0xC480             # +Inf (255), a subnormal (0), -1024 (137)
+    fr = F.encode(w)
+    assert (fr.tile & 0xFF).tolist() == [[120, 120]]                 # the smallest window holding 127
+    assert (fr.tile >> 8).tolist() == [[2, 1]]
+    assert fr.esc.tolist() == [3 | 255 << 8, 9 | 0 << 8, 2 | 137 << 8]
+    codes = F.unpack_codes(fr.lo.reshape(-1, 2), fr.hi.reshape(-1)).reshape(1, -1)
+    assert codes[0, 3] == codes[0, 9] == codes[0, 130] == 0          # an escape's code is 0
+    assert np.array_equal(F.decode(fr), w)
+
+
+def test_decode_refuses_entries_past_the_array_or_the_row():
+    w = np.full((1, 64), 0x3F80, np.uint16)
+    w[0, 5] = 0x7F80
+    fr = F.encode(w)
+    short = F.FixedRate(fr.rows, fr.cols, fr.dtype, fr.plane, fr.lo, fr.hi, fr.tile, fr.esc[:0], fr.esc_start)
+    with pytest.raises(CodecError):
+        F.decode(short)
+    far = F.FixedRate(fr.rows, fr.cols, fr.dtype, fr.plane, fr.lo, fr.hi, fr.tile, fr.esc | 100, fr.esc_start)
+    with pytest.raises(CodecError):                                  # position 101 of a 64-weight row (2 groups)
+        F.decode(far)
 
 
 def test_size_on_weights():

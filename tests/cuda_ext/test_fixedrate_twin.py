@@ -25,14 +25,15 @@ def twin():
 
 
 def assert_same_arrays(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
-    for name, g, w in zip(("plane", "lo", "hi", "base", "esc", "esc_start"), got, want):
+    for name, g, w in zip(("plane", "lo", "hi", "tile", "esc", "esc_start"), got, want):
         assert g.dtype == w.dtype and g.shape == w.shape, name
         assert torch.equal(g.cpu(), w), name
 
 
 def test_constants_match_codec():
     for name, value in (("kFrGroup", F.GROUP), ("kFrTile", F.TILE), ("kFrBlockGroups", F.BLOCK_GROUPS),
-                        ("kFrEscape", F.ESCAPE), ("kFrMaxBase", F.MAX_BASE), ("kFrLoWords", F.LO_WORDS)):
+                        ("kFrCodes", F.CODES), ("kFrMaxBase", F.MAX_BASE), ("kFrLoWords", F.LO_WORDS),
+                        ("kFrFieldShift", F.FIELD_SHIFT)):
         assert int(re.search(rf"constexpr int {name} = (\d+);", HEADER).group(1)) == value, name
     assert fr_ops.FUSED_MAX_ROWS == 64
 
@@ -80,7 +81,7 @@ def test_bad_arguments_raise():
     with pytest.raises(RuntimeError):
         ops.fixedrate_decode(*fr.arrays, 200, torch.empty(4, 200, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError):
-        ops.fixedrate_decode(fr.plane, fr.lo, fr.hi[:2], fr.base, fr.esc, fr.esc_start, 64,
+        ops.fixedrate_decode(fr.plane, fr.lo, fr.hi[:2], fr.tile, fr.esc, fr.esc_start, 64,
                              torch.empty(4, 64, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError):
         ops.fixedrate_encode(torch.zeros(10, dtype=torch.bfloat16))
