@@ -8,7 +8,8 @@ if ls .whl*/*.whl >/dev/null 2>&1; then
 fi
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PWD
 if [ -f .extbuild/target ]; then              # built here by scripts/gpu/prebuild.sh: no JIT build on the box
-  mkdir -p "$(cat .extbuild/target)" && cp -n .extbuild/wcodec_ext_cuda.so "$(cat .extbuild/target)/"
+  T_EXT=$(cat .extbuild/target); mkdir -p "$T_EXT"          # replaced when it differs: a warm box may hold another build
+  cmp -s .extbuild/wcodec_ext_cuda.so "$T_EXT/wcodec_ext_cuda.so" || cp .extbuild/wcodec_ext_cuda.so "$T_EXT/"
 fi
 stage() { local t0=$SECONDS; echo "== $1"; shift; "$@"; local rc=$?; echo "   ($((SECONDS - t0))s, rc=$rc)"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
