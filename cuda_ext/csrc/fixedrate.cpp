@@ -91,29 +91,29 @@ std::vector<at::Tensor> encode_cpu(const at::Tensor& w_in) {
   return {plane, lo, hi, tile, esc, esc_start};
 }
 
-// decode, one row: each tile's fields from its base and codes, then its entries patched in.
+// decode, one row, tile by tile as the kernels do: fields 4 at a time (unpack_codes + base), the
+// tile's entries patched in (its first: the block's esc_start, then a running count), the words.
 void decode_row(const FrShape& s, int64_t r, const uint8_t* plane, const uint32_t* lo, const uint32_t* hi,
                 const uint16_t* tile, const uint16_t* esc, int64_t n_esc, const int32_t* esc_start, uint16_t* out) {
+  int64_t first = 0;
   for (int64_t t = 0; t < s.tiles; ++t) {
-    uint32_t field[kFrTile];
-    const uint32_t word = tile[r * s.tiles + t];
-    for (int i = 0; i < kFrTile; ++i) {
-      const int64_t g = r * s.groups + t * kFrTileGroups + i / kFrGroup;
-      const int j = i % kFrGroup;
-      const bool real = t * kFrTile + i < s.groups * kFrGroup;
-      const uint32_t code = real ? fr_codes4(lo[g * kFrLoWords + fr_lo_word(j)], hi[g], j >> 2) >> (8 * (j & 3)) & 0xFF : 0;
-      field[i] = (word & 0xFF) + code;
-    }
-    const int64_t first = fr_tile_start(esc_start, tile, r, s.tiles, s.blocks, t);
+    uint8_t field[kFrTile];
+    const uint32_t word = tile[r * s.tiles + t], base4 = (word & 0xFFu) * 0x01010101u;
+    const int64_t g0 = r * s.groups + t * kFrTileGroups, groups = std::min<int64_t>(kFrTileGroups, s.groups - t * kFrTileGroups);
+    for (int64_t j = 0; j < groups; ++j)
+      for (int q = 0; q < 8; ++q) {
+        const uint32_t f4 = fr_codes4(lo[(g0 + j) * kFrLoWords + q / 4], hi[g0 + j], q) + base4;
+        for (int b = 0; b < 4; ++b) field[j * kFrGroup + 4 * q + b] = static_cast<uint8_t>(f4 >> 8 * b);
+      }
+    if (t % kFrBlockTiles == 0) first = esc_start[r * s.blocks + t / kFrBlockTiles];
     for (int64_t k = first; k < first + (word >> 8); ++k) {
       const uint32_t e = k >= 0 && k < n_esc ? esc[k] : 0;             // bounds: never read past esc
-      field[e & kFrPosMask] = e >> kFrFieldShift;
+      field[e & kFrPosMask] = static_cast<uint8_t>(e >> kFrFieldShift);
     }
-    for (int i = 0; i < kFrTile && t * kFrTile + i < s.cols; ++i) {
-      const int64_t g = r * s.groups + t * kFrTileGroups + i / kFrGroup;
-      const int j = i % kFrGroup;
-      out[r * s.cols + t * kFrTile + i] = fr_join(plane[g * kFrGroup + j], plane[g * kFrGroup + (j ^ 1)], field[i]);
-    }
+    first += word >> 8;
+    const uint8_t* p = plane + g0 * kFrGroup;
+    uint16_t* o = out + r * s.cols + t * kFrTile;
+    for (int64_t i = 0, n = std::min<int64_t>(kFrTile, s.cols - t * kFrTile); i < n; ++i) o[i] = fr_join(p[i], p[i ^ 1], field[i]);
   }
 }
 
