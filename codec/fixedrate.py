@@ -43,6 +43,7 @@ from .errors import CodecError, UnsupportedTensor
 GROUP = FR_GROUP
 TILE = FR_TILE
 BLOCK_GROUPS = FR_BLOCK_GROUPS
+BLOCK_TILES = BLOCK_GROUPS * GROUP // TILE   # tiles of an escape block
 CODES = FR_CODES
 POS_MASK = FR_POS_MASK
 FIELD_SHIFT = FR_FIELD_SHIFT
@@ -195,12 +196,17 @@ def encode(weight: np.ndarray, dtype: str = "bfloat16") -> FixedRate:
                      hi.reshape(rows, ng), tile, esc, _escape_starts(counts, rows, ng))
 
 
+def _per_block(counts: np.ndarray, blocks: int) -> np.ndarray:
+    """counts [rows, tiles] -> int64 [rows, blocks, BLOCK_TILES], the last block padded with 0."""
+    padded = np.zeros((counts.shape[0], blocks * BLOCK_TILES), np.int64)
+    padded[:, :counts.shape[1]] = counts
+    return padded.reshape(counts.shape[0], blocks, BLOCK_TILES)
+
+
 def _escape_starts(counts: np.ndarray, rows: int, ng: int) -> np.ndarray:
     """counts [rows, tiles] -> the index of each block's first entry (an exclusive prefix sum)."""
-    nb, block_tiles = -(-ng // BLOCK_GROUPS), BLOCK_GROUPS * GROUP // TILE
-    per_tile = np.zeros((rows, nb * block_tiles), np.int64)
-    per_tile[:, :counts.shape[1]] = counts
-    per_block = per_tile.reshape(rows, nb, block_tiles).sum(axis=2).reshape(-1)
+    nb = -(-ng // BLOCK_GROUPS)
+    per_block = _per_block(counts, nb).sum(axis=2).reshape(-1)
     starts = np.cumsum(per_block) - per_block
     if per_block.sum() >= 2 ** 31:
         raise UnsupportedTensor(None, "too many escapes for int32 escape starts")
@@ -211,13 +217,9 @@ def tile_starts(fr: FixedRate) -> np.ndarray:
     """int64 [rows, tiles]: the index in esc of each tile's first entry, as a kernel finds it: its
     block's esc_start plus the counts of the block's tiles before it."""
     counts = (fr.tile >> 8).astype(np.int64)
-    block_tiles = BLOCK_GROUPS * GROUP // TILE
-    nt, nb = counts.shape[1], fr.esc_start.shape[1]
-    padded = np.zeros((fr.rows, nb * block_tiles), np.int64)
-    padded[:, :nt] = counts
-    per_block = padded.reshape(fr.rows, nb, block_tiles)
-    within = np.cumsum(per_block, axis=2) - per_block
-    return (within + fr.esc_start[:, :, None].astype(np.int64)).reshape(fr.rows, nb * block_tiles)[:, :nt]
+    per_block = _per_block(counts, fr.esc_start.shape[1])
+    within = np.cumsum(per_block, axis=2) - per_block + fr.esc_start[:, :, None]
+    return within.reshape(fr.rows, per_block.shape[1] * BLOCK_TILES)[:, :counts.shape[1]]
 
 
 def decode(fr: FixedRate) -> np.ndarray:
