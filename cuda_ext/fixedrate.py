@@ -28,6 +28,7 @@ FUSED_ROWS = 32                # the default's fused rows. At 64 the fused op is
                                # 33-64 tokens then leave cuBLAS's sums, and the demo's greedy tokens in
                                # compressed mode parted from decoded mode's at a near-tie (a haiku, token 8)
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+ARRAYS = ("plane", "lo", "hi", "tile", "esc", "esc_start")   # the ops' array arguments, in order
 
 
 @dataclass
@@ -45,7 +46,7 @@ class FixedRateWeight:
 
     @property
     def arrays(self) -> tuple[torch.Tensor, ...]:
-        return self.plane, self.lo, self.hi, self.tile, self.esc, self.esc_start
+        return tuple(getattr(self, name) for name in ARRAYS)
 
     @property
     def nbytes(self) -> int:
@@ -79,7 +80,7 @@ def cat_rows(parts: list[FixedRateWeight]) -> FixedRateWeight:
         raise ValueError(f"cat_rows: {offsets[-1]} escapes do not fit esc_start's int32")
     esc_start = torch.cat([p.esc_start + int(off) for p, off in zip(parts, offsets)])
     return FixedRateWeight(sum(p.rows for p in parts), first.cols, first.dtype,
-                           *(torch.cat([getattr(p, a) for p in parts]) for a in ("plane", "lo", "hi", "tile", "esc")),
+                           *(torch.cat([getattr(p, a) for p in parts]) for a in ARRAYS[:-1]),
                            esc_start)
 
 

@@ -25,7 +25,6 @@ from cuda_ext import fixedrate
 from . import llama
 
 ESCAPES = 0.02                   # escaped weights the estimate allows (trained-like 8B layer: ~0.012)
-ARRAYS = ("plane", "lo", "hi", "tile", "esc", "esc_start")
 
 
 def form_for(setting: str, device: torch.device) -> str:
@@ -59,7 +58,7 @@ class FixedLinear(torch.nn.Module):
         self.bias = bias                         # a Linear's: on meta until the load assigns it
 
     def hold(self, w: fixedrate.FixedRateWeight) -> None:
-        for name, t in zip(ARRAYS, w.arrays):
+        for name, t in zip(fixedrate.ARRAYS, w.arrays):
             self.register_buffer(name, t, persistent=False)
 
     @staticmethod
@@ -79,7 +78,7 @@ class FixedLinear(torch.nn.Module):
     @property
     def weight_form(self) -> fixedrate.FixedRateWeight:
         return fixedrate.FixedRateWeight(self.out_features, self.in_features, self.dtype,
-                                         *(getattr(self, name) for name in ARRAYS))
+                                         *(getattr(self, name) for name in fixedrate.ARRAYS))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = fixedrate.linear(x, self.weight_form)                                       # [..., out]
