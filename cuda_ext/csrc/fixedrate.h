@@ -6,7 +6,7 @@
 //   word  15 14 ........ 7 6 ...... 0
 //          s [  field 8  ] [ low 7  ]      field = (w >> 7) & 0xFF
 //   plane byte of weight i = low 7 of w_i << 1 | s of w_(i ^ 1): a pair's signs cross, so that its
-//   32-bit word is its bytes interleaved (f1 p1 f0 p0) rotated right by one bit (join_pairs)
+//   32-bit word is its bytes interleaved (f1 p1 f0 p0) rotated right by one bit (join4 in fixedrate_gemv.cuh)
 //   weight i = 4q + b of a group:  lo[q / 4] bits 8b + 2(q % 4) .. +1 = code bits 0..1
 //                                   hi       bit  8b + q                = code bit 2
 //   field = base + code (code 0..7); a field outside the tile's window [base, base + 7] is an escape:
