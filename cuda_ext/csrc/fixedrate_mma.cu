@@ -113,7 +113,10 @@ __device__ __forceinline__ int escapes_before(const FrArrays& a, int64_t row, in
 // volatile, so the compiler never hoists them itself): 7-8 % faster on an 8B layer at 1, 4 and 16
 // rows (H100, bench/fixedrate_gpu.py, 2026-11-26). Up to 8 rows two tiles a turn, so the tile in
 // flight and the one decoded keep their registers (no copy a tile): 4.5 % faster at 4 rows; from 9
-// rows it spilled and lost 1-3 % (H200, 2026-11-27).
+// rows it spilled and lost 1-3 % (H200, 2026-11-27). From 9 rows the tile ahead sits in a ring
+// unrolled by two, so the compiler renames instead of copying: 16 rows 1.19 -> 1.11 of cuBLAS, 32 rows
+// 1.47 -> 1.40 (H100, 2026-11-28; spelled as a plain copy with `#pragma unroll 2` it spilled at 32
+// rows and lost). Two tiles ahead spilled at 5-7 CTAs an SM and lost at every row count.
 template <bool kBf16, int kSlots>
 __device__ __forceinline__ void walk_block(const FrArrays& a, const uint4* __restrict__ x, int nx, int64_t row,
                                            int64_t blk, int s0, int tiles, uint4 (&slot)[2],
@@ -151,14 +154,19 @@ __device__ __forceinline__ void walk_block(const FrArrays& a, const uint4* __res
       step(s + 1, odd, e_odd);
     }
   } else {                                                           // x's slots need the registers
-    FrGroup tg = group_at(s0);
+    constexpr int kAhead = 1;                                        // tiles in flight
+    FrGroup q[kAhead + 1];
+#pragma unroll
+    for (int i = 0; i < kAhead; ++i) q[i] = s0 + i < tiles ? group_at(s0 + i) : FrGroup{};
     uint32_t e = esc_entry(a, run + t);
+#pragma unroll kAhead + 1
     for (int s = s0; s < tiles; ++s) {
-      FrGroup ahead{};
-      uint32_t e_ahead = 0;
-      if (s + 1 < tiles) ahead = group_at(s + 1), e_ahead = esc_entry(a, run + tile_escapes(tg) + t);
-      step(s, tg, e);
-      tg = ahead, e = e_ahead;
+      q[kAhead] = s + kAhead < tiles ? group_at(s + kAhead) : FrGroup{};
+      const uint32_t e_next = s + 1 < tiles ? esc_entry(a, run + tile_escapes(q[0]) + t) : 0u;
+      step(s, q[0], e);
+#pragma unroll
+      for (int i = 0; i < kAhead; ++i) q[i] = q[i + 1];
+      e = e_next;
     }
   }
 }
