@@ -53,15 +53,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fr_alloc(const at::Te
           at::empty({rows, groups}, i32), at::empty({rows, tiles}, w.options().dtype(at::kShort))};
 }
 
-// The index in esc of each tile's first entry: its block's start plus the counts of the block's
-// tiles before it.
-int64_t fr_tile_start(const int32_t* esc_start, const uint16_t* tile, int64_t r, int64_t tiles, int64_t blocks,
-                      int64_t t) {
-  int64_t at_ = esc_start[r * blocks + t / kFrBlockTiles];
-  for (int64_t s = t - t % kFrBlockTiles; s < t; ++s) at_ += tile[r * tiles + s] >> 8;
-  return at_;
-}
-
 namespace {
 
 std::vector<at::Tensor> encode_cpu(const at::Tensor& w_in) {

@@ -76,9 +76,8 @@ __global__ void encode_escapes_kernel(const uint16_t* __restrict__ w, int64_t ro
   const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (t >= rows * tiles || (tile[t] >> 8) == 0) return;
   const int64_t r = t / tiles, s = t % tiles, c0 = s * kFrTile;
-  int64_t at = esc_start[r * blocks + s / kFrBlockTiles];
-  for (int64_t j = s - s % kFrBlockTiles; j < s; ++j) at += tile[r * tiles + j] >> 8;
-  fr_tile_entries(w + r * cols + c0, min(static_cast<int64_t>(kFrTile), cols - c0), tile[t] & 0xFF, esc + at);
+  fr_tile_entries(w + r * cols + c0, min(static_cast<int64_t>(kFrTile), cols - c0), tile[t] & 0xFF,
+                  esc + fr_tile_start(esc_start, tile, r, tiles, blocks, s));
 }
 
 std::vector<at::Tensor> encode_cuda(const at::Tensor& w_in) {

@@ -110,6 +110,15 @@ FR_HD void fr_encode_tile(const uint16_t* w, int64_t n, int groups_left, uint8_t
   *tile = static_cast<uint16_t>(b | static_cast<uint32_t>(escapes) << 8);
 }
 
+// The index in esc of tile t's first entry in row r: its block's start plus the counts of the
+// block's tiles before it (the tile words hold the counts in bits 8..15).
+FR_HD int64_t fr_tile_start(const int32_t* esc_start, const uint16_t* tile, int64_t r, int64_t tiles, int64_t blocks,
+                            int64_t t) {
+  int64_t first = esc_start[r * blocks + t / kFrBlockTiles];
+  for (int64_t s = t - t % kFrBlockTiles; s < t; ++s) first += tile[r * tiles + s] >> 8;
+  return first;
+}
+
 // The entries of one tile (n real words, its base), in position order, from esc.
 FR_HD void fr_tile_entries(const uint16_t* w, int64_t n, uint32_t base, uint16_t* esc) {
   for (int i = 0; i < n; ++i) {
