@@ -28,6 +28,16 @@ def cuda_decoder() -> None:
         pytest.skip(f"CUDA decoder unavailable: {cuda_ext.available().reason}")
 
 
+def same_answer(a: dict, b: dict) -> bool:
+    """The same text and tokens, and logprobs within what the two kernel paths give: a load's first
+    steps run the modules' kernels until Triton's, warmed on a thread beside serving, are adopted
+    (service/engine/runner.py), so which of a request's steps ran which depends on timing (on an
+    H200 two answers' logprobs parted in low bits, 2026-11-28). A wrong weight moves the tokens."""
+    ta, tb = a["details"]["tokens"], b["details"]["tokens"]
+    return (a["generated_text"] == b["generated_text"] and [(t["id"], t["text"]) for t in ta] == [(t["id"], t["text"]) for t in tb]
+            and all(abs(x["logprob"] - y["logprob"]) <= 0.05 for x, y in zip(ta, tb)))
+
+
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
 
@@ -128,7 +138,7 @@ async def test_load_generate_unload_returns_cuda_memory(serve, tmp_path: Path, t
         assert await server.metric("wcodec_model_memory_allocated_bytes", model="tiny", device="cuda") == decoded
         body = {"inputs": TINY_PROMPT, "parameters": {"max_new_tokens": 8}}
         rs = [await server.client.post("/generate", json=body) for _ in range(2)]
-        assert [r.status_code for r in rs] == [200, 200] and rs[0].json() == rs[1].json()
+        assert [r.status_code for r in rs] == [200, 200] and same_answer(rs[0].json(), rs[1].json())
         assert (await server.client.post("/models/tiny/unload")).json()["state"] == "available"
         assert server.registry.get("tiny").state is ModelState.AVAILABLE
         gc.collect()
@@ -148,5 +158,5 @@ async def test_a_model_switch_on_cuda_comes_from_the_host_cache(serve, tmp_path:
             assert r.status_code == 200 and r.json()["last_load"]["source"] == source, r.text
             answers.append((await server.client.post("/generate", json=body)).json())
             assert (await server.client.post("/models/tiny/unload")).json()["state"] == "available"
-        assert answers[0] == answers[1] == answers[2]
+        assert same_answer(answers[0], answers[1]) and same_answer(answers[0], answers[2])
         assert await server.metric("wcodec_host_cache_hits_total", model="tiny") == 2
