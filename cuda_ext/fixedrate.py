@@ -87,8 +87,8 @@ def cat_rows(parts: list[FixedRateWeight]) -> FixedRateWeight:
 def row_views(w: FixedRateWeight, rows: list[int]) -> list[FixedRateWeight]:
     """w's rows split into weights of `rows` rows each, as views (no copy): each keeps w's whole
     esc, which its rows of esc_start index into."""
-    cuts = (t.split(rows) for t in (w.plane, w.lo, w.hi, w.tile, w.esc_start))
-    return [FixedRateWeight(n, w.cols, w.dtype, *parts, w.esc, es) for n, *parts, es in zip(rows, *cuts)]
+    cuts = {name: getattr(w, name).split(rows) for name in ARRAYS if name != "esc"}
+    return [FixedRateWeight(n, w.cols, w.dtype, esc=w.esc, **{k: v[i] for k, v in cuts.items()}) for i, n in enumerate(rows)]
 
 
 def encode(w: torch.Tensor) -> FixedRateWeight:

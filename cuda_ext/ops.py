@@ -81,7 +81,8 @@ def fixedrate_linear(x: torch.Tensor, plane: torch.Tensor, lo: torch.Tensor, hi:
     """y = x W^T, W in the fixed-rate form, x [1..64, groups*32] (zero past cols) in W's dtype;
     float32 accumulation, one rounding. On CUDA fused (W decoded in registers), on the current
     stream, no host syncs; on the CPU the reference (decode, float32 matmul). kernel 0: tensor
-    cores (mma, 1..64 rows), 1: CUDA cores (1..16 rows; faster at one row)."""
+    cores (mma, 1..64 rows; the default's choice at every row count since 2026-11-28), 1: CUDA
+    cores (1..16 rows)."""
     return torch.ops.wcodec.fixedrate_linear.default(x, plane, lo, hi, tile, esc, esc_start, cols, kernel)
 
 
