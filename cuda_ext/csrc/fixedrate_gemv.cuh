@@ -47,12 +47,15 @@ __device__ __forceinline__ uint4 ld_stream(const void* p) {        // 16 bytes, 
 
 // A group's bits; a padding group (past the row's groups) reads as codes 0, plane bytes 0 and base
 // 0, but keeps its tile's escape count when the tile exists (so a tile's lanes agree on it).
+// kMask false leaves its tile word as stored, for a user that passes `valid` to group_fields: the
+// mask waits for the word just after its load (6 % of the fused kernel's stall samples, 2026-11-28).
+template <bool kMask = true>
 __device__ __forceinline__ FrGroup load_group(const FrArrays& a, int64_t row, int64_t gr, bool valid) {
   const int64_t g = row * a.groups + gr;
   FrGroup t{};
   if (gr / kFrTileGroups < a.tiles) t.tile = __ldg(a.tile + row * a.tiles + gr / kFrTileGroups);
   if (!valid) {
-    t.tile &= 0xFF00u;
+    if constexpr (kMask) t.tile &= 0xFF00u;
     return t;
   }
   t.p0 = ld_stream(a.plane + g * kFrGroup);
@@ -65,9 +68,9 @@ __device__ __forceinline__ FrGroup load_group(const FrArrays& a, int64_t row, in
 __device__ __forceinline__ int tile_escapes(const FrGroup& t) { return static_cast<int>(t.tile >> 8); }
 
 // unpack_codes + base, 4 fields a u32 (f[q] byte b: weight 4q + b); an escaped weight's field is
-// base + 0 until its entry replaces it.
-__device__ __forceinline__ void group_fields(const FrGroup& t, uint32_t f[8]) {
-  const uint32_t base4 = (t.tile & 0xFFu) * 0x01010101u;
+// base + 0 until its entry replaces it. A padding group (valid false) has base 0.
+__device__ __forceinline__ void group_fields(const FrGroup& t, uint32_t f[8], bool valid = true) {
+  const uint32_t base4 = valid ? (t.tile & 0xFFu) * 0x01010101u : 0u;
 #pragma unroll
   for (int q = 0; q < 8; ++q) f[q] = fr_codes4(q < 4 ? t.lo.x : t.lo.y, t.hi, q) + base4;
 }

@@ -67,11 +67,36 @@ struct XWords {
   }
 };
 
+// x's words of chunk jj of a tile for slots 0 .. kSlots - 1 (permuted: zeros past nx), requested
+// before the tile's decode so that they arrive while the lane decodes: asm volatile, so that the
+// load stays there (the compiler leaves a plain load just ahead of its mma, and the warp waited on
+// it: a quarter of the kernel's stall samples at 16 rows, ncu 2026-11-28).
+template <int kSlots>
+__device__ __forceinline__ void load_x_early(const uint4* __restrict__ xt, const XWords<kSlots>& xw, int nx, int jj,
+                                             uint4 (&xv)[kSlots]) {
+  static_assert(kSlots > 1, "x in place (up to 8 rows) has padding groups to mask");
+  const int g = (threadIdx.x & 31) >> 2;
+#pragma unroll
+  for (int h = 0; h < kSlots; ++h) {
+    xv[h] = make_uint4(0, 0, 0, 0);
+    const uint4* p = xt + jj * xw.chunk + h * xw.slot;
+    if (g + 8 * h < nx) asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(xv[h].x), "=r"(xv[h].y), "=r"(xv[h].z), "=r"(xv[h].w) : "l"(p));
+  }
+}
+
+// Chunks of x a tile step requests before its decode (from 9 rows x is permuted: no in-place
+// padding to mask). At 9-16 rows all 4, with 5 CTAs an SM (94 registers): an 8B layer 1.40 -> 1.30
+// of cuBLAS's time (H200, 2026-11-28). Up to 8 rows none: 2 or 4 early chunks lost 4-8 % at 1 and 4
+// rows with 5, 6 or 7 CTAs an SM; from 17 rows a chunk of x's slots holds 16 registers per slot.
+template <int kSlots>
+constexpr int kXEarly = kSlots == 2 ? 4 : 0;
+
 // One tile step: mma j (0..7) over word j's 4 weights (2 pairs) for each m16 tile of x: x rows
-// g + 8h (slot h; slots 2m and 2m + 1 are tile m's a0/a2 and a1/a3), 16 bytes a slot at a time
-// from xt (the tile's words).
+// g + 8h (slot h; slots 2m and 2m + 1 are tile m's a0/a2 and a1/a3), 16 bytes a slot at a time:
+// chunks jj < kXEarly from xe, the rest loaded here from xt (the tile's words).
 template <bool kBf16, int kSlots>
 __device__ __forceinline__ void tile_mma(const uint4* __restrict__ xt, const XWords<kSlots>& xw, int nx, bool valid,
+                                         const uint4 (&xe)[kXEarly<kSlots> ? kXEarly<kSlots> : 1][kSlots],
                                          const FrGroup& tg, const uint32_t f[8], float (&c)[(kSlots + 1) / 2][4]) {
   const int g = (threadIdx.x & 31) >> 2;
 #pragma unroll
@@ -80,7 +105,8 @@ __device__ __forceinline__ void tile_mma(const uint4* __restrict__ xt, const XWo
 #pragma unroll
     for (int h = 0; h < kSlots; ++h) {
       const bool ok = (kSlots > 1 || valid) && g + 8 * h < nx;          // permuted: zeros past the groups
-      xv[h] = ok ? __ldg(xt + jj * xw.chunk + h * xw.slot) : make_uint4(0, 0, 0, 0);
+      if (jj < kXEarly<kSlots>) xv[h] = xe[jj < kXEarly<kSlots> ? jj : 0][h];
+      else xv[h] = ok ? __ldg(xt + jj * xw.chunk + h * xw.slot) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -124,12 +150,15 @@ __device__ __forceinline__ void walk_block(const FrArrays& a, const uint4* __res
   const int t = threadIdx.x & 3;
   const int64_t gr0 = blk * kFrBlockGroups + t;
   const XWords<kSlots> xw(x, a.groups, nx, gr0, (threadIdx.x & 31) >> 2);
-  auto group_at = [&](int s) { return load_group(a, row, gr0 + s * kFrTileGroups, gr0 + s * kFrTileGroups < a.groups); };
+  auto group_at = [&](int s) {                                     // from 9 rows masked at use
+    return load_group<kSlots == 1>(a, row, gr0 + s * kFrTileGroups, gr0 + s * kFrTileGroups < a.groups);
+  };
   int32_t run = a.esc_start[row * a.blocks + blk];                 // the tile's first entry (int32: < 2^31)
   if (s0) run += escapes_before(a, row, blk, s0);
-  auto step = [&](int s, const FrGroup& tg, uint32_t e) {
+  auto step = [&](int s, const FrGroup& tg, uint32_t e, const auto& xe) {
     uint32_t f[8];
-    group_fields(tg, f);
+    if constexpr (kSlots == 1) group_fields(tg, f);
+    else group_fields(tg, f, gr0 + s * kFrTileGroups < a.groups);
     const int n = tile_escapes(tg);
     if (__any_sync(0xffffffffu, n != 0)) {
       fields_to_slot(slot, f);
@@ -141,17 +170,18 @@ __device__ __forceinline__ void walk_block(const FrArrays& a, const uint4* __res
       fields_from_slot(slot, f);
     }
     run += n;
-    tile_mma<kBf16, kSlots>(xw.at + s * xw.tile, xw, nx, gr0 + s * kFrTileGroups < a.groups, tg, f, c);
+    tile_mma<kBf16, kSlots>(xw.at + s * xw.tile, xw, nx, gr0 + s * kFrTileGroups < a.groups, xe, tg, f, c);
   };
   if constexpr (kSlots == 1) {                                       // two tiles a turn: registers for both
     FrGroup even = group_at(s0), odd{};
     uint32_t e_even = esc_entry(a, run + t), e_odd = 0;
+    const uint4 none[1][1] = {};
     for (int s = s0; s < tiles; s += 2) {                            // warp-uniform
       if (s + 1 < tiles) odd = group_at(s + 1), e_odd = esc_entry(a, run + tile_escapes(even) + t);
-      step(s, even, e_even);
+      step(s, even, e_even, none);
       if (s + 1 == tiles) break;
       if (s + 2 < tiles) even = group_at(s + 2), e_even = esc_entry(a, run + tile_escapes(odd) + t);
-      step(s + 1, odd, e_odd);
+      step(s + 1, odd, e_odd, none);
     }
   } else {                                                           // x's slots need the registers
     constexpr int kAhead = 1;                                        // tiles in flight
@@ -161,9 +191,12 @@ __device__ __forceinline__ void walk_block(const FrArrays& a, const uint4* __res
     uint32_t e = esc_entry(a, run + t);
 #pragma unroll kAhead + 1
     for (int s = s0; s < tiles; ++s) {
+      uint4 xe[kXEarly<kSlots> ? kXEarly<kSlots> : 1][kSlots];       // requested before the tile ahead
+#pragma unroll
+      for (int jj = 0; jj < kXEarly<kSlots>; ++jj) load_x_early<kSlots>(xw.at + s * xw.tile, xw, nx, jj, xe[jj]);
       q[kAhead] = s + kAhead < tiles ? group_at(s + kAhead) : FrGroup{};
       const uint32_t e_next = s + 1 < tiles ? esc_entry(a, run + tile_escapes(q[0]) + t) : 0u;
-      step(s, q[0], e);
+      step(s, q[0], e, xe);
 #pragma unroll
       for (int i = 0; i < kAhead; ++i) q[i] = q[i + 1];
       e = e_next;
@@ -171,10 +204,11 @@ __device__ __forceinline__ void walk_block(const FrArrays& a, const uint4* __res
   }
 }
 
-// CTAs an SM the registers must allow: at 32 rows 5 (96 registers: faster than 98 and 4 CTAs);
-// at 8 and 16 rows 7 (what the compiler chooses unasked; 8, with 64 registers, was slower).
+// CTAs an SM the registers must allow: at 32 rows 5 (96 registers: faster than 98 and 4 CTAs); at
+// 16 rows 5 (94 registers: x's early chunks; 6 spilled); up to 8 rows 7 (what the compiler chooses
+// unasked; 8, with 64 registers, was slower).
 template <int kSlots>
-constexpr int kMmaCtas = kSlots == 4 ? 5 : kSlots == 8 ? 2 : 7;
+constexpr int kMmaCtas = kSlots == 2 || kSlots == 4 ? 5 : kSlots == 8 ? 2 : 7;
 
 // K is cut into `splits` ranges of whole tiles (a range may start inside an escape block: its
 // running count then starts past the block's earlier escapes). A CTA's 4 warps take `splits_cta` of
