@@ -67,29 +67,29 @@ struct XWords {
   }
 };
 
-// x's words of chunk jj of a tile for slots 0 .. kSlots - 1 (permuted: zeros past nx), requested
-// before the tile's decode so that they arrive while the lane decodes: asm volatile, so that the
-// load stays there (the compiler leaves a plain load just ahead of its mma, and the warp waited on
-// it: a quarter of the kernel's stall samples at 16 rows, ncu 2026-11-28).
+// x's words of chunk jj of a tile for slots 0 .. kSlots - 1 (zeros past nx; in place, past the
+// row's groups too), requested before the tile ahead's loads and this tile's decode, so that they
+// arrive while the lane decodes: asm volatile, so that the load stays there (the compiler leaves a
+// plain load just ahead of its mma, and the warp waited on it: a quarter of the kernel's stall
+// samples at 1 and 16 rows, ncu 2026-11-28).
 template <int kSlots>
-__device__ __forceinline__ void load_x_early(const uint4* __restrict__ xt, const XWords<kSlots>& xw, int nx, int jj,
-                                             uint4 (&xv)[kSlots]) {
-  static_assert(kSlots > 1, "x in place (up to 8 rows) has padding groups to mask");
+__device__ __forceinline__ void load_x_early(const uint4* __restrict__ xt, const XWords<kSlots>& xw, int nx, bool valid,
+                                             int jj, uint4 (&xv)[kSlots]) {
   const int g = (threadIdx.x & 31) >> 2;
 #pragma unroll
   for (int h = 0; h < kSlots; ++h) {
     xv[h] = make_uint4(0, 0, 0, 0);
     const uint4* p = xt + jj * xw.chunk + h * xw.slot;
-    if (g + 8 * h < nx) asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(xv[h].x), "=r"(xv[h].y), "=r"(xv[h].z), "=r"(xv[h].w) : "l"(p));
+    if ((kSlots > 1 || valid) && g + 8 * h < nx) asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(xv[h].x), "=r"(xv[h].y), "=r"(xv[h].z), "=r"(xv[h].w) : "l"(p));
   }
 }
 
-// Chunks of x a tile step requests before its decode (from 9 rows x is permuted: no in-place
-// padding to mask). At 9-16 rows all 4, with 5 CTAs an SM (94 registers): an 8B layer 1.40 -> 1.30
-// of cuBLAS's time (H200, 2026-11-28). Up to 8 rows none: 2 or 4 early chunks lost 4-8 % at 1 and 4
-// rows with 5, 6 or 7 CTAs an SM; from 17 rows a chunk of x's slots holds 16 registers per slot.
+// Chunks of x a tile step requests early: all 4. At 9-16 rows with 5 CTAs an SM (91 registers), an
+// 8B layer 1.42 -> 1.29 of cuBLAS's time; up to 8 rows with 6 (80 registers), 1.09 -> 1.07 at 1 row
+// and 1.17 -> 1.145 at 4 (H200, 2026-11-28; 5 CTAs or 2 chunks gained less). From 17 rows none: a
+// chunk of x's slots holds 16 registers a slot.
 template <int kSlots>
-constexpr int kXEarly = kSlots == 2 ? 4 : 0;
+constexpr int kXEarly = kSlots <= 2 ? 4 : 0;
 
 // One tile step: mma j (0..7) over word j's 4 weights (2 pairs) for each m16 tile of x: x rows
 // g + 8h (slot h; slots 2m and 2m + 1 are tile m's a0/a2 and a1/a3), 16 bytes a slot at a time:
@@ -155,6 +155,11 @@ __device__ __forceinline__ void walk_block(const FrArrays& a, const uint4* __res
   };
   int32_t run = a.esc_start[row * a.blocks + blk];                 // the tile's first entry (int32: < 2^31)
   if (s0) run += escapes_before(a, row, blk, s0);
+  auto x_early = [&](int s, auto& xe) {
+#pragma unroll
+    for (int jj = 0; jj < kXEarly<kSlots>; ++jj)
+      load_x_early<kSlots>(xw.at + s * xw.tile, xw, nx, gr0 + s * kFrTileGroups < a.groups, jj, xe[jj]);
+  };
   auto step = [&](int s, const FrGroup& tg, uint32_t e, const auto& xe) {
     uint32_t f[8];
     if constexpr (kSlots == 1) group_fields(tg, f);
@@ -175,13 +180,15 @@ __device__ __forceinline__ void walk_block(const FrArrays& a, const uint4* __res
   if constexpr (kSlots == 1) {                                       // two tiles a turn: registers for both
     FrGroup even = group_at(s0), odd{};
     uint32_t e_even = esc_entry(a, run + t), e_odd = 0;
-    const uint4 none[1][1] = {};
+    uint4 xe[kXEarly<kSlots>][kSlots];
     for (int s = s0; s < tiles; s += 2) {                            // warp-uniform
+      x_early(s, xe);
       if (s + 1 < tiles) odd = group_at(s + 1), e_odd = esc_entry(a, run + tile_escapes(even) + t);
-      step(s, even, e_even, none);
+      step(s, even, e_even, xe);
       if (s + 1 == tiles) break;
+      x_early(s + 1, xe);
       if (s + 2 < tiles) even = group_at(s + 2), e_even = esc_entry(a, run + tile_escapes(odd) + t);
-      step(s + 1, odd, e_odd, none);
+      step(s + 1, odd, e_odd, xe);
     }
   } else {                                                           // x's slots need the registers
     constexpr int kAhead = 1;                                        // tiles in flight
@@ -191,9 +198,8 @@ __device__ __forceinline__ void walk_block(const FrArrays& a, const uint4* __res
     uint32_t e = esc_entry(a, run + t);
 #pragma unroll kAhead + 1
     for (int s = s0; s < tiles; ++s) {
-      uint4 xe[kXEarly<kSlots> ? kXEarly<kSlots> : 1][kSlots];       // requested before the tile ahead
-#pragma unroll
-      for (int jj = 0; jj < kXEarly<kSlots>; ++jj) load_x_early<kSlots>(xw.at + s * xw.tile, xw, nx, jj, xe[jj]);
+      uint4 xe[kXEarly<kSlots> ? kXEarly<kSlots> : 1][kSlots];
+      x_early(s, xe);                                                // before the tile ahead's loads
       q[kAhead] = s + kAhead < tiles ? group_at(s + kAhead) : FrGroup{};
       const uint32_t e_next = s + 1 < tiles ? esc_entry(a, run + tile_escapes(q[0]) + t) : 0u;
       step(s, q[0], e, xe);
@@ -205,10 +211,10 @@ __device__ __forceinline__ void walk_block(const FrArrays& a, const uint4* __res
 }
 
 // CTAs an SM the registers must allow: at 32 rows 5 (96 registers: faster than 98 and 4 CTAs); at
-// 16 rows 5 (94 registers: x's early chunks; 6 spilled); up to 8 rows 7 (what the compiler chooses
-// unasked; 8, with 64 registers, was slower).
+// 16 rows 5 (91 registers with x's early chunks; 6 spilled); up to 8 rows 6 (80 registers with x's
+// early chunks; before them 7 with 72, and 8, with 64 registers, was slower).
 template <int kSlots>
-constexpr int kMmaCtas = kSlots == 2 || kSlots == 4 ? 5 : kSlots == 8 ? 2 : 7;
+constexpr int kMmaCtas = kSlots == 2 || kSlots == 4 ? 5 : kSlots == 8 ? 2 : 6;
 
 // K is cut into `splits` ranges of whole tiles (a range may start inside an escape block: its
 // running count then starts past the block's earlier escapes). A CTA's 4 warps take `splits_cta` of
