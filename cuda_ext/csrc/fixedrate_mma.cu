@@ -91,12 +91,15 @@ __device__ __forceinline__ void load_x_early(const uint4* __restrict__ xt, const
 template <int kSlots>
 constexpr int kXEarly = kSlots <= 2 ? 4 : 0;
 
+template <int kSlots>
+using XEarly = uint4[kXEarly<kSlots> ? kXEarly<kSlots> : 1][kSlots];   // x's early chunks of a tile
+
 // One tile step: mma j (0..7) over word j's 4 weights (2 pairs) for each m16 tile of x: x rows
 // g + 8h (slot h; slots 2m and 2m + 1 are tile m's a0/a2 and a1/a3), 16 bytes a slot at a time:
 // chunks jj < kXEarly from xe, the rest loaded here from xt (the tile's words).
 template <bool kBf16, int kSlots>
 __device__ __forceinline__ void tile_mma(const uint4* __restrict__ xt, const XWords<kSlots>& xw, int nx, bool valid,
-                                         const uint4 (&xe)[kXEarly<kSlots> ? kXEarly<kSlots> : 1][kSlots],
+                                         const XEarly<kSlots>& xe,
                                          const FrGroup& tg, const uint32_t f[8], float (&c)[(kSlots + 1) / 2][4]) {
   const int g = (threadIdx.x & 31) >> 2;
 #pragma unroll
@@ -150,17 +153,17 @@ __device__ __forceinline__ void walk_block(const FrArrays& a, const uint4* __res
   const int t = threadIdx.x & 3;
   const int64_t gr0 = blk * kFrBlockGroups + t;
   const XWords<kSlots> xw(x, a.groups, nx, gr0, (threadIdx.x & 31) >> 2);
-  auto group_at = [&](int s) {                                     // from 9 rows masked at use
+  auto group_at = [&](int s) {                    // from 9 rows masked at use (up to 8 it cost registers)
     return load_group<kSlots == 1>(a, row, gr0 + s * kFrTileGroups, gr0 + s * kFrTileGroups < a.groups);
   };
   int32_t run = a.esc_start[row * a.blocks + blk];                 // the tile's first entry (int32: < 2^31)
   if (s0) run += escapes_before(a, row, blk, s0);
-  auto x_early = [&](int s, auto& xe) {
+  auto x_early = [&](int s, XEarly<kSlots>& xe) {
 #pragma unroll
     for (int jj = 0; jj < kXEarly<kSlots>; ++jj)
       load_x_early<kSlots>(xw.at + s * xw.tile, xw, nx, gr0 + s * kFrTileGroups < a.groups, jj, xe[jj]);
   };
-  auto step = [&](int s, const FrGroup& tg, uint32_t e, const auto& xe) {
+  auto step = [&](int s, const FrGroup& tg, uint32_t e, const XEarly<kSlots>& xe) {
     uint32_t f[8];
     if constexpr (kSlots == 1) group_fields(tg, f);
     else group_fields(tg, f, gr0 + s * kFrTileGroups < a.groups);
@@ -180,7 +183,7 @@ __device__ __forceinline__ void walk_block(const FrArrays& a, const uint4* __res
   if constexpr (kSlots == 1) {                                       // two tiles a turn: registers for both
     FrGroup even = group_at(s0), odd{};
     uint32_t e_even = esc_entry(a, run + t), e_odd = 0;
-    uint4 xe[kXEarly<kSlots>][kSlots];
+    XEarly<kSlots> xe;
     for (int s = s0; s < tiles; s += 2) {                            // warp-uniform
       x_early(s, xe);
       if (s + 1 < tiles) odd = group_at(s + 1), e_odd = esc_entry(a, run + tile_escapes(even) + t);
@@ -198,7 +201,7 @@ __device__ __forceinline__ void walk_block(const FrArrays& a, const uint4* __res
     uint32_t e = esc_entry(a, run + t);
 #pragma unroll kAhead + 1
     for (int s = s0; s < tiles; ++s) {
-      uint4 xe[kXEarly<kSlots> ? kXEarly<kSlots> : 1][kSlots];
+      XEarly<kSlots> xe;
       x_early(s, xe);                                                // before the tile ahead's loads
       q[kAhead] = s + kAhead < tiles ? group_at(s + kAhead) : FrGroup{};
       const uint32_t e_next = s + 1 < tiles ? esc_entry(a, run + tile_escapes(q[0]) + t) : 0u;
