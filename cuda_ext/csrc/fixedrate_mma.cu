@@ -80,7 +80,9 @@ __device__ __forceinline__ void load_x_early(const uint4* __restrict__ xt, const
   for (int h = 0; h < kSlots; ++h) {
     xv[h] = make_uint4(0, 0, 0, 0);
     const uint4* p = xt + jj * xw.chunk + h * xw.slot;
-    if ((kSlots > 1 || valid) && g + 8 * h < nx) asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(xv[h].x), "=r"(xv[h].y), "=r"(xv[h].z), "=r"(xv[h].w) : "l"(p));
+    if ((kSlots > 1 || valid) && g + 8 * h < nx)
+      asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];"
+                   : "=r"(xv[h].x), "=r"(xv[h].y), "=r"(xv[h].z), "=r"(xv[h].w) : "l"(p));
   }
 }
 
