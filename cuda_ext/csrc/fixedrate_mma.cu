@@ -98,18 +98,19 @@ using XEarly = uint4[kXEarly<kSlots> ? kXEarly<kSlots> : 1][kSlots];   // x's ea
 
 // One tile step: mma j (0..7) over word j's 4 weights (2 pairs) for each m16 tile of x: x rows
 // g + 8h (slot h; slots 2m and 2m + 1 are tile m's a0/a2 and a1/a3), 16 bytes a slot at a time:
-// chunks jj < kXEarly from xe, the rest loaded here from xt (the tile's words).
+// chunks jj < kXEarly from xe, the rest loaded here from xt (the tile's words; x permuted there).
 template <bool kBf16, int kSlots>
-__device__ __forceinline__ void tile_mma(const uint4* __restrict__ xt, const XWords<kSlots>& xw, int nx, bool valid,
+__device__ __forceinline__ void tile_mma(const uint4* __restrict__ xt, const XWords<kSlots>& xw, int nx,
                                          const XEarly<kSlots>& xe,
                                          const FrGroup& tg, const uint32_t f[8], float (&c)[(kSlots + 1) / 2][4]) {
+  static_assert(kXEarly<kSlots> == 4 || kSlots > 1, "x in place loaded here would need its padding mask");
   const int g = (threadIdx.x & 31) >> 2;
 #pragma unroll
   for (int jj = 0; jj < 4; ++jj) {
     uint4 xv[kSlots];
 #pragma unroll
     for (int h = 0; h < kSlots; ++h) {
-      const bool ok = (kSlots > 1 || valid) && g + 8 * h < nx;          // permuted: zeros past the groups
+      const bool ok = g + 8 * h < nx;                                  // permuted: zeros past the groups
       if (jj < kXEarly<kSlots>) xv[h] = xe[jj < kXEarly<kSlots> ? jj : 0][h];
       else xv[h] = ok ? __ldg(xt + jj * xw.chunk + h * xw.slot) : make_uint4(0, 0, 0, 0);
     }
@@ -155,20 +156,19 @@ __device__ __forceinline__ void walk_block(const FrArrays& a, const uint4* __res
   const int t = threadIdx.x & 3;
   const int64_t gr0 = blk * kFrBlockGroups + t;
   const XWords<kSlots> xw(x, a.groups, nx, gr0, (threadIdx.x & 31) >> 2);
-  auto group_at = [&](int s) {                    // from 9 rows masked at use (up to 8 it cost registers)
-    return load_group<kSlots == 1>(a, row, gr0 + s * kFrTileGroups, gr0 + s * kFrTileGroups < a.groups);
-  };
+  constexpr bool kMaskAtLoad = kSlots == 1;                        // from 9 rows at use (up to 8 it cost registers)
+  auto valid = [&](int s) { return gr0 + s * kFrTileGroups < a.groups; };   // tile s's group is not padding
+  auto group_at = [&](int s) { return load_group<kMaskAtLoad>(a, row, gr0 + s * kFrTileGroups, valid(s)); };
   int32_t run = a.esc_start[row * a.blocks + blk];                 // the tile's first entry (int32: < 2^31)
   if (s0) run += escapes_before(a, row, blk, s0);
   auto x_early = [&](int s, XEarly<kSlots>& xe) {
 #pragma unroll
     for (int jj = 0; jj < kXEarly<kSlots>; ++jj)
-      load_x_early<kSlots>(xw.at + s * xw.tile, xw, nx, gr0 + s * kFrTileGroups < a.groups, jj, xe[jj]);
+      load_x_early<kSlots>(xw.at + s * xw.tile, xw, nx, valid(s), jj, xe[jj]);
   };
   auto step = [&](int s, const FrGroup& tg, uint32_t e, const XEarly<kSlots>& xe) {
     uint32_t f[8];
-    if constexpr (kSlots == 1) group_fields(tg, f);
-    else group_fields(tg, f, gr0 + s * kFrTileGroups < a.groups);
+    group_fields(tg, f, kMaskAtLoad || valid(s));
     const int n = tile_escapes(tg);
     if (__any_sync(0xffffffffu, n != 0)) {
       fields_to_slot(slot, f);
@@ -180,7 +180,7 @@ __device__ __forceinline__ void walk_block(const FrArrays& a, const uint4* __res
       fields_from_slot(slot, f);
     }
     run += n;
-    tile_mma<kBf16, kSlots>(xw.at + s * xw.tile, xw, nx, gr0 + s * kFrTileGroups < a.groups, xe, tg, f, c);
+    tile_mma<kBf16, kSlots>(xw.at + s * xw.tile, xw, nx, xe, tg, f, c);
   };
   if constexpr (kSlots == 1) {                                       // two tiles a turn: registers for both
     FrGroup even = group_at(s0), odd{};
