@@ -88,10 +88,10 @@ __device__ __forceinline__ void load_x_early(const uint4* __restrict__ xt, const
 
 // Chunks of x a tile step requests early: all 4. At 9-16 rows with 5 CTAs an SM (91 registers), an
 // 8B layer 1.42 -> 1.29 of cuBLAS's time; up to 8 rows with 6 (80 registers), 1.09 -> 1.07 at 1 row
-// and 1.17 -> 1.145 at 4 (H200, 2026-11-28; 5 CTAs or 2 chunks gained less). From 17 rows none: a
-// chunk of x's slots holds 16 registers a slot.
+// and 1.17 -> 1.145 at 4 (H200, 2026-11-28; 5 CTAs or 2 chunks gained less). At 17-32 rows 2 (a
+// chunk of x's slots holds 16 registers a slot), with 4 CTAs: 1.72 -> 1.67. From 33 rows none.
 template <int kSlots>
-constexpr int kXEarly = kSlots <= 2 ? 4 : 0;
+constexpr int kXEarly = kSlots <= 2 ? 4 : kSlots == 4 ? 2 : 0;
 
 template <int kSlots>
 using XEarly = uint4[kXEarly<kSlots> ? kXEarly<kSlots> : 1][kSlots];   // x's early chunks of a tile
@@ -215,11 +215,12 @@ __device__ __forceinline__ void walk_block(const FrArrays& a, const uint4* __res
   }
 }
 
-// CTAs an SM the registers must allow: at 32 rows 5 (96 registers: faster than 98 and 4 CTAs); at
-// 16 rows 5 (91 registers with x's early chunks; 6 spilled); up to 8 rows 6 (80 registers with x's
-// early chunks; before them 7 with 72, and 8, with 64 registers, was slower).
+// CTAs an SM the registers must allow: at 32 rows 4 (128 registers with 2 of x's chunks early, 4
+// bytes spilled; without them 5 with 96 was faster than 4 with 98); at 16 rows 5 (91 registers with
+// x's early chunks; 6 spilled); up to 8 rows 6 (80 registers with x's early chunks; before them 7
+// with 72, and 8, with 64 registers, was slower).
 template <int kSlots>
-constexpr int kMmaCtas = kSlots == 2 || kSlots == 4 ? 5 : kSlots == 8 ? 2 : 6;
+constexpr int kMmaCtas = kSlots == 2 ? 5 : kSlots == 4 ? 4 : kSlots == 8 ? 2 : 6;
 
 // K is cut into `splits` ranges of whole tiles (a range may start inside an escape block: its
 // running count then starts past the block's earlier escapes). A CTA's 4 warps take `splits_cta` of
