@@ -45,9 +45,7 @@ __device__ __forceinline__ uint4 ld_stream(const void* p) {        // 16 bytes, 
   return v;
 }
 
-// W's code and tile words, not kept in L1 either: through L1 they are about 14 of each 46 bytes of
-// W and streamed x out of it, whose loads the fused kernel waited on most. An 8B layer's fused
-// matmul, of cuBLAS's time: 1.075 -> 1.05 at 1 row, 1.16 -> 1.12 at 4, 1.29 -> 1.22 at 16 (H200).
+// W's code and tile words, for a user that keeps them out of L1 too (load_group's kStream).
 __device__ __forceinline__ uint2 ld_stream(const uint2* p) {
   uint2 v;
   asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
@@ -70,19 +68,28 @@ __device__ __forceinline__ uint32_t ld_stream(const uint16_t* p) {
 // 0, but keeps its tile's escape count when the tile exists (so a tile's lanes agree on it).
 // kMask false leaves its tile word as stored, for a user that passes `valid` to group_fields: the
 // mask waits for the word just after its load (6 % of the fused kernel's stall samples, 2026-11-28).
-template <bool kMask = true>
+// kStream: the code and tile words bypass L1 as the plane does. Through L1 they are about 14 of
+// each 46 bytes of W and stream x out of it: the fused kernel from 9 rows of x, served at 32
+// clients, 3 080 -> 3 485 tokens/s. Up to 8 rows they stay in L1, where a quad's next tiles find
+// their tile and hi words: served at batch 1 without it 202-205 tokens/s, with it 197-198 (H200,
+// 2026-11-28; the 8B layer bench alone had shown 1.075 -> 1.044 of cuBLAS at 1 row).
+template <bool kMask = true, bool kStream = false>
 __device__ __forceinline__ FrGroup load_group(const FrArrays& a, int64_t row, int64_t gr, bool valid) {
   const int64_t g = row * a.groups + gr;
+  auto ld = [](const auto* p) {
+    if constexpr (kStream) return ld_stream(p);
+    else return __ldg(p);
+  };
   FrGroup t{};
-  if (gr / kFrTileGroups < a.tiles) t.tile = ld_stream(a.tile + row * a.tiles + gr / kFrTileGroups);
+  if (gr / kFrTileGroups < a.tiles) t.tile = ld(a.tile + row * a.tiles + gr / kFrTileGroups);
   if (!valid) {
     if constexpr (kMask) t.tile &= 0xFF00u;
     return t;
   }
   t.p0 = ld_stream(a.plane + g * kFrGroup);
   t.p1 = ld_stream(a.plane + g * kFrGroup + 16);
-  t.lo = ld_stream(reinterpret_cast<const uint2*>(a.lo) + g);
-  t.hi = ld_stream(a.hi + g);
+  t.lo = ld(reinterpret_cast<const uint2*>(a.lo) + g);
+  t.hi = ld(a.hi + g);
   return t;
 }
 

@@ -158,7 +158,7 @@ __device__ __forceinline__ void walk_block(const FrArrays& a, const uint4* __res
   const XWords<kSlots> xw(x, a.groups, nx, gr0, (threadIdx.x & 31) >> 2);
   constexpr bool kMaskAtLoad = kSlots == 1;                        // from 9 rows at use (up to 8 it cost registers)
   auto valid = [&](int s) { return gr0 + s * kFrTileGroups < a.groups; };   // tile s's group is not padding
-  auto group_at = [&](int s) { return load_group<kMaskAtLoad>(a, row, gr0 + s * kFrTileGroups, valid(s)); };
+  auto group_at = [&](int s) { return load_group<kMaskAtLoad, (kSlots > 1)>(a, row, gr0 + s * kFrTileGroups, valid(s)); };
   int32_t run = a.esc_start[row * a.blocks + blk];                 // the tile's first entry (int32: < 2^31)
   if (s0) run += escapes_before(a, row, blk, s0);
   auto x_early = [&](int s, XEarly<kSlots>& xe) {
