@@ -71,9 +71,10 @@ __device__ __forceinline__ uint32_t ld_stream(const uint16_t* p) {
 // mask waits for the word just after its load (6 % of the fused kernel's stall samples, 2026-11-28).
 // kStream: the code and tile words bypass L1 as the plane does. Through L1 they are about 14 of
 // each 46 bytes of W and stream x out of it: the fused kernel from 9 rows of x (and x early at
-// 17-32 rows), served at 32 clients, 3 072-3 086 -> 3 485 tokens/s. Up to 8 rows they stay in L1, where a quad's next tiles find
-// their tile and hi words: served at batch 1 without it 202-205 tokens/s, with it 197-198 (H200,
-// 2026-11-28; the 8B layer bench alone had shown 1.075 -> 1.044 of cuBLAS at 1 row).
+// 17-32 rows), served at 32 clients, 3 072-3 086 -> 3 485 tokens/s. Up to 8 rows they stay in L1,
+// where a quad's next tiles find their tile and hi words: served at batch 1 without it 202-205
+// tokens/s, with it 197-198 (H200, 2026-11-28; the 8B layer bench alone had shown 1.075 -> 1.044
+// of cuBLAS at 1 row).
 template <bool kMask = true, bool kStream = false>
 __device__ __forceinline__ FrGroup load_group(const FrArrays& a, int64_t row, int64_t gr, bool valid) {
   const int64_t g = row * a.groups + gr;
