@@ -196,6 +196,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="2 small layers: checks the path, no figures")
     ap.add_argument("--json")
     args = ap.parse_args()
+    if args.agree_tokens < 2:
+        ap.error("--agree-tokens: at least 2 (the first decode step's logits are compared)")
     device = torch.device(args.device)
     config = {**CONFIG, **SMOKE} if args.smoke else CONFIG
     m = model(config, device, peaked=args.peaked)

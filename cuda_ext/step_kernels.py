@@ -138,10 +138,11 @@ def warm_up(device: torch.device, dtype: torch.dtype, hidden: int, intermediate:
             head_dim: int, block_size: int) -> bool:
     """Compile (or load from Triton's cache) every variant of the kernels a model's steps take, at
     toy sizes with the model's dimensions, so that no step waits for it: Triton specializes each
-    integer argument that is 1 or a multiple of 16, so the block tables come in widths 1, 2 and
-    16. In a fresh process this takes seconds even from Triton's disk cache (H100 box: the first
-    token came 2.9 s after ready when the first request paid it; the runner now runs it beside
-    serving, service/engine/runner.py). False where no Triton kernels run."""
+    integer argument that is 1 or a multiple of 16, so the block tables come in widths 1, 2, 16
+    and 17 (one of more than step_triton.ATTENTION_CHUNK keys, cut into chunks). In a fresh
+    process this takes seconds even from Triton's disk cache (H100 box: the first token came
+    2.9 s after ready when the first request paid it; the runner now runs it beside serving,
+    service/engine/runner.py). False where no Triton kernels run."""
     kernels = triton_kernels(device)
     if kernels is None:
         return False
@@ -155,7 +156,7 @@ def warm_up(device: torch.device, dtype: torch.dtype, hidden: int, intermediate:
     slots = torch.zeros(2, dtype=torch.long, device=device)
     kernels.rope_store(q.view(2, heads, head_dim), k.view(2, kv_heads, head_dim), v.view(2, kv_heads, head_dim),
                        make(2, head_dim), make(2, head_dim), k_cache, v_cache, slots)
-    for width in (1, 2, 16):
+    for width in (1, 2, 16, 17):                 # 17: a table cut into chunks (step_triton.ATTENTION_CHUNK)
         tables = torch.zeros(2, width, dtype=torch.long, device=device)
         kernels.decode_attention(make(2, heads, head_dim), k_cache, v_cache, tables, slots + 1, block_size,
                                  head_dim ** -0.5)

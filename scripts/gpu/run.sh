@@ -28,7 +28,8 @@
 #                CUDA-graph capture cannot take: the whole-step graph test is left out)
 #   step         the decode step's Triton kernels against their references (tests/gpu/test_step_kernels.py),
 #                then bench/paged_step.py: a 7B-shaped step at batch 1/32/64, Triton's and the modules',
-#                beside the limit (no extension needed: a short call)
+#                beside the limit, and bench/decode_attention.py: the paged attention alone at 1/32/64 rows of
+#                72 to 8 192 keys, beside its limit (no extension needed: a short call)
 #   decode-bench bench/fine_decode.py: one 8B layer, single tensors, a 7B in bulk, beside DFloat11
 #                and nvCOMP (carry .whlpeers)
 #   quick        bench/quick_cuda.py: our decoder alone at 256/128/64-step pieces
@@ -91,7 +92,8 @@ for s in ${STAGES:-build tests}; do
     step) pytest_stage step step_tests.log 150 tests/gpu/test_step_kernels.py
           stage paged-step timeout "$(left 150)" python3 bench/paged_step.py --json "$OUT/paged_step.json" \
             > "$OUT/paged_step.log" 2>&1
-          grep -E "^(triton|modules) |^\{" "$OUT/paged_step.log" ;;
+          grep -E "^(triton|modules) |^\{" "$OUT/paged_step.log"
+          stage attention timeout "$(left 120)" python3 bench/decode_attention.py --json "$OUT/decode_attention.json" ;;
     sanitize-step) PYTORCH_NO_CUDA_MEMORY_CACHING=1 stage sanitize-step timeout "$(left 240)" compute-sanitizer \
                      --tool memcheck --error-exitcode 1 python3 -m pytest -q -p no:cacheprovider \
                      tests/gpu/test_step_kernels.py -k "not fuzzed and not modules_step" > "$OUT/sanitizer_step.log" 2>&1

@@ -2,7 +2,8 @@
 (cuda_ext/step_kernels.py) on the GPU: rotary + cache write and SiLU * up bit for bit; the
 residual sum exact and RMSNorm within one bf16 place (a float32 mean summed in another order);
 paged decode attention within bf16 rounding of a float32 softmax; fixed and fuzzed shapes (MHA
-and grouped KV heads, one key, keys across blocks, rows of other lengths); then a whole paged
+and grouped KV heads, one key, keys across blocks and chunks, rows of other lengths), and the same
+output for a row alone as in any batch; then a whole paged
 forward of a Llama with both step kinds, and a CUDA-graph replay of the Triton step."""
 from __future__ import annotations
 
@@ -77,7 +78,8 @@ def paged_case(b: int, h: int, kv: int, d: int, lengths: list[int], bs: int, see
 
 
 CASES = [(1, 32, 32, 128, [1], 16), (1, 32, 32, 128, [136], 16), (3, 32, 8, 128, [40, 17, 1], 16),
-         (4, 9, 3, 64, [100, 33, 64, 65], 16), (2, 8, 8, 64, [31, 300], 32), (64, 32, 32, 128, list(range(8, 136, 2)), 16)]
+         (4, 9, 3, 64, [100, 33, 64, 65], 16), (2, 8, 8, 64, [31, 300], 32), (64, 32, 32, 128, list(range(8, 136, 2)), 16),
+         (1, 32, 8, 128, [4000], 16), (5, 8, 8, 64, [63, 64, 65, 128, 129], 16), (2, 4, 4, 128, [48, 2], 64)]
 
 
 @pytest.mark.parametrize("b,h,kv,d,lengths,bs", CASES)
@@ -86,6 +88,19 @@ def test_decode_attention(b, h, kv, d, lengths, bs) -> None:
     got = triton_ops.decode_attention(q, kc, vc, tables, lens, bs, d ** -0.5)
     want = ref.decode_attention_reference(q, kc, vc, tables, lens, bs, d ** -0.5)
     torch.testing.assert_close(got, want, rtol=1.6e-2, atol=2e-3)
+
+
+def test_decode_attention_is_the_same_in_any_batch() -> None:
+    """A row's output does not depend on the batch around it: alone with its own table (one
+    chunk of keys or a few) it is bit for bit what it gets beside a row of 4 000 keys, whose
+    wider table cuts every row's keys into chunks (step_triton.ATTENTION_CHUNK)."""
+    lengths = [40, 64, 65, 300, 4000]
+    q, kc, vc, tables, lens = paged_case(len(lengths), 8, 2, 128, lengths, 16, 3)
+    together = triton_ops.decode_attention(q, kc, vc, tables, lens, 16, 128 ** -0.5)
+    for r, n in enumerate(lengths[:-1]):
+        table = tables[r:r + 1, :-(-n // 16)].contiguous()
+        alone = triton_ops.decode_attention(q[r:r + 1], kc, vc, table, lens[r:r + 1], 16, 128 ** -0.5)
+        assert torch.equal(alone, together[r:r + 1]), n
 
 
 def test_decode_attention_fuzzed() -> None:
@@ -143,10 +158,11 @@ def test_warm_up_compiles_the_variants_a_step_takes() -> None:
     compile nothing new (Triton's per-kernel caches of compiled variants stop growing)."""
     from cuda_ext import step_triton
     jitted = [step_triton._add_rms_norm_kernel, step_triton._rope_store_kernel, step_triton._decode_attention_kernel,
-              step_triton._silu_mul_kernel]
+              step_triton._attention_combine_kernel, step_triton._silu_mul_kernel]
     variants = lambda: sum(len(entry[0]) for k in jitted for entry in k.device_caches.values())   # compiled
     assert ref.warm_up(torch.device("cuda"), BF16, 576, 1536, 9, 3, 64, 16)
     before = variants()
-    q, kc, vc, tables, lens = paged_case(3, 9, 3, 64, [40, 17, 1], 16, 5)
-    triton_ops.decode_attention(q, kc, vc, tables, lens, 16, 0.125)
+    for lengths in ([40, 17, 1], [300, 17, 1], [256], [1]):           # widths 3, 19, 16, 1: one chunk, several
+        q, kc, vc, tables, lens = paged_case(len(lengths), 9, 3, 64, lengths, 16, 5)
+        triton_ops.decode_attention(q, kc, vc, tables, lens, 16, 0.125)
     assert variants() == before
