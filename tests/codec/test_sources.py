@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 
@@ -294,6 +295,30 @@ def test_gguf_unknown_architecture_or_name(tmp_path: Path, arch: str, name: str)
     with pytest.raises(SourceError, match="unsupported GGUF architecture|unknown GGUF tensor name") as err:
         open_source(path)
     assert str(err.value).startswith(str(path))
+
+
+def test_gguf_side_files_are_converted_once_a_file(smollm_gguf: Path, gguf_source: CheckpointSource,
+                                                   gguf_files: Path, tmp_path: Path) -> None:
+    """The demo's config and tokenizer files come from transformers once a process: a second
+    source of the same file reuses them (a copy each time, so no caller edits the memo), and a file
+    rewritten in place has another key, so it is converted anew."""
+    from codec import gguf_source as module
+    hits = module._side_files_of.cache_info().hits
+    again = open_source(smollm_gguf)
+    try:
+        files = again.files
+        assert module._side_files_of.cache_info().hits == hits + 1          # gguf_files converted it already
+        assert files == gguf_source.files
+        files["config.json"] = b"edited"
+        assert again.files["config.json"] != b"edited"
+    finally:
+        again.close()
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"one")
+    before = module._file_key(f)
+    f.write_bytes(b"other")
+    os.utime(f, ns=(before[2] + 10**9, before[2] + 10**9))
+    assert module._file_key(f) != before and module._file_key(f)[0] == before[0]
 
 
 # --- errors ------------------------------------------------------------------------------------

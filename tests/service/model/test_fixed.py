@@ -51,9 +51,12 @@ def test_every_linear_holds_the_fixed_form(both_modes, dense_demo_archive) -> No
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("batch", [1, 8])
-def test_same_tokens_and_logits_as_decoded_mode(both_modes, batch) -> None:
-    assert_same_greedy(*both_modes, batch)
+def test_same_tokens_and_logits_as_decoded_mode(both_modes) -> None:
+    """The 5 prompts x 32 tokens in one batch of 8. On the CPU the form is decoded exactly and
+    multiplied as decoded mode multiplies, whatever the rows, so a batch of one would repeat this
+    check at 5x its cost (47 s of the suite); the fused kernels, whose sums do depend on the
+    rows, are checked at batch 1 and 8 on CUDA (below)."""
+    assert_same_greedy(*both_modes, 8)
 
 
 @pytest.mark.anyio
