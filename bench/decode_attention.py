@@ -21,6 +21,9 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 
 from generation_gpu import read_bandwidth  # noqa: E402
+
+if not torch.cuda.is_available():
+    sys.exit("decode_attention.py: needs a CUDA GPU (the kernels are Triton's)")
 from cuda_ext import step_triton  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 32, 128, 16
