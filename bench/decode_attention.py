@@ -20,6 +20,7 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 
+from fixedrate_gpu import graph_ms  # noqa: E402  (the benches' graph timing: fn captured, replayed)
 from generation_gpu import read_bandwidth  # noqa: E402
 
 if not torch.cuda.is_available():
@@ -40,25 +41,6 @@ def case(rows: int, keys: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
     return q, cache(), cache(), tables, torch.full((rows,), keys, device="cuda")
 
 
-def graph_ms(fn, reps: int) -> float:
-    """Median over 5 timings of `reps` replays of a CUDA graph of fn, per replay."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / reps)
-    return sorted(times)[2]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="*", default=[1, 32, 64])
@@ -71,7 +53,7 @@ def main() -> None:
         step_triton.ATTENTION_CHUNK = args.chunk
     bandwidth = read_bandwidth("cuda")
     result = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M"),
-              "read_GBps": bandwidth / 1e9, "chunk": getattr(step_triton, "ATTENTION_CHUNK", None), "runs": []}
+              "read_GBps": bandwidth / 1e9, "chunk": step_triton.ATTENTION_CHUNK, "runs": []}
     print(f"{result['device']}, read {bandwidth / 1e9:.0f} GB/s, chunk {result['chunk']}")
     print(f"{'rows':>5} {'keys':>6} {'us/launch':>10} {'limit us':>9} {'of limit':>9}")
     for rows in args.rows:

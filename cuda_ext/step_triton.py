@@ -149,7 +149,7 @@ def _decode_attention_kernel(q_ptr, kc_ptr, vc_ptr, tables_ptr, lengths_ptr, out
         acc = acc * fade + tl.sum(e[:, None] * v, axis=0)
         best = new
     if SPLIT:                                                            # [B, H, chunks, D + 2]: acc, max, sum
-        chunks = (width * BS + CHUNK - 1) // CHUNK
+        chunks = (width * BS + CHUNK - 1) // CHUNK                       # from width: no int argument to specialize
         at = part_ptr + ((b * heads + head) * chunks + tl.program_id(2)) * (D + 2)
         tl.store(at + d, acc)                                            # past the row's keys: never read
         tl.store(at + D, best)
