@@ -85,9 +85,11 @@ def assert_same_greedy(decoded, packed, batch: int, steps: int = 32, prompts=PRO
 
 
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("batch", [1, 8])
-def test_same_tokens_and_bit_identical_logits(both_modes, batch) -> None:
-    assert_same_greedy(*both_modes, batch)
+def test_same_tokens_and_bit_identical_logits(both_modes) -> None:
+    """The 5 prompts x 32 tokens in one batch of 8. On the CPU each module is decoded into its
+    buffer and multiplied by decoded mode's own Linear, whatever the rows, so a batch of one would
+    repeat this check (48 s of the suite on this CPU); CUDA checks batch 1 and 8 (below)."""
+    assert_same_greedy(*both_modes, 8)
 
 
 def test_piece_size_per_module(both_modes, dense_demo_archive, monkeypatch) -> None:
