@@ -7,6 +7,8 @@ bytes (a handful of microseconds a launch).
 
     python bench/decode_attention.py                      # a lent GPU
     python bench/decode_attention.py --rows 1 --keys 72 2048 --json out.json
+    python bench/decode_attention.py --kv-heads 8 [--per-head]   # GQA (Llama-3-8B's 4 query heads a KV
+                                                                 # head): grouped kernel, or per head
 """
 from __future__ import annotations
 
@@ -30,12 +32,12 @@ from cuda_ext import step_triton  # noqa: E402
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 32, 128, 16
 
 
-def case(rows: int, keys: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+def case(rows: int, keys: int, seed: int = 0, kv_heads: int = KV_HEADS) -> tuple[torch.Tensor, ...]:
     """q, the caches (every row's blocks, shuffled) and the tables of `rows` rows of `keys` keys."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     width = -(-keys // BLOCK)
     blocks = rows * width
-    cache = lambda: torch.randn(blocks * BLOCK, KV_HEADS, HEAD_DIM, device="cuda", generator=g).to(torch.bfloat16)
+    cache = lambda: torch.randn(blocks * BLOCK, kv_heads, HEAD_DIM, device="cuda", generator=g).to(torch.bfloat16)
     tables = torch.randperm(blocks, device="cuda", generator=g).view(rows, width)
     q = torch.randn(rows, HEADS, HEAD_DIM, device="cuda", generator=g).to(torch.bfloat16)
     return q, cache(), cache(), tables, torch.full((rows,), keys, device="cuda")
@@ -47,23 +49,27 @@ def main() -> None:
     ap.add_argument("--keys", type=int, nargs="*", default=[72, 512, 2048, 8192])
     ap.add_argument("--layers", type=int, default=32, help="launches a graph (each its own cache)")
     ap.add_argument("--chunk", type=int, help="keys a program (step_triton.ATTENTION_CHUNK), to compare cuts")
+    ap.add_argument("--kv-heads", type=int, default=KV_HEADS, help="KV heads of the 32 query heads (8: Llama-3-8B's GQA)")
+    ap.add_argument("--per-head", action="store_true", help="GQA through the per-head kernel, as MHA (to compare)")
     ap.add_argument("--json")
     args = ap.parse_args()
     if args.chunk:
         step_triton.ATTENTION_CHUNK = args.chunk
+    step_triton.ATTENTION_GROUPED = not args.per_head
     bandwidth = read_bandwidth("cuda")
     result = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M"),
-              "read_GBps": bandwidth / 1e9, "chunk": step_triton.ATTENTION_CHUNK, "runs": []}
+              "read_GBps": bandwidth / 1e9, "chunk": step_triton.ATTENTION_CHUNK,
+              "kv_heads": args.kv_heads, "grouped": step_triton.ATTENTION_GROUPED, "runs": []}
     print(f"{result['device']}, read {bandwidth / 1e9:.0f} GB/s, chunk {result['chunk']}")
     print(f"{'rows':>5} {'keys':>6} {'us/launch':>10} {'limit us':>9} {'of limit':>9}")
     for rows in args.rows:
         for keys in args.keys:
-            layers = max(1, min(args.layers, (8 << 30) // (rows * keys * KV_HEADS * HEAD_DIM * 4)))   # <= 8 GB
-            cases = [case(rows, keys, seed) for seed in range(layers)]
+            layers = max(1, min(args.layers, (8 << 30) // (rows * keys * args.kv_heads * HEAD_DIM * 4)))   # <= 8 GB
+            cases = [case(rows, keys, seed, args.kv_heads) for seed in range(layers)]
             scale = HEAD_DIM ** -0.5
             ms = graph_ms(lambda: [step_triton.decode_attention(q, k, v, t, n, BLOCK, scale) for q, k, v, t, n in cases],
                           20) / layers
-            limit = rows * keys * KV_HEADS * HEAD_DIM * 2 * 2 / bandwidth * 1e3
+            limit = rows * keys * args.kv_heads * HEAD_DIM * 2 * 2 / bandwidth * 1e3
             run = {"rows": rows, "keys": keys, "us": ms * 1e3, "limit_us": limit * 1e3, "of_limit": limit / ms}
             result["runs"].append(run)
             print(f"{rows:>5} {keys:>6} {ms * 1e3:>10.2f} {limit * 1e3:>9.2f} {limit / ms:>9.3f}", flush=True)
