@@ -108,14 +108,17 @@ def test_decode_attention_is_the_same_in_any_batch() -> None:
                                                (8, 32, 8, 128, [2048] * 8), (2, 8, 1, 128, [300, 64])])
 def test_grouped_attention_keeps_the_per_head_kernels_precision(b, h, kv, d, lengths, monkeypatch) -> None:
     """GQA's grouped kernel (tensor-core dots, P.V from P's two bf16 parts) gives the per-head
-    kernel's output (float32 products and sums) but for the order of the sums: at most one bf16
-    place apart, in under 1 % of the outputs (P rounded to bf16 moved about 35 %)."""
+    kernel's output (float32 products and sums) but for the order of the sums: under 1 % of the
+    outputs differ (P rounded to bf16 moved about 35 %), by at most a bf16 place of their head's
+    largest output (an output near 0 is a sum that cancels: a place of its own is no measure)."""
     from cuda_ext import step_triton
     q, kc, vc, tables, lens = paged_case(b, h, kv, d, lengths, 16, b + h)
     grouped = triton_ops.decode_attention(q, kc, vc, tables, lens, 16, d ** -0.5)
     monkeypatch.setattr(step_triton, "ATTENTION_GROUPED", False)
     per_head = triton_ops.decode_attention(q, kc, vc, tables, lens, 16, d ** -0.5)
-    assert ulps(grouped, per_head).max() <= 1.0 and (grouped != per_head).float().mean() < 0.01
+    place = torch.finfo(BF16).eps * per_head.float().abs().amax(-1, keepdim=True)
+    assert ((grouped.float() - per_head.float()).abs() <= place).all()
+    assert (grouped != per_head).float().mean() < 0.01
 
 
 def test_decode_attention_fuzzed() -> None:
