@@ -83,6 +83,11 @@ class ArchiveFile:
             self.nowait = False
             return 0
 
+    def read_cached(self, buf: memoryview, base: int, start: int, end: int) -> int:
+        """Bytes [start, start + n) put in buf as read() puts them, from the page cache alone: n
+        (0 when the first page is not cached, or without O_DIRECT's RWF_NOWAIT probe)."""
+        return self._cached(buf[start - base:end - base], start) if self.nowait else 0
+
     def read(self, buf: memoryview, base: int, start: int, end: int) -> None:
         """Fill buf[start - base : end - base] with file bytes [start, end). `buf` maps file
         offset `base` (aligned) to its byte 0 and extends to an aligned length."""
