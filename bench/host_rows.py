@@ -22,6 +22,7 @@ from fixedrate_gpu import graph_ms  # noqa: E402  (the benches' graph timing: fn
 
 if not torch.cuda.is_available():
     sys.exit("host_rows.py: needs a CUDA GPU")
+import cuda_ext  # noqa: E402
 from cuda_ext import ops  # noqa: E402
 
 VOCAB, WIDTH = 32000, 4096
@@ -46,6 +47,8 @@ def main() -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 32, 64, 512, 2048])
     p.add_argument("--json", type=Path)
     args = p.parse_args()
+    if not cuda_ext.available().cuda:
+        sys.exit(f"host_rows.py: the extension's CUDA ops are not built: {cuda_ext.available().reason}")
     g = torch.Generator(device="cuda").manual_seed(0)
     table = torch.randn(VOCAB, WIDTH, device="cuda", generator=g).to(torch.bfloat16)
     host = torch.empty(table.shape, dtype=table.dtype, pin_memory=True).copy_(table)
