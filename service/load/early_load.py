@@ -62,7 +62,7 @@ class EarlyLoad:
             opened = archive.entries, archive.reader.files(settings.verify_crc)
         self._mark("header and files read")
         with ThreadPoolExecutor(1, thread_name_prefix="wcodec-pin") as side:
-            pinned = side.submit(self._pin, settings.load_ring_buffers, opened[0], early is not None) if self.device.type == "cuda" else None
+            pinned = side.submit(self._pin, settings.load_ring_buffers, opened[0]) if self.device.type == "cuda" else None
             with self.timeline.span("early load: import cuda_ext (decoder extension)"):
                 cuda_ext.available()
             if pinned is not None:
@@ -79,7 +79,7 @@ class EarlyLoad:
         self._mark("weights decoded, skeleton ready")
         return decoded, ready
 
-    def _pin(self, ring: int, entries, from_memory: bool) -> None:
+    def _pin(self, ring: int, entries) -> None:
         """The CUDA context and the load's pinned ring buffers, beside the extension's import; then
         the forward's first kernels on a thread that nothing waits for. (service.model.build is
         imported there: the main thread may be importing it, which would block this one.)"""
@@ -87,7 +87,7 @@ class EarlyLoad:
         with self.timeline.span("early load: CUDA context"):
             torch.empty(1, device=self.device)
         with self.timeline.span("early load: pinned ring buffers"):
-            pipeline.PINNED.reserve(*pipeline.ring_shape(ring, pipeline.layer_batches(entries), from_memory))
+            pipeline.PINNED.reserve(*pipeline.ring_shape(ring, pipeline.layer_batches(entries)))
         threading.Thread(target=self._first_kernels, args=(_dtype(entries),), name="wcodec-first-kernels",
                          daemon=True).start()
 

@@ -223,7 +223,7 @@ def decode_archive(path: str | Path, device: torch.device, *, ring: int = 4, ver
     early = early if early is not None and early.matches(path) else None
     in_place = early is not None and (device.type == "cpu" or early.pinned)
     on_host = devicecheck.on_host(device, verify)          # else on the GPU, beside the decode
-    n_buffers, size = ring_shape(ring, batches, early is not None)
+    n_buffers, size = ring_shape(ring, batches)
     n_buffers = 0 if in_place else n_buffers
     pin = device.type == "cuda"
     buffers = PINNED.take(n_buffers, size) if pin else [aligned_buffer(size, pin) for _ in range(n_buffers)]

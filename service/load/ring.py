@@ -62,16 +62,10 @@ def layer_batches(entries: list[TensorEntry]) -> list[Batch]:
     return out
 
 
-MEMORY_RING = 2      # buffers of a ring fed from memory (an early read)
-
-
-def ring_shape(ring: int, batches: list[Batch], from_memory: bool = False) -> tuple[int, int]:
+def ring_shape(ring: int, batches: list[Batch]) -> tuple[int, int]:
     """(buffers, bytes of each) of a CUDA load's ring: one copying and one decoding at least, each
-    as large as the largest batch's aligned window. Fed from memory, a buffer only overlaps the
-    pool's memcpy into it with the H2D copy out of the other, so MEMORY_RING: start-up page-locks
-    its ring on its critical path (~0.25 s a 7B layer's buffer)."""
+    as large as the largest batch's aligned window."""
     size = max((align_up(b.end) - align_down(b.start) for b in batches), default=ALIGN) or ALIGN
-    ring = min(ring, MEMORY_RING) if from_memory else ring
     return min(max(ring, 2), len(batches)) or 1, size
 
 

@@ -184,17 +184,3 @@ def test_the_pinned_ring_hands_out_buffers_of_other_sizes() -> None:
     assert [b.numel() for b in taken] == [1572864, 1572864] and all(any(b is k for k in kept) for b in taken)
     assert sorted(b.numel() for b in ring._free) == [4096, 1974272]
 
-
-def test_a_ring_fed_from_memory_has_two_buffers(demo_archive: Path) -> None:
-    """From a file the ring has the setting's buffers (reads of batch k+1, k+2 in flight); from an
-    early read, two: a memcpy into one beside the H2D copy out of the other. Each as large as the
-    largest batch's aligned window."""
-    from service.load.reading import ALIGN
-    from service.load.ring import ring_shape
-    with Archive.open(demo_archive) as archive:
-        batches = layer_batches(archive.entries)
-    largest = max(b.end - b.start for b in batches)
-    n, size = ring_shape(4, batches)
-    assert n == 4 and largest <= size <= largest + 2 * ALIGN and size % ALIGN == 0
-    assert ring_shape(4, batches, from_memory=True) == (2, size)
-    assert ring_shape(2, batches[:1], from_memory=True)[0] == 1
