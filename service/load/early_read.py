@@ -22,7 +22,7 @@ from codec.errors import CodecError
 from ..timeline import Timeline
 from .memory import available_memory, unmap
 from .names import DEMO_NAME, SUFFIX, valid_name
-from .reading import ArchiveFile, Blob, Blobs, align_down, align_up, identity, read_range
+from .reading import ArchiveFile, Blob, Blobs, align_down, align_up, identity, layer_window, read_range
 
 log = logging.getLogger("wcodec.service")
 
@@ -92,6 +92,7 @@ class EarlyRead:
         with Reader.open(path) as reader:
             self.start, self.end = start, end = reader.preamble.data_offset, reader.preamble.header_offset
             self.blobs = Blobs(path, _blobs(reader), verify)
+            self.window = layer_window(reader.header["tensors"])       # a CUDA load's ring buffer (early_pin.py)
         self.base = align_down(start)
         self.nbytes = end - start
         self.buf = mmap.mmap(-1, max(align_up(end) - self.base, 1))
