@@ -22,13 +22,13 @@ def extensions():
         return {}
     cpu = [os.path.join(CSRC, name) for name in ("decode_float.cpp", "decode_quant.cpp", "crc32.cpp", "fixedrate.cpp",
                                                  "encode_float.cpp", "encode_prepare.cpp", "linear16.cpp",
-                                                 "step_cpu.cpp")]
+                                                 "step_cpu.cpp", "host_rows.cpp")]
     common = dict(include_dirs=[os.path.abspath(CSRC)], extra_link_args=["-fopenmp"])
     if torch.version.cuda and shutil.which("nvcc"):
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
         cuda = [os.path.join(CSRC, name) for name in ("decode_float.cu", "decode_quant.cu", "crc32.cu", "fixedrate.cu",
                                                       "fixedrate_gemv.cu", "fixedrate_mma.cu", "encode_float.cu",
-                                                      "encode_prepare.cu")]
+                                                      "encode_prepare.cu", "host_rows.cu")]
         ext = CUDAExtension("cuda_ext._C", cpu + cuda,
                             extra_compile_args={"cxx": CXX, "nvcc": NVCC}, **common)
     else:

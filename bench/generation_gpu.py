@@ -121,10 +121,10 @@ def serve(store: Path, out: Path, device: str, env: dict[str, str]) -> tuple[sub
     raise SystemExit(f"the server did not get ready; see {out / 'server.log'}")
 
 
-def metric(url: str, name: str) -> float:
-    """The sum of a metric's samples on the server's /metrics."""
+def metric(url: str, name: str, label: str = "") -> float:
+    """The sum of a metric's samples on the server's /metrics (those with `label`, e.g. 'device="cpu"')."""
     lines = httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
-    return sum(float(x.rsplit(" ", 1)[1]) for x in lines if x.startswith((name + "{", name + " ")))
+    return sum(float(x.rsplit(" ", 1)[1]) for x in lines if x.startswith((name + "{", name + " ")) and label in x)
 
 
 def wait_for_graphs(url: str, limit_s: float = 120.0) -> dict:
@@ -229,12 +229,13 @@ def served_runs(args: argparse.Namespace, device: str, env: dict[str, str], out:
                    timeout=600).raise_for_status()
         graphs = wait_for_graphs(url) if device == "cuda" else {}
         weight_bytes = metric(url, "wcodec_model_weight_bytes")
+        host_bytes = metric(url, "wcodec_model_memory_allocated_bytes", 'device="cpu"')     # fixed.HostEmbedding
         runs = {str(u): bench(url, u, args.duration, args.tokens, out) for u in [1, *args.users]}
         graphs_after = metric(url, "wcodec_engine_cuda_graphs")
     finally:
         proc.terminate()
         proc.wait(60)
-    return {"weight_bytes": weight_bytes, "request_tokens_per_s_1": args.tokens / runs["1"]["latency_s"]["p50"],
+    return {"weight_bytes": weight_bytes, "host_weight_bytes": host_bytes, "request_tokens_per_s_1": args.tokens / runs["1"]["latency_s"]["p50"],
             **{f"tokens_per_s_{u}": r["tokens_per_s"] for u, r in runs.items()},
             "ttft_p50": {u: r["ttft_s"]["p50"] for u, r in runs.items()},
             "errors": sum(r["errors"] for r in runs.values()), **graphs, "graphs_after": graphs_after, "runs": runs}
@@ -265,6 +266,7 @@ def main() -> None:
         summary[w] = {k: v for k, v in c.items() if k != "runs"}
         summary[f"{w}_over_decoded"] = {
             "weight_bytes": c["weight_bytes"] / d["weight_bytes"],
+            "weight_bytes_with_host": (c["weight_bytes"] + c["host_weight_bytes"]) / d["weight_bytes"],
             "request_tokens_per_s_1": c["request_tokens_per_s_1"] / d["request_tokens_per_s_1"],
             **{f"tokens_per_s_{u}": c[f"tokens_per_s_{u}"] / d[f"tokens_per_s_{u}"] for u in [1, *args.users]}}
     (args.out / "generation_gpu.json").write_text(json.dumps({**summary, "modes": modes}, indent=1))

@@ -173,6 +173,35 @@ def encode_planes(data: list[torch.Tensor], dtypes: list[int], freqs: list[torch
 ENCODE_OPS = ("wcodec::prepare_plane", "wcodec::prepare_planes", "wcodec::encode_planes")
 QUANT_OPS = ("wcodec::decode_bytes", "wcodec::dequantize_blocks", "wcodec::reconstruct_int8")
 CHECKSUM_OPS = ("wcodec::crc32_spans",)
+HOST_ROWS_OPS = ("wcodec::gather_host_rows",)
+
+
+def gather_host_rows(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
+    """Rows `ids` (int64 [N]) of `table` ([V, E], contiguous, in host memory) -> `out` ([N, E],
+    the table's dtype, on ids' device); an id outside [0, V) gives a row of zeros. On CUDA the
+    table stays page-locked on the host and the GPU reads the rows over the bus, on the current
+    stream, with no host sync (a captured decode step holds it)."""
+    torch.ops.wcodec.gather_host_rows.default(table, ids, out)
+
+
+def reference_gather_host_rows(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
+    inside = (ids >= 0) & (ids < table.shape[0])
+    rows = table.index_select(0, torch.where(inside, ids, 0).cpu()).to(out.device)
+    out.copy_(torch.where(inside[:, None], rows, torch.zeros((), dtype=out.dtype, device=out.device)))
+
+
+def sample_host_rows_inputs(device: str | torch.device) -> list[tuple]:
+    """(table, ids, out) cases: 16-byte rows and odd ones, ids outside the table, none at all."""
+    g = torch.Generator().manual_seed(5)
+    cases = []
+    for (v, e), dtype in (((64, 40), torch.bfloat16), ((33, 7), torch.float16), ((5, 3), torch.float32)):
+        table = torch.randint(-2**15, 2**15, (v, e * dtype.itemsize // 2), generator=g, dtype=torch.int16)
+        table = table.view(dtype).contiguous()
+        table = table.pin_memory() if torch.device(device).type == "cuda" else table
+        ids = torch.tensor([0, v - 1, 3 % v, -1, v, 2 % v], dtype=torch.int64, device=device)
+        cases.append((table, ids, torch.empty(len(ids), table.shape[1], dtype=dtype, device=device)))
+    cases.append((cases[0][0], cases[0][1][:0], cases[0][2][:0]))
+    return cases
 
 
 def has_ops(ops: tuple[str, ...], device_type: str | None = None) -> bool:
@@ -201,6 +230,8 @@ def register_fakes() -> None:
         torch.library.register_fake("wcodec::decode_bytes")(lambda data, desc, outputs, status: None)
         torch.library.register_fake("wcodec::dequantize_blocks")(lambda planes, ggml_type, outs: None)
         torch.library.register_fake("wcodec::reconstruct_int8")(lambda resid, modes, scales, out: None)
+    if has_ops(HOST_ROWS_OPS):
+        torch.library.register_fake("wcodec::gather_host_rows")(lambda table, ids, out: None)
     if has_ops(CHECKSUM_OPS):
         torch.library.register_fake("wcodec::crc32_spans")(
             lambda data, spans: data.new_empty(spans.shape[0], dtype=torch.int64))

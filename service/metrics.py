@@ -13,7 +13,8 @@ Loads    wcodec_model_load_duration_seconds{model,phase}   phase: read, h2d, dec
          wcodec_model_state{model,state}               1 for the model's current state, else 0
 Memory   wcodec_gpu_memory_allocated_bytes, wcodec_gpu_memory_reserved_bytes   torch.cuda totals
                                                    (0 on a CPU-only server)
-         wcodec_model_memory_allocated_bytes{model,device}   bytes of the model's resident weights
+         wcodec_model_memory_allocated_bytes{model,device}   bytes of the model's resident weights (device
+                                                             "cpu" on a GPU server: a table kept on the host)
          wcodec_model_memory_reserved_bytes{model,device}    CUDA: growth of the allocator's reserve
                                                    over its load; CPU: same as allocated
          wcodec_model_weight_bytes{model,weights}            its weights' bytes, decoded or compressed

@@ -4,8 +4,10 @@
     1  settings; then each preloaded model's archive starts reading into memory on a thread
        pool (service/load/early_read.py: no torch), verified as it arrives; four 2 MiB requests
        at a time until the imports are done (early_read.ImportGate), then all at once
-    2  import torch; then, per preloaded model, a thread (service/load/early_load.py) makes the CUDA
-       context, loads the decoder extension and decodes the model from its early read while
+       and, on a thread, CUDA's runtime (by ctypes) makes the device's context and page-locks the
+       first load's ring buffers (service/load/early_pin.py)
+    2  import torch; then, per preloaded model, a thread (service/load/early_load.py) takes the
+       CUDA context and those buffers, loads the decoder extension and decodes the model from its early read while
        its tokenizer and meta skeleton are built
     3  meanwhile the main thread imports the service (fastapi, uvicorn) and builds the app;
        uvicorn starts; the lifespan's load of each preloaded model takes the early load's result
@@ -67,13 +69,18 @@ def _restore_once_read(reads: dict, switch: float) -> None:
     threading.Thread(target=restore, name="wcodec-switch-interval", daemon=True).start()
 
 
-def _start_early_loads(settings, paths: dict, reads: dict, timeline: Timeline) -> dict:
+def _start_early_pin(settings, reads: dict, timeline: Timeline):
+    from service.load.early_pin import start_early_pin
+    return start_early_pin(reads, settings, timeline)
+
+
+def _start_early_loads(settings, paths: dict, reads: dict, timeline: Timeline, pin=None) -> dict:
     """Decode each preloaded model on its own thread from now on; else only warm up. Nothing more
     is imported here: service.model.build (fastapi, through service.errors) took 0.3-0.5 s on the
     2-core CPU before the early loads could start; they import only what their decode needs."""
     from service.load.early_load import start_early_loads
     if paths:
-        return start_early_loads(reads, paths, settings, settings.torch_device(), timeline)
+        return start_early_loads(reads, paths, settings, settings.torch_device(), timeline, pin)
     threading.Thread(target=_warm_up, args=(settings, timeline), name="wcodec-warm-up", daemon=True).start()
     return reads
 
@@ -98,10 +105,11 @@ def run(args: argparse.Namespace, timeline: Timeline | None = None) -> int:
     switch = sys.getswitchinterval()         # and get the GIL back soon after each request
     sys.setswitchinterval(IMPORT_SWITCH_INTERVAL)
     paths, reads = _start_early_reads(settings, timeline, gate)
+    pin = _start_early_pin(settings, reads, timeline)
     _restore_once_read(reads, switch)
     with timeline.span("import torch"):
         import torch  # noqa: F401
-    early = _start_early_loads(settings, paths, reads, timeline)
+    early = _start_early_loads(settings, paths, reads, timeline, pin)
     with timeline.span("import uvicorn, fastapi and the service"):
         import uvicorn
 

@@ -16,6 +16,8 @@
 #   tests        tests/gpu: every kernel against the C++ twin and the NumPy reference (GPU_TESTS: other paths)
 #   sanitize     compute-sanitizer memcheck over sample decodes (float and quantized kernels) and the
 #                fixed-rate ops (transcoder, decode, fused linear)
+#   sanitize-rows  compute-sanitizer memcheck over gather_host_rows' tests (the embedding gather
+#                from page-locked host memory; the graph test left out, as for sanitize-step)
 #   sanitize-lies  compute-sanitizer over mutated archives through the CUDA decoder (SANITIZE_MUTATIONS)
 #   service      the service's GPU tests (carry .whl from `carry.sh service`; MUTATIONS, default 60)
 #   demo         the demo model's compressed-weights tests on CUDA, float-coded and GGUF blocks kept
@@ -99,6 +101,10 @@ for s in ${STAGES:-build tests}; do
             > "$OUT/paged_step.log" 2>&1
           grep -E "^(triton|modules) |^\{" "$OUT/paged_step.log"
           stage attention timeout "$(left 120)" python3 bench/decode_attention.py --json "$OUT/decode_attention.json" ;;
+    sanitize-rows) PYTORCH_NO_CUDA_MEMORY_CACHING=1 stage sanitize-rows timeout "$(left 120)" compute-sanitizer \
+                     --tool memcheck --error-exitcode 1 python3 -m pytest -q -p no:cacheprovider \
+                     tests/gpu/test_host_rows_cuda.py -k "not captured" > "$OUT/sanitizer_rows.log" 2>&1
+                   grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitizer_rows.log" | tail -3 ;;
     sanitize-step) PYTORCH_NO_CUDA_MEMORY_CACHING=1 stage sanitize-step timeout "$(left 240)" compute-sanitizer \
                      --tool memcheck --error-exitcode 1 python3 -m pytest -q -p no:cacheprovider \
                      tests/gpu/test_step_kernels.py -k "not fuzzed and not modules_step" > "$OUT/sanitizer_step.log" 2>&1

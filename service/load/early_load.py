@@ -20,14 +20,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from ..timeline import Timeline
+from .early_pin import EarlyPin
 from .early_read import EarlyRead
 from .reading import identity
 
 
 class EarlyLoad:
     def __init__(self, name: str, path: str, device: torch.device, settings, early: EarlyRead | None,
-                 timeline: Timeline):
-        self.name, self.path, self.device, self.timeline = name, path, device, timeline
+                 timeline: Timeline, pin: EarlyPin | None = None):
+        self.name, self.path, self.device, self.timeline, self.pin = name, path, device, timeline, pin
         self.identity = identity(path)
         self.weights = settings.weights                              # preloads use the default weights mode
         self.read = early if early is not None and settings.host_cache_budget() > 0 else None
@@ -86,6 +87,8 @@ class EarlyLoad:
         from . import pipeline
         with self.timeline.span("early load: CUDA context"):
             torch.empty(1, device=self.device)
+        if self.pin is not None:                   # made while torch was imported (early_pin.py)
+            pipeline.PINNED.give(self.pin.take())
         with self.timeline.span("early load: pinned ring buffers"):
             pipeline.PINNED.reserve(*pipeline.ring_shape(ring, pipeline.layer_batches(entries)))
         threading.Thread(target=self._first_kernels, args=(_dtype(entries),), name="wcodec-first-kernels",
@@ -142,7 +145,9 @@ def _dtype(entries) -> torch.dtype:
 
 
 def start_early_loads(early_reads: dict[str, EarlyRead], paths: dict[str, str], settings, device: torch.device,
-                      timeline: Timeline) -> dict[str, EarlyLoad]:
-    """An early load per preloaded model (each with its early read, if any)."""
-    return {name: EarlyLoad(name, path, device, settings, early_reads.pop(name, None), timeline)
+                      timeline: Timeline, pin: EarlyPin | None = None) -> dict[str, EarlyLoad]:
+    """An early load per preloaded model (each with its early read, if any; the first to need a
+    ring takes `pin`'s buffers)."""
+    pin = pin if device.type == "cuda" else None
+    return {name: EarlyLoad(name, path, device, settings, early_reads.pop(name, None), timeline, pin)
             for name, path in paths.items()}

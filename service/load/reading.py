@@ -18,6 +18,7 @@ first. No torch here: `wcodec serve` starts these reads before its heavy imports
 """
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from collections.abc import Callable
@@ -43,6 +44,19 @@ def align_down(n: int) -> int:
 
 def align_up(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
+
+
+def layer_window(records) -> int:
+    """Bytes of a ring buffer (ring.ring_shape's) for an archive's tensor records in file order
+    (header dicts or TensorEntry objects): the largest aligned window over one layer's streams."""
+    get = (lambda r, k: r[k]) if records and isinstance(records[0], dict) else getattr
+    size = 0
+    for _, run in itertools.groupby(records, key=lambda r: get(r, "layer")):
+        recs = [s for r in run for s in get(r, "streams").values()]
+        if recs:
+            start, end = min(s["offset"] for s in recs), max(s["offset"] + s["length"] for s in recs)
+            size = max(size, align_up(end) - align_down(start))
+    return size or ALIGN
 
 
 class ArchiveFile:
@@ -82,6 +96,11 @@ class ArchiveFile:
         except OSError:                       # RWF_NOWAIT unsupported here: read buffered
             self.nowait = False
             return 0
+
+    def read_cached(self, buf: memoryview, base: int, start: int, end: int) -> int:
+        """Bytes [start, start + n) put in buf as read() puts them, from the page cache alone: n
+        (0 when the first page is not cached, or without O_DIRECT's RWF_NOWAIT probe)."""
+        return self._cached(buf[start - base:end - base], start) if self.nowait else 0
 
     def read(self, buf: memoryview, base: int, start: int, end: int) -> None:
         """Fill buf[start - base : end - base] with file bytes [start, end). `buf` maps file

@@ -42,6 +42,7 @@ class ServedModel:
     weight_bytes: int               # device bytes of its weights as they are held (`weights`)
     weights: str = "decoded"        # "compressed": decoder layers decoded per forward (compressed.py)
     schedule: compressed.UnitSchedule | None = None     # in compressed mode
+    host_bytes: int = 0             # host bytes of its weights (fixed.HostEmbedding's table)
 
     @property
     def special_ids(self) -> frozenset[int]:
@@ -172,13 +173,13 @@ def finish(name: str, prepared: Prepared, decoded: dict[str, torch.Tensor], kept
     model that is not llama.py's gets them dequantized instead); matrices in the fixed-rate form
     (`fixed_form`), FixedLinears (fixed.py)."""
     config, tokenizer = prepared.config, prepared.tokenizer
-    tensors, schedule, held = decoded, None, 0
+    tensors, schedule, held, host = decoded, None, 0, 0
     if blocks and not isinstance(prepared.model, llama.LlamaForCausalLM):
         tensors, blocks = {**tensors, **quantized.dequantized(blocks)}, None
     if blocks:
         held = quantized.attach(prepared.model, blocks, device)
     if fixed_form:
-        held_fixed, back = fixed.attach(prepared.model, fixed_form)
+        held_fixed, host, back = fixed.attach(prepared.model, fixed_form)
         tensors, decoded, held = {**tensors, **back}, {**decoded, **back}, held + held_fixed
     if kept:
         schedule = compressed.attach(prepared.model, kept, device, scratch, on_forward)
@@ -193,7 +194,7 @@ def finish(name: str, prepared: Prepared, decoded: dict[str, torch.Tensor], kept
     dtype = next(iter(blocks.values())).dtype if blocks else next(model.parameters()).dtype
     return ServedModel(name, model, tokenizer, device, dtype, eos, pad,
                        getattr(config, "max_position_embeddings", 2048), weight_bytes,
-                       "compressed" if schedule is not None or blocks or fixed_form else "decoded", schedule)
+                       "compressed" if schedule is not None or blocks or fixed_form else "decoded", schedule, host)
 
 
 _WARM_LOCK = threading.Lock()

@@ -123,7 +123,8 @@ def estimate_bytes(entries, scratch: int, form: str = "indexed") -> int:
     blocks and their scratch (quantized.py); float matrices in the fixed-rate form (fixed.py), or
     else the decoder layers' kept streams, their index and `scratch` scratch buffers; the rest decoded."""
     blocks = [e for e in entries if quantized.keeps(e)]
-    if form == "fixed":                 # outside the layers (a head, the embedding): counted decoded
+    if form == "fixed":                 # outside the layers (a head, the embedding): counted decoded (over
+                                        # by the table where fixed.HostEmbedding keeps it on the host)
         matrices = [e for e in entries if fixed.keeps(e) and e.layer is not None]
         ids = {id(e) for e in blocks + matrices}
         rest = sum(e.nbytes for e in entries if id(e) not in ids)

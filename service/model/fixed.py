@@ -6,7 +6,11 @@ decoded in registers; nothing written back) and, for more rows (prompts, large b
 the weight into a temporary and calls cuBLAS.
 
 * About 0.71 of bf16 bytes: 0.697 fixed, plus two bytes for each escaped exponent (its entry).
-* A matrix that is not a Linear's (the embedding table, gathered by row) is decoded back at load.
+* The embedding table, gathered by row, is decoded back at load and kept in page-locked host
+  memory (`HostEmbedding`), as llama.cpp keeps its input layer on the CPU: a step reads its rows
+  over the bus (8 KiB a token of a 7B), and the device holds only the matrices' form. A head tied
+  to the table shares it on the device, as in decoded mode; any other matrix that is not a
+  Linear's is decoded back onto the device.
 * The fused op launches on the current stream with no host sync, so the engine's decode steps
   capture it in their CUDA graphs.
 
@@ -20,11 +24,12 @@ import torch
 from codec import fixedrate as form
 from codec.constants import CODEC_FLOAT
 import cuda_ext
-from cuda_ext import fixedrate
+from cuda_ext import fixedrate, ops
 
 from . import llama
 
 ESCAPES = 0.02                   # escaped weights the estimate allows (trained-like 8B layer: ~0.012)
+EMBEDDING = "model.embed_tokens.weight"
 
 
 def form_for(setting: str, device: torch.device) -> str:
@@ -85,17 +90,51 @@ class FixedLinear(torch.nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def attach(model: torch.nn.Module, kept: dict[str, fixedrate.FixedRateWeight]) -> tuple[int, dict[str, torch.Tensor]]:
+class HostEmbedding(torch.nn.Module):
+    """An embedding table [V, E] in page-locked host memory: ids [...] on the GPU -> [..., E], the
+    GPU reading the gathered rows through the table's mapping (ops.gather_host_rows), on the
+    current stream with no host sync, so a captured decode step holds it. The table is a CPU
+    buffer: an unload's `model.to("meta")` frees it."""
+
+    def __init__(self, table: torch.Tensor):
+        super().__init__()
+        self.register_buffer("weight", table, persistent=False)
+        self.num_embeddings, self.embedding_dim = table.shape
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(ids.numel(), self.embedding_dim, dtype=self.weight.dtype, device=ids.device)   # [N, E]
+        ops.gather_host_rows(self.weight, ids.reshape(-1).long(), out)
+        return out.view(*ids.shape, self.embedding_dim)
+
+
+def on_host(w: fixedrate.FixedRateWeight) -> torch.Tensor:
+    """The weight decoded into page-locked host memory (its device copy dropped)."""
+    table = torch.empty(w.rows, w.cols, dtype=w.dtype, pin_memory=True)
+    return table.copy_(fixedrate.decode(w))
+
+
+def _table_on_host(model: torch.nn.Module, name: str, w: fixedrate.FixedRateWeight) -> bool:
+    """Whether `name` is a llama.py model's embedding table that no head shares, loaded on CUDA,
+    with the gather op built."""
+    return name == EMBEDDING and isinstance(model, llama.LlamaForCausalLM) and w.plane.is_cuda \
+        and not model.config.tie_word_embeddings and ops.has_ops(ops.HOST_ROWS_OPS, "cuda")
+
+
+def attach(model: torch.nn.Module, kept: dict[str, fixedrate.FixedRateWeight]) -> tuple[int, int, dict[str, torch.Tensor]]:
     """Put FixedLinears in place of the Linears whose weights were `kept` (in `model`, still on
-    meta). Returns their bytes and, decoded back, the kept tensors that are not a Linear's weight
-    (the embedding; a tied head then shares it, as in decoded mode)."""
-    held, rest = 0, {}
+    meta), and a HostEmbedding in place of an embedding that no head shares. Returns the
+    FixedLinears' device bytes, the host table's bytes and, decoded back on the device, the kept
+    tensors that are neither (a tied embedding: the head shares it, as in decoded mode)."""
+    held, host, rest = 0, 0, {}
     for name, w in kept.items():
         owner, attr = llama.owner_of(model, name.removesuffix(".weight"))
         module = getattr(owner, attr, None)
         if name.endswith(".weight") and type(module) is llama.Linear:
             setattr(owner, attr, FixedLinear(w, module.bias))
             held += w.nbytes
+        elif _table_on_host(model, name, w):
+            model.model.embed_tokens = HostEmbedding(on_host(w))
+            host += model.model.embed_tokens.weight.nbytes
         else:
             rest[name] = fixedrate.decode(w)
-    return held, rest
+    return held, host, rest

@@ -67,27 +67,36 @@ def _tiny_tokenizer(folder: Path):
     return fast
 
 
-@pytest.fixture(scope="session")
-def tiny_archive(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random 2-layer Llama (bf16, float-coded tensors) with its own tokenizer: needs no
-    download and no demo package, so it runs anywhere (the GPU tests use it)."""
+def _tiny_llama(folder: Path, tied: bool) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from codec.encode import compress_state_dict
 
-    folder = tmp_path_factory.mktemp("tiny")
     tok = _tiny_tokenizer(folder)
     config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+                         tie_word_embeddings=tied, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(torch.bfloat16)
-    state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}       # tied
+    state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight" or not tied}
     files = {p.name: p.read_bytes() for p in folder.iterdir()} | {"config.json": config.to_json_string().encode()}
     path = folder / "tiny.wcodec"
     compress_state_dict(state, path, files=files, workers=1)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_archive(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random 2-layer Llama (bf16, float-coded tensors, its head tied to the embedding) with its
+    own tokenizer: needs no download and no demo package, so it runs anywhere (the GPU tests use it)."""
+    return _tiny_llama(tmp_path_factory.mktemp("tiny"), tied=True)
+
+
+@pytest.fixture(scope="session")
+def untied_tiny_archive(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny_archive with a head of its own (as Llama-2 and -3 have)."""
+    return _tiny_llama(tmp_path_factory.mktemp("untied"), tied=False)
 
 
 @pytest.fixture

@@ -1,7 +1,8 @@
 """The paged engine on CUDA (scripts/gpu/run.sh, stage engine): greedy tokens of captured decode
 steps equal the padded eager engine's on the demo model (5 prompts x 32 alone, 8 together; needs
 the demo package), and so do compressed mode's, its decodes captured in the graphs, against its
-eager steps; on the tiny random Llama (runs anywhere): a graph replay equals the eager paged step; closing frees graphs and cache; twice the cache's budget in concurrent requests through the
+eager steps, and so do the fixed-rate form's with its embedding table read from the host; on the
+tiny random Llama (runs anywhere): a graph replay equals the eager paged step; closing frees graphs and cache; twice the cache's budget in concurrent requests through the
 engine: each completes or gets a 429, none is lost."""
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from service.engine.runner import Chunk, Decode
 from service.engine.sampling import Row, SamplingParams
 from service.load import pipeline
 from service.metrics import Metrics
-from service.model import build
+from service.model import build, fixed
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 CUDA = torch.device("cuda")
@@ -107,6 +108,25 @@ def test_compressed_mode_captures_its_decodes(packed, together) -> None:
     assert ours == theirs
     torch.cuda.synchronize()
     packed.schedule._forward_starts()                                     # reads and checks every status
+
+
+def test_an_untied_embedding_is_read_from_the_host_inside_the_graphs(untied_tiny_archive) -> None:
+    """The fixed-rate form with a head of its own: the embedding table stays in page-locked host
+    memory (fixed.HostEmbedding), outside the device bytes; the replayed decode steps read it and
+    give the eager steps' tokens, every prompt, every token; decoded mode's table, bit for bit."""
+    d = pipeline.decode_archive(untied_tiny_archive, CUDA, compressed=True, form="fixed")
+    packed = build.finish("tiny", build.prepare("tiny", d.files), d.tensors, d.layers, CUDA, fixed_form=d.fixed)
+    emb, decoded = packed.model.model.embed_tokens, load(untied_tiny_archive, "tiny", CUDA)
+    assert isinstance(emb, fixed.HostEmbedding) and emb.weight.is_pinned() and packed.host_bytes == emb.weight.nbytes
+    assert torch.equal(emb.weight.view(torch.int16), decoded.model.model.embed_tokens.weight.cpu().view(torch.int16))
+    linears = [m for m in packed.model.modules() if isinstance(m, fixed.FixedLinear)]
+    on_device = sum(m.weight_form.nbytes for m in linears) + sum(p.nbytes for p in packed.model.parameters())
+    assert isinstance(packed.model.lm_head, fixed.FixedLinear) and packed.weight_bytes == on_device
+    rows = lambda: [Row(packed.tokenizer.encode(p), SamplingParams(16), packed) for p in PROMPTS]
+    s = paged(packed)
+    ours = generate(s, rows(), True)
+    assert s.runner.use_graphs and s.runner.graphs
+    assert ours == generate(paged(packed, cuda_graphs=False), rows(), True)
 
 
 @torch.inference_mode()

@@ -183,3 +183,4 @@ def test_the_pinned_ring_hands_out_buffers_of_other_sizes() -> None:
     taken = ring.take(2, 1500000)
     assert [b.numel() for b in taken] == [1572864, 1572864] and all(any(b is k for k in kept) for b in taken)
     assert sorted(b.numel() for b in ring._free) == [4096, 1974272]
+

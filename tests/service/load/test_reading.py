@@ -79,6 +79,27 @@ def test_direct_descriptor_is_opened_where_supported(blob_file) -> None:
     assert not ArchiveFile(str(path), False).direct
 
 
+def test_read_cached_takes_page_cache_bytes_only(blob_file) -> None:
+    """read_cached puts bytes where read() would, but only those the page cache holds: all of a
+    file just written, none of an evicted one (no disk read); never without O_DIRECT's probe."""
+    path, data, _ = blob_file
+    buf = memoryview(bytearray(align_up(len(data))))
+    file = ArchiveFile(str(path), None)
+    try:
+        if file.nowait:                                  # O_DIRECT here (ext4/xfs), RWF_NOWAIT probes
+            n = file.read_cached(buf, 0, 4099, 200_001)
+            assert n == 200_001 - 4099 and bytes(buf[4099:200_001]) == data[4099:200_001]
+            _evict(path)
+            assert file.read_cached(buf, 0, 4099, 200_001) == 0
+    finally:
+        file.close()
+    buffered = ArchiveFile(str(path), False)
+    try:
+        assert buffered.read_cached(buf, 0, 0, 1000) == 0               # buffered only: no probe
+    finally:
+        buffered.close()
+
+
 def test_a_corrupt_blob_is_named(blob_file, tmp_path: Path) -> None:
     path, data, blobs = blob_file
     bad = bytearray(data)
@@ -106,13 +127,24 @@ def test_waiters_get_the_first_error(blob_file) -> None:
 
 
 class _CountingFile:
-    """An ArchiveFile stand-in that records each read's size and how many run at once."""
+    """An ArchiveFile stand-in that records each read's size and how many run at once; bytes
+    before `cached_upto` are in its page cache (read_cached), the rest only on its disk (read)."""
 
-    def __init__(self, data: bytes):
+    def __init__(self, data: bytes, cached_upto: int = 0):
         import threading
         import time
         self.data, self.sizes, self.most, self._now = data, [], 0, 0
+        self.cached_upto, self.cached_sizes = cached_upto, []
         self._lock, self._sleep = threading.Lock(), time.sleep
+
+    def read_cached(self, buf: memoryview, base: int, start: int, end: int) -> int:
+        stop = min(end, self.cached_upto)
+        if stop <= start:
+            return 0
+        with self._lock:
+            self.cached_sizes.append(stop - start)
+        buf[start - base:stop - base] = self.data[start:stop]
+        return stop - start
 
     def read(self, buf: memoryview, base: int, start: int, end: int) -> None:
         with self._lock:
@@ -144,3 +176,21 @@ def test_the_import_gate_keeps_start_up_reads_narrow_until_it_opens(blob_file) -
                             lambda b, base, a, z: gate.read(file, b, base, a, z), piece=16 * ALIGN):
             f.result()
     assert file.most > 2 and max(file.sizes) == 16 * ALIGN                # wide: whole pieces, side by side
+
+
+def test_the_import_gate_takes_page_cached_bytes_whole(blob_file) -> None:
+    """Bytes in the page cache are no disk request: while the gate is shut they are taken a
+    whole piece at a time (still `narrow` at once); the bytes past them go to the disk narrow."""
+    from service.load.early_read import ImportGate
+    path, data, blobs = blob_file
+    cached_upto = align_up(len(data) // 2) + 5 * ALIGN // 2                # mid-piece, not aligned
+    gate, file = ImportGate(narrow=2, chunk=8 * ALIGN), _CountingFile(data, cached_upto)
+    buf = memoryview(bytearray(align_up(len(data))))
+    with ThreadPoolExecutor(8) as pool:
+        for f in read_range(pool, None, buf, 0, 0, len(data), Blobs(str(path), blobs, True),
+                            lambda b, base, a, z: gate.read(file, b, base, a, z), piece=16 * ALIGN):
+            f.result()
+    assert bytes(buf[:len(data)]) == data
+    assert sum(file.cached_sizes) == cached_upto and max(file.cached_sizes) == 16 * ALIGN   # whole pieces
+    assert sum(file.sizes) == len(data) - cached_upto                       # the disk reads only the rest,
+    assert file.most <= 2 and max(file.sizes) <= 8 * ALIGN                 # narrow

@@ -123,3 +123,21 @@ def test_parts_kept_decoded_are_not_joined() -> None:
     assert not hasattr(parent, "qkv_linear") and not hasattr(parent, "qkv_weight")
     x = torch.randn(2, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
     assert [t.shape for t in paged._joined(parent, "qkv", parts, x)] == [(2, 32)] * 3
+
+
+def test_a_host_embedding_gathers_the_tables_rows() -> None:
+    """HostEmbedding on the CPU (the op's twin; on CUDA the table is page-locked and the GPU reads
+    it: tests/service/engine/test_scheduler_cuda.py): F.embedding's rows, any ids' shape."""
+    table = torch.randn(50, 24, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    emb = fixed.HostEmbedding(table)
+    ids = torch.tensor([[0, 49, 7], [7, 3, 3]])
+    assert torch.equal(emb(ids), torch.nn.functional.embedding(ids, table))
+    assert emb.embedding_dim == 24 and dict(emb.named_buffers()) == {"weight": table}
+    assert emb.state_dict() == {}                           # not a checkpoint's tensor: the load assigns none
+
+
+def test_without_cuda_the_embedding_stays_on_its_device(untied_tiny_archive) -> None:
+    """The host table is a CUDA placement: on the CPU an untied embedding is decoded back as before."""
+    packed = served(untied_tiny_archive, "compressed")
+    assert type(packed.model.model.embed_tokens) is llama.Embedding and packed.host_bytes == 0
+    assert isinstance(packed.model.lm_head, fixed.FixedLinear)
