@@ -7,7 +7,7 @@ were the start-up's critical path to the first token: the decode waited for them
 read had its bytes in memory already. Here CUDA's runtime library -- the very file torch loads,
 from the nvidia runtime wheel -- is opened by ctypes: cudaSetDevice makes the device's primary
 context, which torch then finds and uses, and cudaHostAlloc page-locks the buffers. After torch's
-import the early load adopts them (`buffers`: views that PINNED keeps for the process, as it keeps
+import the early load adopts them (`take`: views that PINNED keeps for the process, as it keeps
 its own). Whatever is missing (no runtime library: a CPU-only torch; no GPU; an error) leaves the
 buffers to the early load, as before: nothing here fails a start."""
 from __future__ import annotations

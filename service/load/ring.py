@@ -28,7 +28,7 @@ from codec.entries import TensorEntry
 from cuda_ext import plans
 
 from .early_read import EarlyRead
-from .reading import ALIGN, ArchiveFile, Blob, Blobs, align_down, align_up, read_range
+from .reading import ALIGN, ArchiveFile, Blob, Blobs, align_down, align_up, layer_window, read_range
 
 
 @dataclass(frozen=True)
@@ -65,8 +65,7 @@ def layer_batches(entries: list[TensorEntry]) -> list[Batch]:
 def ring_shape(ring: int, batches: list[Batch]) -> tuple[int, int]:
     """(buffers, bytes of each) of a CUDA load's ring: one copying and one decoding at least, each
     as large as the largest batch's aligned window."""
-    size = max((align_up(b.end) - align_down(b.start) for b in batches), default=ALIGN) or ALIGN
-    return min(max(ring, 2), len(batches)) or 1, size
+    return min(max(ring, 2), len(batches)) or 1, layer_window([e for b in batches for e in b.entries])
 
 
 def blobs_of(batch: Batch) -> list[Blob]:
