@@ -15,6 +15,7 @@ Everything but `estimate_bytes` blocks: the registry runs it in a worker thread.
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +25,7 @@ from functools import partial
 import torch
 
 from codec.decode import Archive
+from codec.errors import CodecError
 
 from ..metrics import Metrics
 from ..model import build, compressed, cpu_dtype, fixed
@@ -68,7 +70,9 @@ class Loader:
             return decoded_bytes
         with Archive.open(path) as archive:
             scratch = self.settings.compressed_scratch if self.device.type == "cuda" else 1
-            return compressed.estimate_bytes(archive.entries, scratch, self._form())
+            form = self._form()
+            host = fixed.host_names(_config(archive)) if form == "fixed" else frozenset()
+            return compressed.estimate_bytes(archive.entries, scratch, form, host)
 
     def _form(self) -> str:
         return fixed.form_for(self.settings.compressed_form, self.device)
@@ -189,3 +193,16 @@ class Loader:
         self.release_early()
         self.host_cache.clear()
         self.free_memory()
+
+
+def _config(archive: Archive) -> dict | None:
+    """The archive's embedded config.json (unchecked: the load checks every stream), None if it
+    has none or it is not a JSON object."""
+    rec = archive.reader.header.get("files", {}).get("config.json")
+    if rec is None:
+        return None
+    try:
+        config = json.loads(archive.reader.checked_stream(rec, "file 'config.json'", False).tobytes())
+    except (ValueError, CodecError):
+        return None
+    return config if isinstance(config, dict) else None

@@ -118,16 +118,16 @@ def stays_compressed(e) -> bool:
     return e.layer is not None and e.codec == CODEC_FLOAT and e.dtype in plans.DTYPE_CODES and len(e.shape) >= 2
 
 
-def estimate_bytes(entries, scratch: int, form: str = "indexed") -> int:
+def estimate_bytes(entries, scratch: int, form: str = "indexed", host: frozenset[str] = frozenset()) -> int:
     """Device bytes a model takes in compressed-resident mode, from its header: GGUF matrices'
     blocks and their scratch (quantized.py); float matrices in the fixed-rate form (fixed.py), or
-    else the decoder layers' kept streams, their index and `scratch` scratch buffers; the rest decoded."""
+    else the decoder layers' kept streams, their index and `scratch` scratch buffers; the rest
+    decoded, but for the tensors the fixed form keeps on the host (`host`: fixed.host_names)."""
     blocks = [e for e in entries if quantized.keeps(e)]
-    if form == "fixed":                 # outside the layers (a head, the embedding): counted decoded (over
-                                        # by the table where fixed.HostEmbedding keeps it on the host)
+    if form == "fixed":                 # outside the layers (a head, the embedding): counted decoded
         matrices = [e for e in entries if fixed.keeps(e) and e.layer is not None]
         ids = {id(e) for e in blocks + matrices}
-        rest = sum(e.nbytes for e in entries if id(e) not in ids)
+        rest = sum(e.nbytes for e in entries if id(e) not in ids and e.name not in host)
         return quantized.estimate_bytes(blocks) + fixed.estimate_bytes(matrices) + rest
     kept = [e for e in entries if stays_compressed(e)]
     streams = sum(r["length"] for e in kept for r in e.streams.values())

@@ -113,11 +113,25 @@ def on_host(w: fixedrate.FixedRateWeight) -> torch.Tensor:
     return table.copy_(fixedrate.decode(w))
 
 
+def host_table(config: llama.LlamaConfig) -> bool:
+    """Whether a llama.py model of `config` keeps its embedding table on the host in this form on
+    CUDA: no head shares the table, and the gather op is built."""
+    return not config.tie_word_embeddings and ops.has_ops(ops.HOST_ROWS_OPS, "cuda")
+
+
+def host_names(config: dict | None) -> frozenset[str]:
+    """The tensors this form keeps on the host for a model whose config.json is `config` (the
+    memory budget's estimate, before the load): an untied llama.py model's embedding table."""
+    try:
+        parsed = llama.LlamaConfig.parse(config) if config else None
+    except (ValueError, KeyError, TypeError, ArithmeticError):        # not valid: build.prepare says why
+        return frozenset()
+    return frozenset({EMBEDDING}) if parsed is not None and host_table(parsed) else frozenset()
+
+
 def _table_on_host(model: torch.nn.Module, name: str, w: fixedrate.FixedRateWeight) -> bool:
-    """Whether `name` is a llama.py model's embedding table that no head shares, loaded on CUDA,
-    with the gather op built."""
-    return name == EMBEDDING and isinstance(model, llama.LlamaForCausalLM) and w.plane.is_cuda \
-        and not model.config.tie_word_embeddings and ops.has_ops(ops.HOST_ROWS_OPS, "cuda")
+    return name == EMBEDDING and w.plane.is_cuda and isinstance(model, llama.LlamaForCausalLM) \
+        and host_table(model.config)
 
 
 def attach(model: torch.nn.Module, kept: dict[str, fixedrate.FixedRateWeight]) -> tuple[int, int, dict[str, torch.Tensor]]:

@@ -12,6 +12,7 @@ from service_helpers import DEMO, generate_body
 from test_compressed import assert_same_greedy
 
 from codec.decode import Archive
+import cuda_ext
 from cuda_ext import fixedrate
 from service.load import pipeline
 from service.model import build, compressed, fixed, llama
@@ -128,6 +129,7 @@ def test_parts_kept_decoded_are_not_joined() -> None:
 def test_a_host_embedding_gathers_the_tables_rows() -> None:
     """HostEmbedding on the CPU (the op's twin; on CUDA the table is page-locked and the GPU reads
     it: tests/service/engine/test_scheduler_cuda.py): F.embedding's rows, any ids' shape."""
+    assert cuda_ext.available().cpp                         # its ops registered (the C++ twin builds in CI)
     table = torch.randn(50, 24, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     emb = fixed.HostEmbedding(table)
     ids = torch.tensor([[0, 49, 7], [7, 3, 3]])
@@ -141,3 +143,31 @@ def test_without_cuda_the_embedding_stays_on_its_device(untied_tiny_archive) -> 
     packed = served(untied_tiny_archive, "compressed")
     assert type(packed.model.model.embed_tokens) is llama.Embedding and packed.host_bytes == 0
     assert isinstance(packed.model.lm_head, fixed.FixedLinear)
+
+
+def test_the_estimate_leaves_out_a_table_kept_on_the_host(untied_tiny_archive, monkeypatch) -> None:
+    """The memory budget's estimate before a CUDA load: an untied llama.py model's table is not
+    counted on the device (its config, read from the archive, says so); a tied one, a model
+    that is not llama.py's, or an extension without the gather op, keeps it counted."""
+    from service.load.job import Loader
+    from service.metrics import Metrics
+    from service.settings import Settings
+    from service.timeline import Timeline
+    monkeypatch.setattr(fixed.ops, "has_ops", lambda names, device=None: True)
+    with Archive.open(untied_tiny_archive) as archive:
+        entries = archive.entries
+    table = next(e.nbytes for e in entries if e.name == fixed.EMBEDDING)
+    whole = compressed.estimate_bytes(entries, scratch=2, form="fixed")
+    assert compressed.estimate_bytes(entries, 2, "fixed", frozenset({fixed.EMBEDDING})) == whole - table
+    loader = Loader(Settings(demo=False), Metrics(), torch.device("cpu"), Timeline())
+    monkeypatch.setattr(loader, "_form", lambda: "fixed")
+    monkeypatch.setattr(loader.settings, "compressed_scratch", 2)
+    assert loader.estimate_bytes(untied_tiny_archive, "compressed", 0) == whole - table
+    untied = {"model_type": "llama", "tie_word_embeddings": False, "vocab_size": 32, "hidden_size": 8,
+              "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2}
+    assert fixed.host_names(untied) == {fixed.EMBEDDING}
+    assert fixed.host_names({**untied, "tie_word_embeddings": True}) == fixed.host_names(None) == frozenset()
+    assert fixed.host_names({**untied, "model_type": "gpt2"}) == frozenset()
+    assert fixed.host_names({"model_type": "llama"}) == frozenset()           # not valid: the load says why
+    monkeypatch.setattr(fixed.ops, "has_ops", lambda names, device=None: False)
+    assert fixed.host_names(untied) == frozenset()

@@ -157,3 +157,16 @@ print(served.tokenizer.decode([token]), sorted(m for m in sys.modules if m.split
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "The []"
+
+
+@pytest.mark.parametrize("change", [{"num_attention_heads": 0}, {"vocab_size": None}, {"hidden_size": "8"}])
+def test_a_config_that_is_not_valid_fails_the_load_typed(change: dict) -> None:
+    """0 heads (a division by zero in the head size), a missing or mistyped field: LoadFailed,
+    whose message names config.json (an HTTP 4xx/5xx with TGI's error shape, not a crash)."""
+    from service.errors import LoadFailed
+    from service.model import build
+    base = {"model_type": "llama", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+            "num_hidden_layers": 1, "num_attention_heads": 2}
+    config = {k: v for k, v in {**base, **change}.items() if v is not None}
+    with pytest.raises(LoadFailed, match="config.json is not valid"):
+        build.prepare("m", {"config.json": json.dumps(config).encode()})
