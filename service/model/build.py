@@ -147,7 +147,7 @@ def prepare(name: str, files: dict[str, bytes]) -> Prepared:
         raise LoadFailed(f"model {name!r} embeds no config.json: it cannot be served")
     try:
         native = llama.LlamaConfig.parse(json.loads(files["config.json"]))
-    except (ValueError, KeyError, TypeError, ArithmeticError) as e:          # 0 heads: a division by zero
+    except llama.INVALID_CONFIG as e:
         raise LoadFailed(f"model {name!r}: config.json is not valid: {type(e).__name__}: {e}") from None
     tokenizer = Tokenizer.from_files(files)
     if native is None:

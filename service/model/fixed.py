@@ -124,7 +124,7 @@ def host_names(config: dict | None) -> frozenset[str]:
     memory budget's estimate, before the load): an untied llama.py model's embedding table."""
     try:
         parsed = llama.LlamaConfig.parse(config) if config else None
-    except (ValueError, KeyError, TypeError, ArithmeticError):        # not valid: build.prepare says why
+    except llama.INVALID_CONFIG:                  # not valid: build.prepare says why
         return frozenset()
     return frozenset({EMBEDDING}) if parsed is not None and host_table(parsed) else frozenset()
 

@@ -38,6 +38,9 @@ def _rope(d: dict) -> tuple[float, dict] | None:
     return (theta, {**params, "rope_type": kind}) if kind in ("default", "linear", "llama3") else None
 
 
+INVALID_CONFIG = (ValueError, KeyError, TypeError, ArithmeticError)   # what LlamaConfig.parse raises
+
+
 @dataclass(frozen=True)
 class LlamaConfig:
     model_type: str
@@ -62,6 +65,8 @@ class LlamaConfig:
 
     @classmethod
     def parse(cls, d: dict) -> LlamaConfig | None:
+        """The config of config.json's `d`, None for a model llama.py does not implement; raises
+        one of INVALID_CONFIG for a config that is not valid (a field missing or mistyped, 0 heads)."""
         kind = d.get("model_type")
         rope = _rope(d)
         window = d.get("sliding_window") if kind != "qwen2" or d.get("use_sliding_window") else None
