@@ -121,10 +121,10 @@ def serve(store: Path, out: Path, device: str, env: dict[str, str]) -> tuple[sub
     raise SystemExit(f"the server did not get ready; see {out / 'server.log'}")
 
 
-def metric(url: str, name: str, label: str = "") -> float:
-    """The sum of a metric's samples on the server's /metrics (those with `label`, e.g. 'device="cpu"')."""
+def metric(url: str, name: str) -> float:
+    """The sum of a metric's samples on the server's /metrics."""
     lines = httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
-    return sum(float(x.rsplit(" ", 1)[1]) for x in lines if x.startswith((name + "{", name + " ")) and label in x)
+    return sum(float(x.rsplit(" ", 1)[1]) for x in lines if x.startswith((name + "{", name + " ")))
 
 
 def wait_for_graphs(url: str, limit_s: float = 120.0) -> dict:
@@ -229,7 +229,7 @@ def served_runs(args: argparse.Namespace, device: str, env: dict[str, str], out:
                    timeout=600).raise_for_status()
         graphs = wait_for_graphs(url) if device == "cuda" else {}
         weight_bytes = metric(url, "wcodec_model_weight_bytes")
-        host_bytes = metric(url, "wcodec_model_memory_allocated_bytes", 'device="cpu"')     # fixed.HostEmbedding
+        host_bytes = metric(url, "wcodec_model_host_weight_bytes")          # fixed.HostEmbedding
         runs = {str(u): bench(url, u, args.duration, args.tokens, out) for u in [1, *args.users]}
         graphs_after = metric(url, "wcodec_engine_cuda_graphs")
     finally:

@@ -13,13 +13,14 @@ Loads    wcodec_model_load_duration_seconds{model,phase}   phase: read, h2d, dec
          wcodec_model_state{model,state}               1 for the model's current state, else 0
 Memory   wcodec_gpu_memory_allocated_bytes, wcodec_gpu_memory_reserved_bytes   torch.cuda totals
                                                    (0 on a CPU-only server)
-         wcodec_model_memory_allocated_bytes{model,device}   bytes of the model's resident weights (device
-                                                             "cpu" on a GPU server: a table kept on the host)
+         wcodec_model_memory_allocated_bytes{model,device}   bytes of the model's resident weights
          wcodec_model_memory_reserved_bytes{model,device}    CUDA: growth of the allocator's reserve
                                                    over its load; CPU: same as allocated
          wcodec_model_weight_bytes{model,weights}            its weights' bytes, decoded or compressed
                                                    (wcodec_model_resident_bytes{model,mode}: the same,
                                                    a deprecated alias for one release)
+         wcodec_model_host_weight_bytes{model}          host bytes of a GPU model's weights (compressed
+                                                   mode's embedding table, page-locked: fixed.py)
 Weights  wcodec_forward_decode_duration_seconds{model,weights}  layer decodes per forward (compressed)
 Host     wcodec_host_cache_bytes, wcodec_host_cache_entries   compressed archives kept in host memory
 cache                                              between loads (service/load/hostcache.py)
@@ -104,6 +105,9 @@ class Metrics:
         self.weight_bytes = Gauge("wcodec_model_weight_bytes", "Device bytes of a model's weights as they are "
                                   "held (decoded tensors, or compressed streams, index and scratch)",
                                   ["model", "weights"], registry=r)
+        self.host_weight_bytes = Gauge("wcodec_model_host_weight_bytes", "Host bytes of a model's weights while it "
+                                       "serves from the GPU (compressed mode's embedding table, page-locked)",
+                                       ["model"], registry=r)
         self._resident_bytes = Gauge("wcodec_model_resident_bytes", "Deprecated alias of wcodec_model_weight_bytes "
                                      "(label mode = weights); removed in the next release", ["model", "mode"],
                                      registry=r)
@@ -217,8 +221,10 @@ class Metrics:
         self.model_allocated.labels(model, device).set(allocated)
         self.model_reserved.labels(model, device).set(reserved)
 
-    def set_weight_bytes(self, model: str, weights: str | None, nbytes: int) -> None:
-        """`nbytes` for the way the model's weights are held now, 0 for the other (None: unloaded)."""
+    def set_weight_bytes(self, model: str, weights: str | None, nbytes: int, host: int = 0) -> None:
+        """`nbytes` for the way the model's weights are held now, 0 for the other (None: unloaded);
+        `host`: the bytes of them kept in host memory."""
+        self.host_weight_bytes.labels(model).set(host)
         for mode in WEIGHTS:
             value = nbytes if mode == weights else 0
             self.weight_bytes.labels(model, mode).set(value)

@@ -159,9 +159,7 @@ class Loader:
             self.metrics.load_seconds.labels(name, phase).observe(seconds)
         self.metrics.load_throughput.labels(name).set(stats.decoded_bytes / max(stats.total_s, 1e-9))
         self.metrics.set_memory(name, self.device.type, served.weight_bytes, max(loaded.reserved_bytes, 0))
-        if served.host_bytes:                      # a table kept on the host (fixed.HostEmbedding)
-            self.metrics.set_memory(name, "cpu", served.host_bytes, 0)
-        self.metrics.set_weight_bytes(name, served.weights, served.weight_bytes)
+        self.metrics.set_weight_bytes(name, served.weights, served.weight_bytes, served.host_bytes)
         progress.bytes_done = progress.bytes_total
 
     def _reserved(self) -> int:
@@ -171,8 +169,7 @@ class Loader:
         """A model's weights were released (ServedModel.release): give the memory back, zero its
         memory metrics."""
         self.free_memory()
-        for device in {self.device.type, "cpu"}:
-            self.metrics.set_memory(name, device, 0, 0)
+        self.metrics.set_memory(name, self.device.type, 0, 0)
         self.metrics.set_weight_bytes(name, None, 0)
 
     def free_memory(self) -> None:

@@ -16,7 +16,7 @@ FAMILIES = [
     "wcodec_decode_batch_duration_seconds", "wcodec_decode_compressed_bytes_total", "wcodec_decode_decoded_bytes_total",
     "wcodec_model_load_duration_seconds", "wcodec_model_load_throughput_bytes_per_second", "wcodec_model_loads_total",
     "wcodec_model_state", "wcodec_gpu_memory_allocated_bytes", "wcodec_gpu_memory_reserved_bytes",
-    "wcodec_model_memory_allocated_bytes", "wcodec_model_memory_reserved_bytes", "wcodec_generate_requests_total",
+    "wcodec_model_memory_allocated_bytes", "wcodec_model_memory_reserved_bytes", "wcodec_model_host_weight_bytes", "wcodec_generate_requests_total",
     "wcodec_generate_request_duration_seconds", "wcodec_generate_time_to_first_token_seconds",
     "wcodec_generate_time_per_output_token_seconds", "wcodec_generate_prompt_tokens_total",
     "wcodec_generate_generated_tokens_total", "wcodec_generate_queue_depth", "wcodec_generate_batch_size",

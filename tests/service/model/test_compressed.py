@@ -147,6 +147,7 @@ async def test_budget_fits_only_compressed(serve, dense_store) -> None:
         held = info["weight_bytes"] + ((CHUNK_FLOATS // 576) * 576 * 4 if isinstance(head, MixedLinear) else 0)
         assert await server.metric("wcodec_model_weight_bytes", model=DEMO, weights="compressed") == held
         assert await server.metric("wcodec_model_resident_bytes", model=DEMO, mode="compressed") == held
+        assert await server.metric("wcodec_model_host_weight_bytes", model=DEMO) == 0      # GGUF blocks: none on the host
         assert await server.metric("wcodec_forward_decode_duration_seconds_count", model=DEMO, weights="compressed") > 0
         r = await c.post(f"/models/{DEMO}/unload")
         assert r.status_code == 200 and r.json()["weights"] is None
