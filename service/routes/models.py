@@ -23,7 +23,8 @@ def model_info(entry: ModelEntry, device: str) -> ModelInfo:
                      decoded_bytes=f.decoded_bytes, ratio=round(f.ratio, 6), loaded_at=loaded_at,
                      last_load=timings, last_error=entry.last_error or f.error, in_flight=entry.in_flight,
                      progress=LoadProgress(phase=p.phase, bytes_done=p.bytes_done, bytes_total=p.bytes_total),
-                     weights=weights, weight_bytes=weight_bytes, resident=weights, resident_bytes=weight_bytes)
+                     weights=weights, weight_bytes=weight_bytes, resident=weights, resident_bytes=weight_bytes,
+                     host_weight_bytes=entry.served.host_bytes if entry.served is not None else None)
 
 
 @router.get("", summary="Every model in the store, with its state and sizes")

@@ -43,6 +43,8 @@ class ModelInfo(BaseModel):
         None, description="how its decoder layers are held on the device while loaded (docs/RESIDENT.md)")
     weight_bytes: int | None = Field(None, description="device bytes its weights take while loaded: decoded "
                                                         "tensors, or kept compressed streams, index and scratch")
+    host_weight_bytes: int | None = Field(None, description="host bytes of its weights while loaded: on a GPU, "
+                                          "compressed mode keeps an untied embedding table page-locked there")
     resident: Weights | None = Field(None, description="deprecated: the old name of `weights`")
     resident_bytes: int | None = Field(None, description="deprecated: the old name of `weight_bytes`")
 

@@ -160,3 +160,32 @@ async def test_a_model_switch_on_cuda_comes_from_the_host_cache(serve, tmp_path:
             assert (await server.client.post("/models/tiny/unload")).json()["state"] == "available"
         assert same_answer(answers[0], answers[1]) and same_answer(answers[0], answers[2])
         assert await server.metric("wcodec_host_cache_hits_total", model="tiny") == 2
+
+
+@pytest.mark.anyio
+async def test_an_untied_table_stays_on_the_host_in_compressed_mode(serve, tmp_path: Path,
+                                                                     untied_tiny_archive: Path) -> None:
+    """Compressed mode on CUDA keeps an untied embedding table page-locked on the host: the load's
+    weight_bytes leave it out, wcodec_model_host_weight_bytes counts it, decoded mode's answer is
+    given, and an unload sets both gauges back to 0."""
+    from service.model import fixed
+    (tmp_path / "store").mkdir()
+    os.link(untied_tiny_archive, tmp_path / "store" / "tiny.wcodec")
+    with Archive.open(untied_tiny_archive) as archive:
+        table = next(e.nbytes for e in archive.entries if e.name == fixed.EMBEDDING)
+    body = {"inputs": TINY_PROMPT, "parameters": {"max_new_tokens": 8}}
+    async with serve(tmp_path / "store") as server:
+        c, answers = server.client, {}
+        for weights in ("decoded", "compressed"):
+            r = await c.post("/models/tiny/load", params={"weights": weights})
+            assert r.status_code == 200 and r.json()["device"] == "cuda" and r.json()["weights"] == weights, r.text
+            held = r.json()["weight_bytes"]
+            assert r.json()["host_weight_bytes"] == (table if weights == "compressed" else 0)
+            assert await server.metric("wcodec_model_weight_bytes", model="tiny", weights=weights) == held
+            host = await server.metric("wcodec_model_host_weight_bytes", model="tiny")
+            assert host == (table if weights == "compressed" else 0)
+            answers[weights] = (await c.post("/generate", json=body)).json()
+            assert (await c.post("/models/tiny/unload")).json()["state"] == "available"
+            assert await server.metric("wcodec_model_host_weight_bytes", model="tiny") == 0
+            assert await server.metric("wcodec_model_weight_bytes", model="tiny", weights=weights) == 0
+        assert same_answer(answers["decoded"], answers["compressed"])

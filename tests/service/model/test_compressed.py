@@ -141,6 +141,7 @@ async def test_budget_fits_only_compressed(serve, dense_store) -> None:
         assert r.status_code == 200 and r.json()["generated_text"].startswith("The capital of France is Paris"), r.text
         listed = (await c.get("/models")).json()["models"][0]
         assert listed["weights"] == "compressed" and listed["weight_bytes"] == info["weight_bytes"]
+        assert info["host_weight_bytes"] == listed["host_weight_bytes"] == 0               # GGUF blocks: none on the host
         # the metrics count what is held: plus, where bf16 is not native to this CPU, the mixed
         # matmul's float32 scratch (a block of rows of the decoded tied 49152 x 576 head)
         head = server.registry.get(DEMO).served.model.lm_head
@@ -150,7 +151,7 @@ async def test_budget_fits_only_compressed(serve, dense_store) -> None:
         assert await server.metric("wcodec_model_host_weight_bytes", model=DEMO) == 0      # GGUF blocks: none on the host
         assert await server.metric("wcodec_forward_decode_duration_seconds_count", model=DEMO, weights="compressed") > 0
         r = await c.post(f"/models/{DEMO}/unload")
-        assert r.status_code == 200 and r.json()["weights"] is None
+        assert r.status_code == 200 and r.json()["weights"] is None and r.json()["host_weight_bytes"] is None
         assert await server.metric("wcodec_model_weight_bytes", model=DEMO, weights="compressed") == 0
 
 
