@@ -14,7 +14,7 @@ from .errors import ServiceError, ValidationFailed, error_event
 from .engine.sampling import Finished, SamplingParams, TokenEvent
 from .model.build import ServedModel
 from .registry import ModelRegistry
-from .schemas.tgi import Details, GenerateParameters, GenerateResponse, StreamDetails, StreamResponse, Token
+from .schemas.tgi import Details, GenerateParameters, GenerateResponse, SimpleToken, StreamDetails, StreamResponse, Token
 from .settings import Settings
 
 
@@ -48,6 +48,23 @@ def _tokenize(served: ServedModel, prompt: str, params: SamplingParams, truncate
         raise ValidationFailed(f"`{inputs}` tokens + `{new}` must be <= {limit}. Given: {len(ids)} "
                                f"`{inputs}` tokens and {params.max_new_tokens} `{new}`", param=new)
     return ids
+
+
+def input_tokens(registry: ModelRegistry, model: str | None, prompt: str, truncate: int | None) -> list[SimpleToken]:
+    """TGI's /tokenize: the tokens /generate would feed the model for `prompt` (special tokens
+    added, the last `truncate` kept), each with the characters of `prompt` it covers."""
+    name = registry.resolve(model)
+    lease = registry.acquire(name)
+    try:
+        enc = lease.served.tokenizer(prompt, add_special_tokens=True, return_offsets_mapping=True)
+    except NotImplementedError:                  # transformers' Python tokenizers give no offsets
+        raise ValidationFailed(f"model {name!r} has a Python tokenizer, which gives no character offsets",
+                               param="inputs") from None
+    finally:
+        lease.release()
+    pairs = list(zip(enc["input_ids"], enc["offset_mapping"]))
+    pairs = pairs[-truncate:] if truncate else pairs
+    return [SimpleToken(id=i, text=prompt[a:b], start=a, stop=b) for i, (a, b) in pairs]
 
 
 async def start(registry: ModelRegistry, settings: Settings, model: str | None, prompt: str,

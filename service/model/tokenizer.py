@@ -84,9 +84,15 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
-        ids = self.encode(text, add_special_tokens)
-        return {"input_ids": ids, "attention_mask": [1] * len(ids)}
+    def __call__(self, text: str, add_special_tokens: bool = True,
+                 return_offsets_mapping: bool = False) -> dict[str, list]:
+        """transformers' fast tokenizer's result: ids, mask and, asked for, each token's
+        (start, stop) characters in `text` ((0, 0) for an added special token)."""
+        enc = self._tok.encode(text, add_special_tokens=add_special_tokens)
+        out = {"input_ids": enc.ids, "attention_mask": [1] * len(enc.ids)}
+        if return_offsets_mapping:
+            out["offset_mapping"] = [tuple(o) for o in enc.offsets]
+        return out
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         text = self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -1,4 +1,4 @@
-"""TGI's generation routes: /generate, /generate_stream and the compatibility route /."""
+"""TGI's generation routes: /generate, /generate_stream, the compatibility route / and /tokenize."""
 from __future__ import annotations
 
 from fastapi import APIRouter
@@ -8,7 +8,7 @@ from .. import inference
 from ..deps import RegistryDep, SettingsDep
 from ..errors import responses
 from ..openapi import sse_content, sse_response
-from ..schemas.tgi import CompatGenerateRequest, GenerateRequest, GenerateResponse, StreamResponse
+from ..schemas.tgi import CompatGenerateRequest, GenerateRequest, GenerateResponse, SimpleToken, StreamResponse
 
 router = APIRouter(tags=["generate"])
 ERRORS = responses(404, 422, 424, 429, 503)
@@ -49,3 +49,9 @@ async def compat_generate(req: CompatGenerateRequest, registry: RegistryDep, set
     if req.stream:
         return await _stream(req, registry, settings)
     return [await _generate(req, registry, settings)]
+
+
+@router.post("/tokenize", summary="The tokens /generate would feed the model for `inputs` (TGI)",
+             responses=responses(404, 422, 503))
+async def tokenize(req: GenerateRequest, registry: RegistryDep) -> list[SimpleToken]:
+    return inference.input_tokens(registry, req.model, req.inputs, req.parameters.truncate)

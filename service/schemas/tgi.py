@@ -57,6 +57,14 @@ class CompatGenerateRequest(GenerateRequest):
     stream: bool = False
 
 
+class SimpleToken(BaseModel):
+    """A token of the input (TGI's /tokenize): `text` is input[start:stop], in characters."""
+    id: int
+    text: str
+    start: int
+    stop: int
+
+
 class Token(BaseModel):
     id: int
     text: str

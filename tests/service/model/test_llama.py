@@ -110,6 +110,8 @@ def test_tokenizer_matches_transformers(demo_archive: Path) -> None:
     text = "<|im_start|>user\nWhat's the capital of France? Héllo wörld  , ok .<|im_end|>\n"
     for special in (True, False):
         assert ours(text, add_special_tokens=special)["input_ids"] == theirs(text, add_special_tokens=special)["input_ids"]
+    mine, want = ours(text, return_offsets_mapping=True), theirs(text, return_offsets_mapping=True)
+    assert mine["input_ids"] == want["input_ids"] and mine["offset_mapping"] == want["offset_mapping"]   # /tokenize's
     ids = theirs(text)["input_ids"] + [2, 0, 1]
     for skip in (True, False):
         assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip)
