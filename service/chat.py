@@ -17,8 +17,10 @@ from .schemas.chat import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatDelta,
+    ChatLogprobs,
     ChatMessage,
     ChatRequest,
+    ChatTokenLogprob,
 )
 from .settings import Settings
 
@@ -37,21 +39,35 @@ async def start(req: ChatRequest, registry: ModelRegistry, settings: Settings) -
                                  special=False, fields=("messages", "max_tokens"))
 
 
+def _logprobs(log: openai_api.TokenLog, text_end: int) -> ChatLogprobs:
+    events, _ = log.take(text_end)
+    return ChatLogprobs(content=[ChatTokenLogprob(token=e.text, logprob=e.logprob, bytes=list(e.text.encode()),
+                                                  top_logprobs=[]) for e in events])
+
+
 def completion(started: inference.Started, fin: Finished, req: ChatRequest) -> ChatCompletion:
     text = openai_api.cut(fin.generated_text, req.stops())
-    choice = ChatChoice(index=0, message=ChatMessage(content=text), finish_reason=openai_api.finish_reason(fin))
+    logprobs = _logprobs(openai_api.TokenLog(fin.tokens), len(text)) if req.logprobs else None
+    choice = ChatChoice(index=0, message=ChatMessage(content=text), finish_reason=openai_api.finish_reason(fin),
+                        logprobs=logprobs)
     return ChatCompletion(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=started.model,
                           system_fingerprint=openai_api.FINGERPRINT, choices=[choice], usage=openai_api.usage([fin]))
 
 
 async def chunks(started: inference.Started, first: TokenEvent | Finished, req: ChatRequest) -> AsyncIterator[bytes]:
-    """One chunk per token (special tokens and stop sequences left out), a last one with
-    finish_reason, the usage when `stream_options.include_usage`, then [DONE]."""
+    """One chunk per token (special tokens and stop sequences left out; with `logprobs`, each
+    chunk's tokens), a last one with finish_reason, the usage when
+    `stream_options.include_usage`, then [DONE]."""
     cid, created, stop = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), openai_api.StopCut(req.stops())
+    log, sent = openai_api.TokenLog() if req.logprobs else None, 0
 
     def chunk(content: str | None, reason: str | None = None, fin: Finished | None = None) -> bytes:
-        choices = [] if content is None else [ChatChunkChoice(index=0, delta=ChatDelta(content=content),
-                                                              finish_reason=reason)]
+        nonlocal sent
+        choices = []
+        if content is not None:
+            sent += len(content)
+            choices = [ChatChunkChoice(index=0, delta=ChatDelta(content=content), finish_reason=reason,
+                                       logprobs=_logprobs(log, sent) if log is not None else None)]
         return inference.sse(ChatCompletionChunk(id=cid, created=created, model=started.model,
                                                  system_fingerprint=openai_api.FINGERPRINT, choices=choices,
                                                  usage=openai_api.usage([fin]) if fin else None))
@@ -61,8 +77,11 @@ async def chunks(started: inference.Started, first: TokenEvent | Finished, req: 
                 yield chunk(stop.flush(), openai_api.finish_reason(item))
                 if req.stream_options and req.stream_options.include_usage:
                     yield chunk(None, fin=item)
-            elif not item.special and (text := stop.feed(item.text)):
-                yield chunk(text)
+            else:
+                if log is not None:
+                    log.add(item)
+                if not item.special and (text := stop.feed(item.text)):
+                    yield chunk(text)
     except ServiceError as e:
         yield inference.sse(openai_error_event(e))
     yield inference.sse("[DONE]")

@@ -51,38 +51,15 @@ async def first_events(started: list[inference.Started]) -> list[TokenEvent | Fi
         raise
 
 
-class TokenLog:
-    """logprobs=0: the generated tokens (special ones left out) whose first character is in the
-    returned text, each with its log-probability and offset; `take` hands out those not yet given."""
-
-    def __init__(self):
-        self.events: list[TokenEvent] = []
-        self.offsets: list[int] = []
-        self.end, self.given = 0, 0
-
-    def add(self, e: TokenEvent) -> None:
-        self.events.append(e)
-        self.offsets.append(self.end)
-        self.end += len(e.text)
-
-    def take(self, text_end: int) -> CompletionLogprobs:
-        n = self.given
-        while n < len(self.events) and self.offsets[n] < text_end:
-            n += 1
-        events, offsets, self.given = self.events[self.given:n], self.offsets[self.given:n], n
-        return CompletionLogprobs(tokens=[e.text for e in events], token_logprobs=[e.logprob for e in events],
-                                  top_logprobs=[{e.text: e.logprob} for e in events], text_offset=offsets)
+def _logprobs(log: openai_api.TokenLog, text_end: int) -> CompletionLogprobs:
+    events, offsets = log.take(text_end)
+    return CompletionLogprobs(tokens=[e.text for e in events], token_logprobs=[e.logprob for e in events],
+                              top_logprobs=[{e.text: e.logprob} for e in events], text_offset=offsets)
 
 
 def _choice(index: int, s: inference.Started, fin: Finished, req: CompletionRequest) -> CompletionChoice:
     text = (s.prompt if req.echo else "") + openai_api.cut(fin.generated_text, req.stops())
-    logprobs = None
-    if req.logprobs is not None:
-        log = TokenLog()
-        for e in fin.tokens:
-            if not e.special:
-                log.add(e)
-        logprobs = log.take(len(text))
+    logprobs = _logprobs(openai_api.TokenLog(fin.tokens), len(text)) if req.logprobs is not None else None
     return CompletionChoice(text=text, index=index, logprobs=logprobs, finish_reason=openai_api.finish_reason(fin))
 
 
@@ -118,17 +95,17 @@ async def _prompt_chunks(index: int, s: inference.Started, first: TokenEvent | F
     """One prompt's chunks: the prompt (echo), the text as it comes (held back at a possible stop
     sequence), then the rest with the finish reason; `fins` gets its result."""
     stop, sent = openai_api.StopCut(req.stops()), 0
-    log = TokenLog() if req.logprobs is not None else None
+    log = openai_api.TokenLog() if req.logprobs is not None else None
     if req.echo:
         yield CompletionChoice(text=s.prompt, index=index, finish_reason=None)
     async for item in inference.events(s, first):
         done = isinstance(item, Finished)
-        if not done and not item.special and log is not None:
+        if not done and log is not None:
             log.add(item)
         text = stop.flush() if done else ("" if item.special else stop.feed(item.text))
         sent += len(text)
         if text or done:
-            yield CompletionChoice(text=text, index=index, logprobs=log.take(sent) if log is not None else None,
+            yield CompletionChoice(text=text, index=index, logprobs=_logprobs(log, sent) if log is not None else None,
                                    finish_reason=openai_api.finish_reason(item) if done else None)
         if done:
             fins.append(item)

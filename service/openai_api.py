@@ -4,9 +4,11 @@ the text cut before the first stop sequence (OpenAI leaves the stop out; TGI kee
 pieces of a response (finish reason, usage)."""
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import codec
 
-from .engine.sampling import Finished, SamplingParams
+from .engine.sampling import Finished, SamplingParams, TokenEvent
 from .errors import ModelNotFound, UnsupportedParameter
 from .registry import ModelRegistry
 from .schemas.openai import OpenAIRequest, Usage
@@ -58,6 +60,32 @@ class StopCut:
     def flush(self) -> str:
         out, self.held = self.held, ""
         return out
+
+
+class TokenLog:
+    """Log-probabilities asked for: the generated tokens (special ones left out) whose first
+    character is in the returned text, each with its offset; `take` hands out those not yet given."""
+
+    def __init__(self, events: Iterable[TokenEvent] = ()):
+        self.events: list[TokenEvent] = []
+        self.offsets: list[int] = []
+        self.end, self.given = 0, 0
+        for e in events:
+            self.add(e)
+
+    def add(self, e: TokenEvent) -> None:
+        if not e.special:
+            self.events.append(e)
+            self.offsets.append(self.end)
+            self.end += len(e.text)
+
+    def take(self, text_end: int) -> tuple[list[TokenEvent], list[int]]:
+        """The tokens starting before `text_end` not given yet, and their offsets."""
+        n = self.given
+        while n < len(self.events) and self.offsets[n] < text_end:
+            n += 1
+        events, offsets, self.given = self.events[self.given:n], self.offsets[self.given:n], n
+        return events, offsets
 
 
 def cut(text: str, stops: list[str]) -> str:

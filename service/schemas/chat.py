@@ -29,9 +29,10 @@ class ResponseFormat(BaseModel):
 class ChatRequest(OpenAIRequest):
     messages: list[InputMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="The newer name of `max_tokens`.")
-    logprobs: bool | None = Field(None, description="Not supported on chat: must be false "
-                                                    "(/v1/completions gives them).")
-    top_logprobs: int | None = Field(None, ge=0, le=20, description="Not supported: must be 0.")
+    logprobs: bool | None = Field(None, description="Each generated token's log-probability, in "
+                                                    "`choices[].logprobs.content`.")
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="Not supported: must be 0 (top "
+                                                                    "alternatives are not computed).")
     response_format: ResponseFormat | None = Field(None, description="Only {'type': 'text'}.")
     tools: list[dict] | None = Field(None, description="Not supported: must be empty.")
     tool_choice: str | dict | None = Field(None, description="Not supported: 'none' only.")
@@ -41,7 +42,6 @@ class ChatRequest(OpenAIRequest):
 
     def unsupported(self) -> dict[str, str]:
         bad = super().unsupported()
-        bad |= {"logprobs": "not on chat: /v1/completions gives them"} if self.logprobs else {}
         bad |= {"top_logprobs": "top alternatives are not computed"} if self.top_logprobs else {}
         bad |= {f: "tools and function calling are not supported" for f in ("tools", "functions") if getattr(self, f)}
         bad |= {f: "tools and function calling are not supported" for f in ("tool_choice", "function_call")
@@ -59,11 +59,26 @@ class ChatMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = Field(description="the token's UTF-8 bytes")
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(description="empty: top alternatives are not computed")
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = Field(description="the tokens of the message's content (those "
+                                                               "whose first character is in it)")
+
+
 class ChatChoice(BaseModel):
     index: int
     message: ChatMessage
     finish_reason: Literal["stop", "length"]
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = Field(None, description="with `logprobs: true`")
 
 
 class ChatCompletion(OpenAIResponse):
@@ -81,7 +96,7 @@ class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     finish_reason: Literal["stop", "length"] | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = Field(None, description="with `logprobs: true`: the tokens of this delta")
 
 
 class ChatCompletionChunk(OpenAIResponse):

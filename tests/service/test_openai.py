@@ -74,6 +74,27 @@ def test_chat_stream_ends_with_usage(client) -> None:
     assert cut.choices[0].message.content == "The capital of France is " and cut.choices[0].finish_reason == "stop"
 
 
+def test_chat_logprobs_are_the_contents_tokens(client) -> None:
+    """logprobs=true: each token of the message's content with its log-probability, the same as
+    the completions route gives for the same text, and as the stream's chunks carry them."""
+    out = client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=12, logprobs=True,
+                                         top_logprobs=0).choices[0]
+    content = out.logprobs.content
+    assert "".join(t.token for t in content) == out.message.content
+    assert all(t.logprob <= 0 and t.bytes == list(t.token.encode()) and t.top_logprobs == [] for t in content)
+    assert out.message.content.startswith("The capital of France is Paris") and len(content) >= 6
+    chunks = list(client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=12, logprobs=True,
+                                                 stream=True))
+    streamed = [t for c in chunks for t in c.choices[0].logprobs.content]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
+    assert all("".join(t.token for t in c.choices[0].logprobs.content) == c.choices[0].delta.content for c in chunks)
+    cut = client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=12, logprobs=True, stop="Paris")
+    assert cut.choices[0].message.content == "The capital of France is "         # " Paris" starts in it: given
+    assert "".join(t.token for t in cut.choices[0].logprobs.content) == "The capital of France is Paris"
+    plain = client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=3).choices[0]
+    assert plain.logprobs is None
+
+
 def test_chat_seed_repeats_a_sample(client) -> None:
     def sample(seed: int) -> str:
         return client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=8, temperature=1.5,
@@ -84,7 +105,8 @@ def test_chat_seed_repeats_a_sample(client) -> None:
 
 UNSUPPORTED = [("n", {"n": 2}), ("logit_bias", {"logit_bias": {"42": 5}}), ("tools", {"tools": [
     {"type": "function", "function": {"name": "f", "parameters": {}}}]}),
-    ("response_format", {"response_format": {"type": "json_object"}}), ("logprobs", {"logprobs": True}),
+    ("response_format", {"response_format": {"type": "json_object"}}),
+    ("top_logprobs", {"logprobs": True, "top_logprobs": 2}),
     ("presence_penalty", {"presence_penalty": 0.5})]
 
 
@@ -134,7 +156,8 @@ def _events(text: str) -> list[dict]:
 def test_raw_json_shapes_use_openais_field_names(live) -> None:
     from openai.types import Completion, CompletionChoice, CompletionUsage, Model
     from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessage
-    from openai.types.chat.chat_completion import Choice
+    from openai.types.chat import ChatCompletionTokenLogprob
+    from openai.types.chat.chat_completion import Choice, ChoiceLogprobs
     from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
     from openai.types.completion_choice import Logprobs
 
@@ -156,6 +179,9 @@ def test_raw_json_shapes_use_openais_field_names(live) -> None:
         _same_fields(out, ChatCompletion)
         _same_fields(out["choices"][0], Choice)
         _same_fields(out["choices"][0]["message"], ChatCompletionMessage)
+        out = http.post("/v1/chat/completions", json={**chat, "logprobs": True}).json()
+        _same_fields(out["choices"][0]["logprobs"], ChoiceLogprobs)
+        _same_fields(out["choices"][0]["logprobs"]["content"][0], ChatCompletionTokenLogprob)
         chunks = _events(http.post("/v1/chat/completions", json={**chat, "stream": True}).text)
         for chunk in chunks:
             _same_fields(chunk, ChatCompletionChunk)
