@@ -62,7 +62,8 @@ class ChatMessage(BaseModel):
 class TopLogprob(BaseModel):
     token: str
     logprob: float
-    bytes: list[int] | None = Field(description="the token's UTF-8 bytes")
+    bytes: list[int] | None = Field(description="the UTF-8 bytes of `token`, the text the token added (a "
+                                                "character split across tokens comes whole with its last)")
 
 
 class ChatTokenLogprob(TopLogprob):
