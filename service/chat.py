@@ -24,18 +24,24 @@ from .schemas.chat import (
 )
 from .settings import Settings
 
-async def start(req: ChatRequest, registry: ModelRegistry, settings: Settings) -> inference.Started:
-    params = openai_api.sampling(req, settings, req.new_tokens())
+def templated(req: ChatRequest, registry: ModelRegistry) -> tuple[str, str]:
+    """The model the request names, and the prompt its chat template makes of the messages
+    (special tokens written in the text: it is tokenized without adding any)."""
     lease = registry.acquire(registry.resolve(openai_api.model_of(req, registry)))
     try:
         tokenizer = lease.served.tokenizer
         if not getattr(tokenizer, "chat_template", None):
             raise ValidationFailed(f"model {lease.entry.name!r} has no chat template", param="messages")
-        prompt = tokenizer.apply_chat_template([m.for_template() for m in req.messages], tokenize=False,
-                                               add_generation_prompt=True)
+        return lease.entry.name, tokenizer.apply_chat_template([m.for_template() for m in req.messages],
+                                                               tokenize=False, add_generation_prompt=True)
     finally:
         lease.release()
-    return await inference.start(registry, settings, lease.entry.name, prompt, params, stream=req.stream,
+
+
+async def start(req: ChatRequest, registry: ModelRegistry, settings: Settings) -> inference.Started:
+    params = openai_api.sampling(req, settings, req.new_tokens())
+    name, prompt = templated(req, registry)
+    return await inference.start(registry, settings, name, prompt, params, stream=req.stream,
                                  special=False, fields=("messages", "max_tokens"))
 
 

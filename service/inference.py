@@ -50,13 +50,15 @@ def _tokenize(served: ServedModel, prompt: str, params: SamplingParams, truncate
     return ids
 
 
-def input_tokens(registry: ModelRegistry, model: str | None, prompt: str, truncate: int | None) -> list[SimpleToken]:
+def input_tokens(registry: ModelRegistry, model: str | None, prompt: str, truncate: int | None,
+                 special: bool = True) -> list[SimpleToken]:
     """TGI's /tokenize: the tokens /generate would feed the model for `prompt` (special tokens
-    added, the last `truncate` kept), each with the characters of `prompt` it covers."""
+    added unless `special` is false, as for a chat template's text; the last `truncate` kept),
+    each with the characters of `prompt` it covers."""
     name = registry.resolve(model)
     lease = registry.acquire(name)
     try:
-        enc = lease.served.tokenizer(prompt, add_special_tokens=True, return_offsets_mapping=True)
+        enc = lease.served.tokenizer(prompt, add_special_tokens=special, return_offsets_mapping=True)
     except NotImplementedError:                  # transformers' Python tokenizers give no offsets
         raise ValidationFailed(f"model {name!r} has a Python tokenizer, which gives no character offsets",
                                param="inputs") from None

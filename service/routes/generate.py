@@ -1,14 +1,23 @@
-"""TGI's generation routes: /generate, /generate_stream, the compatibility route / and /tokenize."""
+"""TGI's generation routes: /generate, /generate_stream, the compatibility route /, /tokenize and
+/chat_tokenize."""
 from __future__ import annotations
 
 from fastapi import APIRouter
 from fastapi.responses import StreamingResponse
 
-from .. import inference
+from .. import chat, inference
 from ..deps import RegistryDep, SettingsDep
 from ..errors import responses
 from ..openapi import sse_content, sse_response
-from ..schemas.tgi import CompatGenerateRequest, GenerateRequest, GenerateResponse, SimpleToken, StreamResponse
+from ..schemas.chat import ChatRequest
+from ..schemas.tgi import (
+    ChatTokenizeResponse,
+    CompatGenerateRequest,
+    GenerateRequest,
+    GenerateResponse,
+    SimpleToken,
+    StreamResponse,
+)
 
 router = APIRouter(tags=["generate"])
 ERRORS = responses(404, 422, 424, 429, 503)
@@ -55,3 +64,11 @@ async def compat_generate(req: CompatGenerateRequest, registry: RegistryDep, set
              responses=responses(404, 422, 503))
 async def tokenize(req: GenerateRequest, registry: RegistryDep) -> list[SimpleToken]:
     return inference.input_tokens(registry, req.model, req.inputs, req.parameters.truncate)
+
+
+@router.post("/chat_tokenize", summary="The chat template's text for `messages`, and its tokens (TGI)",
+             responses=responses(404, 422, 503))
+async def chat_tokenize(req: ChatRequest, registry: RegistryDep) -> ChatTokenizeResponse:
+    name, text = chat.templated(req, registry)
+    return ChatTokenizeResponse(tokenize_response=inference.input_tokens(registry, name, text, None, special=False),
+                                templated_text=text)

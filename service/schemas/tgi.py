@@ -65,6 +65,12 @@ class SimpleToken(BaseModel):
     stop: int
 
 
+class ChatTokenizeResponse(BaseModel):
+    """TGI's /chat_tokenize: the chat template's text and its tokens."""
+    tokenize_response: list[SimpleToken]
+    templated_text: str
+
+
 class Token(BaseModel):
     id: int
     text: str

@@ -16,7 +16,7 @@ ROUTES = {
     ("post", "/generate"): {"404", "422", "424", "429", "503"},
     ("post", "/generate_stream"): {"404", "422", "424", "429", "503"},
     ("post", "/"): {"404", "422", "424", "429", "503"},
-    ("post", "/tokenize"): {"404", "422", "503"},
+    ("post", "/tokenize"): {"404", "422", "503"}, ("post", "/chat_tokenize"): {"404", "422", "503"},
 }
 OPENAI_ROUTES = {      # OpenAI's status codes and error shape
     ("post", "/v1/chat/completions"): {"400", "404", "429", "500", "503"},
@@ -50,7 +50,7 @@ async def test_schema_is_complete(serve, tmp_path) -> None:
     assert not any("422" in ops[key]["responses"] for key in OPENAI_ROUTES)      # a 400 there
     components = schema["components"]["schemas"]
     for name in ("GenerateRequest", "GenerateParameters", "GenerateResponse", "Details", "Token", "StreamResponse",
-                 "StreamDetails", "CompatGenerateRequest", "SimpleToken", "ErrorResponse", "ModelInfo", "ModelList",
+                 "StreamDetails", "CompatGenerateRequest", "SimpleToken", "ChatTokenizeResponse", "ErrorResponse", "ModelInfo", "ModelList",
                  "LoadProgress", "Info", "ChatRequest", "ChatCompletion", "ChatCompletionChunk", "CompletionRequest",
                  "Completion", "ModelCardList", "OpenAIErrorResponse"):
         assert name in components, name
