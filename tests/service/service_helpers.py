@@ -1,5 +1,5 @@
 """What the service tests share besides fixtures: the demo's name and prompt, request bodies,
-`Server` (a client of an app whose lifespan runs, plus its registry and /metrics samples),
+`assert_error` (a response in TGI's error shape), `Server` (a client of an app whose lifespan runs, plus its registry and /metrics samples),
 `when_queue_full` (a request made while the model's queue is full), and `FileReads` (what a load
 read of an archive's file)."""
 from __future__ import annotations
@@ -23,6 +23,13 @@ from service.registry import ModelRegistry, ModelState
 DEMO = DEMO_NAME
 CHAT_PROMPT = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
                "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def assert_error(r, status: int, error_type: str) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error", "error_type"} and body["error_type"] == error_type and body["error"], body
+    return body
 
 
 def generate_body(max_new_tokens: int = 12, **parameters) -> dict:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from service_helpers import DEMO, QUEUE_OF_ONE, generate_body, when_queue_full
+from service_helpers import DEMO, QUEUE_OF_ONE, assert_error, generate_body, when_queue_full
 
 from service.load import pipeline
 from service.deps import get_settings
@@ -16,13 +16,6 @@ from service.registry import ModelState
 
 pytestmark = pytest.mark.anyio
 DECODED = 269030016
-
-
-def assert_error(r, status: int, error_type: str) -> dict:
-    assert r.status_code == status, r.text
-    body = r.json()
-    assert set(body) == {"error", "error_type"} and body["error_type"] == error_type and body["error"], body
-    return body
 
 
 BAD_BODIES = [

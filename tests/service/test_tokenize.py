@@ -5,8 +5,7 @@ with Retry-After)."""
 from __future__ import annotations
 
 import pytest
-from service_helpers import DEMO
-from test_errors import assert_error
+from service_helpers import DEMO, assert_error
 
 from service.registry import ModelState
 from service.schemas.tgi import CHAT_EXAMPLE
