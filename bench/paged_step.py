@@ -1,7 +1,8 @@
 """One decode step of the paged engine (issue 23), without a server or an archive: a 7B-shaped
 Llama (llama.py) with trained-like random bf16 weights made on the device, its paged cache, and
 the runner's step at batch 1, 32 and 64: eager, replayed as a CUDA graph, the whole
-`Runner.run` with its host work and a greedy pick, and pipelined launches (tokens/s from these); the step of Triton kernels (paged.Fused) and
+`Runner.run` with its host work and a greedy pick, and pipelined launches (tokens/s from these);
+a short prompt's step (--prompt-tokens, eager and replayed as decode rows); the step of Triton kernels (paged.Fused) and
 the modules' (paged.Modules) each, beside the limit (weight bytes / the device's measured read
 bandwidth) in the same run. Then the kernels of one eager batch-1 step, by GPU time, and each
 step kind against llama.py's own forward (the padded engine's) on one 8-token prompt: the
@@ -130,6 +131,23 @@ def step_times(runner: Runner, rows: int, position: int, repeat: int) -> dict:
     return out
 
 
+@torch.inference_mode()
+def prompt_times(runner: Runner, tokens: int, repeat: int) -> dict:
+    """A short prompt's step and its greedy pick, the host's work included (a first token's model
+    part): eager, and replaying the graph its tokens take as decode rows (runner.run)."""
+    chunk = Chunk(list(range(100, 100 + tokens)), 0, list(range(-(-tokens // runner.block_size))))
+    step = lambda: runner.run([], [chunk]).argmax(-1).tolist()
+    graphs, runner.use_graphs = runner.use_graphs, False
+    out = {"tokens": tokens, "eager_ms": timed(step, runner.device, repeat) * 1e3}
+    runner.use_graphs = graphs
+    if graphs and runner._prompts_as_rows([chunk]):
+        shape = runner._shape(runner._prompt_rows([chunk]))
+        if shape not in runner.graphs:
+            runner._capture(*shape)
+        out["replay_ms"] = timed(step, runner.device, repeat) * 1e3
+    return out
+
+
 def pipelined(runner: Runner, decodes: list[Decode], steps: int) -> float:
     """Seconds a step when each launch is queued before the last one's picks are read (scheduler.py)."""
     prev = runner.launch(decodes, None)
@@ -191,6 +209,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="*", default=[1, 32, 64])
     ap.add_argument("--position", type=int, default=72, help="keys each row has (8 prompt + 64 new)")
     ap.add_argument("--repeat", type=int, default=30)
+    ap.add_argument("--prompt-tokens", type=int, default=8, help="the prompt whose step is timed (the load's prompts)")
     ap.add_argument("--agree-tokens", type=int, default=16, help="greedy tokens compared with llama.py's forward")
     ap.add_argument("--peaked", action="store_true", help="logits shaped like a trained model's (`peak`)")
     ap.add_argument("--smoke", action="store_true", help="2 small layers: checks the path, no figures")
@@ -220,6 +239,8 @@ def main() -> None:
             out = result[f"{kind}-{r}"] = step_times(runner, r, args.position, args.repeat)
             out["of_limit"] = out["tokens_per_s"] / (limit * r)
             print(kind, r, json.dumps(out), flush=True)
+        out = result[f"{kind}-prompt"] = prompt_times(runner, args.prompt_tokens, args.repeat)
+        print(kind, "prompt", json.dumps(out), flush=True)
         result[f"{kind}-capture_s"] = runner.capture_seconds
         result[f"{kind}-against_llama"] = against_llama(runner, list(range(100, 108)), args.agree_tokens)
         print(kind, "against llama.py's forward:", json.dumps(result[f"{kind}-against_llama"]), flush=True)

@@ -10,7 +10,9 @@ Read me first.
   touch a real row and never make an empty softmax.
 * A graph is captured the first time its shape is needed, or ahead of need while the engine is
   idle (`capture_next`); `capture_seconds` adds up what captures cost.
-* Steps with a prompt chunk and steps on the CPU run eagerly: the same forward, not captured.
+* Steps on the CPU run eagerly: the same forward, not captured. So do steps with a prompt chunk,
+  unless their prompts are short: then each prompt token is a decode row of its sequence, and
+  the step replays the graph of its shape if one is captured.
   In compressed mode (service/model/compressed.py) the capture runs the modules' hooks once: the
   graph holds each Linear's decode on the side stream, one unit ahead, and the waits.
 * On CUDA every step runs the forward's Triton kernels (`fused`, paged.Fused), captured or not;
@@ -172,9 +174,16 @@ class Runner:
     # ---- a step ----------------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, decodes: list[Decode], chunks: list[Chunk]) -> torch.Tensor:
-        """Logits [len(decodes) + len(chunks), V]: each decode row's, then each chunk's last token's."""
+        """Logits [len(decodes) + len(chunks), V]: each decode row's, then each chunk's last token's.
+        A decode-only step replays its graph (captured now if it has none). So does a step whose
+        short prompts go in as decode rows (`_as_decode_rows`) when its graph is captured already:
+        the eager forward's host work was most of a short prompt's first token (H200, 2026-11-28)."""
         if self.use_graphs and decodes and not chunks and len(decodes) <= self.max_rows:
             return self._replay(decodes)
+        if self.use_graphs and chunks and self._prompts_as_rows(chunks):
+            rows = decodes + self._prompt_rows(chunks)
+            if len(rows) <= self.max_rows and self._shape(rows) in self.graphs:
+                return self._replay(rows)[self._last_rows(decodes, chunks)]
         ids, ctx = self._eager_inputs(decodes, chunks)
         return paged.forward(self.model, ids, ctx, self.cache, self.fused)
 
@@ -198,9 +207,13 @@ class Runner:
     def _width(self, decodes: list[Decode]) -> int:
         return -(-max(d.position + 1 for d in decodes) // self.block_size)
 
+    def _prompts_as_rows(self, chunks: list[Chunk]) -> bool:
+        """Whether the chunks' tokens go in as decode rows (`_as_decode_rows`)."""
+        return self.fused is not None and getattr(self.fused, "prompts_as_decode_rows", True) and bool(chunks) \
+            and all(c.start + len(c.tokens) <= SHORT_PROMPT for c in chunks)
+
     def _eager_inputs(self, decodes: list[Decode], chunks: list[Chunk]) -> tuple[torch.Tensor, paged.Context]:
-        if self.fused is not None and getattr(self.fused, "prompts_as_decode_rows", True) and chunks \
-                and all(c.start + len(c.tokens) <= SHORT_PROMPT for c in chunks):
+        if self._prompts_as_rows(chunks):
             return self._as_decode_rows(decodes, chunks)
         b, bs = len(decodes), self.block_size
         ids, pos, slots, tables, lengths = self._decode_inputs(decodes, b, self._width(decodes)) if b else \
@@ -227,18 +240,29 @@ class Runner:
         own chunk's earlier ones written in the same step): one attention launch a layer for the
         whole step, where SDPA took one per chunk (Triton's step, short prompts only: a token
         reads its keys alone, O(S^2) reads a chunk)."""
-        rows = decodes + [Decode(t, c.start + i, c.table) for c in chunks for i, t in enumerate(c.tokens)]
-        ids, ctx = self._eager_inputs(rows, [])
-        ends = torch.tensor([len(c.tokens) for c in chunks]).cumsum(0) + len(decodes) - 1      # each chunk's last
-        ctx.last = torch.cat([torch.arange(len(decodes)), ends]).to(self.device)
+        ids, ctx = self._eager_inputs(decodes + self._prompt_rows(chunks), [])
+        ctx.last = self._last_rows(decodes, chunks).to(self.device)
         return ids, ctx
 
+    @staticmethod
+    def _prompt_rows(chunks: list[Chunk]) -> list[Decode]:
+        return [Decode(t, c.start + i, c.table) for c in chunks for i, t in enumerate(c.tokens)]
+
+    @staticmethod
+    def _last_rows(decodes: list[Decode], chunks: list[Chunk]) -> torch.Tensor:
+        """Rows of `decodes + _prompt_rows(chunks)` whose logits a step gives: each decode's, each chunk's last."""
+        ends = torch.tensor([len(c.tokens) for c in chunks]).cumsum(0) + len(decodes) - 1
+        return torch.cat([torch.arange(len(decodes)), ends])
+
     # ---- CUDA graphs -----------------------------------------------------------------------------
+    def _shape(self, decodes: list[Decode]) -> tuple[int, int]:
+        """The (rows, width) buckets of the graph that takes `decodes`."""
+        return bucket(len(decodes), BATCH_BUCKETS, self.max_rows), bucket(self._width(decodes), WIDTHS, self.max_blocks)
+
     def _graph_for(self, decodes: list[Decode], prev_index: list[int] | None) -> Graph:
         """The graph of this step's shape, its inputs queued: the host's (one copy from pinned
         memory), `prev_index[i]` >= 0: row i takes that row's pick of the previous launch."""
-        rows = bucket(len(decodes), BATCH_BUCKETS, self.max_rows)
-        width = bucket(self._width(decodes), WIDTHS, self.max_blocks)
+        rows, width = self._shape(decodes)
         g = self.graphs.get((rows, width)) or self._capture(rows, width)
         ids, positions, slots, tables, lengths = self._decode_inputs(decodes, rows, width)
         index = torch.tensor((prev_index or []) + [-1] * (rows - len(prev_index or [])), dtype=torch.long)

@@ -5,7 +5,8 @@ paged decode attention within bf16 rounding of a float32 softmax; fixed and fuzz
 and grouped KV heads, one key, keys across blocks and chunks, rows of other lengths), the same
 output for a row alone as in any batch, and GQA's grouped kernel within a place of the per-head
 one; then a whole paged
-forward of a Llama with both step kinds, and a CUDA-graph replay of the Triton step."""
+forward of a Llama with both step kinds, a CUDA-graph replay of the Triton step, and short
+prompts' steps replaying the graphs of their rows."""
 from __future__ import annotations
 
 import pytest
@@ -169,6 +170,50 @@ def test_the_triton_step_equals_the_modules_step() -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=4 * place)
         picked = b.gather(-1, a.argmax(-1)[:, None])[:, 0]                # Triton's pick, by the modules' logits
         assert (b.max(-1).values - picked <= place).all()                 # their top, or tied with it to a place
+
+
+@torch.inference_mode()
+def test_a_short_prompt_replays_the_graph_of_its_rows(monkeypatch) -> None:
+    """A step of short prompts (tokens as decode rows), alone or beside decoding rows, replays the
+    captured graph of its shape and calls no eager forward; its logits and the cache it writes
+    match the eager step's (within four bf16 places: cuBLAS may sum a padded batch in another
+    order), and the picks of every step are the eager step's or tied with them to a place. Before its graph is captured it runs
+    eagerly (a capture never lands on a first token)."""
+    from service.engine.runner import Chunk, Decode, Runner
+    from service.model import llama, paged
+    config = {"model_type": "llama", "hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 4,
+              "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 1000, "max_position_embeddings": 512}
+    torch.manual_seed(1)
+    m = llama.LlamaForCausalLM(llama.LlamaConfig.parse(config), "cuda").to(BF16).eval()
+    for p in m.parameters():
+        p.copy_(1 + 0.02 * torch.randn_like(p) if p.dim() == 1 else 0.05 * torch.randn_like(p))
+    forwards = []
+    eager_forward = paged.forward
+    monkeypatch.setattr(paged, "forward", lambda *a, **k: forwards.append(1) or eager_forward(*a, **k))
+    prompt, other = Chunk(list(range(7, 18)), 0, [0]), Chunk(list(range(40, 45)), 0, [2])     # 11 and 5 tokens
+    steps = {}
+    for kind in ("eager", "replayed"):
+        cache = paged.PagedCache(m.config, 8, 16, BF16, torch.device("cuda"))
+        runner = Runner(m, cache, max_rows=32, max_blocks=4, graphs=True, fused=triton_ops)
+        if kind == "replayed":
+            while runner.capture_next():
+                pass
+        forwards.clear()
+        first = runner.run([], [prompt]).clone()                        # 11 rows: the 16-row graph
+        decode = Decode(int(first[0].argmax()), 11, [0])
+        mixed = runner.run([decode], [other]).clone()                   # a decode row and a prompt: 6 rows
+        eager_forwards = len(forwards)
+        then = runner.run([Decode(int(mixed[0].argmax()), 12, [0]), Decode(int(mixed[1].argmax()), 5, [2])], [])
+        written = slice(0, 3 * 16)                                      # the slots of blocks 0..2
+        steps[kind] = (first, mixed, then.clone(), cache.k[:, written].clone(), cache.v[:, written].clone(),
+                       eager_forwards)
+    assert steps["eager"][-1] == 2 and steps["replayed"][-1] == 0
+    for a, b in zip(steps["replayed"][:-1], steps["eager"][:-1]):
+        place = torch.finfo(BF16).eps * float(b.abs().max())           # a bf16 place at the largest value
+        torch.testing.assert_close(a, b, rtol=0, atol=4 * place)
+    for a, b in zip(steps["replayed"][:3], steps["eager"][:3]):        # the replay's picks: the eager top, or tied
+        place = torch.finfo(BF16).eps * float(b.abs().max())
+        assert (b.max(-1).values - b.gather(-1, a.argmax(-1)[:, None])[:, 0] <= place).all()
 
 
 def test_warm_up_compiles_the_variants_a_step_takes() -> None:
