@@ -42,6 +42,8 @@ KV cache wcodec_kv_cache_blocks{model}, wcodec_kv_cache_blocks_used{model}   the
          wcodec_kv_cache_usage{model}          blocks_used / blocks (a row holds its whole budget,
                                                    so nothing is preempted: no preemption metric)
          wcodec_engine_cuda_graphs{model}      decode steps captured (service/engine/runner.py)
+         wcodec_engine_cuda_graph_shapes{model}   the step shapes it captures while idle (the graphs
+                                                   gauge reaches this once all are)
          wcodec_engine_graph_capture_seconds{model}   what those captures cost, summed
 Start-up wcodec_process_start_to_ready_seconds        from the process's start (the kernel's record) to
                                                    the first model ready: /health/ready's first 200;
@@ -170,6 +172,8 @@ class Metrics:
         self.cache_usage = Gauge("wcodec_kv_cache_usage", "Fraction of the KV cache's blocks held by rows", m,
                                  registry=r)
         self.graphs = Gauge("wcodec_engine_cuda_graphs", "Decode steps captured as CUDA graphs", m, registry=r)
+        self.graph_shapes = Gauge("wcodec_engine_cuda_graph_shapes", "Decode step shapes the engine captures "
+                                  "while idle: wcodec_engine_cuda_graphs reaches this once all are", m, registry=r)
         self.capture_seconds = Gauge("wcodec_engine_graph_capture_seconds", "Seconds spent capturing CUDA "
                                      "graphs of decode steps", m, registry=r)
 
@@ -178,16 +182,17 @@ class Metrics:
         self.cache_blocks.labels(model).set(blocks.blocks)
         self.cache_used.labels(model).set_function(lambda: blocks.used)
         self.cache_usage.labels(model).set_function(lambda: blocks.usage)
-        self.set_graphs(model, 0, 0.0)
+        self.set_graphs(model, 0, 0.0, 0)
 
     def untrack_cache(self, model: str) -> None:
         for gauge in (self.cache_blocks, self.cache_used, self.cache_usage):
             with contextlib.suppress(KeyError):
                 gauge.remove(model)
-        self.set_graphs(model, 0, 0.0)
+        self.set_graphs(model, 0, 0.0, 0)
 
-    def set_graphs(self, model: str, graphs: int, seconds: float) -> None:
+    def set_graphs(self, model: str, graphs: int, seconds: float, shapes: int) -> None:
         self.graphs.labels(model).set(graphs)
+        self.graph_shapes.labels(model).set(shapes)
         self.capture_seconds.labels(model).set(seconds)
 
     def track_model(self, model: str) -> None:

@@ -339,6 +339,11 @@ class Runner:
         widths = sorted({bucket(n, WIDTHS, self.max_blocks) for n in range(1, self.max_blocks + 1)})
         return [(r, w) for w in widths for r in rows]
 
+    @property
+    def shape_count(self) -> int:
+        """How many graphs the idle engine captures (0 without graphs)."""
+        return len(self.shapes()) if self.use_graphs else 0
+
     @torch.inference_mode()
     def capture_next(self) -> bool:
         """Capture one graph not captured yet (the engine calls this while idle); False: none left."""

@@ -183,7 +183,7 @@ class Engine:
             log.exception("capturing a decode step failed on model %s; it runs eagerly", self.served.name)
             runner.use_graphs, captured = False, False
         if captured:
-            self.metrics.set_graphs(self.served.name, len(runner.graphs), runner.capture_seconds)
+            self.metrics.set_graphs(self.served.name, len(runner.graphs), runner.capture_seconds, runner.shape_count)
         return captured
 
     def _fail_waiting(self) -> None:
@@ -211,7 +211,7 @@ class Engine:
             m.batch_tokens.labels(name).observe(step.tokens)
         runner = self._runner
         if runner is not None:
-            m.set_graphs(name, len(runner.graphs), runner.capture_seconds)
+            m.set_graphs(name, len(runner.graphs), runner.capture_seconds, runner.shape_count)
         self._answer_done_rows()
 
     def _first(self, what: str, detail: str) -> None:

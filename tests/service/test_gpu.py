@@ -189,3 +189,26 @@ async def test_an_untied_table_stays_on_the_host_in_compressed_mode(serve, tmp_p
             assert await server.metric("wcodec_model_host_weight_bytes", model="tiny") == 0
             assert await server.metric("wcodec_model_weight_bytes", model="tiny", weights=weights) == 0
         assert same_answer(answers["decoded"], answers["compressed"])
+
+
+@pytest.mark.anyio
+async def test_the_idle_engine_captures_a_graph_of_every_step_shape(serve, tmp_path: Path, tiny_archive: Path) -> None:
+    """wcodec_engine_cuda_graph_shapes gives the decode step shapes the paged engine captures while
+    idle; wcodec_engine_cuda_graphs reaches it after a request (the bench waits on this), and an
+    unload sets both back to 0."""
+    import anyio
+    (tmp_path / "store").mkdir()
+    os.link(tiny_archive, tmp_path / "store" / "tiny.wcodec")
+    async with serve(tmp_path / "store") as server:
+        assert (await server.client.post("/models/tiny/load")).status_code == 200
+        body = {"inputs": TINY_PROMPT, "parameters": {"max_new_tokens": 4}}
+        assert (await server.client.post("/generate", json=body)).status_code == 200
+        shapes = await server.metric("wcodec_engine_cuda_graph_shapes", model="tiny")
+        runner = server.registry.get("tiny").engine._runner
+        assert shapes == len(runner.shapes()) > 1
+        with anyio.fail_after(120):
+            while await server.metric("wcodec_engine_cuda_graphs", model="tiny") < shapes:
+                await anyio.sleep(0.2)
+        assert (await server.client.post("/models/tiny/unload")).json()["state"] == "available"
+        for name in ("wcodec_engine_cuda_graphs", "wcodec_engine_cuda_graph_shapes"):
+            assert await server.metric(name, model="tiny") == 0
