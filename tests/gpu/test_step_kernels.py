@@ -143,19 +143,27 @@ def test_silu_mul(n, f) -> None:
     assert ulps(got, want).max() <= 1.0 and (got != want).float().mean() < 1e-3
 
 
+def small_llama(seed: int):
+    """A 4-layer GQA Llama on the GPU, bf16, norms N(1, 0.02) and matrices N(0, 0.05)."""
+    from service.model import llama
+    config = {"model_type": "llama", "hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 4,
+              "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 1000, "max_position_embeddings": 512}
+    torch.manual_seed(seed)
+    m = llama.LlamaForCausalLM(llama.LlamaConfig.parse(config), "cuda").to(BF16).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(1 + 0.02 * torch.randn_like(p) if p.dim() == 1 else 0.05 * torch.randn_like(p))
+    return m
+
+
 @torch.inference_mode()
 def test_the_triton_step_equals_the_modules_step() -> None:
     """A small Llama's paged forward (prompt chunks, then decode rows replayed as a CUDA graph)
     with Triton's kernels and with the modules: logits within four bf16 places of the largest,
     greedy picks equal or tied to a place."""
     from service.engine.runner import Chunk, Decode, Runner
-    from service.model import llama, paged
-    config = {"model_type": "llama", "hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 4,
-              "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 1000, "max_position_embeddings": 512}
-    torch.manual_seed(0)
-    m = llama.LlamaForCausalLM(llama.LlamaConfig.parse(config), "cuda").to(BF16).eval()
-    for p in m.parameters():
-        p.copy_(1 + 0.02 * torch.randn_like(p) if p.dim() == 1 else 0.05 * torch.randn_like(p))
+    from service.model import paged
+    m = small_llama(seed=0)
     runs = {}
     for kind, fused in (("triton", triton_ops), ("modules", None)):
         cache = paged.PagedCache(m.config, 16, 16, BF16, torch.device("cuda"))
@@ -177,16 +185,11 @@ def test_a_short_prompt_replays_the_graph_of_its_rows(monkeypatch) -> None:
     """A step of short prompts (tokens as decode rows), alone or beside decoding rows, replays the
     captured graph of its shape and calls no eager forward; its logits and the cache it writes
     match the eager step's (within four bf16 places: cuBLAS may sum a padded batch in another
-    order), and the picks of every step are the eager step's or tied with them to a place. Before its graph is captured it runs
-    eagerly (a capture never lands on a first token)."""
+    order), and the picks of every step are the eager step's or tied with them to a place. Before
+    its graph is captured it runs eagerly (a capture never lands on a first token)."""
     from service.engine.runner import Chunk, Decode, Runner
-    from service.model import llama, paged
-    config = {"model_type": "llama", "hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 4,
-              "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 1000, "max_position_embeddings": 512}
-    torch.manual_seed(1)
-    m = llama.LlamaForCausalLM(llama.LlamaConfig.parse(config), "cuda").to(BF16).eval()
-    for p in m.parameters():
-        p.copy_(1 + 0.02 * torch.randn_like(p) if p.dim() == 1 else 0.05 * torch.randn_like(p))
+    from service.model import paged
+    m = small_llama(seed=1)
     forwards = []
     eager_forward = paged.forward
     monkeypatch.setattr(paged, "forward", lambda *a, **k: forwards.append(1) or eager_forward(*a, **k))
