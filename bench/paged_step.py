@@ -2,9 +2,9 @@
 Llama (llama.py) with trained-like random bf16 weights made on the device, its paged cache, and
 the runner's step at batch 1, 32 and 64: eager, replayed as a CUDA graph, the whole
 `Runner.run` with its host work and a greedy pick, and pipelined launches (tokens/s from these);
-a short prompt's step (--prompt-tokens, eager and replayed as decode rows); the step of Triton kernels (paged.Fused) and
-the modules' (paged.Modules) each, beside the limit (weight bytes / the device's measured read
-bandwidth) in the same run. Then the kernels of one eager batch-1 step, by GPU time, and each
+a short prompt's step (--prompt-tokens, eager and replayed as decode rows); the step of Triton
+kernels (paged.Fused) and the modules' (paged.Modules) each, beside the limit (weight bytes / the
+device's measured read bandwidth) in the same run. Then the kernels of one eager batch-1 step, by GPU time, and each
 step kind against llama.py's own forward (the padded engine's) on one 8-token prompt: the
 first decode step's largest logit difference and the greedy tokens that agree (`--peaked`: on
 the model whose logits are shaped like a trained model's, `peak`; the timings are the same).

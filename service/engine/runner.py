@@ -25,6 +25,7 @@ Read me first.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -339,10 +340,14 @@ class Runner:
         widths = sorted({bucket(n, WIDTHS, self.max_blocks) for n in range(1, self.max_blocks + 1)})
         return [(r, w) for w in widths for r in rows]
 
+    @functools.cached_property
+    def _shapes_total(self) -> int:
+        return len(self.shapes())
+
     @property
     def shape_count(self) -> int:
-        """How many graphs the idle engine captures (0 without graphs)."""
-        return len(self.shapes()) if self.use_graphs else 0
+        """How many graphs the idle engine captures (0 without graphs); read every step."""
+        return self._shapes_total if self.use_graphs else 0
 
     @torch.inference_mode()
     def capture_next(self) -> bool:
