@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from . import inference, openai_api
 from .engine.sampling import Finished, TokenEvent
 from .errors import ServiceError, ValidationFailed, openai_error_event
+from .model.build import ServedModel
 from .registry import ModelRegistry
 from .schemas.chat import (
     ChatChoice,
@@ -21,6 +22,7 @@ from .schemas.chat import (
     ChatMessage,
     ChatRequest,
     ChatTokenLogprob,
+    TopLogprob,
 )
 from .settings import Settings
 
@@ -39,21 +41,25 @@ def templated(req: ChatRequest, registry: ModelRegistry) -> tuple[str, str]:
 
 
 async def start(req: ChatRequest, registry: ModelRegistry, settings: Settings) -> inference.Started:
-    params = openai_api.sampling(req, settings, req.new_tokens())
+    params = openai_api.sampling(req, settings, req.new_tokens(), req.top_n())
     name, prompt = templated(req, registry)
     return await inference.start(registry, settings, name, prompt, params, stream=req.stream,
                                  special=False, fields=("messages", "max_tokens"))
 
 
-def _logprobs(log: openai_api.TokenLog, text_end: int) -> ChatLogprobs:
+def _logprobs(served: ServedModel, log: openai_api.TokenLog, text_end: int) -> ChatLogprobs:
     events, _ = log.take(text_end)
+
+    def top(e: TokenEvent) -> list[TopLogprob]:
+        return [TopLogprob(token=t.text, logprob=t.logprob, bytes=list(t.text.encode()))
+                for t in inference.top_tokens(served, e)]
     return ChatLogprobs(content=[ChatTokenLogprob(token=e.text, logprob=e.logprob, bytes=list(e.text.encode()),
-                                                  top_logprobs=[]) for e in events])
+                                                  top_logprobs=top(e)) for e in events])
 
 
 def completion(started: inference.Started, fin: Finished, req: ChatRequest) -> ChatCompletion:
     text = openai_api.cut(fin.generated_text, req.stops())
-    logprobs = _logprobs(openai_api.TokenLog(fin.tokens), len(text)) if req.logprobs else None
+    logprobs = _logprobs(started.served, openai_api.TokenLog(fin.tokens), len(text)) if req.logprobs else None
     choice = ChatChoice(index=0, message=ChatMessage(content=text), finish_reason=openai_api.finish_reason(fin),
                         logprobs=logprobs)
     return ChatCompletion(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=started.model,
@@ -73,7 +79,7 @@ async def chunks(started: inference.Started, first: TokenEvent | Finished, req: 
         if content is not None:
             sent += len(content)
             choices = [ChatChunkChoice(index=0, delta=ChatDelta(content=content), finish_reason=reason,
-                                       logprobs=_logprobs(log, sent) if log is not None else None)]
+                                       logprobs=_logprobs(started.served, log, sent) if log is not None else None)]
         return inference.sse(ChatCompletionChunk(id=cid, created=created, model=started.model,
                                                  system_fingerprint=openai_api.FINGERPRINT, choices=choices,
                                                  usage=openai_api.usage([fin]) if fin else None))

@@ -12,13 +12,14 @@ from collections.abc import AsyncIterator
 from . import inference, openai_api
 from .engine.sampling import Finished, TokenEvent
 from .errors import ServiceError, openai_error_event
+from .model.build import ServedModel
 from .registry import ModelRegistry
 from .schemas.completions import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
 from .settings import Settings
 
 
 async def start(req: CompletionRequest, registry: ModelRegistry, settings: Settings) -> list[inference.Started]:
-    params = openai_api.sampling(req, settings, req.max_tokens)
+    params = openai_api.sampling(req, settings, req.max_tokens, req.logprobs or 0)
     model, started = openai_api.model_of(req, registry), []
     try:
         for prompt in req.prompts():
@@ -51,15 +52,21 @@ async def first_events(started: list[inference.Started]) -> list[TokenEvent | Fi
         raise
 
 
-def _logprobs(log: openai_api.TokenLog, text_end: int) -> CompletionLogprobs:
+def _logprobs(served: ServedModel, log: openai_api.TokenLog, text_end: int) -> CompletionLogprobs:
     events, offsets = log.take(text_end)
+
+    def top(e: TokenEvent) -> dict[str, float]:
+        alternatives = {}
+        for t in inference.top_tokens(served, e):       # most likely first: of two with one text, the likelier
+            alternatives.setdefault(t.text, t.logprob)
+        return alternatives | ({} if e.text in alternatives else {e.text: e.logprob})
     return CompletionLogprobs(tokens=[e.text for e in events], token_logprobs=[e.logprob for e in events],
-                              top_logprobs=[{e.text: e.logprob} for e in events], text_offset=offsets)
+                              top_logprobs=[top(e) for e in events], text_offset=offsets)
 
 
 def _choice(index: int, s: inference.Started, fin: Finished, req: CompletionRequest) -> CompletionChoice:
     text = (s.prompt if req.echo else "") + openai_api.cut(fin.generated_text, req.stops())
-    logprobs = _logprobs(openai_api.TokenLog(fin.tokens), len(text)) if req.logprobs is not None else None
+    logprobs = _logprobs(s.served, openai_api.TokenLog(fin.tokens), len(text)) if req.logprobs is not None else None
     return CompletionChoice(text=text, index=index, logprobs=logprobs, finish_reason=openai_api.finish_reason(fin))
 
 
@@ -105,7 +112,8 @@ async def _prompt_chunks(index: int, s: inference.Started, first: TokenEvent | F
         text = stop.flush() if done else ("" if item.special else stop.feed(item.text))
         sent += len(text)
         if text or done:
-            yield CompletionChoice(text=text, index=index, logprobs=_logprobs(log, sent) if log is not None else None,
+            yield CompletionChoice(text=text, index=index,
+                                   logprobs=_logprobs(s.served, log, sent) if log is not None else None,
                                    finish_reason=openai_api.finish_reason(item) if done else None)
         if done:
             fins.append(item)

@@ -30,7 +30,8 @@ def sampling_params(p: GenerateParameters, settings: Settings) -> SamplingParams
     if bad := p.unsupported():
         raise ValidationFailed(f"not supported by this server: {', '.join(bad)}")
     return SamplingParams(p.max_new_tokens or settings.default_max_new_tokens, p.temperature, p.top_p, p.top_k,
-                          p.do_sample, p.seed, p.repetition_penalty, tuple(s for s in p.stop if s))
+                          p.do_sample, p.seed, p.repetition_penalty, tuple(s for s in p.stop if s),
+                          p.top_n_tokens or 0)
 
 
 def _tokenize(served: ServedModel, prompt: str, params: SamplingParams, truncate: int | None,
@@ -99,13 +100,22 @@ def _token(e: TokenEvent) -> Token:
     return Token(id=e.id, text=e.text, logprob=e.logprob, special=e.special)
 
 
+def top_tokens(served: ServedModel, e: TokenEvent) -> list[Token]:
+    """The event's top_n tokens, each decoded on its own (as TGI does: a piece of a character
+    reads as U+FFFD)."""
+    decode = served.tokenizer.decode
+    return [Token(id=i, text=decode([i], skip_special_tokens=False), logprob=lp, special=i in served.special_ids)
+            for i, lp in e.top]
+
+
 def _text(started: Started, fin: Finished, full: bool | None) -> str:
     return started.prompt + fin.generated_text if full else fin.generated_text
 
 
 def tgi_response(started: Started, fin: Finished, p: GenerateParameters) -> GenerateResponse:
+    top = [top_tokens(started.served, t) for t in fin.tokens] if p.top_n_tokens else []
     details = Details(finish_reason=fin.finish_reason, generated_tokens=len(fin.tokens), seed=fin.seed,
-                      tokens=[_token(t) for t in fin.tokens]) if p.details else None
+                      tokens=[_token(t) for t in fin.tokens], top_tokens=top) if p.details else None
     return GenerateResponse(generated_text=_text(started, fin, p.return_full_text), details=details)
 
 
@@ -142,17 +152,19 @@ async def events(started: Started, first: TokenEvent | Finished) -> AsyncIterato
 async def tgi_stream(started: Started, first: TokenEvent | Finished, p: GenerateParameters) -> AsyncIterator[bytes]:
     """TGI's SSE: one event per token; the last token's event carries generated_text and details."""
     pending, index = None, 0
+
+    def event(e: TokenEvent, **last) -> bytes:
+        return sse(StreamResponse(index=index, token=_token(e), top_tokens=top_tokens(started.served, e), **last))
     try:
         async for item in events(started, first):
             if isinstance(item, Finished):
                 if pending is not None:
                     details = StreamDetails(finish_reason=item.finish_reason, generated_tokens=len(item.tokens),
                                             seed=item.seed, input_length=item.input_length)
-                    yield sse(StreamResponse(index=index, token=_token(pending),
-                                             generated_text=_text(started, item, p.return_full_text), details=details))
+                    yield event(pending, generated_text=_text(started, item, p.return_full_text), details=details)
                 return
             if pending is not None:
-                yield sse(StreamResponse(index=index, token=_token(pending)))
+                yield event(pending)
             pending, index = item, index + 1
     except ServiceError as e:
         yield sse(error_event(e))

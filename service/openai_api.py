@@ -28,13 +28,15 @@ def model_of(req: OpenAIRequest, registry: ModelRegistry) -> str | None:
     return req.model
 
 
-def sampling(req: OpenAIRequest, settings: Settings, max_tokens: int | None) -> SamplingParams:
+def sampling(req: OpenAIRequest, settings: Settings, max_tokens: int | None, top_n: int = 0) -> SamplingParams:
+    """`top_n`: the alternatives each token's log-probabilities list (chat's top_logprobs,
+    completions' logprobs)."""
     if bad := req.unsupported():
         raise UnsupportedParameter(*next(iter(bad.items())))
     stops = req.stops()
     temperature = req.temperature or None                      # 0 means greedy
     return SamplingParams(max_tokens or settings.default_max_new_tokens, temperature, req.top_p, None,
-                          temperature is not None, req.seed, None, tuple(s for s in stops if s))
+                          temperature is not None, req.seed, None, tuple(s for s in stops if s), top_n)
 
 
 class StopCut:

@@ -148,9 +148,9 @@ class Batcher:
         return Group(rows, self.served, self.cache) if rows else None
 
     def _emit(self, rows: list[Row], logits: torch.Tensor) -> None:
-        for row, (token, logprob) in zip(rows, sample_rows(logits, rows)):
+        for row, (token, logprob, top) in zip(rows, sample_rows(logits, rows)):
             if not row.done:
-                self.on_token(row, row.push(token, logprob))
+                self.on_token(row, row.push(token, logprob, top))
 
     def _leave(self) -> None:
         keep = [i for i, r in enumerate(self.running) if not r.done]

@@ -26,6 +26,7 @@ class SamplingParams:
     seed: int | None = None
     repetition_penalty: float | None = None
     stop: tuple[str, ...] = ()
+    top_n: int = 0                     # the most likely tokens reported beside each chosen one
 
     @property
     def sampling(self) -> bool:
@@ -39,6 +40,7 @@ class TokenEvent:
     text: str
     logprob: float
     special: bool
+    top: tuple[tuple[int, float], ...] = ()   # top_n: the most likely tokens (id, logprob), most likely first
 
 
 @dataclass(frozen=True)
@@ -68,8 +70,9 @@ class Row:
 
     @property
     def greedy(self) -> bool:
-        """Its token is the argmax of its logits (no sampling, no penalty)."""
-        return self.history is None and not self.params.sampling
+        """Its token is the argmax of its logits (no sampling, no penalty), and nothing else is read
+        from them (no top_n)."""
+        return self.history is None and not self.params.sampling and not self.params.top_n
 
     @property
     def done(self) -> bool:
@@ -85,13 +88,13 @@ class Row:
             return full[len(prefix):]
         return ""
 
-    def push(self, token: int, logprob: float) -> TokenEvent:
+    def push(self, token: int, logprob: float, top: tuple[tuple[int, float], ...] = ()) -> TokenEvent:
         self.ids.append(token)
         if self.history is not None:
             self.history = torch.cat([self.history, self.history.new_tensor([token])])
         piece = self._detokenize()
         self.text += piece
-        event = TokenEvent(token, piece, logprob, token in self.served.special_ids)
+        event = TokenEvent(token, piece, logprob, token in self.served.special_ids, top)
         self.tokens.append(event)
         longest = max((len(s) for s in self.params.stop), default=0)
         window = self.text[-(len(piece) + longest):] if longest else ""
@@ -130,8 +133,13 @@ def _warp(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return logits
 
 
-def sample(logits: torch.Tensor, row: Row) -> tuple[int, float]:
-    """One token for one row from its logits [V]; returns (token, its log-probability)."""
+Pick = tuple[int, float, tuple[tuple[int, float], ...]]      # token, its log-probability, the top_n
+
+
+def sample(logits: torch.Tensor, row: Row) -> Pick:
+    """One token for one row from its logits [V]: (token, its log-probability, the row's top_n
+    most likely tokens with theirs). Log-probabilities are those of the model's distribution after
+    the repetition penalty, before temperature and top-k/p (the chosen token's and the top_n's alike)."""
     p = row.params
     if row.history is not None:
         logits = _penalize(logits, row.history, p.repetition_penalty)
@@ -141,7 +149,11 @@ def sample(logits: torch.Tensor, row: Row) -> tuple[int, float]:
         token = int(torch.multinomial(probs, 1, generator=row.generator))
     else:
         token = int(logits.argmax())
-    return token, float(logprobs[token])
+    top = ()
+    if p.top_n:
+        values, ids = logprobs.topk(min(p.top_n, logprobs.numel()))
+        top = tuple(zip(ids.tolist(), values.tolist()))
+    return token, float(logprobs[token]), top
 
 
 def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,14 +169,14 @@ def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, logits.log_softmax(-1).gather(-1, tokens[:, None])[:, 0]
 
 
-def sample_rows(logits: torch.Tensor, rows: list[Row]) -> list[tuple[int, float]]:
-    """One (token, logprob) per row from logits [B, V]: plain greedy rows with one argmax and one
-    device-to-host copy between them, the others (sampling, penalty) one by one with `sample`."""
+def sample_rows(logits: torch.Tensor, rows: list[Row]) -> list[Pick]:
+    """One pick per row from logits [B, V]: plain greedy rows with one argmax and one
+    device-to-host copy between them, the others (sampling, penalty, top_n) one by one with `sample`."""
     plain = [i for i, r in enumerate(rows) if r.greedy]
-    out: list[tuple[int, float] | None] = [None] * len(rows)
+    out: list[Pick | None] = [None] * len(rows)
     if plain:
         sub = logits[torch.tensor(plain, device=logits.device)] if len(plain) < len(rows) else logits   # [G, V]
         tokens, logprobs = greedy(sub)                                                                  # [G]
         for i, token, logprob in zip(plain, tokens.tolist(), logprobs.tolist()):
-            out[i] = (token, logprob)
+            out[i] = (token, logprob, ())
     return [o if o is not None else sample(logits[i], rows[i]) for i, o in enumerate(out)]

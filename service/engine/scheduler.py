@@ -204,9 +204,9 @@ class Scheduler:
         self.on_finish(row)
 
     def _emit(self, rows: list[Row], logits: torch.Tensor) -> None:
-        for row, (token, logprob) in zip(rows, sample_rows(logits, rows)):
+        for row, (token, logprob, top) in zip(rows, sample_rows(logits, rows)):
             if not row.done:
-                self.on_token(row, row.push(token, logprob))
+                self.on_token(row, row.push(token, logprob, top))
 
     def _leave(self) -> None:
         for seqs in (self.running, self.prefilling):

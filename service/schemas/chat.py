@@ -6,6 +6,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from .openai import OpenAIRequest, OpenAIResponse, Usage
+from .tgi import MAX_TOP_N_TOKENS
 
 
 class TextPart(BaseModel):
@@ -31,8 +32,8 @@ class ChatRequest(OpenAIRequest):
     max_completion_tokens: int | None = Field(None, ge=1, description="The newer name of `max_tokens`.")
     logprobs: bool | None = Field(None, description="Each generated token's log-probability, in "
                                                     "`choices[].logprobs.content`.")
-    top_logprobs: int | None = Field(None, ge=0, le=20, description="Not supported: must be 0 (top "
-                                                                    "alternatives are not computed).")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_N_TOKENS, description="With `logprobs: true`, the "
+                                     "most likely tokens at each position, in `logprobs.content[].top_logprobs`.")
     response_format: ResponseFormat | None = Field(None, description="Only {'type': 'text'}.")
     tools: list[dict] | None = Field(None, description="Not supported: must be empty.")
     tool_choice: str | dict | None = Field(None, description="Not supported: 'none' only.")
@@ -42,7 +43,7 @@ class ChatRequest(OpenAIRequest):
 
     def unsupported(self) -> dict[str, str]:
         bad = super().unsupported()
-        bad |= {"top_logprobs": "top alternatives are not computed"} if self.top_logprobs else {}
+        bad |= {"top_logprobs": "needs `logprobs: true`"} if self.top_logprobs and not self.logprobs else {}
         bad |= {f: "tools and function calling are not supported" for f in ("tools", "functions") if getattr(self, f)}
         bad |= {f: "tools and function calling are not supported" for f in ("tool_choice", "function_call")
                 if getattr(self, f) not in (None, "none")}
@@ -52,6 +53,9 @@ class ChatRequest(OpenAIRequest):
 
     def new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def top_n(self) -> int:
+        return (self.top_logprobs or 0) if self.logprobs else 0
 
 
 class ChatMessage(BaseModel):
@@ -67,7 +71,8 @@ class TopLogprob(BaseModel):
 
 
 class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(description="empty: top alternatives are not computed")
+    top_logprobs: list[TopLogprob] = Field(description="the `top_logprobs` most likely tokens at this position, "
+                                                       "most likely first, each decoded on its own")
 
 
 class ChatLogprobs(BaseModel):

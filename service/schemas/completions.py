@@ -15,8 +15,9 @@ class CompletionRequest(OpenAIRequest):
     prompt: str | Prompts = Field(description=f"A prompt, or up to {MAX_PROMPTS} (one choice each, batched "
                                               "together).", examples=["The capital of France is"])
     echo: bool = Field(False, description="Put the prompt before the completion.")
-    logprobs: int | None = Field(None, ge=0, le=5, description="0: each generated token's log-probability; "
-                                                               "top alternatives (1-5) are not supported.")
+    logprobs: int | None = Field(None, ge=0, le=5, description="Each generated token's log-probability, and "
+                                                               "with 1-5 that many most likely tokens at each "
+                                                               "position (top_logprobs).")
     best_of: int | None = Field(None, ge=1, description="Only 1.")
     suffix: str | None = Field(None, description="Not supported: must be empty.")
 
@@ -26,9 +27,7 @@ class CompletionRequest(OpenAIRequest):
     def unsupported(self) -> dict[str, str]:
         bad = super().unsupported() | ({"best_of": "only 1"} if (self.best_of or 1) > 1 else {})
         bad |= {"suffix": "not supported: must be empty"} if self.suffix else {}
-        if self.logprobs:
-            bad["logprobs"] = "only 0 (each chosen token's log-probability): top alternatives are not computed"
-        elif self.logprobs == 0 and self.echo:
+        if self.logprobs is not None and self.echo:
             bad["logprobs"] = "not with echo: the prompt's log-probabilities are not computed"
         return bad
 
@@ -36,7 +35,9 @@ class CompletionRequest(OpenAIRequest):
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
     token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] = Field(description="the chosen token alone (logprobs=0)")
+    top_logprobs: list[dict[str, float]] = Field(description="at each position the `logprobs` most likely "
+                                                             "tokens, each decoded on its own, and the chosen one "
+                                                             "(so up to logprobs + 1, as OpenAI's)")
     text_offset: list[int] = Field(description="each token's first character in `text`")
 
 

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 FinishReason = Literal["length", "eos_token", "stop_sequence"]
 MAX_STOP_SEQUENCES = 4
 MAX_SEED = 2**64 - 1                           # torch.Generator.manual_seed's range
+MAX_TOP_N_TOKENS = 20                          # alternatives a token (OpenAI's top_logprobs bound; TGI's default is 5)
 CHAT_EXAMPLE = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -33,14 +34,16 @@ class GenerateParameters(BaseModel):
     best_of: int | None = Field(None, ge=1, le=1, description="Only 1 (or null) is supported.")
     typical_p: float | None = Field(None, description="Not supported: must be null.")
     watermark: bool = Field(False, description="Not supported: must be false.")
-    top_n_tokens: int | None = Field(None, description="Not supported: must be null.")
+    top_n_tokens: int | None = Field(None, ge=0, le=MAX_TOP_N_TOKENS, description="The most likely tokens "
+                                     "at each step, with their log-probabilities (details.top_tokens, a stream "
+                                     "event's top_tokens).")
     frequency_penalty: float | None = Field(None, description="Not supported: must be null.")
     grammar: dict | None = Field(None, description="Not supported: must be null.")
     adapter_id: str | None = Field(None, description="Not supported: must be null.")
 
     def unsupported(self) -> list[str]:
         """The parameters set to something this server cannot do."""
-        unset = ("typical_p", "top_n_tokens", "frequency_penalty", "grammar", "adapter_id")
+        unset = ("typical_p", "frequency_penalty", "grammar", "adapter_id")
         bad = [n for n in unset if getattr(self, n) is not None]
         return bad + (["watermark"] if self.watermark else [])
 
@@ -90,6 +93,8 @@ class Details(BaseModel):
     seed: int | None = None
     prefill: list[PrefillToken] = Field(default_factory=list)
     tokens: list[Token]
+    top_tokens: list[list[Token]] = Field(default_factory=list, description="with top_n_tokens: each generated "
+                                          "token's most likely tokens, most likely first")
 
 
 class GenerateResponse(BaseModel):
@@ -107,6 +112,8 @@ class StreamDetails(BaseModel):
 class StreamResponse(BaseModel):
     index: int
     token: Token
+    top_tokens: list[Token] = Field(default_factory=list, description="with top_n_tokens: this step's most "
+                                    "likely tokens, most likely first")
     generated_text: str | None = None
     details: StreamDetails | None = None
 

@@ -30,6 +30,28 @@ def test_inference_client_text_generation(live) -> None:
     assert streamed[-1].generated_text == out.generated_text and streamed[-1].details.finish_reason == "eos_token"
 
 
+def test_inference_client_top_n_tokens(live) -> None:
+    """top_n_tokens, as TGI's: each generated token's n most likely tokens with their
+    log-probabilities, most likely first, in details.top_tokens and in each stream event; greedy,
+    the first of them is the chosen token itself."""
+    def fields(t, *names) -> tuple:       # huggingface_hub leaves details.top_tokens' lists as dicts
+        return tuple(t[n] if isinstance(t, dict) else getattr(t, n) for n in names)
+    client = hub.InferenceClient(base_url=live[0])
+    out = client.text_generation(CHAT_PROMPT, max_new_tokens=6, details=True, top_n_tokens=3)
+    assert out.generated_text.startswith("The capital of France")
+    tokens, top = out.details.tokens, out.details.top_tokens
+    assert len(top) == len(tokens) == 6 and all(len(t) == 3 for t in top)
+    for token, alternatives in zip(tokens, top):
+        logprobs = [fields(a, "logprob")[0] for a in alternatives]
+        assert logprobs == sorted(logprobs, reverse=True) and all(lp <= 0 for lp in logprobs)
+        assert fields(alternatives[0], "id", "logprob", "text") == (token.id, token.logprob, token.text)
+        assert len({fields(a, "id") for a in alternatives}) == 3
+    streamed = list(client.text_generation(CHAT_PROMPT, max_new_tokens=6, stream=True, details=True, top_n_tokens=3))
+    assert [[fields(a, "id", "logprob") for a in e.top_tokens] for e in streamed] == \
+        [[fields(a, "id", "logprob") for a in t] for t in top]
+    assert client.text_generation(CHAT_PROMPT, max_new_tokens=2, details=True).details.top_tokens in (None, [])
+
+
 def test_inference_client_chat_completion(live) -> None:
     client = hub.InferenceClient(base_url=live[0])
     out = client.chat_completion([{"role": "user", "content": "What is the capital of France?"}], max_tokens=12)

@@ -27,6 +27,8 @@ BAD_BODIES = [
     {"inputs": "hi", "parameters": {"stop": ["a", "b", "c", "d", "e"]}},
     {"inputs": "hi", "parameters": {"best_of": 2}},
     {"inputs": "hi", "parameters": {"typical_p": 0.5}},
+    {"inputs": "hi", "parameters": {"top_n_tokens": 21}},
+    {"inputs": "hi", "parameters": {"top_n_tokens": -1}},
     {"inputs": "hi", "parameters": {"max_new_tokens": 5000}},
     {"inputs": "hi", "parameters": {"truncate": 0}},
     {"inputs": "hi", "parameters": {"do_sample": True, "seed": 2**64}},        # was a 500: beyond manual_seed

@@ -95,6 +95,35 @@ def test_chat_logprobs_are_the_contents_tokens(client) -> None:
     assert plain.logprobs is None
 
 
+def test_top_logprobs_list_the_most_likely_tokens(client) -> None:
+    """chat's top_logprobs and completions' logprobs = n: at each position the n most likely tokens,
+    most likely first (greedy: the chosen token first), the same in a stream; completions' dict
+    adds the chosen token where it is not among them (OpenAI's up to n + 1)."""
+    out = client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=8, logprobs=True,
+                                         top_logprobs=4).choices[0]
+    content = out.logprobs.content
+    assert "".join(t.token for t in content) == out.message.content and len(content) >= 6
+    for t in content:
+        top = t.top_logprobs
+        assert len(top) == 4 and len({a.token for a in top}) == 4
+        assert [a.logprob for a in top] == sorted((a.logprob for a in top), reverse=True)
+        assert (top[0].token, top[0].logprob, top[0].bytes) == (t.token, t.logprob, t.bytes)
+        assert all(a.bytes == list(a.token.encode()) for a in top)
+    chunks = list(client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=8, logprobs=True,
+                                                 top_logprobs=4, stream=True))
+    streamed = [t for c in chunks for t in c.choices[0].logprobs.content]
+    assert [[(a.token, a.logprob) for a in t.top_logprobs] for t in streamed] == \
+        [[(a.token, a.logprob) for a in t.top_logprobs] for t in content]
+    lp = client.completions.create(model=DEMO, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=3).choices[0]
+    assert "".join(lp.logprobs.tokens) == lp.text
+    for token, logprob, top in zip(lp.logprobs.tokens, lp.logprobs.token_logprobs, lp.logprobs.top_logprobs):
+        assert top[token] == logprob == max(top.values()) and 2 <= len(top) <= 4
+    sampled = client.completions.create(model=DEMO, prompt=PROMPT, max_tokens=8, temperature=2.0, seed=3,
+                                        logprobs=1).choices[0].logprobs
+    assert all(top[token] == logprob and len(top) in (1, 2)
+               for token, logprob, top in zip(sampled.tokens, sampled.token_logprobs, sampled.top_logprobs))
+
+
 def test_chat_seed_repeats_a_sample(client) -> None:
     def sample(seed: int) -> str:
         return client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=8, temperature=1.5,
@@ -106,7 +135,7 @@ def test_chat_seed_repeats_a_sample(client) -> None:
 UNSUPPORTED = [("n", {"n": 2}), ("logit_bias", {"logit_bias": {"42": 5}}), ("tools", {"tools": [
     {"type": "function", "function": {"name": "f", "parameters": {}}}]}),
     ("response_format", {"response_format": {"type": "json_object"}}),
-    ("top_logprobs", {"logprobs": True, "top_logprobs": 2}),
+    ("top_logprobs", {"top_logprobs": 2}),                        # without logprobs: true
     ("presence_penalty", {"presence_penalty": 0.5})]
 
 
@@ -122,7 +151,7 @@ def test_bad_requests_and_unknown_models(client) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=-5)
     assert e.value.body["param"] == "max_tokens" and e.value.body["type"] == "invalid_request_error"
-    for kwargs in ({"max_tokens": -5}, {"n": 3}, {"logprobs": 2}, {"best_of": 2}, {"prompt": [PROMPT] * 33}):
+    for kwargs in ({"max_tokens": -5}, {"n": 3}, {"logprobs": 6}, {"best_of": 2}, {"prompt": [PROMPT] * 33}):
         with pytest.raises(openai.BadRequestError):
             client.completions.create(**{"model": DEMO, "prompt": PROMPT, **kwargs})
     with pytest.raises(openai.BadRequestError, match="echo"):

@@ -37,8 +37,29 @@ def test_sampling_turns_on_like_tgi() -> None:
 
 def test_greedy_takes_the_argmax_and_reports_its_logprob() -> None:
     logits = torch.tensor([0.0, 3.0, 1.0, -1.0])
-    token, logprob = sample(logits, row())
-    assert token == 1 and logprob == pytest.approx(float(logits.log_softmax(-1)[1]))
+    token, logprob, top = sample(logits, row())
+    assert token == 1 and logprob == pytest.approx(float(logits.log_softmax(-1)[1])) and top == ()
+    assert row().greedy and not row(top_n=2).greedy
+
+
+def test_top_n_gives_the_most_likely_tokens_after_the_penalty_whatever_is_chosen() -> None:
+    """top_n: the n most likely tokens with their log-probabilities, most likely first: those of
+    the model's distribution after the repetition penalty (the chosen token's are the same), not
+    of the warped one a sample is drawn from; the chosen token need not be among them."""
+    logits = torch.tensor([0.5, 4.0, -1.0, 3.0, 2.5])
+    logprobs = logits.log_softmax(-1)
+    token, logprob, top = sample(logits, row(top_n=3))
+    assert token == 1 and [t for t, _ in top] == [1, 3, 4]
+    assert [lp for _, lp in top] == pytest.approx([float(logprobs[i]) for i in (1, 3, 4)]) and logprob == top[0][1]
+    penalized = logits.clone()
+    penalized[1:4] = torch.tensor([2.0, -2.0, 1.5])                     # the prompt 1, 2, 3 penalized by 2
+    token, logprob, top = sample(logits, row(top_n=2, repetition_penalty=2.0))
+    assert token == 4 and [t for t, _ in top] == [4, 1]
+    assert [lp for _, lp in top] == pytest.approx(penalized.log_softmax(-1)[[4, 1]].tolist())
+    drawn = {sample(logits, row(top_n=1, do_sample=True, temperature=5.0, seed=s))[0] for s in range(40)}
+    assert len(drawn) > 1                                                # sampled: not always the top token
+    assert sample(logits, row(top_n=9))[2] == tuple(zip(logprobs.topk(5).indices.tolist(),
+                                                         logprobs.topk(5).values.tolist()))   # at most V
 
 
 def test_top_k_1_and_tiny_top_p_are_greedy_whatever_the_seed() -> None:
@@ -68,7 +89,7 @@ def test_seeded_sampling_is_reproducible() -> None:
 def test_repetition_penalty_divides_positive_and_multiplies_negative_logits() -> None:
     r = row(repetition_penalty=2.0)                      # history: the prompt 1, 2, 3
     logits = torch.tensor([0.5, 4.0, -1.0, 3.0, 2.5])
-    token, _ = sample(logits, r)
+    token, _, _ = sample(logits, r)
     assert token == 4                                     # 4.0 -> 2.0 and 3.0 -> 1.5 fall below 2.5
 
 
