@@ -212,3 +212,30 @@ async def test_the_idle_engine_captures_a_graph_of_every_step_shape(serve, tmp_p
         assert (await server.client.post("/models/tiny/unload")).json()["state"] == "available"
         for name in ("wcodec_engine_cuda_graphs", "wcodec_engine_cuda_graph_shapes"):
             assert await server.metric(name, model="tiny") == 0
+
+
+@pytest.mark.anyio
+async def test_top_n_tokens_on_cuda(serve, tmp_path: Path, tiny_archive: Path) -> None:
+    """top_n_tokens on CUDA, where greedy steps are launched ahead from the graphs' picks: a row
+    asking for alternatives takes the steps that wait for their logits, gets the tokens a plain
+    request gets, and each token's alternatives most likely first, the first the token itself;
+    beside a plain request both complete."""
+    import asyncio
+    (tmp_path / "store").mkdir()
+    os.link(tiny_archive, tmp_path / "store" / "tiny.wcodec")
+    plain = {"inputs": TINY_PROMPT, "parameters": {"max_new_tokens": 8}}
+    top = {"inputs": TINY_PROMPT, "parameters": {"max_new_tokens": 8, "top_n_tokens": 3}}
+    async with serve(tmp_path / "store") as server:
+        c = server.client
+        assert (await c.post("/models/tiny/load")).status_code == 200
+        alone, with_top = (await c.post("/generate", json=plain)).json(), (await c.post("/generate", json=top)).json()
+        assert same_answer(alone, with_top) and alone["details"]["top_tokens"] == []
+        tokens, alternatives = with_top["details"]["tokens"], with_top["details"]["top_tokens"]
+        assert len(alternatives) == len(tokens) >= 1
+        for token, alts in zip(tokens, alternatives):
+            assert len(alts) == 3 and [a["logprob"] for a in alts] == sorted((a["logprob"] for a in alts), reverse=True)
+            assert alts[0]["id"] == token["id"] and abs(alts[0]["logprob"] - token["logprob"]) < 1e-6
+        both = await asyncio.gather(c.post("/generate", json=top), c.post("/generate", json=plain))
+        assert [r.status_code for r in both] == [200, 200]
+        details = both[0].json()["details"]
+        assert len(details["top_tokens"]) == details["generated_tokens"] >= 1 and both[1].json()["details"]["tokens"]
