@@ -44,6 +44,9 @@ def _tokenize(served: ServedModel, prompt: str, params: SamplingParams, truncate
     if len(ids) > settings.max_input_tokens:
         raise ValidationFailed(f"`{inputs}` must have less than {settings.max_input_tokens} tokens. Given: {len(ids)}",
                                param=inputs)
+    if params.logit_bias and (outside := max(i for i, _ in params.logit_bias)) >= served.model.config.vocab_size:
+        raise ValidationFailed(f"`logit_bias`: token {outside} is not in the model's vocabulary (0 to "
+                               f"{served.model.config.vocab_size - 1})", param="logit_bias")
     limit = min(settings.max_total_tokens, served.max_positions)
     if len(ids) + params.max_new_tokens > limit:
         raise ValidationFailed(f"`{inputs}` tokens + `{new}` must be <= {limit}. Given: {len(ids)} "

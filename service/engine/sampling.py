@@ -27,11 +27,19 @@ class SamplingParams:
     repetition_penalty: float | None = None
     stop: tuple[str, ...] = ()
     top_n: int = 0                     # the most likely tokens reported beside each chosen one
+    logit_bias: tuple[tuple[int, float], ...] = ()    # (token id, added to its logit), OpenAI's
+    presence_penalty: float = 0.0      # OpenAI's: subtracted from a generated token's logit
+    frequency_penalty: float = 0.0     # OpenAI's: times its count among the generated tokens, subtracted
 
     @property
     def sampling(self) -> bool:
         warped = self.temperature not in (None, 1.0) or bool(self.top_k) or (self.top_p or 1.0) < 1.0
         return self.do_sample or warped
+
+    @property
+    def shaped(self) -> bool:
+        """Whether OpenAI's logit_bias or presence/frequency penalties change the logits."""
+        return bool(self.logit_bias) or bool(self.presence_penalty) or bool(self.frequency_penalty)
 
 
 @dataclass(frozen=True)
@@ -70,9 +78,10 @@ class Row:
 
     @property
     def greedy(self) -> bool:
-        """Its token is the argmax of its logits (no sampling, no penalty), and nothing else is read
-        from them (no top_n)."""
-        return self.history is None and not self.params.sampling and not self.params.top_n
+        """Its token is the argmax of the model's logits as they are (no sampling, no penalty or
+        bias), and nothing else is read from them (no top_n)."""
+        p = self.params
+        return self.history is None and not p.sampling and not p.top_n and not p.shaped
 
     @property
     def done(self) -> bool:
@@ -116,6 +125,21 @@ def _penalize(logits: torch.Tensor, history: torch.Tensor, penalty: float) -> to
     return logits.scatter(0, history, torch.where(seen < 0, seen * penalty, seen / penalty))
 
 
+def _shape(logits: torch.Tensor, row: Row) -> torch.Tensor:
+    """OpenAI's logit_bias, then mu[j] - c[j] * frequency_penalty - (c[j] > 0) * presence_penalty,
+    c[j] the count of token j among the row's generated tokens (its prompt's do not count)."""
+    p = row.params
+    if p.logit_bias:
+        ids, bias = zip(*p.logit_bias)
+        logits = logits.index_add(0, torch.tensor(ids, device=logits.device),
+                                  torch.tensor(bias, dtype=logits.dtype, device=logits.device))
+    if (p.presence_penalty or p.frequency_penalty) and row.ids:
+        counts = torch.bincount(torch.tensor(row.ids, device=logits.device), minlength=logits.numel())
+        counts = counts[:logits.numel()].to(logits.dtype)
+        logits = logits - counts * p.frequency_penalty - (counts > 0).to(logits.dtype) * p.presence_penalty
+    return logits
+
+
 MIN_TEMPERATURE = 1e-5         # below it, float32 logits / temperature overflow to inf (and softmax to nan)
 
 
@@ -139,10 +163,13 @@ Pick = tuple[int, float, tuple[tuple[int, float], ...]]      # token, its log-pr
 def sample(logits: torch.Tensor, row: Row) -> Pick:
     """One token for one row from its logits [V]: (token, its log-probability, the row's top_n
     most likely tokens with theirs). Log-probabilities are those of the model's distribution after
-    the repetition penalty, before temperature and top-k/p (the chosen token's and the top_n's alike)."""
+    the penalties and logit_bias, before temperature and top-k/p (the chosen token's and the
+    top_n's alike)."""
     p = row.params
     if row.history is not None:
         logits = _penalize(logits, row.history, p.repetition_penalty)
+    if p.shaped:
+        logits = _shape(logits, row)
     logprobs = logits.log_softmax(-1)
     if p.sampling:
         probs = _warp(logits, p).softmax(-1)
@@ -171,7 +198,7 @@ def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def sample_rows(logits: torch.Tensor, rows: list[Row]) -> list[Pick]:
     """One pick per row from logits [B, V]: plain greedy rows with one argmax and one
-    device-to-host copy between them, the others (sampling, penalty, top_n) one by one with `sample`."""
+    device-to-host copy between them, the others (sampling, penalties, bias, top_n) one by one with `sample`."""
     plain = [i for i, r in enumerate(rows) if r.greedy]
     out: list[Pick | None] = [None] * len(rows)
     if plain:

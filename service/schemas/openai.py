@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from .tgi import MAX_SEED
 
 MAX_STOP = 4
+MAX_BIAS = 100                                  # OpenAI's bound on a logit_bias value
 Stops = Annotated[list[str], Field(max_length=MAX_STOP)]
 
 
@@ -31,17 +32,28 @@ class OpenAIRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int | None = Field(None, ge=1, description="Only 1.")
-    logit_bias: dict[str, float] | None = Field(None, description="Not supported: must be empty.")
-    presence_penalty: float | None = Field(None, ge=-2, le=2, description="Not supported: must be 0.")
-    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="Not supported: must be 0.")
+    logit_bias: dict[str, float] | None = Field(None, description="Token id (a decimal string) -> a bias of "
+                                                "-100 to 100 added to its logit before sampling (-100 in effect "
+                                                "bans it, 100 forces it).")
+    presence_penalty: float | None = Field(None, ge=-2, le=2, description="Subtracted from the logit of every "
+                                           "token generated so far (the prompt's do not count).")
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="Times a token's count among the "
+                                            "tokens generated so far, subtracted from its logit.")
     user: str | None = Field(None, description="An end-user id; accepted, not used.")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not key.isdecimal():
+                raise ValueError(f"keys are token ids (decimal strings), not {key!r}")
+            if not -MAX_BIAS <= bias <= MAX_BIAS:
+                raise ValueError(f"biases lie in [-{MAX_BIAS}, {MAX_BIAS}], not {bias} (token {key})")
+        return v
 
     def unsupported(self) -> dict[str, str]:
         """field -> why, for the fields set to something this server cannot do (400 naming the first)."""
-        bad = {"n": "only 1 choice per prompt"} if (self.n or 1) > 1 else {}
-        bad |= {"logit_bias": "not supported: must be empty"} if self.logit_bias else {}
-        return bad | {f: "not supported: must be 0" for f in ("presence_penalty", "frequency_penalty")
-                      if getattr(self, f)}
+        return {"n": "only 1 choice per prompt"} if (self.n or 1) > 1 else {}
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -239,3 +239,30 @@ async def test_top_n_tokens_on_cuda(serve, tmp_path: Path, tiny_archive: Path) -
         assert [r.status_code for r in both] == [200, 200]
         details = both[0].json()["details"]
         assert len(details["top_tokens"]) == details["generated_tokens"] >= 1 and both[1].json()["details"]["tokens"]
+
+
+@pytest.mark.anyio
+async def test_logit_bias_and_penalties_on_cuda(serve, tmp_path: Path, tiny_archive: Path) -> None:
+    """OpenAI's logit_bias and presence/frequency penalties on CUDA (the bias added and the counts
+    taken on the device, the row's steps waiting for their logits): +100 makes every token the
+    biased one, -100 bans greedy's first token, and the penalties leave no token repeated more
+    often than greedy decoding repeats it."""
+    (tmp_path / "store").mkdir()
+    os.link(tiny_archive, tmp_path / "store" / "tiny.wcodec")
+    async with serve(tmp_path / "store") as server:
+        c = server.client
+        assert (await c.post("/models/tiny/load")).status_code == 200
+        plain = (await c.post("/generate", json={"inputs": TINY_PROMPT, "parameters": {"max_new_tokens": 8}})).json()
+        ids = [t["id"] for t in plain["details"]["tokens"]]
+
+        async def tokens(**extra) -> list[str]:
+            body = {"model": "tiny", "prompt": TINY_PROMPT, "max_tokens": 8, "temperature": 0, "logprobs": 0, **extra}
+            r = await c.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["logprobs"]["tokens"]
+        base = await tokens()
+        forced = await tokens(logit_bias={str(ids[0]): 100})
+        assert len(set(forced)) == 1 and forced[0] == base[0]
+        assert (await tokens(logit_bias={str(ids[0]): -100}))[0] != base[0]
+        curbed = await tokens(presence_penalty=2, frequency_penalty=2)
+        assert max(curbed.count(t) for t in curbed) <= max(base.count(t) for t in base)

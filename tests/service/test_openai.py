@@ -124,6 +124,29 @@ def test_top_logprobs_list_the_most_likely_tokens(client) -> None:
                for token, logprob, top in zip(sampled.tokens, sampled.token_logprobs, sampled.top_logprobs))
 
 
+def test_logit_bias_bans_and_forces_tokens_and_penalties_curb_repeats(client, live) -> None:
+    """logit_bias -100 bans the token greedy decoding picked first, +100 makes every token the
+    biased one; presence and frequency penalties make a repeating continuation repeat less; bad
+    keys, biases out of [-100, 100] and ids outside the vocabulary are a 400 naming logit_bias."""
+    def tokens(**extra) -> list[str]:
+        out = client.completions.create(model=DEMO, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=0, **extra)
+        return out.choices[0].logprobs.tokens
+    plain = httpx.post(f"{live[0]}/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 5}}).json()
+    ids = [(t["id"], t["text"]) for t in plain["details"]["tokens"]]
+    assert tokens() == [text for _, text in ids]
+    assert tokens(logit_bias={str(ids[0][0]): -100})[0] != ids[0][1]
+    assert tokens(logit_bias={str(ids[2][0]): 100}) == [ids[2][1]] * 5
+    counting = {"model": DEMO, "prompt": "1, 2, 3, 4,", "max_tokens": 24, "temperature": 0}
+    repeats = lambda text: max(text.count(","), 1)                       # noqa: E731
+    base = client.completions.create(**counting).choices[0].text
+    curbed = client.completions.create(**counting, presence_penalty=2, frequency_penalty=2).choices[0].text
+    assert curbed != base and repeats(curbed) < repeats(base), (base, curbed)
+    for bias in ({"x": 1}, {"5": 101}, {"-5": 1}, {"99999999": 5}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=2, logit_bias=bias)
+        assert e.value.body["param"] == "logit_bias", bias
+
+
 def test_chat_seed_repeats_a_sample(client) -> None:
     def sample(seed: int) -> str:
         return client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=8, temperature=1.5,
@@ -132,11 +155,10 @@ def test_chat_seed_repeats_a_sample(client) -> None:
     assert sample(0) == texts[0] and len(set(texts.values())) > 1
 
 
-UNSUPPORTED = [("n", {"n": 2}), ("logit_bias", {"logit_bias": {"42": 5}}), ("tools", {"tools": [
+UNSUPPORTED = [("n", {"n": 2}), ("tools", {"tools": [
     {"type": "function", "function": {"name": "f", "parameters": {}}}]}),
     ("response_format", {"response_format": {"type": "json_object"}}),
-    ("top_logprobs", {"top_logprobs": 2}),                        # without logprobs: true
-    ("presence_penalty", {"presence_penalty": 0.5})]
+    ("top_logprobs", {"top_logprobs": 2})]                        # without logprobs: true
 
 
 @pytest.mark.parametrize(("param", "extra"), UNSUPPORTED, ids=[u[0] for u in UNSUPPORTED])

@@ -93,6 +93,26 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits() ->
     assert token == 4                                     # 4.0 -> 2.0 and 3.0 -> 1.5 fall below 2.5
 
 
+def test_openai_bias_and_penalties_shape_the_logits_of_generated_tokens_only() -> None:
+    """logit_bias adds to a token's logit; presence and frequency penalties subtract, for the
+    tokens generated so far (c[j] their count), not the prompt's; the log-probabilities given are
+    the shaped distribution's, and such a row is not plain greedy."""
+    logits = torch.tensor([0.5, 4.0, -1.0, 3.0, 2.5])
+    r = row(logit_bias=((0, 10.0), (1, -100.0)))
+    assert not r.greedy and row().greedy
+    token, logprob, _ = sample(logits, r)
+    shaped = logits + torch.tensor([10.0, -100.0, 0, 0, 0])
+    assert token == 0 and logprob == pytest.approx(float(shaped.log_softmax(-1)[0]))
+    r = row(presence_penalty=0.5, frequency_penalty=1.0)                   # prompt 1, 2, 3: no effect
+    assert sample(logits, r)[0] == 1
+    for t in (1, 1, 3):
+        r.push(t, 0.0)
+    counts = torch.tensor([0.0, 2, 0, 1, 0])
+    shaped = logits - counts * 1.0 - (counts > 0).float() * 0.5            # 4.0 -> 1.5, 3.0 -> 1.5
+    token, logprob, _ = sample(logits, r)
+    assert token == 4 and logprob == pytest.approx(float(shaped.log_softmax(-1)[4]))
+
+
 def test_finish_reasons() -> None:
     r = row(max_new_tokens=2)
     r.push(ord("a"), 0.0)
