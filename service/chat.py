@@ -1,6 +1,6 @@
 """OpenAI-style chat on top of the TGI path: the model's embedded chat template makes the prompt;
-the engine's result becomes a ChatCompletion (or a stream of chunks, with usage last when asked
-for, ending in `[DONE]`)."""
+each of the `n` choices is one engine request, and their results become a ChatCompletion (or a
+stream of chunks, one choice after the other, with usage last when asked for, ending in `[DONE]`)."""
 from __future__ import annotations
 
 import time
@@ -40,11 +40,11 @@ def templated(req: ChatRequest, registry: ModelRegistry) -> tuple[str, str]:
         lease.release()
 
 
-async def start(req: ChatRequest, registry: ModelRegistry, settings: Settings) -> inference.Started:
+async def start(req: ChatRequest, registry: ModelRegistry, settings: Settings) -> list[inference.Started]:
     params = openai_api.sampling(req, settings, req.new_tokens(), req.top_n())
     name, prompt = templated(req, registry)
-    return await inference.start(registry, settings, name, prompt, params, stream=req.stream,
-                                 special=False, fields=("messages", "max_tokens"))
+    return await openai_api.start(registry, settings, name, [prompt], params, req.choices(), stream=req.stream,
+                                  special=False, fields=("messages", "max_tokens"))
 
 
 def _logprobs(served: ServedModel, log: openai_api.TokenLog, text_end: int) -> ChatLogprobs:
@@ -57,43 +57,60 @@ def _logprobs(served: ServedModel, log: openai_api.TokenLog, text_end: int) -> C
                                                   top_logprobs=top(e)) for e in events])
 
 
-def completion(started: inference.Started, fin: Finished, req: ChatRequest) -> ChatCompletion:
+def _choice(index: int, s: inference.Started, fin: Finished, req: ChatRequest) -> ChatChoice:
     text = openai_api.cut(fin.generated_text, req.stops())
-    logprobs = _logprobs(started.served, openai_api.TokenLog(fin.tokens), len(text)) if req.logprobs else None
-    choice = ChatChoice(index=0, message=ChatMessage(content=text), finish_reason=openai_api.finish_reason(fin),
-                        logprobs=logprobs)
-    return ChatCompletion(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=started.model,
-                          system_fingerprint=openai_api.FINGERPRINT, choices=[choice], usage=openai_api.usage([fin]))
+    logprobs = _logprobs(s.served, openai_api.TokenLog(fin.tokens), len(text)) if req.logprobs else None
+    return ChatChoice(index=index, message=ChatMessage(content=text), finish_reason=openai_api.finish_reason(fin),
+                      logprobs=logprobs)
 
 
-async def chunks(started: inference.Started, first: TokenEvent | Finished, req: ChatRequest) -> AsyncIterator[bytes]:
-    """One chunk per token (special tokens and stop sequences left out; with `logprobs`, each
-    chunk's tokens), a last one with finish_reason, the usage when
-    `stream_options.include_usage`, then [DONE]."""
-    cid, created, stop = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), openai_api.StopCut(req.stops())
-    log, sent = openai_api.TokenLog() if req.logprobs else None, 0
+def completion(started: list[inference.Started], fins: list[Finished], req: ChatRequest) -> ChatCompletion:
+    return ChatCompletion(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=started[0].model,
+                          system_fingerprint=openai_api.FINGERPRINT, usage=openai_api.usage(fins, req.choices()),
+                          choices=[_choice(i, s, f, req) for i, (s, f) in enumerate(zip(started, fins))])
 
-    def chunk(content: str | None, reason: str | None = None, fin: Finished | None = None) -> bytes:
-        nonlocal sent
-        choices = []
-        if content is not None:
-            sent += len(content)
-            choices = [ChatChunkChoice(index=0, delta=ChatDelta(content=content), finish_reason=reason,
-                                       logprobs=_logprobs(started.served, log, sent) if log is not None else None)]
-        return inference.sse(ChatCompletionChunk(id=cid, created=created, model=started.model,
+
+async def chunks(started: list[inference.Started], firsts: list[TokenEvent | Finished],
+                 req: ChatRequest) -> AsyncIterator[bytes]:
+    """Each choice's chunks, one choice after the other: one chunk per token (special tokens and
+    stop sequences left out; with `logprobs`, each chunk's tokens), a last one with finish_reason;
+    then the usage when `stream_options.include_usage`, then [DONE]."""
+    cid, created, fins = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), []
+
+    def chunk(choices: list[ChatChunkChoice], fin_list: list[Finished] | None = None) -> bytes:
+        return inference.sse(ChatCompletionChunk(id=cid, created=created, model=started[0].model,
                                                  system_fingerprint=openai_api.FINGERPRINT, choices=choices,
-                                                 usage=openai_api.usage([fin]) if fin else None))
+                                                 usage=openai_api.usage(fin_list, req.choices()) if fin_list else None))
     try:
-        async for item in inference.events(started, first):
-            if isinstance(item, Finished):
-                yield chunk(stop.flush(), openai_api.finish_reason(item))
-                if req.stream_options and req.stream_options.include_usage:
-                    yield chunk(None, fin=item)
-            else:
-                if log is not None:
-                    log.add(item)
-                if not item.special and (text := stop.feed(item.text)):
-                    yield chunk(text)
+        for index, (s, first) in enumerate(zip(started, firsts)):
+            async for choice in _choice_chunks(index, s, first, req, fins):
+                yield chunk([choice])
+        if req.stream_options and req.stream_options.include_usage:
+            yield chunk([], fins)
     except ServiceError as e:
         yield inference.sse(openai_error_event(e))
+    finally:
+        openai_api.cancel(started)
     yield inference.sse("[DONE]")
+
+
+async def _choice_chunks(index: int, s: inference.Started, first: TokenEvent | Finished, req: ChatRequest,
+                         fins: list[Finished]) -> AsyncIterator[ChatChunkChoice]:
+    """One choice's deltas as they come (held back at a possible stop sequence), then the rest with
+    the finish reason; `fins` gets its result."""
+    stop, log, sent = openai_api.StopCut(req.stops()), openai_api.TokenLog() if req.logprobs else None, 0
+
+    def delta(content: str, reason: str | None = None) -> ChatChunkChoice:
+        nonlocal sent
+        sent += len(content)
+        return ChatChunkChoice(index=index, delta=ChatDelta(content=content), finish_reason=reason,
+                               logprobs=_logprobs(s.served, log, sent) if log is not None else None)
+    async for item in inference.events(s, first):
+        if isinstance(item, Finished):
+            yield delta(stop.flush(), openai_api.finish_reason(item))
+            fins.append(item)
+        else:
+            if log is not None:
+                log.add(item)
+            if not item.special and (text := stop.feed(item.text)):
+                yield delta(text)

@@ -1,10 +1,9 @@
-"""OpenAI's (legacy) completions on the same engine as the other routes: each prompt of a request
-is one engine request, so they batch with each other and with every other route's. The result is
-a Completion with a choice per prompt, or a stream of chunks (one prompt after the other, each
-chunk naming its choice's index), the usage when asked for, then `[DONE]`."""
+"""OpenAI's (legacy) completions on the same engine as the other routes: each choice of a request
+(`n` per prompt) is one engine request, so they batch with each other and with every other
+route's. The result is a Completion with those choices, or a stream of chunks (one choice after
+the other, each chunk naming its choice's index), the usage when asked for, then `[DONE]`."""
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -20,36 +19,8 @@ from .settings import Settings
 
 async def start(req: CompletionRequest, registry: ModelRegistry, settings: Settings) -> list[inference.Started]:
     params = openai_api.sampling(req, settings, req.max_tokens, req.logprobs or 0)
-    model, started = openai_api.model_of(req, registry), []
-    try:
-        for prompt in req.prompts():
-            started.append(await inference.start(registry, settings, model, prompt, params, stream=req.stream,
-                                                 fields=("prompt", "max_tokens")))
-    except BaseException:
-        cancel(started)
-        raise
-    return started
-
-
-def cancel(started: list[inference.Started]) -> None:
-    for s in started:
-        s.request.cancel()
-
-
-async def finish(started: list[inference.Started]) -> list[Finished]:
-    try:
-        return list(await asyncio.gather(*(s.request.result() for s in started)))
-    finally:
-        cancel(started)
-
-
-async def first_events(started: list[inference.Started]) -> list[TokenEvent | Finished]:
-    """Every prompt's first event before answering 200, so a failed prefill is a plain error."""
-    try:
-        return [await s.request.next() for s in started]
-    except BaseException:
-        cancel(started)
-        raise
+    return await openai_api.start(registry, settings, openai_api.model_of(req, registry), req.prompts(), params,
+                                  req.choices(), stream=req.stream, fields=("prompt", "max_tokens"))
 
 
 def _logprobs(served: ServedModel, log: openai_api.TokenLog, text_end: int) -> CompletionLogprobs:
@@ -72,7 +43,7 @@ def _choice(index: int, s: inference.Started, fin: Finished, req: CompletionRequ
 
 def completion(started: list[inference.Started], fins: list[Finished], req: CompletionRequest) -> Completion:
     return Completion(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=started[0].model,
-                      system_fingerprint=openai_api.FINGERPRINT, usage=openai_api.usage(fins),
+                      system_fingerprint=openai_api.FINGERPRINT, usage=openai_api.usage(fins, req.choices()),
                       choices=[_choice(i, s, f, req) for i, (s, f) in enumerate(zip(started, fins))])
 
 
@@ -83,7 +54,7 @@ async def chunks(started: list[inference.Started], firsts: list[TokenEvent | Fin
     def chunk(choices: list[CompletionChoice], fin_list: list[Finished] | None = None) -> bytes:
         return inference.sse(Completion(id=cid, created=created, model=started[0].model, choices=choices,
                                         system_fingerprint=openai_api.FINGERPRINT,
-                                        usage=openai_api.usage(fin_list) if fin_list else None))
+                                        usage=openai_api.usage(fin_list, req.choices()) if fin_list else None))
     try:
         for index, (s, first) in enumerate(zip(started, firsts)):
             async for choice in _prompt_chunks(index, s, first, req, fins):
@@ -93,7 +64,7 @@ async def chunks(started: list[inference.Started], firsts: list[TokenEvent | Fin
     except ServiceError as e:
         yield inference.sse(openai_error_event(e))
     finally:
-        cancel(started)
+        openai_api.cancel(started)
     yield inference.sse("[DONE]")
 
 

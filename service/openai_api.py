@@ -1,13 +1,16 @@
 """What OpenAI's chat and completions routes share on top of inference.py: the model a request
 names, its sampling parameters (a field this server cannot honour is refused, never ignored),
 the text cut before the first stop sequence (OpenAI leaves the stop out; TGI keeps it), and the
-pieces of a response (finish reason, usage)."""
+pieces of a response (finish reason, usage); and a request's choices, one engine request each."""
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 from collections.abc import Iterable
 
 import codec
 
+from . import inference
 from .engine.sampling import Finished, SamplingParams, TokenEvent
 from .errors import ModelNotFound, UnsupportedParameter
 from .registry import ModelRegistry
@@ -39,6 +42,45 @@ def sampling(req: OpenAIRequest, settings: Settings, max_tokens: int | None, top
     return SamplingParams(max_tokens or settings.default_max_new_tokens, temperature, req.top_p, None,
                           temperature is not None, req.seed, None, tuple(s for s in stops if s), top_n, bias,
                           req.presence_penalty or 0.0, req.frequency_penalty or 0.0)
+
+
+async def start(registry: ModelRegistry, settings: Settings, model: str | None, prompts: list[str],
+                params: SamplingParams, n: int, *, stream: bool, **kw) -> list[inference.Started]:
+    """One engine request per choice: `n` per prompt, prompt after prompt (choice i is prompt
+    i // n), so they batch with each other and with every other route's. With a seed, choice j of
+    a prompt samples with seed + j (mod 2^64), so that the n samples differ and repeat."""
+    started = []
+    try:
+        for prompt in prompts:
+            for j in range(n):
+                nth = params if j == 0 or params.seed is None else \
+                    dataclasses.replace(params, seed=(params.seed + j) % 2**64)
+                started.append(await inference.start(registry, settings, model, prompt, nth, stream=stream, **kw))
+    except BaseException:
+        cancel(started)
+        raise
+    return started
+
+
+def cancel(started: list[inference.Started]) -> None:
+    for s in started:
+        s.request.cancel()
+
+
+async def finish(started: list[inference.Started]) -> list[Finished]:
+    try:
+        return list(await asyncio.gather(*(s.request.result() for s in started)))
+    finally:
+        cancel(started)
+
+
+async def first_events(started: list[inference.Started]) -> list[TokenEvent | Finished]:
+    """Every choice's first event before answering 200, so a failed prefill is a plain error."""
+    try:
+        return [await s.request.next() for s in started]
+    except BaseException:
+        cancel(started)
+        raise
 
 
 class StopCut:
@@ -101,6 +143,7 @@ def finish_reason(fin: Finished) -> str:
     return "length" if fin.finish_reason == "length" else "stop"
 
 
-def usage(fins: list[Finished]) -> Usage:
-    prompt, completion = sum(f.input_length for f in fins), sum(len(f.tokens) for f in fins)
+def usage(fins: list[Finished], n: int = 1) -> Usage:
+    """`fins` n per prompt (as `start` makes them): a prompt's tokens count once, as OpenAI's."""
+    prompt, completion = sum(f.input_length for f in fins[::n]), sum(len(f.tokens) for f in fins)
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)

@@ -11,6 +11,7 @@ from .tgi import MAX_SEED
 
 MAX_STOP = 4
 MAX_BIAS = 100                                  # OpenAI's bound on a logit_bias value
+MAX_N = 16                                      # choices a prompt
 Stops = Annotated[list[str], Field(max_length=MAX_STOP)]
 
 
@@ -31,7 +32,8 @@ class OpenAIRequest(BaseModel):
                                                        "first one generated.")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int | None = Field(None, ge=1, description="Only 1.")
+    n: int | None = Field(None, ge=1, le=MAX_N, description="Choices for each prompt, each its own generation "
+                          "(with a seed, choice j samples with seed + j). Greedy choices are alike.")
     logit_bias: dict[str, float] | None = Field(None, description="Token id (a decimal string) -> a bias of "
                                                 "-100 to 100 added to its logit before sampling (-100 in effect "
                                                 "bans it, 100 forces it).")
@@ -53,7 +55,10 @@ class OpenAIRequest(BaseModel):
 
     def unsupported(self) -> dict[str, str]:
         """field -> why, for the fields set to something this server cannot do (400 naming the first)."""
-        return {"n": "only 1 choice per prompt"} if (self.n or 1) > 1 else {}
+        return {}
+
+    def choices(self) -> int:
+        return self.n or 1
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -147,6 +147,35 @@ def test_logit_bias_bans_and_forces_tokens_and_penalties_curb_repeats(client, li
         assert e.value.body["param"] == "logit_bias", bias
 
 
+def test_n_choices_each_their_own_generation(client) -> None:
+    """n: that many choices a prompt, each its own engine request (choice j sampling with seed + j,
+    so choice 0 is the n=1 sample and the set repeats); greedy choices are alike; usage counts a
+    prompt's tokens once; a stream sends each choice's chunks under its index; completions give
+    prompt i's choices at i * n .. i * n + n - 1."""
+    def chat(**extra):
+        return client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=8, **extra)
+    one, three = chat(), chat(n=3)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert {c.message.content for c in three.choices} == {one.choices[0].message.content}
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens and three.usage.completion_tokens == 24
+    sampled = chat(n=3, temperature=1.5, seed=5)
+    texts = [c.message.content for c in sampled.choices]
+    assert len(set(texts)) > 1 and texts == [c.message.content for c in chat(n=3, temperature=1.5, seed=5).choices]
+    assert texts[:2] == [chat(temperature=1.5, seed=seed).choices[0].message.content for seed in (5, 6)]
+    streamed: dict[int, str] = {}
+    chunks = list(chat(n=3, temperature=1.5, seed=5, stream=True, stream_options={"include_usage": True}))
+    for c in chunks[:-1]:
+        (choice,) = c.choices
+        streamed[choice.index] = streamed.get(choice.index, "") + choice.delta.content
+    assert [streamed[i] for i in range(3)] == texts
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == sampled.usage.model_dump()
+    both = client.completions.create(model=DEMO, prompt=[PROMPT, "1, 2, 3,"], max_tokens=4, temperature=0, n=2)
+    alone = [client.completions.create(model=DEMO, prompt=p, max_tokens=4, temperature=0) for p in (PROMPT, "1, 2, 3,")]
+    assert [c.text for c in both.choices] == [a.choices[0].text for a in alone for _ in range(2)]
+    assert [c.index for c in both.choices] == [0, 1, 2, 3]
+    assert both.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+
+
 def test_chat_seed_repeats_a_sample(client) -> None:
     def sample(seed: int) -> str:
         return client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=8, temperature=1.5,
@@ -155,7 +184,7 @@ def test_chat_seed_repeats_a_sample(client) -> None:
     assert sample(0) == texts[0] and len(set(texts.values())) > 1
 
 
-UNSUPPORTED = [("n", {"n": 2}), ("tools", {"tools": [
+UNSUPPORTED = [("tools", {"tools": [
     {"type": "function", "function": {"name": "f", "parameters": {}}}]}),
     ("response_format", {"response_format": {"type": "json_object"}}),
     ("top_logprobs", {"top_logprobs": 2})]                        # without logprobs: true
@@ -173,7 +202,7 @@ def test_bad_requests_and_unknown_models(client) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=-5)
     assert e.value.body["param"] == "max_tokens" and e.value.body["type"] == "invalid_request_error"
-    for kwargs in ({"max_tokens": -5}, {"n": 3}, {"logprobs": 6}, {"best_of": 2}, {"prompt": [PROMPT] * 33}):
+    for kwargs in ({"max_tokens": -5}, {"n": 17}, {"logprobs": 6}, {"best_of": 2}, {"prompt": [PROMPT] * 33}):
         with pytest.raises(openai.BadRequestError):
             client.completions.create(**{"model": DEMO, "prompt": PROMPT, **kwargs})
     with pytest.raises(openai.BadRequestError, match="echo"):
