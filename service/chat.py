@@ -3,13 +3,11 @@ each of the `n` choices is one engine request, and their results become a ChatCo
 stream of chunks, one choice after the other, with usage last when asked for, ending in `[DONE]`)."""
 from __future__ import annotations
 
-import time
-import uuid
 from collections.abc import AsyncIterator
 
 from . import inference, openai_api
 from .engine.sampling import Finished, TokenEvent
-from .errors import ServiceError, ValidationFailed, openai_error_event
+from .errors import ValidationFailed
 from .model.build import ServedModel
 from .registry import ModelRegistry
 from .schemas.chat import (
@@ -65,37 +63,20 @@ def _choice(index: int, s: inference.Started, fin: Finished, req: ChatRequest) -
 
 
 def completion(started: list[inference.Started], fins: list[Finished], req: ChatRequest) -> ChatCompletion:
-    return ChatCompletion(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=started[0].model,
-                          system_fingerprint=openai_api.FINGERPRINT, usage=openai_api.usage(fins, req.choices()),
-                          choices=[_choice(i, s, f, req) for i, (s, f) in enumerate(zip(started, fins))])
+    return openai_api.response(ChatCompletion, "chatcmpl", started, fins, req, lambda *a: _choice(*a, req))
 
 
-async def chunks(started: list[inference.Started], firsts: list[TokenEvent | Finished],
-                 req: ChatRequest) -> AsyncIterator[bytes]:
+def chunks(started: list[inference.Started], firsts: list[TokenEvent | Finished],
+           req: ChatRequest) -> AsyncIterator[bytes]:
     """Each choice's chunks, one choice after the other: one chunk per token (special tokens and
     stop sequences left out; with `logprobs`, each chunk's tokens), a last one with finish_reason;
-    then the usage when `stream_options.include_usage`, then [DONE]."""
-    cid, created, fins = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), []
-
-    def chunk(choices: list[ChatChunkChoice], fin_list: list[Finished] | None = None) -> bytes:
-        return inference.sse(ChatCompletionChunk(id=cid, created=created, model=started[0].model,
-                                                 system_fingerprint=openai_api.FINGERPRINT, choices=choices,
-                                                 usage=openai_api.usage(fin_list, req.choices()) if fin_list else None))
-    try:
-        for index, (s, first) in enumerate(zip(started, firsts)):
-            async for choice in _choice_chunks(index, s, first, req, fins):
-                yield chunk([choice])
-        if req.stream_options and req.stream_options.include_usage:
-            yield chunk([], fins)
-    except ServiceError as e:
-        yield inference.sse(openai_error_event(e))
-    finally:
-        openai_api.cancel(started)
-    yield inference.sse("[DONE]")
+    then the usage when `stream_options.include_usage`, then [DONE] (openai_api.stream)."""
+    return openai_api.stream(started, firsts, req, lambda *a: _choice_chunks(*a, req=req),
+                             openai_api.envelope(ChatCompletionChunk, "chatcmpl", started))
 
 
-async def _choice_chunks(index: int, s: inference.Started, first: TokenEvent | Finished, req: ChatRequest,
-                         fins: list[Finished]) -> AsyncIterator[ChatChunkChoice]:
+async def _choice_chunks(index: int, s: inference.Started, first: TokenEvent | Finished, fins: list[Finished], *,
+                         req: ChatRequest) -> AsyncIterator[ChatChunkChoice]:
     """One choice's deltas as they come (held back at a possible stop sequence), then the rest with
     the finish reason; `fins` gets its result."""
     stop, log, sent = openai_api.StopCut(req.stops()), openai_api.TokenLog() if req.logprobs else None, 0

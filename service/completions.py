@@ -4,13 +4,10 @@ route's. The result is a Completion with those choices, or a stream of chunks (o
 the other, each chunk naming its choice's index), the usage when asked for, then `[DONE]`."""
 from __future__ import annotations
 
-import time
-import uuid
 from collections.abc import AsyncIterator
 
 from . import inference, openai_api
 from .engine.sampling import Finished, TokenEvent
-from .errors import ServiceError, openai_error_event
 from .model.build import ServedModel
 from .registry import ModelRegistry
 from .schemas.completions import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
@@ -42,34 +39,17 @@ def _choice(index: int, s: inference.Started, fin: Finished, req: CompletionRequ
 
 
 def completion(started: list[inference.Started], fins: list[Finished], req: CompletionRequest) -> Completion:
-    return Completion(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=started[0].model,
-                      system_fingerprint=openai_api.FINGERPRINT, usage=openai_api.usage(fins, req.choices()),
-                      choices=[_choice(i, s, f, req) for i, (s, f) in enumerate(zip(started, fins))])
+    return openai_api.response(Completion, "cmpl", started, fins, req, lambda *a: _choice(*a, req))
 
 
-async def chunks(started: list[inference.Started], firsts: list[TokenEvent | Finished],
-                 req: CompletionRequest) -> AsyncIterator[bytes]:
-    cid, created, fins = f"cmpl-{uuid.uuid4().hex}", int(time.time()), []
-
-    def chunk(choices: list[CompletionChoice], fin_list: list[Finished] | None = None) -> bytes:
-        return inference.sse(Completion(id=cid, created=created, model=started[0].model, choices=choices,
-                                        system_fingerprint=openai_api.FINGERPRINT,
-                                        usage=openai_api.usage(fin_list, req.choices()) if fin_list else None))
-    try:
-        for index, (s, first) in enumerate(zip(started, firsts)):
-            async for choice in _prompt_chunks(index, s, first, req, fins):
-                yield chunk([choice])
-        if req.stream_options and req.stream_options.include_usage:
-            yield chunk([], fins)
-    except ServiceError as e:
-        yield inference.sse(openai_error_event(e))
-    finally:
-        openai_api.cancel(started)
-    yield inference.sse("[DONE]")
+def chunks(started: list[inference.Started], firsts: list[TokenEvent | Finished],
+           req: CompletionRequest) -> AsyncIterator[bytes]:
+    return openai_api.stream(started, firsts, req, lambda *a: _prompt_chunks(*a, req=req),
+                             openai_api.envelope(Completion, "cmpl", started))
 
 
-async def _prompt_chunks(index: int, s: inference.Started, first: TokenEvent | Finished, req: CompletionRequest,
-                         fins: list[Finished]) -> AsyncIterator[CompletionChoice]:
+async def _prompt_chunks(index: int, s: inference.Started, first: TokenEvent | Finished, fins: list[Finished], *,
+                         req: CompletionRequest) -> AsyncIterator[CompletionChoice]:
     """One prompt's chunks: the prompt (echo), the text as it comes (held back at a possible stop
     sequence), then the rest with the finish reason; `fins` gets its result."""
     stop, sent = openai_api.StopCut(req.stops()), 0

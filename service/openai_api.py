@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Iterable
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterable
 
 import codec
+from pydantic import BaseModel
 
 from . import inference
 from .engine.sampling import Finished, SamplingParams, TokenEvent
-from .errors import ModelNotFound, UnsupportedParameter
+from .errors import ModelNotFound, ServiceError, UnsupportedParameter, openai_error_event
 from .registry import ModelRegistry
 from .schemas.openai import OpenAIRequest, Usage
 from .settings import Settings
@@ -81,6 +84,43 @@ async def first_events(started: list[inference.Started]) -> list[TokenEvent | Fi
     except BaseException:
         cancel(started)
         raise
+
+
+def envelope(cls: type[BaseModel], prefix: str, started: list[inference.Started]) -> Callable[..., BaseModel]:
+    """`make(choices, usage)` of a response, or of each chunk of one stream: the fields they share
+    (id, created, model, system_fingerprint) fixed once."""
+    shared = {"id": f"{prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": started[0].model,
+              "system_fingerprint": FINGERPRINT}
+    return lambda choices, use: cls(choices=choices, usage=use, **shared)
+
+
+def response(cls: type[BaseModel], prefix: str, started: list[inference.Started], fins: list[Finished],
+             req: OpenAIRequest, choice: Callable[[int, inference.Started, Finished], BaseModel]) -> BaseModel:
+    """A whole (not streamed) response: `choice(index, started, fin)` of each choice, and the usage."""
+    choices = [choice(i, s, f) for i, (s, f) in enumerate(zip(started, fins))]
+    return envelope(cls, prefix, started)(choices, usage(fins, req.choices()))
+
+
+async def stream(started: list[inference.Started], firsts: list[TokenEvent | Finished], req: OpenAIRequest,
+                 choice_chunks: Callable[..., AsyncIterator[BaseModel]],
+                 chunk: Callable[[list[BaseModel], Usage | None], BaseModel]) -> AsyncIterator[bytes]:
+    """A stream's events: each choice's chunks one choice after the other (`choice_chunks(index,
+    started, first, fins)` yields a choice's pieces and appends its result to `fins`; `chunk(choices,
+    usage)` wraps them), a last chunk with the usage and no choices when
+    `stream_options.include_usage`, an error event if generation fails, then [DONE]. Whatever ends
+    the stream (a client gone too) cancels the choices still generating."""
+    fins: list[Finished] = []
+    try:
+        for index, (s, first) in enumerate(zip(started, firsts)):
+            async for choice in choice_chunks(index, s, first, fins):
+                yield inference.sse(chunk([choice], None))
+        if req.stream_options and req.stream_options.include_usage:
+            yield inference.sse(chunk([], usage(fins, req.choices())))
+    except ServiceError as e:
+        yield inference.sse(openai_error_event(e))
+    finally:
+        cancel(started)
+    yield inference.sse("[DONE]")
 
 
 class StopCut:
