@@ -41,8 +41,8 @@ def templated(req: ChatRequest, registry: ModelRegistry) -> tuple[str, str]:
 async def start(req: ChatRequest, registry: ModelRegistry, settings: Settings) -> list[inference.Started]:
     params = openai_api.sampling(req, settings, req.new_tokens(), req.top_n())
     name, prompt = templated(req, registry)
-    return await openai_api.start(registry, settings, name, [prompt], params, req.choices(), stream=req.stream,
-                                  special=False, fields=("messages", "max_tokens"))
+    return await inference.start_many(registry, settings, name, [prompt], params, req.choices(), stream=req.stream,
+                                      special=False, fields=("messages", "max_tokens"))
 
 
 def _logprobs(served: ServedModel, log: openai_api.TokenLog, text_end: int) -> ChatLogprobs:

@@ -16,8 +16,8 @@ from .settings import Settings
 
 async def start(req: CompletionRequest, registry: ModelRegistry, settings: Settings) -> list[inference.Started]:
     params = openai_api.sampling(req, settings, req.max_tokens, req.logprobs or 0)
-    return await openai_api.start(registry, settings, openai_api.model_of(req, registry), req.prompts(), params,
-                                  req.choices(), stream=req.stream, fields=("prompt", "max_tokens"))
+    return await inference.start_many(registry, settings, openai_api.model_of(req, registry), req.prompts(), params,
+                                      req.choices(), stream=req.stream, fields=("prompt", "max_tokens"))
 
 
 def _logprobs(served: ServedModel, log: openai_api.TokenLog, text_end: int) -> CompletionLogprobs:

@@ -3,6 +3,8 @@ request's whole life (released by the engine when the request ends), validate an
 prompt, and shape the engine's events into TGI's (and OpenAI's) responses and SSE streams."""
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -14,7 +16,17 @@ from .errors import ServiceError, ValidationFailed, error_event
 from .engine.sampling import Finished, SamplingParams, TokenEvent
 from .model.build import ServedModel
 from .registry import ModelRegistry
-from .schemas.tgi import Details, GenerateParameters, GenerateResponse, SimpleToken, StreamDetails, StreamResponse, Token
+from .schemas.tgi import (
+    BestOfSequence,
+    Details,
+    GenerateParameters,
+    GenerateResponse,
+    SequenceDetails,
+    SimpleToken,
+    StreamDetails,
+    StreamResponse,
+    Token,
+)
 from .settings import Settings
 
 
@@ -26,12 +38,20 @@ class Started:
     prompt: str
 
 
-def sampling_params(p: GenerateParameters, settings: Settings) -> SamplingParams:
+def sampling_params(p: GenerateParameters, settings: Settings, *, stream: bool = False) -> SamplingParams:
     if bad := p.unsupported():
         raise ValidationFailed(f"not supported by this server: {', '.join(bad)}")
-    return SamplingParams(p.max_new_tokens or settings.default_max_new_tokens, p.temperature, p.top_p, p.top_k,
-                          p.do_sample, p.seed, p.repetition_penalty, tuple(s for s in p.stop if s),
-                          p.top_n_tokens or 0)
+    params = SamplingParams(p.max_new_tokens or settings.default_max_new_tokens, p.temperature, p.top_p, p.top_k,
+                            p.do_sample, p.seed, p.repetition_penalty, tuple(s for s in p.stop if s),
+                            p.top_n_tokens or 0)
+    if (p.best_of or 1) > 1:                     # TGI's rules
+        if stream:
+            raise ValidationFailed("`best_of` != 1 is not supported when streaming tokens", param="best_of")
+        if p.seed is not None:
+            raise ValidationFailed("`seed` must not be set when `best_of` > 1", param="seed")
+        if not params.sampling:
+            raise ValidationFailed("you must use sampling when `best_of` is > 1", param="best_of")
+    return params
 
 
 def _tokenize(served: ServedModel, prompt: str, params: SamplingParams, truncate: int | None,
@@ -91,12 +111,44 @@ async def start(registry: ModelRegistry, settings: Settings, model: str | None, 
     return Started(name, lease.served, req, prompt)
 
 
-async def finish(started: Started) -> Finished:
-    """The request's result; a cancelled caller (client gone) cancels the generation."""
+async def start_many(registry: ModelRegistry, settings: Settings, model: str | None, prompts: list[str],
+                     params: SamplingParams, n: int, *, stream: bool, **kw) -> list[Started]:
+    """One engine request per sequence: `n` per prompt, prompt after prompt (sequence i is prompt
+    i // n), so they batch with each other and with every other route's (OpenAI's choices, TGI's
+    best_of). With a seed, sequence j of a prompt samples with seed + j (mod 2^64), so that the n
+    samples differ and repeat."""
+    started = []
     try:
-        return await started.request.result()
+        for prompt in prompts:
+            for j in range(n):
+                nth = params if j == 0 or params.seed is None else \
+                    dataclasses.replace(params, seed=(params.seed + j) % 2**64)
+                started.append(await start(registry, settings, model, prompt, nth, stream=stream, **kw))
+    except BaseException:
+        cancel_all(started)
+        raise
+    return started
+
+
+def cancel_all(started: list[Started]) -> None:
+    for s in started:
+        s.request.cancel()
+
+
+async def finish_all(started: list[Started]) -> list[Finished]:
+    try:
+        return list(await asyncio.gather(*(s.request.result() for s in started)))
     finally:
-        started.request.cancel()
+        cancel_all(started)
+
+
+async def first_events(started: list[Started]) -> list[TokenEvent | Finished]:
+    """Every choice's first event before answering 200, so a failed prefill is a plain error."""
+    try:
+        return [await s.request.next() for s in started]
+    except BaseException:
+        cancel_all(started)
+        raise
 
 
 def _token(e: TokenEvent) -> Token:
@@ -115,11 +167,23 @@ def _text(started: Started, fin: Finished, full: bool | None) -> str:
     return started.prompt + fin.generated_text if full else fin.generated_text
 
 
-def tgi_response(started: Started, fin: Finished, p: GenerateParameters) -> GenerateResponse:
+def _details(cls: type[SequenceDetails], started: Started, fin: Finished, p: GenerateParameters,
+             **extra) -> SequenceDetails:
     top = [top_tokens(started.served, t) for t in fin.tokens] if p.top_n_tokens else []
-    details = Details(finish_reason=fin.finish_reason, generated_tokens=len(fin.tokens), seed=fin.seed,
-                      tokens=[_token(t) for t in fin.tokens], top_tokens=top) if p.details else None
-    return GenerateResponse(generated_text=_text(started, fin, p.return_full_text), details=details)
+    return cls(finish_reason=fin.finish_reason, generated_tokens=len(fin.tokens), seed=fin.seed,
+               tokens=[_token(t) for t in fin.tokens], top_tokens=top, **extra)
+
+
+def tgi_response(started: list[Started], fins: list[Finished], p: GenerateParameters) -> GenerateResponse:
+    """The response to a request of len(started) sequences (best_of): the one whose tokens' log-
+    probabilities sum highest, as TGI picks it; with details, the others in best_of_sequences."""
+    best = max(range(len(fins)), key=lambda i: sum(t.logprob for t in fins[i].tokens))
+    details = None
+    if p.details:
+        others = [_details(BestOfSequence, s, f, p, generated_text=_text(s, f, p.return_full_text))
+                  for i, (s, f) in enumerate(zip(started, fins)) if i != best]
+        details = _details(Details, started[best], fins[best], p, best_of_sequences=others or None)
+    return GenerateResponse(generated_text=_text(started[best], fins[best], p.return_full_text), details=details)
 
 
 def sse(payload: BaseModel | dict | str) -> bytes:

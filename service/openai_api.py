@@ -1,11 +1,9 @@
 """What OpenAI's chat and completions routes share on top of inference.py: the model a request
 names, its sampling parameters (a field this server cannot honour is refused, never ignored),
 the text cut before the first stop sequence (OpenAI leaves the stop out; TGI keeps it), and the
-pieces of a response (finish reason, usage); and a request's choices, one engine request each."""
+pieces of a response (finish reason, usage, the envelope) and of a stream."""
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -47,45 +45,6 @@ def sampling(req: OpenAIRequest, settings: Settings, max_tokens: int | None, top
                           req.presence_penalty or 0.0, req.frequency_penalty or 0.0)
 
 
-async def start(registry: ModelRegistry, settings: Settings, model: str | None, prompts: list[str],
-                params: SamplingParams, n: int, *, stream: bool, **kw) -> list[inference.Started]:
-    """One engine request per choice: `n` per prompt, prompt after prompt (choice i is prompt
-    i // n), so they batch with each other and with every other route's. With a seed, choice j of
-    a prompt samples with seed + j (mod 2^64), so that the n samples differ and repeat."""
-    started = []
-    try:
-        for prompt in prompts:
-            for j in range(n):
-                nth = params if j == 0 or params.seed is None else \
-                    dataclasses.replace(params, seed=(params.seed + j) % 2**64)
-                started.append(await inference.start(registry, settings, model, prompt, nth, stream=stream, **kw))
-    except BaseException:
-        cancel(started)
-        raise
-    return started
-
-
-def cancel(started: list[inference.Started]) -> None:
-    for s in started:
-        s.request.cancel()
-
-
-async def finish(started: list[inference.Started]) -> list[Finished]:
-    try:
-        return list(await asyncio.gather(*(s.request.result() for s in started)))
-    finally:
-        cancel(started)
-
-
-async def first_events(started: list[inference.Started]) -> list[TokenEvent | Finished]:
-    """Every choice's first event before answering 200, so a failed prefill is a plain error."""
-    try:
-        return [await s.request.next() for s in started]
-    except BaseException:
-        cancel(started)
-        raise
-
-
 def envelope(cls: type[BaseModel], prefix: str, started: list[inference.Started]) -> Callable[..., BaseModel]:
     """`make(choices, usage)` of a response, or of each chunk of one stream: the fields they share
     (id, created, model, system_fingerprint) fixed once."""
@@ -119,7 +78,7 @@ async def stream(started: list[inference.Started], firsts: list[TokenEvent | Fin
     except ServiceError as e:
         yield inference.sse(openai_error_event(e))
     finally:
-        cancel(started)
+        inference.cancel_all(started)
     yield inference.sse("[DONE]")
 
 

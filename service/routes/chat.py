@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from .. import chat, openai_api
+from .. import chat, inference
 from ..deps import RegistryDep, SettingsDep
 from ..errors import openai_responses
 from ..openapi import sse_content, sse_response
@@ -19,6 +19,6 @@ router = APIRouter(prefix="/v1", tags=["openai"])
 async def chat_completions(req: ChatRequest, registry: RegistryDep, settings: SettingsDep):
     started = await chat.start(req, registry, settings)
     if not req.stream:
-        return chat.completion(started, await openai_api.finish(started), req)
-    firsts = await openai_api.first_events(started)
+        return chat.completion(started, await inference.finish_all(started), req)
+    firsts = await inference.first_events(started)
     return sse_response(chat.chunks(started, firsts, req))

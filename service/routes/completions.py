@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from .. import completions, openai_api
+from .. import completions, inference
 from ..deps import RegistryDep, SettingsDep
 from ..errors import openai_responses
 from ..openapi import sse_content, sse_response
@@ -19,6 +19,6 @@ router = APIRouter(prefix="/v1", tags=["openai"])
 async def create_completion(req: CompletionRequest, registry: RegistryDep, settings: SettingsDep):
     started = await completions.start(req, registry, settings)
     if not req.stream:
-        return completions.completion(started, await openai_api.finish(started), req)
-    firsts = await openai_api.first_events(started)
+        return completions.completion(started, await inference.finish_all(started), req)
+    firsts = await inference.first_events(started)
     return sse_response(completions.chunks(started, firsts, req))

@@ -26,13 +26,13 @@ SSE = sse_content(StreamResponse)
 
 async def _generate(req: GenerateRequest, registry: RegistryDep, settings: SettingsDep) -> GenerateResponse:
     params = inference.sampling_params(req.parameters, settings)
-    started = await inference.start(registry, settings, req.model, req.inputs, params, stream=False,
-                                    truncate=req.parameters.truncate)
-    return inference.tgi_response(started, await inference.finish(started), req.parameters)
+    started = await inference.start_many(registry, settings, req.model, [req.inputs], params,
+                                         req.parameters.best_of or 1, stream=False, truncate=req.parameters.truncate)
+    return inference.tgi_response(started, await inference.finish_all(started), req.parameters)
 
 
 async def _stream(req: GenerateRequest, registry: RegistryDep, settings: SettingsDep) -> StreamingResponse:
-    params = inference.sampling_params(req.parameters, settings)
+    params = inference.sampling_params(req.parameters, settings, stream=True)
     started = await inference.start(registry, settings, req.model, req.inputs, params, stream=True,
                                     truncate=req.parameters.truncate)
     first = await inference.first_event(started)

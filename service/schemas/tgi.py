@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 FinishReason = Literal["length", "eos_token", "stop_sequence"]
 MAX_STOP_SEQUENCES = 4
 MAX_SEED = 2**64 - 1                           # torch.Generator.manual_seed's range
+MAX_BEST_OF = 4                                # sequences a best_of request samples (TGI's default max is 2)
 MAX_TOP_N_TOKENS = 20                          # alternatives a token (OpenAI's top_logprobs bound; TGI's default is 5)
 CHAT_EXAMPLE = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
 
@@ -31,7 +32,9 @@ class GenerateParameters(BaseModel):
     details: bool = Field(True, description="Return generation details.")
     truncate: int | None = Field(None, ge=1, description="Keep only the last `truncate` input tokens.")
     decoder_input_details: bool = Field(False, description="Not supported: prefill is always [].")
-    best_of: int | None = Field(None, ge=1, le=1, description="Only 1 (or null) is supported.")
+    best_of: int | None = Field(None, ge=1, le=MAX_BEST_OF, description="Sample this many sequences and "
+                                "return the one of highest log-probability (the others in "
+                                "details.best_of_sequences); needs sampling, and neither a seed nor a stream.")
     typical_p: float | None = Field(None, description="Not supported: must be null.")
     watermark: bool = Field(False, description="Not supported: must be false.")
     top_n_tokens: int | None = Field(None, ge=0, le=MAX_TOP_N_TOKENS, description="The most likely tokens "
@@ -87,7 +90,8 @@ class PrefillToken(BaseModel):
     logprob: float | None
 
 
-class Details(BaseModel):
+class SequenceDetails(BaseModel):
+    """What TGI details of a generated sequence: the returned one's (Details) or another of best_of's."""
     finish_reason: FinishReason
     generated_tokens: int
     seed: int | None = None
@@ -95,6 +99,16 @@ class Details(BaseModel):
     tokens: list[Token]
     top_tokens: list[list[Token]] = Field(default_factory=list, description="with top_n_tokens: each generated "
                                           "token's most likely tokens, most likely first")
+
+
+class BestOfSequence(SequenceDetails):
+    """One of best_of's sequences other than the one returned."""
+    generated_text: str
+
+
+class Details(SequenceDetails):
+    best_of_sequences: list[BestOfSequence] | None = Field(None, description="with best_of > 1: the other "
+                                                            "sequences, in the order they were sampled")
 
 
 class GenerateResponse(BaseModel):
@@ -126,7 +140,7 @@ class Info(BaseModel):
     model_device_type: str
     model_pipeline_tag: str | None = "text-generation"
     max_concurrent_requests: int
-    max_best_of: int = 1
+    max_best_of: int = MAX_BEST_OF
     max_stop_sequences: int = MAX_STOP_SEQUENCES
     max_input_tokens: int
     max_total_tokens: int

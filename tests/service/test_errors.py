@@ -25,7 +25,9 @@ BAD_BODIES = [
     {"inputs": "hi", "parameters": {"top_p": 1.5}},
     {"inputs": "hi", "parameters": {"temperature": 0}},
     {"inputs": "hi", "parameters": {"stop": ["a", "b", "c", "d", "e"]}},
-    {"inputs": "hi", "parameters": {"best_of": 2}},
+    {"inputs": "hi", "parameters": {"best_of": 2}},                            # best_of needs sampling
+    {"inputs": "hi", "parameters": {"best_of": 2, "do_sample": True, "seed": 1}},   # ... and no seed
+    {"inputs": "hi", "parameters": {"best_of": 5, "do_sample": True}},
     {"inputs": "hi", "parameters": {"typical_p": 0.5}},
     {"inputs": "hi", "parameters": {"top_n_tokens": 21}},
     {"inputs": "hi", "parameters": {"top_n_tokens": -1}},
@@ -41,6 +43,9 @@ async def test_422_validation(serve, store) -> None:
         for body in BAD_BODIES:
             for route in ("/generate", "/generate_stream", "/"):
                 assert_error(await server.client.post(route, json=body), 422, "validation")
+        best_of = {"inputs": "hi", "parameters": {"best_of": 2, "do_sample": True}}     # not when streaming
+        assert_error(await server.client.post("/generate_stream", json=best_of), 422, "validation")
+        assert_error(await server.client.post("/", json={**best_of, "stream": True}), 422, "validation")
         chat = {"messages": [{"role": "user", "content": "hi"}]}
         for bad, param in (({"messages": []}, "messages"), ({**chat, "max_tokens": 0}, "max_tokens"),
                            ({**chat, "stop": ["1", "2", "3", "4", "5"]}, "stop")):
