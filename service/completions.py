@@ -1,6 +1,6 @@
-"""OpenAI's (legacy) completions on the same engine as the other routes: each choice of a request
-(`n` per prompt) is one engine request, so they batch with each other and with every other
-route's. The result is a Completion with those choices, or a stream of chunks (one choice after
+"""OpenAI's (legacy) completions on the same engine as the other routes: each candidate of a
+request (`n`, or `best_of`, per prompt) is one engine request, so they batch with each other and
+with every other route's. The result is a Completion with those choices, or a stream of chunks (one choice after
 the other, each chunk naming its choice's index), the usage when asked for, then `[DONE]`."""
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from .settings import Settings
 async def start(req: CompletionRequest, registry: ModelRegistry, settings: Settings) -> list[inference.Started]:
     params = openai_api.sampling(req, settings, req.max_tokens, req.logprobs or 0)
     return await inference.start_many(registry, settings, openai_api.model_of(req, registry), req.prompts(), params,
-                                      req.choices(), stream=req.stream, fields=("prompt", "max_tokens"))
+                                      req.candidates(), stream=req.stream, fields=("prompt", "max_tokens"))
 
 
 def _logprobs(served: ServedModel, log: openai_api.TokenLog, text_end: int) -> CompletionLogprobs:
@@ -39,7 +39,19 @@ def _choice(index: int, s: inference.Started, fin: Finished, req: CompletionRequ
 
 
 def completion(started: list[inference.Started], fins: list[Finished], req: CompletionRequest) -> Completion:
-    return openai_api.response(Completion, "cmpl", started, fins, req, lambda *a: _choice(*a, req))
+    """The choices; with best_of, each prompt's n best candidates (usage counts them all)."""
+    use = openai_api.usage(fins, req.candidates())
+    k, n = req.candidates(), req.choices()
+    if k > n:                                   # each prompt's n best of its k, best first
+        kept = [i for p in range(0, len(fins), k)
+                for i in sorted(range(p, p + k), key=lambda i: -_mean(fins[i]))[:n]]
+        started, fins = [started[i] for i in kept], [fins[i] for i in kept]
+    return openai_api.response(Completion, "cmpl", started, fins, req, lambda *a: _choice(*a, req), use)
+
+
+def _mean(fin: Finished) -> float:
+    """A candidate's mean log-probability a token: best_of's measure, as OpenAI's."""
+    return sum(t.logprob for t in fin.tokens) / len(fin.tokens) if fin.tokens else float("-inf")
 
 
 def chunks(started: list[inference.Started], firsts: list[TokenEvent | Finished],

@@ -54,10 +54,12 @@ def envelope(cls: type[BaseModel], prefix: str, started: list[inference.Started]
 
 
 def response(cls: type[BaseModel], prefix: str, started: list[inference.Started], fins: list[Finished],
-             req: OpenAIRequest, choice: Callable[[int, inference.Started, Finished], BaseModel]) -> BaseModel:
-    """A whole (not streamed) response: `choice(index, started, fin)` of each choice, and the usage."""
+             req: OpenAIRequest, choice: Callable[[int, inference.Started, Finished], BaseModel],
+             use: Usage | None = None) -> BaseModel:
+    """A whole (not streamed) response: `choice(index, started, fin)` of each choice, and the usage
+    (`use`, else that of `fins`)."""
     choices = [choice(i, s, f) for i, (s, f) in enumerate(zip(started, fins))]
-    return envelope(cls, prefix, started)(choices, usage(fins, req.choices()))
+    return envelope(cls, prefix, started)(choices, use or usage(fins, req.choices()))
 
 
 async def stream(started: list[inference.Started], firsts: list[TokenEvent | Finished], req: OpenAIRequest,

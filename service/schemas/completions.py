@@ -5,7 +5,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
-from .openai import OpenAIRequest, OpenAIResponse, Usage
+from .openai import MAX_N, OpenAIRequest, OpenAIResponse, Usage
 
 MAX_PROMPTS = 32
 Prompts = Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
@@ -18,14 +18,24 @@ class CompletionRequest(OpenAIRequest):
     logprobs: int | None = Field(None, ge=0, le=5, description="Each generated token's log-probability, and "
                                                                "with 1-5 that many most likely tokens at each "
                                                                "position (top_logprobs).")
-    best_of: int | None = Field(None, ge=1, description="Only 1.")
+    best_of: int | None = Field(None, ge=1, le=MAX_N, description="Candidates generated for each prompt; the "
+                                "`n` whose tokens' mean log-probability is highest are returned, best first "
+                                "(at least `n`; not with a stream; usage counts every candidate's tokens).")
     suffix: str | None = Field(None, description="Not supported: must be empty.")
 
     def prompts(self) -> list[str]:
         return [self.prompt] if isinstance(self.prompt, str) else self.prompt
 
+    def candidates(self) -> int:
+        """Sequences generated a prompt: best_of, or n."""
+        return max(self.best_of or 1, self.choices())
+
     def unsupported(self) -> dict[str, str]:
-        bad = super().unsupported() | ({"best_of": "only 1"} if (self.best_of or 1) > 1 else {})
+        bad = super().unsupported()
+        if self.best_of is not None and self.best_of < self.choices():
+            bad["best_of"] = f"must be at least n ({self.choices()})"
+        elif (self.best_of or 1) > 1 and self.stream:
+            bad["best_of"] = "best_of > 1 cannot be streamed"
         bad |= {"suffix": "not supported: must be empty"} if self.suffix else {}
         if self.logprobs is not None and self.echo:
             bad["logprobs"] = "not with echo: the prompt's log-probabilities are not computed"

@@ -176,6 +176,23 @@ def test_n_choices_each_their_own_generation(client) -> None:
     assert both.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
 
 
+def test_completions_best_of_returns_the_n_best_candidates(client) -> None:
+    """best_of: that many candidates a prompt (choice j of them with seed + j, as n's), the n whose
+    tokens' mean log-probability is highest returned best first; usage counts every candidate;
+    best_of under n or with a stream is a 400 naming it."""
+    body = {"model": DEMO, "prompt": PROMPT, "max_tokens": 6, "temperature": 1.5, "seed": 7, "logprobs": 0}
+    candidates = client.completions.create(**body, n=3)
+    mean = lambda c: sum(c.logprobs.token_logprobs) / len(c.logprobs.token_logprobs)     # noqa: E731
+    ranked = sorted(candidates.choices, key=lambda c: -mean(c))
+    best = client.completions.create(**body, n=2, best_of=3)
+    assert [c.text for c in best.choices] == [c.text for c in ranked[:2]] and [c.index for c in best.choices] == [0, 1]
+    assert best.usage.model_dump() == candidates.usage.model_dump()
+    for bad in ({"n": 2, "best_of": 1}, {"best_of": 2, "stream": True}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(**{**body, **bad})
+        assert e.value.body["param"] == "best_of", bad
+
+
 def test_chat_seed_repeats_a_sample(client) -> None:
     def sample(seed: int) -> str:
         return client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=8, temperature=1.5,
@@ -202,7 +219,7 @@ def test_bad_requests_and_unknown_models(client) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=-5)
     assert e.value.body["param"] == "max_tokens" and e.value.body["type"] == "invalid_request_error"
-    for kwargs in ({"max_tokens": -5}, {"n": 17}, {"logprobs": 6}, {"best_of": 2}, {"prompt": [PROMPT] * 33}):
+    for kwargs in ({"max_tokens": -5}, {"n": 17}, {"logprobs": 6}, {"best_of": 17}, {"prompt": [PROMPT] * 33}):
         with pytest.raises(openai.BadRequestError):
             client.completions.create(**{"model": DEMO, "prompt": PROMPT, **kwargs})
     with pytest.raises(openai.BadRequestError, match="echo"):
