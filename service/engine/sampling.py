@@ -16,6 +16,9 @@ import torch
 from ..model.build import ServedModel
 
 
+TopN = tuple[tuple[int, float], ...]   # (token id, log-probability), most likely first
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int
@@ -48,7 +51,7 @@ class TokenEvent:
     text: str
     logprob: float
     special: bool
-    top: tuple[tuple[int, float], ...] = ()   # top_n: the most likely tokens (id, logprob), most likely first
+    top: TopN = ()                     # top_n: the most likely tokens
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,10 @@ class Row:
             if params.sampling else None
         self.generator = torch.Generator(served.device).manual_seed(self.seed) if self.seed is not None else None
         self.history = torch.tensor(prompt_ids, device=served.device) if params.repetition_penalty else None
+        self.bias = None                        # logit_bias as (ids, values) on the device, made once
+        if params.logit_bias:
+            ids, values = zip(*params.logit_bias)
+            self.bias = (torch.tensor(ids, device=served.device), torch.tensor(values, device=served.device))
 
     @property
     def greedy(self) -> bool:
@@ -97,7 +104,7 @@ class Row:
             return full[len(prefix):]
         return ""
 
-    def push(self, token: int, logprob: float, top: tuple[tuple[int, float], ...] = ()) -> TokenEvent:
+    def push(self, token: int, logprob: float, top: TopN = ()) -> TokenEvent:
         self.ids.append(token)
         if self.history is not None:
             self.history = torch.cat([self.history, self.history.new_tensor([token])])
@@ -129,10 +136,9 @@ def _shape(logits: torch.Tensor, row: Row) -> torch.Tensor:
     """OpenAI's logit_bias, then mu[j] - c[j] * frequency_penalty - (c[j] > 0) * presence_penalty,
     c[j] the count of token j among the row's generated tokens (its prompt's do not count)."""
     p = row.params
-    if p.logit_bias:
-        ids, bias = zip(*p.logit_bias)
-        logits = logits.index_add(0, torch.tensor(ids, device=logits.device),
-                                  torch.tensor(bias, dtype=logits.dtype, device=logits.device))
+    if row.bias is not None:
+        ids, values = row.bias
+        logits = logits.index_add(0, ids, values.to(logits.dtype))
     if (p.presence_penalty or p.frequency_penalty) and row.ids:
         counts = torch.bincount(torch.tensor(row.ids, device=logits.device), minlength=logits.numel())
         counts = counts[:logits.numel()].to(logits.dtype)
@@ -157,7 +163,7 @@ def _warp(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return logits
 
 
-Pick = tuple[int, float, tuple[tuple[int, float], ...]]      # token, its log-probability, the top_n
+Pick = tuple[int, float, TopN]         # token, its log-probability, the top_n
 
 
 def sample(logits: torch.Tensor, row: Row) -> Pick:

@@ -12,8 +12,8 @@ Prompts = Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
 
 
 class CompletionRequest(OpenAIRequest):
-    prompt: str | Prompts = Field(description=f"A prompt, or up to {MAX_PROMPTS} (one choice each, batched "
-                                              "together).", examples=["The capital of France is"])
+    prompt: str | Prompts = Field(description=f"A prompt, or up to {MAX_PROMPTS} (`n` choices each, all "
+                                              "batched together).", examples=["The capital of France is"])
     echo: bool = Field(False, description="Put the prompt before the completion.")
     logprobs: int | None = Field(None, ge=0, le=5, description="Each generated token's log-probability, and "
                                                                "with 1-5 that many most likely tokens at each "
