@@ -63,9 +63,13 @@ def generate(engine, rows: list[Row], together: bool) -> list[list[int]]:
 
 @pytest.mark.parametrize("together", [False, True], ids=["batch1", "batch8"])
 def test_demo_greedy_tokens_equal_the_padded_engine(demo, together) -> None:
+    """The reference is the padded engine's tokens for each prompt alone: its own batched tokens
+    are not batch invariant on every CPU (with AVX512-BF16's dot products, "Explain gravity to a
+    child." in a batch of 8 parts from its alone tokens at token 5, where the two top logits are
+    one bf16 step apart: 16.625 and 16.5), while the paged engine's are, alone and in the batch."""
     prompts = PROMPTS if together else PROMPTS[:5]
     rows = lambda: [Row(demo.tokenizer.encode(p), SamplingParams(32), demo) for p in prompts]
-    assert generate(paged(demo), rows(), together) == generate(padded(demo), rows(), together)
+    assert generate(paged(demo), rows(), together) == generate(padded(demo), rows(), False)
 
 
 @pytest.mark.skipif(step_kernels.cpu_kernels(torch.device("cpu")) is None, reason="no step ops in the extension")
