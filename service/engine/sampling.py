@@ -4,8 +4,9 @@ service/engine/.
     ids, mask   [B, S]    left-padded prompts, 1 where a token is real
     logits      [B, V]    float32, last position only
 
-Sampling follows TGI: greedy unless `do_sample` or a warper (temperature != 1, top_k, top_p < 1)
-is set; a sampled row gets a seed (the request's, or a random one that the details report)."""
+Sampling follows TGI: greedy unless `do_sample` or a warper (temperature != 1, top_k, top_p < 1,
+typical_p < 1) is set; a sampled row gets a seed (the request's, or a random one that the details
+report)."""
 from __future__ import annotations
 
 import random
@@ -33,10 +34,13 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()    # (token id, added to its logit), OpenAI's
     presence_penalty: float = 0.0      # OpenAI's: subtracted from a generated token's logit
     frequency_penalty: float = 0.0     # OpenAI's: times its count among the generated tokens, subtracted
+    typical_p: float | None = None     # TGI's typical decoding: the most typical tokens of this mass
+    share_penalty: float = 0.0         # TGI's frequency_penalty: times its share of all the row's tokens, subtracted
 
     @property
     def sampling(self) -> bool:
-        warped = self.temperature not in (None, 1.0) or bool(self.top_k) or (self.top_p or 1.0) < 1.0
+        warped = self.temperature not in (None, 1.0) or bool(self.top_k) or (self.top_p or 1.0) < 1.0 \
+            or (self.typical_p or 1.0) < 1.0
         return self.do_sample or warped
 
     @property
@@ -77,7 +81,8 @@ class Row:
         self.seed = (params.seed if params.seed is not None else random.getrandbits(63)) \
             if params.sampling else None
         self.generator = torch.Generator(served.device).manual_seed(self.seed) if self.seed is not None else None
-        self.history = torch.tensor(prompt_ids, device=served.device) if params.repetition_penalty else None
+        self.history = torch.tensor(prompt_ids, device=served.device) \
+            if params.repetition_penalty or params.share_penalty else None      # [T]: prompt and generated
         self.bias = None                        # logit_bias as (ids, values) on the device, made once
         if params.logit_bias:
             ids, values = zip(*params.logit_bias)
@@ -127,9 +132,17 @@ class Row:
         return Finished(text, self.finish_reason, self.tokens, self.seed, len(self.prompt_ids))
 
 
-def _penalize(logits: torch.Tensor, history: torch.Tensor, penalty: float) -> torch.Tensor:
-    seen = logits.gather(0, history)                                     # [T]
-    return logits.scatter(0, history, torch.where(seen < 0, seen * penalty, seen / penalty))
+def _penalize(logits: torch.Tensor, history: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """TGI's repetition_penalty (a seen token's logit divided by it, or times it when negative),
+    then TGI's frequency_penalty: mu[j] - share[j] * penalty, share[j] token j's count among the
+    row's prompt and generated tokens over their number."""
+    if p.repetition_penalty:
+        seen = logits.gather(0, history)                                 # [T]
+        logits = logits.scatter(0, history, torch.where(seen < 0, seen * p.repetition_penalty, seen / p.repetition_penalty))
+    if p.share_penalty:
+        counts = torch.bincount(history, minlength=logits.numel())[:logits.numel()].to(logits.dtype)
+        logits = logits - counts / history.numel() * p.share_penalty
+    return logits
 
 
 def _shape(logits: torch.Tensor, row: Row) -> torch.Tensor:
@@ -160,7 +173,23 @@ def _warp(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         drop = probs.cumsum(-1) - probs >= p.top_p                         # mass before it >= top_p
         drop[0] = False                                 # the top token stays (a top_p under float32's range)
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    if p.typical_p is not None and p.typical_p < 1.0:
+        logits = _typical(logits, p.typical_p)
     return logits
+
+
+def _typical(logits: torch.Tensor, mass: float) -> torch.Tensor:
+    """Typical decoding (Meister et al. 2022, TGI's typical_p): tokens ranked by how far their
+    surprisal -log p is from the distribution's entropy; kept from the most typical on until their
+    probabilities reach `mass` (the first always)."""
+    logp = logits.log_softmax(-1)
+    entropy = -(logp * logp.exp()).nansum()                            # -inf * 0 (a dropped token): skipped
+    distance, order = (-logp - entropy).abs().sort()
+    before = logits[order].softmax(-1).cumsum(-1) < mass                # [V], most typical first
+    last = before.sum().clamp(max=logits.numel() - 1)                   # the token that reaches the mass
+    drop = distance > distance.gather(0, last[None])
+    drop[0] = False
+    return logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
 
 
 Pick = tuple[int, float, TopN]         # token, its log-probability, the top_n
@@ -169,11 +198,11 @@ Pick = tuple[int, float, TopN]         # token, its log-probability, the top_n
 def sample(logits: torch.Tensor, row: Row) -> Pick:
     """One token for one row from its logits [V]: (token, its log-probability, the row's top_n
     most likely tokens with theirs). Log-probabilities are those of the model's distribution after
-    the penalties and logit_bias, before temperature and top-k/p (the chosen token's and the
-    top_n's alike)."""
+    the penalties and logit_bias, before temperature, top-k/p and typical_p (the chosen token's and
+    the top_n's alike)."""
     p = row.params
     if row.history is not None:
-        logits = _penalize(logits, row.history, p.repetition_penalty)
+        logits = _penalize(logits, row.history, p)
     if p.shaped:
         logits = _shape(logits, row)
     logprobs = logits.log_softmax(-1)

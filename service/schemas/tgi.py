@@ -35,18 +35,21 @@ class GenerateParameters(BaseModel):
     best_of: int | None = Field(None, ge=1, le=MAX_BEST_OF, description="Sample this many sequences and "
                                 "return the one of highest log-probability (the others in "
                                 "details.best_of_sequences); needs sampling, and neither a seed nor a stream.")
-    typical_p: float | None = Field(None, description="Not supported: must be null.")
+    typical_p: float | None = Field(None, gt=0, lt=1, description="Typical decoding: keep the tokens whose "
+                                    "surprisal is nearest the entropy, most typical first, until their "
+                                    "probabilities reach this mass; samples.")
     watermark: bool = Field(False, description="Not supported: must be false.")
     top_n_tokens: int | None = Field(None, ge=0, le=MAX_TOP_N_TOKENS, description="The most likely tokens "
                                      "at each step, with their log-probabilities (details.top_tokens, a stream "
                                      "event's top_tokens).")
-    frequency_penalty: float | None = Field(None, description="Not supported: must be null.")
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="TGI's: subtracted from each "
+                                           "token's logit times its share of the prompt and generated tokens.")
     grammar: dict | None = Field(None, description="Not supported: must be null.")
     adapter_id: str | None = Field(None, description="Not supported: must be null.")
 
     def unsupported(self) -> list[str]:
         """The parameters set to something this server cannot do."""
-        unset = ("typical_p", "frequency_penalty", "grammar", "adapter_id")
+        unset = ("grammar", "adapter_id")
         bad = [n for n in unset if getattr(self, n) is not None]
         return bad + (["watermark"] if self.watermark else [])
 

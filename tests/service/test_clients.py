@@ -66,6 +66,22 @@ def test_inference_client_best_of(live) -> None:
     assert httpx.get(f"{live[0]}/info").json()["max_best_of"] == 4
 
 
+def test_inference_client_typical_p_and_frequency_penalty(live) -> None:
+    """typical_p samples (a seed repeats it, the details report the seed); TGI's frequency_penalty
+    shapes the distribution that the tokens' log-probabilities report (its share-based penalty is
+    mild: here the same greedy tokens)."""
+    client = hub.InferenceClient(base_url=live[0])
+    typical = lambda seed: client.text_generation(CHAT_PROMPT, max_new_tokens=8, details=True,  # noqa: E731
+                                                  typical_p=0.5, seed=seed)
+    first = typical(7)
+    assert first.details.seed == 7 and first.generated_text == typical(7).generated_text
+    counting = "1, 2, 3, 4, 5, 6, 7, 8,"
+    plain = client.text_generation(counting, max_new_tokens=4, details=True)
+    curbed = client.text_generation(counting, max_new_tokens=4, details=True, frequency_penalty=2.0)
+    assert plain.generated_text.startswith(" 9") and not plain.details.seed and not curbed.details.seed
+    assert [t.logprob for t in curbed.details.tokens] != [t.logprob for t in plain.details.tokens]
+
+
 def test_inference_client_chat_completion(live) -> None:
     client = hub.InferenceClient(base_url=live[0])
     out = client.chat_completion([{"role": "user", "content": "What is the capital of France?"}], max_tokens=12)

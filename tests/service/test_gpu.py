@@ -266,3 +266,25 @@ async def test_logit_bias_and_penalties_on_cuda(serve, tmp_path: Path, tiny_arch
         assert (await tokens(logit_bias={str(ids[0]): -100}))[0] != base[0]
         curbed = await tokens(presence_penalty=2, frequency_penalty=2)
         assert max(curbed.count(t) for t in curbed) <= max(base.count(t) for t in base)
+
+
+@pytest.mark.anyio
+async def test_typical_p_and_tgi_frequency_penalty_on_cuda(serve, tmp_path: Path, tiny_archive: Path) -> None:
+    """TGI's typical_p (the sort and mask on the device) and frequency_penalty (the counts of the
+    row's prompt and generated tokens on the device): a seeded typical_p request repeats itself,
+    and the penalty changes the log-probabilities that the details report."""
+    (tmp_path / "store").mkdir()
+    os.link(tiny_archive, tmp_path / "store" / "tiny.wcodec")
+    async with serve(tmp_path / "store") as server:
+        c = server.client
+        assert (await c.post("/models/tiny/load")).status_code == 200
+
+        async def generate(**parameters) -> dict:
+            body = {"inputs": TINY_PROMPT, "parameters": {"max_new_tokens": 8, **parameters}}
+            r = await c.post("/generate", json=body)
+            assert r.status_code == 200, r.text
+            return r.json()["details"]
+        typical = await generate(typical_p=0.5, seed=3)
+        assert typical["seed"] == 3 and typical["tokens"] == (await generate(typical_p=0.5, seed=3))["tokens"]
+        plain, curbed = await generate(), await generate(frequency_penalty=2.0)
+        assert [t["logprob"] for t in plain["tokens"]] != [t["logprob"] for t in curbed["tokens"]]

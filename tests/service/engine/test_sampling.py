@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from service.engine.sampling import Row, SamplingParams, left_pad, sample
+from service.engine.sampling import Row, SamplingParams, _warp, left_pad, sample
 
 EOS, SPECIAL = 9, frozenset({9})
 
@@ -33,6 +33,7 @@ def test_sampling_turns_on_like_tgi() -> None:
     assert not SamplingParams(5).sampling and not SamplingParams(5, temperature=1.0).sampling
     assert SamplingParams(5, temperature=0.7).sampling and SamplingParams(5, top_k=3).sampling
     assert SamplingParams(5, top_p=0.9).sampling and SamplingParams(5, do_sample=True).sampling
+    assert SamplingParams(5, typical_p=0.9).sampling and not SamplingParams(5, share_penalty=1.0).sampling
 
 
 def test_greedy_takes_the_argmax_and_reports_its_logprob() -> None:
@@ -111,6 +112,47 @@ def test_openai_bias_and_penalties_shape_the_logits_of_generated_tokens_only() -
     shaped = logits - counts * 1.0 - (counts > 0).float() * 0.5            # 4.0 -> 1.5, 3.0 -> 1.5
     token, logprob, _ = sample(logits, r)
     assert token == 4 and logprob == pytest.approx(float(shaped.log_softmax(-1)[4]))
+
+
+def test_tgi_frequency_penalty_subtracts_each_tokens_share_of_prompt_and_generated() -> None:
+    """TGI's frequency_penalty: mu[j] - share[j] * penalty, share[j] token j's count among the
+    prompt's and the generated tokens over their number; a negative penalty favours repeats."""
+    logits = torch.tensor([0.5, 4.0, -1.0, 3.0, 2.5])
+    r = row(share_penalty=2.0)                                            # prompt 1, 2, 3
+    assert not r.greedy
+    for t in (1, 1, 1, 1):
+        r.push(t, 0.0)
+    counts = torch.tensor([0.0, 5, 1, 1, 0])                              # over 7 tokens
+    shaped = logits - counts / 7 * 2.0                                    # 4.0 -> 2.57, 3.0 -> 2.71
+    token, logprob, _ = sample(logits, r)
+    assert token == 3 and logprob == pytest.approx(float(shaped.log_softmax(-1)[3]))
+    r = row(share_penalty=-2.0, repetition_penalty=1.0)                  # 1.0: the repetition step a no-op
+    logits = torch.tensor([2.8, 0.0, -1.0, 0.0, 2.5])
+    assert sample(logits, r)[0] == 0
+    for t in (4, 4, 4):
+        r.push(t, 0.0)
+    assert sample(logits, r)[0] == 4                                      # 2.5 + 2 * 3/6 = 3.5 > 2.8
+
+
+@pytest.mark.parametrize("mass", [0.2, 0.5, 0.9, 0.99])
+def test_typical_p_keeps_what_transformers_typical_warper_keeps(mass) -> None:
+    """typical_p (TGI's, through transformers' TypicalLogitsWarper): the same tokens kept, on
+    peaked and flat logits, after top_k's -inf too; a sampled token is always one of them."""
+    from transformers import TypicalLogitsWarper
+    g = torch.Generator().manual_seed(int(mass * 100))
+    for scale in (0.5, 3.0):
+        logits = torch.randn(50, generator=g) * scale
+        for top_k in (None, 20):
+            ours = _warp(logits, SamplingParams(5, top_k=top_k, typical_p=mass))
+            ref = logits.clone()
+            if top_k:
+                ref = ref.masked_fill(ref < torch.topk(ref, top_k).values[-1], float("-inf"))
+            theirs = TypicalLogitsWarper(mass)(None, ref[None])[0]
+            assert torch.equal(ours.isfinite(), theirs.isfinite()), (scale, top_k)
+            assert torch.equal(ours[ours.isfinite()], logits[ours.isfinite()])
+    kept = _warp(logits, SamplingParams(5, typical_p=mass)).isfinite()
+    for seed in range(20):
+        assert kept[sample(logits, row(typical_p=mass, seed=seed))[0]]
 
 
 def test_finish_reasons() -> None:
