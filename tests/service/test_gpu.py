@@ -271,8 +271,9 @@ async def test_logit_bias_and_penalties_on_cuda(serve, tmp_path: Path, tiny_arch
 @pytest.mark.anyio
 async def test_typical_p_and_tgi_frequency_penalty_on_cuda(serve, tmp_path: Path, tiny_archive: Path) -> None:
     """TGI's typical_p (the sort and mask on the device) and frequency_penalty (the counts of the
-    row's prompt and generated tokens on the device): a seeded typical_p request repeats itself,
-    and the penalty changes the log-probabilities that the details report."""
+    row's prompt and generated tokens on the device): a seeded typical_p request repeats its
+    tokens, and the penalty moves the log-probabilities that the details report (by far more than
+    the 1e-3 that two runs of one request may differ by, the step kernels switched in between)."""
     (tmp_path / "store").mkdir()
     os.link(tiny_archive, tmp_path / "store" / "tiny.wcodec")
     async with serve(tmp_path / "store") as server:
@@ -284,7 +285,8 @@ async def test_typical_p_and_tgi_frequency_penalty_on_cuda(serve, tmp_path: Path
             r = await c.post("/generate", json=body)
             assert r.status_code == 200, r.text
             return r.json()["details"]
+        ids = lambda details: [t["id"] for t in details["tokens"]]                   # noqa: E731
         typical = await generate(typical_p=0.5, seed=3)
-        assert typical["seed"] == 3 and typical["tokens"] == (await generate(typical_p=0.5, seed=3))["tokens"]
+        assert typical["seed"] == 3 and ids(typical) == ids(await generate(typical_p=0.5, seed=3))
         plain, curbed = await generate(), await generate(frequency_penalty=2.0)
-        assert [t["logprob"] for t in plain["tokens"]] != [t["logprob"] for t in curbed["tokens"]]
+        assert max(abs(a["logprob"] - b["logprob"]) for a, b in zip(plain["tokens"], curbed["tokens"])) > 0.05
