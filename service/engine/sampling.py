@@ -138,7 +138,8 @@ def _penalize(logits: torch.Tensor, history: torch.Tensor, p: SamplingParams) ->
     row's prompt and generated tokens over their number."""
     if p.repetition_penalty:
         seen = logits.gather(0, history)                                 # [T]
-        logits = logits.scatter(0, history, torch.where(seen < 0, seen * p.repetition_penalty, seen / p.repetition_penalty))
+        penalty = p.repetition_penalty
+        logits = logits.scatter(0, history, torch.where(seen < 0, seen * penalty, seen / penalty))
     if p.share_penalty:
         counts = torch.bincount(history, minlength=logits.numel())[:logits.numel()].to(logits.dtype)
         logits = logits - counts / history.numel() * p.share_penalty
@@ -172,7 +173,7 @@ def _warp(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         probs = sorted_logits.softmax(-1)
         drop = probs.cumsum(-1) - probs >= p.top_p                         # mass before it >= top_p
         drop[0] = False                                 # the top token stays (a top_p under float32's range)
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+        logits = _drop(logits, order, drop)
     if p.typical_p is not None and p.typical_p < 1.0:
         logits = _typical(logits, p.typical_p)
     return logits
@@ -189,6 +190,11 @@ def _typical(logits: torch.Tensor, mass: float) -> torch.Tensor:
     last = before.sum().clamp(max=logits.numel() - 1)                   # the token that reaches the mass
     drop = distance > distance.gather(0, last[None])
     drop[0] = False
+    return _drop(logits, order, drop)
+
+
+def _drop(logits: torch.Tensor, order: torch.Tensor, drop: torch.Tensor) -> torch.Tensor:
+    """logits with -inf where `drop` [V] (in the ranking `order`) marks a token."""
     return logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
 
 
