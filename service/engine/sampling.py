@@ -44,6 +44,12 @@ class SamplingParams:
         return self.do_sample or warped
 
     @property
+    def counts_tokens(self) -> bool:
+        """Whether a penalty reads the row's tokens (TGI's repetition and frequency, OpenAI's presence
+        and frequency): the row then keeps them on the device (Row.history)."""
+        return bool(self.repetition_penalty or self.share_penalty or self.presence_penalty or self.frequency_penalty)
+
+    @property
     def shaped(self) -> bool:
         """Whether OpenAI's logit_bias or presence/frequency penalties change the logits."""
         return bool(self.logit_bias) or bool(self.presence_penalty) or bool(self.frequency_penalty)
@@ -82,7 +88,7 @@ class Row:
             if params.sampling else None
         self.generator = torch.Generator(served.device).manual_seed(self.seed) if self.seed is not None else None
         self.history = torch.tensor(prompt_ids, device=served.device) \
-            if params.repetition_penalty or params.share_penalty else None      # [T]: prompt and generated
+            if params.counts_tokens else None                                   # [T]: prompt and generated
         self.bias = None                        # logit_bias as (ids, values) on the device, made once
         if params.logit_bias:
             ids, values = zip(*params.logit_bias)
@@ -154,7 +160,7 @@ def _shape(logits: torch.Tensor, row: Row) -> torch.Tensor:
         ids, values = row.bias
         logits = logits.index_add(0, ids, values.to(logits.dtype))
     if (p.presence_penalty or p.frequency_penalty) and row.ids:
-        counts = torch.bincount(torch.tensor(row.ids, device=logits.device), minlength=logits.numel())
+        counts = torch.bincount(row.history[len(row.prompt_ids):], minlength=logits.numel())
         counts = counts[:logits.numel()].to(logits.dtype)
         logits = logits - counts * p.frequency_penalty - (counts > 0).to(logits.dtype) * p.presence_penalty
     return logits
