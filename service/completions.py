@@ -4,10 +4,12 @@ with every other route's. The result is a Completion with those choices, or a st
 the other, each chunk naming its choice's index), the usage when asked for, then `[DONE]`."""
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from collections.abc import AsyncIterator
 
 from . import inference, openai_api
-from .engine.sampling import Finished, TokenEvent
+from .engine.sampling import Detokenizer, Finished, PromptToken, TokenEvent
 from .model.build import ServedModel
 from .registry import ModelRegistry
 from .schemas.completions import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
@@ -15,27 +17,49 @@ from .settings import Settings
 
 
 async def start(req: CompletionRequest, registry: ModelRegistry, settings: Settings) -> list[inference.Started]:
-    params = openai_api.sampling(req, settings, req.max_tokens, req.logprobs or 0)
+    params = dataclasses.replace(openai_api.sampling(req, settings, req.max_tokens, req.logprobs or 0),
+                                 prompt_logprobs=req.prompt_logprobs())
     return await inference.start_many(registry, settings, openai_api.model_of(req, registry), req.prompts(), params,
                                       req.candidates(), stream=req.stream, fields=("prompt", "max_tokens"))
 
 
-def _logprobs(served: ServedModel, log: openai_api.TokenLog, text_end: int) -> CompletionLogprobs:
-    events, offsets = log.take(text_end)
+def _alternatives(served: ServedModel, e: TokenEvent | PromptToken, text: str) -> dict[str, float]:
+    """top_logprobs at one position: the most likely tokens (of two with one text, the likelier)
+    and the chosen one."""
+    alternatives = {}
+    for t in inference.top_tokens(served, e):           # most likely first
+        alternatives.setdefault(t.text, t.logprob)
+    return alternatives | ({} if text in alternatives else {text: e.logprob})
 
-    def top(e: TokenEvent) -> dict[str, float]:
-        alternatives = {}
-        for t in inference.top_tokens(served, e):       # most likely first: of two with one text, the likelier
-            alternatives.setdefault(t.text, t.logprob)
-        return alternatives | ({} if e.text in alternatives else {e.text: e.logprob})
+
+def _logprobs(served: ServedModel, log: openai_api.TokenLog, text_end: int, at: int = 0) -> CompletionLogprobs:
+    """The generated tokens' that start before text_end (of the completion), offsets from `at`."""
+    events, offsets = log.take(text_end)
     return CompletionLogprobs(tokens=[e.text for e in events], token_logprobs=[e.logprob for e in events],
-                              top_logprobs=[top(e) for e in events], text_offset=offsets)
+                              top_logprobs=[_alternatives(served, e, e.text) for e in events],
+                              text_offset=[at + o for o in offsets])
+
+
+def _prompt_logprobs(served: ServedModel, prefill: tuple[PromptToken, ...]) -> CompletionLogprobs:
+    """An echoed prompt's tokens (pieces of its incremental decode, special tokens kept) with their
+    log-probabilities; the first has none."""
+    detok = Detokenizer(served.tokenizer.decode)
+    texts = [detok.add(t.id) for t in prefill]
+    offsets = list(itertools.accumulate((len(x) for x in texts[:-1]), initial=0)) if texts else []
+    return CompletionLogprobs(tokens=texts, token_logprobs=[t.logprob for t in prefill],
+                              top_logprobs=[None if t.logprob is None else _alternatives(served, t, x)
+                                            for t, x in zip(prefill, texts)], text_offset=offsets)
 
 
 def _choice(index: int, s: inference.Started, fin: Finished, req: CompletionRequest) -> CompletionChoice:
-    text = (s.prompt if req.echo else "") + openai_api.cut(fin.generated_text, req.stops())
-    logprobs = _logprobs(s.served, openai_api.TokenLog(fin.tokens), len(text)) if req.logprobs is not None else None
-    return CompletionChoice(text=text, index=index, logprobs=logprobs, finish_reason=openai_api.finish_reason(fin))
+    completion = openai_api.cut(fin.generated_text, req.stops())
+    at = len(s.prompt) if req.echo else 0
+    logprobs = None
+    if req.logprobs is not None:
+        logprobs = _logprobs(s.served, openai_api.TokenLog(fin.tokens), len(completion), at)
+        logprobs = _prompt_logprobs(s.served, fin.prefill) + logprobs if req.echo else logprobs
+    return CompletionChoice(text=(s.prompt if req.echo else "") + completion, index=index, logprobs=logprobs,
+                            finish_reason=openai_api.finish_reason(fin))
 
 
 def completion(started: list[inference.Started], fins: list[Finished], req: CompletionRequest) -> Completion:
@@ -66,8 +90,10 @@ async def _prompt_chunks(index: int, s: inference.Started, first: TokenEvent | F
     sequence), then the rest with the finish reason; `fins` gets its result."""
     stop, sent = openai_api.StopCut(req.stops()), 0
     log = openai_api.TokenLog() if req.logprobs is not None else None
+    at = len(s.prompt) if req.echo else 0
     if req.echo:
-        yield CompletionChoice(text=s.prompt, index=index, finish_reason=None)
+        yield CompletionChoice(text=s.prompt, index=index, finish_reason=None,
+                               logprobs=_prompt_logprobs(s.served, first.prefill) if log is not None else None)
     async for item in inference.events(s, first):
         done = isinstance(item, Finished)
         if not done and log is not None:
@@ -76,7 +102,7 @@ async def _prompt_chunks(index: int, s: inference.Started, first: TokenEvent | F
         sent += len(text)
         if text or done:
             yield CompletionChoice(text=text, index=index,
-                                   logprobs=_logprobs(s.served, log, sent) if log is not None else None,
+                                   logprobs=_logprobs(s.served, log, sent, at) if log is not None else None,
                                    finish_reason=openai_api.finish_reason(item) if done else None)
         if done:
             fins.append(item)

@@ -13,7 +13,7 @@ from pydantic import BaseModel
 
 from .engine import GenRequest
 from .errors import ServiceError, ValidationFailed, error_event
-from .engine.sampling import Finished, SamplingParams, TokenEvent
+from .engine.sampling import Finished, PromptToken, SamplingParams, TokenEvent
 from .model.build import ServedModel
 from .registry import ModelRegistry
 from .schemas.tgi import (
@@ -21,6 +21,7 @@ from .schemas.tgi import (
     Details,
     GenerateParameters,
     GenerateResponse,
+    PrefillToken,
     SequenceDetails,
     SimpleToken,
     StreamDetails,
@@ -41,9 +42,13 @@ class Started:
 def sampling_params(p: GenerateParameters, settings: Settings, *, stream: bool = False) -> SamplingParams:
     if bad := p.unsupported():
         raise ValidationFailed(f"not supported by this server: {', '.join(bad)}")
+    if p.decoder_input_details and stream:       # TGI's rule
+        raise ValidationFailed("`decoder_input_details` == true is not supported with stream",
+                               param="decoder_input_details")
     params = SamplingParams(p.max_new_tokens or settings.default_max_new_tokens, p.temperature, p.top_p, p.top_k,
                             p.do_sample, p.seed, p.repetition_penalty, tuple(s for s in p.stop if s),
-                            p.top_n_tokens or 0, typical_p=p.typical_p, share_penalty=p.frequency_penalty or 0.0)
+                            p.top_n_tokens or 0, typical_p=p.typical_p, share_penalty=p.frequency_penalty or 0.0,
+                            prompt_logprobs=0 if p.decoder_input_details and p.details else None)
     if (p.best_of or 1) > 1:                     # TGI's rules
         if stream:
             raise ValidationFailed("`best_of` != 1 is not supported when streaming tokens", param="best_of")
@@ -155,12 +160,19 @@ def _token(e: TokenEvent) -> Token:
     return Token(id=e.id, text=e.text, logprob=e.logprob, special=e.special)
 
 
-def top_tokens(served: ServedModel, e: TokenEvent) -> list[Token]:
-    """The event's top_n tokens, each decoded on its own (as TGI does: a piece of a character
-    reads as U+FFFD)."""
-    decode = served.tokenizer.decode
-    return [Token(id=i, text=decode([i], skip_special_tokens=False), logprob=lp, special=i in served.special_ids)
-            for i, lp in e.top]
+def top_tokens(served: ServedModel, e: TokenEvent | PromptToken) -> list[Token]:
+    """The event's (or prompt token's) most likely tokens, each decoded on its own (as TGI does: a
+    piece of a character reads as U+FFFD)."""
+    return [Token(id=i, text=token_text(served, i), logprob=lp, special=i in served.special_ids) for i, lp in e.top]
+
+
+def token_text(served: ServedModel, token: int) -> str:
+    return served.tokenizer.decode([token], skip_special_tokens=False)
+
+
+def prefill_tokens(served: ServedModel, fin: Finished) -> list[PrefillToken]:
+    """TGI's details.prefill: each prompt token decoded on its own, with its log-probability."""
+    return [PrefillToken(id=t.id, text=token_text(served, t.id), logprob=t.logprob) for t in fin.prefill]
 
 
 def _text(started: Started, fin: Finished, full: bool | None) -> str:
@@ -171,7 +183,8 @@ def _details(cls: type[SequenceDetails], started: Started, fin: Finished, p: Gen
              **extra) -> SequenceDetails:
     top = [top_tokens(started.served, t) for t in fin.tokens] if p.top_n_tokens else []
     return cls(finish_reason=fin.finish_reason, generated_tokens=len(fin.tokens), seed=fin.seed,
-               tokens=[_token(t) for t in fin.tokens], top_tokens=top, **extra)
+               prefill=prefill_tokens(started.served, fin), tokens=[_token(t) for t in fin.tokens], top_tokens=top,
+               **extra)
 
 
 def tgi_response(started: list[Started], fins: list[Finished], p: GenerateParameters) -> GenerateResponse:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import Row, TokenEvent, left_pad, sample_rows
+from .sampling import PROMPT_LOGITS, Row, TokenEvent, left_pad, sample_rows
 from ..model.build import ServedModel
 from .kv import PaddedKV, cache_class, forward_all
 
@@ -45,6 +45,18 @@ class Group:
         self.ids, self.real = left_pad([r.prompt_ids for r in rows], served.pad_id, served.device)  # [G, W]
         self.kv = PaddedKV(served.device, cache, len(rows))
         self.done = 0                                   # columns prefilled
+        self.scores = any(r.params.prompt_logprobs is not None for r in rows)   # logits at every column
+
+    def score(self, logits: torch.Tensor) -> None:
+        """The chunk's logits [G, chunk, V] (columns done .. done + chunk - 1): each scoring row's
+        prompt positions among them (a row's prompt ends at the last column; padding in front)."""
+        for i, row in enumerate(self.rows):
+            if row.params.prompt_logprobs is None:
+                continue
+            pad = self.width - len(row.prompt_ids)                  # column of its position 0
+            skip = max(0, pad - self.done)                          # padding columns of this chunk
+            if skip < logits.shape[1]:
+                row.score_prompt(self.done + skip - pad, logits[i, skip:])
 
     @property
     def width(self) -> int:
@@ -91,16 +103,20 @@ class Batcher:
         if rows:
             ids = torch.tensor([[r.ids[-1]] for r in self.running], device=self.served.device)  # [B, 1]
             parts.append((self.kv, ids, torch.ones_like(ids)))
+        every = group is not None and group.scores
         if group is not None:
             chunk = min(max(1, (self.max_tokens - rows) // len(group.rows)), group.width - group.done)
+            chunk = max(1, min(chunk, PROMPT_LOGITS // len(group.rows))) if every else chunk
             cols = slice(group.done, group.done + chunk)
             parts.append((group.kv, group.ids[:, cols], group.real[:, cols]))                # [G, chunk]
-        logits = forward_all(self.served.model, parts) if parts else []
+        logits = forward_all(self.served.model, parts, every) if parts else []
         if rows:
-            self._emit(self.running, logits[0])
+            self._emit(self.running, logits[0][:, -1] if every else logits[0])
             self._leave()
         if group is not None:
-            self._prefilled(group, chunk, logits[-1])
+            if every:
+                group.score(logits[-1])                                                     # [G, chunk, V]
+            self._prefilled(group, chunk, logits[-1][:, -1] if every else logits[-1])
         return Step(rows, rows + (len(group.rows) * chunk if group else 0))
 
     def reset(self) -> list[Row]:

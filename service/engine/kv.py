@@ -113,21 +113,23 @@ class PaddedKV:
         self.width = width
 
 
-def forward_all(model: torch.nn.Module, parts: list[tuple[PaddedKV, torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+def forward_all(model: torch.nn.Module, parts: list[tuple[PaddedKV, torch.Tensor, torch.Tensor]],
+                every: bool = False) -> list[torch.Tensor]:
     """Feed several batches, each (kv, ids [B, q], real [B, q]: 1 for a token, 0 for left padding)
     after its own cache, which grows by q columns; returns each one's last-position logits [B, V]
-    in float32. service/model/llama.py's models take them in one pass
-    (`forward_segments`: each weight read once for a decoding step and a prompt chunk together);
-    transformers' models get one forward per batch."""
+    in float32 (`every`: each position's, [B, q, V]). service/model/llama.py's models take them in
+    one pass (`forward_segments`: each weight read once for a decoding step and a prompt chunk
+    together); transformers' models get one forward per batch."""
     segments = [kv._segment(ids, real) for kv, ids, real in parts]
+    keep = 0 if every else 1                                   # transformers' logits_to_keep: 0 is all
     if isinstance(model, llama.LlamaForCausalLM):
-        outs = model.forward_segments(segments, logits_to_keep=1)
+        outs = model.forward_segments(segments, logits_to_keep=keep)
     else:
         outs = [model(input_ids=s.ids, attention_mask=s.attention_mask, position_ids=s.position_ids,
-                      past_key_values=s.cache, use_cache=True, logits_to_keep=1).logits for s in segments]
+                      past_key_values=s.cache, use_cache=True, logits_to_keep=keep).logits for s in segments]
     for kv, _, real in parts:
         kv._advance(real)
-    return [out[:, -1].float() for out in outs]
+    return [out.float() if every else out[:, -1].float() for out in outs]
 
 
 def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:

@@ -54,10 +54,16 @@ class Decode:
 
 @dataclass
 class Chunk:
-    """Prompt tokens start:start + len(tokens) of a sequence."""
+    """Prompt tokens start:start + len(tokens) of a sequence; `every`: logits at each of them (its
+    prompt's log-probabilities), not just the last."""
     tokens: list[int]
     start: int
     table: list[int]
+    every: bool = False
+
+    @property
+    def logit_rows(self) -> int:
+        return len(self.tokens) if self.every else 1
 
 
 def bucket(n: int, sizes: tuple[int, ...], top: int) -> int:
@@ -175,7 +181,8 @@ class Runner:
     # ---- a step ----------------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, decodes: list[Decode], chunks: list[Chunk]) -> torch.Tensor:
-        """Logits [len(decodes) + len(chunks), V]: each decode row's, then each chunk's last token's.
+        """Logits [len(decodes) + sum(c.logit_rows), V]: each decode row's, then each chunk's last
+        token's (every token's where `c.every`).
         A decode-only step replays its graph (captured now if it has none). So does a step whose
         short prompts go in as decode rows (`_as_decode_rows`) when its graph is captured already:
         the eager forward's host work was most of a short prompt's first token (H200, 2026-11-28)."""
@@ -229,7 +236,7 @@ class Runner:
             slots.append(context[c.start:])
             prefills.append(paged.Prefill(start, len(c.tokens), c.start, context.to(self.device)))
             start += len(c.tokens)
-            last.append(start - 1)
+            last.extend(range(start - c.logit_rows, start))
         dev = self.device
         ctx = paged.Context(torch.cat(pos).to(dev), torch.cat(slots).to(dev), b, tables.to(dev) if b else None,
                             lengths.to(dev) if b else None, prefills, torch.tensor(last, device=dev),
@@ -251,9 +258,13 @@ class Runner:
 
     @staticmethod
     def _last_rows(decodes: list[Decode], chunks: list[Chunk]) -> torch.Tensor:
-        """Rows of `decodes + _prompt_rows(chunks)` whose logits a step gives: each decode's, each chunk's last."""
-        ends = torch.tensor([len(c.tokens) for c in chunks]).cumsum(0) + len(decodes) - 1
-        return torch.cat([torch.arange(len(decodes)), ends])
+        """Rows of `decodes + _prompt_rows(chunks)` whose logits a step gives: each decode's, each
+        chunk's last (each of its rows where `every`)."""
+        rows, end = list(range(len(decodes))), len(decodes)
+        for c in chunks:
+            end += len(c.tokens)
+            rows.extend(range(end - c.logit_rows, end))
+        return torch.tensor(rows)
 
     # ---- CUDA graphs -----------------------------------------------------------------------------
     def _shape(self, decodes: list[Decode]) -> tuple[int, int]:

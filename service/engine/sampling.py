@@ -18,6 +18,8 @@ from ..model.build import ServedModel
 
 
 TopN = tuple[tuple[int, float], ...]   # (token id, log-probability), most likely first
+PROMPT_LOGITS = 256                    # prompt positions whose logits [n, V] float32 a step keeps at most
+                                       # for prompt_logprobs (a 128k vocabulary: 128 MiB)
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0     # OpenAI's: times its count among the generated tokens, subtracted
     typical_p: float | None = None     # TGI's typical decoding: the most typical tokens of this mass
     share_penalty: float = 0.0         # TGI's frequency_penalty: times its share of all the row's tokens, subtracted
+    prompt_logprobs: int | None = None  # each prompt token's log-probability and this many most likely
+                                        # tokens at its position (TGI's decoder_input_details, OpenAI's echo);
+                                        # None: not computed
 
     @property
     def sampling(self) -> bool:
@@ -56,12 +61,23 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class PromptToken:
+    """A prompt token with its log-probability given the tokens before it (None for the first)
+    and the most likely tokens at its position: the model's distribution as it is (no penalty,
+    bias or warper)."""
+    id: int
+    logprob: float | None
+    top: TopN = ()
+
+
+@dataclass(frozen=True)
 class TokenEvent:
     id: int
     text: str
     logprob: float
     special: bool
     top: TopN = ()                     # top_n: the most likely tokens
+    prefill: tuple[PromptToken, ...] = ()   # the first event of a row with prompt_logprobs: its prompt
 
 
 @dataclass(frozen=True)
@@ -71,6 +87,25 @@ class Finished:
     tokens: list[TokenEvent]
     seed: int | None
     input_length: int
+    prefill: tuple[PromptToken, ...] = ()   # with prompt_logprobs
+
+
+class Detokenizer:
+    """Token ids to text piece by piece (TGI's incremental decode): a token's piece is the text it
+    completes, "" while a UTF-8 sequence is unfinished (the piece then comes with a later token)."""
+
+    def __init__(self, decode):
+        self.decode, self.ids = decode, []
+        self._prefix = self._read = 0           # the window's start, and the end of what was given
+
+    def add(self, token: int) -> str:
+        self.ids.append(token)
+        prefix = self.decode(self.ids[self._prefix:self._read], skip_special_tokens=False)
+        full = self.decode(self.ids[self._prefix:], skip_special_tokens=False)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self.ids)
+            return full[len(prefix):]
+        return ""
 
 
 class Row:
@@ -83,7 +118,8 @@ class Row:
         self.text = ""                          # special tokens kept: what stop sequences see
         self.finish_reason: str | None = None
         self.cancelled = False
-        self._prefix = self._read = 0           # incremental detokenization offsets
+        self.detokenizer = Detokenizer(served.tokenizer.decode)
+        self.prompt_scores: list[tuple[float, TopN]] = []    # prompt_logprobs: positions 1, 2, ... so far
         self.seed = (params.seed if params.seed is not None else random.getrandbits(63)) \
             if params.sampling else None
         self.generator = torch.Generator(served.device).manual_seed(self.seed) if self.seed is not None else None
@@ -105,23 +141,40 @@ class Row:
     def done(self) -> bool:
         return self.finish_reason is not None or self.cancelled
 
-    def _detokenize(self) -> str:
-        """The text the newest token completes; "" while a UTF-8 sequence is unfinished."""
-        decode = self.served.tokenizer.decode
-        prefix = decode(self.ids[self._prefix:self._read], skip_special_tokens=False)
-        full = decode(self.ids[self._prefix:], skip_special_tokens=False)
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            self._prefix, self._read = self._read, len(self.ids)
-            return full[len(prefix):]
-        return ""
+    def score_prompt(self, start: int, logits: torch.Tensor) -> None:
+        """Logits [n, V] (float32) at prompt positions start .. start + n - 1, in order: each gives
+        the log-probability of the prompt token after it and the prompt_logprobs most likely tokens
+        there (the last position's next token is generated, not scored)."""
+        if start != len(self.prompt_scores):
+            raise RuntimeError(f"prompt position {start} scored out of order ({len(self.prompt_scores)} so far)")
+        n = min(len(logits), len(self.prompt_ids) - 1 - start)
+        if n <= 0:
+            return
+        logp = logits[:n].log_softmax(-1)                                            # [n, V]
+        following = torch.tensor(self.prompt_ids[start + 1:start + 1 + n], device=logp.device)
+        chosen = logp.gather(1, following[:, None])[:, 0].tolist()
+        k = min(self.params.prompt_logprobs or 0, logp.shape[-1])
+        tops: list[TopN] = [()] * n
+        if k:
+            values, ids = logp.topk(k, dim=-1)
+            tops = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+        self.prompt_scores.extend(zip(chosen, tops))
+
+    def prefill(self) -> tuple[PromptToken, ...]:
+        """The prompt's tokens with their scores (empty without prompt_logprobs)."""
+        if self.params.prompt_logprobs is None:
+            return ()
+        first = PromptToken(self.prompt_ids[0], None)
+        return (first, *(PromptToken(t, lp, top) for t, (lp, top) in zip(self.prompt_ids[1:], self.prompt_scores)))
 
     def push(self, token: int, logprob: float, top: TopN = ()) -> TokenEvent:
         self.ids.append(token)
         if self.history is not None:
             self.history = torch.cat([self.history, self.history.new_tensor([token])])
-        piece = self._detokenize()
+        piece = self.detokenizer.add(token)
         self.text += piece
-        event = TokenEvent(token, piece, logprob, token in self.served.special_ids, top)
+        event = TokenEvent(token, piece, logprob, token in self.served.special_ids, top,
+                           self.prefill() if len(self.ids) == 1 else ())
         self.tokens.append(event)
         longest = max((len(s) for s in self.params.stop), default=0)
         window = self.text[-(len(piece) + longest):] if longest else ""
@@ -135,7 +188,7 @@ class Row:
 
     def finished(self) -> Finished:
         text = self.served.tokenizer.decode(self.ids, skip_special_tokens=True)
-        return Finished(text, self.finish_reason, self.tokens, self.seed, len(self.prompt_ids))
+        return Finished(text, self.finish_reason, self.tokens, self.seed, len(self.prompt_ids), self.prefill())
 
 
 def _penalize(logits: torch.Tensor, history: torch.Tensor, p: SamplingParams) -> torch.Tensor:

@@ -9,7 +9,9 @@ Each `step()`:
      rows are decoding, admission waits up to `prefill_wait_s` to gather arrivals into one eager
      step (a step with a prompt chunk is not captured);
   3. chunk: the token budget (`max_tokens` less one per decoding row) goes to the prefilling rows'
-     prompts in order, a chunk each, so a long prompt never stalls the decoding rows;
+     prompts in order, a chunk each, so a long prompt never stalls the decoding rows; a row that
+     scores its prompt (prompt_logprobs) gets logits at every token of its chunk, such rows
+     PROMPT_LOGITS tokens a step in all;
   4. one forward (runner.py): every decoding row's newest token and every chunk, each row against
      its own blocks; a decode-only step replays a CUDA graph;
   5. decoding rows sample their next token; a row whose prompt is complete samples its first and
@@ -35,7 +37,7 @@ from ..errors import ValidationFailed
 from .batcher import Step
 from .blocks import BlockManager
 from .runner import Chunk, Decode, Launched, Runner
-from .sampling import Row, TokenEvent, sample_rows
+from .sampling import PROMPT_LOGITS, Row, TokenEvent, sample_rows
 
 
 class Seq:
@@ -107,9 +109,15 @@ class Scheduler:
         logits = self.runner.run([s.decode() for s in decoding], [c for _, c in chunks])   # [B + P, V]
         self.runner.start_warming(now=True)         # a request has been served: its kernels may compile
         self._emit([s.row for s in decoding], logits[:len(decoding)])
-        done = [(i, s) for i, (s, c) in enumerate(chunks) if self._advance(s, c)]
+        done, at = [], len(decoding)
+        for s, c in chunks:                         # a chunk's logits: its last token's, or each token's
+            if c.every:
+                s.row.score_prompt(c.start, logits[at:at + c.logit_rows])
+            at += c.logit_rows
+            if self._advance(s, c):
+                done.append((at - 1, s))
         if done:
-            self._emit([s.row for _, s in done], logits[[len(decoding) + i for i, _ in done]])
+            self._emit([s.row for _, s in done], logits[[i for i, _ in done]])
             for _, s in done:
                 self.prefilling.remove(s)
                 self.running.append(s)
@@ -167,13 +175,16 @@ class Scheduler:
         return s.prompt_done
 
     def _chunks(self, budget: int) -> list[tuple[Seq, Chunk]]:
-        out = []
+        """Each prefilling row's next chunk while the token budget lasts; rows scoring their
+        prompts (prompt_logprobs: logits at every token) share PROMPT_LOGITS tokens a step."""
+        out, scored = [], PROMPT_LOGITS
         for s in self.prefilling:
-            if budget <= 0 and out:
+            every = s.row.params.prompt_logprobs is not None
+            if (budget <= 0 or (every and scored <= 0)) and out:
                 break
-            n = max(1, min(len(s.row.prompt_ids) - s.prefilled, budget))
-            out.append((s, Chunk(s.row.prompt_ids[s.prefilled:s.prefilled + n], s.prefilled, s.table)))
-            budget -= n
+            n = max(1, min(len(s.row.prompt_ids) - s.prefilled, budget, scored if every else budget))
+            out.append((s, Chunk(s.row.prompt_ids[s.prefilled:s.prefilled + n], s.prefilled, s.table, every)))
+            budget, scored = budget - n, scored - (n if every else 0)
         return out
 
     def _budget(self, row: Row) -> int:

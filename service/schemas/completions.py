@@ -17,7 +17,8 @@ class CompletionRequest(OpenAIRequest):
     echo: bool = Field(False, description="Put the prompt before the completion.")
     logprobs: int | None = Field(None, ge=0, le=5, description="Each generated token's log-probability, and "
                                                                "with 1-5 that many most likely tokens at each "
-                                                               "position (top_logprobs).")
+                                                               "position (top_logprobs); with echo, the prompt's "
+                                                               "tokens' too (null for the first).")
     best_of: int | None = Field(None, ge=1, le=MAX_N, description="Candidates generated for each prompt; the "
                                 "`n` whose tokens' mean log-probability is highest are returned, best first "
                                 "(at least `n`; not with a stream; usage counts every candidate's tokens).")
@@ -37,18 +38,27 @@ class CompletionRequest(OpenAIRequest):
         elif (self.best_of or 1) > 1 and self.stream:
             bad["best_of"] = "best_of > 1 cannot be streamed"
         bad |= {"suffix": "not supported: must be empty"} if self.suffix else {}
-        if self.logprobs is not None and self.echo:
-            bad["logprobs"] = "not with echo: the prompt's log-probabilities are not computed"
         return bad
+
+    def prompt_logprobs(self) -> int | None:
+        """The prompt's scores the engine computes: with echo and logprobs."""
+        return self.logprobs if self.echo else None
 
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] = Field(description="at each position the `logprobs` most likely "
-                                                             "tokens, each decoded on its own, and the chosen one "
-                                                             "(so up to logprobs + 1, as OpenAI's)")
+    token_logprobs: list[float | None] = Field(description="null for an echoed prompt's first token")
+    top_logprobs: list[dict[str, float] | None] = Field(description="at each position the `logprobs` most "
+                                                                    "likely tokens, each decoded on its own, and the "
+                                                                    "chosen one (so up to logprobs + 1, as OpenAI's); "
+                                                                    "null for an echoed prompt's first token")
     text_offset: list[int] = Field(description="each token's first character in `text`")
+
+    def __add__(self, more: "CompletionLogprobs") -> "CompletionLogprobs":
+        """These tokens, then `more`'s (its offsets already in this text)."""
+        return CompletionLogprobs(tokens=self.tokens + more.tokens, token_logprobs=self.token_logprobs + more.token_logprobs,
+                                  top_logprobs=self.top_logprobs + more.top_logprobs,
+                                  text_offset=self.text_offset + more.text_offset)
 
 
 class CompletionChoice(BaseModel):

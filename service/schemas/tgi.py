@@ -31,7 +31,9 @@ class GenerateParameters(BaseModel):
     return_full_text: bool | None = Field(None, description="Prepend the prompt to the generated text.")
     details: bool = Field(True, description="Return generation details.")
     truncate: int | None = Field(None, ge=1, description="Keep only the last `truncate` input tokens.")
-    decoder_input_details: bool = Field(False, description="Not supported: prefill is always [].")
+    decoder_input_details: bool = Field(False, description="details.prefill: each prompt token with its "
+                                        "log-probability given the tokens before it (null for the first); "
+                                        "not with a stream.")
     best_of: int | None = Field(None, ge=1, le=MAX_BEST_OF, description="Sample this many sequences and "
                                 "return the one of highest log-probability (the others in "
                                 "details.best_of_sequences); needs sampling, and neither a seed nor a stream.")

@@ -52,6 +52,26 @@ def test_inference_client_top_n_tokens(live) -> None:
     assert client.text_generation(CHAT_PROMPT, max_new_tokens=2, details=True).details.top_tokens in (None, [])
 
 
+def test_inference_client_decoder_input_details(live) -> None:
+    """decoder_input_details, as TGI's: details.prefill holds the prompt's tokens (those /tokenize
+    gives) with their log-probabilities, the first null. Scored as a prompt, a greedy completion's
+    tokens get the log-probabilities they were generated with (one forward over the text against
+    the decode steps': bf16 rounding apart)."""
+    client = hub.InferenceClient(base_url=live[0])
+    out = client.text_generation(CHAT_PROMPT, max_new_tokens=6, details=True, decoder_input_details=True)
+    prefill = out.details.prefill
+    ids = [t["id"] for t in httpx.post(f"{live[0]}/tokenize", json={"inputs": CHAT_PROMPT}).json()]
+    assert [t.id for t in prefill] == ids and prefill[0].logprob is None
+    assert all(t.logprob <= 0 for t in prefill[1:]) and "".join(t.text for t in prefill) == CHAT_PROMPT
+    scored = client.text_generation(CHAT_PROMPT + out.generated_text, max_new_tokens=1, details=True,
+                                    decoder_input_details=True).details.prefill
+    generated = [t for t in out.details.tokens]
+    assert [t.id for t in scored[len(ids):]] == [t.id for t in generated]
+    for s, g in zip(scored[len(ids):], generated):
+        assert abs(s.logprob - g.logprob) < 0.1, (s, g)
+    assert client.text_generation(CHAT_PROMPT, max_new_tokens=2, details=True).details.prefill == []
+
+
 def test_inference_client_best_of(live) -> None:
     """best_of, as TGI's: that many sampled sequences, the one whose tokens' log-probabilities sum
     highest returned, the others in details.best_of_sequences, each with its own seed."""

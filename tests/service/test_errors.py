@@ -48,6 +48,9 @@ async def test_422_validation(serve, store) -> None:
         best_of = {"inputs": "hi", "parameters": {"best_of": 2, "do_sample": True}}     # not when streaming
         assert_error(await server.client.post("/generate_stream", json=best_of), 422, "validation")
         assert_error(await server.client.post("/", json={**best_of, "stream": True}), 422, "validation")
+        prefill = {"inputs": "hi", "parameters": {"decoder_input_details": True}}         # TGI's: not streamed
+        assert_error(await server.client.post("/generate_stream", json=prefill), 422, "validation")
+        assert_error(await server.client.post("/", json={**prefill, "stream": True}), 422, "validation")
         chat = {"messages": [{"role": "user", "content": "hi"}]}
         for bad, param in (({"messages": []}, "messages"), ({**chat, "max_tokens": 0}, "max_tokens"),
                            ({**chat, "stop": ["1", "2", "3", "4", "5"]}, "stop")):

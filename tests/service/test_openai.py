@@ -62,6 +62,33 @@ def test_completions_batch_echo_stop_logprobs(client) -> None:
     assert all(x <= 0 for x in lp.logprobs.token_logprobs) and len(lp.logprobs.tokens) == 5
 
 
+def test_completions_echo_with_logprobs_scores_the_prompt(client) -> None:
+    """echo with logprobs (how evaluation harnesses score a text): the prompt's tokens come first,
+    the first with null, then the completion's; the tokens spell the text, offsets point into it;
+    a greedy completion scored as a prompt gets the log-probabilities it was generated with; the
+    stream's first chunk carries the prompt's."""
+    gen = client.completions.create(model=DEMO, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2).choices[0]
+    out = client.completions.create(model=DEMO, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2,
+                                    echo=True).choices[0]
+    lp, n = out.logprobs, len(out.logprobs.tokens) - 5
+    assert out.text == PROMPT + gen.text and "".join(lp.tokens) == out.text
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and all(x <= 0 for x in lp.token_logprobs[1:])
+    assert [out.text[o:o + len(t)] for o, t in zip(lp.text_offset, lp.tokens)] == lp.tokens
+    assert lp.tokens[n:] == gen.logprobs.tokens and lp.token_logprobs[n:] == gen.logprobs.token_logprobs
+    assert all(2 <= len(top) <= 3 for top in lp.top_logprobs[1:])
+    scored = client.completions.create(model=DEMO, prompt=PROMPT + gen.text, max_tokens=1, temperature=0,
+                                       logprobs=0, echo=True).choices[0].logprobs
+    assert scored.tokens[n:n + 5] == gen.logprobs.tokens
+    assert all(abs(a - b) < 0.1 for a, b in zip(scored.token_logprobs[n:n + 5], gen.logprobs.token_logprobs))
+    chunks = list(client.completions.create(model=DEMO, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2,
+                                            echo=True, stream=True))
+    first = chunks[0].choices[0]
+    assert first.text == PROMPT and first.logprobs.tokens == lp.tokens[:n]
+    assert first.logprobs.token_logprobs == lp.token_logprobs[:n]
+    assert [t for c in chunks[1:] for t in c.choices[0].logprobs.tokens] == lp.tokens[n:]
+    assert [o for c in chunks[1:] for o in c.choices[0].logprobs.text_offset] == lp.text_offset[n:]
+
+
 def test_chat_stream_ends_with_usage(client) -> None:
     out = client.chat.completions.create(model=DEMO, messages=QUESTION, max_completion_tokens=12)
     assert out.choices[0].message.content.startswith("The capital of France is Paris")
@@ -222,8 +249,6 @@ def test_bad_requests_and_unknown_models(client) -> None:
     for kwargs in ({"max_tokens": -5}, {"n": 17}, {"logprobs": 6}, {"best_of": 17}, {"prompt": [PROMPT] * 33}):
         with pytest.raises(openai.BadRequestError):
             client.completions.create(**{"model": DEMO, "prompt": PROMPT, **kwargs})
-    with pytest.raises(openai.BadRequestError, match="echo"):
-        client.completions.create(model=DEMO, prompt=PROMPT, echo=True, logprobs=0)
     with pytest.raises(openai.BadRequestError, match="must be <="):
         client.completions.create(model=DEMO, prompt=PROMPT, max_tokens=4000)
     with pytest.raises(openai.NotFoundError) as e:

@@ -12,6 +12,7 @@ import pytest
 import torch
 from service_helpers import DEMO
 from test_batching import load
+from test_prompt_logprobs import TOP, check
 from test_scheduler import PROMPTS, generate, submit_at_once
 
 from service.engine import Batcher, Engine, Limits, paging
@@ -180,3 +181,25 @@ async def test_twice_the_cache_budget_completes_or_gets_429(tiny) -> None:
         assert await submit_at_once(engine, tiny.tokenizer.encode(PROMPTS[0]), 8, 64)
     finally:
         engine.close()
+
+
+def test_prompt_logprobs_on_cuda(tiny) -> None:
+    """A scoring row's prompt goes in as decode rows of the Triton step (runner._last_rows picks
+    every one of its rows' logits): eagerly, then replaying the captured graph of that shape; the
+    scores equal the whole forward's, and the row beside it keeps its tokens alone."""
+    tok = tiny.tokenizer
+    prompts = [tok(f"<|im_start|>user\n{t}<|im_end|>\n")["input_ids"] for t in ("the river city", "a stone light")]
+    s = paged(tiny)
+    replays = []
+    replay = s.runner._replay
+    s.runner._replay = lambda rows: replays.append(len(rows)) or replay(rows)
+    alone = generate(paged(tiny), [Row(prompts[1], SamplingParams(4), tiny)], False)[0]
+    for graphs in (False, True):
+        while graphs and s.runner.capture_next():
+            pass
+        replays.clear()
+        scoring = Row(prompts[0], SamplingParams(4, prompt_logprobs=TOP), tiny)
+        plain = Row(prompts[1], SamplingParams(4), tiny)
+        assert generate(s, [scoring, plain], together=True)[1] == alone
+        check(scoring)
+        assert (max(replays) >= sum(map(len, prompts))) == graphs      # the prompts' step: replayed or not
