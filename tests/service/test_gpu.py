@@ -290,3 +290,25 @@ async def test_typical_p_and_tgi_frequency_penalty_on_cuda(serve, tmp_path: Path
         assert typical["seed"] == 3 and ids(typical) == ids(await generate(typical_p=0.5, seed=3))
         plain, curbed = await generate(), await generate(frequency_penalty=2.0)
         assert max(abs(a["logprob"] - b["logprob"]) for a, b in zip(plain["tokens"], curbed["tokens"])) > 0.05
+
+
+@pytest.mark.anyio
+async def test_prompt_logprobs_on_cuda(serve, tmp_path: Path, tiny_archive: Path) -> None:
+    """TGI's decoder_input_details and OpenAI's echo with logprobs on CUDA (the prompt's rows of
+    the step, their logits kept): both routes give the same prompt scores, the first null, and
+    echo's completion part is the generated tokens' log-probabilities."""
+    (tmp_path / "store").mkdir()
+    os.link(tiny_archive, tmp_path / "store" / "tiny.wcodec")
+    async with serve(tmp_path / "store") as server:
+        c = server.client
+        assert (await c.post("/models/tiny/load")).status_code == 200
+        tgi = (await c.post("/generate", json={"inputs": TINY_PROMPT, "parameters": {
+            "max_new_tokens": 6, "decoder_input_details": True}})).json()["details"]
+        prefill = [t["logprob"] for t in tgi["prefill"]]
+        assert prefill[0] is None and all(lp <= 0 for lp in prefill[1:]) and len(prefill) > 3
+        body = {"model": "tiny", "prompt": TINY_PROMPT, "max_tokens": 6, "temperature": 0, "logprobs": 1, "echo": True}
+        echo = (await c.post("/v1/completions", json=body)).json()["choices"][0]
+        n, got = len(prefill), echo["logprobs"]["token_logprobs"]
+        assert got[0] is None and len(got) == n + len(tgi["tokens"])   # the step kernels may switch between requests:
+        close = lambda xs, ys: all(abs(x - y) < 0.05 for x, y in zip(xs, ys, strict=True))    # noqa: E731
+        assert close(got[1:n], prefill[1:]) and close(got[n:], [t["logprob"] for t in tgi["tokens"]])
