@@ -40,7 +40,8 @@ def sampling(req: OpenAIRequest, settings: Settings, max_tokens: int | None, top
     stops = req.stops()
     temperature = req.temperature or None                      # 0 means greedy
     bias = tuple((int(token), value) for token, value in (req.logit_bias or {}).items())
-    return SamplingParams(max_tokens or settings.default_max_new_tokens, temperature, req.top_p, None,
+    limit = settings.default_max_new_tokens if max_tokens is None else max_tokens      # 0: completions' echo
+    return SamplingParams(limit, temperature, req.top_p, None,
                           temperature is not None, req.seed, None, tuple(s for s in stops if s), top_n, bias,
                           req.presence_penalty or 0.0, req.frequency_penalty or 0.0)
 

@@ -140,6 +140,8 @@ class Batcher:
         """`chunk` more columns of the group went in; at the end of its prompts it joins."""
         g.done += chunk
         if g.done == g.width:
+            for row in g.rows:
+                row.prompt_in()
             self._emit(g.rows, logits)           # before the group is let go: a failing one stays in `active`
             self.group = None
             self.running += g.rows

@@ -160,6 +160,12 @@ class Row:
             tops = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
         self.prompt_scores.extend(zip(chosen, tops))
 
+    def prompt_in(self) -> None:
+        """Its whole prompt has gone in: a row that only scores it (max_new_tokens 0, prompt_logprobs)
+        ends here, its length reached, without a token."""
+        if self.params.max_new_tokens == 0:
+            self.finish_reason = "length"
+
     def prefill(self) -> tuple[PromptToken, ...]:
         """The prompt's tokens with their scores (empty without prompt_logprobs)."""
         if self.params.prompt_logprobs is None:

@@ -117,6 +117,8 @@ class Scheduler:
             if self._advance(s, c):
                 done.append((at - 1, s))
         if done:
+            for _, s in done:
+                s.row.prompt_in()
             self._emit([s.row for _, s in done], logits[[i for i, _ in done]])
             for _, s in done:
                 self.prefilling.remove(s)

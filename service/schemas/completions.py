@@ -12,6 +12,9 @@ Prompts = Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
 
 
 class CompletionRequest(OpenAIRequest):
+    max_tokens: int | None = Field(None, ge=0, description="New tokens at most (default: "
+                                   "WCODEC_DEFAULT_MAX_NEW_TOKENS); 0 with echo: the prompt alone, scored "
+                                   "with logprobs.")
     prompt: str | Prompts = Field(description=f"A prompt, or up to {MAX_PROMPTS} (`n` choices each, all "
                                               "batched together).", examples=["The capital of France is"])
     echo: bool = Field(False, description="Put the prompt before the completion.")
@@ -38,6 +41,8 @@ class CompletionRequest(OpenAIRequest):
         elif (self.best_of or 1) > 1 and self.stream:
             bad["best_of"] = "best_of > 1 cannot be streamed"
         bad |= {"suffix": "not supported: must be empty"} if self.suffix else {}
+        if self.max_tokens == 0 and not self.echo:
+            bad["max_tokens"] = "0 needs echo (the prompt alone is returned)"
         return bad
 
     def prompt_logprobs(self) -> int | None:

@@ -66,7 +66,8 @@ def test_completions_echo_with_logprobs_scores_the_prompt(client) -> None:
     """echo with logprobs (how evaluation harnesses score a text): the prompt's tokens come first,
     the first with null, then the completion's; the tokens spell the text, offsets point into it;
     a greedy completion scored as a prompt gets the log-probabilities it was generated with; the
-    stream's first chunk carries the prompt's."""
+    stream's first chunk carries the prompt's; max_tokens 0 (with echo only) returns the prompt
+    alone, scored."""
     gen = client.completions.create(model=DEMO, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2).choices[0]
     out = client.completions.create(model=DEMO, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2,
                                     echo=True).choices[0]
@@ -87,6 +88,16 @@ def test_completions_echo_with_logprobs_scores_the_prompt(client) -> None:
     assert first.logprobs.token_logprobs == lp.token_logprobs[:n]
     assert [t for c in chunks[1:] for t in c.choices[0].logprobs.tokens] == lp.tokens[n:]
     assert [o for c in chunks[1:] for o in c.choices[0].logprobs.text_offset] == lp.text_offset[n:]
+    bare = client.completions.create(model=DEMO, prompt=PROMPT, max_tokens=0, logprobs=2, echo=True)
+    assert bare.choices[0].text == PROMPT and bare.choices[0].finish_reason == "length"
+    assert bare.usage.completion_tokens == 0 and bare.choices[0].logprobs.tokens == lp.tokens[:n]
+    assert all(abs(a - b) < 0.05 for a, b in zip(bare.choices[0].logprobs.token_logprobs[1:], lp.token_logprobs[1:n]))
+    streamed = list(client.completions.create(model=DEMO, prompt=PROMPT, max_tokens=0, logprobs=2, echo=True,
+                                              stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == PROMPT and streamed[-1].choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError) as e:                  # 0 alone would return nothing
+        client.completions.create(model=DEMO, prompt=PROMPT, max_tokens=0)
+    assert e.value.body["param"] == "max_tokens"
 
 
 def test_chat_stream_ends_with_usage(client) -> None:

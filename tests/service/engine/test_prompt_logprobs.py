@@ -89,6 +89,19 @@ def test_the_first_event_and_the_result_carry_the_prefill(tiny) -> None:
     assert row.finished().prefill == row.prefill() and all(t.top == () for t in row.prefill())
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_row_of_no_new_tokens_only_scores_its_prompt(tiny, engine) -> None:
+    """max_new_tokens 0 (OpenAI's echo with max_tokens 0): the row ends when its prompt is in,
+    its length reached, with no token; a row beside it decodes on."""
+    prompts = prompts_of(tiny, 2, random.Random(4))
+    scoring = Row(prompts[0], SamplingParams(0, prompt_logprobs=TOP), tiny)
+    plain = Row(prompts[1], SamplingParams(3), tiny)
+    generate(ENGINES[engine](tiny, max_tokens=7), [scoring, plain], together=True)
+    assert scoring.ids == [] and scoring.finish_reason == "length" and len(plain.ids) >= 1
+    check(scoring)
+    assert scoring.finished().tokens == [] and len(scoring.finished().prefill) == len(prompts[0])
+
+
 def test_scores_out_of_order_are_a_bug(tiny) -> None:
     row = Row([1, 2, 3, 4], SamplingParams(1, prompt_logprobs=0), tiny)
     with pytest.raises(RuntimeError, match="out of order"):
