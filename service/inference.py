@@ -48,7 +48,8 @@ def sampling_params(p: GenerateParameters, settings: Settings, *, stream: bool =
     params = SamplingParams(p.max_new_tokens or settings.default_max_new_tokens, p.temperature, p.top_p, p.top_k,
                             p.do_sample, p.seed, p.repetition_penalty, tuple(s for s in p.stop if s),
                             p.top_n_tokens or 0, typical_p=p.typical_p, share_penalty=p.frequency_penalty or 0.0,
-                            prompt_logprobs=0 if p.decoder_input_details and p.details else None)
+                            prompt_logprobs=0 if p.decoder_input_details and p.details else None,
+                            watermark=p.watermark)
     if (p.best_of or 1) > 1:                     # TGI's rules
         if stream:
             raise ValidationFailed("`best_of` != 1 is not supported when streaming tokens", param="best_of")

@@ -38,6 +38,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0     # OpenAI's: times its count among the generated tokens, subtracted
     typical_p: float | None = None     # TGI's typical decoding: the most typical tokens of this mass
     share_penalty: float = 0.0         # TGI's frequency_penalty: times its share of all the row's tokens, subtracted
+    watermark: bool = False            # TGI's: the green list after the previous token favoured (`_watermark`)
     prompt_logprobs: int | None = None  # each prompt token's log-probability and this many most likely
                                         # tokens at its position (TGI's decoder_input_details, OpenAI's echo);
                                         # None: not computed
@@ -135,7 +136,7 @@ class Row:
         """Its token is the argmax of the model's logits as they are (no sampling, no penalty or
         bias), and nothing else is read from them (no top_n)."""
         p = self.params
-        return self.history is None and not p.sampling and not p.top_n and not p.shaped
+        return self.history is None and not p.sampling and not p.top_n and not p.shaped and not p.watermark
 
     @property
     def done(self) -> bool:
@@ -225,6 +226,26 @@ def _shape(logits: torch.Tensor, row: Row) -> torch.Tensor:
     return logits
 
 
+# TGI's watermark (Kirchenbauer et al. 2023, "A Watermark for Large Language Models"; TGI's defaults,
+# its WATERMARK_GAMMA and WATERMARK_DELTA): the green list after token t is the first GAMMA of a
+# permutation of the vocabulary drawn by a generator on the logits' device seeded with KEY * t; its
+# logits gain DELTA. A detector that knows the scheme counts green tokens: z = (green - GAMMA n) /
+# sqrt(n GAMMA (1 - GAMMA)).
+WATERMARK_GAMMA, WATERMARK_DELTA, WATERMARK_KEY = 0.5, 2.0, 15485863
+
+
+def greenlist(previous: int, vocab: int, device: torch.device) -> torch.Tensor:
+    """The watermark's green token ids after token `previous` [int(vocab * GAMMA)]."""
+    g = torch.Generator(device).manual_seed(WATERMARK_KEY * previous)
+    return torch.randperm(vocab, generator=g, device=device)[:int(vocab * WATERMARK_GAMMA)]
+
+
+def _watermark(logits: torch.Tensor, row: Row) -> torch.Tensor:
+    previous = row.ids[-1] if row.ids else row.prompt_ids[-1]
+    return logits.index_add(0, greenlist(previous, logits.numel(), logits.device),
+                            logits.new_full((int(logits.numel() * WATERMARK_GAMMA),), WATERMARK_DELTA))
+
+
 MIN_TEMPERATURE = 1e-5         # below it, float32 logits / temperature overflow to inf (and softmax to nan)
 
 
@@ -269,9 +290,11 @@ Pick = tuple[int, float, TopN]         # token, its log-probability, the top_n
 def sample(logits: torch.Tensor, row: Row) -> Pick:
     """One token for one row from its logits [V]: (token, its log-probability, the row's top_n
     most likely tokens with theirs). Log-probabilities are those of the model's distribution after
-    the penalties and logit_bias, before temperature, top-k/p and typical_p (the chosen token's and
-    the top_n's alike)."""
+    the watermark, the penalties and logit_bias, before temperature, top-k/p and typical_p (the
+    chosen token's and the top_n's alike), as TGI orders them."""
     p = row.params
+    if p.watermark:
+        logits = _watermark(logits, row)
     if row.history is not None:
         logits = _penalize(logits, row.history, p)
     if p.shaped:

@@ -40,7 +40,9 @@ class GenerateParameters(BaseModel):
     typical_p: float | None = Field(None, gt=0, lt=1, description="Typical decoding: keep the tokens whose "
                                     "surprisal is nearest the entropy, most typical first, until their "
                                     "probabilities reach this mass; samples.")
-    watermark: bool = Field(False, description="Not supported: must be false.")
+    watermark: bool = Field(False, description="TGI's watermark (Kirchenbauer et al. 2023): after each token, "
+                            "a green half of the vocabulary (drawn from that token) gains 2.0 in its logits, so "
+                            "that a detector can tell the text.")
     top_n_tokens: int | None = Field(None, ge=0, le=MAX_TOP_N_TOKENS, description="The most likely tokens "
                                      "at each step, with their log-probabilities (details.top_tokens, a stream "
                                      "event's top_tokens).")
@@ -51,9 +53,7 @@ class GenerateParameters(BaseModel):
 
     def unsupported(self) -> list[str]:
         """The parameters set to something this server cannot do."""
-        unset = ("grammar", "adapter_id")
-        bad = [n for n in unset if getattr(self, n) is not None]
-        return bad + (["watermark"] if self.watermark else [])
+        return [n for n in ("grammar", "adapter_id") if getattr(self, n) is not None]
 
 
 class GenerateRequest(BaseModel):

@@ -72,6 +72,30 @@ def test_inference_client_decoder_input_details(live) -> None:
     assert client.text_generation(CHAT_PROMPT, max_new_tokens=2, details=True).details.prefill == []
 
 
+def test_inference_client_watermark(live) -> None:
+    """watermark, as TGI's: a sampled text carries it. The detector counts the tokens in the green
+    list of the token before each (the prompt's last first): with it, z = (green - n/2) / sqrt(n/4)
+    is far above chance; the same seeded request without it is near chance."""
+    import torch
+
+    from service.engine.sampling import greenlist
+
+    client = hub.InferenceClient(base_url=live[0])
+    prompt = "<|im_start|>user\nWrite a long story about a dragon and a knight.<|im_end|>\n<|im_start|>assistant\n"
+    last = [t["id"] for t in httpx.post(f"{live[0]}/tokenize", json={"inputs": prompt}).json()][-1]
+
+    def z(watermark: bool) -> float:
+        out = client.text_generation(prompt, max_new_tokens=96, details=True, do_sample=True, seed=7,
+                                     temperature=1.0, watermark=watermark)
+        ids = [last] + [t.id for t in out.details.tokens]
+        vocab = 49152                                                    # the demo's config.vocab_size
+        green = sum(b in set(greenlist(a, vocab, torch.device("cpu")).tolist()) for a, b in zip(ids, ids[1:]))
+        n = len(ids) - 1
+        return (green - n / 2) / (n / 4) ** 0.5
+    marked, plain = z(True), z(False)
+    assert marked > 4 and abs(plain) < 3.5, (marked, plain)
+
+
 def test_inference_client_best_of(live) -> None:
     """best_of, as TGI's: that many sampled sequences, the one whose tokens' log-probabilities sum
     highest returned, the others in details.best_of_sequences, each with its own seed."""

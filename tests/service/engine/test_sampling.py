@@ -7,7 +7,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from service.engine.sampling import Row, SamplingParams, _warp, left_pad, sample
+from service.engine.sampling import (
+    WATERMARK_DELTA,
+    WATERMARK_KEY,
+    Row,
+    SamplingParams,
+    _warp,
+    greenlist,
+    left_pad,
+    sample,
+)
 
 EOS, SPECIAL = 9, frozenset({9})
 
@@ -153,6 +162,29 @@ def test_typical_p_keeps_what_transformers_typical_warper_keeps(mass) -> None:
     kept = _warp(logits, SamplingParams(5, typical_p=mass)).isfinite()
     for seed in range(20):
         assert kept[sample(logits, row(typical_p=mass, seed=seed))[0]]
+
+
+def test_watermark_favours_the_green_list_of_the_previous_token() -> None:
+    """TGI's watermark: the green list after token t is the first half of randperm(V) drawn with
+    seed KEY * t; its logits gain DELTA before greedy's argmax and before the log-probabilities. A
+    red token that leads by less than DELTA loses to the best green one; by more, it stays."""
+    v = 1000
+    green = greenlist(3, v, torch.device("cpu"))                      # the prompt [1, 2, 3] ends with 3
+    g = torch.Generator().manual_seed(WATERMARK_KEY * 3)
+    assert torch.equal(green, torch.randperm(v, generator=g)[:v // 2]) and len(set(green.tolist())) == v // 2
+    red = next(i for i in range(v) if i not in set(green.tolist()))
+    logits = torch.zeros(v)
+    logits[red], logits[int(green[7])] = 1.5, 0.5                     # red leads by 1.0 < DELTA
+    token, logprob, _ = sample(logits, row(watermark=True))
+    assert token == int(green[7]) and not row(watermark=True).greedy
+    marked = logits.clone()
+    marked[green] += WATERMARK_DELTA
+    assert logprob == pytest.approx(float(marked.log_softmax(-1)[token]))
+    logits[red] = 0.5 + WATERMARK_DELTA + 0.5                         # leads by more than DELTA
+    assert sample(logits, row(watermark=True))[0] == red
+    w = row(watermark=True)
+    w.push(5, 0.0)                                                    # then the list follows token 5
+    assert sample(torch.zeros(v), w)[0] == int(greenlist(5, v, torch.device("cpu")).min())   # flat: the first green
 
 
 def test_finish_reasons() -> None:
