@@ -60,19 +60,27 @@ def sampling_params(p: GenerateParameters, settings: Settings, *, stream: bool =
     return params
 
 
-def _tokenize(served: ServedModel, prompt: str, params: SamplingParams, truncate: int | None,
+def _tokenize(served: ServedModel, prompt: str | list[int], params: SamplingParams, truncate: int | None,
               settings: Settings, special: bool, fields: tuple[str, str]) -> list[int]:
-    ids = served.tokenizer(prompt, add_special_tokens=special)["input_ids"]
-    ids = ids[-truncate:] if truncate else ids
+    """The prompt's token ids: a text tokenized, or ids as given (OpenAI's token prompts), checked."""
     inputs, new = fields
+    vocab = served.model.config.vocab_size
+    if isinstance(prompt, str):
+        ids = served.tokenizer(prompt, add_special_tokens=special)["input_ids"]
+    elif (outside := next((t for t in prompt if t >= vocab), None)) is not None:
+        raise ValidationFailed(f"`{inputs}`: token {outside} is not in the model's vocabulary (0 to {vocab - 1})",
+                               param=inputs)
+    else:
+        ids = list(prompt)
+    ids = ids[-truncate:] if truncate else ids
     if not ids:
         raise ValidationFailed(f"`{inputs}` tokenizes to no tokens", param=inputs)
     if len(ids) > settings.max_input_tokens:
         raise ValidationFailed(f"`{inputs}` must have less than {settings.max_input_tokens} tokens. Given: {len(ids)}",
                                param=inputs)
-    if params.logit_bias and (outside := max(i for i, _ in params.logit_bias)) >= served.model.config.vocab_size:
+    if params.logit_bias and (outside := max(i for i, _ in params.logit_bias)) >= vocab:
         raise ValidationFailed(f"`logit_bias`: token {outside} is not in the model's vocabulary (0 to "
-                               f"{served.model.config.vocab_size - 1})", param="logit_bias")
+                               f"{vocab - 1})", param="logit_bias")
     limit = min(settings.max_total_tokens, served.max_positions)
     if len(ids) + params.max_new_tokens > limit:
         raise ValidationFailed(f"`{inputs}` tokens + `{new}` must be <= {limit}. Given: {len(ids)} "
@@ -99,11 +107,12 @@ def input_tokens(registry: ModelRegistry, model: str | None, prompt: str, trunca
     return [SimpleToken(id=i, text=prompt[a:b], start=a, stop=b) for i, (a, b) in pairs]
 
 
-async def start(registry: ModelRegistry, settings: Settings, model: str | None, prompt: str,
+async def start(registry: ModelRegistry, settings: Settings, model: str | None, prompt: str | list[int],
                 params: SamplingParams, *, stream: bool, truncate: int | None = None,
                 special: bool = True, fields: tuple[str, str] = ("inputs", "max_new_tokens")) -> Started:
     """Queue a generation on the model; the lease ends when the engine finishes the request.
-    `fields`: the request's names for the prompt and the token limit, for the error messages."""
+    `prompt`: a text, or token ids (its text is then their decode). `fields`: the request's names
+    for the prompt and the token limit, for the error messages."""
     name = registry.resolve(model)
     lease = registry.acquire(name)
     try:
@@ -114,10 +123,11 @@ async def start(registry: ModelRegistry, settings: Settings, model: str | None, 
         lease.release()
         raise
     req.add_done_callback(lease.release)
-    return Started(name, lease.served, req, prompt)
+    text = prompt if isinstance(prompt, str) else lease.served.tokenizer.decode(ids, skip_special_tokens=False)
+    return Started(name, lease.served, req, text)
 
 
-async def start_many(registry: ModelRegistry, settings: Settings, model: str | None, prompts: list[str],
+async def start_many(registry: ModelRegistry, settings: Settings, model: str | None, prompts: list[str | list[int]],
                      params: SamplingParams, n: int, *, stream: bool, **kw) -> list[Started]:
     """One engine request per sequence: `n` per prompt, prompt after prompt (sequence i is prompt
     i // n), so they batch with each other and with every other route's (OpenAI's choices, TGI's

@@ -9,14 +9,18 @@ from .openai import MAX_N, OpenAIRequest, OpenAIResponse, Usage
 
 MAX_PROMPTS = 32
 Prompts = Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]       # a prompt as token ids
+TokenPrompts = Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
 
 
 class CompletionRequest(OpenAIRequest):
     max_tokens: int | None = Field(None, ge=0, description="New tokens at most (default: "
                                    "WCODEC_DEFAULT_MAX_NEW_TOKENS); 0 with echo: the prompt alone, scored "
                                    "with logprobs.")
-    prompt: str | Prompts = Field(description=f"A prompt, or up to {MAX_PROMPTS} (`n` choices each, all "
-                                              "batched together).", examples=["The capital of France is"])
+    prompt: str | Prompts | TokenIds | TokenPrompts = Field(
+        description=f"A prompt, or up to {MAX_PROMPTS} (`n` choices each, all batched together); each a text or "
+                    "the model's token ids (as evaluation harnesses send them; not tokenized again).",
+        examples=["The capital of France is"])
     echo: bool = Field(False, description="Put the prompt before the completion.")
     logprobs: int | None = Field(None, ge=0, le=5, description="Each generated token's log-probability, and "
                                                                "with 1-5 that many most likely tokens at each "
@@ -27,8 +31,9 @@ class CompletionRequest(OpenAIRequest):
                                 "(at least `n`; not with a stream; usage counts every candidate's tokens).")
     suffix: str | None = Field(None, description="Not supported: must be empty.")
 
-    def prompts(self) -> list[str]:
-        return [self.prompt] if isinstance(self.prompt, str) else self.prompt
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        return [p] if isinstance(p, str) or isinstance(p[0], int) else p
 
     def candidates(self) -> int:
         """Sequences generated a prompt: best_of, or n."""

@@ -100,6 +100,33 @@ def test_completions_echo_with_logprobs_scores_the_prompt(client) -> None:
     assert e.value.body["param"] == "max_tokens"
 
 
+def test_completions_take_token_ids_and_score_them_as_harnesses_do(client, live) -> None:
+    """A prompt as token ids (one list, or a list of lists) is not tokenized again: it completes
+    as its text does, its echo is its decode, and scoring a context + continuation the way
+    lm-eval's completions model does (echo, logprobs 1, max_tokens 1; the continuation's scores
+    at [len(context):-1], greedy where each is its position's top) finds a greedy continuation
+    (" Paris.", which tokenizes as it was generated) greedy. An id outside the vocabulary is a 400
+    naming `prompt`."""
+    ids = [t["id"] for t in httpx.post(f"{live[0]}/tokenize", json={"inputs": PROMPT}).json()]
+    text = client.completions.create(model=DEMO, prompt=PROMPT, max_tokens=5, temperature=0).choices[0]
+    by_ids = client.completions.create(model=DEMO, prompt=ids, max_tokens=5, temperature=0, echo=True).choices[0]
+    assert by_ids.text == PROMPT + text.text
+    gen = client.completions.create(model=DEMO, prompt=ids, max_tokens=2, temperature=0, logprobs=1).choices[0]
+    continuation = [t["id"] for t in httpx.post(f"{live[0]}/tokenize", json={"inputs": PROMPT + gen.text}).json()]
+    assert continuation[:len(ids)] == ids
+    out = client.completions.create(model=DEMO, prompt=[continuation, ids], max_tokens=1, temperature=0,
+                                    logprobs=1, echo=True)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(continuation) + 1 and len(out.choices[1].logprobs.tokens) == len(ids) + 1
+    scores, tops = lp.token_logprobs[len(ids):-1], lp.top_logprobs[len(ids):-1]
+    assert lp.tokens[len(ids):-1] == gen.logprobs.tokens == [" Paris", "."]        # it tokenizes as generated
+    assert all(abs(a - b) < 0.05 for a, b in zip(scores, gen.logprobs.token_logprobs))
+    assert all(max(top.values()) == pytest.approx(x, abs=1e-6) for x, top in zip(scores, tops))   # is_greedy
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=DEMO, prompt=[ids[0], 10**6], max_tokens=1)
+    assert e.value.body["param"] == "prompt" and "vocabulary" in e.value.message
+
+
 def test_chat_stream_ends_with_usage(client) -> None:
     out = client.chat.completions.create(model=DEMO, messages=QUESTION, max_completion_tokens=12)
     assert out.choices[0].message.content.startswith("The capital of France is Paris")
