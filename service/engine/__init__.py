@@ -10,8 +10,9 @@
     scheduler.py Scheduler: the same for llama.py's models over a paged KV cache allocated once
                  (blocks.py: blocks and block tables; paging.py: the cache's size); runner.py: the
                  forward of a step, decode-only steps replayed as CUDA graphs
-    sampling.py  Row (one request's tokens and stop rules), SamplingParams, greedy / top-k / top-p
-                 sampling, TokenEvent and Finished
+    sampling.py  Row (one request's tokens and stop rules, its prompt's scores when asked),
+                 SamplingParams, greedy / top-k / top-p / typical sampling, penalties, TGI's
+                 watermark, TokenEvent and Finished
 
 Testable without HTTP: `Batcher` takes `Row`s and calls back with their tokens, synchronously."""
 from .batcher import Batcher, Step
