@@ -42,7 +42,8 @@ async def start(req: ChatRequest, registry: ModelRegistry, settings: Settings) -
     params = openai_api.sampling(req, settings, req.new_tokens(), req.top_n())
     name, prompt = templated(req, registry)
     return await inference.start_many(registry, settings, name, [prompt], params, req.choices(), stream=req.stream,
-                                      special=False, fields=("messages", "max_tokens"))
+                                      special=False, fields=("messages", "max_tokens"), grammar_field="response_format",
+                                      grammar=req.response_format.spec() if req.response_format else None)
 
 
 def _logprobs(served: ServedModel, log: openai_api.TokenLog, text_end: int) -> ChatLogprobs:

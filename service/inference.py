@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel
 
 from .engine import GenRequest
+from .engine import grammar as constraints
 from .errors import ServiceError, ValidationFailed, error_event
 from .engine.sampling import Finished, PromptToken, SamplingParams, TokenEvent
 from .model.build import ServedModel
@@ -107,15 +108,35 @@ def input_tokens(registry: ModelRegistry, model: str | None, prompt: str, trunca
     return [SimpleToken(id=i, text=prompt[a:b], start=a, stop=b) for i, (a, b) in pairs]
 
 
+async def _constrained(served: ServedModel, params: SamplingParams, grammar: tuple[str, dict | str] | None,
+                       field: str) -> SamplingParams:
+    """`params` with the index of `grammar` (('regex', pattern) or ('schema', JSON schema)), compiled
+    off the event loop (milliseconds to seconds, by the pattern); a grammar that does not compile
+    is the request's error, naming `field`."""
+    if grammar is None:
+        return params
+    kind, value = grammar
+    try:
+        if kind == "regex" and not isinstance(value, str):
+            raise constraints.GrammarError("a regex is a string")
+        regex = value if kind == "regex" else constraints.schema_regex(value)
+        return dataclasses.replace(params, grammar=await asyncio.to_thread(constraints.index_of, served, regex))
+    except constraints.GrammarError as e:
+        raise ValidationFailed(f"`{field}`: {e}", param=field) from None
+
+
 async def start(registry: ModelRegistry, settings: Settings, model: str | None, prompt: str | list[int],
                 params: SamplingParams, *, stream: bool, truncate: int | None = None,
-                special: bool = True, fields: tuple[str, str] = ("inputs", "max_new_tokens")) -> Started:
+                special: bool = True, fields: tuple[str, str] = ("inputs", "max_new_tokens"),
+                grammar: tuple[str, dict | str] | None = None, grammar_field: str = "grammar") -> Started:
     """Queue a generation on the model; the lease ends when the engine finishes the request.
     `prompt`: a text, or token ids (its text is then their decode). `fields`: the request's names
-    for the prompt and the token limit, for the error messages."""
+    for the prompt and the token limit, for the error messages. `grammar`: the text's constraint
+    (`_constrained`), named `grammar_field` in errors."""
     name = registry.resolve(model)
     lease = registry.acquire(name)
     try:
+        params = await _constrained(lease.served, params, grammar, grammar_field)
         ids = _tokenize(lease.served, prompt, params, truncate, settings, special, fields)
         req = GenRequest(ids, params, stream=stream)
         lease.engine.submit(req)

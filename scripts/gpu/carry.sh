@@ -14,7 +14,8 @@ for d in /.whl/ /.whlpeers/ /.gentok/; do grep -qx "$d" "$exclude" 2>/dev/null |
 for set in "${@:-service}"; do
   case $set in
     service) mkdir -p .whl .gentok
-             python -m pip download -q $PLAT -d .whl fastapi uvicorn pydantic-settings prometheus-client httpx xxhash
+             python -m pip download -q $PLAT -d .whl fastapi uvicorn pydantic-settings prometheus-client httpx xxhash \
+               outlines-core
              python -m pip download -q --no-deps $PLAT -d .whl gguf pytest-timeout
              # the box's own numpy, pytest and jinja2 stay: a newer copy in /tmp/site would shadow them
              rm -f .whl/numpy-* .whl/pytest-[0-9]* .whl/pluggy-* .whl/iniconfig-* .whl/pygments-* .whl/jinja2-* \

@@ -13,6 +13,8 @@
     sampling.py  Row (one request's tokens and stop rules, its prompt's scores when asked),
                  SamplingParams, greedy / top-k / top-p / typical sampling, penalties, TGI's
                  watermark, TokenEvent and Finished
+    grammar.py   constrained generation (TGI's grammar, OpenAI's response_format): a regex's
+                 index over the vocabulary (outlines-core), a row's Constraint
 
 Testable without HTTP: `Batcher` takes `Row`s and calls back with their tokens, synchronously."""
 from .batcher import Batcher, Step

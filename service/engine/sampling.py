@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..model.build import ServedModel
+from .grammar import Constraint
 
 
 TopN = tuple[tuple[int, float], ...]   # (token id, log-probability), most likely first
@@ -39,6 +40,7 @@ class SamplingParams:
     typical_p: float | None = None     # TGI's typical decoding: the most typical tokens of this mass
     share_penalty: float = 0.0         # TGI's frequency_penalty: times its share of all the row's tokens, subtracted
     watermark: bool = False            # TGI's: the green list after the previous token favoured (`_watermark`)
+    grammar: object = None             # a compiled index (grammar.py: TGI's grammar, OpenAI's response_format)
     prompt_logprobs: int | None = None  # each prompt token's log-probability and this many most likely
                                         # tokens at its position (TGI's decoder_input_details, OpenAI's echo);
                                         # None: not computed
@@ -126,6 +128,7 @@ class Row:
         self.generator = torch.Generator(served.device).manual_seed(self.seed) if self.seed is not None else None
         self.history = torch.tensor(prompt_ids, device=served.device) \
             if params.counts_tokens else None                                   # [T]: prompt and generated
+        self.constraint = Constraint(params.grammar) if params.grammar is not None else None
         self.bias = None                        # logit_bias as (ids, values) on the device, made once
         if params.logit_bias:
             ids, values = zip(*params.logit_bias)
@@ -136,7 +139,8 @@ class Row:
         """Its token is the argmax of the model's logits as they are (no sampling, no penalty or
         bias), and nothing else is read from them (no top_n)."""
         p = self.params
-        return self.history is None and not p.sampling and not p.top_n and not p.shaped and not p.watermark
+        return self.history is None and not p.sampling and not p.top_n and not p.shaped and not p.watermark \
+            and self.constraint is None
 
     @property
     def done(self) -> bool:
@@ -176,6 +180,8 @@ class Row:
 
     def push(self, token: int, logprob: float, top: TopN = ()) -> TokenEvent:
         self.ids.append(token)
+        if self.constraint is not None:
+            self.constraint.advance(token)
         if self.history is not None:
             self.history = torch.cat([self.history, self.history.new_tensor([token])])
         piece = self.detokenizer.add(token)
@@ -299,6 +305,8 @@ def sample(logits: torch.Tensor, row: Row) -> Pick:
         logits = _penalize(logits, row.history, p)
     if p.shaped:
         logits = _shape(logits, row)
+    if row.constraint is not None:
+        logits = row.constraint.mask(logits)
     logprobs = logits.log_softmax(-1)
     if p.sampling:
         probs = _warp(logits, p).softmax(-1)

@@ -69,6 +69,11 @@ class Tokenizer:
         return cls(RustTokenizer.from_str(files["tokenizer.json"].decode()), config, tokens,
                    _chat_template(files, config))
 
+    @property
+    def backend_tokenizer(self) -> RustTokenizer:
+        """The `tokenizers` object (transformers' fast tokenizers' name for it)."""
+        return self._tok
+
     def _id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
 

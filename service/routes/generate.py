@@ -24,17 +24,22 @@ ERRORS = responses(404, 422, 424, 429, 503)
 SSE = sse_content(StreamResponse)
 
 
+def _grammar(req: GenerateRequest) -> tuple[str, dict | str] | None:
+    return req.parameters.grammar.spec() if req.parameters.grammar else None
+
+
 async def _generate(req: GenerateRequest, registry: RegistryDep, settings: SettingsDep) -> GenerateResponse:
     params = inference.sampling_params(req.parameters, settings)
     started = await inference.start_many(registry, settings, req.model, [req.inputs], params,
-                                         req.parameters.best_of or 1, stream=False, truncate=req.parameters.truncate)
+                                         req.parameters.best_of or 1, stream=False, truncate=req.parameters.truncate,
+                                         grammar=_grammar(req))
     return inference.tgi_response(started, await inference.finish_all(started), req.parameters)
 
 
 async def _stream(req: GenerateRequest, registry: RegistryDep, settings: SettingsDep) -> StreamingResponse:
     params = inference.sampling_params(req.parameters, settings, stream=True)
     started = await inference.start(registry, settings, req.model, req.inputs, params, stream=True,
-                                    truncate=req.parameters.truncate)
+                                    truncate=req.parameters.truncate, grammar=_grammar(req))
     first = await inference.first_event(started)
     return sse_response(inference.tgi_stream(started, first, req.parameters))
 

@@ -23,8 +23,22 @@ class InputMessage(BaseModel):
         return {"role": "system" if self.role == "developer" else self.role, "content": text}
 
 
+class JsonSchemaFormat(BaseModel):
+    name: str | None = None
+    schema_: dict = Field(alias="schema", description="The JSON schema the message's content follows.")
+    strict: bool | None = None
+
+
 class ResponseFormat(BaseModel):
-    type: str = Field(description="Only 'text'.")
+    type: str = Field(description="'text', 'json_object' (the content is a JSON object) or 'json_schema' (it "
+                                  "follows `json_schema.schema`).")
+    json_schema: JsonSchemaFormat | None = None
+
+    def spec(self) -> tuple[str, dict] | None:
+        """('schema', the schema) the content follows; None: free text."""
+        if self.type == "json_object":
+            return "schema", {"type": "object"}
+        return ("schema", self.json_schema.schema_) if self.type == "json_schema" and self.json_schema else None
 
 
 class ChatRequest(OpenAIRequest):
@@ -34,7 +48,9 @@ class ChatRequest(OpenAIRequest):
                                                     "`choices[].logprobs.content`.")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_N_TOKENS, description="With `logprobs: true`, the "
                                      "most likely tokens at each position, in `logprobs.content[].top_logprobs`.")
-    response_format: ResponseFormat | None = Field(None, description="Only {'type': 'text'}.")
+    response_format: ResponseFormat | None = Field(None, description="{'type': 'text'}, {'type': 'json_object'} "
+                                                   "or {'type': 'json_schema', 'json_schema': {'name', 'schema'}}: "
+                                                   "the content constrained to it (TGI's grammar).")
     tools: list[dict] | None = Field(None, description="Not supported: must be empty.")
     tool_choice: str | dict | None = Field(None, description="Not supported: 'none' only.")
     functions: list[dict] | None = Field(None, description="Not supported: must be empty.")
@@ -47,8 +63,9 @@ class ChatRequest(OpenAIRequest):
         bad |= {f: "tools and function calling are not supported" for f in ("tools", "functions") if getattr(self, f)}
         bad |= {f: "tools and function calling are not supported" for f in ("tool_choice", "function_call")
                 if getattr(self, f) not in (None, "none")}
-        if self.response_format and self.response_format.type != "text":
-            bad["response_format"] = f"only 'text', not {self.response_format.type!r}"
+        f = self.response_format
+        if f and (f.type not in ("text", "json_object", "json_schema") or (f.type == "json_schema" and not f.json_schema)):
+            bad["response_format"] = f"'text', 'json_object' or 'json_schema' with `json_schema`, not {f.type!r}"
         return bad
 
     def new_tokens(self) -> int | None:

@@ -17,6 +17,22 @@ MAX_TOP_N_TOKENS = 20                          # alternatives a token (OpenAI's 
 CHAT_EXAMPLE = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
 
 
+class Grammar(BaseModel):
+    """TGI's grammar: the generated text follows a JSON schema or a regex."""
+    type: Literal["json", "json_object", "regex", "json_schema"] = Field(description="'json' (or 'json_object'): "
+                                                                         "`value` is a JSON schema; 'regex': a "
+                                                                         "regex; 'json_schema': {name, schema}.")
+    value: dict | str = Field(description="The schema (an object, or its JSON text), the regex, or {name, schema}.")
+
+    def spec(self) -> tuple[str, dict | str]:
+        """('regex', pattern) or ('schema', schema)."""
+        if self.type == "regex":
+            return "regex", self.value
+        if self.type == "json_schema":
+            return "schema", self.value.get("schema", {}) if isinstance(self.value, dict) else self.value
+        return "schema", self.value
+
+
 class GenerateParameters(BaseModel):
     max_new_tokens: int | None = Field(None, ge=1, description="Maximum number of tokens to generate "
                                        "(default: WCODEC_DEFAULT_MAX_NEW_TOKENS).", examples=[20])
@@ -48,12 +64,13 @@ class GenerateParameters(BaseModel):
                                      "event's top_tokens).")
     frequency_penalty: float | None = Field(None, ge=-2, le=2, description="TGI's: subtracted from each "
                                            "token's logit times its share of the prompt and generated tokens.")
-    grammar: dict | None = Field(None, description="Not supported: must be null.")
+    grammar: Grammar | None = Field(None, description="Constrain the text to a JSON schema or a regex (TGI's "
+                                    "grammar, through outlines-core; the end of text only once it is complete).")
     adapter_id: str | None = Field(None, description="Not supported: must be null.")
 
     def unsupported(self) -> list[str]:
         """The parameters set to something this server cannot do."""
-        return [n for n in ("grammar", "adapter_id") if getattr(self, n) is not None]
+        return ["adapter_id"] if self.adapter_id is not None else []
 
 
 class GenerateRequest(BaseModel):

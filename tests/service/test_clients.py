@@ -96,6 +96,18 @@ def test_inference_client_watermark(live) -> None:
     assert marked > 4 and abs(plain) < 3.5, (marked, plain)
 
 
+def test_inference_client_grammar(live) -> None:
+    """grammar, as TGI's: a JSON schema's text parses and follows it; a regex's matches it."""
+    import json
+    import re
+    client = hub.InferenceClient(base_url=live[0])
+    schema = {"type": "object", "properties": {"capital": {"type": "string", "maxLength": 24}}, "required": ["capital"]}
+    out = client.text_generation(CHAT_PROMPT, max_new_tokens=40, grammar={"type": "json", "value": schema})
+    assert list(json.loads(out)) == ["capital"] and "Paris" in json.loads(out)["capital"]
+    out = client.text_generation(CHAT_PROMPT, max_new_tokens=10, grammar={"type": "regex", "value": "(Paris|Lyon)!"})
+    assert re.fullmatch("(Paris|Lyon)!", out)
+
+
 def test_inference_client_best_of(live) -> None:
     """best_of, as TGI's: that many sampled sequences, the one whose tokens' log-probabilities sum
     highest returned, the others in details.best_of_sequences, each with its own seed."""

@@ -30,7 +30,11 @@ BAD_BODIES = [
     {"inputs": "hi", "parameters": {"best_of": 5, "do_sample": True}},
     {"inputs": "hi", "parameters": {"typical_p": 1.0}},                       # TGI's: 0 < typical_p < 1
     {"inputs": "hi", "parameters": {"frequency_penalty": 2.5}},               # TGI's: -2 to 2
-    {"inputs": "hi", "parameters": {"grammar": {"type": "json", "value": {}}}},
+    {"inputs": "hi", "parameters": {"grammar": {"type": "json", "value": {"type": "nonsense"}}}},   # no such type
+    {"inputs": "hi", "parameters": {"grammar": {"type": "regex", "value": "(unclosed"}}},
+    {"inputs": "hi", "parameters": {"grammar": {"type": "regex", "value": {"a": 1}}}},
+    {"inputs": "hi", "parameters": {"grammar": {"type": "yaml", "value": "a"}}},
+    {"inputs": "hi", "parameters": {"adapter_id": "lora-1"}},
     {"inputs": "hi", "parameters": {"top_n_tokens": 21}},
     {"inputs": "hi", "parameters": {"top_n_tokens": -1}},
     {"inputs": "hi", "parameters": {"max_new_tokens": 5000}},

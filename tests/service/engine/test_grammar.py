@@ -1,0 +1,71 @@
+"""Constrained generation (service/engine/grammar.py, as TGI's grammar): the bytes each token of
+the demo's byte-level vocabulary stands for; SentencePiece's pieces; a regex and a JSON schema
+followed by the demo's greedy tokens through the paged engine, ending at the end of text once the
+text is complete; grammars that cannot be compiled are GrammarError."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from test_batching import load
+from test_scheduler import generate, paged
+from service_helpers import DEMO
+
+from service.engine import grammar
+from service.engine.sampling import Row, SamplingParams
+
+CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def demo(demo_archive):
+    return load(demo_archive, DEMO)
+
+
+def test_token_bytes_of_a_byte_level_vocabulary(demo) -> None:
+    eos, pieces = grammar.token_bytes(demo.tokenizer)
+    ids = {i: b for b, group in pieces.items() for i in group}
+    assert eos == demo.tokenizer.eos_token_id and eos not in ids
+    assert len(ids) == len(demo.tokenizer) - len(demo.tokenizer.all_special_ids)
+    for i in random.Random(0).sample(sorted(ids), 2000):
+        text = demo.tokenizer.decode([i])
+        if "\ufffd" not in text:                                     # a whole character or more
+            assert ids[i].decode() == text, i
+
+
+def test_sentencepiece_pieces() -> None:
+    assert grammar._piece_bytes("\u2581Paris", False) == b" Paris"
+    assert grammar._piece_bytes("<0x0A>", False) == b"\n" and grammar._piece_bytes("<0xE2>", False) == b"\xe2"
+    assert grammar._piece_bytes("\u0120Paris", True) == b" Paris" and grammar._piece_bytes("\u010a", True) == b"\n"
+
+
+def constrained(served, prompt: str, regex: str, tokens: int = 40) -> Row:
+    params = SamplingParams(tokens, grammar=grammar.index_of(served, regex))
+    row = Row(served.tokenizer.encode(CHAT.format(prompt)), params, served)
+    generate(paged(served), [row], together=False)
+    return row
+
+
+def test_a_regex_is_followed_to_the_end_of_text(demo) -> None:
+    row = constrained(demo, "What year did the Second World War end?", r"(19|20)[0-9]{2}")
+    text = demo.tokenizer.decode(row.ids, skip_special_tokens=True)
+    assert len(text) == 4 and text[:2] in ("19", "20") and text.isdigit()
+    assert row.finish_reason == "eos_token" and row.ids[-1] == demo.tokenizer.eos_token_id
+
+
+def test_a_json_schema_is_followed(demo) -> None:
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "country": {"type": "string", "enum": ["France", "Spain"]}},
+              "required": ["city", "country"]}
+    row = constrained(demo, "Name the capital of France as JSON.", grammar.schema_regex(schema), 60)
+    out = json.loads(demo.tokenizer.decode(row.ids, skip_special_tokens=True))
+    assert set(out) == {"city", "country"} and out["country"] in ("France", "Spain") and len(out["city"]) <= 20
+    assert row.finish_reason == "eos_token"
+
+
+def test_grammars_that_do_not_compile(demo) -> None:
+    with pytest.raises(grammar.GrammarError, match="schema"):
+        grammar.schema_regex({"type": "nonsense"})
+    with pytest.raises(grammar.GrammarError):
+        grammar.index_of(demo, "(unclosed")
