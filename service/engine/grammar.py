@@ -59,12 +59,12 @@ def token_bytes(tokenizer) -> tuple[int, dict[bytes, list[int]]]:
     byte_level = "ByteLevel" in kinds
     if not byte_level and not kinds & {"Metaspace", "ByteFallback", "Replace"}:
         raise GrammarError(f"grammar needs a byte-level or SentencePiece tokenizer, not {sorted(k for k in kinds if k)}")
-    special = set(tokenizer.all_special_ids)
+    special, added = set(tokenizer.all_special_ids), rust.get_added_tokens_decoder()
     pieces: dict[bytes, list[int]] = {}
     try:
         for piece, i in rust.get_vocab(with_added_tokens=True).items():
-            if i not in special:
-                pieces.setdefault(_piece_bytes(piece, byte_level), []).append(i)
+            if i not in special:                           # an added token is its text, not pieces
+                pieces.setdefault(piece.encode() if i in added else _piece_bytes(piece, byte_level), []).append(i)
     except KeyError as e:                                  # a character outside the byte-level alphabet
         raise GrammarError(f"token {e} of the vocabulary is not a byte-level piece") from None
     return tokenizer.eos_token_id, pieces
@@ -88,31 +88,43 @@ def schema_regex(schema: dict | str) -> str:
         raise GrammarError(f"unsupported JSON schema: {e}") from None
 
 
-_kept: OrderedDict[tuple[int, str], object] = OrderedDict()
-_vocabularies: dict[int, object] = {}
-_lock = threading.Lock()
+class _Kept:
+    """The last `size` values by key, each kept with the tokenizer it was made for (held, so that
+    its id, the key's first part, cannot be reused while the entry lives)."""
+
+    def __init__(self, size: int):
+        self.size, self.items, self.lock = size, OrderedDict(), threading.Lock()
+
+    def get(self, key: tuple):
+        with self.lock:
+            if key in self.items:
+                self.items.move_to_end(key)
+                return self.items[key][1]
+        return None
+
+    def put(self, key: tuple, tokenizer, value) -> None:
+        with self.lock:
+            self.items[key] = (tokenizer, value)
+            while len(self.items) > self.size:
+                self.items.popitem(last=False)
+
+
+_indexes, _vocabularies = _Kept(KEPT), _Kept(4)
 
 
 def index_of(served, regex: str):
     """The index of `regex` over the model's vocabulary (kept: the last KEPT model-and-pattern pairs)."""
-    oc = _outlines()
-    key = (id(served.tokenizer), regex)
-    with _lock:
-        if key in _kept:
-            _kept.move_to_end(key)
-            return _kept[key]
-        vocabulary = _vocabularies.get(id(served.tokenizer))
-    if vocabulary is None:
-        vocabulary = oc.Vocabulary(*token_bytes(served.tokenizer))
+    oc, tok = _outlines(), served.tokenizer
+    if (index := _indexes.get((id(tok), regex))) is not None:
+        return index
+    if (vocabulary := _vocabularies.get((id(tok),))) is None:
+        vocabulary = oc.Vocabulary(*token_bytes(tok))
+        _vocabularies.put((id(tok),), tok, vocabulary)
     try:
         index = oc.Index(regex, vocabulary)
     except (ValueError, TypeError) as e:
         raise GrammarError(f"the pattern does not compile over the model's vocabulary: {e}") from None
-    with _lock:
-        _vocabularies[id(served.tokenizer)] = vocabulary
-        _kept[key] = index
-        while len(_kept) > KEPT:
-            _kept.popitem(last=False)
+    _indexes.put((id(tok), regex), tok, index)
     return index
 
 

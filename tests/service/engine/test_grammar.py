@@ -64,6 +64,11 @@ def test_a_json_schema_is_followed(demo) -> None:
     assert row.finish_reason == "eos_token"
 
 
+def test_an_index_is_compiled_once_per_model_and_pattern(demo) -> None:
+    assert grammar.index_of(demo, "[0-9]+") is grammar.index_of(demo, "[0-9]+")
+    assert grammar.index_of(demo, "[0-9]+") is not grammar.index_of(demo, "[a-z]+")
+
+
 def test_grammars_that_do_not_compile(demo) -> None:
     with pytest.raises(grammar.GrammarError, match="schema"):
         grammar.schema_regex({"type": "nonsense"})
