@@ -312,3 +312,37 @@ async def test_prompt_logprobs_on_cuda(serve, tmp_path: Path, tiny_archive: Path
         assert got[0] is None and len(got) == n + len(tgi["tokens"])   # the step kernels may switch between requests:
         close = lambda xs, ys: all(abs(x - y) < 0.05 for x, y in zip(xs, ys, strict=True))    # noqa: E731
         assert close(got[1:n], prefill[1:]) and close(got[n:], [t["logprob"] for t in tgi["tokens"]])
+
+
+@pytest.mark.anyio
+async def test_grammar_and_scoring_on_cuda(serve, tmp_path: Path, tiny_archive: Path) -> None:
+    """A regex grammar's mask, and completions' max_tokens 0 with echo (a row of no new tokens), on CUDA."""
+    import re
+    (tmp_path / "store").mkdir()
+    os.link(tiny_archive, tmp_path / "store" / "tiny.wcodec")
+    async with serve(tmp_path / "store") as server:
+        c = server.client
+        assert (await c.post("/models/tiny/load")).status_code == 200
+        r = await c.post("/generate", json={"inputs": TINY_PROMPT, "parameters": {
+            "max_new_tokens": 8, "grammar": {"type": "regex", "value": "[0-9]{3}"}}})
+        assert r.status_code == 200 and re.fullmatch("[0-9]{3}", r.json()["generated_text"]), r.text
+        ids = [t["id"] for t in (await c.post("/tokenize", json={"inputs": TINY_PROMPT})).json()]
+        body = {"model": "tiny", "prompt": TINY_PROMPT, "max_tokens": 0, "echo": True, "logprobs": 1}
+        scored = (await c.post("/v1/completions", json=body)).json()["choices"][0]
+        assert scored["text"] == TINY_PROMPT and scored["finish_reason"] == "length"
+        assert len(scored["logprobs"]["tokens"]) == len(ids) and scored["logprobs"]["token_logprobs"][0] is None
+
+
+def test_watermark_on_cuda() -> None:
+    """The green list drawn by the CUDA generator: on flat logits the pick is its smallest id, and
+    a second draw is the same."""
+    from types import SimpleNamespace
+
+    from service.engine.sampling import Row, SamplingParams, greenlist, sample
+    cuda = torch.device("cuda")
+    served = SimpleNamespace(device=cuda, tokenizer=SimpleNamespace(decode=lambda ids, **_: "x" * len(ids)),
+                             eos_ids=frozenset(), special_ids=frozenset())
+    row = Row([1, 2, 7], SamplingParams(4, watermark=True), served)
+    green = greenlist(7, 1000, cuda)
+    assert green.device.type == "cuda" and torch.equal(green, greenlist(7, 1000, cuda)) and len(set(green.tolist())) == 500
+    assert sample(torch.zeros(1000, device=cuda), row)[0] == int(green.min())
