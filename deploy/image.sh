@@ -174,6 +174,15 @@ smoke() {
     -d '{"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 20}')
   say "chat: $answer"
   grep -q Paris <<<"$answer" || die "the answer names no Paris"
+  # TGI's grammar (outlines-core, a dependency the image must carry): the text is the schema's JSON
+  local shaped
+  shaped=$(curl -fsS --max-time 120 "http://127.0.0.1:$PORT/generate" -H 'Content-Type: application/json' \
+    -d '{"inputs": "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
+         "parameters": {"max_new_tokens": 24, "grammar": {"type": "json", "value": {"type": "object",
+         "properties": {"capital": {"type": "string", "maxLength": 16}}, "required": ["capital"]}}}}')
+  say "grammar: $shaped"
+  python3 -c 'import json, sys; assert "Paris" in json.loads(json.loads(sys.argv[1])["generated_text"])["capital"]' \
+    "$shaped" || die "the grammar's text is not the schema's JSON naming Paris"
   # every metric family the image's own service registers, on /metrics (counters as <name>_total)
   local families expected missing
   families=$(http /metrics | sed -n 's/^# TYPE \(wcodec_[a-z0-9_]*\) .*/\1/p' | grep -v '_created$' | sed 's/_total$//' | sort -u)
