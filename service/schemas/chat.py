@@ -29,16 +29,30 @@ class JsonSchemaFormat(BaseModel):
     strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
-    type: str = Field(description="'text', 'json_object' (the content is a JSON object) or 'json_schema' (it "
-                                  "follows `json_schema.schema`).")
-    json_schema: JsonSchemaFormat | None = None
+FORMATS = ("text", "json_object", "json_schema", "json", "regex")
 
-    def spec(self) -> tuple[str, dict] | None:
-        """('schema', the schema) the content follows; None: free text."""
-        if self.type == "json_object":
-            return "schema", {"type": "object"}
-        return ("schema", self.json_schema.schema_) if self.type == "json_schema" and self.json_schema else None
+
+class ResponseFormat(BaseModel):
+    type: str = Field(description="OpenAI's 'text', 'json_object' (the content is a JSON object) or "
+                                  "'json_schema' (it follows `json_schema.schema`); TGI's 'json' or "
+                                  "'json_object' with a schema in `value`, or 'regex' with a pattern in `value`.")
+    json_schema: JsonSchemaFormat | None = None
+    value: dict | str | None = Field(None, description="TGI's form: the schema or the regex.")
+
+    def spec(self) -> tuple[str, dict | str] | None:
+        """('schema', a JSON schema) or ('regex', a pattern) the content follows; None: free text."""
+        if self.type == "json_schema":
+            return "schema", self.json_schema.schema_
+        if self.type in ("json_object", "json"):
+            return "schema", self.value if self.value is not None else {"type": "object"}
+        return ("regex", self.value) if self.type == "regex" else None
+
+    def unsupported(self) -> str | None:
+        if self.type not in FORMATS:
+            return f"one of {', '.join(FORMATS)}, not {self.type!r}"
+        if self.type == "json_schema" and not self.json_schema:
+            return "'json_schema' needs `json_schema`"
+        return "'regex' needs a pattern in `value`" if self.type == "regex" and not isinstance(self.value, str) else None
 
 
 class ChatRequest(OpenAIRequest):
@@ -48,8 +62,9 @@ class ChatRequest(OpenAIRequest):
                                                     "`choices[].logprobs.content`.")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_N_TOKENS, description="With `logprobs: true`, the "
                                      "most likely tokens at each position, in `logprobs.content[].top_logprobs`.")
-    response_format: ResponseFormat | None = Field(None, description="{'type': 'text'}, {'type': 'json_object'} "
-                                                   "or {'type': 'json_schema', 'json_schema': {'name', 'schema'}}: "
+    response_format: ResponseFormat | None = Field(None, description="{'type': 'text'}, {'type': 'json_object'}, "
+                                                   "{'type': 'json_schema', 'json_schema': {'name', 'schema'}}, or "
+                                                   "TGI's {'type': 'json' | 'json_object' | 'regex', 'value': ...}: "
                                                    "the content constrained to it (TGI's grammar).")
     tools: list[dict] | None = Field(None, description="Not supported: must be empty.")
     tool_choice: str | dict | None = Field(None, description="Not supported: 'none' only.")
@@ -63,9 +78,8 @@ class ChatRequest(OpenAIRequest):
         bad |= {f: "tools and function calling are not supported" for f in ("tools", "functions") if getattr(self, f)}
         bad |= {f: "tools and function calling are not supported" for f in ("tool_choice", "function_call")
                 if getattr(self, f) not in (None, "none")}
-        f = self.response_format
-        if f and (f.type not in ("text", "json_object", "json_schema") or (f.type == "json_schema" and not f.json_schema)):
-            bad["response_format"] = f"'text', 'json_object' or 'json_schema' with `json_schema`, not {f.type!r}"
+        if self.response_format and (why := self.response_format.unsupported()):
+            bad["response_format"] = why
         return bad
 
     def new_tokens(self) -> int | None:

@@ -128,8 +128,9 @@ def test_completions_take_token_ids_and_score_them_as_harnesses_do(client, live)
 
 
 def test_chat_response_format_constrains_the_content(client) -> None:
-    """response_format json_schema and json_object (TGI's grammar): the content parses and follows
-    the schema; a schema that cannot be compiled is a 400 naming response_format."""
+    """response_format json_schema and json_object, and TGI's forms (json or json_object with a
+    schema in `value`, regex): the content parses and follows the schema or matches the regex; a
+    format that cannot be compiled is a 400 naming response_format."""
     import json as _json
     schema = {"type": "object", "properties": {"capital": {"type": "string", "maxLength": 24}}, "required": ["capital"]}
     out = client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=40, response_format={
@@ -138,10 +139,17 @@ def test_chat_response_format_constrains_the_content(client) -> None:
     out = client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=60,
                                          response_format={"type": "json_object"})
     assert isinstance(_json.loads(out.choices[0].message.content), dict)
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=DEMO, messages=QUESTION, response_format={
-            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}})
-    assert e.value.body["param"] == "response_format"
+    for tgi in ({"type": "json_object", "value": schema}, {"type": "json", "value": schema}):   # TGI's forms
+        out = client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=40, response_format=tgi)
+        assert "Paris" in _json.loads(out.choices[0].message.content)["capital"]
+    out = client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=10,
+                                         response_format={"type": "regex", "value": "(Paris|Rome)"})
+    assert out.choices[0].message.content == "Paris"
+    for bad in ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}},
+                {"type": "regex"}, {"type": "regex", "value": "(unclosed"}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=DEMO, messages=QUESTION, response_format=bad)
+        assert e.value.body["param"] == "response_format"
 
 
 def test_chat_stream_ends_with_usage(client) -> None:
