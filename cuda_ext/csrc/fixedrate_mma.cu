@@ -33,54 +33,66 @@ __device__ __forceinline__ void mma16816(float c[4], uint32_t a0, uint32_t a1, u
   }
 }
 
-// x's 16-byte words: chunk c (weights 8c .. 8c+7) of group gr of x row r. In place (x [nx,
-// groups*32], up to 8 rows) a quad's 4 lanes read 16 bytes 64 apart, a warp 16 cache lines a load;
-// from 9 rows, where those loads were the bound, permute_x first copies x so that a warp's load is
-// 32 consecutive words (4 lines): the quad's 4 groups side by side, then the rows, then the chunks:
-//   xp = [ceil(groups / 4) tiles] [4 chunks] [nx rows] [4 groups of the tile] of uint4
-__device__ __forceinline__ int64_t xp_word(int64_t gr, int c, int r, int nx) {
-  return ((gr / kFrTileGroups * 4 + c) * nx + r) * kFrTileGroups + gr % kFrTileGroups;
-}
+// x's words. mma.m16n8k16's A operand is 4 registers: (row r, k slot 2t), (r + 8, 2t), (r, 2t + 8),
+// (r + 8, 2t + 8), lane (r, t) = (lane / 4, lane % 4); its B fragment b0, b1 is W's pairs in the
+// same slots. Lane t's slots hold its group's pairs (16 a group, the tile's k permuted): b0 = pair
+// 2q, b1 = pair 2q + 1 for plane word q.
+// * Up to 8 rows, x in place (x [nx, groups*32]): lane (r, t) reads chunk c (pairs 4c .. 4c + 3)
+//   of group t of x row r, 16 bytes, a quad's 4 lanes 64 bytes apart; A takes pairs 4c, 4c + 1 and
+//   then 4c + 2, 4c + 3, its rows r + 8 zero: 2 register moves and 2 zeros a mma. Four ways without
+//   the moves (the word as loaded, rows r + 8 holding the other pairs in a second accumulator or
+//   ignored) ran slower, 1.11 -> 1.17-1.25 of cuBLAS's time at 1 row (H200, 2026-11-29): likely
+//   because the next tile's early loads into those registers then wait for this tile's last mma.
+// * From 9 rows, where x's loads were the bound, permute_x first writes each m16 tile's A operand
+//   as one 16-byte word, which goes to the mma as loaded: separate words for rows r and r + 8 cost
+//   4 register moves a mma, 32 a tile, in the SASS; without them 16 rows 1.21 -> 1.18 of cuBLAS's
+//   time and 32 rows 1.66 -> 1.55 (H200, 2026-11-29). A warp's load is 512 consecutive bytes:
+//     xp = [tiles] [4 chunks] [2 halves] [M = slots / 2 m16 tiles] [8 rows r] [4 groups t] of uint4
+//     {x[r0][p], x[r0 + 8][p], x[r0][p + 1], x[r0 + 8][p + 1]}, r0 = 16m + r, p = 4 chunk + 2 half,
+//   zeros past nx rows and past the row's groups.
+constexpr int kXQuads = 4 * 2;                                        // A words of an m16 tile a tile: chunks x halves
 
-__global__ void permute_x_kernel(const uint4* __restrict__ x, int64_t groups, int nx, int64_t units,
+__global__ void permute_x_kernel(const uint32_t* __restrict__ x, int64_t groups, int nx, int mt, int64_t units,
                                  uint4* __restrict__ xp) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= units) return;
-  const int64_t q = i / kFrTileGroups / nx;                           // tile * 4 + chunk
-  const int r = static_cast<int>(i / kFrTileGroups % nx), c = static_cast<int>(q % 4);
-  const int64_t gr = q / 4 * kFrTileGroups + i % kFrTileGroups;
-  xp[i] = gr < groups ? x[(r * groups + gr) * 4 + c] : make_uint4(0, 0, 0, 0);
+  const int lane = static_cast<int>(i % 32);
+  const int64_t q = i / 32 / mt;                                      // tile * 8 + chunk * 2 + half
+  const int64_t gr = q / kXQuads * kFrTileGroups + lane % 4;
+  const int r0 = static_cast<int>(i / 32 % mt) * 16 + lane / 4, p = static_cast<int>(q % kXQuads) * 2;
+  auto at = [&](int r, int k) { return r < nx && gr < groups ? x[(r * groups + gr) * (kFrGroup / 2) + k] : 0u; };
+  xp[i] = make_uint4(at(r0, p), at(r0 + 8, p), at(r0, p + 1), at(r0 + 8, p + 1));
 }
 
-// A lane's x words in a block, kSlots > 1 permuted, else in place: chunk c of slot h of the block's
-// tile s at at[s * tile + c * chunk + h * slot].
+// A lane's x words in a block: chunk c of its tile s at at[s * tile + c * chunk] (from 9 rows, A word
+// h = half * M + m of it at + h * 32).
 template <int kSlots>
 struct XWords {
   const uint4* at;
-  int tile, chunk, slot;                                            // < 2^31: x has < 2^31 words
-  __device__ __forceinline__ XWords(const uint4* x, int64_t groups, int nx, int64_t gr, int g) {
+  int tile, chunk;                                                  // < 2^31: x has < 2^31 words
+  __device__ __forceinline__ XWords(const uint4* x, int64_t groups, int64_t gr, int r) {
     if constexpr (kSlots > 1) {
-      at = x + xp_word(gr, 0, g, nx), tile = 4 * nx * kFrTileGroups, chunk = nx * kFrTileGroups, slot = 8 * kFrTileGroups;
+      at = x + gr / kFrTileGroups * (kXQuads * kSlots / 2 * 32) + (threadIdx.x & 31);
+      tile = kXQuads * kSlots / 2 * 32, chunk = kSlots * 32;
     } else {
-      at = x + (g * groups + gr) * 4, tile = 4 * kFrTileGroups, chunk = 1, slot = static_cast<int>(8 * groups * 4);
+      at = x + (r * groups + gr) * 4, tile = 4 * kFrTileGroups, chunk = 1;
     }
   }
 };
 
-// x's words of chunk jj of a tile for slots 0 .. kSlots - 1 (zeros past nx; in place, past the
-// row's groups too), requested before the tile ahead's loads and this tile's decode, so that they
-// arrive while the lane decodes: asm volatile, so that the load stays there (the compiler leaves a
-// plain load just ahead of its mma, and the warp waited on it: a quarter of the kernel's stall
-// samples at 1 and 16 rows, ncu 2026-11-28).
+// x's words of chunk jj of a tile (kSlots of them; in place, zeros past nx and past the row's
+// groups), requested before the tile ahead's loads and this tile's decode, so that they arrive
+// while the lane decodes: asm volatile, so that the load stays there (the compiler leaves a plain
+// load just ahead of its mma, and the warp waited on it: a quarter of the kernel's stall samples at
+// 1 and 16 rows, ncu 2026-11-28).
 template <int kSlots>
 __device__ __forceinline__ void load_x_early(const uint4* __restrict__ xt, const XWords<kSlots>& xw, int nx, bool valid,
                                              int jj, uint4 (&xv)[kSlots]) {
-  const int g = (threadIdx.x & 31) >> 2;
 #pragma unroll
   for (int h = 0; h < kSlots; ++h) {
     xv[h] = make_uint4(0, 0, 0, 0);
-    const uint4* p = xt + jj * xw.chunk + h * xw.slot;
-    if ((kSlots > 1 || valid) && g + 8 * h < nx)
+    const uint4* p = xt + jj * xw.chunk + h * 32;
+    if (kSlots > 1 || (valid && (threadIdx.x & 31) >> 2 < nx))
       asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];"
                    : "=r"(xv[h].x), "=r"(xv[h].y), "=r"(xv[h].z), "=r"(xv[h].w) : "l"(p));
   }
@@ -96,37 +108,33 @@ constexpr int kXEarly = kSlots <= 2 ? 4 : kSlots == 4 ? 2 : 0;
 template <int kSlots>
 using XEarly = uint4[kXEarly<kSlots> ? kXEarly<kSlots> : 1][kSlots];   // x's early chunks of a tile
 
-// One tile step: mma j (0..7) over word j's 4 weights (2 pairs) for each m16 tile of x: x rows
-// g + 8h (slot h; slots 2m and 2m + 1 are tile m's a0/a2 and a1/a3), 16 bytes a slot at a time:
-// chunks jj < kXEarly from xe, the rest loaded here from xt (the tile's words; x permuted there).
+// One tile step: chunk jj (0..3) of x against plane words q = 2jj, 2jj + 1 (pairs 4jj .. 4jj + 3),
+// a mma a half (q) and an m16 tile of x (A word h = half * M + m). Chunks jj < kXEarly from xe, the
+// rest loaded here from xt (the tile's words; x permuted there).
 template <bool kBf16, int kSlots>
-__device__ __forceinline__ void tile_mma(const uint4* __restrict__ xt, const XWords<kSlots>& xw, int nx,
-                                         const XEarly<kSlots>& xe,
-                                         const FrGroup& tg, const uint32_t f[8], float (&c)[(kSlots + 1) / 2][4]) {
+__device__ __forceinline__ void tile_mma(const uint4* __restrict__ xt, const XWords<kSlots>& xw,
+                                         const XEarly<kSlots>& xe, const FrGroup& tg, const uint32_t f[8],
+                                         float (&c)[(kSlots + 1) / 2][4]) {
   static_assert(kXEarly<kSlots> == 4 || kSlots > 1, "x in place loaded here would need its padding mask");
-  const int g = (threadIdx.x & 31) >> 2;
 #pragma unroll
   for (int jj = 0; jj < 4; ++jj) {
     uint4 xv[kSlots];
 #pragma unroll
-    for (int h = 0; h < kSlots; ++h) {
-      const bool ok = g + 8 * h < nx;                                  // permuted: zeros past the groups
-      if (jj < kXEarly<kSlots>) xv[h] = xe[jj < kXEarly<kSlots> ? jj : 0][h];
-      else xv[h] = ok ? __ldg(xt + jj * xw.chunk + h * xw.slot) : make_uint4(0, 0, 0, 0);
-    }
+    for (int h = 0; h < kSlots; ++h)
+      xv[h] = jj < kXEarly<kSlots> ? xe[jj < kXEarly<kSlots> ? jj : 0][h] : __ldg(xt + jj * xw.chunk + h * 32);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       uint32_t b0, b1;
       join4(plane_word(tg, 2 * jj + half), f[2 * jj + half], b0, b1);
+      if constexpr (kSlots == 1) {
+        const uint4& a = xv[0];
+        mma16816<kBf16>(c[0], half ? a.z : a.x, 0u, half ? a.w : a.y, 0u, b0, b1);
+      } else {
 #pragma unroll
-      for (int m = 0; m < (kSlots + 1) / 2; ++m) {
-        const uint4& l = xv[2 * m];
-        uint32_t a1 = 0, a3 = 0;
-        if (2 * m + 1 < kSlots) {
-          const uint4& u = xv[(2 * m + 1) % kSlots];
-          a1 = half ? u.z : u.x, a3 = half ? u.w : u.y;
+        for (int m = 0; m < kSlots / 2; ++m) {
+          const uint4& a = xv[half * (kSlots / 2) + m];
+          mma16816<kBf16>(c[m], a.x, a.y, a.z, a.w, b0, b1);
         }
-        mma16816<kBf16>(c[m], half ? l.z : l.x, a1, half ? l.w : l.y, a3, b0, b1);
       }
     }
   }
@@ -155,7 +163,7 @@ __device__ __forceinline__ void walk_block(const FrArrays& a, const uint4* __res
                                            float (&c)[(kSlots + 1) / 2][4]) {
   const int t = threadIdx.x & 3;
   const int64_t gr0 = blk * kFrBlockGroups + t;
-  const XWords<kSlots> xw(x, a.groups, nx, gr0, (threadIdx.x & 31) >> 2);
+  const XWords<kSlots> xw(x, a.groups, gr0, (threadIdx.x & 31) >> 2);
   constexpr bool kMaskAtLoad = kSlots == 1;                        // from 9 rows at use (up to 8 it cost registers)
   auto valid = [&](int s) { return gr0 + s * kFrTileGroups < a.groups; };   // tile s's group is not padding
   auto group_at = [&](int s) { return load_group<kMaskAtLoad, (kSlots > 1)>(a, row, gr0 + s * kFrTileGroups, valid(s)); };
@@ -180,7 +188,7 @@ __device__ __forceinline__ void walk_block(const FrArrays& a, const uint4* __res
       fields_from_slot(slot, f);
     }
     run += n;
-    tile_mma<kBf16, kSlots>(xw.at + s * xw.tile, xw, nx, xe, tg, f, c);
+    tile_mma<kBf16, kSlots>(xw.at + s * xw.tile, xw, xe, tg, f, c);
   };
   if constexpr (kSlots == 1) {                                       // two tiles a turn: registers for both
     FrGroup even = group_at(s0), odd{};
@@ -322,10 +330,11 @@ void launch_mma(const FrArrays& a, const at::Tensor& x, const at::Tensor& y, cud
   const at::Tensor xa = reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 ? x : x.clone();   // 16-byte loads
   at::Tensor xp = xa;
   if (nx > 8) {                                                     // kSlots > 1: permuted
-    const int64_t units = (a.groups + kFrTileGroups - 1) / kFrTileGroups * kFrTileGroups * 4 * nx;
+    const int mt = nx <= 16 ? 1 : nx <= 32 ? 2 : 4;                 // launch_slots' kSlots / 2
+    const int64_t units = a.tiles * kXQuads * mt * 32;
     xp = at::empty({units * 8}, x.options());
     permute_x_kernel<<<static_cast<unsigned>((units + 255) / 256), 256, 0, stream>>>(
-        reinterpret_cast<const uint4*>(xa.data_ptr()), a.groups, nx, units, reinterpret_cast<uint4*>(xp.data_ptr()));
+        reinterpret_cast<const uint32_t*>(xa.data_ptr()), a.groups, nx, mt, units, reinterpret_cast<uint4*>(xp.data_ptr()));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   const auto* xw = reinterpret_cast<const uint4*>(xp.data_ptr());
