@@ -1,13 +1,13 @@
 // The fused y = x W^T on tensor cores (mma.sync m16n8k16, float32 accumulation) for 1..64 rows of
 // x (up to four m16 tiles share each decoded B fragment), W in the fixed-rate form. A warp takes 8
-// rows of W; lane (n, t) = (lane / 4, lane % 4) decodes group t of the current 128-weight tile of
-// row n into 16 bf16/fp16 pairs, which are exactly its B fragments: for chunk c (pairs 4c .. 4c + 3)
-// one mma takes pairs 4c and 4c + 2, another 4c + 1 and 4c + 3, in two accumulator chains (k =
-// 32t + 8c + ..., a permutation of k inside the tile that the x (A) fragments follow). So the
-// decoded weights never leave registers and need no shuffle. C: batch row lane / 4 (+ 8, + 16m), W
-// rows 2t, 2t + 1. Escapes: the row's block start plus a running count of the tiles' escapes gives
-// a tile's first entry; lane t of a quad requests the tile's entry t with the tile ahead, and the
-// quad patches its tile's 128 field bytes through shared memory.
+// rows of W; lane (n, t) = (lane / 4, lane % 4)
+// decodes group t of the current 128-weight tile of row n into 16 bf16/fp16 pairs, which are
+// exactly its B fragments: mma j (0..7) takes pairs 2j and 2j + 1 (k = 32t + 4j + {0, 1} and
+// + {2, 3}), a permutation of k inside the tile that the x (A) fragments follow. So the decoded
+// weights never leave registers and need no shuffle. C: batch row lane / 4 (+ 8, + 16m), W rows 2t, 2t + 1.
+// Escapes: the row's block start plus a running count of the tiles' escapes gives a tile's first
+// entry; lane t of a quad requests the tile's entry t with the tile ahead, and the quad patches its
+// tile's 128 field bytes through shared memory.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 
@@ -35,40 +35,37 @@ __device__ __forceinline__ void mma16816(float c[4], uint32_t a0, uint32_t a1, u
 
 // x's words. mma.m16n8k16's A operand is 4 registers: (row r, k slot 2t), (r + 8, 2t), (r, 2t + 8),
 // (r + 8, 2t + 8), lane (r, t) = (lane / 4, lane % 4); its B fragment b0, b1 is W's pairs in the
-// same slots. Each 16-byte word of x a lane loads goes to a mma as loaded (tile_mma): a word built
-// from parts costs register moves, 2-4 a mma, 16-32 a tile.
+// same slots. Lane t's slots hold its group's pairs (16 a group, the tile's k permuted): b0 = pair
+// 2q, b1 = pair 2q + 1 for plane word q.
 // * Up to 8 rows, x in place (x [nx, groups*32]): lane (r, t) reads chunk c (pairs 4c .. 4c + 3)
-//   of group t of x row r, 16 bytes, a quad's 4 lanes 64 bytes apart; lanes past nx and past the
-//   row's groups load nothing and hold zeros. Against the moves (pairs 4c, 4c + 1 then 4c + 2,
-//   4c + 3 into row r, rows r + 8 zero): the gate matmul at 1 row 36.4 -> 35.0 us, 16.1 -> 14.9 M
-//   instructions (ncu); the 8B layer's seven 1.11 -> 1.075 of cuBLAS's time (H200, 2026-11-29).
-//   Every lane loading its row clamped to nx (no predicate) lost: 40.8 us, the L1 63 -> 80 % busy
-//   and long-scoreboard stalls 3.4 -> 6.4 cycles an instruction; so did one chain (2 moves a mma
-//   for row r's pairs, rows r + 8 ignored) with the lanes past nx keeping stale words: 40.3 us.
+//   of group t of x row r, 16 bytes, a quad's 4 lanes 64 bytes apart; A takes pairs 4c, 4c + 1 and
+//   then 4c + 2, 4c + 3, its rows r + 8 zero: 2 register moves and 2 zeros a mma. Four ways without
+//   the moves (the word as loaded, rows r + 8 holding the other pairs in a second accumulator or
+//   ignored) ran slower, 1.11 -> 1.17-1.25 of cuBLAS's time at 1 row (H200, 2026-11-29): likely
+//   because the next tile's early loads into those registers then wait for this tile's last mma.
 // * From 9 rows, where x's loads were the bound, permute_x first writes each m16 tile's A operand
-//   as one word (before: a word for each of rows r and r + 8, 4 moves a mma): 16 rows 1.20 -> 1.16
-//   of cuBLAS's time, 32 rows 1.64 -> 1.53 with one chain and 1.56 with two (H200, 2026-11-29).
-//   A warp's load is 512 consecutive bytes:
-//     xp = [tiles] [4 chunks] [2 parities] [M = slots / 2 m16 tiles] [8 rows r] [4 groups t] of uint4
-//     {x[r0][p], x[r0 + 8][p], x[r0][p + 2], x[r0 + 8][p + 2]}, r0 = 16m + r, p = 4 chunk + parity,
+//   as one 16-byte word, which goes to the mma as loaded: separate words for rows r and r + 8 cost
+//   4 register moves a mma, 32 a tile, in the SASS; without them 16 rows 1.21 -> 1.18 of cuBLAS's
+//   time and 32 rows 1.66 -> 1.55 (H200, 2026-11-29). A warp's load is 512 consecutive bytes:
+//     xp = [tiles] [4 chunks] [2 halves] [M = slots / 2 m16 tiles] [8 rows r] [4 groups t] of uint4
+//     {x[r0][p], x[r0 + 8][p], x[r0][p + 1], x[r0 + 8][p + 1]}, r0 = 16m + r, p = 4 chunk + 2 half,
 //   zeros past nx rows and past the row's groups.
-constexpr int kXQuads = 4 * 2;                                        // A words of an m16 tile a tile: chunks x parities
+constexpr int kXQuads = 4 * 2;                                        // A words of an m16 tile a tile: chunks x halves
 
 __global__ void permute_x_kernel(const uint32_t* __restrict__ x, int64_t groups, int nx, int mt, int64_t units,
                                  uint4* __restrict__ xp) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= units) return;
   const int lane = static_cast<int>(i % 32);
-  const int64_t q = i / 32 / mt;                                      // tile * 8 + chunk * 2 + parity
+  const int64_t q = i / 32 / mt;                                      // tile * 8 + chunk * 2 + half
   const int64_t gr = q / kXQuads * kFrTileGroups + lane % 4;
-  const int w = static_cast<int>(q % kXQuads), p = w / 2 * 4 + w % 2;   // chunk * 4 + parity
-  const int r0 = static_cast<int>(i / 32 % mt) * 16 + lane / 4;
+  const int r0 = static_cast<int>(i / 32 % mt) * 16 + lane / 4, p = static_cast<int>(q % kXQuads) * 2;
   auto at = [&](int r, int k) { return r < nx && gr < groups ? x[(r * groups + gr) * (kFrGroup / 2) + k] : 0u; };
-  xp[i] = make_uint4(at(r0, p), at(r0 + 8, p), at(r0, p + 2), at(r0 + 8, p + 2));
+  xp[i] = make_uint4(at(r0, p), at(r0 + 8, p), at(r0, p + 1), at(r0 + 8, p + 1));
 }
 
 // A lane's x words in a block: chunk c of its tile s at at[s * tile + c * chunk] (from 9 rows, A word
-// h = parity * M + m of it at + h * 32).
+// h = half * M + m of it at + h * 32).
 template <int kSlots>
 struct XWords {
   const uint4* at;
@@ -111,34 +108,13 @@ constexpr int kXEarly = kSlots <= 2 ? 4 : kSlots == 4 ? 2 : 0;
 template <int kSlots>
 using XEarly = uint4[kXEarly<kSlots> ? kXEarly<kSlots> : 1][kSlots];   // x's early chunks of a tile
 
-// Accumulators: two chains an m16 tile of x, the even pairs' (c[m]) and the odd pairs' (c[M + m]),
-// added once at the end (sum_chains). Up to 8 rows (one m16 tile, no x rows r + 8) the lane's chunk
-// word {pairs 4c .. 4c + 3} of x row r goes to both mma as loaded: A's row r holds pairs 4c, 4c + 2,
-// its row r + 8 pairs 4c + 1, 4c + 3, so the even chain sums row r in its rows r and the odd chain
-// in its rows r + 8 (their other rows are cross terms, never read). A row's sums are the same bits
-// in any batch: both chains see its pairs in the same slots.
-template <int kSlots>
-constexpr int kAcc = kSlots == 1 ? 2 : kSlots;
-
-template <int kSlots>
-__device__ __forceinline__ void sum_chains(float (&c)[kAcc<kSlots>][4]) {
-  if constexpr (kSlots == 1) {
-    c[0][0] += c[1][2], c[0][1] += c[1][3];
-  } else {
-#pragma unroll
-    for (int m = 0; m < kSlots / 2; ++m)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) c[m][i] += c[kSlots / 2 + m][i];
-  }
-}
-
-// One tile step: chunk jj (0..3) of x against plane words q = 2jj, 2jj + 1 (pairs 4jj .. 4jj + 3), a
-// mma a chain and an m16 tile of x (A word h = parity * M + m). Chunks jj < kXEarly from xe, the
+// One tile step: chunk jj (0..3) of x against plane words q = 2jj, 2jj + 1 (pairs 4jj .. 4jj + 3),
+// a mma a half (q) and an m16 tile of x (A word h = half * M + m). Chunks jj < kXEarly from xe, the
 // rest loaded here from xt (the tile's words; x permuted there).
 template <bool kBf16, int kSlots>
 __device__ __forceinline__ void tile_mma(const uint4* __restrict__ xt, const XWords<kSlots>& xw,
                                          const XEarly<kSlots>& xe, const FrGroup& tg, const uint32_t f[8],
-                                         float (&c)[kAcc<kSlots>][4]) {
+                                         float (&c)[(kSlots + 1) / 2][4]) {
   static_assert(kXEarly<kSlots> == 4 || kSlots > 1, "x in place loaded here would need its padding mask");
 #pragma unroll
   for (int jj = 0; jj < 4; ++jj) {
@@ -146,16 +122,21 @@ __device__ __forceinline__ void tile_mma(const uint4* __restrict__ xt, const XWo
 #pragma unroll
     for (int h = 0; h < kSlots; ++h)
       xv[h] = jj < kXEarly<kSlots> ? xe[jj < kXEarly<kSlots> ? jj : 0][h] : __ldg(xt + jj * xw.chunk + h * 32);
-    uint32_t w[2][2];                                                 // W's pair 4jj + 2 half + parity
 #pragma unroll
-    for (int half = 0; half < 2; ++half) join4(plane_word(tg, 2 * jj + half), f[2 * jj + half], w[half][0], w[half][1]);
+    for (int half = 0; half < 2; ++half) {
+      uint32_t b0, b1;
+      join4(plane_word(tg, 2 * jj + half), f[2 * jj + half], b0, b1);
+      if constexpr (kSlots == 1) {
+        const uint4& a = xv[0];
+        mma16816<kBf16>(c[0], half ? a.z : a.x, 0u, half ? a.w : a.y, 0u, b0, b1);
+      } else {
 #pragma unroll
-    for (int par = 0; par < 2; ++par)
-#pragma unroll
-      for (int m = 0; m < (kSlots + 1) / 2; ++m) {
-        const uint4& a = xv[kSlots == 1 ? 0 : par * (kSlots / 2) + m];
-        mma16816<kBf16>(c[kSlots == 1 ? par : par * (kSlots / 2) + m], a.x, a.y, a.z, a.w, w[0][par], w[1][par]);
+        for (int m = 0; m < kSlots / 2; ++m) {
+          const uint4& a = xv[half * (kSlots / 2) + m];
+          mma16816<kBf16>(c[m], a.x, a.y, a.z, a.w, b0, b1);
+        }
       }
+    }
   }
 }
 
@@ -179,7 +160,7 @@ __device__ __forceinline__ int escapes_before(const FrArrays& a, int64_t row, in
 template <bool kBf16, int kSlots>
 __device__ __forceinline__ void walk_block(const FrArrays& a, const uint4* __restrict__ x, int nx, int64_t row,
                                            int64_t blk, int s0, int tiles, uint4 (&slot)[2],
-                                           float (&c)[kAcc<kSlots>][4]) {
+                                           float (&c)[(kSlots + 1) / 2][4]) {
   const int t = threadIdx.x & 3;
   const int64_t gr0 = blk * kFrBlockGroups + t;
   const XWords<kSlots> xw(x, a.groups, gr0, (threadIdx.x & 31) >> 2);
@@ -265,7 +246,7 @@ __global__ void __launch_bounds__(32 * kMmaWarps, kMmaCtas<kSlots>) mma_kernel(F
   const int64_t row0 = (blockIdx.x * static_cast<int64_t>(kMmaWarps / splits_cta) + warp / splits_cta) * 8;
   const int64_t row = min(row0 + (lane >> 2), a.rows - 1);
   __shared__ uint4 stage[32 * kMmaWarps][2];
-  float c[kAcc<kSlots>][4] = {};
+  float c[kM][4] = {};
   const int splits = splits_cta * static_cast<int>(gridDim.y), k = blockIdx.y * splits_cta + warp % splits_cta;
   const int tiles = static_cast<int>(a.tiles);                      // < 2^31 / 128: k * tiles fits
   const int t1 = static_cast<int>(static_cast<int64_t>(tiles) * (k + 1) / splits);
@@ -274,7 +255,6 @@ __global__ void __launch_bounds__(32 * kMmaWarps, kMmaCtas<kSlots>) mma_kernel(F
     walk_block<kBf16, kSlots>(a, x, nx, row, blk, s0, s1, stage[threadIdx.x], c);
     tile = blk * kBlockTiles + s1;
   }
-  sum_chains<kSlots>(c);
   __shared__ float red[kMmaWarps][32][4 * kM];
 #pragma unroll
   for (int i = 0; i < 4 * kM; ++i) red[warp][lane][i] = c[i / 4][i % 4];
