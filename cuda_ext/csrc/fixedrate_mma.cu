@@ -39,10 +39,15 @@ __device__ __forceinline__ void mma16816(float c[4], uint32_t a0, uint32_t a1, u
 // 2q, b1 = pair 2q + 1 for plane word q.
 // * Up to 8 rows, x in place (x [nx, groups*32]): lane (r, t) reads chunk c (pairs 4c .. 4c + 3)
 //   of group t of x row r, 16 bytes, a quad's 4 lanes 64 bytes apart; A takes pairs 4c, 4c + 1 and
-//   then 4c + 2, 4c + 3, its rows r + 8 zero: 2 register moves and 2 zeros a mma. Four ways without
-//   the moves (the word as loaded, rows r + 8 holding the other pairs in a second accumulator or
-//   ignored) ran slower, 1.11 -> 1.17-1.25 of cuBLAS's time at 1 row (H200, 2026-11-29): likely
-//   because the next tile's early loads into those registers then wait for this tile's last mma.
+//   then 4c + 2, 4c + 3, its rows r + 8 zero: 2 register moves and 2 zeros a mma (H200, 2026-11-29,
+//   the gate matmul at 1 row: 36.4 us, 16.1 M instructions). The word as loaded needs two
+//   accumulator chains (A's row r taking pairs 4c, 4c + 2 and its row r + 8 pairs 4c + 1, 4c + 3, the
+//   even and odd sums added at the end, at every row count so that a row's sums do not depend on
+//   its batch): 35.0 us and 14.9 M, the 8B layer's seven 1.11 -> 1.075 of cuBLAS's time, but the
+//   other summation order parted the demo's greedy tokens from decoded mode's at batch 1 (token 8
+//   of "Write a haiku about rivers."), which these sums keep. Every lane loading its row clamped
+//   to nx lost (40.8 us: L1 63 -> 80 % busy, long-scoreboard stalls 3.4 -> 6.4 cycles an
+//   instruction), and so did one chain without the zeroing (40.3 us).
 // * From 9 rows, where x's loads were the bound, permute_x first writes each m16 tile's A operand
 //   as one 16-byte word, which goes to the mma as loaded: separate words for rows r and r + 8 cost
 //   4 register moves a mma, 32 a tile, in the SASS; without them 16 rows 1.21 -> 1.18 of cuBLAS's
