@@ -1,8 +1,8 @@
 """The fused fixed-rate kernels' main loops in SASS, counted here (cuobjdump reads sm_90a code on a
 machine without a GPU): for each `mma_kernel` instantiation, its registers and spills, and its
-largest loop that holds mma instructions, with that loop's instructions a tile of W and the
-register moves among them. The loop also holds the escape path, which most tiles skip; compare builds,
-not absolute counts. This is how the moves that built x's mma operands were found (docs/BENCHMARKS.md,
+tile loops (one for each specialized walk), with their instructions a tile of W and the register
+moves among them. A loop also holds the escape path, which most tiles skip: compare builds, not
+absolute counts. This is how the moves that built x's mma operands were found (docs/BENCHMARKS.md,
 2026-11-29).
 
     pip download nvidia-cuda-cuobjdump-cu13 ...; export PATH=<its bin>:$PATH     # once
@@ -36,24 +36,31 @@ def opcode(text: str) -> str:
     return op(text).split(".")[0]
 
 
-def mma_loop(ins: list[tuple[int, str]]) -> list[tuple[int, str]]:
-    """The longest span closed by a backward branch that holds an HMMA (empty if none)."""
+def mma_loops(ins: list[tuple[int, str]], m_tiles: int) -> list[list[tuple[int, str]]]:
+    """The tile loops: spans closed by a backward branch that hold an HMMA, keeping those within 1.5x
+    the fewest instructions a tile (one for each specialized walk; the others are jumps back from
+    the escape path that span a loop and more)."""
     at = {a: k for k, (a, _) in enumerate(ins)}
-    best: list[tuple[int, str]] = []
+    spans = []
     for k, (a, text) in enumerate(ins):
         m = re.search(r"BRA(?:\.\w+)* (?:\w+, )?0x([0-9a-f]+)", text)
         if m and int(m.group(1), 16) < a and int(m.group(1), 16) in at:
             span = ins[at[int(m.group(1), 16)]:k + 1]
-            if any(opcode(t) == "HMMA" for _, t in span) and len(span) > len(best):
-                best = span
-    return best
+            if any(opcode(t) == "HMMA" for _, t in span):
+                spans.append(span)
+    per_tile = [len(sp) / tiles_in(sp, m_tiles) for sp in spans]
+    return [sp for sp, n in zip(spans, per_tile) if n <= 1.5 * min(per_tile, default=0)]
+
+
+def tiles_in(span: list[tuple[int, str]], m_tiles: int) -> float:
+    return sum(opcode(t) == "HMMA" for _, t in span) / MMA_PER_TILE / m_tiles
 
 
 def usage(lib: str) -> dict[str, str]:
-    """REG / LOCAL of each function, from `cuobjdump -res-usage`."""
+    """Registers and stack (spills show there) of each function, from `cuobjdump -res-usage`."""
     text = subprocess.run(["cuobjdump", "-res-usage", lib], capture_output=True, text=True, check=True).stdout
-    return {m.group(1): f"{m.group(2)} registers, {m.group(3)} bytes local"
-            for m in re.finditer(r"Function (\S+):\s*\n?\s*REG:(\d+).*?LOCAL:(\d+)", text)}
+    return {m.group(1): f"{m.group(2)} registers, {m.group(3)} bytes of stack"
+            for m in re.finditer(r"Function (\S+):\s*\n?\s*REG:(\d+) STACK:(\d+)", text)}
 
 
 def main() -> int:
@@ -63,15 +70,15 @@ def main() -> int:
     for name, ins in functions(sass).items():
         if pattern not in name or "sum_parts" in name:
             continue
-        loop = mma_loop(ins)
-        ops = Counter(opcode(t) for _, t in loop)
-        tiles = ops["HMMA"] / MMA_PER_TILE
         slots = re.search(r"ELi(\d+)E", name)
         m_tiles = max(1, int(slots.group(1)) // 2) if slots else 1
-        tiles /= m_tiles
-        moves = sum(1 for _, t in loop if "MOV" in op(t).split("."))
-        print(f"{name[-60:]}: {regs.get(name, '?')}; loop {len(loop)} instructions, {tiles:g} tile(s): "
-              f"{len(loop) / max(tiles, 1):.0f} a tile, {moves} moves, {ops['LDG']} LDG, {ops['HMMA']} HMMA")
+        print(f"{name[-60:]}: {regs.get(name, '?')}")
+        for loop in mma_loops(ins, m_tiles):
+            ops = Counter(opcode(t) for _, t in loop)
+            tiles = tiles_in(loop, m_tiles)
+            moves = sum(1 for _, t in loop if "MOV" in op(t).split("."))
+            print(f"  loop at {loop[0][0]:#x}: {len(loop)} instructions, {tiles:g} tile(s): {len(loop) / tiles:.0f} a tile, "
+                  f"{moves} moves, {ops['LDG']} LDG, {ops['HMMA']} HMMA")
     return 0
 
 
