@@ -50,8 +50,9 @@ __device__ __forceinline__ void mma16816(float c[4], uint32_t a0, uint32_t a1, u
 //   instruction), and so did one chain without the zeroing (40.3 us).
 // * From 9 rows, where x's loads were the bound, permute_x first writes each m16 tile's A operand
 //   as one 16-byte word, which goes to the mma as loaded: separate words for rows r and r + 8 cost
-//   4 register moves a mma, 32 a tile, in the SASS; without them 16 rows 1.21 -> 1.18 of cuBLAS's
-//   time and 32 rows 1.66 -> 1.55 (H200, 2026-11-29). A warp's load is 512 consecutive bytes:
+//   4 register moves a mma, 32 a tile, in the SASS (scripts/gpu/sass_loop.py); without them 16 rows
+//   1.20 -> 1.16 of cuBLAS's time and 32 rows 1.63 -> 1.53 (H200, 2026-11-29). A warp's load is 512
+//   consecutive bytes:
 //     xp = [tiles] [4 chunks] [2 halves] [M = slots / 2 m16 tiles] [8 rows r] [4 groups t] of uint4
 //     {x[r0][p], x[r0 + 8][p], x[r0][p + 1], x[r0 + 8][p + 1]}, r0 = 16m + r, p = 4 chunk + 2 half,
 //   zeros past nx rows and past the row's groups.
