@@ -78,8 +78,8 @@ struct XWords {
   int tile, chunk;                                                  // < 2^31: x has < 2^31 words
   __device__ __forceinline__ XWords(const uint4* x, int64_t groups, int64_t gr, int r) {
     if constexpr (kSlots > 1) {
-      at = x + gr / kFrTileGroups * (kXQuads * kSlots / 2 * 32) + (threadIdx.x & 31);
       tile = kXQuads * kSlots / 2 * 32, chunk = kSlots * 32;
+      at = x + gr / kFrTileGroups * tile + (threadIdx.x & 31);
     } else {
       at = x + (r * groups + gr) * 4, tile = 4 * kFrTileGroups, chunk = 1;
     }
@@ -321,12 +321,17 @@ void launch(const FrArrays& a, const uint4* x, int nx, uint16_t* y, const at::Te
   }
 }
 
+// The kernel's slots (8 rows of x each) for nx rows: 1, 2, 4 or 8.
+int slots_for(int nx) { return nx <= 8 ? 1 : nx <= 16 ? 2 : nx <= 32 ? 4 : 8; }
+
 template <bool kBf16>
 void launch_slots(const FrArrays& a, const uint4* x, int nx, uint16_t* y, const at::Tensor& like, cudaStream_t stream) {
-  if (nx <= 8) launch<kBf16, 1>(a, x, nx, y, like, stream);
-  else if (nx <= 16) launch<kBf16, 2>(a, x, nx, y, like, stream);
-  else if (nx <= 32) launch<kBf16, 4>(a, x, nx, y, like, stream);
-  else launch<kBf16, 8>(a, x, nx, y, like, stream);
+  switch (slots_for(nx)) {
+    case 1: return launch<kBf16, 1>(a, x, nx, y, like, stream);
+    case 2: return launch<kBf16, 2>(a, x, nx, y, like, stream);
+    case 4: return launch<kBf16, 4>(a, x, nx, y, like, stream);
+    default: return launch<kBf16, 8>(a, x, nx, y, like, stream);
+  }
 }
 
 }  // namespace
@@ -335,8 +340,7 @@ void launch_mma(const FrArrays& a, const at::Tensor& x, const at::Tensor& y, cud
   const int nx = static_cast<int>(x.size(0));
   const at::Tensor xa = reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 ? x : x.clone();   // 16-byte loads
   at::Tensor xp = xa;
-  if (nx > 8) {                                                     // kSlots > 1: permuted
-    const int mt = nx <= 16 ? 1 : nx <= 32 ? 2 : 4;                 // launch_slots' kSlots / 2
+  if (const int mt = slots_for(nx) / 2) {                          // kSlots > 1: permuted, mt m16 tiles
     const int64_t units = a.tiles * kXQuads * mt * 32;
     xp = at::empty({units * 8}, x.options());
     permute_x_kernel<<<static_cast<unsigned>((units + 255) / 256), 256, 0, stream>>>(
