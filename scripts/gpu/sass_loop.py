@@ -44,8 +44,9 @@ def mma_loops(ins: list[tuple[int, str]], m_tiles: int) -> list[list[tuple[int, 
     spans = []
     for k, (a, text) in enumerate(ins):
         m = re.search(r"BRA(?:\.\w+)* (?:\w+, )?0x([0-9a-f]+)", text)
-        if m and int(m.group(1), 16) < a and int(m.group(1), 16) in at:
-            span = ins[at[int(m.group(1), 16)]:k + 1]
+        target = int(m.group(1), 16) if m else a
+        if target < a and target in at:
+            span = ins[at[target]:k + 1]
             if any(opcode(t) == "HMMA" for _, t in span):
                 spans.append(span)
     per_tile = [len(sp) / tiles_in(sp, m_tiles) for sp in spans]
