@@ -2,10 +2,12 @@
 the trained-like Llama-3-8B layer's seven matmuls (q, k, v, o, gate, up, down; each side one CUDA
 graph of its seven calls, `bench/fixedrate_gpu.py`'s timing) at 1, 4, 8, 16 and 32 rows of x,
 printed as `LABEL n=1 R1 n=4 R4 ...` where R is the tensor-core kernel's time over cuBLAS bf16's.
+With `--7b`, Llama-2-7B's layer instead (MLP 11008, no GQA: the generation bench's model, whose
+gate and up fill the H200's CTA slots differently).
 Swap the extension's library between runs, alternating, to compare builds in one call
 (docs/BENCHMARKS.md, 2026-11-29).
 
-    python bench/experiments/fixedrate_ab.py main
+    python bench/experiments/fixedrate_ab.py main [--7b]
 """
 from __future__ import annotations
 
@@ -23,11 +25,15 @@ from gpu_bench import weights  # noqa: E402
 from cuda_ext import fixedrate as fr_ops  # noqa: E402
 
 ROWS = (1, 4, 8, 16, 32)
+LAYER_7B = {"q": (4096, 4096), "k": (4096, 4096), "v": (4096, 4096), "o": (4096, 4096),
+            "gate": (11008, 4096), "up": (11008, 4096), "down": (4096, 11008)}
 
 
 def main() -> None:
-    label = sys.argv[1] if len(sys.argv) > 1 else "build"
-    layer = {k: w.cuda() for k, w in weights(LAYER_8B, seed=1).items()}
+    args = [a for a in sys.argv[1:] if a != "--7b"]
+    shapes = LAYER_7B if "--7b" in sys.argv else LAYER_8B
+    label = (args[0] if args else "build") + (" 7b" if shapes is LAYER_7B else "")
+    layer = {k: w.cuda() for k, w in weights(shapes, seed=1).items()}
     forms = {k: fr_ops.encode(w) for k, w in layer.items()}
     out = []
     for n in ROWS:
