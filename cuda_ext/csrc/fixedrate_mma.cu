@@ -154,6 +154,25 @@ __device__ __forceinline__ int escapes_before(const FrArrays& a, int64_t row, in
   return n;
 }
 
+// The lane's field words of its group of a tile (escapes patched: the quad's entries, the first 4
+// prefetched, lane t's in e), `run` then past the tile's escapes (whole warp calls).
+__device__ __forceinline__ void tile_fields(const FrArrays& a, const FrGroup& tg, bool valid, uint32_t e, int32_t& run,
+                                            uint4 (&slot)[2], uint32_t (&f)[8]) {
+  const int t = threadIdx.x & 3;
+  group_fields(tg, f, valid);
+  const int n = tile_escapes(tg);
+  if (__any_sync(0xffffffffu, n != 0)) {
+    fields_to_slot(slot, f);
+    __syncwarp();
+    if (t < n) patch_entry(slot, e);
+    for (int k = t + 4; __any_sync(0xffffffffu, k - t < n); k += 4)   // a tile with over 4 escapes
+      if (k < n) patch_entry(slot, esc_entry(a, run + k));
+    __syncwarp();
+    fields_from_slot(slot, f);
+  }
+  run += n;
+}
+
 // Tiles s0 .. tiles - 1 of a row's escape block, one by one, the next tile's bytes (and its first
 // 4 entries: lane t the t-th) requested before this tile's decode and mma (the loads are asm
 // volatile, so the compiler never hoists them itself): 7-8 % faster on an 8B layer at 1, 4 and 16
@@ -182,18 +201,7 @@ __device__ __forceinline__ void walk_block(const FrArrays& a, const uint4* __res
   };
   auto step = [&](int s, const FrGroup& tg, uint32_t e, const XEarly<kSlots>& xe) {
     uint32_t f[8];
-    group_fields(tg, f, kMaskAtLoad || valid(s));
-    const int n = tile_escapes(tg);
-    if (__any_sync(0xffffffffu, n != 0)) {
-      fields_to_slot(slot, f);
-      __syncwarp();
-      if (t < n) patch_entry(slot, e);
-      for (int k = t + 4; __any_sync(0xffffffffu, k - t < n); k += 4)   // a tile with over 4 escapes
-        if (k < n) patch_entry(slot, esc_entry(a, run + k));
-      __syncwarp();
-      fields_from_slot(slot, f);
-    }
-    run += n;
+    tile_fields(a, tg, kMaskAtLoad || valid(s), e, run, slot, f);
     tile_mma<kBf16, kSlots>(xw.at + s * xw.tile, xw, xe, tg, f, c);
   };
   if constexpr (kSlots == 1) {                                       // two tiles a turn: registers for both
@@ -229,12 +237,129 @@ __device__ __forceinline__ void walk_block(const FrArrays& a, const uint4* __res
   }
 }
 
+// Up to 8 rows of x, W is the A operand and x the B: a warp takes 16 rows of W, lane (r, t) decoding
+// group t of the tile of rows r and r + 8 (A's rows r, r + 8: a0, a2 = pairs 2q, 2q + 1 of row r,
+// a1, a3 row r + 8's), and B (k slots 2t, 2t + 8 of x row r) is x's 16-byte word as loaded: b0, b1 =
+// its (x, y) or (z, w). No register moves and one mma for two groups' 4 pairs; C is y's W rows r,
+// r + 8 for x rows 2t, 2t + 1. The k order, and so each sum, is the one x as A gives from 9 rows.
+// A lane's words of its group in a row's tiles, read in order at fixed strides: for a block whose
+// groups all exist, no masks and no address arithmetic but a 32-bit index each (the launch checks
+// that a matrix's groups fit) off the arrays' bases (kernel parameters: no registers).
+struct GroupCursor {
+  uint32_t g, tile;                                                  // the group and tile word of the next tile
+  __device__ __forceinline__ GroupCursor(const FrArrays& a, int64_t row, int64_t gr)
+      : g(static_cast<uint32_t>(row * a.groups + gr)), tile(static_cast<uint32_t>(row * a.tiles + gr / kFrTileGroups)) {}
+  __device__ __forceinline__ FrGroup next(const FrArrays& a) {      // load_group's loads, then a tile on
+    FrGroup t;
+    const uint4* p = reinterpret_cast<const uint4*>(a.plane) + 2 * static_cast<uint64_t>(g);
+    t.tile = __ldg(a.tile + tile), t.p0 = ld_stream(p), t.p1 = ld_stream(p + 1);
+    t.lo = __ldg(reinterpret_cast<const uint2*>(a.lo) + g), t.hi = __ldg(a.hi + g);
+    g += kFrTileGroups, tile += 1;
+    return t;
+  }
+};
+
+// esc_entry for an int32 index (the entries are < 2^31: esc_start is int32): one compare.
+__device__ __forceinline__ uint32_t esc_entry32(const FrArrays& a, int32_t j) {
+  return static_cast<uint32_t>(j) < static_cast<uint32_t>(a.n_esc) ? __ldg(a.esc + static_cast<uint32_t>(j)) : 0u;
+}
+
+// x's 16-byte word at p into v if `load`, else v as it was (no zeroing: B's columns past nx feed
+// only y's columns past nx, which are not written, so a lane past nx keeps its zeros).
+__device__ __forceinline__ void load_x_keep(const uint4* p, bool load, uint4& v) {
+  asm volatile("{.reg .pred q; setp.ne.b32 q, %5, 0; @q ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];}"
+               : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w) : "l"(p), "r"(static_cast<int>(load)));
+}
+
+template <bool kBf16, bool kFull>
+__device__ __forceinline__ void walk_block_w16(const FrArrays& a, const uint4* __restrict__ x, int nx, int64_t row_a,
+                                               int64_t row_b, int64_t blk, int s0, int tiles, uint4 (&slot_a)[2],
+                                               uint4 (&slot_b)[2], float (&c)[4]) {
+  const int t = threadIdx.x & 3;
+  const int64_t gr0 = blk * kFrBlockGroups + t;
+  const XWords<1> xw(x, a.groups, gr0, (threadIdx.x & 31) >> 2);
+  auto valid = [&](int s) { return kFull || gr0 + s * kFrTileGroups < a.groups; };   // tile s's group is not padding
+  int32_t run_a = a.esc_start[row_a * a.blocks + blk], run_b = a.esc_start[row_b * a.blocks + blk];
+  if (s0) run_a += escapes_before(a, row_a, blk, s0), run_b += escapes_before(a, row_b, blk, s0);
+  GroupCursor ca(a, row_a, gr0 + s0 * kFrTileGroups), cb(a, row_b, gr0 + s0 * kFrTileGroups);
+  const bool x_row = (threadIdx.x & 31) >> 2 < nx;                   // the lane's x row exists
+  const uint4* xc = xw.at + s0 * xw.tile;                            // x's words of the next tile
+  struct Tile {                                                      // rows r and r + 8's groups of a tile
+    FrGroup ga, gb;
+    uint32_t ea, eb;                                                 // their escape entry t
+  };
+  auto fetch = [&](int s, int32_t ra, int32_t rb) {                  // tiles in order; ra, rb: its first entries
+    Tile n;
+    if constexpr (kFull) {
+      n.ga = ca.next(a), n.gb = cb.next(a);
+    } else {
+      const int64_t gr = gr0 + s * kFrTileGroups;
+      n.ga = load_group(a, row_a, gr, valid(s)), n.gb = load_group(a, row_b, gr, valid(s));
+    }
+    n.ea = esc_entry32(a, ra + t), n.eb = esc_entry32(a, rb + t);
+    return n;
+  };
+  auto x_early = [&](int s, XEarly<1>& xe) {
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {
+      if constexpr (kFull) load_x_keep(xc + jj, x_row, xe[jj][0]);
+      else load_x_early<1>(xc, xw, nx, valid(s), jj, xe[jj]);        // zeros past the row's groups
+    }
+    xc += xw.tile;
+  };
+  auto step = [&](const Tile& p, const XEarly<1>& xe) {
+    uint32_t fa[8], fb[8];
+    group_fields(p.ga, fa), group_fields(p.gb, fb);
+    const int na = tile_escapes(p.ga), nb = tile_escapes(p.gb);
+    if (__any_sync(0xffffffffu, (na | nb) != 0)) {                  // the two rows' escapes in one pass
+      fields_to_slot(slot_a, fa), fields_to_slot(slot_b, fb);
+      __syncwarp();
+      if (t < na) patch_entry(slot_a, p.ea);
+      if (t < nb) patch_entry(slot_b, p.eb);
+      for (int k = t + 4; __any_sync(0xffffffffu, k - t < max(na, nb)); k += 4) {   // a tile with over 4 escapes
+        if (k < na) patch_entry(slot_a, esc_entry32(a, run_a + k));
+        if (k < nb) patch_entry(slot_b, esc_entry32(a, run_b + k));
+      }
+      __syncwarp();
+      fields_from_slot(slot_a, fa), fields_from_slot(slot_b, fb);
+    }
+    run_a += na, run_b += nb;
+#pragma unroll
+    for (int q = 0; q < 8; ++q) {                                    // chunk q / 2 of x, half q % 2
+      const uint4& xv = xe[q / 2][0];
+      uint32_t a0, a1, a2, a3;
+      join4(plane_word(p.ga, q), fa[q], a0, a2);
+      join4(plane_word(p.gb, q), fb[q], a1, a3);
+      mma16816<kBf16>(c, a0, a1, a2, a3, q % 2 ? xv.z : xv.x, q % 2 ? xv.w : xv.y);
+    }
+  };
+  Tile even = fetch(s0, run_a, run_b), odd{};                        // two tiles a turn: registers for both
+  XEarly<1> xe = {};
+  for (int s = s0; s < tiles; s += 2) {                              // warp-uniform
+    x_early(s, xe);
+    if (s + 1 < tiles) odd = fetch(s + 1, run_a + tile_escapes(even.ga), run_b + tile_escapes(even.gb));
+    step(even, xe);
+    if (s + 1 == tiles) break;
+    x_early(s + 1, xe);
+    if (s + 2 < tiles) even = fetch(s + 2, run_a + tile_escapes(odd.ga), run_b + tile_escapes(odd.gb));
+    step(odd, xe);
+  }
+}
+
 // CTAs an SM the registers must allow: at 32 rows 4 (128 registers with 2 of x's chunks early, 4
 // bytes spilled; without them 5 with 96 was faster than 4 with 98); at 16 rows 5 (91 registers with
 // x's early chunks; 6 spilled); up to 8 rows 6 (80 registers with x's early chunks; before them 7
 // with 72, and 8, with 64 registers, was slower).
-template <int kSlots>
-constexpr int kMmaCtas = kSlots == 2 ? 5 : kSlots == 4 ? 4 : kSlots == 8 ? 2 : 6;
+// W as A (5-8 rows) 4: 126 registers, and its grids are half as many warps.
+template <int kSlots, bool kWA>
+constexpr int kMmaCtas = kWA ? 4 : kSlots == 2 ? 5 : kSlots == 4 ? 4 : kSlots == 8 ? 2 : 6;
+
+// Rows of x from which the kernel takes W as A (walk_block_w16), up to 8: at 8 rows the 8B layer's
+// seven matmuls 1.35 -> 1.16 of cuBLAS's time, the 7B layer's 1.28 -> 1.19, and at 4 rows 1.14 ->
+// 1.08 and 1.09 -> 1.11; at 1 row 1.115 -> 1.08 and 1.07 -> 1.11: its grids have half as many warps,
+// and below 5 rows the 7B layer's gate, up and down lose more than their instructions gain (H200,
+// 2026-11-29, bench/experiments/fixedrate_ab.py [--7b]). The sums are the same bits either way.
+constexpr int kWARows = 5;
 
 // K is cut into `splits` ranges of whole tiles (a range may start inside an escape block: its
 // running count then starts past the block's earlier escapes). A CTA's 4 warps take `splits_cta` of
@@ -242,23 +367,33 @@ constexpr int kMmaCtas = kSlots == 2 ? 5 : kSlots == 4 ? 4 : kSlots == 8 ? 2 : 6
 // rows (1024: 128 groups of 8, one CTA an SM) is cut further, gridDim.y CTAs a group of rows, each
 // writing float32 partial sums to `part` [gridDim.y][nx][rows], which sum_parts adds in order.
 // The cut depends on the matrix alone, not on nx: a row of x gets the same sums in any batch.
-template <bool kBf16, int kSlots>
-__global__ void __launch_bounds__(32 * kMmaWarps, kMmaCtas<kSlots>) mma_kernel(FrArrays a, const uint4* __restrict__ x,
-                                                                               int nx, int splits_cta, uint16_t* __restrict__ y,
-                                                                               float* __restrict__ part) {
+template <bool kBf16, int kSlots, bool kWA>
+__global__ void __launch_bounds__(32 * kMmaWarps, kMmaCtas<kSlots, kWA>) mma_kernel(FrArrays a, const uint4* __restrict__ x,
+                                                                                    int nx, int splits_cta,
+                                                                                    uint16_t* __restrict__ y,
+                                                                                    float* __restrict__ part) {
+  static_assert(!kWA || kSlots == 1, "W as A takes up to 8 rows of x");
   constexpr int kM = (kSlots + 1) / 2;
   constexpr int kBlockTiles = kFrBlockGroups / kFrTileGroups;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t row0 = (blockIdx.x * static_cast<int64_t>(kMmaWarps / splits_cta) + warp / splits_cta) * 8;
+  const int64_t row0 = (blockIdx.x * static_cast<int64_t>(kMmaWarps / splits_cta) + warp / splits_cta) * (kWA ? 16 : 8);
   const int64_t row = min(row0 + (lane >> 2), a.rows - 1);
-  __shared__ uint4 stage[32 * kMmaWarps][2];
+  __shared__ uint4 stage[kWA ? 2 : 1][32 * kMmaWarps][2];
   float c[kM][4] = {};
   const int splits = splits_cta * static_cast<int>(gridDim.y), k = blockIdx.y * splits_cta + warp % splits_cta;
   const int tiles = static_cast<int>(a.tiles);                      // < 2^31 / 128: k * tiles fits
   const int t1 = static_cast<int>(static_cast<int64_t>(tiles) * (k + 1) / splits);
   for (int tile = static_cast<int>(static_cast<int64_t>(tiles) * k / splits); tile < t1;) {   // block by block
     const int blk = tile / kBlockTiles, s0 = tile % kBlockTiles, s1 = min(kBlockTiles, t1 - blk * kBlockTiles);
-    walk_block<kBf16, kSlots>(a, x, nx, row, blk, s0, s1, stage[threadIdx.x], c);
+    if constexpr (kWA) {
+      const int64_t row_b = min(row0 + 8 + (lane >> 2), a.rows - 1);
+      if ((blk + 1) * kFrBlockGroups <= a.groups)                    // warp-uniform
+        walk_block_w16<kBf16, true>(a, x, nx, row, row_b, blk, s0, s1, stage[0][threadIdx.x], stage[1][threadIdx.x], c[0]);
+      else
+        walk_block_w16<kBf16, false>(a, x, nx, row, row_b, blk, s0, s1, stage[0][threadIdx.x], stage[1][threadIdx.x], c[0]);
+    } else {
+      walk_block<kBf16, kSlots>(a, x, nx, row, blk, s0, s1, stage[0][threadIdx.x], c);
+    }
     tile = blk * kBlockTiles + s1;
   }
   __shared__ float red[kMmaWarps][32][4 * kM];
@@ -270,8 +405,9 @@ __global__ void __launch_bounds__(32 * kMmaWarps, kMmaCtas<kSlots>) mma_kernel(F
   for (int i = 0; i < 4 * kM; ++i) {
     float s = 0.f;
     for (int j = 0; j < splits_cta; ++j) s += red[warp + j][lane][i];
-    const int b = (lane >> 2) + 8 * ((i % 4) >> 1) + 16 * (i / 4);       // C: rows g, g + 8 of tile i / 4
-    const int64_t out_row = row0 + 2 * (lane & 3) + (i & 1);
+    // C: W as A, W rows g, g + 8 and x rows 2t, 2t + 1; else x rows g, g + 8 of m16 tile i / 4
+    const int b = kWA ? 2 * (lane & 3) + (i & 1) : (lane >> 2) + 8 * ((i % 4) >> 1) + 16 * (i / 4);
+    const int64_t out_row = row0 + (kWA ? (lane >> 2) + 8 * (i >> 1) : 2 * (lane & 3) + (i & 1));
     if (b < nx && out_row < a.rows) {
       if (part) part[(blockIdx.y * static_cast<int64_t>(nx) + b) * a.rows + out_row] = s;
       else if constexpr (kBf16) y[b * a.rows + out_row] = __bfloat16_as_ushort(__float2bfloat16_rn(s));
@@ -298,7 +434,7 @@ __global__ void sum_parts_kernel(const float* __restrict__ part, int64_t n, int 
 constexpr int kMinSplitTiles = 2;
 constexpr int kFewWarps = 2048;
 
-template <bool kBf16, int kSlots>
+template <bool kBf16, int kSlots, bool kWA = false>
 void launch(const FrArrays& a, const uint4* x, int nx, uint16_t* y, const at::Tensor& like, cudaStream_t stream) {
   const int64_t row_groups = (a.rows + 7) / 8;
   auto fits = [&](int64_t s) { return s * 2 * kMinSplitTiles <= a.tiles; };
@@ -307,12 +443,13 @@ void launch(const FrArrays& a, const uint4* x, int nx, uint16_t* y, const at::Te
   while (row_groups * splits < kFewWarps && fits(splits)) splits *= 2;
   const int splits_cta = static_cast<int>(std::min<int64_t>(splits, kMmaWarps));
   const int parts = static_cast<int>(splits / splits_cta);
-  const int64_t ctas = (row_groups + kMmaWarps / splits_cta - 1) / (kMmaWarps / splits_cta);
+  const int64_t row_units = kWA ? (a.rows + 15) / 16 : row_groups;  // a warp's rows each
+  const int64_t ctas = (row_units + kMmaWarps / splits_cta - 1) / (kMmaWarps / splits_cta);
   at::Tensor part;
   if (parts > 1) part = at::empty({parts, nx, a.rows}, like.options().dtype(at::kFloat));
   float* pp = parts > 1 ? part.data_ptr<float>() : nullptr;
-  mma_kernel<kBf16, kSlots><<<dim3(static_cast<unsigned>(ctas), parts), 32 * kMmaWarps, 0, stream>>>(a, x, nx, splits_cta,
-                                                                                                  y, pp);
+  mma_kernel<kBf16, kSlots, kWA><<<dim3(static_cast<unsigned>(ctas), parts), 32 * kMmaWarps, 0, stream>>>(a, x, nx,
+                                                                                                       splits_cta, y, pp);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (parts > 1) {
     const int64_t n = nx * a.rows;
@@ -327,7 +464,7 @@ int slots_for(int nx) { return nx <= 8 ? 1 : nx <= 16 ? 2 : nx <= 32 ? 4 : 8; }
 template <bool kBf16>
 void launch_slots(const FrArrays& a, const uint4* x, int nx, uint16_t* y, const at::Tensor& like, cudaStream_t stream) {
   switch (slots_for(nx)) {
-    case 1: return launch<kBf16, 1>(a, x, nx, y, like, stream);
+    case 1: return nx >= kWARows ? launch<kBf16, 1, true>(a, x, nx, y, like, stream) : launch<kBf16, 1>(a, x, nx, y, like, stream);
     case 2: return launch<kBf16, 2>(a, x, nx, y, like, stream);
     case 4: return launch<kBf16, 4>(a, x, nx, y, like, stream);
     default: return launch<kBf16, 8>(a, x, nx, y, like, stream);
@@ -337,6 +474,8 @@ void launch_slots(const FrArrays& a, const uint4* x, int nx, uint16_t* y, const 
 }  // namespace
 
 void launch_mma(const FrArrays& a, const at::Tensor& x, const at::Tensor& y, cudaStream_t stream) {
+  TORCH_CHECK(a.rows * a.groups <= UINT32_MAX, "fixedrate linear: ", a.rows * a.groups,
+              " groups of 32 weights in one matrix, over the fused kernel's 2^32");   // GroupCursor's index
   const int nx = static_cast<int>(x.size(0));
   const at::Tensor xa = reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 ? x : x.clone();   // 16-byte loads
   at::Tensor xp = xa;

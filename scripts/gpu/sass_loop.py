@@ -73,7 +73,8 @@ def main() -> int:
             continue
         slots = re.search(r"ELi(\d+)E", name)
         m_tiles = max(1, int(slots.group(1)) // 2) if slots else 1
-        print(f"{name[-60:]}: {regs.get(name, '?')}")
+        w_as_a = "ELi1ELb1E" in name                                 # 16 rows of W a tile (fixedrate_mma.cu)
+        print(f"{name[-60:]}: {regs.get(name, '?')}" + (" (W as A: a tile is 16 rows of W)" if w_as_a else ""))
         for loop in mma_loops(ins, m_tiles):
             ops = Counter(opcode(t) for _, t in loop)
             tiles = tiles_in(loop, m_tiles)

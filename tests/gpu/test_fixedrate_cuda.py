@@ -91,7 +91,7 @@ def test_escapes_past_the_windows_and_at_any_alignment(kernel):
         esc = torch.cat([torch.zeros(shift, dtype=torch.int16, device="cuda"), fr.esc])[shift:]
         moved = fr_ops.FixedRateWeight(fr.rows, fr.cols, fr.dtype, fr.plane, fr.lo, fr.hi, fr.tile, esc, fr.esc_start)
         assert torch.equal(fr_ops.decode(moved).view(torch.int16), w.view(torch.int16)), shift
-        for n in ([1, 4, 16] if kernel == 1 else [1, 4, 16, 17, 32, 64]):
+        for n in ([1, 4, 16] if kernel == 1 else [1, 4, 8, 16, 17, 32, 64]):     # 8: W as the mma's A
             x = torch.randn(n, fr.cols, device="cuda", generator=torch.Generator(device="cuda").manual_seed(n)).bfloat16()
             ours = fr_ops.linear(x, moved, kernel)
             assert torch.equal(ours.view(torch.int16), fr_ops.linear(x, fr, kernel).view(torch.int16)), (shift, n)
