@@ -5,6 +5,7 @@
 // exactly its B fragments: mma j (0..7) takes pairs 2j and 2j + 1 (k = 32t + 4j + {0, 1} and
 // + {2, 3}), a permutation of k inside the tile that the x (A) fragments follow. So the decoded
 // weights never leave registers and need no shuffle. C: batch row lane / 4 (+ 8, + 16m), W rows 2t, 2t + 1.
+// From 5 to 8 rows the roles swap: W is A, 16 rows a warp, and x is B (walk_block_w16).
 // Escapes: the row's block start plus a running count of the tiles' escapes gives a tile's first
 // entry; lane t of a quad requests the tile's entry t with the tile ahead, and the quad patches its
 // tile's 128 field bytes through shared memory.
@@ -237,11 +238,6 @@ __device__ __forceinline__ void walk_block(const FrArrays& a, const uint4* __res
   }
 }
 
-// Up to 8 rows of x, W is the A operand and x the B: a warp takes 16 rows of W, lane (r, t) decoding
-// group t of the tile of rows r and r + 8 (A's rows r, r + 8: a0, a2 = pairs 2q, 2q + 1 of row r,
-// a1, a3 row r + 8's), and B (k slots 2t, 2t + 8 of x row r) is x's 16-byte word as loaded: b0, b1 =
-// its (x, y) or (z, w). No register moves and one mma for two groups' 4 pairs; C is y's W rows r,
-// r + 8 for x rows 2t, 2t + 1. The k order, and so each sum, is the one x as A gives from 9 rows.
 // A lane's words of its group in a row's tiles, read in order at fixed strides: for a block whose
 // groups all exist, no masks and no address arithmetic but a 32-bit index each (the launch checks
 // that a matrix's groups fit) off the arrays' bases (kernel parameters: no registers).
@@ -271,6 +267,14 @@ __device__ __forceinline__ void load_x_keep(const uint4* p, bool load, uint4& v)
                : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w) : "l"(p), "r"(static_cast<int>(load)));
 }
 
+// From kWARows to 8 rows of x, W is the A operand and x the B: a warp takes 16 rows of W, lane (r, t)
+// decoding group t of the tile of rows r and r + 8 (A's rows r, r + 8: a0, a2 = pairs 2q, 2q + 1 of
+// row r, a1, a3 row r + 8's), and B (k slots 2t, 2t + 8 of x row r) is x's 16-byte word as loaded:
+// b0, b1 = its (x, y) or (z, w). No register moves and one mma for two groups' 4 pairs; C is y's W
+// rows r, r + 8 for x rows 2t, 2t + 1. The k order and the mma sequence are x as A's, and the sums
+// the same bits (tests/gpu/test_fixedrate_cuda.py). The two rows' escapes are patched in one pass
+// (tile_fields' steps for two slots: written as one helper for both walks, the compiler laid this
+// loop out differently, 3 728 -> 3 744 instructions, so the form proven on the GPU stays).
 template <bool kBf16, bool kFull>
 __device__ __forceinline__ void walk_block_w16(const FrArrays& a, const uint4* __restrict__ x, int nx, int64_t row_a,
                                                int64_t row_b, int64_t blk, int s0, int tiles, uint4 (&slot_a)[2],
