@@ -13,13 +13,11 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fine_decode import LAYER_8B  # noqa: E402
-from fixedrate_ab import LAYER_7B  # noqa: E402
-from fixedrate_gpu import graph_ms  # noqa: E402
+from fixedrate_ab import fused_over_cublas  # noqa: E402  (this script's folder)
+from gpu_bench import LAYER as LAYER_7B  # noqa: E402
 from gpu_bench import weights  # noqa: E402
 
 from cuda_ext import fixedrate as fr_ops  # noqa: E402
@@ -42,9 +40,8 @@ def main() -> None:
             out = []
             for n in ROWS:
                 x = torch.randn(n, shape[1], device="cuda", generator=torch.Generator(device="cuda").manual_seed(n)).bfloat16()
-                cublas = graph_ms(lambda: [F.linear(x, w) for w in ws], 3)
-                fused = graph_ms(lambda: [fr_ops.linear(x, f, 0) for f in forms], 3)
-                out.append(f"n={n} {fused / cublas:.3f} (cuBLAS {cublas * 1e3 / copies:.1f} us)")
+                ratio, cublas = fused_over_cublas([(x, w, f) for w, f in zip(ws, forms)], 3)
+                out.append(f"n={n} {ratio:.3f} (cuBLAS {cublas * 1e3 / copies:.1f} us)")
             print(label, layer, name, f"{shape[0]}x{shape[1]}", " ".join(out), flush=True)
             del ws, forms
 
