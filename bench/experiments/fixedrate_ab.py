@@ -7,7 +7,7 @@ gate and up fill the H200's CTA slots differently).
 Swap the extension's library between runs, alternating, to compare builds in one call
 (docs/BENCHMARKS.md, 2026-11-29).
 
-    python bench/experiments/fixedrate_ab.py main [--7b]
+    python bench/experiments/fixedrate_ab.py main [--7b] [--rows 1,2,3,4]
 """
 from __future__ import annotations
 
@@ -38,12 +38,17 @@ def fused_over_cublas(calls: list, reps: int) -> tuple[float, float]:
 
 def main() -> None:
     args = [a for a in sys.argv[1:] if a != "--7b"]
+    rows = ROWS
+    if "--rows" in args:
+        at = args.index("--rows")
+        rows = tuple(int(n) for n in args[at + 1].split(","))
+        del args[at:at + 2]
     shapes = LAYER_7B if "--7b" in sys.argv else LAYER_8B
     label = (args[0] if args else "build") + (" 7b" if shapes is LAYER_7B else "")
     layer = {k: w.cuda() for k, w in weights(shapes, seed=1).items()}
     forms = {k: fr_ops.encode(w) for k, w in layer.items()}
     out = []
-    for n in ROWS:
+    for n in rows:
         g = torch.Generator(device="cuda").manual_seed(n)
         xs = {k: torch.randn(n, w.shape[1], device="cuda", generator=g).bfloat16() for k, w in layer.items()}
         ratio, _ = fused_over_cublas([(xs[k], layer[k], forms[k]) for k in layer], 20)
