@@ -5,7 +5,9 @@
 // exactly its B fragments: mma j (0..7) takes pairs 2j and 2j + 1 (k = 32t + 4j + {0, 1} and
 // + {2, 3}), a permutation of k inside the tile that the x (A) fragments follow. So the decoded
 // weights never leave registers and need no shuffle. C: batch row lane / 4 (+ 8, + 16m), W rows 2t, 2t + 1.
-// From 5 to 8 rows the roles swap: W is A, 16 rows a warp, and x is B (walk_block_w16).
+// Up to 8 rows the roles swap, so that x's loaded words are B as they are: up to 4 rows the same
+// registers are A's rows r (A's rows r + 8 are any bits, and C's rows r + 8 are not read), and from
+// 5 to 8 rows a warp takes 16 rows of W (walk_block_w16).
 // Escapes: the row's block start plus a running count of the tiles' escapes gives a tile's first
 // entry; lane t of a quad requests the tile's entry t with the tile ahead, and the quad patches its
 // tile's 128 field bytes through shared memory.
@@ -39,9 +41,12 @@ __device__ __forceinline__ void mma16816(float c[4], uint32_t a0, uint32_t a1, u
 // same slots. Lane t's slots hold its group's pairs (16 a group, the tile's k permuted): b0 = pair
 // 2q, b1 = pair 2q + 1 for plane word q.
 // * Up to 8 rows, x in place (x [nx, groups*32]): lane (r, t) reads chunk c (pairs 4c .. 4c + 3)
-//   of group t of x row r, 16 bytes, a quad's 4 lanes 64 bytes apart; A takes pairs 4c, 4c + 1 and
-//   then 4c + 2, 4c + 3, its rows r + 8 zero: 2 register moves and 2 zeros a mma (H200, 2026-11-29,
-//   the gate matmul at 1 row: 36.4 us, 16.1 M instructions). The word as loaded needs two
+//   of group t of x row r, 16 bytes, a quad's 4 lanes 64 bytes apart. As A, it took pairs 4c,
+//   4c + 1 and then 4c + 2, 4c + 3, its rows r + 8 zero: 2 register moves and 2 zeros a mma (H200,
+//   2026-11-29, the gate matmul at 1 row: 36.4 us, 16.1 M instructions). As B (x row r is B's
+//   column r, k slots 2t, 2t + 8), its (x, y) and (z, w) are b0, b1 as loaded, with the same sums:
+//   the 8B layer's seven at 1 row 1.12 -> 1.08 of cuBLAS's time, the 7B layer's 1.08 -> 1.04. Before
+//   that change, as A, the word as loaded needed two
 //   accumulator chains (A's row r taking pairs 4c, 4c + 2 and its row r + 8 pairs 4c + 1, 4c + 3, the
 //   even and odd sums added at the end, at every row count so that a row's sums do not depend on
 //   its batch): 35.0 us and 14.9 M, the 8B layer's seven 1.11 -> 1.075 of cuBLAS's time, but the
@@ -133,9 +138,11 @@ __device__ __forceinline__ void tile_mma(const uint4* __restrict__ xt, const XWo
     for (int half = 0; half < 2; ++half) {
       uint32_t b0, b1;
       join4(plane_word(tg, 2 * jj + half), f[2 * jj + half], b0, b1);
-      if constexpr (kSlots == 1) {
-        const uint4& a = xv[0];
-        mma16816<kBf16>(c[0], half ? a.z : a.x, 0u, half ? a.w : a.y, 0u, b0, b1);
+      if constexpr (kSlots == 1) {                                  // W as A (rows r + 8 any bits), x as B
+        const uint4& xb = xv[0];
+        uint32_t any0, any1;
+        asm volatile("" : "=r"(any0), "=r"(any1));                    // no instruction: whatever the registers hold
+        mma16816<kBf16>(c[0], b0, any0, b1, any1, half ? xb.z : xb.x, half ? xb.w : xb.y);
       } else {
 #pragma unroll
         for (int m = 0; m < kSlots / 2; ++m) {
@@ -174,70 +181,6 @@ __device__ __forceinline__ void tile_fields(const FrArrays& a, const FrGroup& tg
   run += n;
 }
 
-// Tiles s0 .. tiles - 1 of a row's escape block, one by one, the next tile's bytes (and its first
-// 4 entries: lane t the t-th) requested before this tile's decode and mma (the loads are asm
-// volatile, so the compiler never hoists them itself): 7-8 % faster on an 8B layer at 1, 4 and 16
-// rows (H100, bench/fixedrate_gpu.py, 2026-11-26). Up to 8 rows two tiles a turn, so the tile in
-// flight and the one decoded keep their registers (no copy a tile): 4.5 % faster at 4 rows; from 9
-// rows it spilled and lost 1-3 % (H200, 2026-11-27). From 9 rows the tile ahead sits in a ring
-// unrolled by two, so the compiler renames instead of copying: 16 rows 1.19 -> 1.11 of cuBLAS, 32 rows
-// 1.47 -> 1.40 (H100, 2026-11-28; spelled as a plain copy with `#pragma unroll 2` it spilled at 32
-// rows and lost). Two tiles ahead spilled at 5-7 CTAs an SM and lost at every row count.
-template <bool kBf16, int kSlots>
-__device__ __forceinline__ void walk_block(const FrArrays& a, const uint4* __restrict__ x, int nx, int64_t row,
-                                           int64_t blk, int s0, int tiles, uint4 (&slot)[2],
-                                           float (&c)[(kSlots + 1) / 2][4]) {
-  const int t = threadIdx.x & 3;
-  const int64_t gr0 = blk * kFrBlockGroups + t;
-  const XWords<kSlots> xw(x, a.groups, gr0, (threadIdx.x & 31) >> 2);
-  constexpr bool kMaskAtLoad = kSlots == 1;                        // from 9 rows at use (up to 8 it cost registers)
-  auto valid = [&](int s) { return gr0 + s * kFrTileGroups < a.groups; };   // tile s's group is not padding
-  auto group_at = [&](int s) { return load_group<kMaskAtLoad, (kSlots > 1)>(a, row, gr0 + s * kFrTileGroups, valid(s)); };
-  int32_t run = a.esc_start[row * a.blocks + blk];                 // the tile's first entry (int32: < 2^31)
-  if (s0) run += escapes_before(a, row, blk, s0);
-  auto x_early = [&](int s, XEarly<kSlots>& xe) {
-#pragma unroll
-    for (int jj = 0; jj < kXEarly<kSlots>; ++jj)
-      load_x_early<kSlots>(xw.at + s * xw.tile, xw, nx, valid(s), jj, xe[jj]);
-  };
-  auto step = [&](int s, const FrGroup& tg, uint32_t e, const XEarly<kSlots>& xe) {
-    uint32_t f[8];
-    tile_fields(a, tg, kMaskAtLoad || valid(s), e, run, slot, f);
-    tile_mma<kBf16, kSlots>(xw.at + s * xw.tile, xw, xe, tg, f, c);
-  };
-  if constexpr (kSlots == 1) {                                       // two tiles a turn: registers for both
-    FrGroup even = group_at(s0), odd{};
-    uint32_t e_even = esc_entry(a, run + t), e_odd = 0;
-    XEarly<kSlots> xe;
-    for (int s = s0; s < tiles; s += 2) {                            // warp-uniform
-      x_early(s, xe);
-      if (s + 1 < tiles) odd = group_at(s + 1), e_odd = esc_entry(a, run + tile_escapes(even) + t);
-      step(s, even, e_even, xe);
-      if (s + 1 == tiles) break;
-      x_early(s + 1, xe);
-      if (s + 2 < tiles) even = group_at(s + 2), e_even = esc_entry(a, run + tile_escapes(odd) + t);
-      step(s + 1, odd, e_odd, xe);
-    }
-  } else {                                                           // x's slots need the registers
-    constexpr int kAhead = 1;                                        // tiles in flight
-    FrGroup q[kAhead + 1];
-#pragma unroll
-    for (int i = 0; i < kAhead; ++i) q[i] = s0 + i < tiles ? group_at(s0 + i) : FrGroup{};
-    uint32_t e = esc_entry(a, run + t);
-#pragma unroll kAhead + 1
-    for (int s = s0; s < tiles; ++s) {
-      XEarly<kSlots> xe;
-      x_early(s, xe);                                                // before the tile ahead's loads
-      q[kAhead] = s + kAhead < tiles ? group_at(s + kAhead) : FrGroup{};
-      const uint32_t e_next = s + 1 < tiles ? esc_entry(a, run + tile_escapes(q[0]) + t) : 0u;
-      step(s, q[0], e, xe);
-#pragma unroll
-      for (int i = 0; i < kAhead; ++i) q[i] = q[i + 1];
-      e = e_next;
-    }
-  }
-}
-
 // A lane's words of its group in a row's tiles, read in order at fixed strides: for a block whose
 // groups all exist, no masks and no address arithmetic but a 32-bit index each (the launch checks
 // that a matrix's groups fit) off the arrays' bases (kernel parameters: no registers).
@@ -265,6 +208,85 @@ __device__ __forceinline__ uint32_t esc_entry32(const FrArrays& a, int32_t j) {
 __device__ __forceinline__ void load_x_keep(const uint4* p, bool load, uint4& v) {
   asm volatile("{.reg .pred q; setp.ne.b32 q, %5, 0; @q ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];}"
                : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w) : "l"(p), "r"(static_cast<int>(load)));
+}
+
+// Tiles s0 .. tiles - 1 of a row's escape block, one by one, the next tile's bytes (and its first
+// 4 entries: lane t the t-th) requested before this tile's decode and mma (the loads are asm
+// volatile, so the compiler never hoists them itself): 7-8 % faster on an 8B layer at 1, 4 and 16
+// rows (H100, bench/fixedrate_gpu.py, 2026-11-26). Up to 8 rows two tiles a turn, so the tile in
+// flight and the one decoded keep their registers (no copy a tile): 4.5 % faster at 4 rows; from 9
+// rows it spilled and lost 1-3 % (H200, 2026-11-27). From 9 rows the tile ahead sits in a ring
+// unrolled by two, so the compiler renames instead of copying: 16 rows 1.19 -> 1.11 of cuBLAS, 32 rows
+// 1.47 -> 1.40 (H100, 2026-11-28; spelled as a plain copy with `#pragma unroll 2` it spilled at 32
+// rows and lost). Two tiles ahead spilled at 5-7 CTAs an SM and lost at every row count.
+// kFull (up to kCursorRows rows of x): every group of the block exists, so W is read by a cursor
+// and x at fixed strides, with no masks and no 64-bit address arithmetic.
+template <bool kBf16, int kSlots, bool kFull = false>
+__device__ __forceinline__ void walk_block(const FrArrays& a, const uint4* __restrict__ x, int nx, int64_t row,
+                                           int64_t blk, int s0, int tiles, uint4 (&slot)[2],
+                                           float (&c)[(kSlots + 1) / 2][4]) {
+  const int t = threadIdx.x & 3;
+  const int64_t gr0 = blk * kFrBlockGroups + t;
+  const XWords<kSlots> xw(x, a.groups, gr0, (threadIdx.x & 31) >> 2);
+  constexpr bool kMaskAtLoad = kSlots == 1;                        // from 9 rows at use (up to 8 it cost registers)
+  static_assert(!kFull || kSlots == 1, "cursors up to 8 rows (x in place)");
+  auto valid = [&](int s) { return kFull || gr0 + s * kFrTileGroups < a.groups; };   // tile s's group is not padding
+  GroupCursor cur(a, row, gr0 + s0 * kFrTileGroups);               // kFull: the next tile's words
+  auto group_at = [&](int s) {
+    if constexpr (kFull) return cur.next(a);
+    else return load_group<kMaskAtLoad, (kSlots > 1)>(a, row, gr0 + s * kFrTileGroups, valid(s));
+  };
+  int32_t run = a.esc_start[row * a.blocks + blk];                 // the tile's first entry (int32: < 2^31)
+  if (s0) run += escapes_before(a, row, blk, s0);
+  auto entry = [&](int32_t j) { return kFull ? esc_entry32(a, j) : esc_entry(a, j); };
+  const uint4* xc = xw.at + s0 * xw.tile;                          // kFull: x's words of the next tile
+  auto x_early = [&](int s, XEarly<kSlots>& xe) {
+    if constexpr (kFull) {
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) load_x_early<1>(xc, xw, nx, true, jj, xe[jj]);   // load_x_keep compiled to branches
+      xc += xw.tile;
+    } else {
+#pragma unroll
+      for (int jj = 0; jj < kXEarly<kSlots>; ++jj)
+        load_x_early<kSlots>(xw.at + s * xw.tile, xw, nx, valid(s), jj, xe[jj]);
+    }
+  };
+  auto step = [&](int s, const FrGroup& tg, uint32_t e, const XEarly<kSlots>& xe) {
+    uint32_t f[8];
+    tile_fields(a, tg, kMaskAtLoad || valid(s), e, run, slot, f);
+    tile_mma<kBf16, kSlots>(xw.at + s * xw.tile, xw, xe, tg, f, c);
+  };
+  if constexpr (kSlots == 1) {                                       // two tiles a turn: registers for both
+    FrGroup even = group_at(s0), odd{};
+    uint32_t e_even = entry(run + t), e_odd = 0;
+    XEarly<kSlots> xe = {};
+    for (int s = s0; s < tiles; s += 2) {                            // warp-uniform
+      x_early(s, xe);
+      if (s + 1 < tiles) odd = group_at(s + 1), e_odd = entry(run + tile_escapes(even) + t);
+      step(s, even, e_even, xe);
+      if (s + 1 == tiles) break;
+      x_early(s + 1, xe);
+      if (s + 2 < tiles) even = group_at(s + 2), e_even = entry(run + tile_escapes(odd) + t);
+      step(s + 1, odd, e_odd, xe);
+    }
+  } else {                                                           // x's slots need the registers
+    constexpr int kAhead = 1;                                        // tiles in flight
+    FrGroup q[kAhead + 1];
+#pragma unroll
+    for (int i = 0; i < kAhead; ++i) q[i] = s0 + i < tiles ? group_at(s0 + i) : FrGroup{};
+    uint32_t e = esc_entry(a, run + t);
+#pragma unroll kAhead + 1
+    for (int s = s0; s < tiles; ++s) {
+      XEarly<kSlots> xe;
+      x_early(s, xe);                                                // before the tile ahead's loads
+      q[kAhead] = s + kAhead < tiles ? group_at(s + kAhead) : FrGroup{};
+      const uint32_t e_next = s + 1 < tiles ? esc_entry(a, run + tile_escapes(q[0]) + t) : 0u;
+      step(s, q[0], e, xe);
+#pragma unroll
+      for (int i = 0; i < kAhead; ++i) q[i] = q[i + 1];
+      e = e_next;
+    }
+  }
 }
 
 // From kWARows to 8 rows of x, W is the A operand and x the B: a warp takes 16 rows of W, lane (r, t)
@@ -358,12 +380,19 @@ __device__ __forceinline__ void walk_block_w16(const FrArrays& a, const uint4* _
 template <int kSlots, bool kWA>
 constexpr int kMmaCtas = kWA ? 4 : kSlots == 2 ? 5 : kSlots == 4 ? 4 : kSlots == 8 ? 2 : 6;
 
-// Rows of x from which the kernel takes W as A (walk_block_w16), up to 8: at 8 rows the 8B layer's
+// Rows of x from which the kernel takes 16 rows of W as A (walk_block_w16), up to 8: at 8 rows the 8B layer's
 // seven matmuls 1.35 -> 1.16 of cuBLAS's time, the 7B layer's 1.28 -> 1.19, and at 4 rows 1.14 ->
 // 1.08 and 1.09 -> 1.11; at 1 row 1.115 -> 1.08 and 1.07 -> 1.11: its grids have half as many warps,
 // and below 5 rows the 7B layer's gate, up and down lose more than their instructions gain (H200,
 // 2026-11-29, bench/experiments/fixedrate_ab.py [--7b]). The sums are the same bits either way.
 constexpr int kWARows = 5;
+
+// Rows of x up to which walk_block walks a block whose groups all exist by cursors (GroupCursor,
+// x at fixed strides: its SASS tile loop 261 -> 189 instructions, 80 registers and 8 bytes of
+// stack): the 8B layer's seven at 1 row 1.08 -> 1.06 of cuBLAS's time and the 7B layer's 1.04 ->
+// 1.01, but at 2 rows 1.050 -> 1.059 and 1.020 -> 1.006, and at 3-4 rows 1.08 -> 1.11 and 1.13 ->
+// 1.16 on the 8B layer (H200, 2026-11-29, bench/experiments/fixedrate_ab.py --rows 1,2,3,4).
+constexpr int kCursorRows = 1;
 
 // K is cut into `splits` ranges of whole tiles (a range may start inside an escape block: its
 // running count then starts past the block's earlier escapes). A CTA's 4 warps take `splits_cta` of
@@ -371,12 +400,13 @@ constexpr int kWARows = 5;
 // rows (1024: 128 groups of 8, one CTA an SM) is cut further, gridDim.y CTAs a group of rows, each
 // writing float32 partial sums to `part` [gridDim.y][nx][rows], which sum_parts adds in order.
 // The cut depends on the matrix alone, not on nx: a row of x gets the same sums in any batch.
-template <bool kBf16, int kSlots, bool kWA>
+template <bool kBf16, int kSlots, bool kWA, bool kCursor>
 __global__ void __launch_bounds__(32 * kMmaWarps, kMmaCtas<kSlots, kWA>) mma_kernel(FrArrays a, const uint4* __restrict__ x,
                                                                                     int nx, int splits_cta,
                                                                                     uint16_t* __restrict__ y,
                                                                                     float* __restrict__ part) {
   static_assert(!kWA || kSlots == 1, "W as A takes up to 8 rows of x");
+  static_assert(!kCursor || (kSlots == 1 && !kWA), "cursors in walk_block up to kWARows");
   constexpr int kM = (kSlots + 1) / 2;
   constexpr int kBlockTiles = kFrBlockGroups / kFrTileGroups;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -395,6 +425,8 @@ __global__ void __launch_bounds__(32 * kMmaWarps, kMmaCtas<kSlots, kWA>) mma_ker
         walk_block_w16<kBf16, true>(a, x, nx, row, row_b, blk, s0, s1, stage[0][threadIdx.x], stage[1][threadIdx.x], c[0]);
       else
         walk_block_w16<kBf16, false>(a, x, nx, row, row_b, blk, s0, s1, stage[0][threadIdx.x], stage[1][threadIdx.x], c[0]);
+    } else if (kCursor && (blk + 1) * kFrBlockGroups <= a.groups) {   // warp-uniform
+      walk_block<kBf16, kSlots, kCursor>(a, x, nx, row, blk, s0, s1, stage[0][threadIdx.x], c);
     } else {
       walk_block<kBf16, kSlots>(a, x, nx, row, blk, s0, s1, stage[0][threadIdx.x], c);
     }
@@ -409,9 +441,11 @@ __global__ void __launch_bounds__(32 * kMmaWarps, kMmaCtas<kSlots, kWA>) mma_ker
   for (int i = 0; i < 4 * kM; ++i) {
     float s = 0.f;
     for (int j = 0; j < splits_cta; ++j) s += red[warp + j][lane][i];
-    // C: W as A, W rows g, g + 8 and x rows 2t, 2t + 1; else x rows g, g + 8 of m16 tile i / 4
-    const int b = kWA ? 2 * (lane & 3) + (i & 1) : (lane >> 2) + 8 * ((i % 4) >> 1) + 16 * (i / 4);
-    const int64_t out_row = row0 + (kWA ? (lane >> 2) + 8 * (i >> 1) : 2 * (lane & 3) + (i & 1));
+    // C: x as B, W rows g (, g + 8 from kWARows) and x rows 2t, 2t + 1; else x rows g, g + 8 of m16 tile i / 4
+    constexpr bool kXB = kSlots == 1;                               // x is B up to 8 rows
+    if (!kWA && kSlots == 1 && i >= 2) continue;                    // up to 4 rows C's rows r + 8 are any bits
+    const int b = kXB ? 2 * (lane & 3) + (i & 1) : (lane >> 2) + 8 * ((i % 4) >> 1) + 16 * (i / 4);
+    const int64_t out_row = row0 + (kXB ? (lane >> 2) + 8 * (i >> 1) : 2 * (lane & 3) + (i & 1));
     if (b < nx && out_row < a.rows) {
       if (part) part[(blockIdx.y * static_cast<int64_t>(nx) + b) * a.rows + out_row] = s;
       else if constexpr (kBf16) y[b * a.rows + out_row] = __bfloat16_as_ushort(__float2bfloat16_rn(s));
@@ -438,7 +472,7 @@ __global__ void sum_parts_kernel(const float* __restrict__ part, int64_t n, int 
 constexpr int kMinSplitTiles = 2;
 constexpr int kFewWarps = 2048;
 
-template <bool kBf16, int kSlots, bool kWA = false>
+template <bool kBf16, int kSlots, bool kWA = false, bool kCursor = false>
 void launch(const FrArrays& a, const uint4* x, int nx, uint16_t* y, const at::Tensor& like, cudaStream_t stream) {
   const int64_t row_groups = (a.rows + 7) / 8;
   auto fits = [&](int64_t s) { return s * 2 * kMinSplitTiles <= a.tiles; };
@@ -452,7 +486,7 @@ void launch(const FrArrays& a, const uint4* x, int nx, uint16_t* y, const at::Te
   at::Tensor part;
   if (parts > 1) part = at::empty({parts, nx, a.rows}, like.options().dtype(at::kFloat));
   float* pp = parts > 1 ? part.data_ptr<float>() : nullptr;
-  mma_kernel<kBf16, kSlots, kWA><<<dim3(static_cast<unsigned>(ctas), parts), 32 * kMmaWarps, 0, stream>>>(a, x, nx,
+  mma_kernel<kBf16, kSlots, kWA, kCursor><<<dim3(static_cast<unsigned>(ctas), parts), 32 * kMmaWarps, 0, stream>>>(a, x, nx,
                                                                                                        splits_cta, y, pp);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (parts > 1) {
@@ -468,7 +502,10 @@ int slots_for(int nx) { return nx <= 8 ? 1 : nx <= 16 ? 2 : nx <= 32 ? 4 : 8; }
 template <bool kBf16>
 void launch_slots(const FrArrays& a, const uint4* x, int nx, uint16_t* y, const at::Tensor& like, cudaStream_t stream) {
   switch (slots_for(nx)) {
-    case 1: return nx >= kWARows ? launch<kBf16, 1, true>(a, x, nx, y, like, stream) : launch<kBf16, 1>(a, x, nx, y, like, stream);
+    case 1:
+      if (nx >= kWARows) return launch<kBf16, 1, true>(a, x, nx, y, like, stream);
+      if (nx <= kCursorRows) return launch<kBf16, 1, false, true>(a, x, nx, y, like, stream);
+      return launch<kBf16, 1>(a, x, nx, y, like, stream);
     case 2: return launch<kBf16, 2>(a, x, nx, y, like, stream);
     case 4: return launch<kBf16, 4>(a, x, nx, y, like, stream);
     default: return launch<kBf16, 8>(a, x, nx, y, like, stream);
