@@ -84,9 +84,9 @@ def test_read_cached_takes_page_cache_bytes_only(blob_file) -> None:
     eviction the n bytes it reports and no others; never without O_DIRECT's probe. How many it
     finds after the eviction is the kernel's: RWF_NOWAIT's miss starts readahead (here, 5 of 300
     misses left the range's 48 pages cached just after), which a read can race, and file systems
-    may keep pages despite fadvise (CI's once did): the test asserted none, then no more than
-    mincore showed held beforehand, and each
-    failed once with the whole range read (CI 2026-11-28, a clean CI run here 2026-11-29)."""
+    may keep pages despite fadvise (CI's once did). It asserted none, then no more than mincore
+    showed held beforehand; each failed once with the whole range read (CI 2026-11-28, a clean
+    CI run on the 2-core machine 2026-11-29)."""
     path, data, _ = blob_file
     buf = memoryview(bytearray(align_up(len(data))))
     file = ArchiveFile(str(path), None)
