@@ -11,6 +11,7 @@ Swap the extension's library between runs, alternating, to compare builds in one
 """
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -37,14 +38,14 @@ def fused_over_cublas(calls: list, reps: int) -> tuple[float, float]:
 
 
 def main() -> None:
-    args = [a for a in sys.argv[1:] if a != "--7b"]
-    rows = ROWS
-    if "--rows" in args:
-        at = args.index("--rows")
-        rows = tuple(int(n) for n in args[at + 1].split(","))
-        del args[at:at + 2]
-    shapes = LAYER_7B if "--7b" in sys.argv else LAYER_8B
-    label = (args[0] if args else "build") + (" 7b" if shapes is LAYER_7B else "")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("label", nargs="?", default="build")
+    ap.add_argument("--7b", dest="seven", action="store_true", help="Llama-2-7B's layer, not Llama-3-8B's")
+    ap.add_argument("--rows", type=lambda v: tuple(int(n) for n in v.split(",")), default=ROWS,
+                    help="rows of x, comma-separated (default 1,4,8,16,32)")
+    args = ap.parse_args()
+    shapes, rows = (LAYER_7B if args.seven else LAYER_8B), args.rows
+    label = args.label + (" 7b" if args.seven else "")
     layer = {k: w.cuda() for k, w in weights(shapes, seed=1).items()}
     forms = {k: fr_ops.encode(w) for k, w in layer.items()}
     out = []
