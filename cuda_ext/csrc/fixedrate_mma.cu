@@ -240,16 +240,11 @@ __device__ __forceinline__ void walk_block(const FrArrays& a, const uint4* __res
   if (s0) run += escapes_before(a, row, blk, s0);
   auto entry = [&](int32_t j) { return kFull ? esc_entry32(a, j) : esc_entry(a, j); };
   const uint4* xc = xw.at + s0 * xw.tile;                          // kFull: x's words of the next tile
-  auto x_early = [&](int s, XEarly<kSlots>& xe) {
-    if constexpr (kFull) {
+  auto x_early = [&](int s, XEarly<kSlots>& xe) {               // kFull: zeroed, predicated (load_x_keep branched)
+    const uint4* xt = kFull ? xc : xw.at + s * xw.tile;
 #pragma unroll
-      for (int jj = 0; jj < 4; ++jj) load_x_early<1>(xc, xw, nx, true, jj, xe[jj]);   // load_x_keep compiled to branches
-      xc += xw.tile;
-    } else {
-#pragma unroll
-      for (int jj = 0; jj < kXEarly<kSlots>; ++jj)
-        load_x_early<kSlots>(xw.at + s * xw.tile, xw, nx, valid(s), jj, xe[jj]);
-    }
+    for (int jj = 0; jj < kXEarly<kSlots>; ++jj) load_x_early<kSlots>(xt, xw, nx, valid(s), jj, xe[jj]);
+    if constexpr (kFull) xc += xw.tile;
   };
   auto step = [&](int s, const FrGroup& tg, uint32_t e, const XEarly<kSlots>& xe) {
     uint32_t f[8];
