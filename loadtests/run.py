@@ -13,7 +13,9 @@ waits (at most --drain seconds) for the requests in flight. It prints, and with 
     TTFT p50/p99      streams: from the request to its first token
     tokens/s          tokens received within the duration / the duration
     errors            everything but 200, deliberate disconnects and 429 (counted as rejected)
-and the server's own view from /metrics: requests by status, mean rows and tokens per step.
+and the server's own view from /metrics over the run (its counters and histograms read before and
+after, so a server that served earlier runs reports this one alone): requests by status, mean rows
+and tokens per step, mean inter-token latency and TTFT.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ import gevent  # noqa: F401  (locust's import below patches the standard library
 from locust.env import Environment
 
 from loadtests import locustfile
-from loadtests.summary import summarize, text
+from loadtests.summary import parse_metrics, summarize, text, window
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -98,12 +100,7 @@ def run(host: str, scenario: str, users: int, duration: float, drain: float) -> 
 def server_metrics(host: str) -> dict[str, float]:
     import requests
 
-    out: dict[str, float] = {}
-    for line in requests.get(f"{host}/metrics", timeout=10).text.splitlines():
-        if line.startswith("wcodec_generate_") and not line.startswith("#") and "_bucket" not in line:
-            name, value = line.rsplit(" ", 1)
-            out[name] = out.get(name, 0.0) + float(value)
-    return out
+    return parse_metrics(requests.get(f"{host}/metrics", timeout=10).text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,9 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     if urlparse(host).hostname not in locustfile.LOCAL_HOSTS:
         raise SystemExit(f"refusing to load-test {host!r}: localhost only")
     try:
-        load_before = os.getloadavg()
+        load_before, before = os.getloadavg(), server_metrics(host)
         t0 = run(host, args.scenario, args.users, args.duration, args.drain)
-        result = summarize(locustfile.RECORDS, t0, args.duration, server_metrics(host))
+        result = summarize(locustfile.RECORDS, t0, args.duration, window(before, server_metrics(host)))
     finally:
         if server is not None:
             server.stop()

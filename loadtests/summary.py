@@ -37,6 +37,27 @@ def summarize(records: list, t0: float, duration: float, server: dict[str, float
     return result
 
 
+MONOTONIC = ("_total", "_sum", "_count")     # counters, histograms' sums and counts: they only grow
+
+
+def parse_metrics(page: str) -> dict[str, float]:
+    """A /metrics page's wcodec_generate_* counters and histogram sums and counts, by series (its
+    name and labels). Gauges, buckets and `_created` stamps are left out: `window` subtracts these."""
+    out: dict[str, float] = {}
+    for line in page.splitlines():
+        if line.startswith("wcodec_generate_"):
+            series, value = line.rsplit(" ", 1)
+            if series.split("{", 1)[0].endswith(MONOTONIC):
+                out[series] = float(value)
+    return out
+
+
+def window(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """The server's view of one run: each series of `after` less its value in `before` (a new
+    series from 0; one that fell, a restarted server, from 0 as Prometheus's rate() takes it)."""
+    return {k: v - before.get(k, 0.0) if v >= before.get(k, 0.0) else v for k, v in after.items()}
+
+
 def _mean(server: dict[str, float], family: str) -> float | None:
     count = sum(v for k, v in server.items() if k.startswith(family + "_count"))
     return sum(v for k, v in server.items() if k.startswith(family + "_sum")) / count if count else None
