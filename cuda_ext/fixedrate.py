@@ -125,8 +125,10 @@ def linear(x: torch.Tensor, fr: FixedRateWeight, kernel: int | None = None) -> t
 
 def _decode_matmul(flat: torch.Tensor, fr: FixedRateWeight) -> torch.Tensor:
     """[n, cols] @ W^T through a decoded scratch copy of W and cuBLAS. (Decoding in L2-sized row
-    chunks, one scratch reused, measured slower: an 8B layer at 64 rows on an H200, 2026-11-28,
-    0.343 ms whole against 0.363-0.709 ms in chunks of 48-8 MB.)"""
+    chunks measured slower, one scratch reused: an 8B layer at 64 rows on an H200, 2026-11-28,
+    0.343 ms whole against 0.363-0.709 ms in chunks of 48-8 MB; and pipelined, chunks decoding
+    on one stream while cuBLAS takes the chunk before from L2, 2026-11-29: 2.39-6.5 of cuBLAS
+    against 2.34 whole, bench/experiments/decode_pipeline.py.)"""
     return F.linear(flat, decode(fr))
 
 
