@@ -11,6 +11,7 @@ decode, and cuBLAS on one chunk that stays in L2.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 
@@ -38,11 +39,10 @@ class Pipeline:
         for k, f in forms.items():
             sizes = cut(f.rows, f.cols, chunk_bytes)
             yt = torch.empty(f.rows, xs[k].shape[0], dtype=torch.bfloat16, device="cuda")
-            starts = [sum(sizes[:i]) for i in range(len(sizes))]
-            for view, r0 in zip(fr_ops.row_views(f, sizes), starts):
+            for view, r0 in zip(fr_ops.row_views(f, sizes), itertools.accumulate(sizes, initial=0)):
                 self.jobs.append((view, xs[k], yt[r0:r0 + view.rows]))
-        self.slot_elems = max(v.rows * v.cols for v, _, _ in self.jobs)
-        self.scratch = [torch.empty(self.slot_elems, dtype=torch.bfloat16, device="cuda") for _ in range(slots)]
+        slot_elems = max(v.rows * v.cols for v, _, _ in self.jobs)
+        self.scratch = [torch.empty(slot_elems, dtype=torch.bfloat16, device="cuda") for _ in range(slots)]
         self.dec = torch.cuda.Stream()
         self.mms = [torch.cuda.Stream() for _ in range(mm_streams)]
 
