@@ -79,9 +79,11 @@ def cat_rows(parts: list[FixedRateWeight]) -> FixedRateWeight:
     if offsets[-1] >= 2 ** 31:
         raise ValueError(f"cat_rows: {offsets[-1]} escapes do not fit esc_start's int32")
     esc_start = torch.cat([p.esc_start + int(off) for p, off in zip(parts, offsets)])
-    return FixedRateWeight(sum(p.rows for p in parts), first.cols, first.dtype,
-                           *(torch.cat([getattr(p, a) for p in parts]) for a in ARRAYS[:-1]),
-                           esc_start)
+    joined = FixedRateWeight(sum(p.rows for p in parts), first.cols, first.dtype,
+                             *(torch.cat([getattr(p, a) for p in parts]) for a in ARRAYS[:-1]), esc_start)
+    if esc_start.is_cuda:                  # complete before a fused kernel reads it (W before its PDL wait)
+        torch.cuda.current_stream(esc_start.device).synchronize()
+    return joined
 
 
 def row_views(w: FixedRateWeight, rows: list[int]) -> list[FixedRateWeight]:
@@ -92,8 +94,9 @@ def row_views(w: FixedRateWeight, rows: list[int]) -> list[FixedRateWeight]:
 
 
 def encode(w: torch.Tensor) -> FixedRateWeight:
-    """A contiguous 2-D bfloat16/float16 weight -> its fixed-rate form, on w's device (one host
-    sync for the escape count: a load-time call, not for captured graphs)."""
+    """A contiguous 2-D bfloat16/float16 weight -> its fixed-rate form, on w's device (host syncs
+    for the escape count and at the end, so that the form is complete before a fused kernel reads
+    it: a load-time call, not for captured graphs)."""
     if w.dtype not in _DTYPES:
         raise TypeError(f"the fixed-rate form holds bfloat16 or float16 weights, not {w.dtype}")
     ensure_loaded()

@@ -99,6 +99,7 @@ std::vector<at::Tensor> encode_cuda(const at::Tensor& w_in) {
   encode_escapes_kernel<<<grid, kEncodeThreads, 0, stream>>>(w, rows, cols, tiles, blocks, tw, esc_start.data_ptr<int32_t>(),
                                                              reinterpret_cast<uint16_t*>(esc.data_ptr<int16_t>()));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  C10_CUDA_CHECK(cudaStreamSynchronize(stream));   // the form complete: the fused kernels read W before their PDL wait
   return {plane, lo, hi, tile, esc, esc_start};
 }
 

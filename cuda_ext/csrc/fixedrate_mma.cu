@@ -20,6 +20,48 @@ namespace wcodec {
 namespace {
 
 constexpr int kMmaWarps = 4;
+
+// Programmatic dependent launch (sm_90+; CUDA graphs keep it as a programmatic edge). These kernels
+// are launched so that they may start before the kernel ahead of them on the stream has ended:
+// mma_kernel's CTAs signal it (launch_dependents) once their walk of W is done, so the next launch
+// overlaps their epilogue and the last CTAs' tail, and a warp of the next mma_kernel requests its
+// first tile of W before it waits for the grid ahead (griddepcontrol.wait: that grid complete, its
+// writes visible). Nothing but W is read before that wait and nothing is written, and W is written
+// only at load by work that ends in a host sync (encode, cat_rows). An 8B layer's seven matmuls,
+// fused ÷ cuBLAS at 1 / 4 / 16 / 32 rows: 1.050 / 1.118 / 1.162 / 1.529 -> 0.977 / 1.068 / 1.111 /
+// 1.382; the 7B layer's 1.005 / 1.059 / 1.205 / 1.477 -> 0.949 / 1.021 / 1.128 / 1.362 (H200,
+// 2026-11-29, the same sums). Waiting at the kernel's start instead gained half as much (8B:
+// 0.999 / 1.085 / 1.147 / 1.443); signalling at the CTAs' start lost at 4-8 rows (8 rows 1.171 ->
+// 1.256). On older GPUs the launch is a plain one and these are no-ops.
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+bool pdl_on() {
+  int dev = 0, major = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  return major >= 9;
+}
+
+template <typename... Params, typename... Args>
+void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream, Args... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid, cfg.blockDim = block, cfg.dynamicSmemBytes = 0, cfg.stream = stream;
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = &attr, cfg.numAttrs = pdl_on() ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...));
+}
 constexpr int kTargetWarps = 4096;
 
 template <bool kBf16>
@@ -66,6 +108,8 @@ constexpr int kXQuads = 4 * 2;                                        // A words
 
 __global__ void permute_x_kernel(const uint32_t* __restrict__ x, int64_t groups, int nx, int mt, int64_t units,
                                  uint4* __restrict__ xp) {
+  pdl_trigger();
+  pdl_wait();
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= units) return;
   const int lane = static_cast<int>(i % 32);
@@ -224,7 +268,7 @@ __device__ __forceinline__ void load_x_keep(const uint4* p, bool load, uint4& v)
 template <bool kBf16, int kSlots, bool kFull = false>
 __device__ __forceinline__ void walk_block(const FrArrays& a, const uint4* __restrict__ x, int nx, int64_t row,
                                            int64_t blk, int s0, int tiles, uint4 (&slot)[2],
-                                           float (&c)[(kSlots + 1) / 2][4]) {
+                                           float (&c)[(kSlots + 1) / 2][4], bool& wait) {
   const int t = threadIdx.x & 3;
   const int64_t gr0 = blk * kFrBlockGroups + t;
   const XWords<kSlots> xw(x, a.groups, gr0, (threadIdx.x & 31) >> 2);
@@ -255,6 +299,7 @@ __device__ __forceinline__ void walk_block(const FrArrays& a, const uint4* __res
     FrGroup even = group_at(s0), odd{};
     uint32_t e_even = entry(run + t), e_odd = 0;
     XEarly<kSlots> xe = {};
+    if (wait) pdl_wait(), wait = false;                              // W's first tile requested
     for (int s = s0; s < tiles; s += 2) {                            // warp-uniform
       x_early(s, xe);
       if (s + 1 < tiles) odd = group_at(s + 1), e_odd = entry(run + tile_escapes(even) + t);
@@ -270,6 +315,7 @@ __device__ __forceinline__ void walk_block(const FrArrays& a, const uint4* __res
 #pragma unroll
     for (int i = 0; i < kAhead; ++i) q[i] = s0 + i < tiles ? group_at(s0 + i) : FrGroup{};
     uint32_t e = esc_entry(a, run + t);
+    if (wait) pdl_wait(), wait = false;                              // W's first tile requested
 #pragma unroll kAhead + 1
     for (int s = s0; s < tiles; ++s) {
       XEarly<kSlots> xe;
@@ -295,7 +341,7 @@ __device__ __forceinline__ void walk_block(const FrArrays& a, const uint4* __res
 template <bool kBf16, bool kFull>
 __device__ __forceinline__ void walk_block_w16(const FrArrays& a, const uint4* __restrict__ x, int nx, int64_t row_a,
                                                int64_t row_b, int64_t blk, int s0, int tiles, uint4 (&slot_a)[2],
-                                               uint4 (&slot_b)[2], float (&c)[4]) {
+                                               uint4 (&slot_b)[2], float (&c)[4], bool& wait) {
   const int t = threadIdx.x & 3;
   const int64_t gr0 = blk * kFrBlockGroups + t;
   const XWords<1> xw(x, a.groups, gr0, (threadIdx.x & 31) >> 2);
@@ -356,6 +402,7 @@ __device__ __forceinline__ void walk_block_w16(const FrArrays& a, const uint4* _
   };
   Tile even = fetch(s0, run_a, run_b), odd{};                        // two tiles a turn: registers for both
   XEarly<1> xe = {};
+  if (wait) pdl_wait(), wait = false;                                // W's first tile requested
   for (int s = s0; s < tiles; s += 2) {                              // warp-uniform
     x_early(s, xe);
     if (s + 1 < tiles) odd = fetch(s + 1, run_a + tile_escapes(even.ga), run_b + tile_escapes(even.gb));
@@ -409,6 +456,7 @@ __global__ void __launch_bounds__(32 * kMmaWarps, kMmaCtas<kSlots, kWA>) mma_ker
   const int64_t row = min(row0 + (lane >> 2), a.rows - 1);
   __shared__ uint4 stage[kWA ? 2 : 1][32 * kMmaWarps][2];
   float c[kM][4] = {};
+  bool wait = true;                                                 // pdl_wait still to come
   const int splits = splits_cta * static_cast<int>(gridDim.y), k = blockIdx.y * splits_cta + warp % splits_cta;
   const int tiles = static_cast<int>(a.tiles);                      // < 2^31 / 128: k * tiles fits
   const int t1 = static_cast<int>(static_cast<int64_t>(tiles) * (k + 1) / splits);
@@ -417,16 +465,18 @@ __global__ void __launch_bounds__(32 * kMmaWarps, kMmaCtas<kSlots, kWA>) mma_ker
     if constexpr (kWA) {
       const int64_t row_b = min(row0 + 8 + (lane >> 2), a.rows - 1);
       if ((blk + 1) * kFrBlockGroups <= a.groups)                    // warp-uniform
-        walk_block_w16<kBf16, true>(a, x, nx, row, row_b, blk, s0, s1, stage[0][threadIdx.x], stage[1][threadIdx.x], c[0]);
+        walk_block_w16<kBf16, true>(a, x, nx, row, row_b, blk, s0, s1, stage[0][threadIdx.x], stage[1][threadIdx.x], c[0], wait);
       else
-        walk_block_w16<kBf16, false>(a, x, nx, row, row_b, blk, s0, s1, stage[0][threadIdx.x], stage[1][threadIdx.x], c[0]);
+        walk_block_w16<kBf16, false>(a, x, nx, row, row_b, blk, s0, s1, stage[0][threadIdx.x], stage[1][threadIdx.x], c[0], wait);
     } else if (kCursor && (blk + 1) * kFrBlockGroups <= a.groups) {   // warp-uniform
-      walk_block<kBf16, kSlots, kCursor>(a, x, nx, row, blk, s0, s1, stage[0][threadIdx.x], c);
+      walk_block<kBf16, kSlots, kCursor>(a, x, nx, row, blk, s0, s1, stage[0][threadIdx.x], c, wait);
     } else {
-      walk_block<kBf16, kSlots>(a, x, nx, row, blk, s0, s1, stage[0][threadIdx.x], c);
+      walk_block<kBf16, kSlots>(a, x, nx, row, blk, s0, s1, stage[0][threadIdx.x], c, wait);
     }
     tile = blk * kBlockTiles + s1;
   }
+  if (wait) pdl_wait();                                             // a warp with no tiles
+  pdl_trigger();
   __shared__ float red[kMmaWarps][32][4 * kM];
 #pragma unroll
   for (int i = 0; i < 4 * kM; ++i) red[warp][lane][i] = c[i / 4][i % 4];
@@ -452,6 +502,8 @@ __global__ void __launch_bounds__(32 * kMmaWarps, kMmaCtas<kSlots, kWA>) mma_ker
 // y = the sum of the CTAs' partial sums, in order of blockIdx.y, rounded once.
 template <bool kBf16>
 __global__ void sum_parts_kernel(const float* __restrict__ part, int64_t n, int parts, uint16_t* __restrict__ y) {
+  pdl_trigger();
+  pdl_wait();
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= n) return;
   float s = 0.f;
@@ -481,13 +533,11 @@ void launch(const FrArrays& a, const uint4* x, int nx, uint16_t* y, const at::Te
   at::Tensor part;
   if (parts > 1) part = at::empty({parts, nx, a.rows}, like.options().dtype(at::kFloat));
   float* pp = parts > 1 ? part.data_ptr<float>() : nullptr;
-  mma_kernel<kBf16, kSlots, kWA, kCursor><<<dim3(static_cast<unsigned>(ctas), parts), 32 * kMmaWarps, 0, stream>>>(a, x, nx,
-                                                                                                       splits_cta, y, pp);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_pdl(mma_kernel<kBf16, kSlots, kWA, kCursor>, dim3(static_cast<unsigned>(ctas), parts), dim3(32 * kMmaWarps), stream,
+             a, x, nx, splits_cta, y, pp);
   if (parts > 1) {
     const int64_t n = nx * a.rows;
-    sum_parts_kernel<kBf16><<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(pp, n, parts, y);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_pdl(sum_parts_kernel<kBf16>, dim3(static_cast<unsigned>((n + 255) / 256)), dim3(256), stream, pp, n, parts, y);
   }
 }
 
@@ -518,9 +568,8 @@ void launch_mma(const FrArrays& a, const at::Tensor& x, const at::Tensor& y, cud
   if (const int mt = slots_for(nx) / 2) {                          // kSlots > 1: permuted, mt m16 tiles
     const int64_t units = a.tiles * kXQuads * mt * 32;
     xp = at::empty({units * 8}, x.options());
-    permute_x_kernel<<<static_cast<unsigned>((units + 255) / 256), 256, 0, stream>>>(
-        reinterpret_cast<const uint32_t*>(xa.data_ptr()), a.groups, nx, mt, units, reinterpret_cast<uint4*>(xp.data_ptr()));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_pdl(permute_x_kernel, dim3(static_cast<unsigned>((units + 255) / 256)), dim3(256), stream,
+               reinterpret_cast<const uint32_t*>(xa.data_ptr()), a.groups, nx, mt, units, reinterpret_cast<uint4*>(xp.data_ptr()));
   }
   const auto* xw = reinterpret_cast<const uint4*>(xp.data_ptr());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());

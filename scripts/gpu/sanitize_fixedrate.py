@@ -1,7 +1,8 @@
 """The fixed-rate ops under `compute-sanitizer --tool memcheck`: the GPU transcoder, the decode and
 the fused matmul (every row count 1..16 on both kernels, 24..64 on tensor cores, then 80 rows through
 decode + cuBLAS) on ragged shapes with
-escapes and every bit pattern, and with most weights escaping at other offsets of the escapes. Exits non-zero if a result differs from the C++ twin's."""
+escapes and every bit pattern, with most weights escaping at other offsets of the escapes, and chained
+(each linear reading the one before's output). Exits non-zero if a result differs from the C++ twin's."""
 import sys
 
 import torch
@@ -37,9 +38,27 @@ def main() -> int:
                 err = ((got - x.float() @ w.float().T).abs() / (1 + got.abs())).max().item()
                 ok &= check(err <= 0.02, "linear", shape, "rows", n, "kernel", kernel, "error", err)
     ok &= escapes_everywhere()
+    ok &= chained()
     torch.cuda.synchronize()
     print("fixedrate sanitizer sample:", "ok" if ok else "MISMATCH")
     return 0 if ok else 1
+
+
+def chained() -> bool:
+    """Fused linears each reading the one before's output (launched while it ends, on sm_90+): the
+    same bits as with a device sync between them."""
+    forms = [fr_ops.encode(fr_ops.sample_weight(torch.bfloat16, r, c, seed=r + c, finite=True).cuda() * 0.05)
+             for r, c in ((1024, 2048), (2048, 1024), (520, 2048), (2048, 520))]
+    ok = True
+    for n in (1, 3, 6, 16, 32):
+        x = y = torch.randn(n, 2048).bfloat16().cuda()
+        for f in forms:
+            x = fr_ops.linear(x, f)
+        for f in forms:
+            y = fr_ops.linear(y, f)
+            torch.cuda.synchronize()
+        ok &= check(torch.equal(x, y), "chain", "rows", n)
+    return ok
 
 
 def escapes_everywhere() -> bool:

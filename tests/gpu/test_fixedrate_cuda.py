@@ -162,6 +162,42 @@ def test_usable_in_a_cuda_graph():
         assert torch.equal(outs[-n], fr_ops.linear(x, fr, 1) if n <= 16 else outs[n]), n
 
 
+@pytest.mark.parametrize("n", [1, 3, 6, 16, 24, 40])
+def test_a_chain_reads_each_output_after_it_is_written(n):
+    """Each fused linear reads the one before's output, launched while that one ends (programmatic
+    dependent launch on sm_90+): eager and replayed in a CUDA graph, a chain equals the same calls
+    with a device sync between them, bit for bit. Through row counts of every path (x in place, W as
+    A, x permuted first, decode + cuBLAS) and matrices whose K is cut across CTAs (1 024 rows)."""
+    shapes = [(4096, 4096), (1024, 4096), (4096, 1024), (3000, 4096), (4096, 3000), (1000, 4096), (4096, 1000)]
+    forms = [fr_ops.encode(trained_like(r, c, r + c)) for r, c in shapes]
+    x0 = torch.randn(n, 4096, device="cuda", generator=torch.Generator(device="cuda").manual_seed(n)).bfloat16()
+
+    def chain():
+        x = x0
+        for f in forms:
+            x = fr_ops.linear(x, f)
+        return x
+
+    ref = x0
+    for f in forms:
+        ref = fr_ops.linear(ref, f)
+        torch.cuda.synchronize()
+    assert torch.equal(chain(), ref)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        chain()                                                     # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain()
+    for _ in range(3):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref)
+
+
 def test_opcheck_cuda():
     for name, args in fr_ops.sample_inputs("cuda"):
         torch.library.opcheck(getattr(torch.ops.wcodec, name).default, args)
