@@ -10,9 +10,33 @@ left rotary one bf16 place off the reference.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
+
+
+# ---- programmatic dependent launch (TRY) -------------------------------------------------------
+# On sm_90+ every kernel here is launched with PDL: it waits for the kernel ahead at its start
+# (before any load or store) and at once lets the next one launch, so the fused linears that follow
+# request their first tiles of W while it runs (cuda_ext/csrc/fixedrate_mma.cu).
+@functools.lru_cache(maxsize=None)
+def _pdl_device(index: int) -> bool:
+    return hasattr(tl.extra.cuda, "gdc_wait") and torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def _pdl(t: torch.Tensor) -> dict:
+    """The launch's PDL arguments for kernels on t's device: GDC (the kernel's constexpr) and launch_pdl."""
+    on = t.is_cuda and _pdl_device(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    return {"GDC": True, "launch_pdl": True} if on else {"GDC": False}
+
+
+@triton.jit
+def _pdl_enter(GDC: tl.constexpr):
+    if GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
@@ -27,7 +51,8 @@ def _round(x, dtype: tl.constexpr):
 # ---- RMSNorm on the residual stream --------------------------------------------------------------
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, h_ptr, w_ptr, sum_ptr, out_ptr, cols, eps, HAS_H: tl.constexpr,
-                         BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr, GDC: tl.constexpr):
+    _pdl_enter(GDC)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     inside = c < cols
@@ -53,14 +78,15 @@ def add_rms_norm(x: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor,
     out = torch.empty(x.shape, dtype=torch.result_type(weight, x), device=x.device)
     block = triton.next_power_of_2(e)
     _add_rms_norm_kernel[(n,)](x, x if h is None else h, weight, total, out, e, eps, HAS_H=h is not None,
-                               BLOCK=block, num_warps=8 if block >= 4096 else 4)
+                               BLOCK=block, num_warps=8 if block >= 4096 else 4, **_pdl(x))
     return total, out
 
 
 # ---- rotary embedding and the KV cache write -----------------------------------------------------
 @triton.jit
 def _rope_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, slots_ptr, kc_ptr, vc_ptr, qo_ptr,
-                       q_row, k_row, v_row, heads, kv_heads, D: tl.constexpr):
+                       q_row, k_row, v_row, heads, kv_heads, D: tl.constexpr, GDC: tl.constexpr):
+    _pdl_enter(GDC)
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     d = tl.arange(0, D)
@@ -96,7 +122,7 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Ten
     out = torch.empty((n, heads, d), dtype=q.dtype, device=q.device)
     if n:
         _rope_store_kernel[(n, heads + kv)](q, k, v, cos, sin, slots, k_cache, v_cache, out, q.stride(0),
-                                            k.stride(0), v.stride(0), heads, kv, D=d, num_warps=1)
+                                            k.stride(0), v.stride(0), heads, kv, D=d, num_warps=1, **_pdl(q))
     return out
 
 
@@ -130,7 +156,8 @@ ATTENTION_GROUP_WARPS = 4
 @triton.jit
 def _decode_attention_kernel(q_ptr, kc_ptr, vc_ptr, tables_ptr, lengths_ptr, out_ptr, part_ptr, scale, width,
                              heads, kv_heads, BS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                             CHUNK: tl.constexpr, SPLIT: tl.constexpr):
+                             CHUNK: tl.constexpr, SPLIT: tl.constexpr, GDC: tl.constexpr):
+    _pdl_enter(GDC)
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     kvh = head // (heads // kv_heads)
@@ -172,10 +199,12 @@ def _decode_attention_kernel(q_ptr, kc_ptr, vc_ptr, tables_ptr, lengths_ptr, out
 @triton.jit
 def _decode_attention_group_kernel(q_ptr, kc_ptr, vc_ptr, tables_ptr, lengths_ptr, out_ptr, part_ptr, scale, width,
                                    heads, kv_heads, BS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                                   CHUNK: tl.constexpr, SPLIT: tl.constexpr, G: tl.constexpr, GP: tl.constexpr):
+                                   CHUNK: tl.constexpr, SPLIT: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                                   GDC: tl.constexpr):
     """_decode_attention_kernel for the G query heads that share KV head program_id(1) (GQA): K and V
     are read once for the group, and both products are tensor-core dots over GP >= 16 rows (rows
     G.. are zeros, never stored), float32 accumulation; q.K's bf16 products are exact in it."""
+    _pdl_enter(GDC)
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     g = tl.arange(0, GP)
@@ -221,7 +250,8 @@ def _decode_attention_group_kernel(q_ptr, kc_ptr, vc_ptr, tables_ptr, lengths_pt
 
 @triton.jit
 def _attention_combine_kernel(part_ptr, lengths_ptr, out_ptr, width, heads, BS: tl.constexpr, D: tl.constexpr,
-                              CHUNK: tl.constexpr):
+                              CHUNK: tl.constexpr, GDC: tl.constexpr):
+    _pdl_enter(GDC)
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     d = tl.arange(0, D)
@@ -262,20 +292,22 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                                         heads, kv, BS=block_size, D=d, BLOCK_N=ATTENTION_BLOCK,
                                                         CHUNK=ATTENTION_CHUNK, SPLIT=chunks > 1, G=group,
                                                         GP=max(16, triton.next_power_of_2(group)),
-                                                        num_warps=ATTENTION_GROUP_WARPS)
+                                                        num_warps=ATTENTION_GROUP_WARPS, **_pdl(q))
     else:
         _decode_attention_kernel[(b, heads, chunks)](q, k_cache, v_cache, tables, lengths, out, part, scale, width,
                                                      heads, kv, BS=block_size, D=d, BLOCK_N=ATTENTION_BLOCK,
-                                                     CHUNK=ATTENTION_CHUNK, SPLIT=chunks > 1, num_warps=ATTENTION_WARPS)
+                                                     CHUNK=ATTENTION_CHUNK, SPLIT=chunks > 1, num_warps=ATTENTION_WARPS,
+                                                     **_pdl(q))
     if chunks > 1:
         _attention_combine_kernel[(b, heads)](part, lengths, out, width, heads, BS=block_size, D=d,
-                                              CHUNK=ATTENTION_CHUNK, num_warps=1)
+                                              CHUNK=ATTENTION_CHUNK, num_warps=1, **_pdl(q))
     return out
 
 
 # ---- SiLU(gate) * up -----------------------------------------------------------------------------
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, cols, g_row, u_row, BLOCK: tl.constexpr):
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, cols, g_row, u_row, BLOCK: tl.constexpr, GDC: tl.constexpr):
+    _pdl_enter(GDC)
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = c < cols
@@ -295,5 +327,5 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     block = 1024
     if n:
         _silu_mul_kernel[(n, triton.cdiv(f, block))](gate, up, out, f, gate.stride(0), up.stride(0), BLOCK=block,
-                                                     num_warps=4)
+                                                     num_warps=4, **_pdl(gate))
     return out
