@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 
-# ---- programmatic dependent launch (TRY) -------------------------------------------------------
+# ---- programmatic dependent launch ---------------------------------------------------------------
 # On sm_90+ every kernel here is launched with PDL: it waits for the kernel ahead at its start
 # (before any load or store) and at once lets the next one launch, so the fused linears that follow
 # request their first tiles of W while it runs (cuda_ext/csrc/fixedrate_mma.cu).

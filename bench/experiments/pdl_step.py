@@ -1,79 +1,73 @@
-"""A decode step's kernel pattern without attention: per layer RMSNorm (Triton) -> qkv (fused) -> silu_mul
-(Triton, a stand-in for rope + attention) -> o (fused) -> add+RMSNorm -> gate_up (fused) -> silu_mul ->
-down (fused); 8 layers of 7B shapes in one CUDA graph. argv[1]: label; GDC=1: the Triton kernels
-launched with PDL (gdc_wait and gdc_launch_dependents at their start)."""
-import os, sys
-sys.path.insert(0, "bench")
-import torch, triton, triton.language as tl
-from fixedrate_gpu import graph_ms
-from gpu_bench import weights
-from cuda_ext import fixedrate as fr
-GDC = os.environ.get("GDC") == "1"
+"""Programmatic dependent launch (PDL) across a decode step's kernels: per layer add+RMSNorm (Triton)
+-> qkv -> SiLU*up (Triton, standing in for rope + attention) -> o -> add+RMSNorm -> gate/up -> SiLU*up
+-> down, 8 layers of the 7B shapes in one CUDA graph, as the engine's step runs them. The linears are
+the fused fixed-rate kernels (compressed) or cuBLAS on the bf16 weights (decoded); the Triton kernels
+are `cuda_ext.step_triton`'s, launched with PDL (as served on sm_90+) or without it, alternating in
+one process. The fused kernels request their first tile of W before they wait for the kernel ahead,
+which pays only when that kernel lets them launch early (BENCHMARKS.md, 2026-11-29).
 
-@triton.jit
-def norm_k(x_ptr, h_ptr, w_ptr, sum_ptr, out_ptr, cols, eps, HAS_H: tl.constexpr, BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
-    if USE_GDC:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    row = tl.program_id(0).to(tl.int64)
-    c = tl.arange(0, BLOCK)
-    inside = c < cols
-    x = tl.load(x_ptr + row * cols + c, mask=inside, other=0.0).to(tl.float32)
-    if HAS_H:
-        h = tl.load(h_ptr + row * cols + c, mask=inside, other=0.0).to(tl.float32)
-        x = x + h
-        tl.store(sum_ptr + row * cols + c, x.to(tl.bfloat16), mask=inside)
-    inv = tl.math.rsqrt(tl.sum(x * x, axis=0) / cols + eps)
-    w = tl.load(w_ptr + c, mask=inside, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * cols + c, (w * x * inv).to(tl.bfloat16), mask=inside)
+    python bench/experiments/pdl_step.py [--rows 1,32] [--layers 8] [--rounds 2]
+"""
+from __future__ import annotations
 
-@triton.jit
-def silu_k(g_ptr, u_ptr, out_ptr, cols, g_row, u_row, BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
-    if USE_GDC:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    row = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    inside = c < cols
-    g = tl.load(g_ptr + row * g_row + c, mask=inside, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + row * u_row + c, mask=inside, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * cols + c, (g / (1.0 + tl.exp(-g)) * u).to(tl.bfloat16), mask=inside)
+import argparse
+import sys
+from pathlib import Path
 
-def norm(x, h, w):
-    n, e = x.shape
-    total = x if h is None else torch.empty_like(x)
-    out = torch.empty_like(x)
-    kw = dict(launch_pdl=True) if GDC else {}
-    norm_k[(n,)](x, x if h is None else h, w, total, out, e, 1e-5, HAS_H=h is not None, BLOCK=4096, USE_GDC=GDC, num_warps=8, **kw)
-    return total, out
+import torch
+import torch.nn.functional as F
 
-def silu(g, u):
-    n, f = g.shape
-    out = torch.empty((n, f), dtype=g.dtype, device=g.device)
-    kw = dict(launch_pdl=True) if GDC else {}
-    silu_k[(n, triton.cdiv(f, 1024))](g, u, out, f, g.stride(0), u.stride(0), BLOCK=1024, USE_GDC=GDC, num_warps=4, **kw)
-    return out
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
+from fixedrate_gpu import graph_ms  # noqa: E402
+from gpu_bench import weights  # noqa: E402
 
-shapes = {"qkv": (12288, 4096), "o": (4096, 4096), "gu": (22016, 4096), "down": (4096, 11008)}
-layers = []
-for i in range(8):
-    ws = weights(shapes, seed=10 + i)
-    layers.append({k: fr.encode(w.cuda()) for k, w in ws.items()})
-nw = torch.ones(4096, device="cuda", dtype=torch.bfloat16)
-out = []
-for n in (1, 32):
-    x0 = torch.randn(n, 4096, device="cuda").bfloat16()
-    def step():
-        x, h = x0, None
-        for L in layers:
-            x, a = norm(x, h, nw)
-            q = fr.linear(a, L["qkv"])
-            a = silu(q[:, :4096], q[:, 4096:8192])
-            o = fr.linear(a, L["o"])
-            x, a = norm(x, o, nw)
-            g = fr.linear(a, L["gu"])
-            a = silu(g[:, :11008], g[:, 11008:])
-            h = fr.linear(a, L["down"])
-        return x, h
-    out.append(f"n={n} {graph_ms(step, 5) * 1e3:.1f} us")
-print(sys.argv[1], "GDC" if GDC else "", " ".join(out), flush=True)
+from cuda_ext import fixedrate as fr  # noqa: E402
+from cuda_ext import step_triton  # noqa: E402
+
+SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gu": (22016, 4096), "down": (4096, 11008)}   # [out, in]
+_PDL = step_triton._pdl
+
+
+def set_pdl(on: bool) -> None:
+    """The step kernels' launches with PDL (the served default on sm_90+) or without it."""
+    step_triton._pdl = _PDL if on else (lambda t: {"GDC": False})
+
+
+def step(x0: torch.Tensor, layers: list[dict], linear, norm_w: torch.Tensor) -> torch.Tensor:
+    x, h = x0, None                                                      # residual stream [n, 4096]
+    for w in layers:
+        x, a = step_triton.add_rms_norm(x, h, norm_w, 1e-5)
+        q = linear(a, w["qkv"])                                          # [n, 12288]
+        o = linear(step_triton.silu_mul(q[:, :4096], q[:, 4096:8192]), w["o"])
+        x, a = step_triton.add_rms_norm(x, o, norm_w, 1e-5)
+        g = linear(a, w["gu"])                                           # [n, 22016]
+        h = linear(step_triton.silu_mul(g[:, :11008], g[:, 11008:]), w["down"])
+    return h
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="1,32")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    decoded = [{k: w.cuda() for k, w in weights(SHAPES, seed=10 + i).items()} for i in range(args.layers)]
+    modes = {"decoded": (decoded, F.linear),
+             "compressed": ([{k: fr.encode(w) for k, w in ws.items()} for ws in decoded], fr.linear)}
+    norm_w = torch.ones(4096, device="cuda", dtype=torch.bfloat16)
+    print(f"{torch.cuda.get_device_name()}, {args.layers} layers of the 7B shapes, one graph a step (us)")
+    for n in map(int, args.rows.split(",")):
+        x0 = torch.randn(n, 4096, device="cuda").bfloat16()
+        for mode, (layers, linear) in modes.items():
+            times = {True: [], False: []}
+            for _ in range(args.rounds):
+                for on in (True, False):
+                    set_pdl(on)
+                    times[on].append(graph_ms(lambda: step(x0, layers, linear, norm_w), 5) * 1e3)
+            set_pdl(True)
+            on, off = min(times[True]), min(times[False])
+            print(f"rows {n:3d} {mode:10s} PDL {on:8.1f}  without {off:8.1f}  ratio {on / off:.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
