@@ -23,7 +23,9 @@ import triton.language as tl
 # request their first tiles of W while it runs (cuda_ext/csrc/fixedrate_mma.cu).
 @functools.lru_cache(maxsize=None)
 def _pdl_device(index: int) -> bool:
-    return hasattr(tl.extra.cuda, "gdc_wait") and torch.cuda.get_device_capability(index)[0] >= 9
+    """NVIDIA sm_90+ with a Triton that has gdc_wait (ROCm reports MI300 as capability 9.4: no PDL there)."""
+    return (torch.version.hip is None and hasattr(tl.extra.cuda, "gdc_wait")
+            and torch.cuda.get_device_capability(index)[0] >= 9)
 
 
 def _pdl(t: torch.Tensor) -> dict:
