@@ -54,6 +54,11 @@ def graph_ms(fn, reps: int, trials: int = 7) -> float:
 SERVED = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",)}
 
 
+def served_shapes(layer: dict) -> dict:
+    """[out, in] of the layer's matrices joined as the server joins them (SERVED)."""
+    return {k: (sum(layer[p][0] for p in parts), layer[parts[0]][1]) for k, parts in SERVED.items()}
+
+
 def served_form(decoded: dict, frs: dict) -> tuple[dict, dict]:
     """The layer's matrices joined as the server joins them (SERVED), decoded and fixed-rate."""
     return ({k: torch.cat([decoded[p] for p in parts]) for k, parts in SERVED.items()},

@@ -30,7 +30,7 @@ def _pdl_device(index: int) -> bool:
 
 def _pdl(t: torch.Tensor) -> dict:
     """The launch's PDL arguments for kernels on t's device: GDC (the kernel's constexpr) and launch_pdl."""
-    on = t.is_cuda and _pdl_device(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    on = t.is_cuda and _pdl_device(t.device.index)                      # a CUDA tensor's index is set
     return {"GDC": True, "launch_pdl": True} if on else {"GDC": False}
 
 

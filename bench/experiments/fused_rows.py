@@ -17,12 +17,12 @@ import torch
 import torch.nn.functional as F
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
-from fixedrate_gpu import graph_ms  # noqa: E402
-from gpu_bench import weights  # noqa: E402
+from fixedrate_gpu import graph_ms, served_shapes  # noqa: E402
+from gpu_bench import LAYER, weights  # noqa: E402
 
 from cuda_ext import fixedrate as fr  # noqa: E402
 
-SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gu": (22016, 4096), "down": (4096, 11008)}   # [out, in]
+SHAPES = served_shapes(LAYER)        # the 7B layer joined: qkv [12288, 4096], o, gate_up [22016, 4096], down
 
 
 def main() -> None:

@@ -18,13 +18,13 @@ import torch
 import torch.nn.functional as F
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
-from fixedrate_gpu import graph_ms  # noqa: E402
-from gpu_bench import weights  # noqa: E402
+from fixedrate_gpu import graph_ms, served_shapes  # noqa: E402
+from gpu_bench import LAYER, weights  # noqa: E402
 
 from cuda_ext import fixedrate as fr  # noqa: E402
 from cuda_ext import step_triton  # noqa: E402
 
-SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gu": (22016, 4096), "down": (4096, 11008)}   # [out, in]
+SHAPES = served_shapes(LAYER)        # the 7B layer joined: qkv [12288, 4096], o, gate_up [22016, 4096], down
 _PDL = step_triton._pdl
 
 
@@ -40,7 +40,7 @@ def step(x0: torch.Tensor, layers: list[dict], linear, norm_w: torch.Tensor) -> 
         q = linear(a, w["qkv"])                                          # [n, 12288]
         o = linear(step_triton.silu_mul(q[:, :4096], q[:, 4096:8192]), w["o"])
         x, a = step_triton.add_rms_norm(x, o, norm_w, 1e-5)
-        g = linear(a, w["gu"])                                           # [n, 22016]
+        g = linear(a, w["gate_up"])                                      # [n, 22016]
         h = linear(step_triton.silu_mul(g[:, :11008], g[:, 11008:]), w["down"])
     return h
 
