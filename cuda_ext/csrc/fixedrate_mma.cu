@@ -14,6 +14,8 @@
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 
+#include <atomic>
+
 #include "fixedrate_gemv.cuh"
 
 namespace wcodec {
@@ -45,10 +47,14 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
-bool pdl_on() {
+bool pdl_on() {                                                     // the device's answer asked once, then kept
+  static std::atomic<int8_t> known[64] = {};                        // 0 not asked, 1 no, 2 yes
   int dev = 0, major = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev < 64)
+    if (const int8_t k = known[dev].load(std::memory_order_relaxed)) return k == 2;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  if (dev < 64) known[dev].store(major >= 9 ? 2 : 1, std::memory_order_relaxed);
   return major >= 9;
 }
 
