@@ -10,6 +10,9 @@ fi
 if [ -f .extbuild/target ]; then              # built here by scripts/gpu/prebuild.sh: no JIT build on the box
   T_EXT=$(cat .extbuild/target); mkdir -p "$T_EXT"          # replaced when it differs: a warm box may hold another build
   cmp -s .extbuild/wcodec_ext_cuda.so "$T_EXT/wcodec_ext_cuda.so" || cp .extbuild/wcodec_ext_cuda.so "$T_EXT/"
+  want=$(python3 -c "import cuda_ext.build as b; print(b._cache_dir(True))" 2>/dev/null)   # sources edited since the prebuild?
+  [ "$want" = "$T_EXT" ] || echo "env.sh: .extbuild is a build of other sources or flags ($T_EXT; these sources want" \
+    "${want:-?}): rerun scripts/gpu/prebuild.sh here, or the first import JIT-builds (45-70 s) and a swapped-in library is not the one loaded" >&2
 fi
 stage() { local t0=$SECONDS; echo "== $1"; shift; "$@"; local rc=$?; echo "   ($((SECONDS - t0))s, rc=$rc)"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
