@@ -1,5 +1,6 @@
 # Sourced by scripts/gpu/run.sh on a lent GPU (repo root): environment, carried wheels (.whl*/
 # folders, installed to /tmp/site once per machine), $OUT, and `stage NAME CMD...` (timed, with its rc).
+[ -f .extbuild/arch ] && : "${TORCH_CUDA_ARCH_LIST:=$(cat .extbuild/arch)}"   # the carried build's arch: its directory's name holds it
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} WCODEC_EXT_CACHE=${WCODEC_EXT_CACHE:-/tmp/wcodec-ext}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD

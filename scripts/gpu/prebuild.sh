@@ -5,7 +5,7 @@
 # (cuda_ext/build.py's _cache_dir, computed for the box's torch and arch list); env.sh puts it there.
 # If the sources change after this, the directory's name no longer matches and the box JIT-builds.
 #   TORCH_WHEEL=<the box's torch wheel, unpacked: a folder holding torch/include and torch/lib>
-#   TORCH_VERSION (default 2.11.0+cu130), ARCH (default 9.0)
+#   TORCH_VERSION (default 2.11.0+cu130), ARCH (default 9.0a; written to .extbuild/arch, which env.sh exports)
 # Usage (repo root, here): TORCH_WHEEL=/tmp/t211 bash scripts/gpu/prebuild.sh
 set -euo pipefail
 T=${TORCH_WHEEL:?unpack the box torch wheel (pip download torch==2.11.0 --no-deps) and name its folder}/torch
@@ -39,5 +39,5 @@ done
 [ ${#jobs[@]} -eq 0 ] || printf '%s\n' "${jobs[@]}" | xargs -P "$(nproc)" -I{} sh -c '{}'
 c++ "$OBJ"/*.o -shared -fopenmp -L"$T/lib" -lc10 -lc10_cuda -ltorch_cpu -ltorch_cuda -ltorch -L"$CUDA/lib64" -lcudart \
   -o "$OUTD/$NAME.so"
-echo "$TARGET" > "$OUTD/target"
+echo "$TARGET" > "$OUTD/target"; echo "$ARCH" > "$OUTD/arch"
 echo "built $OUTD/$NAME.so for $VERSION sm_$SM; the box loads it from $TARGET"
