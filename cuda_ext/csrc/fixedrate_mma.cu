@@ -214,17 +214,27 @@ __device__ __forceinline__ int escapes_before(const FrArrays& a, int64_t row, in
 
 // The lane's field words of its group of a tile (escapes patched: the quad's entries, the first 4
 // prefetched, lane t's in e), `run` then past the tile's escapes (whole warp calls).
+// kVote: a warp vote skips the patch when no lane's tile has escapes, and another runs the loop
+// over a tile's entries past the 4th. Without them (every tile through shared memory, each lane
+// looping over its own entries between the barriers) 16 and 32 rows ran 1.112-1.113 -> 1.104-1.106
+// and 1.386-1.389 -> 1.369-1.373 of cuBLAS's time, but 1 to 4 rows 0.978-0.980 -> 0.986-0.991 and
+// 1.067 -> 1.082-1.089 (H200, 2026-11-29, bench/experiments/fixedrate_ab.py; docs/BENCHMARKS.md).
+template <bool kVote>
 __device__ __forceinline__ void tile_fields(const FrArrays& a, const FrGroup& tg, bool valid, uint32_t e, int32_t& run,
                                             uint4 (&slot)[2], uint32_t (&f)[8]) {
   const int t = threadIdx.x & 3;
   group_fields(tg, f, valid);
   const int n = tile_escapes(tg);
-  if (__any_sync(0xffffffffu, n != 0)) {
+  if (!kVote || __any_sync(0xffffffffu, n != 0)) {
     fields_to_slot(slot, f);
     __syncwarp();
     if (t < n) patch_entry(slot, e);
-    for (int k = t + 4; __any_sync(0xffffffffu, k - t < n); k += 4)   // a tile with over 4 escapes
-      if (k < n) patch_entry(slot, esc_entry(a, run + k));
+    if constexpr (kVote) {
+      for (int k = t + 4; __any_sync(0xffffffffu, k - t < n); k += 4)   // a tile with over 4 escapes
+        if (k < n) patch_entry(slot, esc_entry(a, run + k));
+    } else {
+      for (int k = t + 4; k < n; k += 4) patch_entry(slot, esc_entry(a, run + k));
+    }
     __syncwarp();
     fields_from_slot(slot, f);
   }
@@ -298,7 +308,7 @@ __device__ __forceinline__ void walk_block(const FrArrays& a, const uint4* __res
   };
   auto step = [&](int s, const FrGroup& tg, uint32_t e, const XEarly<kSlots>& xe) {
     uint32_t f[8];
-    tile_fields(a, tg, kMaskAtLoad || valid(s), e, run, slot, f);
+    tile_fields<kSlots == 1>(a, tg, kMaskAtLoad || valid(s), e, run, slot, f);   // votes up to 8 rows
     tile_mma<kBf16, kSlots>(xw.at + s * xw.tile, xw, xe, tg, f, c);
   };
   if constexpr (kSlots == 1) {                                       // two tiles a turn: registers for both
