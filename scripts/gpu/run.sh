@@ -15,7 +15,9 @@
 #                (SEVEN_B_ARGS: its flags, e.g. --no-sync; WCODEC_PREFILL=0 / WCODEC_EARLY_CUDA=0 reach the child)
 #   tests        tests/gpu: every kernel against the C++ twin and the NumPy reference (GPU_TESTS: other paths)
 #   sanitize     compute-sanitizer memcheck over sample decodes (float and quantized kernels) and the
-#                fixed-rate ops (transcoder, decode, fused linear)
+#                fixed-rate ops (transcoder, decode, fused linear), then racecheck over the fixed-rate
+#                ops (the fused linear's lanes patch each other's fields in shared memory); each
+#                stage's rc is printed, so a script that dies before its first launch shows
 #   sanitize-rows  compute-sanitizer memcheck over gather_host_rows' tests (the embedding gather
 #                from page-locked host memory; the graph test left out, as for sanitize-step)
 #   sanitize-lies  compute-sanitizer over mutated archives through the CUDA decoder (SANITIZE_MUTATIONS)
@@ -74,7 +76,7 @@ for s in ${STAGES:-build tests}; do
     encode-tests) pytest_stage encode-tests encode_tests.log 150 tests/gpu/test_encode_gpu.py -s ;;
     sanitize-encode) stage sanitize-encode timeout "$(left 90)" compute-sanitizer --tool memcheck --error-exitcode 1 \
                        python3 scripts/gpu/sanitize_encode.py > "$OUT/sanitizer_encode.log" 2>&1
-                     grep -E "ERROR SUMMARY|sanitize encode" "$OUT/sanitizer_encode.log" ;;
+                     grep -E "^== |, rc=|ERROR SUMMARY|sanitize encode" "$OUT/sanitizer_encode.log" ;;
     encode-bench) stage encode-bench timeout "$(left 120)" python3 bench/encode_speed.py .encfiles/minilm $ONLY --repeat 3 \
                     --gpu-layers 8 > "$OUT/encode_speed.log" 2>&1; tail -12 "$OUT/encode_speed.log" ;;
     encode-7b) stage encode-7b timeout "$(left 150)" python3 bench/seven_b_encode.py /tmp/seven_b $ONLY ${SEVEN_B_ARGS:-} --device cuda \
@@ -87,11 +89,13 @@ for s in ${STAGES:-build tests}; do
         python3 scripts/gpu/sanitize_quant.py >> "$OUT/sanitizer.log" 2>&1
       stage sanitize-fixedrate timeout "$(left 150)" compute-sanitizer --tool memcheck --error-exitcode 1 \
         python3 scripts/gpu/sanitize_fixedrate.py >> "$OUT/sanitizer.log" 2>&1
-      grep -E "ERROR SUMMARY|sample decode|quantized kernels|fixedrate sanitizer" "$OUT/sanitizer.log" ;;
+      stage racecheck-fixedrate timeout "$(left 150)" compute-sanitizer --tool racecheck --error-exitcode 1 \
+        python3 scripts/gpu/sanitize_fixedrate.py >> "$OUT/sanitizer.log" 2>&1
+      grep -E "^== |, rc=|ERROR SUMMARY|RACECHECK SUMMARY|sample decode|quantized kernels|fixedrate sanitizer" "$OUT/sanitizer.log" ;;
     sanitize-lies)
       stage sanitize-lies timeout "$(left 400)" compute-sanitizer --tool memcheck --error-exitcode 1 \
         python3 scripts/gpu/sanitize_lies.py "${SANITIZE_MUTATIONS:-200}" > "$OUT/sanitizer_lies.log" 2>&1
-      grep -E "ERROR SUMMARY|sanitized mutations" "$OUT/sanitizer_lies.log" | tail -4 ;;
+      grep -E ", rc=|ERROR SUMMARY|sanitized mutations" "$OUT/sanitizer_lies.log" | tail -5 ;;
     service) WCODEC_GPU_MUTATIONS="${MUTATIONS:-60}" WCODEC_GPU_CYCLES=5 pytest_stage service service_tests.log 300 \
                tests/service/test_gpu.py tests/service/test_gpu_reliability.py ;;
     engine) [ -n "${DEMO:-}" ] && demo_package    # without DEMO the demo's token test skips, the tiny ones run
@@ -104,11 +108,11 @@ for s in ${STAGES:-build tests}; do
     sanitize-rows) PYTORCH_NO_CUDA_MEMORY_CACHING=1 stage sanitize-rows timeout "$(left 120)" compute-sanitizer \
                      --tool memcheck --error-exitcode 1 python3 -m pytest -q -p no:cacheprovider \
                      tests/gpu/test_host_rows_cuda.py -k "not captured" > "$OUT/sanitizer_rows.log" 2>&1
-                   grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitizer_rows.log" | tail -3 ;;
+                   grep -E ", rc=|ERROR SUMMARY|passed|failed" "$OUT/sanitizer_rows.log" | tail -4 ;;
     sanitize-step) PYTORCH_NO_CUDA_MEMORY_CACHING=1 stage sanitize-step timeout "$(left 240)" compute-sanitizer \
                      --tool memcheck --error-exitcode 1 python3 -m pytest -q -p no:cacheprovider \
                      tests/gpu/test_step_kernels.py -k "not fuzzed and not modules_step" > "$OUT/sanitizer_step.log" 2>&1
-                   grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitizer_step.log" | tail -3 ;;
+                   grep -E ", rc=|ERROR SUMMARY|passed|failed" "$OUT/sanitizer_step.log" | tail -4 ;;
     demo) demo_package
           pytest_stage demo demo_tests.log 300 tests/service/model/test_compressed.py tests/service/model/test_quantized.py tests/service/model/test_fixed.py \
             -k cuda ;;

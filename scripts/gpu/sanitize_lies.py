@@ -6,7 +6,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repo (this file is in scripts/gpu/)
 
 from tests.faults.archives import base_archive, mutate, outcome, readers  # noqa: E402
 

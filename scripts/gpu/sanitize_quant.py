@@ -13,7 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]                # the repo (this file is in scripts/gpu/)
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 import numpy as np  # noqa: E402
