@@ -229,12 +229,8 @@ __device__ __forceinline__ void tile_fields(const FrArrays& a, const FrGroup& tg
     fields_to_slot(slot, f);
     __syncwarp();
     if (t < n) patch_entry(slot, e);
-    if constexpr (kVote) {
-      for (int k = t + 4; __any_sync(0xffffffffu, k - t < n); k += 4)   // a tile with over 4 escapes
-        if (k < n) patch_entry(slot, esc_entry(a, run + k));
-    } else {
-      for (int k = t + 4; k < n; k += 4) patch_entry(slot, esc_entry(a, run + k));
-    }
+    for (int k = t + 4; kVote ? __any_sync(0xffffffffu, k - t < n) : k < n; k += 4)   // a tile with over 4 escapes
+      if (k < n) patch_entry(slot, esc_entry(a, run + k));
     __syncwarp();
     fields_from_slot(slot, f);
   }
