@@ -122,12 +122,13 @@ def estimate_bytes(entries, scratch: int, form: str = "indexed", host: frozenset
     """Device bytes a model takes in compressed-resident mode, from its header: GGUF matrices'
     blocks and their scratch (quantized.py); float matrices in the fixed-rate form (fixed.py), or
     else the decoder layers' kept streams, their index and `scratch` scratch buffers; the rest
-    decoded, but for the tensors the fixed form keeps on the host (`host`: fixed.host_names)."""
+    decoded, but for the tensors the fixed form keeps on the host (`host`: fixed.host_names, if
+    the form holds them)."""
     blocks = [e for e in entries if quantized.keeps(e)]
     if form == "fixed":                 # outside the layers (a head, the embedding): counted decoded
         matrices = [e for e in entries if fixed.keeps(e) and e.layer is not None]
         ids = {id(e) for e in blocks + matrices}
-        rest = sum(e.nbytes for e in entries if id(e) not in ids and e.name not in host)
+        rest = sum(e.nbytes for e in entries if id(e) not in ids and not (e.name in host and fixed.keeps(e)))
         return quantized.estimate_bytes(blocks) + fixed.estimate_bytes(matrices) + rest
     kept = [e for e in entries if stays_compressed(e)]
     streams = sum(r["length"] for e in kept for r in e.streams.values())

@@ -41,8 +41,20 @@ def form_for(setting: str, device: torch.device) -> str:
 
 
 def keeps(e) -> bool:
-    """Whether the fixed form holds a tensor: a float-coded 16-bit matrix."""
-    return e.codec == CODEC_FLOAT and len(e.shape) == 2 and e.torch_dtype in (torch.bfloat16, torch.float16)
+    """Whether the fixed form holds a tensor: a float-coded bf16 matrix. An fp16 matrix stays
+    decoded: its 5-bit exponent leaves 3 mantissa bits in the form's 8-bit field, so a tile's
+    window of 8 fields spans one binade and most weights escape (a trained-like fp16 matrix: 65 %
+    escaped, 1.35 of fp16's bytes; FORMAT.md §6): more memory than fp16, and a matmul patching most weights."""
+    return _float_matrix(e) and e.torch_dtype == torch.bfloat16
+
+
+def passed_over(entries) -> list:
+    """The decoder layers' float-coded fp16 matrices, which this form leaves decoded (`keeps`)."""
+    return [e for e in entries if e.layer is not None and _float_matrix(e) and e.torch_dtype == torch.float16]
+
+
+def _float_matrix(e) -> bool:
+    return e.codec == CODEC_FLOAT and len(e.shape) == 2
 
 
 def estimate_bytes(kept: list) -> int:

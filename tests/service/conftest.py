@@ -67,7 +67,7 @@ def _tiny_tokenizer(folder: Path):
     return fast
 
 
-def _tiny_llama(folder: Path, tied: bool) -> Path:
+def _tiny_llama(folder: Path, tied: bool, dtype: str = "bfloat16") -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -78,7 +78,7 @@ def _tiny_llama(folder: Path, tied: bool) -> Path:
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                          tie_word_embeddings=tied, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model = LlamaForCausalLM(config).to(getattr(torch, dtype))
     state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight" or not tied}
     files = {p.name: p.read_bytes() for p in folder.iterdir()} | {"config.json": config.to_json_string().encode()}
     path = folder / "tiny.wcodec"
@@ -97,6 +97,12 @@ def tiny_archive(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def untied_tiny_archive(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """tiny_archive with a head of its own (as Llama-2 and -3 have)."""
     return _tiny_llama(tmp_path_factory.mktemp("untied"), tied=False)
+
+
+@pytest.fixture(scope="session")
+def fp16_tiny_archive(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """untied_tiny_archive in fp16 (as Llama-2's checkpoints are)."""
+    return _tiny_llama(tmp_path_factory.mktemp("fp16"), tied=False, dtype="float16")
 
 
 @pytest.fixture

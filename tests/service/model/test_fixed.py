@@ -90,6 +90,35 @@ def test_same_tokens_as_decoded_mode_on_cuda(dense_demo_archive, batch) -> None:
                        batch, exact_logits=False, to_end_of_turn=True)
 
 
+def test_fp16_matrices_stay_decoded(fp16_tiny_archive, untied_tiny_archive, caplog) -> None:
+    """The form holds bf16 matrices only: on fp16 weights it is larger than fp16 (why, below), so
+    an fp16 model's matrices stay decoded in this form, its estimate counts them (and its
+    embedding table, which stays on the device) decoded, and the load says so."""
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(64, 1024, generator=g) * 0.02 * torch.exp(0.35 * torch.randn(64, 1, generator=g))).half()
+    assert fixedrate.encode(w).nbytes > 1.3 * w.nbytes                 # 65 % escaped
+    with Archive.open(fp16_tiny_archive) as archive:
+        entries = archive.entries
+    matrices = [e for e in entries if e.layer is not None and len(e.shape) == 2 and e.codec == "float"]
+    assert len(matrices) >= 10 and all(e.torch_dtype == torch.float16 for e in matrices)
+    assert not any(fixed.keeps(e) for e in entries) and fixed.passed_over(entries) == matrices
+    host = frozenset({fixed.EMBEDDING})                       # what host_names gives an untied model
+    estimate = compressed.estimate_bytes(entries, scratch=2, form="fixed", host=host)
+    assert estimate == sum(e.nbytes for e in entries)
+    with Archive.open(untied_tiny_archive) as archive:        # bf16: the form and the host table count
+        bf16 = archive.entries
+    assert compressed.estimate_bytes(bf16, 2, "fixed", host) < compressed.estimate_bytes(bf16, 2, "fixed") \
+        < sum(e.nbytes for e in bf16)
+    with caplog.at_level("WARNING", logger="wcodec.service"):
+        packed = served(fp16_tiny_archive, "compressed")
+    assert f"{len(matrices)} float16 matrices" in caplog.text and "stay decoded" in caplog.text
+    decoded = served(fp16_tiny_archive, "decoded")
+    assert not any(isinstance(x, (fixed.FixedLinear, fixed.HostEmbedding)) for x in packed.model.modules())
+    assert packed.weight_bytes == decoded.weight_bytes == estimate
+    want = decoded.model.state_dict()
+    assert all(torch.equal(t, want[k]) for k, t in packed.model.state_dict().items())
+
+
 def test_joined_projections_are_views_of_one_form() -> None:
     """paged.fuse_projections on FixedLinears: one FixedLinear over the stacked forms, each part's
     arrays row views of it (no byte twice), the joined matmul giving each part's outputs."""
