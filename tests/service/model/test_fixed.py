@@ -90,7 +90,8 @@ def test_same_tokens_as_decoded_mode_on_cuda(dense_demo_archive, batch) -> None:
                        batch, exact_logits=False, to_end_of_turn=True)
 
 
-def test_fp16_matrices_stay_decoded(fp16_tiny_archive, untied_tiny_archive, caplog) -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_fp16_matrices_stay_decoded(fp16_tiny_archive, untied_tiny_archive, caplog, device) -> None:
     """The form holds bf16 matrices only: on fp16 weights it is larger than fp16 (why, below), so
     an fp16 model's matrices stay decoded in this form, its estimate counts them (and its
     embedding table, which stays on the device) decoded, and the load says so."""
@@ -110,9 +111,9 @@ def test_fp16_matrices_stay_decoded(fp16_tiny_archive, untied_tiny_archive, capl
     assert compressed.estimate_bytes(bf16, 2, "fixed", host) < compressed.estimate_bytes(bf16, 2, "fixed") \
         < sum(e.nbytes for e in bf16)
     with caplog.at_level("WARNING", logger="wcodec.service"):
-        packed = served(fp16_tiny_archive, "compressed")
+        packed = served(fp16_tiny_archive, "compressed", device)
     assert f"{len(matrices)} float16 matrices" in caplog.text and "stay decoded" in caplog.text
-    decoded = served(fp16_tiny_archive, "decoded")
+    decoded = served(fp16_tiny_archive, "decoded", device)
     assert not any(isinstance(x, (fixed.FixedLinear, fixed.HostEmbedding)) for x in packed.model.modules())
     assert packed.weight_bytes == decoded.weight_bytes == estimate
     want = decoded.model.state_dict()
