@@ -236,10 +236,11 @@ def decode_archive(path: str | Path, device: torch.device, *, ring: int = 4, ver
     layers: list[compressed.CompressedLayer] = []
     blocks: dict[str, quant.QuantBlocks] = {}
     fixed_form = {} if form == "fixed" else None
-    if compressed and fixed_form is not None and (fp16 := fixed.passed_over(entries)):
-        log.warning("%s: %d float16 matrices (%.2f GB) stay decoded: the fixed-rate form holds bf16 matrices "
+    if compressed and fixed_form is not None and (left := fixed.passed_over(entries)):
+        log.warning("%s: %d %s matrices (%.2f GB) stay decoded: the fixed-rate form holds bf16 matrices only "
                     "(on fp16 weights it is larger than fp16); WCODEC_COMPRESSED_FORM=indexed keeps them compressed",
-                    Path(path).name, len(fp16), sum(e.nbytes for e in fp16) / 1e9)
+                    Path(path).name, len(left), "/".join(sorted({e.dtype for e in left})),
+                    sum(e.nbytes for e in left) / 1e9)
     decode = _keeping(layers, blocks, fixed_form) if compressed else _decode
     file = ArchiveFile(path, direct) if early is None else None
     try:

@@ -49,8 +49,8 @@ def keeps(e) -> bool:
 
 
 def passed_over(entries) -> list:
-    """The decoder layers' float-coded fp16 matrices, which this form leaves decoded (`keeps`)."""
-    return [e for e in entries if e.layer is not None and _float_matrix(e) and e.torch_dtype == torch.float16]
+    """The decoder layers' float-coded matrices this form leaves decoded (`keeps`): fp16 and fp32."""
+    return [e for e in entries if e.layer is not None and _float_matrix(e) and not keeps(e)]
 
 
 def _float_matrix(e) -> bool:
