@@ -23,13 +23,12 @@ from . import ops
 from .build import ensure_loaded
 
 FUSED_MAX_ROWS = 64            # cuda_ext/csrc/fixedrate_gemv.cuh kFrMaxRows (the tensor-core kernel's)
-FUSED_ROWS = 32                # the default's fused rows. Above them decode + cuBLAS: on an H200 the
-                               # fused op at 40-64 rows is slower (the served 7B layer 2.76-2.84 of
-                               # cuBLAS's time against 2.69-2.74, 2026-11-29, bench/experiments/
-                               # fused_rows.py); on an H100 it was faster at 64 (an 8B layer 0.573 vs
-                               # 0.711 ms, 2026-11-27), but prompts of 33-64 tokens then left cuBLAS's
-                               # sums and the demo's greedy tokens in compressed mode parted from decoded
-                               # mode's at a near-tie (a haiku, token 8)
+FUSED_ROWS = 64                # the default's fused rows. Above them decode + cuBLAS. From 17 rows the
+                               # fused op is wide_kernel (16 rows of W a warp against up to 8 n8 tiles
+                               # of x): an 8B layer at 48 / 64 rows 1.54 / 1.72 of cuBLAS's time against
+                               # 2.38 for decode + cuBLAS (H200, 2026-11-29). Its sums are the 1-16-row
+                               # kernels' (a row's do not depend on its batch), not cuBLAS's: a prompt of
+                               # up to 64 tokens is prefilled by it in compressed mode (32 before)
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 ARRAYS = ("plane", "lo", "hi", "tile", "esc", "esc_start")   # the ops' array arguments, in order
 

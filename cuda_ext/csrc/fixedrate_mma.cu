@@ -1,13 +1,14 @@
 // The fused y = x W^T on tensor cores (mma.sync m16n8k16, float32 accumulation) for 1..64 rows of
-// x (up to four m16 tiles share each decoded B fragment), W in the fixed-rate form. A warp takes 8
-// rows of W; lane (n, t) = (lane / 4, lane % 4)
+// x, W in the fixed-rate form. Up to 16 rows (mma_kernel; from 9 rows an m16 tile or two of x share
+// each decoded B fragment) a warp takes 8 rows of W; lane (n, t) = (lane / 4, lane % 4)
 // decodes group t of the current 128-weight tile of row n into 16 bf16/fp16 pairs, which are
 // exactly its B fragments: mma j (0..7) takes pairs 2j and 2j + 1 (k = 32t + 4j + {0, 1} and
 // + {2, 3}), a permutation of k inside the tile that the x (A) fragments follow. So the decoded
 // weights never leave registers and need no shuffle. C: batch row lane / 4 (+ 8, + 16m), W rows 2t, 2t + 1.
 // Up to 8 rows the roles swap, so that x's loaded words are B as they are: up to 4 rows the same
 // registers are A's rows r (A's rows r + 8 are any bits, and C's rows r + 8 are not read), and from
-// 5 to 8 rows a warp takes 16 rows of W (walk_block_w16).
+// 5 to 8 rows a warp takes 16 rows of W (walk_block_w16). From 17 rows wide_kernel: W as A, 16 rows
+// a warp, against up to 8 n8 tiles of x as B.
 // Escapes: the row's block start plus a running count of the tiles' escapes gives a tile's first
 // entry; lane t of a quad requests the tile's entry t with the tile ahead, and the quad patches its
 // tile's 128 field bytes through shared memory.
@@ -162,10 +163,9 @@ __device__ __forceinline__ void load_x_early(const uint4* __restrict__ xt, const
 
 // Chunks of x a tile step requests early: all 4. At 9-16 rows with 5 CTAs an SM (91 registers), an
 // 8B layer 1.42 -> 1.29 of cuBLAS's time; up to 8 rows with 6 (80 registers), 1.09 -> 1.07 at 1 row
-// and 1.17 -> 1.145 at 4 (H200, 2026-11-28; 5 CTAs or 2 chunks gained less). At 17-32 rows 2 (a
-// chunk of x's slots holds 16 registers a slot), with 4 CTAs: 1.72 -> 1.67. From 33 rows none.
+// and 1.17 -> 1.145 at 4 (H200, 2026-11-28; 5 CTAs or 2 chunks gained less).
 template <int kSlots>
-constexpr int kXEarly = kSlots <= 2 ? 4 : kSlots == 4 ? 2 : 0;
+constexpr int kXEarly = 4;
 
 template <int kSlots>
 using XEarly = uint4[kXEarly<kSlots> ? kXEarly<kSlots> : 1][kSlots];   // x's early chunks of a tile
@@ -342,14 +342,63 @@ __device__ __forceinline__ void walk_block(const FrArrays& a, const uint4* __res
   }
 }
 
+// Rows r and r + 8 of a warp's 16 rows of W (W as the mma's A operand): lane (r, t) decodes group t
+// of a tile of both. A tile's two groups and their escape entries t, and their fields with the
+// tile's escapes patched in one pass (tile_fields' steps for two slots; written as one helper with
+// tile_fields, the compiler laid walk_block_w16's loop out differently, 3 728 -> 3 744 instructions,
+// so the form proven on the GPU stays).
+struct PairTile {
+  FrGroup ga, gb;
+  uint32_t ea, eb;                                                   // their escape entry t
+};
+
+template <bool kFull>
+__device__ __forceinline__ PairTile fetch_pair(const FrArrays& a, GroupCursor& ca, GroupCursor& cb, int64_t row_a,
+                                               int64_t row_b, int64_t gr, bool valid, int32_t ra, int32_t rb) {
+  PairTile n;                                                        // ra, rb: the tile's first entries
+  if constexpr (kFull) {
+    n.ga = ca.next(a), n.gb = cb.next(a);
+  } else {
+    n.ga = load_group(a, row_a, gr, valid), n.gb = load_group(a, row_b, gr, valid);
+  }
+  const int t = threadIdx.x & 3;
+  n.ea = esc_entry32(a, ra + t), n.eb = esc_entry32(a, rb + t);
+  return n;
+}
+
+__device__ __forceinline__ void pair_fields(const FrArrays& a, const PairTile& p, int32_t& run_a, int32_t& run_b,
+                                            uint4 (&slot_a)[2], uint4 (&slot_b)[2], uint32_t (&fa)[8], uint32_t (&fb)[8]) {
+  const int t = threadIdx.x & 3;
+  group_fields(p.ga, fa), group_fields(p.gb, fb);
+  const int na = tile_escapes(p.ga), nb = tile_escapes(p.gb);
+  if (__any_sync(0xffffffffu, (na | nb) != 0)) {                    // the two rows' escapes in one pass
+    fields_to_slot(slot_a, fa), fields_to_slot(slot_b, fb);
+    __syncwarp();
+    if (t < na) patch_entry(slot_a, p.ea);
+    if (t < nb) patch_entry(slot_b, p.eb);
+    for (int k = t + 4; __any_sync(0xffffffffu, k - t < max(na, nb)); k += 4) {   // a tile with over 4 escapes
+      if (k < na) patch_entry(slot_a, esc_entry32(a, run_a + k));
+      if (k < nb) patch_entry(slot_b, esc_entry32(a, run_b + k));
+    }
+    __syncwarp();
+    fields_from_slot(slot_a, fa), fields_from_slot(slot_b, fb);
+  }
+  run_a += na, run_b += nb;
+}
+
+// The running escape counts of rows a and b at tile s0 of block blk.
+__device__ __forceinline__ void pair_runs(const FrArrays& a, int64_t row_a, int64_t row_b, int64_t blk, int s0,
+                                          int32_t& run_a, int32_t& run_b) {
+  run_a = a.esc_start[row_a * a.blocks + blk], run_b = a.esc_start[row_b * a.blocks + blk];
+  if (s0) run_a += escapes_before(a, row_a, blk, s0), run_b += escapes_before(a, row_b, blk, s0);
+}
+
 // From kWARows to 8 rows of x, W is the A operand and x the B: a warp takes 16 rows of W, lane (r, t)
 // decoding group t of the tile of rows r and r + 8 (A's rows r, r + 8: a0, a2 = pairs 2q, 2q + 1 of
 // row r, a1, a3 row r + 8's), and B (k slots 2t, 2t + 8 of x row r) is x's 16-byte word as loaded:
 // b0, b1 = its (x, y) or (z, w). No register moves and one mma for two groups' 4 pairs; C is y's W
 // rows r, r + 8 for x rows 2t, 2t + 1. The k order and the mma sequence are x as A's, and the sums
-// the same bits (tests/gpu/test_fixedrate_cuda.py). The two rows' escapes are patched in one pass
-// (tile_fields' steps for two slots: written as one helper for both walks, the compiler laid this
-// loop out differently, 3 728 -> 3 744 instructions, so the form proven on the GPU stays).
+// the same bits (tests/gpu/test_fixedrate_cuda.py).
 template <bool kBf16, bool kFull>
 __device__ __forceinline__ void walk_block_w16(const FrArrays& a, const uint4* __restrict__ x, int nx, int64_t row_a,
                                                int64_t row_b, int64_t blk, int s0, int tiles, uint4 (&slot_a)[2],
@@ -358,25 +407,13 @@ __device__ __forceinline__ void walk_block_w16(const FrArrays& a, const uint4* _
   const int64_t gr0 = blk * kFrBlockGroups + t;
   const XWords<1> xw(x, a.groups, gr0, (threadIdx.x & 31) >> 2);
   auto valid = [&](int s) { return kFull || gr0 + s * kFrTileGroups < a.groups; };   // tile s's group is not padding
-  int32_t run_a = a.esc_start[row_a * a.blocks + blk], run_b = a.esc_start[row_b * a.blocks + blk];
-  if (s0) run_a += escapes_before(a, row_a, blk, s0), run_b += escapes_before(a, row_b, blk, s0);
+  int32_t run_a, run_b;
+  pair_runs(a, row_a, row_b, blk, s0, run_a, run_b);
   GroupCursor ca(a, row_a, gr0 + s0 * kFrTileGroups), cb(a, row_b, gr0 + s0 * kFrTileGroups);
   const bool x_row = (threadIdx.x & 31) >> 2 < nx;                   // the lane's x row exists
   const uint4* xc = xw.at + s0 * xw.tile;                            // x's words of the next tile
-  struct Tile {                                                      // rows r and r + 8's groups of a tile
-    FrGroup ga, gb;
-    uint32_t ea, eb;                                                 // their escape entry t
-  };
-  auto fetch = [&](int s, int32_t ra, int32_t rb) {                  // tiles in order; ra, rb: its first entries
-    Tile n;
-    if constexpr (kFull) {
-      n.ga = ca.next(a), n.gb = cb.next(a);
-    } else {
-      const int64_t gr = gr0 + s * kFrTileGroups;
-      n.ga = load_group(a, row_a, gr, valid(s)), n.gb = load_group(a, row_b, gr, valid(s));
-    }
-    n.ea = esc_entry32(a, ra + t), n.eb = esc_entry32(a, rb + t);
-    return n;
+  auto fetch = [&](int s, int32_t ra, int32_t rb) {                  // tiles in order
+    return fetch_pair<kFull>(a, ca, cb, row_a, row_b, gr0 + s * kFrTileGroups, valid(s), ra, rb);
   };
   auto x_early = [&](int s, XEarly<1>& xe) {
 #pragma unroll
@@ -386,23 +423,9 @@ __device__ __forceinline__ void walk_block_w16(const FrArrays& a, const uint4* _
     }
     xc += xw.tile;
   };
-  auto step = [&](const Tile& p, const XEarly<1>& xe) {
+  auto step = [&](const PairTile& p, const XEarly<1>& xe) {
     uint32_t fa[8], fb[8];
-    group_fields(p.ga, fa), group_fields(p.gb, fb);
-    const int na = tile_escapes(p.ga), nb = tile_escapes(p.gb);
-    if (__any_sync(0xffffffffu, (na | nb) != 0)) {                  // the two rows' escapes in one pass
-      fields_to_slot(slot_a, fa), fields_to_slot(slot_b, fb);
-      __syncwarp();
-      if (t < na) patch_entry(slot_a, p.ea);
-      if (t < nb) patch_entry(slot_b, p.eb);
-      for (int k = t + 4; __any_sync(0xffffffffu, k - t < max(na, nb)); k += 4) {   // a tile with over 4 escapes
-        if (k < na) patch_entry(slot_a, esc_entry32(a, run_a + k));
-        if (k < nb) patch_entry(slot_b, esc_entry32(a, run_b + k));
-      }
-      __syncwarp();
-      fields_from_slot(slot_a, fa), fields_from_slot(slot_b, fb);
-    }
-    run_a += na, run_b += nb;
+    pair_fields(a, p, run_a, run_b, slot_a, slot_b, fa, fb);
 #pragma unroll
     for (int q = 0; q < 8; ++q) {                                    // chunk q / 2 of x, half q % 2
       const uint4& xv = xe[q / 2][0];
@@ -412,7 +435,7 @@ __device__ __forceinline__ void walk_block_w16(const FrArrays& a, const uint4* _
       mma16816<kBf16>(c, a0, a1, a2, a3, q % 2 ? xv.z : xv.x, q % 2 ? xv.w : xv.y);
     }
   };
-  Tile even = fetch(s0, run_a, run_b), odd{};                        // two tiles a turn: registers for both
+  PairTile even = fetch(s0, run_a, run_b), odd{};                    // two tiles a turn: registers for both
   XEarly<1> xe = {};
   if (wait) pdl_wait(), wait = false;                                // W's first tile requested
   for (int s = s0; s < tiles; s += 2) {                              // warp-uniform
@@ -426,13 +449,146 @@ __device__ __forceinline__ void walk_block_w16(const FrArrays& a, const uint4* _
   }
 }
 
-// CTAs an SM the registers must allow: at 32 rows 4 (128 registers with 2 of x's chunks early, 4
-// bytes spilled; without them 5 with 96 was faster than 4 with 98); at 16 rows 5 (91 registers with
+// From kWideRows rows of x: W as A (16 rows of W a warp, walk_block_w16's decode) against up to 8
+// n8 tiles of x as B (C: W rows r, r + 8, x rows 8j + 2t, 8j + 2t + 1 of n-tile j), 8 warps a CTA
+// on one range of K, so that 128 rows of W share each x word through L1. x is first permuted
+// (permute_xb) so that a warp's load of a half-tile q of n-tile j is 256 consecutive bytes:
+//   xq = [tiles] [8 halves q] [kNT n-tiles j] [32 lanes (r, t)] of uint2 {x[8j + r][p], x[8j + r][p + 1]},
+//   p = 16 (4 tile + t) + 2q (x's pairs), zeros past nx and past the row's groups,
+// and each half's kNT words are requested before the half ahead's mma (asm volatile, so the
+// compiler does not hoist a tile's 8 kNT words into registers). K is cut as mma_kernel cuts it
+// and the ranges' float32 sums are added in its order (sum_parts), so a row of x gets the same
+// bits as in the 1-16-row kernels: a row's sums do not depend on its batch. Two tiles a turn (no
+// copy of the tile in flight) and no registers bound: up to 255 registers, one CTA an SM. An 8B
+// layer's seven matmuls at 17 / 24 / 32 / 48 / 64 rows: 1.43 / 1.37 / 1.38 / 2.71 / 2.78 of cuBLAS's
+// time (x as A, 8 rows of W a warp, 4 warps a CTA) -> 1.35 / 1.32 / 1.41 / 1.54 / 1.72; the 7B
+// layer's 1.41 / 1.35 / 1.36 / 2.75 / 2.87 -> 1.30 / 1.25 / 1.33 / 1.49 / 1.73 (H200, 2026-11-29,
+// bench/experiments/fixedrate_ab.py). Slower there: a tile copied each step (64 rows 1.85), 12 or
+// 16 warps a CTA (168 or 128 registers, spills: 2.10, 2.34), two CTAs of 8 (2.37), two tiles in
+// flight (1.80), x's next tiles or W's plane lines prefetched to L1 or L2 (level or 1.78).
+constexpr int kWideWarps = 8;
+constexpr int kWideRows = 17;
+
+__global__ void permute_xb_kernel(const uint32_t* __restrict__ x, int64_t groups, int nx, int nt, int64_t units,
+                                  uint2* __restrict__ xq) {
+  pdl_trigger();
+  pdl_wait();
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= units) return;
+  const int lane = static_cast<int>(i % 32), j = static_cast<int>(i / 32 % nt);
+  const int64_t u = i / 32 / nt;                                    // tile * 8 + q
+  const int q = static_cast<int>(u % 8), r = 8 * j + lane / 4;
+  const int64_t gr = u / 8 * kFrTileGroups + lane % 4;
+  uint2 v = make_uint2(0, 0);
+  if (r < nx && gr < groups) {
+    const uint32_t* p = x + (r * groups + gr) * (kFrGroup / 2) + 2 * q;
+    v = make_uint2(p[0], p[1]);
+  }
+  xq[i] = v;
+}
+
+__device__ __forceinline__ uint2 ld_x2(const uint2* p) {           // asm volatile: stays where it is written
+  uint2 v;
+  asm volatile("ld.global.nc.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+
+template <bool kBf16, int kNT, bool kFull>
+__device__ __forceinline__ void walk_block_wide(const FrArrays& a, const uint2* __restrict__ xq, int64_t row_a,
+                                                int64_t row_b, int64_t blk, int s0, int tiles, uint4 (&slot_a)[2],
+                                                uint4 (&slot_b)[2], float (&c)[kNT][4], bool& wait) {
+  const int64_t gr0 = blk * kFrBlockGroups + (threadIdx.x & 3);
+  auto valid = [&](int s) { return kFull || gr0 + s * kFrTileGroups < a.groups; };   // tile s's group is not padding
+  int32_t run_a, run_b;
+  pair_runs(a, row_a, row_b, blk, s0, run_a, run_b);
+  GroupCursor ca(a, row_a, gr0 + s0 * kFrTileGroups), cb(a, row_b, gr0 + s0 * kFrTileGroups);
+  const uint2* xc = xq + (blk * kFrBlockTiles + s0) * (8 * kNT * 32) + (threadIdx.x & 31);   // the next tile's x
+  auto fetch = [&](int s, int32_t ra, int32_t rb) {                  // tiles in order
+    return fetch_pair<kFull>(a, ca, cb, row_a, row_b, gr0 + s * kFrTileGroups, valid(s), ra, rb);
+  };
+  auto step = [&](const PairTile& p) {
+    uint32_t fa[8], fb[8];
+    pair_fields(a, p, run_a, run_b, slot_a, slot_b, fa, fb);
+    uint2 xb[2][kNT];
+#pragma unroll
+    for (int j = 0; j < kNT; ++j) xb[0][j] = ld_x2(xc + j * 32);
+#pragma unroll
+    for (int q = 0; q < 8; ++q) {
+      if (q < 7) {
+#pragma unroll
+        for (int j = 0; j < kNT; ++j) xb[(q + 1) & 1][j] = ld_x2(xc + ((q + 1) * kNT + j) * 32);
+      }
+      uint32_t a0, a1, a2, a3;
+      join4(plane_word(p.ga, q), fa[q], a0, a2);
+      join4(plane_word(p.gb, q), fb[q], a1, a3);
+#pragma unroll
+      for (int j = 0; j < kNT; ++j) mma16816<kBf16>(c[j], a0, a1, a2, a3, xb[q & 1][j].x, xb[q & 1][j].y);
+    }
+    xc += 8 * kNT * 32;
+  };
+  PairTile even = fetch(s0, run_a, run_b), odd{};                    // two tiles a turn: registers for both
+  if (wait) pdl_wait(), wait = false;                                // W's first tile requested
+  for (int s = s0; s < tiles; s += 2) {                              // warp-uniform
+    if (s + 1 < tiles) odd = fetch(s + 1, run_a + tile_escapes(even.ga), run_b + tile_escapes(even.gb));
+    step(even);
+    if (s + 1 == tiles) break;
+    if (s + 2 < tiles) even = fetch(s + 2, run_a + tile_escapes(odd.ga), run_b + tile_escapes(odd.gb));
+    step(odd);
+  }
+}
+
+// A CTA: 8 warps of 16 rows of W on range blockIdx.y of K, whose float32 sums go to `part`
+// [ranges][nx][rows] when K is cut (else y, as mma_kernel rounds them).
+template <bool kBf16, int kNT>
+__global__ void __launch_bounds__(32 * kWideWarps, 1) wide_kernel(FrArrays a, const uint2* __restrict__ xq, int nx,
+                                                                 uint16_t* __restrict__ y, float* __restrict__ part) {
+  constexpr int kBlockTiles = kFrBlockGroups / kFrTileGroups;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t row0 = (blockIdx.x * static_cast<int64_t>(kWideWarps) + warp) * 16;
+  const int64_t row_a = min(row0 + (lane >> 2), a.rows - 1), row_b = min(row0 + 8 + (lane >> 2), a.rows - 1);
+  __shared__ uint4 stage[2][32 * kWideWarps][2];
+  float c[kNT][4] = {};
+  bool wait = true;                                                 // pdl_wait still to come
+  const int splits = static_cast<int>(gridDim.y), k = blockIdx.y;
+  const int tiles = static_cast<int>(a.tiles);                      // < 2^31 / 128: k * tiles fits
+  const int t1 = static_cast<int>(static_cast<int64_t>(tiles) * (k + 1) / splits);
+  if (row0 < a.rows) {                                              // warp-uniform
+    for (int tile = static_cast<int>(static_cast<int64_t>(tiles) * k / splits); tile < t1;) {   // block by block
+      const int blk = tile / kBlockTiles, s0 = tile % kBlockTiles, s1 = min(kBlockTiles, t1 - blk * kBlockTiles);
+      if ((blk + 1) * kFrBlockGroups <= a.groups)                  // warp-uniform
+        walk_block_wide<kBf16, kNT, true>(a, xq, row_a, row_b, blk, s0, s1, stage[0][threadIdx.x], stage[1][threadIdx.x], c, wait);
+      else
+        walk_block_wide<kBf16, kNT, false>(a, xq, row_a, row_b, blk, s0, s1, stage[0][threadIdx.x], stage[1][threadIdx.x], c, wait);
+      tile = blk * kBlockTiles + s1;
+    }
+  }
+  if (wait) pdl_wait();                                             // a warp with no tiles
+  pdl_trigger();
+  if (row0 >= a.rows) return;
+#pragma unroll
+  for (int j = 0; j < kNT; ++j) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int b = 8 * j + 2 * (lane & 3) + (i & 1);
+      const int64_t out_row = row0 + (lane >> 2) + 8 * (i >> 1);
+      if (b >= nx || out_row >= a.rows) continue;
+      if (part) {
+        part[(k * static_cast<int64_t>(nx) + b) * a.rows + out_row] = c[j][i];
+      } else {
+        const float v = 0.f + c[j][i];                               // mma_kernel's sum over one range
+        if constexpr (kBf16) y[b * a.rows + out_row] = __bfloat16_as_ushort(__float2bfloat16_rn(v));
+        else y[b * a.rows + out_row] = __half_as_ushort(__float2half_rn(v));
+      }
+    }
+  }
+}
+
+// CTAs an SM the registers must allow: at 16 rows 5 (91 registers with
 // x's early chunks; 6 spilled); up to 8 rows 6 (80 registers with x's early chunks; before them 7
 // with 72, and 8, with 64 registers, was slower).
 // W as A (5-8 rows) 4: 126 registers, and its grids are half as many warps.
 template <int kSlots, bool kWA>
-constexpr int kMmaCtas = kWA ? 4 : kSlots == 2 ? 5 : kSlots == 4 ? 4 : kSlots == 8 ? 2 : 6;
+constexpr int kMmaCtas = kWA ? 4 : kSlots == 2 ? 5 : 6;
 
 // Rows of x from which the kernel takes 16 rows of W as A (walk_block_w16), up to 8: at 8 rows the 8B layer's
 // seven matmuls 1.35 -> 1.16 of cuBLAS's time, the 7B layer's 1.28 -> 1.19, and at 4 rows 1.14 ->
@@ -511,15 +667,23 @@ __global__ void __launch_bounds__(32 * kMmaWarps, kMmaCtas<kSlots, kWA>) mma_ker
   }
 }
 
-// y = the sum of the CTAs' partial sums, in order of blockIdx.y, rounded once.
+// y from float32 sums of ranges of K, rounded once: for each of `parts` groups of `per` ranges (in
+// order), the group's sum from 0, then the groups' from 0 (mma_kernel: a CTA's ranges summed in
+// shared memory, per = 1 here; wide_kernel: per = the ranges mma_kernel's CTA would sum). With one
+// group its sum is y's.
 template <bool kBf16>
-__global__ void sum_parts_kernel(const float* __restrict__ part, int64_t n, int parts, uint16_t* __restrict__ y) {
+__global__ void sum_parts_kernel(const float* __restrict__ part, int64_t n, int per, int parts, uint16_t* __restrict__ y) {
   pdl_trigger();
   pdl_wait();
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= n) return;
   float s = 0.f;
-  for (int j = 0; j < parts; ++j) s += part[j * n + i];
+  for (int p = 0; p < parts; ++p) {
+    float g = 0.f;
+    for (int j = 0; j < per; ++j) g += part[(p * per + j) * n + i];
+    if (parts > 1) s += g;
+    else s = g;
+  }
   if constexpr (kBf16) y[i] = __bfloat16_as_ushort(__float2bfloat16_rn(s));
   else y[i] = __half_as_ushort(__float2half_rn(s));
 }
@@ -531,42 +695,78 @@ __global__ void sum_parts_kernel(const float* __restrict__ part, int64_t n, int 
 constexpr int kMinSplitTiles = 2;
 constexpr int kFewWarps = 2048;
 
-template <bool kBf16, int kSlots, bool kWA = false, bool kCursor = false>
-void launch(const FrArrays& a, const uint4* x, int nx, uint16_t* y, const at::Tensor& like, cudaStream_t stream) {
+// The matrix's cut of K (not nx's: a row of x gets the same sums in any batch): `splits` ranges,
+// `per_cta` of them summed in one of mma_kernel's CTAs, `parts` such groups summed by sum_parts.
+struct CutK {
+  int splits, per_cta, parts;
+};
+
+CutK cut_k(const FrArrays& a) {
   const int64_t row_groups = (a.rows + 7) / 8;
   auto fits = [&](int64_t s) { return s * 2 * kMinSplitTiles <= a.tiles; };
   int64_t splits = 1;
   while (splits < kMmaWarps && row_groups * splits < kTargetWarps && fits(splits)) splits *= 2;
   while (row_groups * splits < kFewWarps && fits(splits)) splits *= 2;
-  const int splits_cta = static_cast<int>(std::min<int64_t>(splits, kMmaWarps));
-  const int parts = static_cast<int>(splits / splits_cta);
-  const int64_t row_units = kWA ? (a.rows + 15) / 16 : row_groups;  // a warp's rows each
-  const int64_t ctas = (row_units + kMmaWarps / splits_cta - 1) / (kMmaWarps / splits_cta);
+  const int per_cta = static_cast<int>(std::min<int64_t>(splits, kMmaWarps));
+  return {static_cast<int>(splits), per_cta, static_cast<int>(splits / per_cta)};
+}
+
+void launch_sum(bool bf16, const float* part, int64_t n, int per, int parts, uint16_t* y, cudaStream_t stream) {
+  launch_pdl(bf16 ? sum_parts_kernel<true> : sum_parts_kernel<false>, dim3(static_cast<unsigned>((n + 255) / 256)), dim3(256),
+             stream, part, n, per, parts, y);
+}
+
+template <bool kBf16, int kSlots, bool kWA = false, bool kCursor = false>
+void launch(const FrArrays& a, const uint4* x, int nx, uint16_t* y, const at::Tensor& like, cudaStream_t stream) {
+  const CutK cut = cut_k(a);
+  const int64_t row_units = kWA ? (a.rows + 15) / 16 : (a.rows + 7) / 8;   // a warp's rows each
+  const int64_t ctas = (row_units + kMmaWarps / cut.per_cta - 1) / (kMmaWarps / cut.per_cta);
   at::Tensor part;
-  if (parts > 1) part = at::empty({parts, nx, a.rows}, like.options().dtype(at::kFloat));
-  float* pp = parts > 1 ? part.data_ptr<float>() : nullptr;
-  launch_pdl(mma_kernel<kBf16, kSlots, kWA, kCursor>, dim3(static_cast<unsigned>(ctas), parts), dim3(32 * kMmaWarps), stream,
-             a, x, nx, splits_cta, y, pp);
-  if (parts > 1) {
-    const int64_t n = nx * a.rows;
-    launch_pdl(sum_parts_kernel<kBf16>, dim3(static_cast<unsigned>((n + 255) / 256)), dim3(256), stream, pp, n, parts, y);
+  if (cut.parts > 1) part = at::empty({cut.parts, nx, a.rows}, like.options().dtype(at::kFloat));
+  float* pp = cut.parts > 1 ? part.data_ptr<float>() : nullptr;
+  launch_pdl(mma_kernel<kBf16, kSlots, kWA, kCursor>, dim3(static_cast<unsigned>(ctas), cut.parts), dim3(32 * kMmaWarps),
+             stream, a, x, nx, cut.per_cta, y, pp);
+  if (cut.parts > 1) launch_sum(kBf16, pp, nx * a.rows, 1, cut.parts, y, stream);
+}
+
+// kWideRows..64 rows: x permuted for wide_kernel, its ranges' sums added in mma_kernel's order.
+template <bool kBf16, int kNT>
+void launch_wide(const FrArrays& a, const at::Tensor& x, int nx, uint16_t* y, cudaStream_t stream) {
+  const CutK cut = cut_k(a);
+  const int64_t units = a.tiles * 8 * kNT * 32;
+  const at::Tensor xq = at::empty({units * 4}, x.options());
+  launch_pdl(permute_xb_kernel, dim3(static_cast<unsigned>((units + 255) / 256)), dim3(256), stream,
+             reinterpret_cast<const uint32_t*>(x.data_ptr()), a.groups, nx, kNT, units, reinterpret_cast<uint2*>(xq.data_ptr()));
+  at::Tensor part;
+  if (cut.splits > 1) part = at::empty({cut.splits, nx, a.rows}, x.options().dtype(at::kFloat));
+  float* pp = cut.splits > 1 ? part.data_ptr<float>() : nullptr;
+  const int64_t ctas = (a.rows + 16 * kWideWarps - 1) / (16 * kWideWarps);
+  launch_pdl(wide_kernel<kBf16, kNT>, dim3(static_cast<unsigned>(ctas), static_cast<unsigned>(cut.splits)),
+             dim3(32 * kWideWarps), stream, a, reinterpret_cast<const uint2*>(xq.data_ptr()), nx, y, pp);
+  if (cut.splits > 1) launch_sum(kBf16, pp, nx * a.rows, cut.per_cta, cut.parts, y, stream);
+}
+
+template <bool kBf16>
+void launch_wide_nt(const FrArrays& a, const at::Tensor& x, int nx, uint16_t* y, cudaStream_t stream) {
+  switch ((nx + 7) / 8) {                                            // n8 tiles of x
+    case 3: return launch_wide<kBf16, 3>(a, x, nx, y, stream);
+    case 4: return launch_wide<kBf16, 4>(a, x, nx, y, stream);
+    case 5: return launch_wide<kBf16, 5>(a, x, nx, y, stream);
+    case 6: return launch_wide<kBf16, 6>(a, x, nx, y, stream);
+    case 7: return launch_wide<kBf16, 7>(a, x, nx, y, stream);
+    default: return launch_wide<kBf16, 8>(a, x, nx, y, stream);
   }
 }
 
-// The kernel's slots (8 rows of x each) for nx rows: 1, 2, 4 or 8.
-int slots_for(int nx) { return nx <= 8 ? 1 : nx <= 16 ? 2 : nx <= 32 ? 4 : 8; }
+// Up to 16 rows: the kernel's slots (8 rows of x each), 1 or 2.
+int slots_for(int nx) { return nx <= 8 ? 1 : 2; }
 
 template <bool kBf16>
 void launch_slots(const FrArrays& a, const uint4* x, int nx, uint16_t* y, const at::Tensor& like, cudaStream_t stream) {
-  switch (slots_for(nx)) {
-    case 1:
-      if (nx >= kWARows) return launch<kBf16, 1, true>(a, x, nx, y, like, stream);
-      if (nx <= kCursorRows) return launch<kBf16, 1, false, true>(a, x, nx, y, like, stream);
-      return launch<kBf16, 1>(a, x, nx, y, like, stream);
-    case 2: return launch<kBf16, 2>(a, x, nx, y, like, stream);
-    case 4: return launch<kBf16, 4>(a, x, nx, y, like, stream);
-    default: return launch<kBf16, 8>(a, x, nx, y, like, stream);
-  }
+  if (slots_for(nx) == 2) return launch<kBf16, 2>(a, x, nx, y, like, stream);
+  if (nx >= kWARows) return launch<kBf16, 1, true>(a, x, nx, y, like, stream);
+  if (nx <= kCursorRows) return launch<kBf16, 1, false, true>(a, x, nx, y, like, stream);
+  return launch<kBf16, 1>(a, x, nx, y, like, stream);
 }
 
 }  // namespace
@@ -576,6 +776,9 @@ void launch_mma(const FrArrays& a, const at::Tensor& x, const at::Tensor& y, cud
               " groups of 32 weights in one matrix, over the fused kernel's 2^32");   // GroupCursor's index
   const int nx = static_cast<int>(x.size(0));
   const at::Tensor xa = reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 ? x : x.clone();   // 16-byte loads
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  if (nx >= kWideRows) return (bf16 ? launch_wide_nt<true> : launch_wide_nt<false>)(a, xa, nx, yp, stream);
   at::Tensor xp = xa;
   if (const int mt = slots_for(nx) / 2) {                          // kSlots > 1: permuted, mt m16 tiles
     const int64_t units = a.tiles * kXQuads * mt * 32;
@@ -584,8 +787,7 @@ void launch_mma(const FrArrays& a, const at::Tensor& x, const at::Tensor& y, cud
                reinterpret_cast<const uint32_t*>(xa.data_ptr()), a.groups, nx, mt, units, reinterpret_cast<uint4*>(xp.data_ptr()));
   }
   const auto* xw = reinterpret_cast<const uint4*>(xp.data_ptr());
-  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  (x.scalar_type() == at::kBFloat16 ? launch_slots<true> : launch_slots<false>)(a, xw, nx, yp, x, stream);
+  (bf16 ? launch_slots<true> : launch_slots<false>)(a, xw, nx, yp, x, stream);
 }
 
 }  // namespace wcodec
