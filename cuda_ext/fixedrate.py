@@ -23,12 +23,13 @@ from . import ops
 from .build import ensure_loaded
 
 FUSED_MAX_ROWS = 64            # cuda_ext/csrc/fixedrate_gemv.cuh kFrMaxRows (the tensor-core kernel's)
-FUSED_ROWS = 64                # the default's fused rows. Above them decode + cuBLAS. From 17 rows the
-                               # fused op is wide_kernel (16 rows of W a warp against up to 8 n8 tiles
-                               # of x): an 8B layer at 48 / 64 rows 1.54 / 1.72 of cuBLAS's time against
-                               # 2.38 for decode + cuBLAS (H200, 2026-11-29). Its sums are the 1-16-row
-                               # kernels' (a row's do not depend on its batch), not cuBLAS's: a prompt of
-                               # up to 64 tokens is prefilled by it in compressed mode (32 before)
+FUSED_ROWS = 32                # the default's fused rows. Above them decode + cuBLAS, so that a prompt
+                               # of 33-64 tokens is prefilled with cuBLAS's sums, as in decoded mode: from
+                               # 17 rows the fused op is wide_kernel, faster than decode + cuBLAS up to 64
+                               # (an 8B layer at 48 / 64 rows 1.54 / 1.72 of cuBLAS's time against 2.38,
+                               # H200, 2026-11-29), but with it up to 64 the demo's greedy tokens in
+                               # compressed mode parted from decoded mode's at a near-tie (the haiku
+                               # prompt, ~37 tokens; H200 2026-11-29, as on an H100 2026-11-27)
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 ARRAYS = ("plane", "lo", "hi", "tile", "esc", "esc_start")   # the ops' array arguments, in order
 
