@@ -48,6 +48,13 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
+// A thread's element of a one-dimensional launch, once the grid ahead is complete (its writes visible).
+__device__ __forceinline__ int64_t pdl_element() {
+  pdl_trigger();
+  pdl_wait();
+  return blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+}
+
 bool pdl_on() {                                                     // the device's answer asked once, then kept
   static std::atomic<int8_t> known[64] = {};                        // 0 not asked, 1 no, 2 yes
   int dev = 0, major = 0;
@@ -115,9 +122,7 @@ constexpr int kXQuads = 4 * 2;                                        // A words
 
 __global__ void permute_x_kernel(const uint32_t* __restrict__ x, int64_t groups, int nx, int mt, int64_t units,
                                  uint4* __restrict__ xp) {
-  pdl_trigger();
-  pdl_wait();
-  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t i = pdl_element();
   if (i >= units) return;
   const int lane = static_cast<int>(i % 32);
   const int64_t q = i / 32 / mt;                                      // tile * 8 + chunk * 2 + half
@@ -471,9 +476,7 @@ constexpr int kWideRows = 17;
 
 __global__ void permute_xb_kernel(const uint32_t* __restrict__ x, int64_t groups, int nx, int nt, int64_t units,
                                   uint2* __restrict__ xq) {
-  pdl_trigger();
-  pdl_wait();
-  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t i = pdl_element();
   if (i >= units) return;
   const int lane = static_cast<int>(i % 32), j = static_cast<int>(i / 32 % nt);
   const int64_t u = i / 32 / nt;                                    // tile * 8 + q
@@ -673,9 +676,7 @@ __global__ void __launch_bounds__(32 * kMmaWarps, kMmaCtas<kSlots, kWA>) mma_ker
 // group its sum is y's.
 template <bool kBf16>
 __global__ void sum_parts_kernel(const float* __restrict__ part, int64_t n, int per, int parts, uint16_t* __restrict__ y) {
-  pdl_trigger();
-  pdl_wait();
-  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t i = pdl_element();
   if (i >= n) return;
   float s = 0.f;
   for (int p = 0; p < parts; ++p) {
