@@ -166,29 +166,21 @@ __device__ __forceinline__ void load_x_early(const uint4* __restrict__ xt, const
   }
 }
 
-// Chunks of x a tile step requests early: all 4. At 9-16 rows with 5 CTAs an SM (91 registers), an
-// 8B layer 1.42 -> 1.29 of cuBLAS's time; up to 8 rows with 6 (80 registers), 1.09 -> 1.07 at 1 row
-// and 1.17 -> 1.145 at 4 (H200, 2026-11-28; 5 CTAs or 2 chunks gained less).
+// x's chunks of a tile, all 4 requested early, before the tile ahead's loads. At 9-16 rows with 5
+// CTAs an SM (91 registers), an 8B layer 1.42 -> 1.29 of cuBLAS's time; up to 8 rows with 6 (80
+// registers), 1.09 -> 1.07 at 1 row and 1.17 -> 1.145 at 4 (H200, 2026-11-28; 5 CTAs or 2 chunks
+// gained less).
 template <int kSlots>
-constexpr int kXEarly = 4;
-
-template <int kSlots>
-using XEarly = uint4[kXEarly<kSlots> ? kXEarly<kSlots> : 1][kSlots];   // x's early chunks of a tile
+using XEarly = uint4[4][kSlots];
 
 // One tile step: chunk jj (0..3) of x against plane words q = 2jj, 2jj + 1 (pairs 4jj .. 4jj + 3),
-// a mma a half (q) and an m16 tile of x (A word h = half * M + m). Chunks jj < kXEarly from xe, the
-// rest loaded here from xt (the tile's words; x permuted there).
+// a mma a half (q) and an m16 tile of x (A word h = half * M + m), x's chunks from xe.
 template <bool kBf16, int kSlots>
-__device__ __forceinline__ void tile_mma(const uint4* __restrict__ xt, const XWords<kSlots>& xw,
-                                         const XEarly<kSlots>& xe, const FrGroup& tg, const uint32_t f[8],
+__device__ __forceinline__ void tile_mma(const XEarly<kSlots>& xe, const FrGroup& tg, const uint32_t f[8],
                                          float (&c)[(kSlots + 1) / 2][4]) {
-  static_assert(kXEarly<kSlots> == 4 || kSlots > 1, "x in place loaded here would need its padding mask");
 #pragma unroll
   for (int jj = 0; jj < 4; ++jj) {
-    uint4 xv[kSlots];
-#pragma unroll
-    for (int h = 0; h < kSlots; ++h)
-      xv[h] = jj < kXEarly<kSlots> ? xe[jj < kXEarly<kSlots> ? jj : 0][h] : __ldg(xt + jj * xw.chunk + h * 32);
+    const uint4 (&xv)[kSlots] = xe[jj];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       uint32_t b0, b1;
@@ -304,13 +296,13 @@ __device__ __forceinline__ void walk_block(const FrArrays& a, const uint4* __res
   auto x_early = [&](int s, XEarly<kSlots>& xe) {               // kFull: zeroed, predicated (load_x_keep branched)
     const uint4* xt = kFull ? xc : xw.at + s * xw.tile;
 #pragma unroll
-    for (int jj = 0; jj < kXEarly<kSlots>; ++jj) load_x_early<kSlots>(xt, xw, nx, valid(s), jj, xe[jj]);
+    for (int jj = 0; jj < 4; ++jj) load_x_early<kSlots>(xt, xw, nx, valid(s), jj, xe[jj]);
     if constexpr (kFull) xc += xw.tile;
   };
   auto step = [&](int s, const FrGroup& tg, uint32_t e, const XEarly<kSlots>& xe) {
     uint32_t f[8];
     tile_fields<kSlots == 1>(a, tg, kMaskAtLoad || valid(s), e, run, slot, f);   // votes up to 8 rows
-    tile_mma<kBf16, kSlots>(xw.at + s * xw.tile, xw, xe, tg, f, c);
+    tile_mma<kBf16, kSlots>(xe, tg, f, c);
   };
   if constexpr (kSlots == 1) {                                       // two tiles a turn: registers for both
     FrGroup even = group_at(s0), odd{};
