@@ -2,8 +2,10 @@
 matrices (qkv, o, gate/up, down, as the paged engine multiplies them) at 16-64 rows of x, timed as
 cuBLAS bf16 on the decoded weights, as served (the fused kernel up to FUSED_ROWS, above that decode
 + cuBLAS) and with the fused kernel forced (kernel 0, up to FUSED_MAX_ROWS); each side one CUDA graph
-of the four calls. (BENCHMARKS.md, 2026-11-29 12:03: on an H200 the fused kernel at 40-64 rows is
-slower than decode + cuBLAS, so FUSED_ROWS stays 32.)
+of the four calls. (BENCHMARKS.md: on an H200 at 12:03 on 2026-11-29 the fused kernel at 40-64 rows
+was slower than decode + cuBLAS; from 19:04 wide_kernel is faster there, 1.72 against 2.36 of
+cuBLAS's time at 64 rows, but FUSED_ROWS stays 32 so that a prompt of 33-64 tokens is prefilled
+with cuBLAS's sums: fused up to 64, the demo's greedy tokens parted from decoded mode's.)
 
     python bench/experiments/fused_rows.py [--rows 16,24,32,40,48,56,64]
 """
