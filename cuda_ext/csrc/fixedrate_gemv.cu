@@ -26,12 +26,6 @@ __device__ __forceinline__ float2 pair_to_float2(uint32_t w) {
   }
 }
 
-template <bool kBf16>
-__device__ __forceinline__ uint16_t from_float(float v) {
-  if constexpr (kBf16) return __bfloat16_as_ushort(__float2bfloat16_rn(v));
-  else return __half_as_ushort(__float2half_rn(v));
-}
-
 // Eight weights (words 2qq, 2qq + 1 of the group) as floats.
 template <bool kBf16>
 __device__ __forceinline__ void eight_weights(const FrGroup& t, const uint32_t f[8], int qq, float w[8]) {

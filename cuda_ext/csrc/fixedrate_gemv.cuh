@@ -95,6 +95,13 @@ __device__ __forceinline__ FrGroup load_group(const FrArrays& a, int64_t row, in
   return t;
 }
 
+// A float32 sum rounded once to the output's 16-bit word.
+template <bool kBf16>
+__device__ __forceinline__ uint16_t from_float(float v) {
+  if constexpr (kBf16) return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+  else return __half_as_ushort(__float2half_rn(v));
+}
+
 __device__ __forceinline__ int tile_escapes(const FrGroup& t) { return static_cast<int>(t.tile >> 8); }
 
 // unpack_codes + base, 4 fields a u32 (f[q] byte b: weight 4q + b); an escaped weight's field is

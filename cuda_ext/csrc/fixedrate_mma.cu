@@ -571,8 +571,7 @@ __global__ void __launch_bounds__(32 * kWideWarps, 1) wide_kernel(FrArrays a, co
         part[(k * static_cast<int64_t>(nx) + b) * a.rows + out_row] = c[j][i];
       } else {
         const float v = 0.f + c[j][i];                               // mma_kernel's sum over one range
-        if constexpr (kBf16) y[b * a.rows + out_row] = __bfloat16_as_ushort(__float2bfloat16_rn(v));
-        else y[b * a.rows + out_row] = __half_as_ushort(__float2half_rn(v));
+        y[b * a.rows + out_row] = from_float<kBf16>(v);
       }
     }
   }
@@ -656,8 +655,7 @@ __global__ void __launch_bounds__(32 * kMmaWarps, kMmaCtas<kSlots, kWA>) mma_ker
     const int64_t out_row = row0 + (kXB ? (lane >> 2) + 8 * (i >> 1) : 2 * (lane & 3) + (i & 1));
     if (b < nx && out_row < a.rows) {
       if (part) part[(blockIdx.y * static_cast<int64_t>(nx) + b) * a.rows + out_row] = s;
-      else if constexpr (kBf16) y[b * a.rows + out_row] = __bfloat16_as_ushort(__float2bfloat16_rn(s));
-      else y[b * a.rows + out_row] = __half_as_ushort(__float2half_rn(s));
+      else y[b * a.rows + out_row] = from_float<kBf16>(s);
     }
   }
 }
@@ -677,8 +675,7 @@ __global__ void sum_parts_kernel(const float* __restrict__ part, int64_t n, int 
     if (parts > 1) s += g;
     else s = g;
   }
-  if constexpr (kBf16) y[i] = __bfloat16_as_ushort(__float2bfloat16_rn(s));
-  else y[i] = __half_as_ushort(__float2half_rn(s));
+  y[i] = from_float<kBf16>(s);
 }
 
 // Splits of K (powers of two, at least kMinSplitTiles tiles each): in a CTA up to kMmaWarps while
