@@ -1,12 +1,12 @@
 """Two builds of the fused kernel give the same bits (issue 24): `save` writes the tensor-core op's
 outputs (kernel 0) on the trained-like Llama-3-8B layer's seven matrices and seven fuzzed ones
 (ragged rows and K, 3 % of weights ×300 in half of them, one fp16) at 17..64 rows of x, with each
-batch's row 3 computed alone (batch invariance) and each output's worst error beside cuBLAS bf16's
+batch's row 3 (or its last) computed alone (batch invariance) and each output's worst error beside cuBLAS bf16's
 against float32 on the decoded weights; `cmp` compares two such files. Swap the extension's library
 between the two `save` runs (docs/BENCHMARKS.md, 2026-11-29 19:01).
 
-    python bench/experiments/fixedrate_bits.py save /tmp/a.pt     # one build
-    python bench/experiments/fixedrate_bits.py save /tmp/b.pt     # the other
+    python bench/experiments/fixedrate_bits.py save /tmp/a.pt [1,2,4]   # one build [at these rows of x]
+    python bench/experiments/fixedrate_bits.py save /tmp/b.pt [1,2,4]   # the other
     python bench/experiments/fixedrate_bits.py cmp /tmp/a.pt /tmp/b.pt
 """
 from __future__ import annotations
@@ -39,18 +39,19 @@ def fuzzed(seed: int) -> dict:
     return out
 
 
-def save(path: str) -> None:
+def save(path: str, rows: tuple[int, ...] = ROWS) -> None:
     ws = {k: v.cuda() for k, v in weights(LAYER_8B, seed=1).items()} | fuzzed(5)
     res = {}
     for name, w in ws.items():
         form = fr_ops.encode(w)
         decoded = fr_ops.decode(form)
-        for n in ROWS:
+        for n in rows:
             x = torch.randn(n, w.shape[1], device="cuda", generator=torch.Generator(device="cuda").manual_seed(n)).to(w.dtype)
             y = fr_ops.linear(x, form, 0)
             ref = x.float() @ decoded.float().T
             res[f"{name}/{n}"] = y.cpu()
-            res[f"{name}/{n}/alone"] = torch.tensor(torch.equal(y[3:4], fr_ops.linear(x[3:4], form, 0)))
+            i = min(3, n - 1)
+            res[f"{name}/{n}/alone"] = torch.tensor(torch.equal(y[i:i + 1], fr_ops.linear(x[i:i + 1], form, 0)))
             res[f"{name}/{n}/err"] = torch.tensor([(y.float() - ref).abs().max().item(),
                                                    ((x @ decoded.T).float() - ref).abs().max().item()])
     torch.save(res, path)
@@ -67,4 +68,5 @@ def cmp(a_path: str, b_path: str) -> None:
 
 
 if __name__ == "__main__":
-    {"save": lambda: save(sys.argv[2]), "cmp": lambda: cmp(sys.argv[2], sys.argv[3])}[sys.argv[1]]()
+    rows = tuple(map(int, sys.argv[3].split(","))) if len(sys.argv) > 3 and sys.argv[1] == "save" else ROWS
+    {"save": lambda: save(sys.argv[2], rows), "cmp": lambda: cmp(sys.argv[2], sys.argv[3])}[sys.argv[1]]()
