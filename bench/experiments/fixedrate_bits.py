@@ -1,9 +1,9 @@
 """Two builds of the fused kernel give the same bits (issue 24): `save` writes the tensor-core op's
 outputs (kernel 0) on the trained-like Llama-3-8B layer's seven matrices and seven fuzzed ones
-(ragged rows and K, 3 % of weights ×300 in half of them, one fp16) at 17..64 rows of x, with each
-batch's row 3 (or its last) computed alone (batch invariance) and each output's worst error beside cuBLAS bf16's
-against float32 on the decoded weights; `cmp` compares two such files. Swap the extension's library
-between the two `save` runs (docs/BENCHMARKS.md, 2026-11-29 19:01).
+(ragged rows and K, 3 % of weights ×300 in half of them, one fp16) at 17..64 rows of x (or the rows
+given), with each batch's row 3 (or its last) computed alone (batch invariance) and each output's
+worst error beside cuBLAS bf16's against float32 on the decoded weights; `cmp` compares two such
+files. Swap the extension's library between the two `save` runs (docs/BENCHMARKS.md, 2026-11-29).
 
     python bench/experiments/fixedrate_bits.py save /tmp/a.pt [1,2,4]   # one build [at these rows of x]
     python bench/experiments/fixedrate_bits.py save /tmp/b.pt [1,2,4]   # the other
