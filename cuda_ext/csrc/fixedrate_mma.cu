@@ -383,6 +383,19 @@ __device__ __forceinline__ void pair_fields(const FrArrays& a, const PairTile& p
   run_a += na, run_b += nb;
 }
 
+// Range k of `splits` ranges of a row's tiles (whole tiles, the cut of K), walked block by block:
+// walk(blk, s0, s1) for the range's tiles s0 .. s1 - 1 of escape block blk.
+template <typename Walk>
+__device__ __forceinline__ void for_range_blocks(int64_t tiles64, int k, int splits, Walk&& walk) {
+  const int tiles = static_cast<int>(tiles64);                      // < 2^31 / 128: k * tiles fits
+  const int t1 = static_cast<int>(static_cast<int64_t>(tiles) * (k + 1) / splits);
+  for (int tile = static_cast<int>(static_cast<int64_t>(tiles) * k / splits); tile < t1;) {
+    const int blk = tile / kFrBlockTiles, s0 = tile % kFrBlockTiles, s1 = min(kFrBlockTiles, t1 - blk * kFrBlockTiles);
+    walk(blk, s0, s1);
+    tile = blk * kFrBlockTiles + s1;
+  }
+}
+
 // The running escape counts of rows a and b at tile s0 of block blk.
 __device__ __forceinline__ void pair_runs(const FrArrays& a, int64_t row_a, int64_t row_b, int64_t blk, int s0,
                                           int32_t& run_a, int32_t& run_b) {
@@ -537,26 +550,20 @@ __device__ __forceinline__ void walk_block_wide(const FrArrays& a, const uint2* 
 template <bool kBf16, int kNT>
 __global__ void __launch_bounds__(32 * kWideWarps, 1) wide_kernel(FrArrays a, const uint2* __restrict__ xq, int nx,
                                                                  uint16_t* __restrict__ y, float* __restrict__ part) {
-  constexpr int kBlockTiles = kFrBlockGroups / kFrTileGroups;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t row0 = (blockIdx.x * static_cast<int64_t>(kWideWarps) + warp) * 16;
   const int64_t row_a = min(row0 + (lane >> 2), a.rows - 1), row_b = min(row0 + 8 + (lane >> 2), a.rows - 1);
   __shared__ uint4 stage[2][32 * kWideWarps][2];
   float c[kNT][4] = {};
   bool wait = true;                                                 // pdl_wait still to come
-  const int splits = static_cast<int>(gridDim.y), k = blockIdx.y;
-  const int tiles = static_cast<int>(a.tiles);                      // < 2^31 / 128: k * tiles fits
-  const int t1 = static_cast<int>(static_cast<int64_t>(tiles) * (k + 1) / splits);
-  if (row0 < a.rows) {                                              // warp-uniform
-    for (int tile = static_cast<int>(static_cast<int64_t>(tiles) * k / splits); tile < t1;) {   // block by block
-      const int blk = tile / kBlockTiles, s0 = tile % kBlockTiles, s1 = min(kBlockTiles, t1 - blk * kBlockTiles);
+  const int k = blockIdx.y;
+  if (row0 < a.rows)                                                // warp-uniform
+    for_range_blocks(a.tiles, k, static_cast<int>(gridDim.y), [&](int blk, int s0, int s1) {
       if ((blk + 1) * kFrBlockGroups <= a.groups)                  // warp-uniform
         walk_block_wide<kBf16, kNT, true>(a, xq, row_a, row_b, blk, s0, s1, stage[0][threadIdx.x], stage[1][threadIdx.x], c, wait);
       else
         walk_block_wide<kBf16, kNT, false>(a, xq, row_a, row_b, blk, s0, s1, stage[0][threadIdx.x], stage[1][threadIdx.x], c, wait);
-      tile = blk * kBlockTiles + s1;
-    }
-  }
+    });
   if (wait) pdl_wait();                                             // a warp with no tiles
   pdl_trigger();
   if (row0 >= a.rows) return;
@@ -612,18 +619,14 @@ __global__ void __launch_bounds__(32 * kMmaWarps, kMmaCtas<kSlots, kWA>) mma_ker
   static_assert(!kWA || kSlots == 1, "W as A takes up to 8 rows of x");
   static_assert(!kCursor || (kSlots == 1 && !kWA), "cursors in walk_block up to kWARows");
   constexpr int kM = (kSlots + 1) / 2;
-  constexpr int kBlockTiles = kFrBlockGroups / kFrTileGroups;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t row0 = (blockIdx.x * static_cast<int64_t>(kMmaWarps / splits_cta) + warp / splits_cta) * (kWA ? 16 : 8);
   const int64_t row = min(row0 + (lane >> 2), a.rows - 1);
   __shared__ uint4 stage[kWA ? 2 : 1][32 * kMmaWarps][2];
   float c[kM][4] = {};
   bool wait = true;                                                 // pdl_wait still to come
-  const int splits = splits_cta * static_cast<int>(gridDim.y), k = blockIdx.y * splits_cta + warp % splits_cta;
-  const int tiles = static_cast<int>(a.tiles);                      // < 2^31 / 128: k * tiles fits
-  const int t1 = static_cast<int>(static_cast<int64_t>(tiles) * (k + 1) / splits);
-  for (int tile = static_cast<int>(static_cast<int64_t>(tiles) * k / splits); tile < t1;) {   // block by block
-    const int blk = tile / kBlockTiles, s0 = tile % kBlockTiles, s1 = min(kBlockTiles, t1 - blk * kBlockTiles);
+  const int k = blockIdx.y * splits_cta + warp % splits_cta;
+  for_range_blocks(a.tiles, k, splits_cta * static_cast<int>(gridDim.y), [&](int blk, int s0, int s1) {
     if constexpr (kWA) {
       const int64_t row_b = min(row0 + 8 + (lane >> 2), a.rows - 1);
       if ((blk + 1) * kFrBlockGroups <= a.groups)                    // warp-uniform
@@ -635,8 +638,7 @@ __global__ void __launch_bounds__(32 * kMmaWarps, kMmaCtas<kSlots, kWA>) mma_ker
     } else {
       walk_block<kBf16, kSlots>(a, x, nx, row, blk, s0, s1, stage[0][threadIdx.x], c, wait);
     }
-    tile = blk * kBlockTiles + s1;
-  }
+  });
   if (wait) pdl_wait();                                             // a warp with no tiles
   pdl_trigger();
   __shared__ float red[kMmaWarps][32][4 * kM];
@@ -701,6 +703,13 @@ CutK cut_k(const FrArrays& a) {
   return {static_cast<int>(splits), per_cta, static_cast<int>(splits / per_cta)};
 }
 
+// The float32 buffer [ranges, nx, rows] that a launch cut into `ranges` writes its sums to (null for one).
+float* part_sums(at::Tensor& part, int ranges, int nx, int64_t rows, const at::Tensor& like) {
+  if (ranges <= 1) return nullptr;
+  part = at::empty({ranges, nx, rows}, like.options().dtype(at::kFloat));
+  return part.data_ptr<float>();
+}
+
 void launch_sum(bool bf16, const float* part, int64_t n, int per, int parts, uint16_t* y, cudaStream_t stream) {
   launch_pdl(bf16 ? sum_parts_kernel<true> : sum_parts_kernel<false>, dim3(static_cast<unsigned>((n + 255) / 256)), dim3(256),
              stream, part, n, per, parts, y);
@@ -712,8 +721,7 @@ void launch(const FrArrays& a, const uint4* x, int nx, uint16_t* y, const at::Te
   const int64_t row_units = kWA ? (a.rows + 15) / 16 : (a.rows + 7) / 8;   // a warp's rows each
   const int64_t ctas = (row_units + kMmaWarps / cut.per_cta - 1) / (kMmaWarps / cut.per_cta);
   at::Tensor part;
-  if (cut.parts > 1) part = at::empty({cut.parts, nx, a.rows}, like.options().dtype(at::kFloat));
-  float* pp = cut.parts > 1 ? part.data_ptr<float>() : nullptr;
+  float* pp = part_sums(part, cut.parts, nx, a.rows, like);
   launch_pdl(mma_kernel<kBf16, kSlots, kWA, kCursor>, dim3(static_cast<unsigned>(ctas), cut.parts), dim3(32 * kMmaWarps),
              stream, a, x, nx, cut.per_cta, y, pp);
   if (cut.parts > 1) launch_sum(kBf16, pp, nx * a.rows, 1, cut.parts, y, stream);
@@ -728,8 +736,7 @@ void launch_wide(const FrArrays& a, const at::Tensor& x, int nx, uint16_t* y, cu
   launch_pdl(permute_xb_kernel, dim3(static_cast<unsigned>((units + 255) / 256)), dim3(256), stream,
              reinterpret_cast<const uint32_t*>(x.data_ptr()), a.groups, nx, kNT, units, reinterpret_cast<uint2*>(xq.data_ptr()));
   at::Tensor part;
-  if (cut.splits > 1) part = at::empty({cut.splits, nx, a.rows}, x.options().dtype(at::kFloat));
-  float* pp = cut.splits > 1 ? part.data_ptr<float>() : nullptr;
+  float* pp = part_sums(part, cut.splits, nx, a.rows, x);
   const int64_t ctas = (a.rows + 16 * kWideWarps - 1) / (16 * kWideWarps);
   launch_pdl(wide_kernel<kBf16, kNT>, dim3(static_cast<unsigned>(ctas), static_cast<unsigned>(cut.splits)),
              dim3(32 * kWideWarps), stream, a, reinterpret_cast<const uint2*>(xq.data_ptr()), nx, y, pp);
