@@ -10,7 +10,10 @@ the rANS streams are not transcoded straight into the form.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,7 +32,9 @@ FUSED_ROWS = 32                # the default's fused rows. Above them decode + c
                                # (an 8B layer at 48 / 64 rows 1.54 / 1.72 of cuBLAS's time against 2.38,
                                # H200, 2026-11-29), but with it up to 64 the demo's greedy tokens in
                                # compressed mode parted from decoded mode's at a near-tie (the haiku
-                               # prompt, ~37 tokens; H200 2026-11-29, as on an H100 2026-11-27)
+                               # prompt, ~37 tokens; H200 2026-11-29, as on an H100 2026-11-27).
+                               # A step of decode rows alone raises it (`fused_rows`): no prompt is prefilled there
+_FUSED = contextvars.ContextVar("wcodec_fused_rows", default=FUSED_ROWS)
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 ARRAYS = ("plane", "lo", "hi", "tile", "esc", "esc_start")   # the ops' array arguments, in order
 
@@ -115,13 +120,34 @@ def decode(fr: FixedRateWeight, out: torch.Tensor | None = None) -> torch.Tensor
     return out
 
 
+@contextlib.contextmanager
+def fused_rows(rows: int) -> Iterator[None]:
+    """`linear`'s default fuses up to `rows` rows (FUSED_ROWS .. FUSED_MAX_ROWS) inside this block,
+    in this thread or task: the engine's decode-only steps of 33-64 rows (each row a sequence's next
+    token, no prompt prefilled) multiply in wide_kernel instead of decode + cuBLAS. A CUDA graph
+    captured inside the block keeps the fused op."""
+    if not FUSED_ROWS <= rows <= FUSED_MAX_ROWS:
+        raise ValueError(f"fused_rows: {rows} rows, not in {FUSED_ROWS}..{FUSED_MAX_ROWS}")
+    token = _FUSED.set(rows)
+    try:
+        yield
+    finally:
+        _FUSED.reset(token)
+
+
+def fused_limit() -> int:
+    """The rows up to which `linear`'s default fuses here (FUSED_ROWS outside `fused_rows`)."""
+    return _FUSED.get()
+
+
 def linear(x: torch.Tensor, fr: FixedRateWeight, kernel: int | None = None) -> torch.Tensor:
     """y = x W^T (x [..., cols] in fr.dtype): on CUDA the fused op (kernel 0 tensor cores, 1..64
     rows; 1 CUDA cores, 1..16 rows). By default tensor cores for 1..FUSED_ROWS (at one row too since
-    escapes are listed: an 8B layer on an H100 0.163 vs 0.171 ms), above that decode + cuBLAS
-    (_decode_matmul). Launches on the current stream, no host syncs (usable in CUDA graphs)."""
+    escapes are listed: an 8B layer on an H100 0.163 vs 0.171 ms; up to `fused_limit()` inside
+    `fused_rows`), above that decode + cuBLAS (_decode_matmul). Launches on the current stream, no
+    host syncs (usable in CUDA graphs)."""
     flat = x.reshape(-1, fr.cols)
-    if flat.shape[0] > (FUSED_ROWS if kernel is None else FUSED_MAX_ROWS) or flat.shape[0] == 0 or not x.is_cuda:
+    if flat.shape[0] > (_FUSED.get() if kernel is None else FUSED_MAX_ROWS) or flat.shape[0] == 0 or not x.is_cuda:
         return _decode_matmul(flat, fr).reshape(*x.shape[:-1], fr.rows)
     if fr.padded_cols != fr.cols:
         flat = F.pad(flat, (0, fr.padded_cols - fr.cols))

@@ -6,6 +6,9 @@ Read me first.
   the block tables padded to a width of WIDTHS blocks (the keys a step gathers). Each graph owns
   its static inputs (ids, positions, slots, tables, lengths) and its logits; all share one memory
   pool (they never run at once, and their logits are read before the next replay).
+* In compressed mode a bucket of 33-64 rows has two graphs: decode rows alone, where the fused
+  decode-matmul takes every row (fixed.decode_only), and with prompt rows, where the Linears
+  decode their weights and call cuBLAS as a prompt's prefill does (cuda_ext/fixedrate.py).
 * Padded rows read and write only the cache's padding block and see one key, so they cannot
   touch a real row and never make an empty softmax.
 * A graph is captured the first time its shape is needed, or ahead of need while the engine is
@@ -25,6 +28,7 @@ Read me first.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -34,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model import paged
+from ..model import fixed, paged
 from ..model.llama import LlamaForCausalLM
 from .sampling import greedy
 
@@ -114,7 +118,8 @@ class Runner:
         self.fused = fused                       # cuda_ext/step_triton.py, or None: the modules (paged.py)
         self.device = cache.k.device
         self.use_graphs = graphs and self.device.type == "cuda"
-        self.graphs: dict[tuple[int, int], Graph] = {}
+        self.graphs: dict[tuple[int, int, bool], Graph] = {}      # (rows, width, decode rows alone and fused)
+        self.wide = fixed.decode_only_rows(model) if self.use_graphs else range(0)
         self.pool = None
         self.capture_seconds = 0.0
         self.turn = 0                            # which pinned buffers a step uses (they alternate)
@@ -187,11 +192,11 @@ class Runner:
         short prompts go in as decode rows (`_as_decode_rows`) when its graph is captured already:
         the eager forward's host work was most of a short prompt's first token (H200, 2026-11-28)."""
         if self.use_graphs and decodes and not chunks and len(decodes) <= self.max_rows:
-            return self._replay(decodes)
+            return self._replay(decodes, True)
         if self.use_graphs and chunks and self._prompts_as_rows(chunks):
             rows = decodes + self._prompt_rows(chunks)
-            if len(rows) <= self.max_rows and self._shape(rows) in self.graphs:
-                return self._replay(rows)[self._last_rows(decodes, chunks)]
+            if len(rows) <= self.max_rows and self._shape(rows, False) in self.graphs:
+                return self._replay(rows, False)[self._last_rows(decodes, chunks)]
         ids, ctx = self._eager_inputs(decodes, chunks)
         return paged.forward(self.model, ids, ctx, self.cache, self.fused)
 
@@ -267,15 +272,18 @@ class Runner:
         return torch.tensor(rows)
 
     # ---- CUDA graphs -----------------------------------------------------------------------------
-    def _shape(self, decodes: list[Decode]) -> tuple[int, int]:
-        """The (rows, width) buckets of the graph that takes `decodes`."""
-        return bucket(len(decodes), BATCH_BUCKETS, self.max_rows), bucket(self._width(decodes), WIDTHS, self.max_blocks)
+    def _shape(self, decodes: list[Decode], alone: bool) -> tuple[int, int, bool]:
+        """The key of the graph that takes `decodes` (alone: decode rows only, no prompt's): its
+        (rows, width) buckets, and whether its rows are decode rows alone in a bucket that fuses them."""
+        rows = bucket(len(decodes), BATCH_BUCKETS, self.max_rows)
+        return rows, bucket(self._width(decodes), WIDTHS, self.max_blocks), alone and rows in self.wide
 
-    def _graph_for(self, decodes: list[Decode], prev_index: list[int] | None) -> Graph:
+    def _graph_for(self, decodes: list[Decode], prev_index: list[int] | None, alone: bool) -> Graph:
         """The graph of this step's shape, its inputs queued: the host's (one copy from pinned
         memory), `prev_index[i]` >= 0: row i takes that row's pick of the previous launch."""
-        rows, width = self._shape(decodes)
-        g = self.graphs.get((rows, width)) or self._capture(rows, width)
+        key = self._shape(decodes, alone)
+        rows, width, _ = key
+        g = self.graphs.get(key) or self._capture(*key)
         ids, positions, slots, tables, lengths = self._decode_inputs(decodes, rows, width)
         index = torch.tensor((prev_index or []) + [-1] * (rows - len(prev_index or [])), dtype=torch.long)
         staging = g.staging[self.turn % 2]
@@ -285,8 +293,8 @@ class Runner:
         g.inputs.copy_(staging, non_blocking=True)
         return g
 
-    def _replay(self, decodes: list[Decode]) -> torch.Tensor:
-        g = self._graph_for(decodes, None)
+    def _replay(self, decodes: list[Decode], alone: bool) -> torch.Tensor:
+        g = self._graph_for(decodes, None, alone)
         g.graph.replay()
         return g.logits[:len(decodes)]
 
@@ -303,7 +311,7 @@ class Runner:
             picks, logprobs = greedy(logits)
             self.last_host = picks.tolist()
             return Launched(n, None, picks, logprobs)
-        g = self._graph_for(decodes, prev_index)
+        g = self._graph_for(decodes, prev_index, True)
         g.graph.replay()
         picks, logprobs = self.out[self.turn % 2]
         picks[:n].copy_(g.picks[:n], non_blocking=True)
@@ -320,36 +328,39 @@ class Runner:
         n = launched.rows
         return list(zip(launched.picks[:n].tolist(), launched.logprobs[:n].tolist()))
 
-    def _step_of_graph(self, g: Graph) -> torch.Tensor:
-        """The captured step: ids from the host or the last picks, the forward, the greedy picks."""
+    def _step_of_graph(self, g: Graph, fused: bool) -> torch.Tensor:
+        """The captured step: ids from the host or the last picks, the forward (fused: the Linears'
+        fused op on all its rows), the greedy picks."""
         ids = torch.where(g.from_prev.bool(), self.last_picks.index_select(0, g.index), g.ids)       # [b]
-        logits = paged.forward(self.model, ids, g.context(), self.cache, self.fused)                  # [b, V]
+        with fixed.decode_only(g.rows) if fused else contextlib.nullcontext():
+            logits = paged.forward(self.model, ids, g.context(), self.cache, self.fused)              # [b, V]
         g.picks, g.logprobs = greedy(logits)
         self.last_picks[:g.rows].copy_(g.picks)
         return logits
 
-    def _capture(self, rows: int, width: int) -> Graph:
+    def _capture(self, rows: int, width: int, fused: bool) -> Graph:
         t0 = time.perf_counter()
         g = Graph(rows, width, self.cache.pad_block, self.block_size, self.device)
         kept = self.last_picks.clone()                                    # a launch in flight may read them next
-        self._step_of_graph(g)                                            # warm-up: lazy inits outside the graph
+        self._step_of_graph(g, fused)                                     # warm-up: lazy inits outside the graph
         self.last_picks.copy_(kept)
         torch.cuda.synchronize(self.device)
         g.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g.graph, pool=self.pool, capture_error_mode="thread_local"):
-            g.logits = self._step_of_graph(g)
+            g.logits = self._step_of_graph(g, fused)
         if self.pool is None:
             self.pool = g.graph.pool()
         torch.cuda.synchronize(self.device)
-        self.graphs[(rows, width)] = g
+        self.graphs[(rows, width, fused)] = g
         self.capture_seconds += time.perf_counter() - t0
         return g
 
-    def shapes(self) -> list[tuple[int, int]]:
-        """Every (rows, width) a decode step can take, narrow and few rows first."""
+    def shapes(self) -> list[tuple[int, int, bool]]:
+        """Every graph key a step can take, narrow and few rows first: (rows, width, False), and
+        (rows, width, True) too where decode rows alone are fused (`self.wide`)."""
         rows = sorted({bucket(n, BATCH_BUCKETS, self.max_rows) for n in range(1, self.max_rows + 1)})
         widths = sorted({bucket(n, WIDTHS, self.max_blocks) for n in range(1, self.max_blocks + 1)})
-        return [(r, w) for w in widths for r in rows]
+        return [(r, w, f) for w in widths for r in rows for f in ((False, True) if r in self.wide else (False,))]
 
     @functools.cached_property
     def _shapes_total(self) -> int:

@@ -2,8 +2,9 @@
 float-coded matrix is decoded at load by the archive decoder, transcoded on the GPU into the
 fixed-rate form (cuda_ext.fixedrate.encode, bit-exact) and its bf16 copy dropped. A Linear of
 that form (`FixedLinear`) multiplies with the fused decode-matmul for 1 to 32 rows (the weights
-decoded in registers; nothing written back) and, for more rows (prompts, large batches), decodes
-the weight into a temporary and calls cuBLAS.
+decoded in registers; nothing written back), and up to 64 in a step of decode rows alone
+(`decode_only`); for more rows (prompts, large batches) it decodes the weight into a temporary and
+calls cuBLAS.
 
 * About 0.71 of bf16 bytes: 0.697 fixed, plus two bytes for each escaped exponent (its entry).
 * The embedding table, gathered by row, is decoded back at load and kept in page-locked host
@@ -38,6 +39,21 @@ def form_for(setting: str, device: torch.device) -> str:
     from cuda_ext import ops
     fits = device.type == "cuda" and cuda_ext.available().cuda and ops.has_ops(ops.FIXEDRATE_OPS, "cuda")
     return "fixed" if setting == "fixed" and fits else "indexed"
+
+
+def decode_only_rows(model: torch.nn.Module) -> range:
+    """The step rows (batch buckets) whose decode-only steps the fused op takes whole where a
+    prompt's would decode and call cuBLAS: 33-64 where `model` holds a FixedLinear on CUDA, else
+    none. Each of such a step's rows is a sequence's next token, as in the 1-32-row steps that the
+    fused op always takes; an 8B layer's seven matmuls at 64 rows cost 1.72 of cuBLAS's time there
+    against 2.36 through the decoded scratch (H200, 2026-11-29)."""
+    on_cuda = any(isinstance(m, FixedLinear) and m.plane.is_cuda for m in model.modules())
+    return range(fixedrate.FUSED_ROWS + 1, fixedrate.FUSED_MAX_ROWS + 1) if on_cuda else range(0)
+
+
+def decode_only(rows: int):
+    """The block in which a decode-only step of `rows` rows (in decode_only_rows) runs or is captured."""
+    return fixedrate.fused_rows(rows)
 
 
 def keeps(e) -> bool:

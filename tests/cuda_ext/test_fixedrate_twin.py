@@ -76,6 +76,27 @@ def test_linear_on_cpu_is_decode_then_matmul():
     assert torch.equal(fr_ops.linear(x, fr), torch.nn.functional.linear(x, w))
 
 
+def test_fused_rows_raises_the_default_inside_its_block_only():
+    """fused_rows(n) lets linear's default fuse up to n rows in its block (the engine's decode-only
+    steps), in its thread only; outside the block, and in another thread, FUSED_ROWS."""
+    import threading
+    assert fr_ops.fused_limit() == fr_ops.FUSED_ROWS == 32
+    seen = []
+    with fr_ops.fused_rows(64):
+        assert fr_ops.fused_limit() == 64
+        with fr_ops.fused_rows(40):
+            assert fr_ops.fused_limit() == 40
+        assert fr_ops.fused_limit() == 64
+        t = threading.Thread(target=lambda: seen.append(fr_ops.fused_limit()))
+        t.start(), t.join()
+    assert fr_ops.fused_limit() == 32 and seen == [32]
+    for rows in (31, 65):
+        with pytest.raises(ValueError, match=f"fused_rows: {rows} rows, not in 32..64"):
+            with fr_ops.fused_rows(rows):
+                pass
+    assert fr_ops.fused_limit() == 32
+
+
 def test_bad_arguments_raise():
     fr = fr_ops.encode(fr_ops.sample_weight(torch.bfloat16, 4, 64, seed=6))
     with pytest.raises(RuntimeError):

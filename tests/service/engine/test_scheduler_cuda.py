@@ -131,6 +131,48 @@ def test_an_untied_embedding_is_read_from_the_host_inside_the_graphs(untied_tiny
 
 
 @torch.inference_mode()
+def test_decode_rows_alone_take_the_fused_op_up_to_64_rows(untied_tiny_archive, monkeypatch) -> None:
+    """The fixed-rate form: a step of 40 decode rows replays a 64-row graph captured with the fused
+    op on every Linear (no weight decoded into the scratch) and gives the eager step's logits in
+    fixed.decode_only's block (within four bf16 places; its picks theirs); 40 rows with a prompt's
+    tokens among them decode each weight and call cuBLAS, eagerly and in their own 64-row graph,
+    as a prompt's prefill does. Decoded mode has one graph a shape."""
+    from cuda_ext import fixedrate
+    d = pipeline.decode_archive(untied_tiny_archive, CUDA, compressed=True, form="fixed")
+    packed = build.finish("tiny", build.prepare("tiny", d.files), d.tensors, d.layers, CUDA, fixed_form=d.fixed)
+    s = paged(packed, max_total_tokens=64)
+    runner, linears = s.runner, sum(isinstance(m, fixed.FixedLinear) for m in packed.model.modules())
+    assert runner.wide == range(33, 65) and linears > 0
+    assert {k for k in runner.shapes() if k[2]} == {(64, w, True) for _, w, _ in runner.shapes()}
+    scratch = []                                                          # rows of each decode + cuBLAS call
+    real = fixedrate._decode_matmul
+    monkeypatch.setattr(fixedrate, "_decode_matmul", lambda flat, fr: scratch.append(flat.shape[0]) or real(flat, fr))
+    tables = [s.blocks.allocate(8) for _ in range(41)]
+    decodes = [Decode(11 + i, 2 + i % 5, t) for i, t in enumerate(tables[:40])]
+    snapshot = runner.cache.k.clone(), runner.cache.v.clone()
+    replayed = runner.run(decodes, []).clone()
+    assert [k for k in runner.graphs if k[0] == 64] == [(64, 1, True)] and scratch == []
+    runner.cache.k.copy_(snapshot[0])
+    runner.cache.v.copy_(snapshot[1])
+    runner.use_graphs = False
+    with fixed.decode_only(64):
+        eager = runner.run(decodes, [])
+    assert scratch == []
+    place = torch.finfo(torch.bfloat16).eps * float(eager.abs().max())
+    torch.testing.assert_close(replayed, eager, rtol=0, atol=4 * place)
+    assert torch.equal(replayed.argmax(-1), eager.argmax(-1))
+    runner.use_graphs = True
+    prompt = Chunk(list(range(5, 15)), 0, tables[40])                     # 30 decode rows + 10 prompt rows
+    runner.run(decodes[:30], [prompt])                                    # no graph of its key yet: eager
+    assert scratch and set(scratch) == {40}
+    scratch.clear()
+    runner._capture(64, 1, False)                                         # its graph: decode + cuBLAS too
+    assert (64, 1, False) in runner.graphs and scratch and set(scratch) == {64}
+    decoded = paged(load(untied_tiny_archive, "tiny", CUDA), max_total_tokens=64).runner
+    assert decoded.wide == range(0) and all(not k[2] for k in decoded.shapes())
+
+
+@torch.inference_mode()
 def test_a_replay_equals_the_eager_step(tiny) -> None:
     s = paged(tiny)
     tables = [s.blocks.allocate(64) for _ in range(3)]
