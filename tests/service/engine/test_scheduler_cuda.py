@@ -234,7 +234,7 @@ def test_prompt_logprobs_on_cuda(tiny) -> None:
     s = paged(tiny)
     replays = []
     replay = s.runner._replay
-    s.runner._replay = lambda rows: replays.append(len(rows)) or replay(rows)
+    s.runner._replay = lambda rows, alone: replays.append(len(rows)) or replay(rows, alone)
     alone = generate(paged(tiny), [Row(prompts[1], SamplingParams(4), tiny)], False)[0]
     for graphs in (False, True):
         while graphs and s.runner.capture_next():
