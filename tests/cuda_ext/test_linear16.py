@@ -149,7 +149,8 @@ def test_wide_exponents_give_the_reference_bit_for_bit():
     for lo, hi in ((-75, -45), (-70, 60)):
         x, w = wide((7, 96), lo, hi), wide((64, 96), lo, hi)
         assert same_bits(ops.linear16(x, w), linear16_reference(x, w)), (lo, hi)
-        assert same_bits(ops.linear16_packed(x, ops.linear16_pack(w)), linear16_reference(x, w)), (lo, hi)
+        if SIMD:                                # packing needs AVX-512 (without it nothing packs: the scalar test)
+            assert same_bits(ops.linear16_packed(x, ops.linear16_pack(w)), linear16_reference(x, w)), (lo, hi)
 
 
 def test_the_scalar_loop_gives_the_reference_bit_for_bit():

@@ -11,9 +11,10 @@ import httpx
 import httpx2
 import openai
 import pytest
+import torch
 from service_helpers import DEMO, QUEUE_OF_ONE, when_queue_full
 
-from service.model import paged
+from service.model import cpu_dtype, paged
 from service.registry import ModelState
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -80,7 +81,11 @@ def test_completions_echo_with_logprobs_scores_the_prompt(client) -> None:
     scored = client.completions.create(model=DEMO, prompt=PROMPT + gen.text, max_tokens=1, temperature=0,
                                        logprobs=0, echo=True).choices[0].logprobs
     assert scored.tokens[n:n + 5] == gen.logprobs.tokens
-    assert all(abs(a - b) < 0.1 for a, b in zip(scored.token_logprobs[n:n + 5], gen.logprobs.token_logprobs))
+    # Where linear16 runs (an AVX-512 CPU) a row's sums do not depend on its call; elsewhere the decode
+    # steps' bf16 matmuls (under 6 rows a call) and the scoring prefill's float32 ones (cpu_dtype's
+    # "mixed") leave the logits a bf16 place apart (0.125 at 16-32): on an AVX2 EPYC up to 0.14 apart.
+    near = 0.1 if cpu_dtype.linear16_kernel(torch.bfloat16) else 0.3
+    assert all(abs(a - b) < near for a, b in zip(scored.token_logprobs[n:n + 5], gen.logprobs.token_logprobs))
     chunks = list(client.completions.create(model=DEMO, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2,
                                             echo=True, stream=True))
     first = chunks[0].choices[0]
