@@ -147,7 +147,7 @@ def linear(x: torch.Tensor, fr: FixedRateWeight, kernel: int | None = None) -> t
     `fused_rows`), above that decode + cuBLAS (_decode_matmul). Launches on the current stream, no
     host syncs (usable in CUDA graphs)."""
     flat = x.reshape(-1, fr.cols)
-    if flat.shape[0] > (_FUSED.get() if kernel is None else FUSED_MAX_ROWS) or flat.shape[0] == 0 or not x.is_cuda:
+    if flat.shape[0] > (fused_limit() if kernel is None else FUSED_MAX_ROWS) or flat.shape[0] == 0 or not x.is_cuda:
         return _decode_matmul(flat, fr).reshape(*x.shape[:-1], fr.rows)
     if fr.padded_cols != fr.cols:
         flat = F.pad(flat, (0, fr.padded_cols - fr.cols))
