@@ -6,9 +6,11 @@ Read me first.
   the block tables padded to a width of WIDTHS blocks (the keys a step gathers). Each graph owns
   its static inputs (ids, positions, slots, tables, lengths) and its logits; all share one memory
   pool (they never run at once, and their logits are read before the next replay).
-* In compressed mode a bucket of 33-64 rows has two graphs: decode rows alone, where the fused
-  decode-matmul takes every row (fixed.decode_only), and with prompt rows, where the Linears
-  decode their weights and call cuBLAS as a prompt's prefill does (cuda_ext/fixedrate.py).
+* In compressed mode a bucket of 33-64 rows has two graphs: one where the fused decode-matmul
+  takes every row (fixed.decode_only): decode rows, and whole prompts short enough that alone
+  they are fused too (fixed.fused_prompt), so each row gets the sums it gets alone; and one for
+  other prompts' rows, where the Linears decode their weights and call cuBLAS as a long prompt's
+  prefill does (cuda_ext/fixedrate.py).
 * Padded rows read and write only the cache's padding block and see one key, so they cannot
   touch a real row and never make an empty softmax.
 * A graph is captured the first time its shape is needed, or ahead of need while the engine is
@@ -59,11 +61,13 @@ class Decode:
 @dataclass
 class Chunk:
     """Prompt tokens start:start + len(tokens) of a sequence; `every`: logits at each of them (its
-    prompt's log-probabilities), not just the last."""
+    prompt's log-probabilities), not just the last; `whole`: they are the whole prompt, the chunk
+    it would be prefilled as alone."""
     tokens: list[int]
     start: int
     table: list[int]
     every: bool = False
+    whole: bool = False
 
     @property
     def logit_rows(self) -> int:
@@ -190,15 +194,19 @@ class Runner:
         token's (every token's where `c.every`).
         A decode-only step replays its graph (captured now if it has none). So does a step whose
         short prompts go in as decode rows (`_as_decode_rows`) when its graph is captured already:
-        the eager forward's host work was most of a short prompt's first token (H200, 2026-11-28)."""
+        the eager forward's host work was most of a short prompt's first token (H200, 2026-11-28).
+        Either way, a step of whole fused prompts (`_fused_prompts`) fuses as a decode-only step."""
         if self.use_graphs and decodes and not chunks and len(decodes) <= self.max_rows:
             return self._replay(decodes, True)
+        fused = self._fused_prompts(chunks)
         if self.use_graphs and chunks and self._prompts_as_rows(chunks):
             rows = decodes + self._prompt_rows(chunks)
-            if len(rows) <= self.max_rows and self._shape(rows, False) in self.graphs:
-                return self._replay(rows, False)[self._last_rows(decodes, chunks)]
+            if len(rows) <= self.max_rows and self._shape(rows, fused) in self.graphs:
+                return self._replay(rows, fused)[self._last_rows(decodes, chunks)]
         ids, ctx = self._eager_inputs(decodes, chunks)
-        return paged.forward(self.model, ids, ctx, self.cache, self.fused)
+        fuse = fused and self._prompts_as_rows(chunks) and ids.shape[0] in self.wide
+        with fixed.decode_only(ids.shape[0]) if fuse else contextlib.nullcontext():
+            return paged.forward(self.model, ids, ctx, self.cache, self.fused)
 
     def _tables(self, tables: list[list[int]], width: int, rows: int) -> torch.Tensor:
         """[rows, width] block tables, padded with the padding block (host)."""
@@ -219,6 +227,12 @@ class Runner:
 
     def _width(self, decodes: list[Decode]) -> int:
         return -(-max(d.position + 1 for d in decodes) // self.block_size)
+
+    @staticmethod
+    def _fused_prompts(chunks: list[Chunk]) -> bool:
+        """Whether a step's prompt rows leave it to the fused op (`_shape`'s `alone`): each chunk a
+        whole prompt that alone would be fused (fixed.fused_prompt)."""
+        return all(c.whole and fixed.fused_prompt(len(c.tokens)) for c in chunks)
 
     def _prompts_as_rows(self, chunks: list[Chunk]) -> bool:
         """Whether the chunks' tokens go in as decode rows (`_as_decode_rows`)."""
@@ -273,8 +287,8 @@ class Runner:
 
     # ---- CUDA graphs -----------------------------------------------------------------------------
     def _shape(self, decodes: list[Decode], alone: bool) -> tuple[int, int, bool]:
-        """The key of the graph that takes `decodes` (alone: decode rows only, no prompt's): its
-        (rows, width) buckets, and whether its rows are decode rows alone in a bucket that fuses them."""
+        """The key of the graph that takes `decodes` (alone: decode rows, or `_fused_prompts`'
+        rows): its (rows, width) buckets, and whether such rows are in a bucket that fuses them."""
         rows = bucket(len(decodes), BATCH_BUCKETS, self.max_rows)
         return rows, bucket(self._width(decodes), WIDTHS, self.max_blocks), alone and rows in self.wide
 

@@ -185,7 +185,8 @@ class Scheduler:
             if (budget <= 0 or (every and scored <= 0)) and out:
                 break
             n = max(1, min(len(s.row.prompt_ids) - s.prefilled, budget, scored if every else budget))
-            out.append((s, Chunk(s.row.prompt_ids[s.prefilled:s.prefilled + n], s.prefilled, s.table, every)))
+            whole = s.prefilled == 0 and n == len(s.row.prompt_ids)
+            out.append((s, Chunk(s.row.prompt_ids[s.prefilled:s.prefilled + n], s.prefilled, s.table, every, whole)))
             budget, scored = budget - n, scored - (n if every else 0)
         return out
 

@@ -2,8 +2,8 @@
 float-coded matrix is decoded at load by the archive decoder, transcoded on the GPU into the
 fixed-rate form (cuda_ext.fixedrate.encode, bit-exact) and its bf16 copy dropped. A Linear of
 that form (`FixedLinear`) multiplies with the fused decode-matmul for 1 to 32 rows (the weights
-decoded in registers; nothing written back), and up to 64 in a step of decode rows alone
-(`decode_only`); for more rows (prompts, large batches) it decodes the weight into a temporary and
+decoded in registers; nothing written back), and up to 64 in a step of decode rows and whole short
+prompts (`decode_only`, `fused_prompt`); for more rows (prompts, large batches) it decodes the weight into a temporary and
 calls cuBLAS.
 
 * About 0.71 of bf16 bytes: 0.697 fixed, plus two bytes for each escaped exponent (its entry).
@@ -52,8 +52,17 @@ def decode_only_rows(model: torch.nn.Module) -> range:
 
 
 def decode_only(rows: int):
-    """The block in which a decode-only step of `rows` rows (in decode_only_rows) runs or is captured."""
+    """The block in which a step of `rows` rows (in decode_only_rows) whose rows are all decode rows
+    (or `fused_prompt`'s) runs or is captured."""
     return fixedrate.fused_rows(rows)
+
+
+def fused_prompt(tokens: int) -> bool:
+    """Whether a whole prompt of `tokens` tokens may ride in such a step: prefilled alone it is
+    one step of `tokens` rows, which the fused op takes (FUSED_ROWS or fewer), and each row's sums
+    do not depend on its batch, so in the step its tokens get the sums they get alone. A longer
+    prompt alone decodes and calls cuBLAS, so a step that holds it does too."""
+    return tokens <= fixedrate.FUSED_ROWS
 
 
 def keeps(e) -> bool:

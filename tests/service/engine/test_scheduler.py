@@ -19,6 +19,7 @@ from test_batching import Req, drive, fail_the_prompts_step, first_divergence_is
 from cuda_ext import step_kernels
 from service.engine import Batcher, Engine, GenRequest, Limits, paging
 from service.engine.blocks import BlockManager
+from service.engine.runner import Chunk
 from service.engine.sampling import Row, SamplingParams
 from service.engine.worker import paged_engine
 from service.errors import QueueFull, ValidationFailed
@@ -115,6 +116,27 @@ def test_batched_rows_equal_alone(tiny) -> None:
             continue
         if first_divergence_is_a_near_tie(tiny, req.prompt, alone.ids, row.ids) == len(alone.ids):
             assert row.ids == alone.ids and row.finish_reason == alone.finish_reason
+
+
+def test_a_chunk_says_whether_it_is_its_whole_prompt(tiny) -> None:
+    """A prompt prefilled in one chunk is `whole`; one cut by the step's token budget is not, in
+    any of its chunks. Only steps whose chunks are whole prompts of up to FUSED_ROWS tokens (a
+    prompt the fused op takes alone) leave the step to the fused op on CUDA."""
+    from cuda_ext import fixedrate
+    prompts = [list(range(3, 3 + n)) for n in (7, 40, 12)]
+    s = paged(tiny, max_rows=4, max_tokens=32)
+    seen, real = [], s.runner.run
+    s.runner.run = lambda decodes, chunks: seen.extend(chunks) or real(decodes, chunks)
+    drive(s, tiny, [Req(p, SamplingParams(2)) for p in prompts], lambda _: None)
+    cut = [(c.start, len(c.tokens)) for c in seen if not c.whole]
+    assert sum(n for _, n in cut) == 40 and len(cut) >= 2 and cut[0][0] == 0              # the 40 in pieces
+    assert sorted(len(c.tokens) for c in seen if c.whole) == [7, 12]
+    assert all(c.start == 0 for c in seen if c.whole)
+    fuses = s.runner._fused_prompts
+    short, long_ = fixedrate.FUSED_ROWS, fixedrate.FUSED_ROWS + 1
+    assert fuses([]) and fuses([Chunk(list(range(short)), 0, [0], whole=True)] * 2)
+    assert not fuses([Chunk(list(range(long_)), 0, [0], whole=True)])
+    assert not fuses([Chunk(list(range(10)), 0, [0]), Chunk(list(range(5)), 0, [0], whole=True)])
 
 
 def test_pipelined_steps_give_the_tokens_of_waiting_steps(tiny) -> None:

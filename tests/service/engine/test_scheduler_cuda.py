@@ -134,9 +134,10 @@ def test_an_untied_embedding_is_read_from_the_host_inside_the_graphs(untied_tiny
 def test_decode_rows_alone_take_the_fused_op_up_to_64_rows(untied_tiny_archive, monkeypatch) -> None:
     """The fixed-rate form: a step of 40 decode rows replays a 64-row graph captured with the fused
     op on every Linear (no weight decoded into the scratch) and gives the eager step's logits in
-    fixed.decode_only's block (within four bf16 places; its picks theirs); 40 rows with a prompt's
-    tokens among them decode each weight and call cuBLAS, eagerly and in their own 64-row graph,
-    as a prompt's prefill does. Decoded mode has one graph a shape."""
+    fixed.decode_only's block (within four bf16 places; its picks theirs); 40 rows with a part of a
+    prompt among them decode each weight and call cuBLAS, eagerly and in their own 64-row graph,
+    as a long prompt's prefill does; with a whole 10-token prompt instead they take the fused graph,
+    and eagerly the fused op too, with the same logits. Decoded mode has one graph a shape."""
     from cuda_ext import fixedrate
     d = pipeline.decode_archive(untied_tiny_archive, CUDA, compressed=True, form="fixed")
     packed = build.finish("tiny", build.prepare("tiny", d.files), d.tensors, d.layers, CUDA, fixed_form=d.fixed)
@@ -168,6 +169,18 @@ def test_decode_rows_alone_take_the_fused_op_up_to_64_rows(untied_tiny_archive, 
     scratch.clear()
     runner._capture(64, 1, False)                                         # its graph: decode + cuBLAS too
     assert (64, 1, False) in runner.graphs and scratch and set(scratch) == {64}
+    scratch.clear()
+    whole = Chunk(list(range(5, 15)), 0, tables[40], whole=True)          # the prompt's every token
+    snapshot = runner.cache.k.clone(), runner.cache.v.clone()
+    replayed = runner.run(decodes[:30], [whole]).clone()                  # the (64, 1, True) graph
+    runner.cache.k.copy_(snapshot[0])
+    runner.cache.v.copy_(snapshot[1])
+    del runner.graphs[(64, 1, True)]
+    eager = runner.run(decodes[:30], [whole])                             # no graph of its key: eager, fused
+    assert scratch == [] and replayed.shape == eager.shape == (31, replayed.shape[1])
+    place = torch.finfo(torch.bfloat16).eps * float(eager.abs().max())
+    torch.testing.assert_close(replayed, eager, rtol=0, atol=4 * place)
+    assert torch.equal(replayed.argmax(-1), eager.argmax(-1))
     decoded = paged(load(untied_tiny_archive, "tiny", CUDA), max_total_tokens=64).runner
     assert decoded.wide == range(0) and all(not k[2] for k in decoded.shapes())
 
