@@ -14,8 +14,9 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   fi
 fi
 # Builds below run without isolation, so the build tools must be current here (fresh machines ship
-# setuptools 65): pyproject.toml asks for setuptools >= 68.
-pip_install --upgrade "setuptools>=68" wheel
+# setuptools 65): pyproject.toml asks for setuptools >= 68. ninja lets setup.py compile the
+# extension's sources in parallel.
+pip_install --upgrade "setuptools>=68" wheel ninja
 # --no-build-isolation: setup.py builds cuda_ext._C against the torch installed above (an isolated
 # build would fetch a fresh, CUDA-sized torch).
 pip_install --no-build-isolation -e ".[test]"
