@@ -146,10 +146,10 @@ def wait_for_graphs(url: str, limit_s: float = 120.0) -> dict:
             "waited_s": time.perf_counter() - t0}
 
 
-def bench(url: str, users: int, duration: float, tokens: int, out: Path) -> dict:
+def bench(url: str, users: int, duration: float, tokens: int, out: Path, scenario: str = "bench") -> dict:
     result = out / f"gen-{users}.json"
     cmd = [sys.executable, "-m", "loadtests.run", "--host", url, "--users", str(users), "--duration",
-           str(duration), "--tokens", str(tokens), "--json", str(result)]
+           str(duration), "--tokens", str(tokens), "--scenario", scenario, "--json", str(result)]
     subprocess.run(cmd, cwd=ROOT, check=True)
     return json.loads(result.read_text())
 
@@ -198,6 +198,10 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--users", type=int, nargs="*", default=[32, 64])
     ap.add_argument("--duration", type=float, default=40.0)
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--scenario", choices=["bench", "mix"], default="bench",
+                    help="the many-client runs' load (loadtests/locustfile.py): bench, greedy streams back to back "
+                         "(the acceptance workload); mix, the service's mix of endpoints, sampling, stops and "
+                         "clients leaving mid-stream, so that requests end and arrive at different steps")
     ap.add_argument("--env", action="append", default=[], metavar="WCODEC_X=V", help="a setting for the server")
     ap.add_argument("--weights", nargs="+", default=["decoded"], choices=list(MODES),
                     help="resident modes, one server each, in this order (the first is against the limit); "
@@ -234,7 +238,8 @@ def served_runs(args: argparse.Namespace, device: str, env: dict[str, str], out:
         graphs = wait_for_graphs(url) if device == "cuda" else {}
         weight_bytes = metric(url, "wcodec_model_weight_bytes")
         host_bytes = metric(url, "wcodec_model_host_weight_bytes")          # fixed.HostEmbedding
-        runs = {str(u): bench(url, u, args.duration, args.tokens, out) for u in [1, *args.users]}
+        runs = {str(u): bench(url, u, args.duration, args.tokens, out, "bench" if u == 1 else args.scenario)
+                for u in [1, *args.users]}                                   # batch 1: greedy streams always
         graphs_after = metric(url, "wcodec_engine_cuda_graphs")
     finally:
         proc.terminate()
