@@ -198,14 +198,13 @@ class Runner:
         Either way, a step of whole fused prompts (`_fused_prompts`) fuses as a decode-only step."""
         if self.use_graphs and decodes and not chunks and len(decodes) <= self.max_rows:
             return self._replay(decodes, True)
-        fused = self._fused_prompts(chunks)
-        if self.use_graphs and chunks and self._prompts_as_rows(chunks):
+        as_rows, fuse = self._prompts_as_rows(chunks), self._fused_prompts(chunks)
+        if self.use_graphs and as_rows:
             rows = decodes + self._prompt_rows(chunks)
-            if len(rows) <= self.max_rows and self._shape(rows, fused) in self.graphs:
-                return self._replay(rows, fused)[self._last_rows(decodes, chunks)]
+            if len(rows) <= self.max_rows and self._shape(rows, fuse) in self.graphs:
+                return self._replay(rows, fuse)[self._last_rows(decodes, chunks)]
         ids, ctx = self._eager_inputs(decodes, chunks)
-        fuse = fused and self._prompts_as_rows(chunks) and ids.shape[0] in self.wide
-        with fixed.decode_only(ids.shape[0]) if fuse else contextlib.nullcontext():
+        with fixed.decode_only(ids.shape[0]) if as_rows and fuse and ids.shape[0] in self.wide else contextlib.nullcontext():
             return paged.forward(self.model, ids, ctx, self.cache, self.fused)
 
     def _tables(self, tables: list[list[int]], width: int, rows: int) -> torch.Tensor:
@@ -230,7 +229,7 @@ class Runner:
 
     @staticmethod
     def _fused_prompts(chunks: list[Chunk]) -> bool:
-        """Whether a step's prompt rows leave it to the fused op (`_shape`'s `alone`): each chunk a
+        """Whether a step's prompt rows leave it to the fused op (`_shape`'s `fuse`): each chunk a
         whole prompt that alone would be fused (fixed.fused_prompt)."""
         return all(c.whole and fixed.fused_prompt(len(c.tokens)) for c in chunks)
 
@@ -286,16 +285,16 @@ class Runner:
         return torch.tensor(rows)
 
     # ---- CUDA graphs -----------------------------------------------------------------------------
-    def _shape(self, decodes: list[Decode], alone: bool) -> tuple[int, int, bool]:
-        """The key of the graph that takes `decodes` (alone: decode rows, or `_fused_prompts`'
+    def _shape(self, decodes: list[Decode], fuse: bool) -> tuple[int, int, bool]:
+        """The key of the graph that takes `decodes` (fuse: decode rows, or `_fused_prompts`'
         rows): its (rows, width) buckets, and whether such rows are in a bucket that fuses them."""
         rows = bucket(len(decodes), BATCH_BUCKETS, self.max_rows)
-        return rows, bucket(self._width(decodes), WIDTHS, self.max_blocks), alone and rows in self.wide
+        return rows, bucket(self._width(decodes), WIDTHS, self.max_blocks), fuse and rows in self.wide
 
-    def _graph_for(self, decodes: list[Decode], prev_index: list[int] | None, alone: bool) -> Graph:
+    def _graph_for(self, decodes: list[Decode], prev_index: list[int] | None, fuse: bool) -> Graph:
         """The graph of this step's shape, its inputs queued: the host's (one copy from pinned
         memory), `prev_index[i]` >= 0: row i takes that row's pick of the previous launch."""
-        key = self._shape(decodes, alone)
+        key = self._shape(decodes, fuse)
         rows, width, _ = key
         g = self.graphs.get(key) or self._capture(*key)
         ids, positions, slots, tables, lengths = self._decode_inputs(decodes, rows, width)
@@ -307,8 +306,8 @@ class Runner:
         g.inputs.copy_(staging, non_blocking=True)
         return g
 
-    def _replay(self, decodes: list[Decode], alone: bool) -> torch.Tensor:
-        g = self._graph_for(decodes, None, alone)
+    def _replay(self, decodes: list[Decode], fuse: bool) -> torch.Tensor:
+        g = self._graph_for(decodes, None, fuse)
         g.graph.replay()
         return g.logits[:len(decodes)]
 
@@ -371,7 +370,7 @@ class Runner:
 
     def shapes(self) -> list[tuple[int, int, bool]]:
         """Every graph key a step can take, narrow and few rows first: (rows, width, False), and
-        (rows, width, True) too where decode rows alone are fused (`self.wide`)."""
+        (rows, width, True) too where decode rows (and whole short prompts) are fused (`self.wide`)."""
         rows = sorted({bucket(n, BATCH_BUCKETS, self.max_rows) for n in range(1, self.max_rows + 1)})
         widths = sorted({bucket(n, WIDTHS, self.max_blocks) for n in range(1, self.max_blocks + 1)})
         return [(r, w, f) for w in widths for r in rows for f in ((False, True) if r in self.wide else (False,))]
