@@ -204,7 +204,8 @@ class Runner:
             if len(rows) <= self.max_rows and self._shape(rows, fuse) in self.graphs:
                 return self._replay(rows, fuse)[self._last_rows(decodes, chunks)]
         ids, ctx = self._eager_inputs(decodes, chunks)
-        with fixed.decode_only(ids.shape[0]) if as_rows and fuse and ids.shape[0] in self.wide else contextlib.nullcontext():
+        fused_step = as_rows and fuse and ids.shape[0] in self.wide
+        with fixed.decode_only(ids.shape[0]) if fused_step else contextlib.nullcontext():
             return paged.forward(self.model, ids, ctx, self.cache, self.fused)
 
     def _tables(self, tables: list[list[int]], width: int, rows: int) -> torch.Tensor:

@@ -3,8 +3,8 @@ float-coded matrix is decoded at load by the archive decoder, transcoded on the 
 fixed-rate form (cuda_ext.fixedrate.encode, bit-exact) and its bf16 copy dropped. A Linear of
 that form (`FixedLinear`) multiplies with the fused decode-matmul for 1 to 32 rows (the weights
 decoded in registers; nothing written back), and up to 64 in a step of decode rows and whole short
-prompts (`decode_only`, `fused_prompt`); for more rows (prompts, large batches) it decodes the weight into a temporary and
-calls cuBLAS.
+prompts (`decode_only`, `fused_prompt`); for more rows (prompts, large batches) it decodes the
+weight into a temporary and calls cuBLAS.
 
 * About 0.71 of bf16 bytes: 0.697 fixed, plus two bytes for each escaped exponent (its entry).
 * The embedding table, gathered by row, is decoded back at load and kept in page-locked host
