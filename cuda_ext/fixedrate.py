@@ -33,7 +33,7 @@ FUSED_ROWS = 32                # the default's fused rows. Above them decode + c
                                # H200, 2026-11-29), but with it up to 64 the demo's greedy tokens in
                                # compressed mode parted from decoded mode's at a near-tie (the haiku
                                # prompt, ~37 tokens; H200 2026-11-29, as on an H100 2026-11-27).
-                               # A step of decode rows alone raises it (`fused_rows`): no prompt is prefilled there
+                               # A step of decode rows (and whole prompts of up to 32 tokens) raises it (`fused_rows`)
 _FUSED = contextvars.ContextVar("wcodec_fused_rows", default=FUSED_ROWS)
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 ARRAYS = ("plane", "lo", "hi", "tile", "esc", "esc_start")   # the ops' array arguments, in order
@@ -123,8 +123,8 @@ def decode(fr: FixedRateWeight, out: torch.Tensor | None = None) -> torch.Tensor
 @contextlib.contextmanager
 def fused_rows(rows: int) -> Iterator[None]:
     """`linear`'s default fuses up to `rows` rows (FUSED_ROWS .. FUSED_MAX_ROWS) inside this block,
-    in this thread or task: the engine's decode-only steps of 33-64 rows (each row a sequence's next
-    token, no prompt prefilled) multiply in wide_kernel instead of decode + cuBLAS. A CUDA graph
+    in this thread or task: the engine's 33-64-row steps of decode rows (and of whole prompts that
+    alone would be fused) multiply in wide_kernel instead of decode + cuBLAS. A CUDA graph
     captured inside the block keeps the fused op."""
     if not FUSED_ROWS <= rows <= FUSED_MAX_ROWS:
         raise ValueError(f"fused_rows: {rows} rows, not in {FUSED_ROWS}..{FUSED_MAX_ROWS}")

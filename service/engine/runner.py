@@ -122,7 +122,7 @@ class Runner:
         self.fused = fused                       # cuda_ext/step_triton.py, or None: the modules (paged.py)
         self.device = cache.k.device
         self.use_graphs = graphs and self.device.type == "cuda"
-        self.graphs: dict[tuple[int, int, bool], Graph] = {}      # (rows, width, decode rows alone and fused)
+        self.graphs: dict[tuple[int, int, bool], Graph] = {}  # (rows, width, fused)
         self.wide = fixed.decode_only_rows(model) if self.use_graphs else range(0)
         self.pool = None
         self.capture_seconds = 0.0

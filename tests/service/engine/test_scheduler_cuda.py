@@ -130,6 +130,22 @@ def test_an_untied_embedding_is_read_from_the_host_inside_the_graphs(untied_tiny
     assert ours == generate(paged(packed, cuda_graphs=False), rows(), True)
 
 
+def from_one_cache(runner, first, second) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits of two runs of one step (each writes its keys), the KV cache put back between them."""
+    snapshot = runner.cache.k.clone(), runner.cache.v.clone()
+    a = first().clone()
+    runner.cache.k.copy_(snapshot[0])
+    runner.cache.v.copy_(snapshot[1])
+    return a, second()
+
+
+def same_step(replayed: torch.Tensor, eager: torch.Tensor, places: int = 0, atol: float = 0.0) -> None:
+    """The same logits within `places` bf16 places of the largest (or `atol`), and the same picks."""
+    tol = places * torch.finfo(torch.bfloat16).eps * float(eager.abs().max()) if places else atol
+    torch.testing.assert_close(replayed, eager, rtol=0, atol=tol)
+    assert torch.equal(replayed.argmax(-1), eager.argmax(-1))
+
+
 @torch.inference_mode()
 def test_decode_rows_alone_take_the_fused_op_up_to_64_rows(untied_tiny_archive, monkeypatch) -> None:
     """The fixed-rate form: a step of 40 decode rows replays a 64-row graph captured with the fused
@@ -150,18 +166,15 @@ def test_decode_rows_alone_take_the_fused_op_up_to_64_rows(untied_tiny_archive, 
     monkeypatch.setattr(fixedrate, "_decode_matmul", lambda flat, fr: scratch.append(flat.shape[0]) or real(flat, fr))
     tables = [s.blocks.allocate(8) for _ in range(41)]
     decodes = [Decode(11 + i, 2 + i % 5, t) for i, t in enumerate(tables[:40])]
-    snapshot = runner.cache.k.clone(), runner.cache.v.clone()
-    replayed = runner.run(decodes, []).clone()
-    assert [k for k in runner.graphs if k[0] == 64] == [(64, 1, True)] and scratch == []
-    runner.cache.k.copy_(snapshot[0])
-    runner.cache.v.copy_(snapshot[1])
-    runner.use_graphs = False
-    with fixed.decode_only(64):
-        eager = runner.run(decodes, [])
+    def eager_fused():
+        assert [k for k in runner.graphs if k[0] == 64] == [(64, 1, True)] and scratch == []
+        runner.use_graphs = False
+        with fixed.decode_only(64):
+            return runner.run(decodes, [])
+
+    replayed, eager = from_one_cache(runner, lambda: runner.run(decodes, []), eager_fused)
     assert scratch == []
-    place = torch.finfo(torch.bfloat16).eps * float(eager.abs().max())
-    torch.testing.assert_close(replayed, eager, rtol=0, atol=4 * place)
-    assert torch.equal(replayed.argmax(-1), eager.argmax(-1))
+    same_step(replayed, eager, places=4)
     runner.use_graphs = True
     prompt = Chunk(list(range(5, 15)), 0, tables[40])                     # 30 decode rows + 10 prompt rows
     runner.run(decodes[:30], [prompt])                                    # no graph of its key yet: eager
@@ -171,16 +184,13 @@ def test_decode_rows_alone_take_the_fused_op_up_to_64_rows(untied_tiny_archive, 
     assert (64, 1, False) in runner.graphs and scratch and set(scratch) == {64}
     scratch.clear()
     whole = Chunk(list(range(5, 15)), 0, tables[40], whole=True)          # the prompt's every token
-    snapshot = runner.cache.k.clone(), runner.cache.v.clone()
-    replayed = runner.run(decodes[:30], [whole]).clone()                  # the (64, 1, True) graph
-    runner.cache.k.copy_(snapshot[0])
-    runner.cache.v.copy_(snapshot[1])
-    del runner.graphs[(64, 1, True)]
-    eager = runner.run(decodes[:30], [whole])                             # no graph of its key: eager, fused
+    def eager_with_prompt():                                              # no graph of its key: eager, fused
+        del runner.graphs[(64, 1, True)]
+        return runner.run(decodes[:30], [whole])
+
+    replayed, eager = from_one_cache(runner, lambda: runner.run(decodes[:30], [whole]), eager_with_prompt)
     assert scratch == [] and replayed.shape == eager.shape == (31, replayed.shape[1])
-    place = torch.finfo(torch.bfloat16).eps * float(eager.abs().max())
-    torch.testing.assert_close(replayed, eager, rtol=0, atol=4 * place)
-    assert torch.equal(replayed.argmax(-1), eager.argmax(-1))
+    same_step(replayed, eager, places=4)
     decoded = paged(load(untied_tiny_archive, "tiny", CUDA), max_total_tokens=64).runner
     assert decoded.wide == range(0) and all(not k[2] for k in decoded.shapes())
 
@@ -192,15 +202,13 @@ def test_a_replay_equals_the_eager_step(tiny) -> None:
     for i, t in enumerate(tables):                                        # some keys in the cache
         s.runner.run([], [Chunk(list(range(10 + i, 30 + 4 * i)), 0, t)])
     decodes = [Decode(11, 20 + 3 * i, t) for i, t in enumerate(tables)]
-    snapshot = s.runner.cache.k.clone(), s.runner.cache.v.clone()
-    replayed = s.runner.run(decodes, []).clone()
-    s.runner.cache.k.copy_(snapshot[0])
-    s.runner.cache.v.copy_(snapshot[1])
-    s.runner.use_graphs = False
-    eager = s.runner.run(decodes, [])
+    def run_eagerly():
+        s.runner.use_graphs = False
+        return s.runner.run(decodes, [])
+
+    replayed, eager = from_one_cache(s.runner, lambda: s.runner.run(decodes, []), run_eagerly)
     print("largest |replay - eager| logit:", float((replayed - eager).abs().max()))
-    torch.testing.assert_close(replayed, eager, rtol=0, atol=2e-2)
-    assert torch.equal(replayed.argmax(-1), eager.argmax(-1))
+    same_step(replayed, eager, atol=2e-2)
 
 
 def test_closing_frees_graphs_and_cache(tiny) -> None:
