@@ -476,6 +476,9 @@ __device__ __forceinline__ void walk_block_w16(const FrArrays& a, const uint4* _
 // bench/experiments/fixedrate_ab.py). Slower there: a tile copied each step (64 rows 1.85), 12 or
 // 16 warps a CTA (168 or 128 registers, spills: 2.10, 2.34), two CTAs of 8 (2.37), two tiles in
 // flight (1.80), x's next tiles or W's plane lines prefetched to L1 or L2 (level or 1.78).
+// Up to 32 rows (up to 4 n8 tiles) at most 168 registers (4 bytes spilled at 4 n8 tiles), so that
+// 12 warps fit an SM: a matrix whose CTAs of 8 warps fill more than one wave takes CTAs of 6, two an
+// SM (wide_warps).
 constexpr int kWideWarps = 8;
 constexpr int kWideRows = 17;
 
@@ -545,13 +548,13 @@ __device__ __forceinline__ void walk_block_wide(const FrArrays& a, const uint2* 
   }
 }
 
-// A CTA: 8 warps of 16 rows of W on range blockIdx.y of K, whose float32 sums go to `part`
+// A CTA: 8 warps (or wide_warps' 6) of 16 rows of W on range blockIdx.y of K, whose float32 sums go to `part`
 // [ranges][nx][rows] when K is cut (else y, as mma_kernel rounds them).
 template <bool kBf16, int kNT>
-__global__ void __launch_bounds__(32 * kWideWarps, 1) wide_kernel(FrArrays a, const uint2* __restrict__ xq, int nx,
-                                                                 uint16_t* __restrict__ y, float* __restrict__ part) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t row0 = (blockIdx.x * static_cast<int64_t>(kWideWarps) + warp) * 16;
+__global__ void __launch_bounds__(32 * kWideWarps) __maxnreg__(kNT <= 4 ? 168 : 255)
+    wide_kernel(FrArrays a, const uint2* __restrict__ xq, int nx, uint16_t* __restrict__ y, float* __restrict__ part) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  const int64_t row0 = (blockIdx.x * static_cast<int64_t>(warps) + warp) * 16;
   const int64_t row_a = min(row0 + (lane >> 2), a.rows - 1), row_b = min(row0 + 8 + (lane >> 2), a.rows - 1);
   __shared__ uint4 stage[2][32 * kWideWarps][2];
   float c[kNT][4] = {};
@@ -727,6 +730,38 @@ void launch(const FrArrays& a, const uint4* x, int nx, uint16_t* y, const at::Te
   if (cut.parts > 1) launch_sum(kBf16, pp, nx * a.rows, 1, cut.parts, y, stream);
 }
 
+// wide_kernel's warps a CTA for a matrix of `rows` cut into `splits` ranges of K: 8 (128 rows of W
+// sharing each x word through L1) while the launch's CTAs of 8 warps all fit the device at once;
+// past that, kWideWarpsMany where more of its warps fit an SM (two CTAs of 6 warps, 12 warps an SM,
+// where the kernel needs at most 168 registers), so that the launch runs in fewer, fuller waves.
+// Each warp's sums are the same bits either way. The 7B's served matrices at 17 / 25 / 32 rows,
+// 8 -> 6 warps a CTA: qkv (12 288 rows) 1.35 / 1.44 / 1.48 -> 1.16 / 1.30 / 1.33 of cuBLAS's time,
+// gate_up (22 016) 1.46 / 1.57 / 1.63 -> 1.29 / 1.40 / 1.47, but o (4 096 rows, one wave of 8)
+// 1.02 / 1.33 / 1.14 -> 1.22 / 1.62 / 1.38 and down (4 096) 1.21 / 1.30 / 1.32 -> 1.53 / 1.71 / 1.73,
+// hence the rule (H200, 2026-11-30, one build, a sweep of 4 to 8 warps; 5 and 7 slower on most). The 7B layer's seven at 17 / 24 / 28 / 32 rows 1.29 / 1.25 /
+// 1.42 / 1.34 -> 1.23 / 1.19 / 1.37 / 1.30, the 8B layer's 1.335 / 1.30 / 1.425 / 1.39 -> 1.29 /
+// 1.25 / 1.38 / 1.35 (bench/experiments/fixedrate_ab.py, the two builds alternated).
+constexpr int kWideWarpsMany = 6;
+
+template <bool kBf16, int kNT>
+int wide_warps(int64_t rows, int splits) {
+  static std::atomic<int32_t> known[64] = {};                       // per device: SMs << 16 | CTAs of 8 << 8 | CTAs of 6
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  int32_t k = dev < 64 ? known[dev].load(std::memory_order_relaxed) : 0;
+  if (!k) {
+    int sms = 0, per8 = 0, per6 = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per8, wide_kernel<kBf16, kNT>, 32 * kWideWarps, 0));
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per6, wide_kernel<kBf16, kNT>, 32 * kWideWarpsMany, 0));
+    k = sms << 16 | per8 << 8 | per6;
+    if (dev < 64) known[dev].store(k, std::memory_order_relaxed);
+  }
+  const int sms = k >> 16, per8 = k >> 8 & 0xFF, per6 = k & 0xFF;
+  const int64_t ctas8 = (rows + 16 * kWideWarps - 1) / (16 * kWideWarps) * splits;
+  return ctas8 <= static_cast<int64_t>(sms) * per8 || per6 * kWideWarpsMany <= per8 * kWideWarps ? kWideWarps : kWideWarpsMany;
+}
+
 // kWideRows..64 rows: x permuted for wide_kernel, its ranges' sums added in mma_kernel's order.
 template <bool kBf16, int kNT>
 void launch_wide(const FrArrays& a, const at::Tensor& x, int nx, uint16_t* y, cudaStream_t stream) {
@@ -737,9 +772,10 @@ void launch_wide(const FrArrays& a, const at::Tensor& x, int nx, uint16_t* y, cu
              reinterpret_cast<const uint32_t*>(x.data_ptr()), a.groups, nx, kNT, units, reinterpret_cast<uint2*>(xq.data_ptr()));
   at::Tensor part;
   float* pp = part_sums(part, cut.splits, nx, a.rows, x);
-  const int64_t ctas = (a.rows + 16 * kWideWarps - 1) / (16 * kWideWarps);
+  const int w = wide_warps<kBf16, kNT>(a.rows, cut.splits);
+  const int64_t ctas = (a.rows + 16 * w - 1) / (16 * w);
   launch_pdl(wide_kernel<kBf16, kNT>, dim3(static_cast<unsigned>(ctas), static_cast<unsigned>(cut.splits)),
-             dim3(32 * kWideWarps), stream, a, reinterpret_cast<const uint2*>(xq.data_ptr()), nx, y, pp);
+             dim3(32 * w), stream, a, reinterpret_cast<const uint2*>(xq.data_ptr()), nx, y, pp);
   if (cut.splits > 1) launch_sum(kBf16, pp, nx * a.rows, cut.per_cta, cut.parts, y, stream);
 }
 

@@ -1,6 +1,6 @@
 """The fixed-rate ops under `compute-sanitizer --tool memcheck`: the GPU transcoder, the decode and
 the fused matmul (every row count 1..16 on both kernels, 24..64 on tensor cores, then 80 rows through
-decode + cuBLAS) on ragged shapes with
+decode + cuBLAS; 6100 rows take the wide kernel in CTAs of 6 warps) on ragged shapes with
 escapes and every bit pattern, with most weights escaping at other offsets of the escapes, and chained
 (each linear reading the one before's output). Exits non-zero if a result differs from the C++ twin's."""
 import sys
@@ -24,7 +24,8 @@ def main() -> int:
     torch.manual_seed(0)
     ok = True
     for shape, finite in (((3, 31), False), ((37, 1000), True), ((130, 2049), True), ((256, 256), False),
-                          ((4100, 2048), True)):
+                          ((4100, 2048), True),
+                          ((6100, 2048), True)):                 # from 17 rows CTAs of 6 warps
         w = fr_ops.sample_weight(torch.bfloat16, *shape, seed=shape[1], finite=finite)
         if shape == (256, 256):
             w = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).reshape(shape).view(torch.bfloat16)
