@@ -476,9 +476,12 @@ __device__ __forceinline__ void walk_block_w16(const FrArrays& a, const uint4* _
 // bench/experiments/fixedrate_ab.py). Slower there: a tile copied each step (64 rows 1.85), 12 or
 // 16 warps a CTA (168 or 128 registers, spills: 2.10, 2.34), two CTAs of 8 (2.37), two tiles in
 // flight (1.80), x's next tiles or W's plane lines prefetched to L1 or L2 (level or 1.78).
-// Up to 32 rows (up to 4 n8 tiles) at most 168 registers (4 bytes spilled at 4 n8 tiles), so that
+// Up to 40 rows (up to 5 n8 tiles) at most 168 registers (4 bytes spilled at 4 n8 tiles), so that
 // 12 warps fit an SM: a matrix whose CTAs of 8 warps fill more than one wave takes CTAs of 6, two an
-// SM (wide_warps).
+// SM (wide_warps). 6 and 7 n8 tiles fit 168 registers without spilling too, but their layers ran
+// 1.54 -> 1.56 of cuBLAS's time at 48 rows; 8 spilled 88 bytes (1.73 -> 2.00 at 64); at 40 rows
+// 1.47 -> 1.44 (the 8B layer) and 1.42 -> 1.39 (the 7B's). At 128 registers (16 warps an SM, 16-36
+// bytes spilled) 17-32 rows ran 1.30-1.37 -> 1.65-1.93 (H200, 2026-11-30).
 constexpr int kWideWarps = 8;
 constexpr int kWideRows = 17;
 
@@ -551,7 +554,7 @@ __device__ __forceinline__ void walk_block_wide(const FrArrays& a, const uint2* 
 // A CTA: 8 warps (or wide_warps' 6) of 16 rows of W on range blockIdx.y of K, whose float32 sums go to `part`
 // [ranges][nx][rows] when K is cut (else y, as mma_kernel rounds them).
 template <bool kBf16, int kNT>
-__global__ void __launch_bounds__(32 * kWideWarps) __maxnreg__(kNT <= 4 ? 168 : 255)
+__global__ void __launch_bounds__(32 * kWideWarps) __maxnreg__(kNT <= 5 ? 168 : 255)
     wide_kernel(FrArrays a, const uint2* __restrict__ xq, int nx, uint16_t* __restrict__ y, float* __restrict__ part) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   const int64_t row0 = (blockIdx.x * static_cast<int64_t>(warps) + warp) * 16;
