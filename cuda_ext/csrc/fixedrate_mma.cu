@@ -55,15 +55,26 @@ __device__ __forceinline__ int64_t pdl_element() {
   return blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
 }
 
-bool pdl_on() {                                                     // the device's answer asked once, then kept
-  static std::atomic<int8_t> known[64] = {};                        // 0 not asked, 1 no, 2 yes
-  int dev = 0, major = 0;
+// ask(dev) for the current device, asked once and then kept (`known`: 0 not asked yet; ask's
+// answers are never 0).
+template <typename Ask>
+int32_t per_device(std::atomic<int32_t> (&known)[64], Ask&& ask) {
+  int dev = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
   if (dev < 64)
-    if (const int8_t k = known[dev].load(std::memory_order_relaxed)) return k == 2;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  if (dev < 64) known[dev].store(major >= 9 ? 2 : 1, std::memory_order_relaxed);
-  return major >= 9;
+    if (const int32_t k = known[dev].load(std::memory_order_relaxed)) return k;
+  const int32_t k = ask(dev);
+  if (dev < 64) known[dev].store(k, std::memory_order_relaxed);
+  return k;
+}
+
+bool pdl_on() {
+  static std::atomic<int32_t> known[64] = {};                       // 1 no, 2 yes
+  return per_device(known, [](int dev) {
+           int major = 0;
+           C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+           return major >= 9 ? 2 : 1;
+         }) == 2;
 }
 
 template <typename... Params, typename... Args>
@@ -748,18 +759,14 @@ constexpr int kWideWarpsMany = 6;
 
 template <bool kBf16, int kNT>
 int wide_warps(int64_t rows, int splits) {
-  static std::atomic<int32_t> known[64] = {};                       // per device: SMs << 16 | CTAs of 8 << 8 | CTAs of 6
-  int dev = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
-  int32_t k = dev < 64 ? known[dev].load(std::memory_order_relaxed) : 0;
-  if (!k) {
+  static std::atomic<int32_t> known[64] = {};                       // SMs << 16 | CTAs of 8 an SM << 8 | CTAs of 6
+  const int32_t k = per_device(known, [](int dev) {
     int sms = 0, per8 = 0, per6 = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per8, wide_kernel<kBf16, kNT>, 32 * kWideWarps, 0));
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per6, wide_kernel<kBf16, kNT>, 32 * kWideWarpsMany, 0));
-    k = sms << 16 | per8 << 8 | per6;
-    if (dev < 64) known[dev].store(k, std::memory_order_relaxed);
-  }
+    return sms << 16 | per8 << 8 | per6;
+  });
   const int sms = k >> 16, per8 = k >> 8 & 0xFF, per6 = k & 0xFF;
   const int64_t ctas8 = (rows + 16 * kWideWarps - 1) / (16 * kWideWarps) * splits;
   return ctas8 <= static_cast<int64_t>(sms) * per8 || per6 * kWideWarpsMany <= per8 * kWideWarps ? kWideWarps : kWideWarpsMany;
