@@ -752,9 +752,10 @@ void launch(const FrArrays& a, const uint4* x, int nx, uint16_t* y, const at::Te
 // 8 -> 6 warps a CTA: qkv (12 288 rows) 1.35 / 1.44 / 1.48 -> 1.16 / 1.30 / 1.33 of cuBLAS's time,
 // gate_up (22 016) 1.46 / 1.57 / 1.63 -> 1.29 / 1.40 / 1.47, but o (4 096 rows, one wave of 8)
 // 1.02 / 1.33 / 1.14 -> 1.22 / 1.62 / 1.38 and down (4 096) 1.21 / 1.30 / 1.32 -> 1.53 / 1.71 / 1.73,
-// hence the rule (H200, 2026-11-30, one build, a sweep of 4 to 8 warps; 5 and 7 slower on most). The 7B layer's seven at 17 / 24 / 28 / 32 rows 1.29 / 1.25 /
-// 1.42 / 1.34 -> 1.23 / 1.19 / 1.37 / 1.30, the 8B layer's 1.335 / 1.30 / 1.425 / 1.39 -> 1.29 /
-// 1.25 / 1.38 / 1.35 (bench/experiments/fixedrate_ab.py, the two builds alternated).
+// hence the rule (H200, 2026-11-30, one build, a sweep of 4 to 8 warps; 5 and 7 slower on most).
+// The 7B layer's seven at 17 / 24 / 28 / 32 rows 1.29 / 1.25 / 1.42 / 1.34 -> 1.23 / 1.19 / 1.37 /
+// 1.30, the 8B layer's 1.335 / 1.30 / 1.425 / 1.39 -> 1.29 / 1.25 / 1.38 / 1.35
+// (bench/experiments/fixedrate_ab.py, the two builds alternated).
 constexpr int kWideWarpsMany = 6;
 
 template <bool kBf16, int kNT>
@@ -763,13 +764,16 @@ int wide_warps(int64_t rows, int splits) {
   const int32_t k = per_device(known, [](int dev) {
     int sms = 0, per8 = 0, per6 = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per8, wide_kernel<kBf16, kNT>, 32 * kWideWarps, 0));
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per6, wide_kernel<kBf16, kNT>, 32 * kWideWarpsMany, 0));
+    auto ctas_an_sm = [](int& n, int warps) {
+      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, wide_kernel<kBf16, kNT>, 32 * warps, 0));
+    };
+    ctas_an_sm(per8, kWideWarps), ctas_an_sm(per6, kWideWarpsMany);
     return sms << 16 | per8 << 8 | per6;
   });
   const int sms = k >> 16, per8 = k >> 8 & 0xFF, per6 = k & 0xFF;
   const int64_t ctas8 = (rows + 16 * kWideWarps - 1) / (16 * kWideWarps) * splits;
-  return ctas8 <= static_cast<int64_t>(sms) * per8 || per6 * kWideWarpsMany <= per8 * kWideWarps ? kWideWarps : kWideWarpsMany;
+  const bool one_wave = ctas8 <= static_cast<int64_t>(sms) * per8;
+  return one_wave || per6 * kWideWarpsMany <= per8 * kWideWarps ? kWideWarps : kWideWarpsMany;
 }
 
 // kWideRows..64 rows: x permuted for wide_kernel, its ranges' sums added in mma_kernel's order.
