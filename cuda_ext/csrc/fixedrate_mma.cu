@@ -77,6 +77,16 @@ bool pdl_on() {
          }) == 2;
 }
 
+// The current device's SMs.
+int sm_count() {
+  static std::atomic<int32_t> known[64] = {};
+  return per_device(known, [](int dev) {
+    int n = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+    return n;
+  });
+}
+
 template <typename... Params, typename... Args>
 void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream, Args... args) {
   cudaLaunchConfig_t cfg = {};
@@ -607,6 +617,13 @@ __global__ void __launch_bounds__(32 * kWideWarps) __maxnreg__(kNT <= 5 ? 168 : 
 // W as A (5-8 rows) 4: 126 registers, and its grids are half as many warps.
 template <int kSlots, bool kWA>
 constexpr int kMmaCtas = kWA ? 4 : kSlots == 2 ? 5 : 6;
+// Up to 4 rows a launch whose grid takes fewer waves at 7 CTAs an SM than at 6 runs a build held to
+// 72 registers (16-40 bytes spilled): the 8B gate and up at 1 row, 1 792 CTAs, 3 waves -> 2. The
+// same sums. The 8B layer's seven at 1 / 2 / 4 rows 0.982-0.983 / 1.003-1.006 / 1.081-1.084 ->
+// 0.971-0.972 / 0.997-0.998 / 1.058-1.064 of cuBLAS's time; the 7B layer's, none of whose grids
+// it changes, level (H200, 2026-11-30, bench/experiments/fixedrate_ab.py, alternated twice). Every
+// matrix at 7 CTAs was slower (an earlier try).
+constexpr int kMmaCtasMore = 7;
 
 // Rows of x from which the kernel takes 16 rows of W as A (walk_block_w16), up to 8: at 8 rows the 8B layer's
 // seven matmuls 1.35 -> 1.16 of cuBLAS's time, the 7B layer's 1.28 -> 1.19, and at 4 rows 1.14 ->
@@ -628,8 +645,8 @@ constexpr int kCursorRows = 1;
 // rows (1024: 128 groups of 8, one CTA an SM) is cut further, gridDim.y CTAs a group of rows, each
 // writing float32 partial sums to `part` [gridDim.y][nx][rows], which sum_parts adds in order.
 // The cut depends on the matrix alone, not on nx: a row of x gets the same sums in any batch.
-template <bool kBf16, int kSlots, bool kWA, bool kCursor>
-__global__ void __launch_bounds__(32 * kMmaWarps, kMmaCtas<kSlots, kWA>) mma_kernel(FrArrays a, const uint4* __restrict__ x,
+template <bool kBf16, int kSlots, bool kWA, bool kCursor, int kCtas = kMmaCtas<kSlots, kWA>>
+__global__ void __launch_bounds__(32 * kMmaWarps, kCtas) mma_kernel(FrArrays a, const uint4* __restrict__ x,
                                                                                     int nx, int splits_cta,
                                                                                     uint16_t* __restrict__ y,
                                                                                     float* __restrict__ part) {
@@ -739,8 +756,13 @@ void launch(const FrArrays& a, const uint4* x, int nx, uint16_t* y, const at::Te
   const int64_t ctas = (row_units + kMmaWarps / cut.per_cta - 1) / (kMmaWarps / cut.per_cta);
   at::Tensor part;
   float* pp = part_sums(part, cut.parts, nx, a.rows, like);
-  launch_pdl(mma_kernel<kBf16, kSlots, kWA, kCursor>, dim3(static_cast<unsigned>(ctas), cut.parts), dim3(32 * kMmaWarps),
-             stream, a, x, nx, cut.per_cta, y, pp);
+  auto kernel = mma_kernel<kBf16, kSlots, kWA, kCursor>;
+  if constexpr (kSlots == 1 && !kWA) {                              // up to 4 rows: 7 CTAs an SM where that saves a wave
+    const int64_t sms = sm_count(), grid = ctas * cut.parts;
+    auto waves = [&](int64_t per) { return (grid + sms * per - 1) / (sms * per); };
+    if (waves(kMmaCtasMore) < waves(kMmaCtas<1, false>)) kernel = mma_kernel<kBf16, kSlots, kWA, kCursor, kMmaCtasMore>;
+  }
+  launch_pdl(kernel, dim3(static_cast<unsigned>(ctas), cut.parts), dim3(32 * kMmaWarps), stream, a, x, nx, cut.per_cta, y, pp);
   if (cut.parts > 1) launch_sum(kBf16, pp, nx * a.rows, 1, cut.parts, y, stream);
 }
 
@@ -760,17 +782,16 @@ constexpr int kWideWarpsMany = 6;
 
 template <bool kBf16, int kNT>
 int wide_warps(int64_t rows, int splits) {
-  static std::atomic<int32_t> known[64] = {};                       // SMs << 16 | CTAs of 8 an SM << 8 | CTAs of 6
-  const int32_t k = per_device(known, [](int dev) {
-    int sms = 0, per8 = 0, per6 = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  static std::atomic<int32_t> known[64] = {};                       // CTAs of 8 an SM << 8 | CTAs of 6
+  const int32_t k = per_device(known, [](int) {
+    int per8 = 0, per6 = 0;
     auto ctas_an_sm = [](int& n, int warps) {
       C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, wide_kernel<kBf16, kNT>, 32 * warps, 0));
     };
     ctas_an_sm(per8, kWideWarps), ctas_an_sm(per6, kWideWarpsMany);
-    return sms << 16 | per8 << 8 | per6;
+    return per8 << 8 | per6;
   });
-  const int sms = k >> 16, per8 = k >> 8 & 0xFF, per6 = k & 0xFF;
+  const int sms = sm_count(), per8 = k >> 8 & 0xFF, per6 = k & 0xFF;
   const int64_t ctas8 = (rows + 16 * kWideWarps - 1) / (16 * kWideWarps) * splits;
   const bool one_wave = ctas8 <= static_cast<int64_t>(sms) * per8;
   return one_wave || per6 * kWideWarpsMany <= per8 * kWideWarps ? kWideWarps : kWideWarpsMany;
