@@ -775,26 +775,35 @@ void launch(const FrArrays& a, const uint4* x, int nx, uint16_t* y, const at::Te
 // gate_up (22 016) 1.46 / 1.57 / 1.63 -> 1.29 / 1.40 / 1.47, but o (4 096 rows, one wave of 8)
 // 1.02 / 1.33 / 1.14 -> 1.22 / 1.62 / 1.38 and down (4 096) 1.21 / 1.30 / 1.32 -> 1.53 / 1.71 / 1.73,
 // hence the rule (H200, 2026-11-30, one build, a sweep of 4 to 8 warps; 5 and 7 slower on most).
+// But CTAs of 5 (two an SM, 10 warps) where they take no more waves than CTAs of 6: the last wave
+// fuller, fewer warps on an SM. The 8B's gate_up (28 672 rows, 2 ranges; 2.27 waves of 6, 2.72 of
+// 5) at 32 rows 1.635 with 6 warps, 1.513 with 5 (the same sweep); every other matrix of the two
+// layers takes more waves in CTAs of 5 and keeps its size.
 // The 7B layer's seven at 17 / 24 / 28 / 32 rows 1.29 / 1.25 / 1.42 / 1.34 -> 1.23 / 1.19 / 1.37 /
 // 1.30, the 8B layer's 1.335 / 1.30 / 1.425 / 1.39 -> 1.29 / 1.25 / 1.38 / 1.35
 // (bench/experiments/fixedrate_ab.py, the two builds alternated).
 constexpr int kWideWarpsMany = 6;
+constexpr int kWideWarpsFew = 5;
 
 template <bool kBf16, int kNT>
 int wide_warps(int64_t rows, int splits) {
-  static std::atomic<int32_t> known[64] = {};                       // CTAs of 8 an SM << 8 | CTAs of 6
+  static std::atomic<int32_t> known[64] = {};                       // CTAs an SM of 8 << 16 | of 6 << 8 | of 5
   const int32_t k = per_device(known, [](int) {
-    int per8 = 0, per6 = 0;
+    int per8 = 0, per6 = 0, per5 = 0;
     auto ctas_an_sm = [](int& n, int warps) {
       C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, wide_kernel<kBf16, kNT>, 32 * warps, 0));
     };
-    ctas_an_sm(per8, kWideWarps), ctas_an_sm(per6, kWideWarpsMany);
-    return per8 << 8 | per6;
+    ctas_an_sm(per8, kWideWarps), ctas_an_sm(per6, kWideWarpsMany), ctas_an_sm(per5, kWideWarpsFew);
+    return per8 << 16 | per6 << 8 | per5;
   });
-  const int sms = sm_count(), per8 = k >> 8 & 0xFF, per6 = k & 0xFF;
-  const int64_t ctas8 = (rows + 16 * kWideWarps - 1) / (16 * kWideWarps) * splits;
-  const bool one_wave = ctas8 <= static_cast<int64_t>(sms) * per8;
-  return one_wave || per6 * kWideWarpsMany <= per8 * kWideWarps ? kWideWarps : kWideWarpsMany;
+  const int64_t sms = sm_count();
+  auto waves = [&](int warps, int per) {                            // the launch's waves in CTAs of `warps`
+    const int64_t ctas = (rows + 16 * warps - 1) / (16 * warps) * splits;
+    return (ctas + sms * per - 1) / (sms * per);
+  };
+  const int per8 = k >> 16, per6 = k >> 8 & 0xFF, per5 = k & 0xFF;
+  if (waves(kWideWarps, per8) == 1 || per6 * kWideWarpsMany <= per8 * kWideWarps) return kWideWarps;
+  return per5 && waves(kWideWarpsFew, per5) == waves(kWideWarpsMany, per6) ? kWideWarpsFew : kWideWarpsMany;
 }
 
 // kWideRows..64 rows: x permuted for wide_kernel, its ranges' sums added in mma_kernel's order.

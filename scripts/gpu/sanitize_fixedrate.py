@@ -1,8 +1,9 @@
 """The fixed-rate ops under `compute-sanitizer --tool memcheck`: the GPU transcoder, the decode and
 the fused matmul (every row count 1..16 on both kernels, 24..64 on tensor cores, then 80 rows through
-decode + cuBLAS; 6100 rows take the wide kernel in CTAs of 6 warps) on ragged shapes with
-escapes and every bit pattern, with most weights escaping at other offsets of the escapes, and chained
-(each linear reading the one before's output). Exits non-zero if a result differs from the C++ twin's."""
+decode + cuBLAS; 6100 rows take the wide kernel in CTAs of 6 warps, 16400 in CTAs of 5) on ragged
+shapes with escapes and every bit pattern, with most weights escaping at other offsets of the
+escapes, and chained (each linear reading the one before's output). Exits non-zero if a result
+differs from the C++ twin's."""
 import sys
 
 import torch
@@ -25,7 +26,8 @@ def main() -> int:
     ok = True
     for shape, finite in (((3, 31), False), ((37, 1000), True), ((130, 2049), True), ((256, 256), False),
                           ((4100, 2048), True),
-                          ((6100, 2048), True)):                 # from 17 rows CTAs of 6 warps
+                          ((6100, 2048), True),                  # from 17 rows CTAs of 6 warps
+                          ((16400, 1024), True)):                # CTAs of 5 (132 SMs)
         w = fr_ops.sample_weight(torch.bfloat16, *shape, seed=shape[1], finite=finite)
         if shape == (256, 256):
             w = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).reshape(shape).view(torch.bfloat16)
@@ -33,7 +35,7 @@ def main() -> int:
         ok &= check(all(torch.equal(a.cpu(), b) for a, b in zip(fr.arrays, ops.fixedrate_encode(w))), "encode", shape)
         ok &= check(torch.equal(fr_ops.decode(fr).cpu().view(torch.int16), w.view(torch.int16)), "decode", shape)
         if finite:
-            for n, kernel in [(n, k) for n in range(1, 17) for k in (0, 1)] + [(n, 0) for n in (24, 40, 64, 80)]:
+            for n, kernel in rows_and_kernels(shape):
                 x = torch.randn(n, shape[1]).bfloat16()
                 got = fr_ops.linear(x.cuda(), fr, kernel).cpu().float()
                 err = ((got - x.float() @ w.float().T).abs() / (1 + got.abs())).max().item()
@@ -43,6 +45,16 @@ def main() -> int:
     torch.cuda.synchronize()
     print("fixedrate sanitizer sample:", "ok" if ok else "MISMATCH")
     return 0 if ok else 1
+
+
+def rows_and_kernels(shape: tuple[int, int]) -> list[tuple[int, int]]:
+    """(rows of x, kernel) to run on a matrix: 1..16 on both kernels, 24..80 on tensor cores (80:
+    decode + cuBLAS); 16400 rows only the wide kernel's 24 and 40 (CTAs of 5 warps), since racecheck
+    reports a WAR hazard inside cuBLAS's own kernel (nvjet_sm90_tst_128x80_64x8) at 80 rows there,
+    with every build of ours (H200, 2026-11-30)."""
+    if shape[0] == 16400:
+        return [(24, 0), (40, 0)]
+    return [(n, k) for n in range(1, 17) for k in (0, 1)] + [(n, 0) for n in (24, 40, 64, 80)]
 
 
 def chained() -> bool:

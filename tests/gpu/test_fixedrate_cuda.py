@@ -110,12 +110,14 @@ def test_row_views_of_a_joined_weight_multiply_as_their_parts():
             assert torch.equal(fr_ops.linear(x, view).view(torch.int16), fr_ops.linear(x, alone).view(torch.int16))
 
 
-@pytest.mark.parametrize("shape", [(1024, 4096), (64, 4096 + 160), (37, 1000), (4096, 1024), (6000, 4096 + 160)])
+@pytest.mark.parametrize("shape", [(1024, 4096), (64, 4096 + 160), (37, 1000), (4096, 1024), (6000, 4096 + 160),
+                                   (16400, 1024)])
 def test_tensor_core_rows_same_alone_as_in_a_batch(shape):
     """K is cut by the matrix's shape alone (into tiles' ranges, some starting inside an escape
     block, summed across CTAs where a matrix has few rows): a row of x gets the same bits in a batch
     of any size as alone. From 17 to 40 rows, 6000 rows take CTAs of 6 warps on a GPU of up to 187
-    SMs (47 · 4 CTAs of 8 warps would not fit at once), the others CTAs of 8."""
+    SMs (47 · 4 CTAs of 8 warps would not fit at once), 16 400 rows (2 ranges) CTAs of 5 on 132 SMs
+    (2 waves of 5 as of 6), the others CTAs of 8."""
     w = trained_like(*shape, sum(shape))
     fr = fr_ops.encode(w)
     x = torch.randn(64, shape[1], device="cuda", generator=torch.Generator(device="cuda").manual_seed(5)).bfloat16()
