@@ -77,14 +77,15 @@ bool pdl_on() {
          }) == 2;
 }
 
-// The current device's SMs.
-int sm_count() {
+// The waves that `ctas` CTAs take on the current device at `per_sm` an SM (its SMs asked once).
+int64_t waves(int64_t ctas, int per_sm) {
   static std::atomic<int32_t> known[64] = {};
-  return per_device(known, [](int dev) {
-    int n = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-    return n;
-  });
+  const int64_t slots = per_sm * static_cast<int64_t>(per_device(known, [](int dev) {
+                          int n = 0;
+                          C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+                          return n;
+                        }));
+  return (ctas + slots - 1) / slots;
 }
 
 template <typename... Params, typename... Args>
@@ -758,9 +759,9 @@ void launch(const FrArrays& a, const uint4* x, int nx, uint16_t* y, const at::Te
   float* pp = part_sums(part, cut.parts, nx, a.rows, like);
   auto kernel = mma_kernel<kBf16, kSlots, kWA, kCursor>;
   if constexpr (kSlots == 1 && !kWA) {                              // up to 4 rows: 7 CTAs an SM where that saves a wave
-    const int64_t sms = sm_count(), grid = ctas * cut.parts;
-    auto waves = [&](int64_t per) { return (grid + sms * per - 1) / (sms * per); };
-    if (waves(kMmaCtasMore) < waves(kMmaCtas<1, false>)) kernel = mma_kernel<kBf16, kSlots, kWA, kCursor, kMmaCtasMore>;
+    const int64_t grid = ctas * cut.parts;
+    if (waves(grid, kMmaCtasMore) < waves(grid, kMmaCtas<1, false>))
+      kernel = mma_kernel<kBf16, kSlots, kWA, kCursor, kMmaCtasMore>;
   }
   launch_pdl(kernel, dim3(static_cast<unsigned>(ctas), cut.parts), dim3(32 * kMmaWarps), stream, a, x, nx, cut.per_cta, y, pp);
   if (cut.parts > 1) launch_sum(kBf16, pp, nx * a.rows, 1, cut.parts, y, stream);
@@ -796,14 +797,12 @@ int wide_warps(int64_t rows, int splits) {
     ctas_an_sm(per8, kWideWarps), ctas_an_sm(per6, kWideWarpsMany), ctas_an_sm(per5, kWideWarpsFew);
     return per8 << 16 | per6 << 8 | per5;
   });
-  const int64_t sms = sm_count();
-  auto waves = [&](int warps, int per) {                            // the launch's waves in CTAs of `warps`
-    const int64_t ctas = (rows + 16 * warps - 1) / (16 * warps) * splits;
-    return (ctas + sms * per - 1) / (sms * per);
+  auto in = [&](int warps, int per) {                              // the launch's waves in CTAs of `warps`
+    return waves((rows + 16 * warps - 1) / (16 * warps) * splits, per);
   };
   const int per8 = k >> 16, per6 = k >> 8 & 0xFF, per5 = k & 0xFF;
-  if (waves(kWideWarps, per8) == 1 || per6 * kWideWarpsMany <= per8 * kWideWarps) return kWideWarps;
-  return per5 && waves(kWideWarpsFew, per5) == waves(kWideWarpsMany, per6) ? kWideWarpsFew : kWideWarpsMany;
+  if (in(kWideWarps, per8) == 1 || per6 * kWideWarpsMany <= per8 * kWideWarps) return kWideWarps;
+  return per5 && in(kWideWarpsFew, per5) == in(kWideWarpsMany, per6) ? kWideWarpsFew : kWideWarpsMany;
 }
 
 // kWideRows..64 rows: x permuted for wide_kernel, its ranges' sums added in mma_kernel's order.
