@@ -499,8 +499,8 @@ __device__ __forceinline__ void walk_block_w16(const FrArrays& a, const uint4* _
 // 16 warps a CTA (168 or 128 registers, spills: 2.10, 2.34), two CTAs of 8 (2.37), two tiles in
 // flight (1.80), x's next tiles or W's plane lines prefetched to L1 or L2 (level or 1.78).
 // Up to 40 rows (up to 5 n8 tiles) at most 168 registers (4 bytes spilled at 4 n8 tiles), so that
-// 12 warps fit an SM: a matrix whose CTAs of 8 warps fill more than one wave takes CTAs of 6, two an
-// SM (wide_warps). 6 and 7 n8 tiles fit 168 registers without spilling too, but their layers ran
+// 12 warps fit an SM: a matrix whose CTAs of 8 warps fill more than one wave takes CTAs of 6 (or 5),
+// two an SM (wide_warps). 6 and 7 n8 tiles fit 168 registers without spilling too, but their layers ran
 // 1.54 -> 1.56 of cuBLAS's time at 48 rows; 8 spilled 88 bytes (1.73 -> 2.00 at 64); at 40 rows
 // 1.47 -> 1.44 (the 8B layer) and 1.42 -> 1.39 (the 7B's). At 128 registers (16 warps an SM, 16-36
 // bytes spilled) 17-32 rows ran 1.30-1.37 -> 1.65-1.93 (H200, 2026-11-30).
@@ -573,8 +573,8 @@ __device__ __forceinline__ void walk_block_wide(const FrArrays& a, const uint2* 
   }
 }
 
-// A CTA: 8 warps (or wide_warps' 6) of 16 rows of W on range blockIdx.y of K, whose float32 sums go to `part`
-// [ranges][nx][rows] when K is cut (else y, as mma_kernel rounds them).
+// A CTA: 8 warps (or wide_warps' 6 or 5) of 16 rows of W on range blockIdx.y of K, whose float32
+// sums go to `part` [ranges][nx][rows] when K is cut (else y, as mma_kernel rounds them).
 template <bool kBf16, int kNT>
 __global__ void __launch_bounds__(32 * kWideWarps) __maxnreg__(kNT <= 5 ? 168 : 255)
     wide_kernel(FrArrays a, const uint2* __restrict__ xq, int nx, uint16_t* __restrict__ y, float* __restrict__ part) {
@@ -786,6 +786,9 @@ void launch(const FrArrays& a, const uint4* x, int nx, uint16_t* y, const at::Te
 constexpr int kWideWarpsMany = 6;
 constexpr int kWideWarpsFew = 5;
 
+// wide_kernel's CTAs along the rows of W in CTAs of `warps` warps (16 rows of W each).
+int64_t wide_ctas(int64_t rows, int warps) { return (rows + 16 * warps - 1) / (16 * warps); }
+
 template <bool kBf16, int kNT>
 int wide_warps(int64_t rows, int splits) {
   static std::atomic<int32_t> known[64] = {};                       // CTAs an SM of 8 << 16 | of 6 << 8 | of 5
@@ -797,9 +800,7 @@ int wide_warps(int64_t rows, int splits) {
     ctas_an_sm(per8, kWideWarps), ctas_an_sm(per6, kWideWarpsMany), ctas_an_sm(per5, kWideWarpsFew);
     return per8 << 16 | per6 << 8 | per5;
   });
-  auto in = [&](int warps, int per) {                              // the launch's waves in CTAs of `warps`
-    return waves((rows + 16 * warps - 1) / (16 * warps) * splits, per);
-  };
+  auto in = [&](int warps, int per) { return waves(wide_ctas(rows, warps) * splits, per); };   // in CTAs of `warps`
   const int per8 = k >> 16, per6 = k >> 8 & 0xFF, per5 = k & 0xFF;
   if (in(kWideWarps, per8) == 1 || per6 * kWideWarpsMany <= per8 * kWideWarps) return kWideWarps;
   return per5 && in(kWideWarpsFew, per5) == in(kWideWarpsMany, per6) ? kWideWarpsFew : kWideWarpsMany;
@@ -816,7 +817,7 @@ void launch_wide(const FrArrays& a, const at::Tensor& x, int nx, uint16_t* y, cu
   at::Tensor part;
   float* pp = part_sums(part, cut.splits, nx, a.rows, x);
   const int w = wide_warps<kBf16, kNT>(a.rows, cut.splits);
-  const int64_t ctas = (a.rows + 16 * w - 1) / (16 * w);
+  const int64_t ctas = wide_ctas(a.rows, w);
   launch_pdl(wide_kernel<kBf16, kNT>, dim3(static_cast<unsigned>(ctas), static_cast<unsigned>(cut.splits)),
              dim3(32 * w), stream, a, reinterpret_cast<const uint2*>(xq.data_ptr()), nx, y, pp);
   if (cut.splits > 1) launch_sum(kBf16, pp, nx * a.rows, cut.per_cta, cut.parts, y, stream);

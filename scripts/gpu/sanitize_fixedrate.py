@@ -20,41 +20,38 @@ def check(good: bool, *case) -> bool:
     return good
 
 
+# (rows of x, kernel) run on a matrix: 1..16 on both kernels, 24..80 on tensor cores (80: decode +
+# cuBLAS). WIDE: the wide kernel's alone, for 16400 rows (CTAs of 5 warps), where racecheck reports a
+# WAR hazard inside cuBLAS's own kernel (nvjet_sm90_tst_128x80_64x8) at 80 rows with every build of
+# ours (H200, 2026-11-30). A matrix with no runs holds every bit pattern (encode and decode only).
+EVERY = [(n, k) for n in range(1, 17) for k in (0, 1)] + [(n, 0) for n in (24, 40, 64, 80)]
+WIDE = [(24, 0), (40, 0)]
+MATRICES = (((3, 31), ()), ((37, 1000), EVERY), ((130, 2049), EVERY), ((256, 256), ()), ((4100, 2048), EVERY),
+            ((6100, 2048), EVERY),                               # from 17 rows CTAs of 6 warps
+            ((16400, 1024), WIDE))                               # CTAs of 5 (132 SMs)
+
+
 def main() -> int:
     assert cuda_ext.available().cuda, cuda_ext.available()
     torch.manual_seed(0)
     ok = True
-    for shape, finite in (((3, 31), False), ((37, 1000), True), ((130, 2049), True), ((256, 256), False),
-                          ((4100, 2048), True),
-                          ((6100, 2048), True),                  # from 17 rows CTAs of 6 warps
-                          ((16400, 1024), True)):                # CTAs of 5 (132 SMs)
-        w = fr_ops.sample_weight(torch.bfloat16, *shape, seed=shape[1], finite=finite)
+    for shape, runs in MATRICES:
+        w = fr_ops.sample_weight(torch.bfloat16, *shape, seed=shape[1], finite=bool(runs))
         if shape == (256, 256):
             w = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).reshape(shape).view(torch.bfloat16)
         fr = fr_ops.encode(w.cuda())
         ok &= check(all(torch.equal(a.cpu(), b) for a, b in zip(fr.arrays, ops.fixedrate_encode(w))), "encode", shape)
         ok &= check(torch.equal(fr_ops.decode(fr).cpu().view(torch.int16), w.view(torch.int16)), "decode", shape)
-        if finite:
-            for n, kernel in rows_and_kernels(shape):
-                x = torch.randn(n, shape[1]).bfloat16()
-                got = fr_ops.linear(x.cuda(), fr, kernel).cpu().float()
-                err = ((got - x.float() @ w.float().T).abs() / (1 + got.abs())).max().item()
-                ok &= check(err <= 0.02, "linear", shape, "rows", n, "kernel", kernel, "error", err)
+        for n, kernel in runs:
+            x = torch.randn(n, shape[1]).bfloat16()
+            got = fr_ops.linear(x.cuda(), fr, kernel).cpu().float()
+            err = ((got - x.float() @ w.float().T).abs() / (1 + got.abs())).max().item()
+            ok &= check(err <= 0.02, "linear", shape, "rows", n, "kernel", kernel, "error", err)
     ok &= escapes_everywhere()
     ok &= chained()
     torch.cuda.synchronize()
     print("fixedrate sanitizer sample:", "ok" if ok else "MISMATCH")
     return 0 if ok else 1
-
-
-def rows_and_kernels(shape: tuple[int, int]) -> list[tuple[int, int]]:
-    """(rows of x, kernel) to run on a matrix: 1..16 on both kernels, 24..80 on tensor cores (80:
-    decode + cuBLAS); 16400 rows only the wide kernel's 24 and 40 (CTAs of 5 warps), since racecheck
-    reports a WAR hazard inside cuBLAS's own kernel (nvjet_sm90_tst_128x80_64x8) at 80 rows there,
-    with every build of ours (H200, 2026-11-30)."""
-    if shape[0] == 16400:
-        return [(24, 0), (40, 0)]
-    return [(n, k) for n in range(1, 17) for k in (0, 1)] + [(n, 0) for n in (24, 40, 64, 80)]
 
 
 def chained() -> bool:
