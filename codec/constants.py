@@ -47,4 +47,4 @@ FR_CODES = 8                        # 3-bit codes: field = base + code, a window
 FR_MAX_BASE = 256 - FR_CODES        # 248: base + 7 <= 255
 FR_POS_MASK = 0x7F                  # an escape entry (u16): its position in the tile in bits 0..6,
 FR_FIELD_SHIFT = 8                  # its field in bits 8..15
-FR_LO_WORDS = 2                     # u32 words of 2-bit codes per group (16 codes a word)
+FR_LO_WORDS = 2                     # u32 code words per group in `lo` (a third in `hi`)

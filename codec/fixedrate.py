@@ -138,31 +138,43 @@ def choose_bases(field: np.ndarray, valid: np.ndarray, window: int = CODES) -> n
 
 
 # ---- pack / unpack the codes -----------------------------------------------------------------
-#   weight i = 4q + b (q = 0..7 the u32 word of the plane, b = 0..3 its byte lane)
-#   lo[w] (w = q // 4, s = q % 4):  bits 8b + 2s .. 8b + 2s + 1 = code bits 0..1
-#   hi:                              bit  8b + q                  = code bit 2
+#   weight i = 4q + b (q = 0..7 the u32 word of the plane, b = 0..3 its byte lane); a group's three
+#   code words c0 = lo[0], c1 = lo[1], c2 = hi; byte lane b of each holds code bits of weights 4q + b:
+#   q = 0..5:  word q // 2, bits 8b + 3(q % 2) .. +2  = the whole code (a mask and a shift-add a u32)
+#   q = 6:     c0, bits 8b + 6 .. 8b + 7             = code bits 0..1; c1, bit 8b + 6 = code bit 2
+#   q = 7:     c2, bits 8b + 6 .. 8b + 7             = code bits 0..1; c1, bit 8b + 7 = code bit 2
 
-def _lane_shifts() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    i = np.arange(GROUP)
+def _code_bits() -> tuple[np.ndarray, np.ndarray]:
+    """Where bit k (0..2) of weight i's code lies: its word (0, 1: lo; 2: hi) and shift, [32, 3]."""
+    i = np.arange(GROUP)[:, None]
+    k = np.arange(3)[None, :]
     q, b = i // 4, i % 4
-    return q // 4, (8 * b + 2 * (q % 4)).astype(np.uint32), (8 * b + q).astype(np.uint32)
+    whole = q < 6
+    word = np.where(whole, q // 2, np.where(k < 2, 2 * (q - 6), 1))
+    shift = 8 * b + np.where(whole, 3 * (q % 2) + k, np.where(k < 2, 6 + k, q))
+    return word, shift.astype(np.uint32)
 
 
 def pack_codes(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """codes: uint8 [groups, 32] -> lo uint32 [groups, 2], hi uint32 [groups]."""
-    word, lo_shift, hi_shift = _lane_shifts()
+    word, shift = _code_bits()
     c = codes.astype(np.uint32)
-    lo_bits = (c & 3) << lo_shift                                       # [g, 32]
-    lo = np.stack([np.bitwise_or.reduce(lo_bits[:, word == k], axis=1) for k in range(LO_WORDS)], 1)
-    hi = np.bitwise_or.reduce((c >> 2) << hi_shift, axis=1)
-    return lo.astype(np.uint32), hi.astype(np.uint32)
+    words = np.zeros((len(codes), LO_WORDS + 1), np.uint32)
+    for k in range(3):
+        bits = ((c >> k) & 1) << shift[:, k]                              # [g, 32]
+        for w in range(LO_WORDS + 1):
+            words[:, w] |= np.bitwise_or.reduce(bits[:, word[:, k] == w], axis=1)
+    return words[:, :LO_WORDS], words[:, LO_WORDS]
 
 
 def unpack_codes(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     """lo [groups, 2], hi [groups] -> codes uint8 [groups, 32]."""
-    word, lo_shift, hi_shift = _lane_shifts()
-    low = (lo[:, word] >> lo_shift) & 3
-    return (low | (((hi[:, None] >> hi_shift) & 1) << 2)).astype(np.uint8)
+    word, shift = _code_bits()
+    words = np.concatenate([lo, hi[:, None]], axis=1).astype(np.uint32)    # [g, 3]
+    codes = np.zeros((len(words), GROUP), np.uint32)
+    for k in range(3):
+        codes |= ((words[:, word[:, k]] >> shift[:, k]) & 1) << k
+    return codes.astype(np.uint8)
 
 
 # ---- encoder and decoder ---------------------------------------------------------------------

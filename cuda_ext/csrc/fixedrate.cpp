@@ -93,7 +93,7 @@ void decode_row(const FrShape& s, int64_t r, const uint8_t* plane, const uint32_
     const int64_t g0 = r * s.groups + t * kFrTileGroups, groups = std::min<int64_t>(kFrTileGroups, s.groups - t * kFrTileGroups);
     for (int64_t j = 0; j < groups; ++j)
       for (int q = 0; q < 8; ++q) {
-        const uint32_t f4 = fr_codes4(lo[(g0 + j) * kFrLoWords + q / 4], hi[g0 + j], q) + base4;
+        const uint32_t f4 = fr_fields4(lo[(g0 + j) * kFrLoWords], lo[(g0 + j) * kFrLoWords + 1], hi[g0 + j], q, base4);
         for (int b = 0; b < 4; ++b) field[j * kFrGroup + 4 * q + b] = static_cast<uint8_t>(f4 >> 8 * b);
       }
     if (t % kFrBlockTiles == 0) first = esc_start[r * s.blocks + t / kFrBlockTiles];

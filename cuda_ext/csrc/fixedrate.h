@@ -7,8 +7,10 @@
 //          s [  field 8  ] [ low 7  ]      field = (w >> 7) & 0xFF
 //   plane byte of weight i = low 7 of w_i << 1 | s of w_(i ^ 1): a pair's signs cross, so that its
 //   32-bit word is its bytes interleaved (f1 p1 f0 p0) rotated right by one bit (join4 in fixedrate_gemv.cuh)
-//   weight i = 4q + b of a group:  lo[q / 4] bits 8b + 2(q % 4) .. +1 = code bits 0..1
-//                                   hi       bit  8b + q                = code bit 2
+//   weight i = 4q + b of a group, its code words c0 = lo[0], c1 = lo[1], c2 = hi (byte lane b):
+//     q = 0..5:  c[q / 2] bits 8b + 3(q % 2) .. +2 = the code
+//     q = 6:     c0 bits 8b + 6 .. 8b + 7          = code bits 0..1;  c1 bit 8b + 6 = code bit 2
+//     q = 7:     c2 bits 8b + 6 .. 8b + 7          = code bits 0..1;  c1 bit 8b + 7 = code bit 2
 //   field = base + code (code 0..7); a field outside the tile's window [base, base + 7] is an escape:
 //   code 0, and an entry (position in the tile | field << 8) in the tile's run of the escape array.
 //   tile word = base | escapes << 8.
@@ -45,11 +47,20 @@ FR_HD uint16_t fr_join(uint32_t p, uint32_t partner, uint32_t f) {
   return static_cast<uint16_t>(((partner & 1) << 15) | ((f & 0xFF) << 7) | ((p >> 1) & 0x7F));
 }
 
-// unpack_codes, 4 at a time: the codes of weights 4q .. 4q + 3, one per byte lane.
-FR_HD uint32_t fr_codes4(uint32_t lo_word, uint32_t hi, int q) {
-  return ((lo_word >> (2 * (q & 3))) & 0x03030303u) | (((hi >> q) & 0x01010101u) << 2);
+// unpack_codes + base, 4 at a time: the fields of weights 4q .. 4q + 3, one per byte lane (base4: the
+// tile's base in every byte; an escaped weight's field is base + 0). A whole code is a mask and a
+// shift-add (LOP3, LEA.HI: two instructions for 4 fields; the layout of 2026-11-28 kept bits 0..1
+// and bit 2 of every code in different words and took five). Codes 6 and 7 take their bit 2 from c1
+// (from c2, the 33-40-row kernel spilled 40 bytes at its 168 registers).
+FR_HD uint32_t fr_fields4(uint32_t c0, uint32_t c1, uint32_t c2, int q, uint32_t base4) {
+  const uint32_t c = q < 2 ? c0 : q < 4 ? c1 : c2;
+  switch (q) {
+    case 0: case 2: case 4: return base4 + (c & 0x07070707u);
+    case 1: case 3: case 5: return base4 + ((c & 0x38383838u) >> 3);
+    case 6: return base4 + ((c0 & 0xC0C0C0C0u) >> 6) + ((c1 & 0x40404040u) >> 4);
+    default: return base4 + ((c2 & 0xC0C0C0C0u) >> 6) + ((c1 & 0x80808080u) >> 5);
+  }
 }
-
 
 // choose_bases, one tile of n real words: the smallest b in [0, 248] whose window [b, b + 7]
 // covers the most fields (a histogram, then a sliding window sum).
@@ -73,26 +84,31 @@ FR_HD bool fr_escapes(uint32_t field, uint32_t base) {
   return field - base >= static_cast<uint32_t>(kFrCodes);         // wraps when field < base
 }
 
-// pack_codes, one weight: its bits in the lo word it belongs to and in hi.
-FR_HD uint32_t fr_lo_bits(uint32_t code, int i) { return (code & 3u) << (8 * (i & 3) + 2 * ((i >> 2) & 3)); }
-FR_HD uint32_t fr_hi_bits(uint32_t code, int i) { return (code >> 2) << (8 * (i & 3) + (i >> 2)); }
-FR_HD int fr_lo_word(int i) { return i >> 4; }
+// pack_codes, one weight: its code's bits into the group's code words (c[0], c[1]: lo; c[2]: hi).
+FR_HD void fr_pack_code(uint32_t code, int i, uint32_t (&c)[kFrLoWords + 1]) {
+  const int q = i >> 2, lane = 8 * (i & 3);
+  if (q < 6) {
+    c[q >> 1] |= code << (lane + 3 * (q & 1));
+  } else {
+    c[q == 6 ? 0 : 2] |= (code & 3u) << (lane + 6);
+    c[1] |= (code >> 2) << (lane + q);
+  }
+}
 
 // encode, one group (n real words, the rest padding) given its tile's base: plane bytes and
 // packed codes (an escape's code is 0); returns its escape count.
 FR_HD int fr_encode_group(const uint16_t* w, int n, uint32_t base, uint8_t* plane, uint32_t* lo, uint32_t* hi) {
-  uint32_t lw[kFrLoWords] = {0, 0}, hw = 0;
+  uint32_t cw[kFrLoWords + 1] = {0, 0, 0};
   int escapes = 0;
   for (int i = 0; i < kFrGroup; ++i) {
     const uint32_t f = i < n ? fr_field(w[i]) : base;                 // padding: code 0, plane byte 0
     const bool esc = fr_escapes(f, base);
     const uint32_t code = esc ? 0u : f - base;
     plane[i] = fr_plane_byte(i < n ? w[i] : 0, (i ^ 1) < n ? w[i ^ 1] : 0);   // padding: 0 but a sign
-    lw[fr_lo_word(i)] |= fr_lo_bits(code, i);
-    hw |= fr_hi_bits(code, i);
+    fr_pack_code(code, i, cw);
     escapes += esc;
   }
-  lo[0] = lw[0], lo[1] = lw[1], *hi = hw;
+  lo[0] = cw[0], lo[1] = cw[1], *hi = cw[2];
   return escapes;
 }
 

@@ -109,7 +109,7 @@ __device__ __forceinline__ int tile_escapes(const FrGroup& t) { return static_ca
 __device__ __forceinline__ void group_fields(const FrGroup& t, uint32_t f[8], bool valid = true) {
   const uint32_t base4 = valid ? (t.tile & 0xFFu) * 0x01010101u : 0u;
 #pragma unroll
-  for (int q = 0; q < 8; ++q) f[q] = fr_codes4(q < 4 ? t.lo.x : t.lo.y, t.hi, q) + base4;
+  for (int q = 0; q < 8; ++q) f[q] = fr_fields4(t.lo.x, t.lo.y, t.hi, q, base4);
 }
 
 // Escape entry j (position in the tile | field << 8); 0 outside the array (a decoder never reads

@@ -45,14 +45,21 @@ def test_special_values_escape_and_survive():
 
 
 def test_code_of_weight_4q_plus_b_is_in_byte_lane_b():
-    codes = np.arange(F.GROUP, dtype=np.uint8)[None] % 8
+    # q = 0..5: the whole code in word q // 2 at bits 8b + 3(q % 2); q = 6, 7: bits 0..1 in word
+    # 0 (q = 6) or 2 (q = 7) at 8b + 6, bit 2 in word 1 at 8b + q (words 0, 1: lo; 2: hi)
+    codes = (np.arange(F.GROUP, dtype=np.uint8)[None] * 5 + 3) % 8
     lo, hi = F.pack_codes(codes)
+    words = [int(lo[0, 0]), int(lo[0, 1]), int(hi[0])]
     for i in range(F.GROUP):
         q, b = divmod(i, 4)
-        low = (int(lo[0, q // 4]) >> (8 * b + 2 * (q % 4))) & 3
-        high = (int(hi[0]) >> (8 * b + q)) & 1
-        assert low | high << 2 == codes[0, i]
+        if q < 6:
+            code = (words[q // 2] >> (8 * b + 3 * (q % 2))) & 7
+        else:
+            code = (words[2 * (q - 6)] >> (8 * b + 6)) & 3 | ((words[1] >> (8 * b + q)) & 1) << 2
+        assert code == codes[0, i]
     assert np.array_equal(F.unpack_codes(lo, hi), codes)
+    full = np.full((1, F.GROUP), 7, np.uint8)                      # every bit of the three words is a code bit
+    assert [int(v) for v in F.pack_codes(full)[0][0]] + [int(F.pack_codes(full)[1][0])] == [0xFFFFFFFF] * 3
 
 
 def test_base_is_the_smallest_window_start_covering_the_most():
