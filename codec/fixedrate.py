@@ -60,8 +60,8 @@ class FixedRate:
     cols: int
     dtype: str                  # "bfloat16" or "float16": how the decoded words are read
     plane: np.ndarray           # uint8 [rows, groups * 32]: bits 0..6 of each word << 1 | its partner's sign
-    lo: np.ndarray              # uint32 [rows, groups * 2]: code bits 0..1
-    hi: np.ndarray              # uint32 [rows, groups]: code bit 2
+    lo: np.ndarray              # uint32 [rows, groups * 2]: code words c0, c1 (pack_codes)
+    hi: np.ndarray              # uint32 [rows, groups]: code word c2
     tile: np.ndarray            # uint16 [rows, tiles]: base | escapes << 8; tile t covers groups 4t .. 4t + 3
     esc: np.ndarray             # uint16 [n_escapes]: position in the tile | field << 8, row-major weight order
     esc_start: np.ndarray       # int32 [rows, blocks]: index in esc of each block's first escape
