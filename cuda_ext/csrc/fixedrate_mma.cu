@@ -263,11 +263,16 @@ struct GroupCursor {
   uint32_t g, tile;                                                  // the group and tile word of the next tile
   __device__ __forceinline__ GroupCursor(const FrArrays& a, int64_t row, int64_t gr)
       : g(static_cast<uint32_t>(row * a.groups + gr)), tile(static_cast<uint32_t>(row * a.tiles + gr / kFrTileGroups)) {}
+  template <bool kStream = false>                                    // load_group's kStream
   __device__ __forceinline__ FrGroup next(const FrArrays& a) {      // load_group's loads, then a tile on
+    auto ld = [](const auto* p) {
+      if constexpr (kStream) return ld_stream(p);
+      else return __ldg(p);
+    };
     FrGroup t;
     const uint4* p = reinterpret_cast<const uint4*>(a.plane) + 2 * static_cast<uint64_t>(g);
-    t.tile = __ldg(a.tile + tile), t.p0 = ld_stream(p), t.p1 = ld_stream(p + 1);
-    t.lo = __ldg(reinterpret_cast<const uint2*>(a.lo) + g), t.hi = __ldg(a.hi + g);
+    t.tile = ld(a.tile + tile), t.p0 = ld_stream(p), t.p1 = ld_stream(p + 1);
+    t.lo = ld(reinterpret_cast<const uint2*>(a.lo) + g), t.hi = ld(a.hi + g);
     g += kFrTileGroups, tile += 1;
     return t;
   }
@@ -294,8 +299,8 @@ __device__ __forceinline__ void load_x_keep(const uint4* p, bool load, uint4& v)
 // unrolled by two, so the compiler renames instead of copying: 16 rows 1.19 -> 1.11 of cuBLAS, 32 rows
 // 1.47 -> 1.40 (H100, 2026-11-28; spelled as a plain copy with `#pragma unroll 2` it spilled at 32
 // rows and lost). Two tiles ahead spilled at 5-7 CTAs an SM and lost at every row count.
-// kFull (up to kCursorRows rows of x): every group of the block exists, so W is read by a cursor
-// and x at fixed strides, with no masks and no 64-bit address arithmetic.
+// kFull (up to kCursorRows rows of x, and from 9): every group of the block exists, so W is read by
+// a cursor and x at fixed strides, with no masks and no 64-bit address arithmetic.
 template <bool kBf16, int kSlots, bool kFull = false>
 __device__ __forceinline__ void walk_block(const FrArrays& a, const uint4* __restrict__ x, int nx, int64_t row,
                                            int64_t blk, int s0, int tiles, uint4 (&slot)[2],
@@ -304,11 +309,10 @@ __device__ __forceinline__ void walk_block(const FrArrays& a, const uint4* __res
   const int64_t gr0 = blk * kFrBlockGroups + t;
   const XWords<kSlots> xw(x, a.groups, gr0, (threadIdx.x & 31) >> 2);
   constexpr bool kMaskAtLoad = kSlots == 1;                        // from 9 rows at use (up to 8 it cost registers)
-  static_assert(!kFull || kSlots == 1, "cursors up to 8 rows (x in place)");
   auto valid = [&](int s) { return kFull || gr0 + s * kFrTileGroups < a.groups; };   // tile s's group is not padding
   GroupCursor cur(a, row, gr0 + s0 * kFrTileGroups);               // kFull: the next tile's words
   auto group_at = [&](int s) {
-    if constexpr (kFull) return cur.next(a);
+    if constexpr (kFull) return cur.template next<(kSlots > 1)>(a);
     else return load_group<kMaskAtLoad, (kSlots > 1)>(a, row, gr0 + s * kFrTileGroups, valid(s));
   };
   int32_t run = a.esc_start[row * a.blocks + blk];                 // the tile's first entry (int32: < 2^31)
@@ -638,6 +642,10 @@ constexpr int kWARows = 5;
 // stack): the 8B layer's seven at 1 row 1.08 -> 1.06 of cuBLAS's time and the 7B layer's 1.04 ->
 // 1.01, but at 2 rows 1.050 -> 1.059 and 1.020 -> 1.006, and at 3-4 rows 1.08 -> 1.11 and 1.13 ->
 // 1.16 on the 8B layer (H200, 2026-11-29, bench/experiments/fixedrate_ab.py --rows 1,2,3,4).
+// From 9 rows (x permuted, its loads unmasked) the cursor walk is taken too, its code and tile
+// words out of L1 as load_group's: SASS tile loop 332 -> 280 instructions, the 7B layer's seven at
+// 9 / 12 / 16 rows 1.130 / 1.125 / 1.126 -> 1.117 / 1.114 / 1.110 of cuBLAS's time, the 8B layer's
+// within 0.5 % (H200, 2026-11-30).
 constexpr int kCursorRows = 1;
 
 // K is cut into `splits` ranges of whole tiles (a range may start inside an escape block: its
@@ -652,7 +660,7 @@ __global__ void __launch_bounds__(32 * kMmaWarps, kCtas) mma_kernel(FrArrays a, 
                                                                                     uint16_t* __restrict__ y,
                                                                                     float* __restrict__ part) {
   static_assert(!kWA || kSlots == 1, "W as A takes up to 8 rows of x");
-  static_assert(!kCursor || (kSlots == 1 && !kWA), "cursors in walk_block up to kWARows");
+  static_assert(!kCursor || !kWA, "cursors in walk_block (walk_block_w16 has its own)");
   constexpr int kM = (kSlots + 1) / 2;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t row0 = (blockIdx.x * static_cast<int64_t>(kMmaWarps / splits_cta) + warp / splits_cta) * (kWA ? 16 : 8);
@@ -840,7 +848,7 @@ int slots_for(int nx) { return nx <= 8 ? 1 : 2; }
 
 template <bool kBf16>
 void launch_slots(const FrArrays& a, const uint4* x, int nx, uint16_t* y, const at::Tensor& like, cudaStream_t stream) {
-  if (slots_for(nx) == 2) return launch<kBf16, 2>(a, x, nx, y, like, stream);
+  if (slots_for(nx) == 2) return launch<kBf16, 2, false, true>(a, x, nx, y, like, stream);
   if (nx >= kWARows) return launch<kBf16, 1, true>(a, x, nx, y, like, stream);
   if (nx <= kCursorRows) return launch<kBf16, 1, false, true>(a, x, nx, y, like, stream);
   return launch<kBf16, 1>(a, x, nx, y, like, stream);
