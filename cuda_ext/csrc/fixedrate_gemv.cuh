@@ -65,6 +65,13 @@ __device__ __forceinline__ uint32_t ld_stream(const uint16_t* p) {
   return v;
 }
 
+// W's code and tile words through L1, or past it as the plane (kStream; load_group's below).
+template <bool kStream, typename T>
+__device__ __forceinline__ auto ld_words(const T* p) {
+  if constexpr (kStream) return ld_stream(p);
+  else return __ldg(p);
+}
+
 // A group's bits; a padding group (past the row's groups) reads as codes 0, plane bytes 0 and base
 // 0, but keeps its tile's escape count when the tile exists (so a tile's lanes agree on it).
 // kMask false leaves its tile word as stored, for a user that passes `valid` to group_fields: the
@@ -78,10 +85,7 @@ __device__ __forceinline__ uint32_t ld_stream(const uint16_t* p) {
 template <bool kMask = true, bool kStream = false>
 __device__ __forceinline__ FrGroup load_group(const FrArrays& a, int64_t row, int64_t gr, bool valid) {
   const int64_t g = row * a.groups + gr;
-  auto ld = [](const auto* p) {
-    if constexpr (kStream) return ld_stream(p);
-    else return __ldg(p);
-  };
+  auto ld = [](const auto* p) { return ld_words<kStream>(p); };
   FrGroup t{};
   if (gr / kFrTileGroups < a.tiles) t.tile = ld(a.tile + row * a.tiles + gr / kFrTileGroups);
   if (!valid) {

@@ -265,10 +265,7 @@ struct GroupCursor {
       : g(static_cast<uint32_t>(row * a.groups + gr)), tile(static_cast<uint32_t>(row * a.tiles + gr / kFrTileGroups)) {}
   template <bool kStream = false>                                    // load_group's kStream
   __device__ __forceinline__ FrGroup next(const FrArrays& a) {      // load_group's loads, then a tile on
-    auto ld = [](const auto* p) {
-      if constexpr (kStream) return ld_stream(p);
-      else return __ldg(p);
-    };
+    auto ld = [](const auto* p) { return ld_words<kStream>(p); };
     FrGroup t;
     const uint4* p = reinterpret_cast<const uint4*>(a.plane) + 2 * static_cast<uint64_t>(g);
     t.tile = ld(a.tile + tile), t.p0 = ld_stream(p), t.p1 = ld_stream(p + 1);

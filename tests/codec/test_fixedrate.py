@@ -58,8 +58,8 @@ def test_code_of_weight_4q_plus_b_is_in_byte_lane_b():
             code = (words[2 * (q - 6)] >> (8 * b + 6)) & 3 | ((words[1] >> (8 * b + q)) & 1) << 2
         assert code == codes[0, i]
     assert np.array_equal(F.unpack_codes(lo, hi), codes)
-    full = np.full((1, F.GROUP), 7, np.uint8)                      # every bit of the three words is a code bit
-    assert [int(v) for v in F.pack_codes(full)[0][0]] + [int(F.pack_codes(full)[1][0])] == [0xFFFFFFFF] * 3
+    lo, hi = F.pack_codes(np.full((1, F.GROUP), 7, np.uint8))      # every bit of the three words is a code bit
+    assert [int(lo[0, 0]), int(lo[0, 1]), int(hi[0])] == [0xFFFFFFFF] * 3
 
 
 def test_base_is_the_smallest_window_start_covering_the_most():
