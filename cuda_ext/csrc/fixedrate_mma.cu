@@ -619,13 +619,15 @@ __global__ void __launch_bounds__(32 * kWideWarps) __maxnreg__(kNT <= 5 ? 168 : 
 // W as A (5-8 rows) 4: 126 registers, and its grids are half as many warps.
 template <int kSlots, bool kWA>
 constexpr int kMmaCtas = kWA ? 4 : kSlots == 2 ? 5 : 6;
-// Up to 4 rows a launch whose grid takes fewer waves at 7 CTAs an SM than at 6 runs a build held to
-// 72 registers (16-40 bytes spilled): the 8B gate and up at 1 row, 1 792 CTAs, 3 waves -> 2. The
-// same sums. The 8B layer's seven at 1 / 2 / 4 rows 0.982-0.983 / 1.003-1.006 / 1.081-1.084 ->
-// 0.971-0.972 / 0.997-0.998 / 1.058-1.064 of cuBLAS's time; the 7B layer's, none of whose grids
-// it changes, level (H200, 2026-11-30, bench/experiments/fixedrate_ab.py, alternated twice). Every
-// matrix at 7 CTAs was slower (an earlier try).
-constexpr int kMmaCtasMore = 7;
+// A launch whose grid takes fewer waves at one CTA an SM more runs a build held to that many (the
+// same sums). Up to 4 rows, 7 CTAs at 72 registers (16-40 bytes spilled): the 8B gate and up at 1
+// row, 1 792 CTAs, 3 waves -> 2; the 8B layer's seven at 1 / 2 / 4 rows 0.982-0.983 / 1.003-1.006 /
+// 1.081-1.084 -> 0.971-0.972 / 0.997-0.998 / 1.058-1.064 of cuBLAS's time; the 7B layer's, none of
+// whose grids it changes, level (H200, 2026-11-30, bench/experiments/fixedrate_ab.py, alternated
+// twice). Every matrix at 7 CTAs was slower (an earlier try). At 9-16 rows, 6 CTAs at 80 registers
+// (64 bytes spilled): the 7B's gate and up (1 376 CTAs) and its served qkv and gate_up, 3 waves ->
+// 2; the 7B layer's seven at 9 / 12 / 16 rows 1.120-1.122 / 1.108-1.111 / 1.110-1.114 -> 1.105-1.106 /
+// 1.103-1.104 / 1.098, the 8B layer's (no grid changed) level (H200, 2026-11-30, the same bits).
 
 // Rows of x from which the kernel takes 16 rows of W as A (walk_block_w16), up to 8: at 8 rows the 8B layer's
 // seven matmuls 1.35 -> 1.16 of cuBLAS's time, the 7B layer's 1.28 -> 1.19, and at 4 rows 1.14 ->
@@ -763,10 +765,11 @@ void launch(const FrArrays& a, const uint4* x, int nx, uint16_t* y, const at::Te
   at::Tensor part;
   float* pp = part_sums(part, cut.parts, nx, a.rows, like);
   auto kernel = mma_kernel<kBf16, kSlots, kWA, kCursor>;
-  if constexpr (kSlots == 1 && !kWA) {                              // up to 4 rows: 7 CTAs an SM where that saves a wave
+  if constexpr (!kWA) {                                              // one CTA an SM more where that saves a wave
+    constexpr int kMore = kMmaCtas<kSlots, false> + 1;
     const int64_t grid = ctas * cut.parts;
-    if (waves(grid, kMmaCtasMore) < waves(grid, kMmaCtas<1, false>))
-      kernel = mma_kernel<kBf16, kSlots, kWA, kCursor, kMmaCtasMore>;
+    if (waves(grid, kMore) < waves(grid, kMmaCtas<kSlots, false>))
+      kernel = mma_kernel<kBf16, kSlots, kWA, kCursor, kMore>;
   }
   launch_pdl(kernel, dim3(static_cast<unsigned>(ctas), cut.parts), dim3(32 * kMmaWarps), stream, a, x, nx, cut.per_cta, y, pp);
   if (cut.parts > 1) launch_sum(kBf16, pp, nx * a.rows, 1, cut.parts, y, stream);
