@@ -644,8 +644,10 @@ constexpr int kWARows = 5;
 // From 9 rows (x permuted, its loads unmasked) the cursor walk is taken too, its code and tile
 // words out of L1 as load_group's: SASS tile loop 332 -> 280 instructions, the 7B layer's seven at
 // 9 / 12 / 16 rows 1.130 / 1.125 / 1.126 -> 1.117 / 1.114 / 1.110 of cuBLAS's time, the 8B layer's
-// within 0.5 % (H200, 2026-11-30).
-constexpr int kCursorRows = 1;
+// within 0.5 % (H200, 2026-11-30). With the code layout of 2026-11-30 (two instructions a field
+// word) it is taken at 2 rows too: the 8B layer's seven 0.980 -> 0.968-0.969 and the 7B's 0.952 ->
+// 0.938-0.940; up to 4 rows, 4 rows still lost (1.047-1.051 -> 1.060-1.062; H200, 2026-11-30).
+constexpr int kCursorRows = 2;
 
 // K is cut into `splits` ranges of whole tiles (a range may start inside an escape block: its
 // running count then starts past the block's earlier escapes). A CTA's 4 warps take `splits_cta` of
