@@ -85,17 +85,16 @@ __device__ __forceinline__ auto ld_words(const T* p) {
 template <bool kMask = true, bool kStream = false>
 __device__ __forceinline__ FrGroup load_group(const FrArrays& a, int64_t row, int64_t gr, bool valid) {
   const int64_t g = row * a.groups + gr;
-  auto ld = [](const auto* p) { return ld_words<kStream>(p); };
   FrGroup t{};
-  if (gr / kFrTileGroups < a.tiles) t.tile = ld(a.tile + row * a.tiles + gr / kFrTileGroups);
+  if (gr / kFrTileGroups < a.tiles) t.tile = ld_words<kStream>(a.tile + row * a.tiles + gr / kFrTileGroups);
   if (!valid) {
     if constexpr (kMask) t.tile &= 0xFF00u;
     return t;
   }
   t.p0 = ld_stream(a.plane + g * kFrGroup);
   t.p1 = ld_stream(a.plane + g * kFrGroup + 16);
-  t.lo = ld(reinterpret_cast<const uint2*>(a.lo) + g);
-  t.hi = ld(a.hi + g);
+  t.lo = ld_words<kStream>(reinterpret_cast<const uint2*>(a.lo) + g);
+  t.hi = ld_words<kStream>(a.hi + g);
   return t;
 }
 

@@ -265,11 +265,10 @@ struct GroupCursor {
       : g(static_cast<uint32_t>(row * a.groups + gr)), tile(static_cast<uint32_t>(row * a.tiles + gr / kFrTileGroups)) {}
   template <bool kStream = false>                                    // load_group's kStream
   __device__ __forceinline__ FrGroup next(const FrArrays& a) {      // load_group's loads, then a tile on
-    auto ld = [](const auto* p) { return ld_words<kStream>(p); };
     FrGroup t;
     const uint4* p = reinterpret_cast<const uint4*>(a.plane) + 2 * static_cast<uint64_t>(g);
-    t.tile = ld(a.tile + tile), t.p0 = ld_stream(p), t.p1 = ld_stream(p + 1);
-    t.lo = ld(reinterpret_cast<const uint2*>(a.lo) + g), t.hi = ld(a.hi + g);
+    t.tile = ld_words<kStream>(a.tile + tile), t.p0 = ld_stream(p), t.p1 = ld_stream(p + 1);
+    t.lo = ld_words<kStream>(reinterpret_cast<const uint2*>(a.lo) + g), t.hi = ld_words<kStream>(a.hi + g);
     g += kFrTileGroups, tile += 1;
     return t;
   }
@@ -768,9 +767,9 @@ void launch(const FrArrays& a, const uint4* x, int nx, uint16_t* y, const at::Te
   float* pp = part_sums(part, cut.parts, nx, a.rows, like);
   auto kernel = mma_kernel<kBf16, kSlots, kWA, kCursor>;
   if constexpr (!kWA) {                                              // one CTA an SM more where that saves a wave
-    constexpr int kMore = kMmaCtas<kSlots, false> + 1;
+    constexpr int kMore = kMmaCtas<kSlots, kWA> + 1;
     const int64_t grid = ctas * cut.parts;
-    if (waves(grid, kMore) < waves(grid, kMmaCtas<kSlots, false>))
+    if (waves(grid, kMore) < waves(grid, kMmaCtas<kSlots, kWA>))
       kernel = mma_kernel<kBf16, kSlots, kWA, kCursor, kMore>;
   }
   launch_pdl(kernel, dim3(static_cast<unsigned>(ctas), cut.parts), dim3(32 * kMmaWarps), stream, a, x, nx, cut.per_cta, y, pp);
