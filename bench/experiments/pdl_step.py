@@ -33,15 +33,15 @@ def set_pdl(on: bool) -> None:
     step_triton._pdl = _PDL if on else (lambda t: {"GDC": False})
 
 
-def step(x0: torch.Tensor, layers: list[dict], linear, norm_w: torch.Tensor) -> torch.Tensor:
+def step(x0: torch.Tensor, layers: list[dict], linear, norm_w: torch.Tensor, mlp: int = 11008) -> torch.Tensor:
     x, h = x0, None                                                      # residual stream [n, 4096]
     for w in layers:
         x, a = step_triton.add_rms_norm(x, h, norm_w, 1e-5)
-        q = linear(a, w["qkv"])                                          # [n, 12288]
-        o = linear(step_triton.silu_mul(q[:, :4096], q[:, 4096:8192]), w["o"])
+        q = linear(a, w["qkv"])                                          # [n, 12288] (the 8B's 6144)
+        o = linear(step_triton.silu_mul(q[:, :4096], q[:, -4096:]), w["o"])
         x, a = step_triton.add_rms_norm(x, o, norm_w, 1e-5)
-        g = linear(a, w["gate_up"])                                      # [n, 22016]
-        h = linear(step_triton.silu_mul(g[:, :11008], g[:, 11008:]), w["down"])
+        g = linear(a, w["gate_up"])                                      # [n, 2 mlp]
+        h = linear(step_triton.silu_mul(g[:, :mlp], g[:, mlp:]), w["down"])
     return h
 
 

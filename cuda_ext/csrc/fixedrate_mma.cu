@@ -5,10 +5,11 @@
 // exactly its B fragments: mma j (0..7) takes pairs 2j and 2j + 1 (k = 32t + 4j + {0, 1} and
 // + {2, 3}), a permutation of k inside the tile that the x (A) fragments follow. So the decoded
 // weights never leave registers and need no shuffle. C: batch row lane / 4 (+ 8, + 16m), W rows 2t, 2t + 1.
-// Up to 8 rows the roles swap, so that x's loaded words are B as they are: up to 4 rows the same
-// registers are A's rows r (A's rows r + 8 are any bits, and C's rows r + 8 are not read), and from
-// 5 to 8 rows a warp takes 16 rows of W (walk_block_w16). From 17 rows wide_kernel: W as A, 16 rows
-// a warp, against up to 8 n8 tiles of x as B.
+// Up to 6 rows the roles swap, so that x's loaded words are B as they are: up to 4 rows the same
+// registers are A's rows r (A's rows r + 8 are any bits, and C's rows r + 8 are not read), and at
+// 5 and 6 rows a warp takes 16 rows of W (walk_block_w16). From 7 rows x is A, one m16 tile from 7
+// to 16 rows, two from 9 (kSlots). From 17 rows wide_kernel: W as A, 16 rows a warp, against up to
+// 8 n8 tiles of x as B.
 // Escapes: the row's block start plus a running count of the tiles' escapes gives a tile's first
 // entry; lane t of a quad requests the tile's entry t with the tile ahead, and the quad patches its
 // tile's 128 field bytes through shared memory.
@@ -425,7 +426,7 @@ __device__ __forceinline__ void pair_runs(const FrArrays& a, int64_t row_a, int6
   if (s0) run_a += escapes_before(a, row_a, blk, s0), run_b += escapes_before(a, row_b, blk, s0);
 }
 
-// From kWARows to 8 rows of x, W is the A operand and x the B: a warp takes 16 rows of W, lane (r, t)
+// From kWARows to kSlotRows - 1 rows of x, W is the A operand and x the B: a warp takes 16 rows of W, lane (r, t)
 // decoding group t of the tile of rows r and r + 8 (A's rows r, r + 8: a0, a2 = pairs 2q, 2q + 1 of
 // row r, a1, a3 row r + 8's), and B (k slots 2t, 2t + 8 of x row r) is x's 16-byte word as loaded:
 // b0, b1 = its (x, y) or (z, w). No register moves and one mma for two groups' 4 pairs; C is y's W
@@ -612,10 +613,10 @@ __global__ void __launch_bounds__(32 * kWideWarps) __maxnreg__(kNT <= 5 ? 168 : 
   }
 }
 
-// CTAs an SM the registers must allow: at 16 rows 5 (91 registers with
-// x's early chunks; 6 spilled); up to 8 rows 6 (80 registers with x's early chunks; before them 7
+// CTAs an SM the registers must allow: from 7 to 16 rows 5 (91 registers with
+// x's early chunks; 6 spilled); x as B (up to 4 rows) 6 (80 registers with x's early chunks; before them 7
 // with 72, and 8, with 64 registers, was slower).
-// W as A (5-8 rows) 4: 126 registers, and its grids are half as many warps.
+// W as A (5-6 rows) 4: 126 registers, and its grids are half as many warps.
 template <int kSlots, bool kWA>
 constexpr int kMmaCtas = kWA ? 4 : kSlots == 2 ? 5 : 6;
 // A launch whose grid takes fewer waves at one CTA an SM more runs a build held to that many (the
@@ -844,8 +845,19 @@ void launch_wide_nt(const FrArrays& a, const at::Tensor& x, int nx, uint16_t* y,
   }
 }
 
+// Rows of x from which mma_kernel takes x permuted as A (kSlots 2: 16 rows, the padding zeros) and
+// 8 rows of W a warp, as from 9 rows, rather than 16 rows of W a warp as B (walk_block_w16). W as A
+// costs more with each row and runs grids of half as many warps, while x as A costs as much at 5 as
+// at 16 rows. The served step (8 layers, the Triton kernels between the linears, PDL; over decoded
+// mode's) at 5 / 6 / 7 / 8 rows: the 7B's 1.133 / 1.164 / 1.193 / 1.218 -> 1.120 / 1.120 / 1.124 /
+// 1.117, the 8B's 1.070 / 1.098 / 1.116 / 1.133 -> 1.116 / 1.117 / 1.120 / 1.116 (H200,
+// 2026-11-30, bench/experiments/step_rows.py, two rounds). Taken by the matrix (where W as A's grid has the more
+// waves) it lost: a step that mixes the two kernels ran slower than either (the 8B's 8 rows 1.150).
+// The sums are the same bits either way.
+constexpr int kSlotRows = 7;
+
 // Up to 16 rows: the kernel's slots (8 rows of x each), 1 or 2.
-int slots_for(int nx) { return nx <= 8 ? 1 : 2; }
+int slots_for(int nx) { return nx < kSlotRows ? 1 : 2; }
 
 template <bool kBf16>
 void launch_slots(const FrArrays& a, const uint4* x, int nx, uint16_t* y, const at::Tensor& like, cudaStream_t stream) {

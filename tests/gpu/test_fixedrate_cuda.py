@@ -111,18 +111,20 @@ def test_row_views_of_a_joined_weight_multiply_as_their_parts():
 
 
 @pytest.mark.parametrize("shape", [(1024, 4096), (64, 4096 + 160), (37, 1000), (4096, 1024), (6000, 4096 + 160),
-                                   (16400, 1024)])
+                                   (16400, 1024), (6100, 2048)])
 def test_tensor_core_rows_same_alone_as_in_a_batch(shape):
     """K is cut by the matrix's shape alone (into tiles' ranges, some starting inside an escape
     block, summed across CTAs where a matrix has few rows): a row of x gets the same bits in a batch
-    of any size as alone. From 17 to 40 rows, 6000 rows take CTAs of 6 warps on a GPU of up to 187
+    of any size as alone, through every path: x as B (2 rows), W as A (5, 6), x permuted as A (7-16),
+    wide_kernel (17-64). From 17 to 40 rows, 6000 rows take CTAs of 6 warps on a GPU of up to 187
     SMs (47 · 4 CTAs of 8 warps would not fit at once), 16 400 rows (2 ranges) CTAs of 5 on 132 SMs
-    (2 waves of 5 as of 6), the others CTAs of 8."""
+    (2 waves of 5 as of 6), the others CTAs of 8. From 7 to 16 rows, 6100 rows take 6 CTAs an SM on
+    132 SMs (763 CTAs: 2 waves at 5, 1 at 6)."""
     w = trained_like(*shape, sum(shape))
     fr = fr_ops.encode(w)
     x = torch.randn(64, shape[1], device="cuda", generator=torch.Generator(device="cuda").manual_seed(5)).bfloat16()
     alone = torch.cat([fr_ops.linear(x[i:i + 1], fr, 0) for i in range(64)])
-    for n in (2, 7, 8, 9, 16, 17, 24, 32, 33, 40, 48, 56, 64):          # from 17: wide_kernel, 3-8 n8 tiles
+    for n in (2, 5, 6, 7, 8, 9, 16, 17, 24, 32, 33, 40, 48, 56, 64):    # from 17: wide_kernel, 3-8 n8 tiles
         assert torch.equal(fr_ops.linear(x[:n], fr, 0).view(torch.int16), alone[:n].view(torch.int16)), n
 
 
