@@ -1,5 +1,5 @@
 // The fused y = x W^T on tensor cores (mma.sync m16n8k16, float32 accumulation) for 1..64 rows of
-// x, W in the fixed-rate form. Up to 16 rows (mma_kernel; from 9 rows an m16 tile or two of x share
+// x, W in the fixed-rate form. Up to 16 rows (mma_kernel; from kSlotRows (7) rows an m16 tile of x shares
 // each decoded B fragment) a warp takes 8 rows of W; lane (n, t) = (lane / 4, lane % 4)
 // decodes group t of the current 128-weight tile of row n into 16 bf16/fp16 pairs, which are
 // exactly its B fragments: mma j (0..7) takes pairs 2j and 2j + 1 (k = 32t + 4j + {0, 1} and
@@ -7,9 +7,9 @@
 // weights never leave registers and need no shuffle. C: batch row lane / 4 (+ 8, + 16m), W rows 2t, 2t + 1.
 // Up to 6 rows the roles swap, so that x's loaded words are B as they are: up to 4 rows the same
 // registers are A's rows r (A's rows r + 8 are any bits, and C's rows r + 8 are not read), and at
-// 5 and 6 rows a warp takes 16 rows of W (walk_block_w16). From 7 rows x is A, one m16 tile from 7
-// to 16 rows, two from 9 (kSlots). From 17 rows wide_kernel: W as A, 16 rows a warp, against up to
-// 8 n8 tiles of x as B.
+// 5 and 6 rows a warp takes 16 rows of W (walk_block_w16). From 7 to 16 rows x, permuted, is A:
+// one m16 tile, its rows past nx zeros (kSlots 2). From 17 rows wide_kernel: W as A, 16 rows a warp,
+// against up to 8 n8 tiles of x as B.
 // Escapes: the row's block start plus a running count of the tiles' escapes gives a tile's first
 // entry; lane t of a quad requests the tile's entry t with the tile ahead, and the quad patches its
 // tile's 128 field bytes through shared memory.
@@ -119,7 +119,7 @@ __device__ __forceinline__ void mma16816(float c[4], uint32_t a0, uint32_t a1, u
 // (r + 8, 2t + 8), lane (r, t) = (lane / 4, lane % 4); its B fragment b0, b1 is W's pairs in the
 // same slots. Lane t's slots hold its group's pairs (16 a group, the tile's k permuted): b0 = pair
 // 2q, b1 = pair 2q + 1 for plane word q.
-// * Up to 8 rows, x in place (x [nx, groups*32]): lane (r, t) reads chunk c (pairs 4c .. 4c + 3)
+// * Up to 6 rows, x in place (x [nx, groups*32]): lane (r, t) reads chunk c (pairs 4c .. 4c + 3)
 //   of group t of x row r, 16 bytes, a quad's 4 lanes 64 bytes apart. As A, it took pairs 4c,
 //   4c + 1 and then 4c + 2, 4c + 3, its rows r + 8 zero: 2 register moves and 2 zeros a mma (H200,
 //   2026-11-29, the gate matmul at 1 row: 36.4 us, 16.1 M instructions). As B (x row r is B's
@@ -133,8 +133,8 @@ __device__ __forceinline__ void mma16816(float c[4], uint32_t a0, uint32_t a1, u
 //   of "Write a haiku about rivers."), which these sums keep. Every lane loading its row clamped
 //   to nx lost (40.8 us: L1 63 -> 80 % busy, long-scoreboard stalls 3.4 -> 6.4 cycles an
 //   instruction), and so did one chain without the zeroing (40.3 us).
-// * From 9 rows, where x's loads were the bound, permute_x first writes each m16 tile's A operand
-//   as one 16-byte word, which goes to the mma as loaded: separate words for rows r and r + 8 cost
+// * From kSlotRows rows (9 until 2026-11-30), where x's loads were the bound, permute_x first
+//   writes each m16 tile's A operand as one 16-byte word, which goes to the mma as loaded: separate words for rows r and r + 8 cost
 //   4 register moves a mma, 32 a tile, in the SASS (scripts/gpu/sass_loop.py); without them 16 rows
 //   1.20 -> 1.16 of cuBLAS's time and 32 rows 1.63 -> 1.53 (H200, 2026-11-29). A warp's load is 512
 //   consecutive bytes:
@@ -155,7 +155,7 @@ __global__ void permute_x_kernel(const uint32_t* __restrict__ x, int64_t groups,
   xp[i] = make_uint4(at(r0, p), at(r0 + 8, p), at(r0, p + 1), at(r0 + 8, p + 1));
 }
 
-// A lane's x words in a block: chunk c of its tile s at at[s * tile + c * chunk] (from 9 rows, A word
+// A lane's x words in a block: chunk c of its tile s at at[s * tile + c * chunk] (from kSlotRows rows, A word
 // h = half * M + m of it at + h * 32).
 template <int kSlots>
 struct XWords {
@@ -296,7 +296,7 @@ __device__ __forceinline__ void load_x_keep(const uint4* p, bool load, uint4& v)
 // unrolled by two, so the compiler renames instead of copying: 16 rows 1.19 -> 1.11 of cuBLAS, 32 rows
 // 1.47 -> 1.40 (H100, 2026-11-28; spelled as a plain copy with `#pragma unroll 2` it spilled at 32
 // rows and lost). Two tiles ahead spilled at 5-7 CTAs an SM and lost at every row count.
-// kFull (up to kCursorRows rows of x, and from 9): every group of the block exists, so W is read by
+// kFull (up to kCursorRows rows of x, and from kSlotRows): every group of the block exists, so W is read by
 // a cursor and x at fixed strides, with no masks and no 64-bit address arithmetic.
 template <bool kBf16, int kSlots, bool kFull = false>
 __device__ __forceinline__ void walk_block(const FrArrays& a, const uint4* __restrict__ x, int nx, int64_t row,
@@ -305,7 +305,7 @@ __device__ __forceinline__ void walk_block(const FrArrays& a, const uint4* __res
   const int t = threadIdx.x & 3;
   const int64_t gr0 = blk * kFrBlockGroups + t;
   const XWords<kSlots> xw(x, a.groups, gr0, (threadIdx.x & 31) >> 2);
-  constexpr bool kMaskAtLoad = kSlots == 1;                        // from 9 rows at use (up to 8 it cost registers)
+  constexpr bool kMaskAtLoad = kSlots == 1;                        // x as A: at use (x as B it cost registers)
   auto valid = [&](int s) { return kFull || gr0 + s * kFrTileGroups < a.groups; };   // tile s's group is not padding
   GroupCursor cur(a, row, gr0 + s0 * kFrTileGroups);               // kFull: the next tile's words
   auto group_at = [&](int s) {
@@ -324,7 +324,7 @@ __device__ __forceinline__ void walk_block(const FrArrays& a, const uint4* __res
   };
   auto step = [&](int s, const FrGroup& tg, uint32_t e, const XEarly<kSlots>& xe) {
     uint32_t f[8];
-    tile_fields<kSlots == 1>(a, tg, kMaskAtLoad || valid(s), e, run, slot, f);   // votes up to 8 rows
+    tile_fields<kSlots == 1>(a, tg, kMaskAtLoad || valid(s), e, run, slot, f);   // votes with x as B
     tile_mma<kBf16, kSlots>(xe, tg, f, c);
   };
   if constexpr (kSlots == 1) {                                       // two tiles a turn: registers for both
@@ -426,9 +426,9 @@ __device__ __forceinline__ void pair_runs(const FrArrays& a, int64_t row_a, int6
   if (s0) run_a += escapes_before(a, row_a, blk, s0), run_b += escapes_before(a, row_b, blk, s0);
 }
 
-// From kWARows to kSlotRows - 1 rows of x, W is the A operand and x the B: a warp takes 16 rows of W, lane (r, t)
-// decoding group t of the tile of rows r and r + 8 (A's rows r, r + 8: a0, a2 = pairs 2q, 2q + 1 of
-// row r, a1, a3 row r + 8's), and B (k slots 2t, 2t + 8 of x row r) is x's 16-byte word as loaded:
+// From kWARows to kSlotRows - 1 rows of x, W is the A operand and x the B: a warp takes 16 rows of
+// W, lane (r, t) decoding group t of the tile of rows r and r + 8 (A's rows r, r + 8: a0, a2 =
+// pairs 2q, 2q + 1 of row r, a1, a3 row r + 8's), and B (k slots 2t, 2t + 8 of x row r) is x's 16-byte word as loaded:
 // b0, b1 = its (x, y) or (z, w). No register moves and one mma for two groups' 4 pairs; C is y's W
 // rows r, r + 8 for x rows 2t, 2t + 1. The k order and the mma sequence are x as A's, and the sums
 // the same bits (tests/gpu/test_fixedrate_cuda.py).
@@ -629,11 +629,12 @@ constexpr int kMmaCtas = kWA ? 4 : kSlots == 2 ? 5 : 6;
 // 2; the 7B layer's seven at 9 / 12 / 16 rows 1.120-1.122 / 1.108-1.111 / 1.110-1.114 -> 1.105-1.106 /
 // 1.103-1.104 / 1.098, the 8B layer's (no grid changed) level (H200, 2026-11-30, the same bits).
 
-// Rows of x from which the kernel takes 16 rows of W as A (walk_block_w16), up to 8: at 8 rows the 8B layer's
-// seven matmuls 1.35 -> 1.16 of cuBLAS's time, the 7B layer's 1.28 -> 1.19, and at 4 rows 1.14 ->
+// Rows of x from which the kernel takes 16 rows of W as A (walk_block_w16), up to kSlotRows - 1
+// (until 2026-11-30 up to 8; then, against x as B, at 8 rows the 8B layer's seven matmuls 1.35 ->
+// 1.16 of cuBLAS's time, the 7B layer's 1.28 -> 1.19, and at 4 rows 1.14 ->
 // 1.08 and 1.09 -> 1.11; at 1 row 1.115 -> 1.08 and 1.07 -> 1.11: its grids have half as many warps,
 // and below 5 rows the 7B layer's gate, up and down lose more than their instructions gain (H200,
-// 2026-11-29, bench/experiments/fixedrate_ab.py [--7b]). The sums are the same bits either way.
+// 2026-11-29, bench/experiments/fixedrate_ab.py [--7b])). The sums are the same bits either way.
 constexpr int kWARows = 5;
 
 // Rows of x up to which walk_block walks a block whose groups all exist by cursors (GroupCursor,
@@ -641,7 +642,7 @@ constexpr int kWARows = 5;
 // stack): the 8B layer's seven at 1 row 1.08 -> 1.06 of cuBLAS's time and the 7B layer's 1.04 ->
 // 1.01, but at 2 rows 1.050 -> 1.059 and 1.020 -> 1.006, and at 3-4 rows 1.08 -> 1.11 and 1.13 ->
 // 1.16 on the 8B layer (H200, 2026-11-29, bench/experiments/fixedrate_ab.py --rows 1,2,3,4).
-// From 9 rows (x permuted, its loads unmasked) the cursor walk is taken too, its code and tile
+// From kSlotRows rows (x permuted, its loads unmasked) the cursor walk is taken too, its code and tile
 // words out of L1 as load_group's: SASS tile loop 332 -> 280 instructions, the 7B layer's seven at
 // 9 / 12 / 16 rows 1.130 / 1.125 / 1.126 -> 1.117 / 1.114 / 1.110 of cuBLAS's time, the 8B layer's
 // within 0.5 % (H200, 2026-11-30). With the code layout of 2026-11-30 (two instructions a field
@@ -660,7 +661,7 @@ __global__ void __launch_bounds__(32 * kMmaWarps, kCtas) mma_kernel(FrArrays a, 
                                                                                     int nx, int splits_cta,
                                                                                     uint16_t* __restrict__ y,
                                                                                     float* __restrict__ part) {
-  static_assert(!kWA || kSlots == 1, "W as A takes up to 8 rows of x");
+  static_assert(!kWA || kSlots == 1, "W as A takes up to kSlotRows - 1 rows of x");
   static_assert(!kCursor || !kWA, "cursors in walk_block (walk_block_w16 has its own)");
   constexpr int kM = (kSlots + 1) / 2;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -695,7 +696,7 @@ __global__ void __launch_bounds__(32 * kMmaWarps, kCtas) mma_kernel(FrArrays a, 
     float s = 0.f;
     for (int j = 0; j < splits_cta; ++j) s += red[warp + j][lane][i];
     // C: x as B, W rows g (, g + 8 from kWARows) and x rows 2t, 2t + 1; else x rows g, g + 8 of m16 tile i / 4
-    constexpr bool kXB = kSlots == 1;                               // x is B up to 8 rows
+    constexpr bool kXB = kSlots == 1;                               // x is B up to 4 rows (W as A: 5, 6)
     if (!kWA && kSlots == 1 && i >= 2) continue;                    // up to 4 rows C's rows r + 8 are any bits
     const int b = kXB ? 2 * (lane & 3) + (i & 1) : (lane >> 2) + 8 * ((i % 4) >> 1) + 16 * (i / 4);
     const int64_t out_row = row0 + (kXB ? (lane >> 2) + 8 * (i >> 1) : 2 * (lane & 3) + (i & 1));
@@ -845,14 +846,15 @@ void launch_wide_nt(const FrArrays& a, const at::Tensor& x, int nx, uint16_t* y,
   }
 }
 
-// Rows of x from which mma_kernel takes x permuted as A (kSlots 2: 16 rows, the padding zeros) and
-// 8 rows of W a warp, as from 9 rows, rather than 16 rows of W a warp as B (walk_block_w16). W as A
-// costs more with each row and runs grids of half as many warps, while x as A costs as much at 5 as
+// Rows of x from which mma_kernel takes x permuted as A (kSlots 2: an m16 tile, the rows past nx
+// zeros) and 8 rows of W a warp, as it did from 9 rows, rather than W as A (16 rows of W a warp,
+// walk_block_w16), as it did from 5 to 8 until 2026-11-30 (kWARows). W as A costs more with each row and runs grids of half as many warps, while x as A costs as much at 5 as
 // at 16 rows. The served step (8 layers, the Triton kernels between the linears, PDL; over decoded
 // mode's) at 5 / 6 / 7 / 8 rows: the 7B's 1.133 / 1.164 / 1.193 / 1.218 -> 1.120 / 1.120 / 1.124 /
 // 1.117, the 8B's 1.070 / 1.098 / 1.116 / 1.133 -> 1.116 / 1.117 / 1.120 / 1.116 (H200,
-// 2026-11-30, bench/experiments/step_rows.py, two rounds). Taken by the matrix (where W as A's grid has the more
-// waves) it lost: a step that mixes the two kernels ran slower than either (the 8B's 8 rows 1.150).
+// 2026-11-30, bench/experiments/step_rows.py, two rounds). Taken by the matrix (x as A where its grid had no more waves
+// than W as A's) it lost: a step that mixes the two kernels ran slower than either (the 8B's at 8
+// rows 1.150-1.160 against 1.129-1.136 with W as A for all).
 // The sums are the same bits either way.
 constexpr int kSlotRows = 7;
 
