@@ -628,6 +628,9 @@ constexpr int kMmaCtas = kWA ? 4 : kSlots == 2 ? 5 : 6;
 // (64 bytes spilled): the 7B's gate and up (1 376 CTAs) and its served qkv and gate_up, 3 waves ->
 // 2; the 7B layer's seven at 9 / 12 / 16 rows 1.120-1.122 / 1.108-1.111 / 1.110-1.114 -> 1.105-1.106 /
 // 1.103-1.104 / 1.098, the 8B layer's (no grid changed) level (H200, 2026-11-30, the same bits).
+// The same rule from 7 rows, where x is A since kSlotRows. In the served step (8 layers,
+// bench/experiments/step_rows.py) the rule against never and always one CTA more: the 8B's at 8 / 12
+// / 16 rows 1.119 / 1.134 / 1.133 against 1.157 / 1.175 / 1.173 and 1.256 / 1.303 / 1.311 (H200, 2026-11-30).
 
 // Rows of x from which the kernel takes 16 rows of W as A (walk_block_w16), up to kSlotRows - 1
 // (until 2026-11-30 up to 8; then, against x as B, at 8 rows the 8B layer's seven matmuls 1.35 ->

@@ -27,7 +27,7 @@ def check(good: bool, *case) -> bool:
 EVERY = [(n, k) for n in range(1, 17) for k in (0, 1)] + [(n, 0) for n in (24, 40, 64, 80)]
 WIDE = [(24, 0), (40, 0)]
 MATRICES = (((3, 31), ()), ((37, 1000), EVERY), ((130, 2049), EVERY), ((256, 256), ()), ((4100, 2048), EVERY),
-            ((6100, 2048), EVERY),                               # 9-16 rows 6 CTAs an SM; from 17 CTAs of 6 warps
+            ((6100, 2048), EVERY),                               # 7-16 rows 6 CTAs an SM; from 17 CTAs of 6 warps
             ((16400, 1024), WIDE))                               # CTAs of 5 (132 SMs)
 
 
