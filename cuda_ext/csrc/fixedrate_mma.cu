@@ -372,14 +372,14 @@ struct PairTile {
   uint32_t ea, eb;                                                   // their escape entry t
 };
 
-template <bool kFull>
+template <bool kFull, bool kStream = false>                          // kStream: load_group's
 __device__ __forceinline__ PairTile fetch_pair(const FrArrays& a, GroupCursor& ca, GroupCursor& cb, int64_t row_a,
                                                int64_t row_b, int64_t gr, bool valid, int32_t ra, int32_t rb) {
   PairTile n;                                                        // ra, rb: the tile's first entries
   if constexpr (kFull) {
-    n.ga = ca.next(a), n.gb = cb.next(a);
+    n.ga = ca.template next<kStream>(a), n.gb = cb.template next<kStream>(a);
   } else {
-    n.ga = load_group(a, row_a, gr, valid), n.gb = load_group(a, row_b, gr, valid);
+    n.ga = load_group<true, kStream>(a, row_a, gr, valid), n.gb = load_group<true, kStream>(a, row_b, gr, valid);
   }
   const int t = threadIdx.x & 3;
   n.ea = esc_entry32(a, ra + t), n.eb = esc_entry32(a, rb + t);
@@ -540,8 +540,12 @@ __device__ __forceinline__ void walk_block_wide(const FrArrays& a, const uint2* 
   pair_runs(a, row_a, row_b, blk, s0, run_a, run_b);
   GroupCursor ca(a, row_a, gr0 + s0 * kFrTileGroups), cb(a, row_b, gr0 + s0 * kFrTileGroups);
   const uint2* xc = xq + (blk * kFrBlockTiles + s0) * (8 * kNT * 32) + (threadIdx.x & 31);   // the next tile's x
+  // W's code and tile words past L1 (L1::no_allocate, as the plane's), which leaves L1 to x, read
+  // by every warp of the SM: the 8B layer's seven at 17 / 24 / 32 rows 1.235 / 1.200 / 1.292 ->
+  // 1.176 / 1.144 / 1.257 of cuBLAS's time, the 7B's 1.206 / 1.172 / 1.277 -> 1.150 / 1.125 / 1.248;
+  // the served step at 28 / 32 rows 8B 1.311 / 1.299 -> 1.294 / 1.285, 7B level (H200, 2026-11-30).
   auto fetch = [&](int s, int32_t ra, int32_t rb) {                  // tiles in order
-    return fetch_pair<kFull>(a, ca, cb, row_a, row_b, gr0 + s * kFrTileGroups, valid(s), ra, rb);
+    return fetch_pair<kFull, true>(a, ca, cb, row_a, row_b, gr0 + s * kFrTileGroups, valid(s), ra, rb);
   };
   auto step = [&](const PairTile& p) {
     uint32_t fa[8], fb[8];
