@@ -77,12 +77,12 @@ __device__ __forceinline__ auto ld_words(const T* p) {
 // kMask false leaves its tile word as stored, for a user that passes `valid` to group_fields: the
 // mask waits for the word just after its load (6 % of the fused kernel's stall samples, 2026-11-28).
 // kStream: the code and tile words bypass L1 as the plane does. Through L1 they are about 14 of
-// each 46 bytes of W and stream x out of it: the fused kernel from 7 rows of x (9 until 2026-11-30;
-// wide_kernel, 17-64 rows, since 66762e5; and x early at 17-32 rows), served at 32 clients,
-// 3 072-3 086 -> 3 485 tokens/s. Up to 6 rows
-// they stay in L1, where a quad's next tiles find their tile and hi words: served at batch 1
-// without it 202-205 tokens/s, with it 197-198 (H200, 2026-11-28; the 8B layer bench alone had
-// shown 1.075 -> 1.044 of cuBLAS at 1 row).
+// each 46 bytes of W and stream x out of it: the fused kernel from 9 rows of x (and x early at
+// 17-32 rows), served at 32 clients, 3 072-3 086 -> 3 485 tokens/s (H200, 2026-11-28). They bypass
+// it from kSlotRows (7) rows, and in wide_kernel (17-64 rows) since 66762e5. Up to 6 rows they stay
+// in L1, where a quad's next tiles find their tile and hi words: served at batch 1 without it
+// 202-205 tokens/s, with it 197-198 (H200, 2026-11-28; the 8B layer bench alone had shown 1.075 ->
+// 1.044 of cuBLAS at 1 row).
 template <bool kMask = true, bool kStream = false>
 __device__ __forceinline__ FrGroup load_group(const FrArrays& a, int64_t row, int64_t gr, bool valid) {
   const int64_t g = row * a.groups + gr;

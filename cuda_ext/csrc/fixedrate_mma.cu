@@ -134,10 +134,10 @@ __device__ __forceinline__ void mma16816(float c[4], uint32_t a0, uint32_t a1, u
 //   to nx lost (40.8 us: L1 63 -> 80 % busy, long-scoreboard stalls 3.4 -> 6.4 cycles an
 //   instruction), and so did one chain without the zeroing (40.3 us).
 // * From kSlotRows rows (9 until 2026-11-30), where x's loads were the bound, permute_x first
-//   writes each m16 tile's A operand as one 16-byte word, which goes to the mma as loaded: separate words for rows r and r + 8 cost
-//   4 register moves a mma, 32 a tile, in the SASS (scripts/gpu/sass_loop.py); without them 16 rows
-//   1.20 -> 1.16 of cuBLAS's time and 32 rows 1.63 -> 1.53 (H200, 2026-11-29). A warp's load is 512
-//   consecutive bytes:
+//   writes each m16 tile's A operand as one 16-byte word, which goes to the mma as loaded: separate
+//   words for rows r and r + 8 cost 4 register moves a mma, 32 a tile, in the SASS
+//   (scripts/gpu/sass_loop.py); without them 16 rows 1.20 -> 1.16 of cuBLAS's time and 32 rows
+//   1.63 -> 1.53 (H200, 2026-11-29). A warp's load is 512 consecutive bytes:
 //     xp = [tiles] [4 chunks] [2 halves] [M = slots / 2 m16 tiles] [8 rows r] [4 groups t] of uint4
 //     {x[r0][p], x[r0 + 8][p], x[r0][p + 1], x[r0 + 8][p + 1]}, r0 = 16m + r, p = 4 chunk + 2 half,
 //   zeros past nx rows and past the row's groups.
@@ -863,14 +863,15 @@ void launch_wide_nt(const FrArrays& a, const at::Tensor& x, int nx, uint16_t* y,
 
 // Rows of x from which mma_kernel takes x permuted as A (kSlots 2: an m16 tile, the rows past nx
 // zeros) and 8 rows of W a warp, as it did from 9 rows, rather than W as A (16 rows of W a warp,
-// walk_block_w16), as it did from 5 to 8 until 2026-11-30 (kWARows). W as A costs more with each row and runs grids of half as many warps, while x as A costs as much at 5 as
-// at 16 rows. The served step (8 layers, the Triton kernels between the linears, PDL; over decoded
-// mode's) at 5 / 6 / 7 / 8 rows: the 7B's 1.133 / 1.164 / 1.193 / 1.218 -> 1.120 / 1.120 / 1.124 /
-// 1.117, the 8B's 1.070 / 1.098 / 1.116 / 1.133 -> 1.116 / 1.117 / 1.120 / 1.116 (H200,
-// 2026-11-30, bench/experiments/step_rows.py, two rounds). Taken by the matrix (x as A where its grid had no more waves
-// than W as A's) it lost: a step that mixes the two kernels ran slower than either (the 8B's at 8
-// rows 1.150-1.160 against 1.129-1.136 with W as A for all).
-// The sums are the same bits either way.
+// walk_block_w16), as it did from 5 to 8 until 2026-11-30 (kWARows). W as A costs more with each
+// row and runs grids of half as many warps, while x as A costs as much at 5 as at 16 rows. The
+// served step (8 layers, the Triton kernels between the linears, PDL; over decoded mode's) at 5 / 6
+// / 7 / 8 rows: the 7B's 1.133 / 1.164 / 1.193 / 1.218 -> 1.120 / 1.120 / 1.124 / 1.117, the 8B's
+// 1.070 / 1.098 / 1.116 / 1.133 -> 1.116 / 1.117 / 1.120 / 1.116 (H200, 2026-11-30,
+// bench/experiments/step_rows.py, two rounds). Taken by the matrix (x as A where its grid had no
+// more waves than W as A's) it lost: a step that mixes the two kernels ran slower than either (the
+// 8B's at 8 rows 1.150-1.160 against 1.129-1.136 with W as A for all). The sums are the same bits
+// either way.
 constexpr int kSlotRows = 7;
 
 // Up to 16 rows: the kernel's slots (8 rows of x each), 1 or 2.
