@@ -4,9 +4,12 @@ cuBLAS multiplies the chunk before it from L2 on `mm` streams (events between th
 graph). Against the whole-matrix decode + cuBLAS (`cuda_ext.fixedrate._decode_matmul`, which writes
 and reads the layer's 2 bytes a weight through DRAM: >= 2.35x cuBLAS by bytes alone) and cuBLAS on
 the decoded weights, the trained-like Llama-3-8B layer, same run. Also the parts alone: the layer's
-decode, and cuBLAS on one chunk that stays in L2.
+decode, cuBLAS on one chunk that stays in L2, the layer decoded chunk by chunk into one scratch
+that stays in L2, and cuBLAS over chunks of K (every row of W, `kc` columns) from one L2-resident
+scratch a matrix, summed in float32 (`torch.addmm(..., out_dtype=torch.float32)`).
 
     python bench/experiments/decode_pipeline.py [--rows 64] [--chunks-mb 2,4,8] [--slots 2,4,8] [--mm-streams 1,2,4]
+                                                [--k-chunks 256,512,1024,2048]
 """
 from __future__ import annotations
 
@@ -77,6 +80,7 @@ def main() -> None:
     ap.add_argument("--chunks-mb", type=ints, default=(2, 4, 8, 16))
     ap.add_argument("--slots", type=ints, default=(2, 4, 8))
     ap.add_argument("--mm-streams", type=ints, default=(1, 2, 4))
+    ap.add_argument("--k-chunks", type=ints, default=(256, 512, 1024, 2048))
     args = ap.parse_args()
     layer = {k: w.cuda() for k, w in weights(LAYER_8B, seed=1).items()}
     forms = {k: fr_ops.encode(w) for k, w in layer.items()}
@@ -90,13 +94,23 @@ def main() -> None:
     decode = graph_ms(lambda: [fr_ops.decode(forms[k], out=scratch[k]) for k in layer], reps)
     print(f"rows {args.rows}: cuBLAS {cublas:.4f} ms; whole decode + cuBLAS {whole / cublas:.3f}; "
           f"the layer's decode alone {decode / cublas:.3f}", flush=True)
+    for kc in args.k_chunks:
+        part = {k: torch.randn(w.shape[0], kc, device="cuda").bfloat16() for k, w in layer.items()}
+        sums = {k: torch.zeros(args.rows, w.shape[0], device="cuda") for k, w in layer.items()}
+        t = graph_ms(lambda: [torch.addmm(sums[k], xs[k][:, c:c + kc], part[k].t(), out_dtype=torch.float32,
+                                          out=sums[k]) for k, w in layer.items() for c in range(0, w.shape[1], kc)], reps)
+        print(f"  cuBLAS over K chunks of {kc} columns from L2, float32 sums: {t / cublas:.3f}", flush=True)
     for mb in args.chunks_mb:
         rows = cut(14336, 4096, mb << 20)[0]
         w = layer["gate"][:rows]
         l2 = graph_ms(lambda: [torch.mm(w, xs["gate"].t()) for _ in range(8)], reps) / 8
         n_chunks = sum(len(cut(f.rows, f.cols, mb << 20)) for f in forms.values())
+        slab = Pipeline(forms, xs, mb << 20, 1, 1)
+        dec_l2 = graph_ms(lambda: [fr_ops.decode(v, out=slab.scratch[0][:v.rows * v.cols].view(v.rows, v.cols))
+                                   for v, _, _ in slab.jobs], reps)
         print(f"  {mb} MB chunks ({n_chunks} a layer): cuBLAS on one chunk in L2 x {n_chunks} = "
-              f"{l2 * n_chunks / cublas:.3f}", flush=True)
+              f"{l2 * n_chunks / cublas:.3f}; the layer decoded chunk by chunk into one scratch {dec_l2 / cublas:.3f}",
+              flush=True)
         for slots in args.slots:
             for streams in args.mm_streams:
                 pipe = Pipeline(forms, xs, mb << 20, slots, streams)
