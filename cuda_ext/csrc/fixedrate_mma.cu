@@ -107,10 +107,10 @@ constexpr int kTargetWarps = 4096;
 
 // The shared-memory carveout: the smallest that holds `ctas` CTAs of `kernel` an SM, so that the
 // rest of the SM's L1 and shared memory is L1, where x and the tiles' words live. The driver's
-// default gives these kernels a 102.4 KB configuration (ncu) where they use 6-17 KB a CTA. A
-// carveout of 25 % for every launch made the served step 0.5-1.4 % faster at 8, 16 and 32 rows, and
-// too little (10 %, 0 %) cost CTAs an SM and up to 2.8x (H200, 2026-11-30); the driver takes the
-// next configuration up from the hint. Set once a kernel and device.
+// default gives these kernels a 102.4 KB configuration where they use 6-17 KB a CTA; with this rule
+// ncu shows 65.5 KB (the driver takes the next configuration up from the hint) and the same CTAs an
+// SM. The served step level at 1-16 rows and 0.3-1.1 % faster at 24-32; a hint too small for the
+// CTAs an SM (10 %, 0 %) cost them and up to 2.8x (H200, 2026-11-30). Set once a kernel and device.
 template <typename... Params>
 void carve(void (*kernel)(Params...), int ctas) {
   static std::mutex lock;
