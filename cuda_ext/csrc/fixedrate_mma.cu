@@ -18,9 +18,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <mutex>
-#include <set>
-#include <utility>
 
 #include "fixedrate_gemv.cuh"
 
@@ -105,29 +102,23 @@ void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t s
 }
 constexpr int kTargetWarps = 4096;
 
-// The shared-memory carveout: the smallest that holds `ctas` CTAs of `kernel` an SM, so that the
-// rest of the SM's L1 and shared memory is L1, where x and the tiles' words live. The driver's
-// default gives these kernels a 102.4 KB configuration where they use 6-17 KB a CTA; with this rule
-// ncu shows 65.5 KB (the driver takes the next configuration up from the hint) and the same CTAs an
-// SM. The served step level at 1-16 rows and 0.3-1.1 % faster at 24-32; a hint too small for the
-// CTAs an SM (10 %, 0 %) cost them and up to 2.8x (H200, 2026-11-30). Set once a kernel and device.
-template <typename... Params>
-void carve(void (*kernel)(Params...), int ctas) {
-  static std::mutex lock;
-  static std::set<std::pair<const void*, int>> done;
-  const void* fn = reinterpret_cast<const void*>(kernel);
-  int dev = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
-  const std::lock_guard<std::mutex> hold(lock);
-  if (!done.emplace(fn, dev).second) return;
+// The shared-memory carveout: the smallest that holds `ctas` CTAs of `kernel` an SM on device `dev`,
+// so that the rest of the SM's L1 and shared memory is L1, where x and the tiles' words live. The
+// driver's default gives these kernels a 102.4 KB configuration where they use 6-17 KB a CTA; with
+// this rule ncu shows 65.5 KB (the driver takes the next configuration up from the hint) and the same
+// CTAs an SM. The served step level at 1-16 rows and 0.3-1.1 % faster at 24-32; a hint too small for
+// the CTAs an SM (10 %, 0 %) cost them and up to 2.8x (H200, 2026-11-30). Its callers set it once a
+// kernel and device (per_device); returns the hint + 1 (never 0, as per_device wants).
+int set_carveout(const void* kernel, int ctas, int dev) {
   cudaFuncAttributes f;
-  C10_CUDA_CHECK(cudaFuncGetAttributes(&f, fn));
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&f, kernel));
   int per_sm = 0, reserved = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev));
   const int64_t need = static_cast<int64_t>(ctas) * static_cast<int64_t>(f.sharedSizeBytes + reserved);
   const int hint = static_cast<int>(std::min<int64_t>(100, (100 * need + per_sm - 1) / per_sm));
-  C10_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributePreferredSharedMemoryCarveout, hint));
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, hint));
+  return hint + 1;
 }
 
 template <bool kBf16>
@@ -811,7 +802,10 @@ void launch(const FrArrays& a, const uint4* x, int nx, uint16_t* y, const at::Te
     if (waves(grid, kMore) < waves(grid, kMmaCtas<kSlots, kWA>))
       kernel = mma_kernel<kBf16, kSlots, kWA, kCursor, kMore>, per_sm = kMore;
   }
-  carve(kernel, per_sm);
+  static std::atomic<int32_t> carved[2][64] = {};                   // by the kernel taken (CTAs an SM more or not)
+  per_device(carved[per_sm - kMmaCtas<kSlots, kWA>], [&](int dev) {
+    return set_carveout(reinterpret_cast<const void*>(kernel), per_sm, dev);
+  });
   launch_pdl(kernel, dim3(static_cast<unsigned>(ctas), cut.parts), dim3(32 * kMmaWarps), stream, a, x, nx, cut.per_cta, y, pp);
   if (cut.parts > 1) launch_sum(kBf16, pp, nx * a.rows, 1, cut.parts, y, stream);
 }
@@ -838,23 +832,20 @@ constexpr int kWideWarpsFew = 5;
 // wide_kernel's CTAs along the rows of W in CTAs of `warps` warps (16 rows of W each).
 int64_t wide_ctas(int64_t rows, int warps) { return (rows + 16 * warps - 1) / (16 * warps); }
 
-// wide_kernel's CTAs an SM in CTAs of 8 << 16 | of 6 << 8 | of 5 warps on the current device.
 template <bool kBf16, int kNT>
-int32_t wide_per_sm() {
-  static std::atomic<int32_t> known[64] = {};
-  return per_device(known, [](int) {
+int wide_warps(int64_t rows, int splits) {
+  static std::atomic<int32_t> known[64] = {};                       // CTAs an SM of 8 << 16 | of 6 << 8 | of 5
+  const int32_t k = per_device(known, [](int dev) {
     int per8 = 0, per6 = 0, per5 = 0;
     auto ctas_an_sm = [](int& n, int warps) {
       C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, wide_kernel<kBf16, kNT>, 32 * warps, 0));
     };
     ctas_an_sm(per8, kWideWarps), ctas_an_sm(per6, kWideWarpsMany), ctas_an_sm(per5, kWideWarpsFew);
+    set_carveout(reinterpret_cast<const void*>(wide_kernel<kBf16, kNT>), std::max({per8, per6, per5}), dev);   // one for all three
     return per8 << 16 | per6 << 8 | per5;
   });
-}
-
-int wide_warps(int32_t per_sm, int64_t rows, int splits) {
   auto in = [&](int warps, int per) { return waves(wide_ctas(rows, warps) * splits, per); };   // in CTAs of `warps`
-  const int per8 = per_sm >> 16, per6 = per_sm >> 8 & 0xFF, per5 = per_sm & 0xFF;
+  const int per8 = k >> 16, per6 = k >> 8 & 0xFF, per5 = k & 0xFF;
   if (in(kWideWarps, per8) == 1 || per6 * kWideWarpsMany <= per8 * kWideWarps) return kWideWarps;
   return per5 && in(kWideWarpsFew, per5) == in(kWideWarpsMany, per6) ? kWideWarpsFew : kWideWarpsMany;
 }
@@ -877,9 +868,7 @@ void launch_wide(const FrArrays& a, const at::Tensor& x, int nx, uint16_t* y, cu
              reinterpret_cast<const uint32_t*>(x.data_ptr()), a.groups, nx, kNT, units, reinterpret_cast<uint2*>(xq.data_ptr()));
   at::Tensor part;
   float* pp = part_sums(part, cut.splits, nx, a.rows, x);
-  const int32_t per_sm = wide_per_sm<kBf16, kNT>();
-  const int w = wide_warps(per_sm, a.rows, cut.splits);
-  carve(wide_kernel<kBf16, kNT>, std::max({per_sm >> 16, per_sm >> 8 & 0xFF, per_sm & 0xFF}));   // one carveout for all three
+  const int w = wide_warps<kBf16, kNT>(a.rows, cut.splits);
   const int64_t ctas = wide_ctas(a.rows, w);
   launch_pdl(wide_kernel<kBf16, kNT>, dim3(static_cast<unsigned>(ctas), static_cast<unsigned>(cut.splits)),
              dim3(32 * w), stream, a, reinterpret_cast<const uint2*>(xq.data_ptr()), nx, y, pp);
