@@ -851,14 +851,16 @@ int wide_warps(int64_t rows, int splits) {
 }
 
 // kWideRows..64 rows: x permuted for wide_kernel, its ranges' sums added in mma_kernel's order.
-// The second launch (sum_parts) costs the served step about 0.07 of its time at 24-32 rows (a probe
-// without it, wrong sums), but each way of summing in wide_kernel lost more, with the same bits: the
-// last CTA of a row block adding the ranges; the ranges in a thread-block cluster, summed through
-// distributed shared memory (the 7B's step at 32 rows 1.250 -> 1.644: o and down lose their one
-// wave, 120 CTAs in clusters of 4 against 132, and a cluster holds every range of x at once); the
-// ranges in the CTA, as mma_kernel's (1.286 -> 1.322 at best). The SMs read one or two ranges of x
-// at a time, each x word shared by all of an SM's warps through L1, and that is worth more
-// (H200, 2026-11-30; docs/BENCHMARKS.md).
+// The second launch (sum_parts) stays. Taken off the step with the same bits, the step was level:
+// the step's Triton kernels added the ranges where they read y (the served step at 17-32 rows within
+// 1.5 %, none faster at 32; what a launch less saves, the consumer pays back in reads of the float32
+// ranges). A probe that skipped the launch, leaving y unwritten, had shown 0.07 at 24-32 rows. Each
+// way of summing in wide_kernel lost, with the same bits: the last CTA of a row block adding the
+// ranges; the ranges in a thread-block cluster, summed through distributed shared memory (the 7B's
+// step at 32 rows 1.250 -> 1.644: o and down lose their one wave, 120 CTAs in clusters of 4 against
+// 132, and a cluster holds every range of x at once); the ranges in the CTA, as mma_kernel's (1.286
+// -> 1.322 at best). The SMs read one or two ranges of x at a time, each x word shared by all of an
+// SM's warps through L1, and that is worth more (H200, 2026-11-30; docs/BENCHMARKS.md).
 template <bool kBf16, int kNT>
 void launch_wide(const FrArrays& a, const at::Tensor& x, int nx, uint16_t* y, cudaStream_t stream) {
   const CutK cut = cut_k(a);
