@@ -34,6 +34,8 @@ FUSED_ROWS = 32                # the default's fused rows. Above them decode + c
                                # compressed mode parted from decoded mode's at a near-tie (the haiku
                                # prompt, ~37 tokens; H200 2026-11-29, as on an H100 2026-11-27).
                                # A step of decode rows (and whole prompts of up to 32 tokens) raises it (`fused_rows`)
+SLOT_ROWS = 7                  # cuda_ext/csrc/fixedrate_host.h kFrSlotRows: from these rows the kernel reads x
+WIDE_ROWS = 17                 # permuted (one m16 tile), and from kFrWideRows in wide_kernel's layout (n8 tiles)
 _FUSED = contextvars.ContextVar("wcodec_fused_rows", default=FUSED_ROWS)
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 ARRAYS = ("plane", "lo", "hi", "tile", "esc", "esc_start")   # the ops' array arguments, in order
@@ -146,6 +148,8 @@ def linear(x: torch.Tensor, fr: FixedRateWeight, kernel: int | None = None) -> t
     escapes are listed: an 8B layer on an H100 0.163 vs 0.171 ms; up to `fused_limit()` inside
     `fused_rows`), above that decode + cuBLAS (_decode_matmul). Launches on the current stream, no
     host syncs (usable in CUDA graphs)."""
+    if isinstance(x, PermutedX):                     # made for this row count's kernel (a step of the same fused_limit)
+        return ops.fixedrate_linear_permuted(x.data, x.rows, *fr.arrays, fr.cols)
     flat = x.reshape(-1, fr.cols)
     if flat.shape[0] > (fused_limit() if kernel is None else FUSED_MAX_ROWS) or flat.shape[0] == 0 or not x.is_cuda:
         return _decode_matmul(flat, fr).reshape(*x.shape[:-1], fr.rows)
@@ -153,6 +157,65 @@ def linear(x: torch.Tensor, fr: FixedRateWeight, kernel: int | None = None) -> t
         flat = F.pad(flat, (0, fr.padded_cols - fr.cols))
     y = ops.fixedrate_linear(flat.contiguous(), *fr.arrays, fr.cols, 0 if kernel is None else kernel)
     return y.reshape(*x.shape[:-1], fr.rows)
+
+
+def permuted_rows(n: int) -> int:
+    """Rows of x's permuted layout for n rows (fixedrate_host.h fr_permuted_rows): 0 where the fused op
+    reads x in place (under SLOT_ROWS rows) or does not take the rows (over fused_limit()); 16 up to
+    16 rows (one m16 tile); else whole n8 tiles. A step's kernels that make x may write it so
+    (`PermutedX`), which saves the op its permute launch: 2-3 % of the served step at 16 and 32 rows."""
+    if not SLOT_ROWS <= n <= fused_limit():
+        return 0
+    return 16 if n < WIDE_ROWS else -(-n // 8) * 8
+
+
+def permuted_cols(cols: int) -> int:
+    """Columns of the permuted layout for x of `cols` columns: whole tiles of 128, zeros past cols."""
+    return -(-cols // fixedrate.TILE) * fixedrate.TILE
+
+
+@dataclass(frozen=True)
+class PermutedX:
+    """x [rows, cols] (the first `rows` of `data`'s padded rows) written in the layout the fused
+    kernel reads at that row count (`permuted_rows`): data [permuted_rows(rows), permuted_cols(cols)],
+    zeros past rows and cols. `linear` takes it where it would take x."""
+    data: torch.Tensor
+    rows: int
+    cols: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.rows, self.cols
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+
+def permute(x: torch.Tensor) -> PermutedX:
+    """The reference of the layout (fixedrate_host.h fr_permuted_at), in PyTorch: x [n, cols] with
+    permuted_rows(n) > 0 -> PermutedX."""
+    n, cols = x.shape
+    rows, width = permuted_rows(n), permuted_cols(cols)
+    if not rows:
+        raise ValueError(f"permute: {n} rows take no permuted layout (at most {fused_limit()} here)")
+    r, c = torch.arange(rows)[:, None], torch.arange(width)[None, :]
+    pw, parity = c // 2, c % 2
+    gr, pp = pw // 16, pw % 16
+    tile, lane = gr // 4, (r % 8) * 4 + gr % 4
+    if rows == 16:
+        at = 2 * (4 * ((tile * 8 + pp // 2) * 32 + lane) + (pp % 2) * 2 + r // 8) + parity
+    else:
+        at = 2 * (2 * (((tile * 8 + pp // 2) * (rows // 8) + r // 8) * 32 + lane) + pp % 2) + parity
+    padded = torch.zeros(rows, width, dtype=x.dtype, device=x.device)
+    padded[:n, :cols] = x
+    data = torch.empty_like(padded)
+    data.view(-1)[at.flatten().to(x.device)] = padded.flatten()
+    return PermutedX(data, n, cols)
 
 
 def _decode_matmul(flat: torch.Tensor, fr: FixedRateWeight) -> torch.Tensor:
@@ -206,7 +269,8 @@ def padded_x(n: int, fr: FixedRateWeight, seed: int) -> torch.Tensor:
 
 
 def sample_inputs(device: str | torch.device) -> list[tuple[str, tuple]]:
-    """(op name, args) for opcheck: both dtypes, ragged cols, escapes, 1, 16 and 40 rows of x."""
+    """(op name, args) for opcheck: both dtypes, ragged cols, escapes, 1, 16 and 40 rows of x (7, 16
+    and 40 permuted)."""
     out = []
     for dtype, (rows, cols) in ((torch.bfloat16, (40, 1000)), (torch.float16, (8, 64))):
         w = sample_weight(dtype, rows, cols, 0).to(device)
@@ -214,4 +278,7 @@ def sample_inputs(device: str | torch.device) -> list[tuple[str, tuple]]:
         out.append(("fixedrate_decode", (*encode(w).arrays, cols, torch.empty_like(w))))
         fr = encode(sample_weight(dtype, rows, cols, 1, finite=True).to(device))
         out += [("fixedrate_linear", (padded_x(n, fr, n).to(device), *fr.arrays, cols)) for n in (1, 16, 40)]
+        with fused_rows(FUSED_MAX_ROWS):
+            xs = [permute(padded_x(n, fr, n)[:, :cols].to(device)) for n in (7, 16, 40)]
+        out += [("fixedrate_linear_permuted", (x.data, x.rows, *fr.arrays, cols)) for x in xs]
     return out

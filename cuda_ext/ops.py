@@ -86,7 +86,16 @@ def fixedrate_linear(x: torch.Tensor, plane: torch.Tensor, lo: torch.Tensor, hi:
     return torch.ops.wcodec.fixedrate_linear.default(x, plane, lo, hi, tile, esc, esc_start, cols, kernel)
 
 
-FIXEDRATE_OPS = ("wcodec::fixedrate_encode", "wcodec::fixedrate_decode", "wcodec::fixedrate_linear")
+def fixedrate_linear_permuted(xp: torch.Tensor, rows: int, plane: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+                              tile: torch.Tensor, esc: torch.Tensor, esc_start: torch.Tensor, cols: int) -> torch.Tensor:
+    """fixedrate_linear (tensor cores) of `rows` rows of x (7..64) handed over already in the layout
+    the kernel reads at that row count (cuda_ext.fixedrate.PermutedX), so the op launches no permute
+    of its own: the same y, bit for bit. On the CPU x is put back in place, then the reference."""
+    return torch.ops.wcodec.fixedrate_linear_permuted.default(xp, rows, plane, lo, hi, tile, esc, esc_start, cols)
+
+
+FIXEDRATE_OPS = ("wcodec::fixedrate_encode", "wcodec::fixedrate_decode", "wcodec::fixedrate_linear",
+                 "wcodec::fixedrate_linear_permuted")
 
 
 def linear16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -274,6 +283,8 @@ def _register_fixedrate_fakes() -> None:
     torch.library.register_fake("wcodec::fixedrate_decode")(lambda plane, lo, hi, tile, esc, esc_start, cols, out: None)
     torch.library.register_fake("wcodec::fixedrate_linear")(
         lambda x, plane, lo, hi, tile, esc, esc_start, cols, kernel=0: x.new_empty(x.shape[0], plane.shape[0]))
+    torch.library.register_fake("wcodec::fixedrate_linear_permuted")(
+        lambda xp, rows, plane, lo, hi, tile, esc, esc_start, cols: xp.new_empty(rows, plane.shape[0]))
 
 
 def _fake_prepare_plane(data, dtype):

@@ -30,6 +30,8 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from . import fixedrate
+
 
 # ---- the references (PyTorch; service/model/llama.py's maths) -------------------------------------
 def add_rms_norm_reference(x: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor,
@@ -135,14 +137,16 @@ def _step_triton():
 
 
 def warm_up(device: torch.device, dtype: torch.dtype, hidden: int, intermediate: int, heads: int, kv_heads: int,
-            head_dim: int, block_size: int) -> bool:
+            head_dim: int, block_size: int, permuted: bool = False) -> bool:
     """Compile (or load from Triton's cache) every variant of the kernels a model's steps take, at
     toy sizes with the model's dimensions, so that no step waits for it: Triton specializes each
     integer argument that is 1 or a multiple of 16, so the block tables come in widths 1, 2, 16
     and 17 (one of more than step_triton.ATTENTION_CHUNK keys, cut into chunks). In a fresh
     process this takes seconds even from Triton's disk cache (H100 box: the first token came
     2.9 s after ready when the first request paid it; the runner now runs it beside serving,
-    service/engine/runner.py). False where no Triton kernels run."""
+    service/engine/runner.py). `permuted`: also the variants that write x in the fused fixed-rate
+    linears' layouts (a model of FixedLinears: one m16 tile, and 3 to 8 n8 tiles). False where no
+    Triton kernels run."""
     kernels = triton_kernels(device)
     if kernels is None:
         return False
@@ -162,5 +166,12 @@ def warm_up(device: torch.device, dtype: torch.dtype, hidden: int, intermediate:
                                  head_dim ** -0.5)
     gate_up = make(2, 2 * intermediate)
     kernels.silu_mul(gate_up[:, :intermediate], gate_up[:, intermediate:])
+    for rows in (7, *range(24, 65, 8)) if permuted else ():             # one m16 tile, n8 tiles 3..8
+        x, gate_up, layout = make(rows, hidden), make(rows, 2 * intermediate), fixedrate.permuted_rows
+        with fixedrate.fused_rows(fixedrate.FUSED_MAX_ROWS):
+            for h in (None, x):
+                kernels.add_rms_norm(x, h, w, 1e-5, layout(rows), fixedrate.permuted_cols(hidden))
+            kernels.silu_mul(gate_up[:, :intermediate], gate_up[:, intermediate:], layout(rows),
+                             fixedrate.permuted_cols(intermediate))
     torch.cuda.synchronize(device)
     return True

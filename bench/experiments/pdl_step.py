@@ -33,15 +33,25 @@ def set_pdl(on: bool) -> None:
     step_triton._pdl = _PDL if on else (lambda t: {"GDC": False})
 
 
-def step(x0: torch.Tensor, layers: list[dict], linear, norm_w: torch.Tensor, mlp: int = 11008) -> torch.Tensor:
-    x, h = x0, None                                                      # residual stream [n, 4096]
-    for w in layers:
-        x, a = step_triton.add_rms_norm(x, h, norm_w, 1e-5)
-        q = linear(a, w["qkv"])                                          # [n, 12288] (the 8B's 6144)
-        o = linear(step_triton.silu_mul(q[:, :4096], q[:, -4096:]), w["o"])
-        x, a = step_triton.add_rms_norm(x, o, norm_w, 1e-5)
-        g = linear(a, w["gate_up"])                                      # [n, 2 mlp]
-        h = linear(step_triton.silu_mul(g[:, :mlp], g[:, mlp:]), w["down"])
+def step(x0: torch.Tensor, layers: list[dict], linear, norm_w: torch.Tensor, mlp: int = 11008,
+         permuted: bool = False) -> torch.Tensor:
+    """`permuted`: the Triton kernels write each fused linear's x in the layout its kernel reads at
+    this row count (fixedrate.PermutedX), as the engine's step does for FixedLinears."""
+    x, h, n = x0, None, x0.shape[0]
+    rows = fr.permuted_rows(n) if permuted else 0
+
+    def made(out: torch.Tensor, cols: int):
+        return fr.PermutedX(out, n, cols) if rows else out
+
+    for w in layers:                                                     # residual stream [n, 4096]
+        x, a = step_triton.add_rms_norm(x, h, norm_w, 1e-5, *((rows, fr.permuted_cols(4096)) if rows else ()))
+        q = linear(made(a, 4096), w["qkv"])                              # [n, 12288] (the 8B's 6144)
+        s = step_triton.silu_mul(q[:, :4096], q[:, -4096:], *((rows, fr.permuted_cols(4096)) if rows else ()))
+        o = linear(made(s, 4096), w["o"])
+        x, a = step_triton.add_rms_norm(x, o, norm_w, 1e-5, *((rows, fr.permuted_cols(4096)) if rows else ()))
+        g = linear(made(a, 4096), w["gate_up"])                          # [n, 2 mlp]
+        s = step_triton.silu_mul(g[:, :mlp], g[:, mlp:], *((rows, fr.permuted_cols(mlp)) if rows else ()))
+        h = linear(made(s, mlp), w["down"])
     return h
 
 

@@ -1,7 +1,9 @@
 """The served decode step at each row count, compressed over decoded (issue 24): `pdl_step.py`'s step
 (8 layers as the engine joins them -- qkv, o, gate_up, down -- with the step's Triton kernels between
 the linears, PDL as served on sm_90+), one CUDA graph a step, the fused fixed-rate kernels against
-cuBLAS on the same trained-like bf16 weights. One line: `LABEL LAYER n=R ratio ...`. Swap the
+cuBLAS on the same trained-like bf16 weights. One line: `LABEL LAYER n=R fixed/permuted ...`, each over
+decoded mode's step: `fixed` with the Triton kernels writing x row-major (each fused op permuting it),
+`permuted` with them writing it in the fused kernel's layout, as the engine's step does. Swap the
 extension's library (or set a lab build's switches) between runs to compare kernels in one call.
 
     python bench/experiments/step_rows.py LABEL [--layer 7b|8b] [--rows 4,5,6,7,8,9]
@@ -38,11 +40,13 @@ def main() -> None:
     fixed = [{k: fr.encode(w) for k, w in ws.items()} for ws in decoded]
     norm_w = torch.ones(4096, device="cuda", dtype=torch.bfloat16)
     out = []
+    kinds = (("decoded", decoded, F.linear, False), ("fixed", fixed, fr.linear, False),
+             ("permuted", fixed, fr.linear, True))
     for n in map(int, args.rows.split(",")):
         x0 = torch.randn(n, 4096, device="cuda").bfloat16()
-        ms = {name: min(graph_ms(lambda: step(x0, layers, linear, norm_w, mlp), 5) for _ in range(2))
-              for name, layers, linear in (("decoded", decoded, F.linear), ("fixed", fixed, fr.linear))}
-        out.append(f"n={n} {ms['fixed'] / ms['decoded']:.3f}")
+        ms = {name: min(graph_ms(lambda: step(x0, layers, linear, norm_w, mlp, permuted), 5) for _ in range(2))
+              for name, layers, linear, permuted in kinds}
+        out.append(f"n={n} {ms['fixed'] / ms['decoded']:.3f}/{ms['permuted'] / ms['decoded']:.3f}")
     print(args.label, args.layer, " ".join(out), flush=True)
 
 

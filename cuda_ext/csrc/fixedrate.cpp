@@ -43,6 +43,15 @@ std::tuple<at::Tensor, int64_t> fr_escape_starts(const at::Tensor& tile, int64_t
   return {(inclusive - per_block).to(at::kInt).view({rows, blocks}), total};
 }
 
+void fr_check_permuted(const at::Tensor& xp, int64_t rows, const FrShape& s, const at::Tensor& plane) {
+  TORCH_CHECK(rows >= kFrSlotRows && rows <= kFrMaxRows, "a permuted x holds ", kFrSlotRows, " to ", kFrMaxRows,
+              " rows, not ", rows);
+  TORCH_CHECK(xp.dim() == 2 && xp.size(0) == fr_permuted_rows(rows) && xp.size(1) == s.tiles * kFrTile &&
+                  xp.is_contiguous() && xp.device() == plane.device(),
+              "permuted x: contiguous [", fr_permuted_rows(rows), ", ", s.tiles * kFrTile, "] on the arrays' device");
+  TORCH_CHECK(xp.scalar_type() == at::kBFloat16 || xp.scalar_type() == at::kHalf, "x: bfloat16 or float16");
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fr_alloc(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.element_size() == 2 && w.is_contiguous(), "the fixed-rate form takes a contiguous 2-D 16-bit weight");
   const int64_t rows = w.size(0), groups = (w.size(1) + kFrGroup - 1) / kFrGroup;
@@ -135,6 +144,20 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& plane, const at::Te
   return at::matmul(x.narrow(1, 0, cols).to(at::kFloat), w.to(at::kFloat).t()).to(x.scalar_type());
 }
 
+// The permuted op's reference: x back in place (fr_permuted_at), then linear_cpu.
+at::Tensor linear_permuted_cpu(const at::Tensor& xp, int64_t rows, const at::Tensor& plane, const at::Tensor& lo,
+                               const at::Tensor& hi, const at::Tensor& tile, const at::Tensor& esc,
+                               const at::Tensor& esc_start, int64_t cols) {
+  const FrShape s = fr_check(plane, lo, hi, tile, esc, esc_start, cols);
+  fr_check_permuted(xp, rows, s, plane);
+  auto x = at::empty({rows, s.groups * kFrGroup}, xp.options());
+  const auto* from = reinterpret_cast<const uint16_t*>(xp.data_ptr());
+  auto* to = reinterpret_cast<uint16_t*>(x.data_ptr());
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < s.groups * kFrGroup; ++c) to[r * s.groups * kFrGroup + c] = from[fr_permuted_at(rows, r, c)];
+  return linear_cpu(x, plane, lo, hi, tile, esc, esc_start, cols, 0);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(wcodec, m) {
@@ -143,12 +166,15 @@ TORCH_LIBRARY_FRAGMENT(wcodec, m) {
         "Tensor(a!) out) -> ()");
   m.def("fixedrate_linear(Tensor x, Tensor plane, Tensor lo, Tensor hi, Tensor tile, Tensor esc, Tensor esc_start, "
         "int cols, int kernel=0) -> Tensor");
+  m.def("fixedrate_linear_permuted(Tensor xp, int rows, Tensor plane, Tensor lo, Tensor hi, Tensor tile, Tensor esc, "
+        "Tensor esc_start, int cols) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(wcodec, CPU, m) {
   m.impl("fixedrate_encode", &encode_cpu);
   m.impl("fixedrate_decode", &decode_cpu);
   m.impl("fixedrate_linear", &linear_cpu);
+  m.impl("fixedrate_linear_permuted", &linear_permuted_cpu);
 }
 
 }  // namespace wcodec

@@ -137,9 +137,21 @@ at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& plane, const at::T
   auto y = at::empty({x.size(0), s.rows}, x.options());
   TORCH_CHECK(kernel == kFrKernelMma || kernel == kFrKernelSimt, "kernel: 0 (tensor cores) or 1 (CUDA cores)");
   TORCH_CHECK(kernel == kFrKernelMma || x.size(0) <= kFrMaxSimtRows, "the CUDA-core kernel takes 1 to 16 rows of x");
-  if (s.rows > 0)
-    (kernel == kFrKernelMma ? launch_mma : launch_gemv)(arrays(s, plane, lo, hi, tile, esc, esc_start), x, y,
-                                                       c10::cuda::getCurrentCUDAStream());
+  if (s.rows > 0 && kernel == kFrKernelMma)
+    launch_mma(arrays(s, plane, lo, hi, tile, esc, esc_start), x, y, c10::cuda::getCurrentCUDAStream());
+  else if (s.rows > 0)
+    launch_gemv(arrays(s, plane, lo, hi, tile, esc, esc_start), x, y, c10::cuda::getCurrentCUDAStream());
+  return y;
+}
+
+at::Tensor linear_permuted_cuda(const at::Tensor& xp, int64_t rows, const at::Tensor& plane, const at::Tensor& lo,
+                                const at::Tensor& hi, const at::Tensor& tile, const at::Tensor& esc,
+                                const at::Tensor& esc_start, int64_t cols) {
+  const FrShape s = fr_check(plane, lo, hi, tile, esc, esc_start, cols);
+  fr_check_permuted(xp, rows, s, plane);
+  const c10::cuda::CUDAGuard guard(plane.device());
+  auto y = at::empty({rows, s.rows}, xp.options());
+  if (s.rows > 0) launch_mma(arrays(s, plane, lo, hi, tile, esc, esc_start), xp, y, c10::cuda::getCurrentCUDAStream(), true);
   return y;
 }
 
@@ -149,6 +161,7 @@ TORCH_LIBRARY_IMPL(wcodec, CUDA, m) {
   m.impl("fixedrate_encode", &encode_cuda);
   m.impl("fixedrate_decode", &decode_cuda);
   m.impl("fixedrate_linear", &linear_cuda);
+  m.impl("fixedrate_linear_permuted", &linear_permuted_cuda);
 }
 
 }  // namespace wcodec

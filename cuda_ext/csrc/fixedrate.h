@@ -35,6 +35,7 @@ constexpr int kFrPosMask = 0x7F;      // POS_MASK: an escape entry's position in
 constexpr int kFrFieldShift = 8;      // FIELD_SHIFT: an escape entry's field
 constexpr int kFrBlockTiles = kFrBlockGroups / kFrTileGroups;
 constexpr int kFrLoWords = 2;         // LO_WORDS
+constexpr int kFrMaxRows = 64;        // rows of x the fused op takes (the tensor-core kernel)
 
 // split_words: the plane byte of a word (its pair partner gives the sign bit) and its field.
 FR_HD uint8_t fr_plane_byte(uint16_t w, uint16_t partner) {

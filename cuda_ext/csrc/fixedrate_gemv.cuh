@@ -19,7 +19,6 @@
 namespace wcodec {
 
 constexpr int kFrWarps = 4;       // warps per CTA
-constexpr int kFrMaxRows = 64;    // rows of x the fused op takes (the tensor-core kernel)
 constexpr int kFrMaxSimtRows = 16;  // rows of x the CUDA-core kernel takes
 
 struct FrArrays {
@@ -192,7 +191,8 @@ __device__ __forceinline__ uint32_t plane_word(const FrGroup& t, int q) {
 
 // y = x W^T on CUDA cores (fixedrate_gemv.cu) or tensor cores (fixedrate_mma.cu).
 void launch_gemv(const FrArrays& a, const at::Tensor& x, const at::Tensor& y, cudaStream_t stream);
-void launch_mma(const FrArrays& a, const at::Tensor& x, const at::Tensor& y, cudaStream_t stream);
+// permuted: x already in the kernel's layout for y's rows (kFrSlotRows..64; fixedrate_host.h), no permute launch.
+void launch_mma(const FrArrays& a, const at::Tensor& x, const at::Tensor& y, cudaStream_t stream, bool permuted = false);
 constexpr int64_t kFrKernelMma = 0, kFrKernelSimt = 1;
 
 }  // namespace wcodec

@@ -20,6 +20,7 @@
 #include <atomic>
 
 #include "fixedrate_gemv.cuh"
+#include "fixedrate_host.h"
 
 namespace wcodec {
 namespace {
@@ -526,7 +527,7 @@ __device__ __forceinline__ void walk_block_w16(const FrArrays& a, const uint4* _
 // 1.47 -> 1.44 (the 8B layer) and 1.42 -> 1.39 (the 7B's). At 128 registers (16 warps an SM, 16-36
 // bytes spilled) 17-32 rows ran 1.30-1.37 -> 1.65-1.93 (H200, 2026-11-30).
 constexpr int kWideWarps = 8;
-constexpr int kWideRows = 17;
+constexpr int kWideRows = kFrWideRows;
 
 __global__ void permute_xb_kernel(const uint32_t* __restrict__ x, int64_t groups, int nx, int nt, int64_t units,
                                   uint2* __restrict__ xq) {
@@ -861,13 +862,17 @@ int wide_warps(int64_t rows, int splits) {
 // 132, and a cluster holds every range of x at once); the ranges in the CTA, as mma_kernel's (1.286
 // -> 1.322 at best). The SMs read one or two ranges of x at a time, each x word shared by all of an
 // SM's warps through L1, and that is worth more (H200, 2026-11-30; docs/BENCHMARKS.md).
+// `permuted`: x is already in permute_xb_kernel's layout (fixedrate_linear_permuted), so no permute launch.
 template <bool kBf16, int kNT>
-void launch_wide(const FrArrays& a, const at::Tensor& x, int nx, uint16_t* y, cudaStream_t stream) {
+void launch_wide(const FrArrays& a, const at::Tensor& x, bool permuted, int nx, uint16_t* y, cudaStream_t stream) {
   const CutK cut = cut_k(a);
   const int64_t units = a.tiles * 8 * kNT * 32;
-  const at::Tensor xq = at::empty({units * 4}, x.options());
-  launch_pdl(permute_xb_kernel, dim3(static_cast<unsigned>((units + 255) / 256)), dim3(256), stream,
-             reinterpret_cast<const uint32_t*>(x.data_ptr()), a.groups, nx, kNT, units, reinterpret_cast<uint2*>(xq.data_ptr()));
+  at::Tensor xq = x;
+  if (!permuted) {
+    xq = at::empty({units * 4}, x.options());
+    launch_pdl(permute_xb_kernel, dim3(static_cast<unsigned>((units + 255) / 256)), dim3(256), stream,
+               reinterpret_cast<const uint32_t*>(x.data_ptr()), a.groups, nx, kNT, units, reinterpret_cast<uint2*>(xq.data_ptr()));
+  }
   at::Tensor part;
   float* pp = part_sums(part, cut.splits, nx, a.rows, x);
   const int w = wide_warps<kBf16, kNT>(a.rows, cut.splits);
@@ -878,14 +883,14 @@ void launch_wide(const FrArrays& a, const at::Tensor& x, int nx, uint16_t* y, cu
 }
 
 template <bool kBf16>
-void launch_wide_nt(const FrArrays& a, const at::Tensor& x, int nx, uint16_t* y, cudaStream_t stream) {
+void launch_wide_nt(const FrArrays& a, const at::Tensor& x, bool permuted, int nx, uint16_t* y, cudaStream_t stream) {
   switch ((nx + 7) / 8) {                                            // n8 tiles of x
-    case 3: return launch_wide<kBf16, 3>(a, x, nx, y, stream);
-    case 4: return launch_wide<kBf16, 4>(a, x, nx, y, stream);
-    case 5: return launch_wide<kBf16, 5>(a, x, nx, y, stream);
-    case 6: return launch_wide<kBf16, 6>(a, x, nx, y, stream);
-    case 7: return launch_wide<kBf16, 7>(a, x, nx, y, stream);
-    default: return launch_wide<kBf16, 8>(a, x, nx, y, stream);
+    case 3: return launch_wide<kBf16, 3>(a, x, permuted, nx, y, stream);
+    case 4: return launch_wide<kBf16, 4>(a, x, permuted, nx, y, stream);
+    case 5: return launch_wide<kBf16, 5>(a, x, permuted, nx, y, stream);
+    case 6: return launch_wide<kBf16, 6>(a, x, permuted, nx, y, stream);
+    case 7: return launch_wide<kBf16, 7>(a, x, permuted, nx, y, stream);
+    default: return launch_wide<kBf16, 8>(a, x, permuted, nx, y, stream);
   }
 }
 
@@ -900,7 +905,7 @@ void launch_wide_nt(const FrArrays& a, const at::Tensor& x, int nx, uint16_t* y,
 // more waves than W as A's) it lost: a step that mixes the two kernels ran slower than either (the
 // 8B's at 8 rows 1.150-1.160 against 1.129-1.136 with W as A for all). The sums are the same bits
 // either way.
-constexpr int kSlotRows = 7;
+constexpr int kSlotRows = kFrSlotRows;
 
 // Up to 16 rows: the kernel's slots (8 rows of x each), 1 or 2.
 int slots_for(int nx) { return nx < kSlotRows ? 1 : 2; }
@@ -915,16 +920,16 @@ void launch_slots(const FrArrays& a, const uint4* x, int nx, uint16_t* y, const 
 
 }  // namespace
 
-void launch_mma(const FrArrays& a, const at::Tensor& x, const at::Tensor& y, cudaStream_t stream) {
+void launch_mma(const FrArrays& a, const at::Tensor& x, const at::Tensor& y, cudaStream_t stream, bool permuted) {
   TORCH_CHECK(a.rows * a.groups <= UINT32_MAX, "fixedrate linear: ", a.rows * a.groups,
               " groups of 32 weights in one matrix, over the fused kernel's 2^32");   // GroupCursor's index
-  const int nx = static_cast<int>(x.size(0));
+  const int nx = static_cast<int>(y.size(0));
   const at::Tensor xa = reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 ? x : x.clone();   // 16-byte loads
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
   const bool bf16 = x.scalar_type() == at::kBFloat16;
-  if (nx >= kWideRows) return (bf16 ? launch_wide_nt<true> : launch_wide_nt<false>)(a, xa, nx, yp, stream);
+  if (nx >= kWideRows) return (bf16 ? launch_wide_nt<true> : launch_wide_nt<false>)(a, xa, permuted, nx, yp, stream);
   at::Tensor xp = xa;
-  if (const int mt = slots_for(nx) / 2) {                          // kSlots > 1: permuted, mt m16 tiles
+  if (const int mt = slots_for(nx) / 2; mt && !permuted) {        // kSlots > 1: permuted, mt m16 tiles
     const int64_t units = a.tiles * kXQuads * mt * 32;
     xp = at::empty({units * 8}, x.options());
     launch_pdl(permute_x_kernel, dim3(static_cast<unsigned>((units + 255) / 256)), dim3(256), stream,

@@ -1,6 +1,7 @@
 """The fixed-rate ops under `compute-sanitizer --tool memcheck`: the GPU transcoder, the decode and
 the fused matmul (every row count 1..16 on both kernels, 24..64 on tensor cores, then 80 rows through
-decode + cuBLAS; 6100 rows take the wide kernel in CTAs of 6 warps, 16400 in CTAs of 5) on ragged
+decode + cuBLAS; 6100 rows take the wide kernel in CTAs of 6 warps, 16400 in CTAs of 5; from 7 rows
+also x handed over in the kernel's layout) on ragged
 shapes with escapes and every bit pattern, with most weights escaping at other offsets of the
 escapes, and chained (each linear reading the one before's output). Exits non-zero if a result
 differs from the C++ twin's."""
@@ -47,6 +48,10 @@ def main() -> int:
             got = fr_ops.linear(x.cuda(), fr, kernel).cpu().float()
             err = ((got - x.float() @ w.float().T).abs() / (1 + got.abs())).max().item()
             ok &= check(err <= 0.02, "linear", shape, "rows", n, "kernel", kernel, "error", err)
+            if kernel == 0 and fr_ops.SLOT_ROWS <= n <= fr_ops.FUSED_MAX_ROWS:   # x in the kernel's layout
+                with fr_ops.fused_rows(fr_ops.FUSED_MAX_ROWS):
+                    permuted = fr_ops.linear(fr_ops.permute(x.cuda()), fr).cpu().float()
+                ok &= check(torch.equal(permuted, got), "permuted x", shape, "rows", n)
     ok &= escapes_everywhere()
     ok &= chained()
     torch.cuda.synchronize()

@@ -15,7 +15,7 @@ import torch
 
 from cuda_ext import step_kernels
 
-from ..model import cpu_dtype, paged
+from ..model import cpu_dtype, fixed, paged
 from ..model.build import ServedModel
 from .blocks import BlockManager
 from .runner import Runner
@@ -69,8 +69,10 @@ def scheduler(served: ServedModel, max_rows: int, max_tokens: int, s: CacheSetti
         paged.fuse_projections(served.model)         # CUDA: faster; the CPU's linear16: also exact
     if fused is not None:                            # Triton's step once compiled (runner.py), the modules till then
         c = served.model.config
+        permuted = bool(fixed.decode_only_rows(served.model))      # FixedLinears on CUDA: x in their layouts
         runner.warm_later(fused, lambda: step_kernels.warm_up(served.device, cache_dtype(served), c.hidden_size,
                                                               c.intermediate_size, c.num_attention_heads,
-                                                              c.num_key_value_heads, c.head_dim, s.block_size))
+                                                              c.num_key_value_heads, c.head_dim, s.block_size,
+                                                              permuted))
     return Scheduler(runner, blocks, max_rows=max_rows, max_tokens=max_tokens, on_token=on_token,
                      on_finish=on_finish, prefill_wait_s=s.prefill_wait_s)

@@ -89,6 +89,17 @@ def estimate_bytes(kept: list) -> int:
     return held + max((e.nbytes for e in kept), default=0)
 
 
+def permuted_for(modules: tuple, rows: int) -> tuple[int, int]:
+    """The x layout (rows, columns: fixedrate.permuted_rows, permuted_cols) in which the step's kernel
+    that makes x of `rows` rows may write it for `modules`, every Linear that reads that x: (0, 0)
+    (row-major) unless each is a FixedLinear on CUDA, of one in_features, taking the rows fused."""
+    if not modules or any(type(m) is not FixedLinear or not m.plane.is_cuda for m in modules) \
+            or len({m.in_features for m in modules}) != 1:
+        return 0, 0
+    permuted = fixedrate.permuted_rows(rows)
+    return (permuted, fixedrate.permuted_cols(modules[0].in_features)) if permuted else (0, 0)
+
+
 class FixedLinear(torch.nn.Module):
     """y = x W^T (+ b), W [out, in] held in the fixed-rate form (its arrays are buffers, so an
     unload's `model.to("meta")` frees them)."""

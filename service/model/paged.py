@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cuda_ext import step_kernels
+from cuda_ext import fixedrate, step_kernels
 
-from . import llama
+from . import fixed, llama
 
 
 @dataclass
@@ -93,10 +93,13 @@ def forward(model: llama.LlamaForCausalLM, ids: torch.Tensor, ctx: Context, cach
     cos, sin = m.rotary_emb(x, ctx.positions)                                      # [N, D]
     sin, h = llama._signed_sin(sin), None
     for i, layer in enumerate(m.layers):
-        x, normed = ops.add_norm(x, h, layer.input_layernorm)                     # x += h; RMSNorm
-        h = attention(layer.self_attn, normed, cos, sin, ctx, cache.k[i], cache.v[i], cache.block_size, ops)
-        x, normed = ops.add_norm(x, h, layer.post_attention_layernorm)
-        h = ops.mlp(layer.mlp, normed)
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = _readers(attn, "qkv", (attn.q_proj, attn.k_proj, attn.v_proj))
+        x, normed = ops.add_norm(x, h, layer.input_layernorm, qkv)                # x += h; RMSNorm
+        h = attention(attn, normed, cos, sin, ctx, cache.k[i], cache.v[i], cache.block_size, ops)
+        gate_up = _readers(mlp, "gate_up", (mlp.gate_proj, mlp.up_proj))
+        x, normed = ops.add_norm(x, h, layer.post_attention_layernorm, gate_up)
+        h = ops.mlp(mlp, normed)
     x = x + h
     if ctx.last is not None:
         x = x[ctx.last]                                                            # [R, E]
@@ -111,7 +114,9 @@ class Modules:
     silu_mul = staticmethod(step_kernels.silu_mul_reference)
 
     @staticmethod
-    def add_norm(x: torch.Tensor, h: torch.Tensor | None, norm: llama.RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_norm(x: torch.Tensor, h: torch.Tensor | None, norm: llama.RMSNorm,
+                 readers: tuple = ()) -> tuple[torch.Tensor, torch.Tensor]:
+        """x += h, and the norm of x for `readers` (the Linears that read it)."""
         x = x if h is None else x + h
         return x, norm(x)
 
@@ -140,8 +145,21 @@ class Fused(Modules):
     def __init__(self, kernels):
         self.k, self.rope_store, self.silu_mul = kernels, kernels.rope_store, kernels.silu_mul
 
-    def add_norm(self, x: torch.Tensor, h: torch.Tensor | None, norm: llama.RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k.add_rms_norm(x, h, norm.weight, norm.eps)
+    def add_norm(self, x: torch.Tensor, h: torch.Tensor | None, norm: llama.RMSNorm, readers: tuple = ()) -> tuple:
+        """The norm written in the fused kernel's x layout where every reader is a FixedLinear that
+        takes it (fixed.permuted_for): a fixedrate.PermutedX, so their op launches no permute."""
+        rows, width = fixed.permuted_for(readers, x.shape[0])
+        if not rows:
+            return self.k.add_rms_norm(x, h, norm.weight, norm.eps)
+        total, out = self.k.add_rms_norm(x, h, norm.weight, norm.eps, rows, width)
+        return total, fixedrate.PermutedX(out, *x.shape)
+
+    def mlp(self, mlp: llama.MLP, x) -> torch.Tensor:
+        gate, up = _joined(mlp, "gate_up", (mlp.gate_proj, mlp.up_proj), x)
+        rows, width = fixed.permuted_for((mlp.down_proj,), gate.shape[0])
+        if not rows:
+            return mlp.down_proj(self.silu_mul(gate, up))
+        return mlp.down_proj(fixedrate.PermutedX(self.silu_mul(gate, up, rows, width), *gate.shape))
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context,
                          block_size: int, scale: float) -> torch.Tensor:
@@ -204,6 +222,12 @@ def _join(parent: torch.nn.Module, name: str, parts: tuple[torch.nn.Linear, ...]
         parent.register_buffer(f"{name}_{kind}", joined, persistent=False)
         for p, rows in zip(parts, joined.split([p.out_features for p in parts])):
             setattr(p, kind, torch.nn.Parameter(rows, requires_grad=False))
+
+
+def _readers(parent: torch.nn.Module, name: str, parts: tuple[torch.nn.Linear, ...]) -> tuple[torch.nn.Module, ...]:
+    """The Linears that read the parts' input in a step: their joined one, else each part (_joined)."""
+    linear = getattr(parent, f"{name}_linear", None)
+    return parts if linear is None else (linear,)
 
 
 def _joined(parent: torch.nn.Module, name: str, parts: tuple[torch.nn.Linear, ...],

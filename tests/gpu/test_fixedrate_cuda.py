@@ -128,6 +128,24 @@ def test_tensor_core_rows_same_alone_as_in_a_batch(shape):
         assert torch.equal(fr_ops.linear(x[:n], fr, 0).view(torch.int16), alone[:n].view(torch.int16)), n
 
 
+@pytest.mark.parametrize("shape", [(1024, 4096), (300, 4095), (37, 1000), (6100, 2048)])
+def test_x_in_the_kernels_layout_gives_the_same_bits(shape):
+    """x handed over in the layout the kernel reads at its row count (fixedrate.permute, one m16 tile
+    or n8 tiles): the op launches no permute of its own and gives fixedrate_linear's y bit for bit,
+    at every row count that takes a layout."""
+    fr = fr_ops.encode(fr_ops.sample_weight(torch.bfloat16, *shape, seed=shape[0], finite=True).cuda())
+    with fr_ops.fused_rows(fr_ops.FUSED_MAX_ROWS):
+        for n in (7, 12, 16, 17, 24, 31, 40, 57, 64):
+            x = fr_ops.padded_x(n, fr, n)[:, :fr.cols].cuda()
+            permuted = fr_ops.permute(x)
+            assert permuted.data.shape == (fr_ops.permuted_rows(n), fr_ops.permuted_cols(fr.cols))
+            assert torch.equal(fr_ops.linear(permuted, fr), fr_ops.linear(x, fr)), n
+    with pytest.raises(RuntimeError, match="permuted x: contiguous"):
+        ops.fixedrate_linear_permuted(permuted.data[:, :-128].contiguous(), 64, *fr.arrays, fr.cols)
+    with pytest.raises(RuntimeError, match="a permuted x holds 7 to 64 rows"):
+        ops.fixedrate_linear_permuted(permuted.data, 6, *fr.arrays, fr.cols)
+
+
 def test_more_than_64_rows_decode_then_cublas():
     w = trained_like(512, 1000, 1)
     fr = fr_ops.encode(w)

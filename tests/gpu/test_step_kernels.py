@@ -143,6 +143,28 @@ def test_silu_mul(n, f) -> None:
     assert ulps(got, want).max() <= 1.0 and (got != want).float().mean() < 1e-3
 
 
+@pytest.mark.parametrize("n", [7, 12, 16, 17, 24, 32, 40, 64])
+@pytest.mark.parametrize("cols", [4096, 1000])
+def test_the_kernels_write_a_fused_linears_x_layout(n, cols) -> None:
+    """add + RMSNorm and SiLU * up asked for a fused fixed-rate linear's x layout at n rows: their
+    row-major output in that layout (fixedrate.permute) bit for bit, zeros past its rows and columns;
+    the residual sum unchanged."""
+    from cuda_ext import fixedrate
+    g = torch.Generator(device="cuda").manual_seed(n + cols)
+    x, h = (torch.randn(n, cols, device="cuda", generator=g).to(BF16) for _ in range(2))
+    w = (1 + 0.1 * torch.randn(cols, device="cuda", generator=g)).to(BF16)
+    gu = torch.randn(n, 2 * cols, device="cuda", generator=g).to(BF16) * 4
+    with fixedrate.fused_rows(fixedrate.FUSED_MAX_ROWS):
+        layout = fixedrate.permuted_rows(n), fixedrate.permuted_cols(cols)
+        total, out = triton_ops.add_rms_norm(x, h, w, 1e-5)
+        total_p, out_p = triton_ops.add_rms_norm(x, h, w, 1e-5, *layout)
+        assert torch.equal(total_p, total) and torch.equal(out_p, fixedrate.permute(out).data)
+        assert torch.equal(triton_ops.add_rms_norm(x, None, w, 1e-5, *layout)[1],
+                           fixedrate.permute(triton_ops.add_rms_norm(x, None, w, 1e-5)[1]).data)
+        plain = triton_ops.silu_mul(gu[:, :cols], gu[:, cols:])
+        assert torch.equal(triton_ops.silu_mul(gu[:, :cols], gu[:, cols:], *layout), fixedrate.permute(plain).data)
+
+
 def small_llama(seed: int):
     """A 4-layer GQA Llama on the GPU, bf16, norms N(1, 0.02) and matrices N(0, 0.05)."""
     from service.model import llama
@@ -217,6 +239,38 @@ def test_a_short_prompt_replays_the_graph_of_its_rows(monkeypatch) -> None:
     for a, b in zip(steps["replayed"][:3], steps["eager"][:3]):        # the replay's picks: the eager top, or tied
         place = torch.finfo(BF16).eps * float(b.abs().max())
         assert (b.max(-1).values - b.gather(-1, a.argmax(-1)[:, None])[:, 0] <= place).all()
+
+
+@torch.inference_mode()
+def test_fixed_linears_read_x_as_the_step_kernels_write_it(monkeypatch) -> None:
+    """A small Llama's matrices in compressed mode's fixed-rate form, its paged steps through the
+    Triton kernels (a prompt of 25 tokens: n8 tiles; one of 10: an m16 tile; 2 decode rows: x in
+    place): with add + RMSNorm and SiLU * up writing x in the fused kernels' layouts, the logits and
+    the cache are the bits of the step that writes x row-major (each op then permuting it)."""
+    from cuda_ext import fixedrate
+    from service.engine.runner import Chunk, Decode, Runner
+    from service.model import fixed, llama, paged
+    m = small_llama(seed=2)
+    for layer in m.model.layers:
+        for owner in (layer.self_attn, layer.mlp):
+            for name, module in list(owner.named_children()):
+                if type(module) is llama.Linear:
+                    setattr(owner, name, fixed.FixedLinear(fixedrate.encode(module.weight.detach().contiguous()), None))
+    paged.fuse_projections(m)
+    chosen, permuted_for = [], fixed.permuted_for
+    counted = lambda readers, rows: chosen.append(permuted_for(readers, rows)[0]) or permuted_for(readers, rows)
+    runs = {}
+    for kind, choose in (("permuted", counted), ("row-major", lambda readers, rows: (0, 0))):
+        monkeypatch.setattr(fixed, "permuted_for", choose)
+        cache = paged.PagedCache(m.config, 8, 16, BF16, torch.device("cuda"))
+        runner = Runner(m, cache, max_rows=32, max_blocks=4, graphs=False, fused=triton_ops)
+        long = runner.run([], [Chunk(list(range(5, 30)), 0, [0, 1])])
+        short = runner.run([], [Chunk(list(range(40, 50)), 0, [2])])
+        then = runner.run([Decode(int(long[0].argmax()), 25, [0, 1]), Decode(int(short[0].argmax()), 10, [2])], [])
+        runs[kind] = long, short, then, cache.k.clone(), cache.v.clone()
+    assert sorted(set(chosen)) == [0, 16, 32]                        # 3 readers a layer: each layout, and in place
+    for a, b in zip(runs["permuted"], runs["row-major"]):
+        assert torch.equal(a, b)
 
 
 def test_warm_up_compiles_the_variants_a_step_takes() -> None:
