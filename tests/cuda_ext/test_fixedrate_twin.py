@@ -36,6 +36,9 @@ def test_constants_match_codec():
                         ("kFrFieldShift", F.FIELD_SHIFT)):
         assert int(re.search(rf"constexpr int {name} = (\d+);", HEADER).group(1)) == value, name
     assert fr_ops.FUSED_MAX_ROWS == 64
+    host = (Path(__file__).parents[2] / "cuda_ext" / "csrc" / "fixedrate_host.h").read_text()
+    for name, value in (("kFrSlotRows", fr_ops.SLOT_ROWS), ("kFrWideRows", fr_ops.WIDE_ROWS)):
+        assert int(re.search(rf"constexpr int {name} = (\d+);", host).group(1)) == value, name
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -74,6 +77,32 @@ def test_linear_on_cpu_is_decode_then_matmul():
     fr = fr_ops.encode(w)
     x = torch.randn(3, 2, 70, generator=torch.Generator().manual_seed(5)).bfloat16()
     assert torch.equal(fr_ops.linear(x, fr), torch.nn.functional.linear(x, w))
+
+
+def test_x_in_the_kernels_layout_on_the_cpu():
+    """The fused kernel's x layouts: none under 7 rows or past fused_limit(), one m16 tile (16 rows)
+    up to 16, whole n8 tiles from 17; columns in whole tiles, zeros past x's rows and columns. The
+    op on x in its layout (the reference puts it back in place) is fixedrate_linear's reference bit
+    for bit; a wrong shape or row count raises."""
+    assert [fr_ops.permuted_rows(n) for n in (1, 6, 7, 16, 17, 24, 25, 32, 33)] == [0, 0, 16, 16, 24, 24, 32, 32, 0]
+    assert [fr_ops.permuted_cols(c) for c in (64, 1000, 4096, 11008)] == [128, 1024, 4096, 11008]
+    fr = fr_ops.encode(fr_ops.sample_weight(torch.bfloat16, 40, 1000, seed=3, finite=True))
+    with fr_ops.fused_rows(64):
+        assert fr_ops.permuted_rows(33) == 40 and fr_ops.permuted_rows(64) == 64
+        for n in (7, 12, 16, 17, 40, 64):
+            x = fr_ops.padded_x(n, fr, seed=n)
+            permuted = fr_ops.permute(x[:, :fr.cols])
+            rows = fr_ops.permuted_rows(n)
+            assert permuted.data.shape == (rows, 1024) and permuted.shape == (n, 1000)
+            assert int((permuted.data != 0).sum()) == int((x != 0).sum())          # x's values, zeros elsewhere
+            assert torch.equal(ops.fixedrate_linear_permuted(permuted.data, n, *fr.arrays, fr.cols),
+                               ops.fixedrate_linear(x, *fr.arrays, fr.cols))
+    with pytest.raises(RuntimeError, match="a permuted x holds 7 to 64 rows"):
+        ops.fixedrate_linear_permuted(permuted.data, 6, *fr.arrays, fr.cols)
+    with pytest.raises(RuntimeError, match="permuted x: contiguous"):
+        ops.fixedrate_linear_permuted(permuted.data[:40], 64, *fr.arrays, fr.cols)
+    with pytest.raises(ValueError, match="5 rows take no permuted layout"):
+        fr_ops.permute(x[:5, :fr.cols])
 
 
 def test_fused_rows_raises_the_default_inside_its_block_only():
