@@ -167,11 +167,12 @@ def warm_up(device: torch.device, dtype: torch.dtype, hidden: int, intermediate:
     gate_up = make(2, 2 * intermediate)
     kernels.silu_mul(gate_up[:, :intermediate], gate_up[:, intermediate:])
     for rows in (7, *range(24, 65, 8)) if permuted else ():             # one m16 tile, n8 tiles 3..8
-        x, gate_up, layout = make(rows, hidden), make(rows, 2 * intermediate), fixedrate.permuted_rows
+        x, gate_up = make(rows, hidden), make(rows, 2 * intermediate)
         with fixedrate.fused_rows(fixedrate.FUSED_MAX_ROWS):
+            at = fixedrate.permuted_rows(rows)
             for h in (None, x):
-                kernels.add_rms_norm(x, h, w, 1e-5, layout(rows), fixedrate.permuted_cols(hidden))
-            kernels.silu_mul(gate_up[:, :intermediate], gate_up[:, intermediate:], layout(rows),
+                kernels.add_rms_norm(x, h, w, 1e-5, at, fixedrate.permuted_cols(hidden))
+            kernels.silu_mul(gate_up[:, :intermediate], gate_up[:, intermediate:], at,
                              fixedrate.permuted_cols(intermediate))
     torch.cuda.synchronize(device)
     return True
