@@ -198,26 +198,20 @@ class PermutedX:
 
 
 def permute(x: torch.Tensor) -> PermutedX:
-    """The reference of the layout in PyTorch: x [n, cols] with permuted_rows(n) > 0 -> PermutedX.
-    The same map is fixedrate_host.h's fr_permuted_at (the op's CPU twin), step_triton's _x_at (the
-    step's kernels) and the CUDA permutes; tests/cuda_ext/test_fixedrate_twin.py and
-    tests/gpu hold them to it bit for bit."""
+    """x [n, cols] with permuted_rows(n) > 0 in the layout, by the C++ twin's map
+    (ops.fixedrate_permuted_index, fixedrate_host.h fr_permuted_at): the reference that the step's
+    kernels (step_triton's _x_at) and the CUDA permutes are held to, bit for bit, by
+    tests/cuda_ext/test_fixedrate_twin.py and tests/gpu."""
     n, cols = x.shape
-    rows, width = permuted_rows(n), permuted_cols(cols)
+    rows = permuted_rows(n)
     if not rows:
         raise ValueError(f"permute: {n} rows take no permuted layout (at most {fused_limit()} here)")
-    r, c = torch.arange(rows)[:, None], torch.arange(width)[None, :]
-    pw, parity = c // 2, c % 2
-    gr, pp = pw // 16, pw % 16
-    tile, lane = gr // 4, (r % 8) * 4 + gr % 4
-    if rows == 16:
-        at = 2 * (4 * ((tile * 8 + pp // 2) * 32 + lane) + (pp % 2) * 2 + r // 8) + parity
-    else:
-        at = 2 * (2 * (((tile * 8 + pp // 2) * (rows // 8) + r // 8) * 32 + lane) + pp % 2) + parity
-    padded = torch.zeros(rows, width, dtype=x.dtype, device=x.device)
+    ensure_loaded()
+    index = ops.fixedrate_permuted_index(n, cols).to(x.device)
+    padded = torch.zeros(index.shape, dtype=x.dtype, device=x.device)
     padded[:n, :cols] = x
     data = torch.empty_like(padded)
-    data.view(-1)[at.flatten().to(x.device)] = padded.flatten()
+    data.view(-1)[index.flatten()] = padded.flatten()
     return PermutedX(data, n, cols)
 
 

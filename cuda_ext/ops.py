@@ -94,6 +94,13 @@ def fixedrate_linear_permuted(xp: torch.Tensor, rows: int, plane: torch.Tensor, 
     return torch.ops.wcodec.fixedrate_linear_permuted.default(xp, rows, plane, lo, hi, tile, esc, esc_start, cols)
 
 
+def fixedrate_permuted_index(rows: int, cols: int) -> torch.Tensor:
+    """The fused kernel's x layout for `rows` rows (7..64) of `cols` columns, on the CPU: int64
+    [layout rows, layout columns], element (r, c) of x (zero-padded) at that index of the layout's
+    flat buffer (cuda_ext/csrc/fixedrate_host.h fr_permuted_at)."""
+    return torch.ops.wcodec.fixedrate_permuted_index.default(rows, cols)
+
+
 FIXEDRATE_OPS = ("wcodec::fixedrate_encode", "wcodec::fixedrate_decode", "wcodec::fixedrate_linear",
                  "wcodec::fixedrate_linear_permuted")
 

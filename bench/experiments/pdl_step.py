@@ -39,19 +39,18 @@ def step(x0: torch.Tensor, layers: list[dict], linear, norm_w: torch.Tensor, mlp
     this row count (fixedrate.PermutedX), as the engine's step does for FixedLinears."""
     x, h, n = x0, None, x0.shape[0]
     rows = fr.permuted_rows(n) if permuted else 0
+    hidden, inner = ((rows, fr.permuted_cols(4096)), (rows, fr.permuted_cols(mlp))) if rows else ((), ())
 
     def made(out: torch.Tensor, cols: int):
         return fr.PermutedX(out, n, cols) if rows else out
 
     for w in layers:                                                     # residual stream [n, 4096]
-        x, a = step_triton.add_rms_norm(x, h, norm_w, 1e-5, *((rows, fr.permuted_cols(4096)) if rows else ()))
+        x, a = step_triton.add_rms_norm(x, h, norm_w, 1e-5, *hidden)
         q = linear(made(a, 4096), w["qkv"])                              # [n, 12288] (the 8B's 6144)
-        s = step_triton.silu_mul(q[:, :4096], q[:, -4096:], *((rows, fr.permuted_cols(4096)) if rows else ()))
-        o = linear(made(s, 4096), w["o"])
-        x, a = step_triton.add_rms_norm(x, o, norm_w, 1e-5, *((rows, fr.permuted_cols(4096)) if rows else ()))
+        o = linear(made(step_triton.silu_mul(q[:, :4096], q[:, -4096:], *hidden), 4096), w["o"])
+        x, a = step_triton.add_rms_norm(x, o, norm_w, 1e-5, *hidden)
         g = linear(made(a, 4096), w["gate_up"])                          # [n, 2 mlp]
-        s = step_triton.silu_mul(g[:, :mlp], g[:, mlp:], *((rows, fr.permuted_cols(mlp)) if rows else ()))
-        h = linear(made(s, mlp), w["down"])
+        h = linear(made(step_triton.silu_mul(g[:, :mlp], g[:, mlp:], *inner), mlp), w["down"])
     return h
 
 

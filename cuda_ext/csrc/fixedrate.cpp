@@ -144,17 +144,27 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& plane, const at::Te
   return at::matmul(x.narrow(1, 0, cols).to(at::kFloat), w.to(at::kFloat).t()).to(x.scalar_type());
 }
 
-// The permuted op's reference: x back in place (fr_permuted_at), then linear_cpu.
+// The layout as an index: int64 [fr_permuted_rows(rows), tiles * 128], element (r, c) of x (zero-padded
+// to the layout's rows and columns) at index[r][c] of the permuted buffer, on the CPU.
+at::Tensor permuted_index(int64_t rows, int64_t cols) {
+  TORCH_CHECK(rows >= kFrSlotRows && rows <= kFrMaxRows && cols > 0, "a permuted x holds ", kFrSlotRows, " to ",
+              kFrMaxRows, " rows, not ", rows);
+  const int64_t width = (cols + kFrTile - 1) / kFrTile * kFrTile, padded = fr_permuted_rows(rows);
+  auto index = at::empty({padded, width}, at::TensorOptions().dtype(at::kLong));
+  auto* at = index.data_ptr<int64_t>();
+  for (int64_t r = 0; r < padded; ++r)
+    for (int64_t c = 0; c < width; ++c) at[r * width + c] = fr_permuted_at(rows, r, c);
+  return index;
+}
+
+// The permuted op's reference: x back in place (permuted_index), then linear_cpu.
 at::Tensor linear_permuted_cpu(const at::Tensor& xp, int64_t rows, const at::Tensor& plane, const at::Tensor& lo,
                                const at::Tensor& hi, const at::Tensor& tile, const at::Tensor& esc,
                                const at::Tensor& esc_start, int64_t cols) {
   const FrShape s = fr_check(plane, lo, hi, tile, esc, esc_start, cols);
   fr_check_permuted(xp, rows, s, plane);
-  auto x = at::empty({rows, s.groups * kFrGroup}, xp.options());
-  const auto* from = reinterpret_cast<const uint16_t*>(xp.data_ptr());
-  auto* to = reinterpret_cast<uint16_t*>(x.data_ptr());
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < s.groups * kFrGroup; ++c) to[r * s.groups * kFrGroup + c] = from[fr_permuted_at(rows, r, c)];
+  const auto index = permuted_index(rows, cols).narrow(0, 0, rows).narrow(1, 0, s.groups * kFrGroup);
+  const auto x = xp.reshape(-1).index_select(0, index.reshape(-1)).view({rows, s.groups * kFrGroup});
   return linear_cpu(x, plane, lo, hi, tile, esc, esc_start, cols, 0);
 }
 
@@ -168,6 +178,7 @@ TORCH_LIBRARY_FRAGMENT(wcodec, m) {
         "int cols, int kernel=0) -> Tensor");
   m.def("fixedrate_linear_permuted(Tensor xp, int rows, Tensor plane, Tensor lo, Tensor hi, Tensor tile, Tensor esc, "
         "Tensor esc_start, int cols) -> Tensor");
+  m.def("fixedrate_permuted_index(int rows, int cols) -> Tensor", &permuted_index);
 }
 
 TORCH_LIBRARY_IMPL(wcodec, CPU, m) {

@@ -69,7 +69,7 @@ def scheduler(served: ServedModel, max_rows: int, max_tokens: int, s: CacheSetti
         paged.fuse_projections(served.model)         # CUDA: faster; the CPU's linear16: also exact
     if fused is not None:                            # Triton's step once compiled (runner.py), the modules till then
         c = served.model.config
-        permuted = bool(fixed.decode_only_rows(served.model))      # FixedLinears on CUDA: x in their layouts
+        permuted = fixed.fused_on_cuda(served.model)               # x written in the fused kernels' layouts
         runner.warm_later(fused, lambda: step_kernels.warm_up(served.device, cache_dtype(served), c.hidden_size,
                                                               c.intermediate_size, c.num_attention_heads,
                                                               c.num_key_value_heads, c.head_dim, s.block_size,

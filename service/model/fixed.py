@@ -47,8 +47,12 @@ def decode_only_rows(model: torch.nn.Module) -> range:
     FixedLinear on CUDA, else none. Each of such a step's rows gets the sums it gets in a step of
     1-32 rows, which the fused op always takes; an 8B layer's seven matmuls at 64 rows cost 1.72 of
     cuBLAS's time there against 2.36 through the decoded scratch (H200, 2026-11-29)."""
-    on_cuda = any(isinstance(m, FixedLinear) and m.plane.is_cuda for m in model.modules())
-    return range(fixedrate.FUSED_ROWS + 1, fixedrate.FUSED_MAX_ROWS + 1) if on_cuda else range(0)
+    return range(fixedrate.FUSED_ROWS + 1, fixedrate.FUSED_MAX_ROWS + 1) if fused_on_cuda(model) else range(0)
+
+
+def fused_on_cuda(model: torch.nn.Module) -> bool:
+    """Whether `model` holds a FixedLinear on CUDA (its matmuls the fused op)."""
+    return any(isinstance(m, FixedLinear) and m.plane.is_cuda for m in model.modules())
 
 
 def decode_only(rows: int):
