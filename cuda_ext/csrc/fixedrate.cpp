@@ -43,13 +43,17 @@ std::tuple<at::Tensor, int64_t> fr_escape_starts(const at::Tensor& tile, int64_t
   return {(inclusive - per_block).to(at::kInt).view({rows, blocks}), total};
 }
 
-void fr_check_permuted(const at::Tensor& xp, int64_t rows, const FrShape& s, const at::Tensor& plane) {
+FrShape fr_check_permuted(const at::Tensor& xp, int64_t rows, const at::Tensor& plane, const at::Tensor& lo,
+                          const at::Tensor& hi, const at::Tensor& tile, const at::Tensor& esc, const at::Tensor& esc_start,
+                          int64_t cols) {
+  const FrShape s = fr_check(plane, lo, hi, tile, esc, esc_start, cols);
   TORCH_CHECK(rows >= kFrSlotRows && rows <= kFrMaxRows, "a permuted x holds ", kFrSlotRows, " to ", kFrMaxRows,
               " rows, not ", rows);
   TORCH_CHECK(xp.dim() == 2 && xp.size(0) == fr_permuted_rows(rows) && xp.size(1) == s.tiles * kFrTile &&
                   xp.is_contiguous() && xp.device() == plane.device(),
               "permuted x: contiguous [", fr_permuted_rows(rows), ", ", s.tiles * kFrTile, "] on the arrays' device");
   TORCH_CHECK(xp.scalar_type() == at::kBFloat16 || xp.scalar_type() == at::kHalf, "x: bfloat16 or float16");
+  return s;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fr_alloc(const at::Tensor& w) {
@@ -161,8 +165,7 @@ at::Tensor permuted_index(int64_t rows, int64_t cols) {
 at::Tensor linear_permuted_cpu(const at::Tensor& xp, int64_t rows, const at::Tensor& plane, const at::Tensor& lo,
                                const at::Tensor& hi, const at::Tensor& tile, const at::Tensor& esc,
                                const at::Tensor& esc_start, int64_t cols) {
-  const FrShape s = fr_check(plane, lo, hi, tile, esc, esc_start, cols);
-  fr_check_permuted(xp, rows, s, plane);
+  const FrShape s = fr_check_permuted(xp, rows, plane, lo, hi, tile, esc, esc_start, cols);
   const auto index = permuted_index(rows, cols).narrow(0, 0, rows).narrow(1, 0, s.groups * kFrGroup);
   const auto x = xp.reshape(-1).index_select(0, index.reshape(-1)).view({rows, s.groups * kFrGroup});
   return linear_cpu(x, plane, lo, hi, tile, esc, esc_start, cols, 0);

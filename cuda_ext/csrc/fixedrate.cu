@@ -147,8 +147,7 @@ at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& plane, const at::T
 at::Tensor linear_permuted_cuda(const at::Tensor& xp, int64_t rows, const at::Tensor& plane, const at::Tensor& lo,
                                 const at::Tensor& hi, const at::Tensor& tile, const at::Tensor& esc,
                                 const at::Tensor& esc_start, int64_t cols) {
-  const FrShape s = fr_check(plane, lo, hi, tile, esc, esc_start, cols);
-  fr_check_permuted(xp, rows, s, plane);
+  const FrShape s = fr_check_permuted(xp, rows, plane, lo, hi, tile, esc, esc_start, cols);
   const c10::cuda::CUDAGuard guard(plane.device());
   auto y = at::empty({rows, s.rows}, xp.options());
   if (s.rows > 0) launch_mma(arrays(s, plane, lo, hi, tile, esc, esc_start), xp, y, c10::cuda::getCurrentCUDAStream(), true);

@@ -38,8 +38,10 @@ inline int64_t fr_permuted_at(int64_t rows, int64_t r, int64_t c) {
   return 2 * (2 * (((tile * 8 + pp / 2) * nt + r / 8) * 32 + lane) + pp % 2) + c % 2;
 }
 
-// TORCH_CHECKs x of fixedrate_linear_permuted against the weight's shape.
-void fr_check_permuted(const at::Tensor& xp, int64_t rows, const FrShape& s, const at::Tensor& plane);
+// fr_check, then TORCH_CHECKs x of fixedrate_linear_permuted against the weight's shape.
+FrShape fr_check_permuted(const at::Tensor& xp, int64_t rows, const at::Tensor& plane, const at::Tensor& lo,
+                          const at::Tensor& hi, const at::Tensor& tile, const at::Tensor& esc, const at::Tensor& esc_start,
+                          int64_t cols);
 
 // plane, lo, hi and tile of an encode of w [rows, cols] (16-bit), allocated on w's device.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fr_alloc(const at::Tensor& w);
