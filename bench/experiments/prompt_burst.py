@@ -1,0 +1,68 @@
+"""What a burst of short prompts costs the paged runner on a lent GPU (the 7B-shaped model of
+`bench/paged_step.py`, q/k/v and gate/up joined, the Triton step, no graph captured, so every step
+is eager): N prompts of T tokens in one step (the scheduler cuts a burst into steps of
+WCODEC_MAX_BATCH_TOKENS = 512), decode rows beside prompts, and the torch profiler's top kernels and
+host ops of one such step. It asks where the first token goes when a closed loop's 32 clients all
+send their next request at once (docs/BENCHMARKS.md, 2026-11-30 17:00).
+
+    python bench/experiments/prompt_burst.py [--tokens 27] [--prompts 1,4,8,18,32] [--profile]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
+from generation_gpu import CONFIG  # noqa: E402
+from paged_step import model, timed  # noqa: E402
+
+from cuda_ext import step_kernels  # noqa: E402
+from service.engine.runner import Chunk, Decode, Runner  # noqa: E402
+from service.model import paged  # noqa: E402
+
+BLOCK, WIDTH, ROWS = 16, 12, 64        # the cache: 64 rows of 12 blocks of 16 keys
+
+
+def chunks(n: int, tokens: int, first: int = 0) -> list[Chunk]:
+    """n whole prompts of `tokens` tokens, row first + i's blocks each."""
+    blocks = -(-tokens // BLOCK)
+    return [Chunk(list(range(100 + i, 100 + i + tokens)), 0, list(range((first + i) * WIDTH, (first + i) * WIDTH + blocks)))
+            for i in range(n)]
+
+
+@torch.inference_mode()
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=27, help="a prompt's tokens (the load script's are 25-30)")
+    ap.add_argument("--prompts", default="1,4,8,18,32")
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    m = model(CONFIG, dev)
+    paged.fuse_projections(m)
+    cache = paged.PagedCache(m.config, ROWS * WIDTH, BLOCK, torch.bfloat16, dev)
+    runner = Runner(m, cache, max_rows=ROWS, max_blocks=WIDTH, graphs=True, fused=step_kernels.triton_kernels(dev))
+    t = args.tokens
+    for n in map(int, args.prompts.split(",")):
+        c = chunks(n, t)
+        s = timed(lambda: runner.run([], c).argmax(-1).tolist(), dev, 10)
+        print(f"prompts {n:2d} x {t} tokens ({n * t} rows): {s * 1e3:7.2f} ms  {s * 1e3 / n:6.2f} ms a prompt", flush=True)
+    dec, c = [Decode(11 + i, 72, list(range(i * WIDTH, i * WIDTH + 5))) for i in range(14)], chunks(18, t, 14)
+    s = timed(lambda: runner.run(dec, c).argmax(-1).tolist(), dev, 10)
+    print(f"14 decode rows + 18 prompts: {s * 1e3:7.2f} ms", flush=True)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+        c = chunks(18, t)
+        runner.run([], c)
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            runner.run([], c).argmax(-1).tolist()
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14))
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=10))
+
+
+if __name__ == "__main__":
+    main()
