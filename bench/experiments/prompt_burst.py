@@ -3,7 +3,7 @@
 is eager): N prompts of T tokens in one step (the scheduler cuts a burst into steps of
 WCODEC_MAX_BATCH_TOKENS = 512), decode rows beside prompts, and the torch profiler's top kernels and
 host ops of one such step. It asks where the first token goes when a closed loop's 32 clients all
-send their next request at once (docs/BENCHMARKS.md, 2026-11-30 17:00).
+send their next request at once (docs/BENCHMARKS.md, 2026-11-30 16:46).
 
     python bench/experiments/prompt_burst.py [--tokens 27] [--prompts 1,4,8,18,32] [--profile]
 """
