@@ -27,7 +27,8 @@ def extensions():
     if torch.version.cuda and shutil.which("nvcc"):
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
         cuda = [os.path.join(CSRC, name) for name in ("decode_float.cu", "decode_quant.cu", "crc32.cu", "fixedrate.cu",
-                                                      "fixedrate_gemv.cu", "fixedrate_mma.cu", "encode_float.cu",
+                                                      "fixedrate_gemv.cu", "fixedrate_mma.cu", "fixedrate_wide.cu",
+                                                      "encode_float.cu",
                                                       "encode_prepare.cu", "host_rows.cu")]
         ext = CUDAExtension("cuda_ext._C", cpu + cuda,
                             extra_compile_args={"cxx": CXX, "nvcc": NVCC}, **common)

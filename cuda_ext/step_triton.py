@@ -20,7 +20,7 @@ import triton.language as tl
 # ---- programmatic dependent launch ---------------------------------------------------------------
 # On sm_90+ every kernel here is launched with PDL: it waits for the kernel ahead at its start
 # (before any load or store) and at once lets the next one launch, so the fused linears that follow
-# request their first tiles of W while it runs (cuda_ext/csrc/fixedrate_mma.cu).
+# request their first tiles of W while it runs (cuda_ext/csrc/fixedrate_mma.cuh).
 @functools.lru_cache(maxsize=None)
 def _pdl_device(index: int) -> bool:
     """NVIDIA sm_90+ with a Triton that has gdc_wait (ROCm reports MI300 as capability 9.4: no PDL there)."""

@@ -1,7 +1,8 @@
 // Device side of the fixed-rate form (fixedrate.cu, fixedrate_gemv.cu): a warp's decode of one
 // escape block (lane l the block's l-th group: 32 weights) into field bytes and words. The kernels:
 // decode_kernel (fixedrate.cu), the fused y = x W^T for 1..16 rows of x on CUDA cores (fixedrate_gemv.cu)
-// and for 1..64 on tensor cores (fixedrate_mma.cu). Steps as codec/fixedrate.py names them:
+// and for 1..64 on tensor cores (fixedrate_mma.cu up to 16 rows, fixedrate_wide.cu from 17). Steps as
+// codec/fixedrate.py names them:
 //   load_group -> group_fields (unpack_codes + base, 4 weights a u32) -> the tile's escape entries
 //   patched in through shared memory -> join_words.
 // W's bytes are read once, the plane 16 bytes a load bypassing L1 (x lives there; the tensor-core
@@ -189,7 +190,7 @@ __device__ __forceinline__ uint32_t plane_word(const FrGroup& t, int q) {
   switch (q & 3) { case 0: return v.x; case 1: return v.y; case 2: return v.z; default: return v.w; }
 }
 
-// y = x W^T on CUDA cores (fixedrate_gemv.cu) or tensor cores (fixedrate_mma.cu).
+// y = x W^T on CUDA cores (fixedrate_gemv.cu) or tensor cores (fixedrate_mma.cu, fixedrate_wide.cu).
 void launch_gemv(const FrArrays& a, const at::Tensor& x, const at::Tensor& y, cudaStream_t stream);
 // permuted: x already in the kernel's layout for y's rows (kFrSlotRows..64; fixedrate_host.h), no permute launch.
 void launch_mma(const FrArrays& a, const at::Tensor& x, const at::Tensor& y, cudaStream_t stream, bool permuted = false);

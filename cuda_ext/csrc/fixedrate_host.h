@@ -18,7 +18,7 @@ FrShape fr_check(const at::Tensor& plane, const at::Tensor& lo, const at::Tensor
 // tile: int16 [rows, tiles] (escapes in bits 8..15) -> esc_start int32 [rows, blocks] and the total.
 std::tuple<at::Tensor, int64_t> fr_escape_starts(const at::Tensor& tile, int64_t blocks);
 
-// The tensor-core kernels' x layouts (fixedrate_mma.cu). From kFrSlotRows rows of x the kernel reads x
+// The tensor-core kernels' x layouts (fixedrate_mma.cu, fixedrate_wide.cu). From kFrSlotRows rows of x the kernel reads x
 // permuted (permute_x_kernel's layout: one m16 tile, 16 rows), from kFrWideRows rows wide_kernel's
 // (permute_xb_kernel's: n8 tiles, 8 rows each); below, x in place. A caller may hand the op x already
 // in that layout (fixedrate_linear_permuted): [fr_permuted_rows(rows), tiles * 128] of x's dtype, the
