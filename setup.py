@@ -9,7 +9,7 @@ from setuptools import setup
 CSRC = os.path.join("cuda_ext", "csrc")
 CXX = ["-O3", "-fopenmp", "-ffp-contract=off", "-DWCODEC_PYTHON_MODULE"]   # no FMA: gguf_blocks.h
 NVCC = ["-O3", "--use_fast_math", "-lineinfo"]
-DEFAULT_ARCH_LIST = "8.0;8.6;8.9;9.0;10.0;12.0"     # sources and arch list: as cuda_ext/build.py
+DEFAULT_ARCH_LIST = "8.0;8.6;8.9;9.0;10.0;12.0"     # as cuda_ext/build.py
 
 
 def extensions():
@@ -20,17 +20,11 @@ def extensions():
         from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension, is_ninja_available
     except ImportError:
         return {}
-    cpu = [os.path.join(CSRC, name) for name in ("decode_float.cpp", "decode_quant.cpp", "crc32.cpp", "fixedrate.cpp",
-                                                 "encode_float.cpp", "encode_prepare.cpp", "linear16.cpp",
-                                                 "step_cpu.cpp", "host_rows.cpp")]
+    cpu = sources(".cpp")
     common = dict(include_dirs=[os.path.abspath(CSRC)], extra_link_args=["-fopenmp"])
     if torch.version.cuda and shutil.which("nvcc"):
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
-        cuda = [os.path.join(CSRC, name) for name in ("decode_float.cu", "decode_quant.cu", "crc32.cu", "fixedrate.cu",
-                                                      "fixedrate_gemv.cu", "fixedrate_mma.cu", "fixedrate_wide.cu",
-                                                      "encode_float.cu",
-                                                      "encode_prepare.cu", "host_rows.cu")]
-        ext = CUDAExtension("cuda_ext._C", cpu + cuda,
+        ext = CUDAExtension("cuda_ext._C", cpu + sources(".cu"),
                             extra_compile_args={"cxx": CXX, "nvcc": NVCC}, **common)
     else:
         ext = CppExtension("cuda_ext._C", cpu, extra_compile_args={"cxx": CXX}, **common)
@@ -38,6 +32,12 @@ def extensions():
     # 2 min 36 s -> 1 min 52 s (AMD EPYC, 2026-11-30); without it setuptools compiles them one by one.
     build = twin_objects(BuildExtension).with_options(use_ninja=is_ninja_available())
     return {"ext_modules": [ext], "cmdclass": {"build_ext": build}}
+
+
+def sources(suffix: str) -> list[str]:
+    """Every file of cuda_ext/csrc that ends in `suffix` (".cpp": the C++ twin, ".cu": the kernels),
+    as cuda_ext/build.py's JIT build takes them."""
+    return sorted(os.path.join(CSRC, name) for name in os.listdir(CSRC) if name.endswith(suffix))
 
 
 def twin_objects(base):

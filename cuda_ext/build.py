@@ -16,10 +16,8 @@ import torch
 
 log = logging.getLogger("wcodec.cuda_ext")
 CSRC = Path(__file__).parent / "csrc"
-CPU_SOURCES = ("decode_float.cpp", "decode_quant.cpp", "crc32.cpp", "fixedrate.cpp", "encode_float.cpp",
-               "encode_prepare.cpp", "linear16.cpp", "step_cpu.cpp", "host_rows.cpp")              # as setup.py
-CUDA_SOURCES = ("decode_float.cu", "decode_quant.cu", "crc32.cu", "fixedrate.cu", "fixedrate_gemv.cu",
-                "fixedrate_mma.cu", "fixedrate_wide.cu", "encode_float.cu", "encode_prepare.cu", "host_rows.cu")
+CPU_SOURCES = tuple(sorted(p.name for p in CSRC.glob("*.cpp")))    # every .cpp and .cu of csrc/, as setup.py
+CUDA_SOURCES = tuple(sorted(p.name for p in CSRC.glob("*.cu")))
 DEFAULT_ARCH_LIST = "8.0;8.6;8.9;9.0;10.0;12.0"     # A100, RTX 30xx, RTX 40xx/L4, Hopper, B200, RTX 5090
 CXX_FLAGS = ["-O3", "-fopenmp",                       # at::parallel_for is OpenMP: without it, serial
              "-ffp-contract=off"]                     # no FMA: gguf_blocks.h repeats gguf's float32 steps
@@ -35,7 +33,7 @@ class Availability:
 
 def cuda_buildable() -> bool:
     return torch.version.cuda is not None and shutil.which("nvcc") is not None \
-        and (CSRC / CUDA_SOURCES[0]).exists()
+        and bool(CUDA_SOURCES)
 
 
 NVCC_FLAGS = ["-O3", "--use_fast_math", "-lineinfo"]
