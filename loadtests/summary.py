@@ -73,7 +73,9 @@ def _server(m: dict[str, float]) -> dict:
             "mean_rows_per_step": _mean(m, "wcodec_generate_batch_size"),
             "mean_tokens_per_step": _mean(m, "wcodec_generate_batch_tokens"),
             "mean_inter_token_latency_s": _mean(m, "wcodec_generate_inter_token_latency_seconds"),
-            "mean_ttft_s": _mean(m, "wcodec_generate_time_to_first_token_seconds")}
+            "mean_ttft_s": _mean(m, "wcodec_generate_time_to_first_token_seconds"),
+            "mean_queue_s": _mean(m, "wcodec_generate_queue_duration_seconds"),       # the TTFT's two parts
+            "mean_prefill_s": _mean(m, "wcodec_generate_prefill_duration_seconds")}
 
 
 def _s(x: float | None) -> str:
@@ -97,4 +99,7 @@ def text(r: dict) -> str:
         f"server     {srv['requests']}" + (f", {rows:.1f} rows and {toks:.1f} tokens per step"
                                              if rows and toks else ""),
     ]
+    if srv.get("mean_queue_s") is not None and srv.get("mean_prefill_s") is not None:
+        lines.append(f"server     TTFT mean {srv['mean_ttft_s'] * 1e3:.1f} ms: queue {srv['mean_queue_s'] * 1e3:.1f} ms"
+                     f" + prefill {srv['mean_prefill_s'] * 1e3:.1f} ms")
     return "\n".join(lines)

@@ -30,6 +30,10 @@ cache                                              between loads (service/load/h
 Generate wcodec_generate_requests_total{model,status}  status: ok, error, cancelled, overloaded
          wcodec_generate_request_duration_seconds{model}, ..._time_to_first_token_seconds{model},
          ..._time_per_output_token_seconds{model}
+         wcodec_generate_queue_duration_seconds{model}, ..._prefill_duration_seconds{model}   the time to
+                                                   first token in two: arrival to admission (waiting
+                                                   for a free row, blocks, or a step to end), admission
+                                                   to the first token (the prompt's steps)
          wcodec_generate_prompt_tokens_total{model}, wcodec_generate_generated_tokens_total{model}
          wcodec_generate_inter_token_latency_seconds{model}   one observation per token after the first
          wcodec_generate_queue_depth{model}    requests waiting to join the running batch
@@ -150,6 +154,11 @@ class Metrics:
                                          "Queueing plus generation time", m, buckets=_SLOW, registry=r)
         self.ttft = Histogram("wcodec_generate_time_to_first_token_seconds", "Time to first token", m,
                               buckets=_SLOW, registry=r)
+        self.queue_seconds = Histogram("wcodec_generate_queue_duration_seconds", "Time from a request's arrival "
+                                       "to its admission into the running batch", m, buckets=_SLOW, registry=r)
+        self.prefill_seconds = Histogram("wcodec_generate_prefill_duration_seconds", "Time from a request's "
+                                         "admission to its first token (its prompt's steps)", m, buckets=_SLOW,
+                                         registry=r)
         self.tpot = Histogram("wcodec_generate_time_per_output_token_seconds", "Time per output token "
                               "after the first", m, buckets=_TOKEN, registry=r)
         self.prompt_tokens = Counter("wcodec_generate_prompt_tokens", "Prompt tokens", m, registry=r)

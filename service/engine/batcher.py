@@ -161,7 +161,7 @@ class Batcher:
             w = max(width, len(row.prompt_ids))
             if rows and (len(rows) + 1) * w > budget:
                 break
-            rows.append(self.waiting.popleft())
+            rows.append(self.waiting.popleft().admit())
             width = w
         return Group(rows, self.served, self.cache) if rows else None
 

@@ -10,6 +10,7 @@ report)."""
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass
 
 import torch
@@ -121,6 +122,7 @@ class Row:
         self.text = ""                          # special tokens kept: what stop sequences see
         self.finish_reason: str | None = None
         self.cancelled = False
+        self.admitted_at: float | None = None   # perf_counter when a batch took it (`admit`)
         self.detokenizer = Detokenizer(served.tokenizer.decode)
         self.prompt_scores: list[tuple[float, TopN]] = []    # prompt_logprobs: positions 1, 2, ... so far
         self.seed = (params.seed if params.seed is not None else random.getrandbits(63)) \
@@ -133,6 +135,11 @@ class Row:
         if params.logit_bias:
             ids, values = zip(*params.logit_bias)
             self.bias = (torch.tensor(ids, device=served.device), torch.tensor(values, device=served.device))
+
+    def admit(self) -> Row:
+        """Marks the row taken into the running batch, now; returns it."""
+        self.admitted_at = time.perf_counter()
+        return self
 
     @property
     def greedy(self) -> bool:

@@ -211,7 +211,7 @@ class Scheduler:
             need = self._budget(row)
             if not self.blocks.can_allocate(need) or not self._ready_to_admit():
                 return                                      # waits for blocks (or for company)
-            self.prefilling.append(Seq(self.waiting.popleft(), self.blocks.allocate(need)))
+            self.prefilling.append(Seq(self.waiting.popleft().admit(), self.blocks.allocate(need)))
 
     def _gone(self, row: Row) -> None:
         self.arrived.pop(id(row), None)

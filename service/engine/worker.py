@@ -229,6 +229,9 @@ class Engine:
         if req.first_token_at is None:
             req.first_token_at = now
             self.metrics.ttft.labels(name).observe(now - req.created)
+            if row.admitted_at is not None:
+                self.metrics.queue_seconds.labels(name).observe(row.admitted_at - req.created)
+                self.metrics.prefill_seconds.labels(name).observe(now - row.admitted_at)
         else:
             self.metrics.itl.labels(name).observe(now - req.last_token_at)
         req.last_token_at = now

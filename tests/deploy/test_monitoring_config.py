@@ -24,6 +24,8 @@ REQUIRED_METRICS = {
     "request rate and errors": "wcodec_generate_requests_total",
     "request latency": "wcodec_generate_request_duration_seconds_bucket",
     "time to first token": "wcodec_generate_time_to_first_token_seconds_bucket",
+    "its queue": "wcodec_generate_queue_duration_seconds_bucket",
+    "its prefill": "wcodec_generate_prefill_duration_seconds_bucket",
     "tokens/s": "wcodec_generate_generated_tokens_total",
     "queue depth": "wcodec_generate_queue_depth",
     "batch size": "wcodec_generate_batch_size_bucket",

@@ -47,3 +47,14 @@ def test_parse_keeps_only_what_grows() -> None:
 def test_a_restarted_server_counts_from_zero() -> None:
     assert window({"a_total": 50.0, "b_count": 4.0}, {"a_total": 3.0, "b_count": 6.0, "c_sum": 1.0}) == \
         {"a_total": 3.0, "b_count": 2.0, "c_sum": 1.0}
+
+
+def test_the_server_view_splits_its_time_to_first_token() -> None:
+    m = Metrics()
+    for queue, prefill in ((0.010, 0.030), (0.050, 0.030)):           # two requests' first tokens
+        m.ttft.labels("demo").observe(queue + prefill)
+        m.queue_seconds.labels("demo").observe(queue)
+        m.prefill_seconds.labels("demo").observe(prefill)
+    server = summarize([], 0.0, 1.0, parse_metrics(m.render().decode()))["server"]
+    assert abs(server["mean_queue_s"] - 0.030) < 1e-12 and abs(server["mean_prefill_s"] - 0.030) < 1e-12
+    assert abs(server["mean_queue_s"] + server["mean_prefill_s"] - server["mean_ttft_s"]) < 1e-12

@@ -18,6 +18,7 @@ FAMILIES = [
     "wcodec_model_state", "wcodec_gpu_memory_allocated_bytes", "wcodec_gpu_memory_reserved_bytes",
     "wcodec_model_memory_allocated_bytes", "wcodec_model_memory_reserved_bytes", "wcodec_model_host_weight_bytes", "wcodec_generate_requests_total",
     "wcodec_generate_request_duration_seconds", "wcodec_generate_time_to_first_token_seconds",
+    "wcodec_generate_queue_duration_seconds", "wcodec_generate_prefill_duration_seconds",
     "wcodec_generate_time_per_output_token_seconds", "wcodec_generate_prompt_tokens_total",
     "wcodec_generate_generated_tokens_total", "wcodec_generate_queue_depth", "wcodec_generate_batch_size",
     "wcodec_generate_batch_tokens", "wcodec_generate_inter_token_latency_seconds",
@@ -45,6 +46,11 @@ async def test_every_family_after_a_load_and_a_generate(serve, store) -> None:
         assert await server.metric("wcodec_decode_compressed_bytes_total", model=DEMO, codec="gguf",
                                    device="cpu") > 0
         assert await server.metric("wcodec_generate_time_to_first_token_seconds_count", model=DEMO) == 1
+        queue = await server.metric("wcodec_generate_queue_duration_seconds_sum", model=DEMO)
+        prefill = await server.metric("wcodec_generate_prefill_duration_seconds_sum", model=DEMO)
+        assert queue >= 0 and prefill > 0                                  # the time to first token, split
+        assert queue + prefill == pytest.approx(
+            await server.metric("wcodec_generate_time_to_first_token_seconds_sum", model=DEMO), abs=1e-9)
         assert await server.metric("wcodec_generate_inter_token_latency_seconds_count", model=DEMO) == 3   # 4 tokens
         assert await server.metric("wcodec_generate_batch_tokens_sum", model=DEMO) \
             == await server.metric("wcodec_generate_prompt_tokens_total", model=DEMO) + 3   # prefill, 3 decodes

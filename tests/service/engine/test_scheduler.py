@@ -237,6 +237,24 @@ def test_a_full_cache_makes_requests_wait(tiny) -> None:
     assert all(r.finish_reason == "length" and len(r.ids) == 20 for r in rows) and s.blocks.used == 0
 
 
+@pytest.mark.parametrize("engine", [paged, padded])
+def test_a_row_is_marked_admitted_when_a_batch_takes_it(tiny, engine) -> None:
+    """Row.admitted_at (the time to first token's split into queue and prefill, worker.py): unset
+    while the row waits, set by the step whose batch takes it, later for a row that waited."""
+    e = engine(tiny, max_rows=2)
+    rows = [Row(tiny.tokenizer.encode("a b c"), SamplingParams(4), tiny) for _ in range(3)]
+    for row in rows:
+        e.add(row)
+    assert [r.admitted_at for r in rows] == [None, None, None]
+    before = time.perf_counter()
+    e.step()
+    assert [r.admitted_at is not None for r in rows] == [True, True, False]     # 2 rows: the third waits
+    assert before <= rows[0].admitted_at <= rows[1].admitted_at <= time.perf_counter()
+    while not e.idle:
+        e.step()
+    assert rows[2].admitted_at > rows[1].admitted_at and all(len(r.ids) == 4 for r in rows)
+
+
 def test_a_request_larger_than_the_cache_is_refused(tiny) -> None:
     s = paged(tiny, nbytes=1, max_total_tokens=32)
     with pytest.raises(ValidationFailed, match="do not fit the KV cache"):
