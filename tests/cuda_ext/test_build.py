@@ -39,4 +39,3 @@ def test_the_directory_follows_the_flags(tmp_path, monkeypatch) -> None:
     assert build._cache_dir(True) != before
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
     assert len({before, build._cache_dir(True), build._cache_dir(False)}) == 3
-
