@@ -3,9 +3,13 @@
 is eager): N prompts of T tokens in one step (the scheduler cuts a burst into steps of
 WCODEC_MAX_BATCH_TOKENS = 512), decode rows beside prompts, and the torch profiler's top kernels and
 host ops of one such step. It asks where the first token goes when a closed loop's 32 clients all
-send their next request at once (docs/BENCHMARKS.md, 2026-11-30 16:46).
+send their next request at once (docs/BENCHMARKS.md, 2026-11-30 16:46). --weights compressed holds
+the decoder layers' matrices in compressed mode's fixed-rate form (service/model/fixed.py), so that
+a step of over 64 rows decodes each matrix and calls cuBLAS, as served; each mode's steps are timed
+in turn on the same weights and printed beside decoded mode's.
 
     python bench/experiments/prompt_burst.py [--tokens 27] [--prompts 1,4,8,18,32] [--profile]
+        [--weights decoded,compressed]
 """
 from __future__ import annotations
 
@@ -19,9 +23,9 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).res
 from generation_gpu import CONFIG  # noqa: E402
 from paged_step import model, timed  # noqa: E402
 
-from cuda_ext import step_kernels  # noqa: E402
+from cuda_ext import fixedrate, step_kernels  # noqa: E402
 from service.engine.runner import Chunk, Decode, Runner  # noqa: E402
-from service.model import paged  # noqa: E402
+from service.model import fixed, llama, paged  # noqa: E402
 
 BLOCK, WIDTH, ROWS = 16, 12, 64        # the cache: 64 rows of 12 blocks of 16 keys
 
@@ -33,36 +37,62 @@ def chunks(n: int, tokens: int, first: int = 0) -> list[Chunk]:
             for i in range(n)]
 
 
+def compress(m: llama.LlamaForCausalLM) -> None:
+    """The decoder layers' matrices in the fixed-rate form, as a compressed load attaches them."""
+    fixed.attach(m, {name: fixedrate.encode(p.detach().contiguous()) for name, p in m.named_parameters()
+                     if ".layers." in name and p.dim() == 2})
+    torch.cuda.empty_cache()
+
+
+def burst(runner: Runner, prompts: list[int], t: int, dev: torch.device) -> dict[str, float]:
+    """Seconds of each step: n prompts of t tokens, then 14 decode rows beside 18 prompts."""
+    steps = {}
+    for n in prompts:
+        c = chunks(n, t)
+        steps[f"prompts {n:2d} x {t} tokens ({n * t} rows)"] = timed(lambda: runner.run([], c).argmax(-1).tolist(), dev, 10)
+    dec, c = [Decode(11 + i, 72, list(range(i * WIDTH, i * WIDTH + 5))) for i in range(14)], chunks(18, t, 14)
+    steps["14 decode rows + 18 prompts"] = timed(lambda: runner.run(dec, c).argmax(-1).tolist(), dev, 10)
+    return steps
+
+
 @torch.inference_mode()
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=27, help="a prompt's tokens (the load script's are 25-30)")
     ap.add_argument("--prompts", default="1,4,8,18,32")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--weights", default="decoded", help="decoded, compressed or both (decoded first), comma-separated")
     args = ap.parse_args()
+    modes = args.weights.split(",")
+    if not set(modes) <= {"decoded", "compressed"} or modes != sorted(modes, key=["decoded", "compressed"].index):
+        raise SystemExit(f"--weights: decoded and/or compressed, decoded first; got {args.weights!r}")
     dev = torch.device("cuda")
-    m = model(CONFIG, dev)
-    paged.fuse_projections(m)
-    cache = paged.PagedCache(m.config, ROWS * WIDTH, BLOCK, torch.bfloat16, dev)
-    runner = Runner(m, cache, max_rows=ROWS, max_blocks=WIDTH, graphs=True, fused=step_kernels.triton_kernels(dev))
-    t = args.tokens
-    for n in map(int, args.prompts.split(",")):
-        c = chunks(n, t)
-        s = timed(lambda: runner.run([], c).argmax(-1).tolist(), dev, 10)
-        print(f"prompts {n:2d} x {t} tokens ({n * t} rows): {s * 1e3:7.2f} ms  {s * 1e3 / n:6.2f} ms a prompt", flush=True)
-    dec, c = [Decode(11 + i, 72, list(range(i * WIDTH, i * WIDTH + 5))) for i in range(14)], chunks(18, t, 14)
-    s = timed(lambda: runner.run(dec, c).argmax(-1).tolist(), dev, 10)
-    print(f"14 decode rows + 18 prompts: {s * 1e3:7.2f} ms", flush=True)
+    prompts, t, seen = [int(n) for n in args.prompts.split(",")], args.tokens, {}
+    for mode in modes:
+        m = model(CONFIG, dev)                                       # the same seeded weights each time
+        if mode == "compressed":
+            compress(m)
+        paged.fuse_projections(m)
+        cache = paged.PagedCache(m.config, ROWS * WIDTH, BLOCK, torch.bfloat16, dev)
+        runner = Runner(m, cache, max_rows=ROWS, max_blocks=WIDTH, graphs=True, fused=step_kernels.triton_kernels(dev))
+        for step, s in burst(runner, prompts, t, dev).items():
+            over = f"  {s / seen[step]:.3f} of decoded's" if step in seen else ""
+            print(f"{mode:10s} {step}: {s * 1e3:7.2f} ms{over}", flush=True)
+            seen.setdefault(step, s)
+        if mode != modes[-1]:
+            del m, runner, cache
+            torch.cuda.empty_cache()
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
         c = chunks(18, t)
+        runner = Runner(m, paged.PagedCache(m.config, ROWS * WIDTH, BLOCK, torch.bfloat16, dev), max_rows=ROWS,
+                        max_blocks=WIDTH, graphs=True, fused=step_kernels.triton_kernels(dev))
         runner.run([], c)
         with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
             runner.run([], c).argmax(-1).tolist()
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14))
         print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=10))
-
 
 if __name__ == "__main__":
     main()
