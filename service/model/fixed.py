@@ -88,9 +88,23 @@ def _float_matrix(e) -> bool:
 
 def estimate_bytes(kept: list) -> int:
     """Device bytes of the kept tensors (ESCAPES of their weights escaped) and of the temporary
-    that the largest one decodes into for more than 32 rows."""
+    that the largest unit decodes into for a prompt's rows (`decode_unit_bytes`)."""
     held = sum(form.fixed_nbytes(*e.shape) + form.ESCAPE_NBYTES * int(ESCAPES * e.shape[0] * e.shape[1]) for e in kept)
-    return held + max((e.nbytes for e in kept), default=0)
+    return held + decode_unit_bytes(kept)
+
+
+def decode_unit_bytes(kept: list) -> int:
+    """Decoded bytes of the largest matrix a step over fused_limit() rows decodes at once: a layer's
+    q, k and v joined, or its gate and up (llama.JOINS, as paged.fuse_projections joins FixedLinears),
+    else one tensor. Counting the largest tensor alone left out the joined gate_up's other half (a 7B:
+    90 MB of a 180 MB temporary)."""
+    units: dict[str, int] = {}
+    for e in kept:
+        owner, _, attr = e.name.removesuffix(".weight").rpartition(".")      # model.layers.3.mlp, up_proj
+        child = owner.rpartition(".")[2]
+        unit = next((f"{owner}.{name}" for c, name, parts in llama.JOINS if c == child and attr in parts), e.name)
+        units[unit] = units.get(unit, 0) + e.nbytes
+    return max(units.values(), default=0)
 
 
 def permuted_for(modules: tuple, rows: int) -> tuple[int, int]:

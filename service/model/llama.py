@@ -225,6 +225,11 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+# The Linears a step multiplies as one (service/model/paged.py fuse_projections): a layer's child,
+# the joined name, the parts that read one input.
+JOINS = (("self_attn", "qkv", ("q_proj", "k_proj", "v_proj")), ("mlp", "gate_up", ("gate_proj", "up_proj")))
+
+
 class Layer(nn.Module):
     def __init__(self, c: LlamaConfig, layer: int, device=None):
         super().__init__()

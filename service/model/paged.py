@@ -202,9 +202,9 @@ def fuse_projections(model: llama.LlamaForCausalLM) -> None:
     frees it. Only `joinable` Linears of one class and dtype, all with bias or none; once.
     FixedLinears (compressed mode's fixed-rate form) join their own way (fixed.FixedLinear.join)."""
     for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        _join(attn, "qkv", (attn.q_proj, attn.k_proj, attn.v_proj))
-        _join(mlp, "gate_up", (mlp.gate_proj, mlp.up_proj))
+        for child, name, parts in llama.JOINS:
+            owner = getattr(layer, child)
+            _join(owner, name, tuple(getattr(owner, p) for p in parts))
 
 
 def _join(parent: torch.nn.Module, name: str, parts: tuple[torch.nn.Linear, ...]) -> None:

@@ -108,8 +108,9 @@ def test_fp16_matrices_stay_decoded(fp16_tiny_archive, untied_tiny_archive, capl
     assert estimate == sum(e.nbytes for e in entries)
     with Archive.open(untied_tiny_archive) as archive:        # bf16: the form and the host table count
         bf16 = archive.entries
+    temporary = fixed.decode_unit_bytes([e for e in bf16 if fixed.keeps(e) and e.layer is not None])
     assert compressed.estimate_bytes(bf16, 2, "fixed", host) < compressed.estimate_bytes(bf16, 2, "fixed") \
-        < sum(e.nbytes for e in bf16)
+        < sum(e.nbytes for e in bf16) + temporary             # the form under bf16's bytes, and a prompt step's temporary
     with caplog.at_level("WARNING", logger="wcodec.service"):
         packed = served(fp16_tiny_archive, "compressed", device)
     assert f"{len(matrices)} float16 matrices" in caplog.text and "stay decoded" in caplog.text
@@ -201,3 +202,32 @@ def test_the_estimate_leaves_out_a_table_kept_on_the_host(untied_tiny_archive, m
     assert fixed.host_names({"model_type": "llama"}) == frozenset()           # not valid: the load says why
     monkeypatch.setattr(fixed.ops, "has_ops", lambda names, device=None: False)
     assert fixed.host_names(untied) == frozenset()
+
+
+@torch.inference_mode()
+def test_the_estimate_holds_the_largest_matrix_a_prompt_step_decodes() -> None:
+    """Over fused_limit() rows a FixedLinear decodes its whole form into a temporary, and the engine
+    joins each layer's q, k, v and its gate, up (paged.fuse_projections): the load's estimate counts
+    the largest temporary a prompt step makes (here gate and up, twice the largest tensor), as
+    measured on the modules that step calls."""
+    from types import SimpleNamespace
+    from service.engine.runner import Chunk, Runner
+    from service.model import paged
+    config = llama.LlamaConfig.parse({"model_type": "llama", "vocab_size": 64, "hidden_size": 64,
+                                      "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                      "num_key_value_heads": 2})
+    torch.manual_seed(0)
+    m = llama.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    kept = {n: p.detach().contiguous() for n, p in m.named_parameters() if ".layers." in n and p.dim() == 2}
+    fixed.attach(m, {n: fixedrate.encode(w) for n, w in kept.items()})
+    paged.fuse_projections(m)
+    decoded = []
+    for x in m.modules():
+        if isinstance(x, fixed.FixedLinear):
+            x.register_forward_pre_hook(lambda mod, args: decoded.append(mod.out_features * mod.in_features * 2))
+    runner = Runner(m, paged.PagedCache(m.config, 16, 16, torch.bfloat16, torch.device("cpu")), max_rows=4,
+                    max_blocks=4, graphs=False)
+    runner.run([], [Chunk(list(range(1, fixedrate.fused_limit() + 9)), 0, [0, 1, 2])])
+    assert len(decoded) == 4 * config.num_hidden_layers                       # qkv, o, gate_up, down
+    entries = [SimpleNamespace(name=n, nbytes=w.nbytes) for n, w in kept.items()]
+    assert fixed.decode_unit_bytes(entries) == max(decoded) == 2 * max(e.nbytes for e in entries)
