@@ -8,8 +8,11 @@ the decoder layers' matrices in compressed mode's fixed-rate form (service/model
 a step of over 64 rows decodes each matrix and calls cuBLAS, as served; each mode's steps are timed
 in turn on the same weights and printed beside decoded mode's.
 
+--long N also prefills one prompt of N tokens in steps of each of --long-steps tokens (the
+scheduler's WCODEC_MAX_BATCH_TOKENS): what a long prompt's first token costs at each step size.
+
     python bench/experiments/prompt_burst.py [--tokens 27] [--prompts 1,4,8,18,32] [--profile]
-        [--weights decoded,compressed]
+        [--weights decoded,compressed] [--long 2048 --long-steps 512,1024,2048]
 """
 from __future__ import annotations
 
@@ -55,6 +58,17 @@ def burst(runner: Runner, prompts: list[int], t: int, dev: torch.device) -> dict
     return steps
 
 
+def long_prompt(runner: Runner, tokens: int, sizes: list[int], dev: torch.device) -> dict[str, float]:
+    """Seconds to prefill one prompt of `tokens` tokens in consecutive steps of each size."""
+    table = list(range(-(-tokens // BLOCK)))
+    ids = [100 + i % 1000 for i in range(tokens)]
+
+    def prefill(size: int) -> None:
+        for start in range(0, tokens, size):
+            runner.run([], [Chunk(ids[start:start + size], start, table, whole=size >= tokens)]).argmax(-1).tolist()
+    return {f"one prompt of {tokens} tokens in steps of {size}": timed(lambda: prefill(size), dev, 5) for size in sizes}
+
+
 @torch.inference_mode()
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -62,12 +76,14 @@ def main() -> None:
     ap.add_argument("--prompts", default="1,4,8,18,32")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--weights", default="decoded", help="decoded, compressed or both (decoded first), comma-separated")
+    ap.add_argument("--long", type=int, default=0, help="a long prompt's tokens (0: none)")
+    ap.add_argument("--long-steps", default="512,1024,2048", help="its step sizes, tokens")
     args = ap.parse_args()
     modes = args.weights.split(",")
     if not set(modes) <= {"decoded", "compressed"} or modes != sorted(modes, key=["decoded", "compressed"].index):
         raise SystemExit(f"--weights: decoded and/or compressed, decoded first; got {args.weights!r}")
     dev = torch.device("cuda")
-    prompts, t, seen = [int(n) for n in args.prompts.split(",")], args.tokens, {}
+    prompts, t, seen = [int(n) for n in args.prompts.split(",") if n], args.tokens, {}
     for mode in modes:
         m = model(CONFIG, dev)                                       # the same seeded weights each time
         if mode == "compressed":
@@ -75,7 +91,10 @@ def main() -> None:
         paged.fuse_projections(m)
         cache = paged.PagedCache(m.config, ROWS * WIDTH, BLOCK, torch.bfloat16, dev)
         runner = Runner(m, cache, max_rows=ROWS, max_blocks=WIDTH, graphs=True, fused=step_kernels.triton_kernels(dev))
-        for step, s in burst(runner, prompts, t, dev).items():
+        steps = burst(runner, prompts, t, dev) if prompts else {}
+        if args.long:
+            steps |= long_prompt(runner, args.long, [int(n) for n in args.long_steps.split(",")], dev)
+        for step, s in steps.items():
             over = f"  {s / seen[step]:.3f} of decoded's" if step in seen else ""
             print(f"{mode:10s} {step}: {s * 1e3:7.2f} ms{over}", flush=True)
             seen.setdefault(step, s)
@@ -93,6 +112,7 @@ def main() -> None:
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14))
         print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=10))
+
 
 if __name__ == "__main__":
     main()
