@@ -103,9 +103,7 @@ def main() -> None:
             torch.cuda.empty_cache()
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
-        c = chunks(18, t)
-        runner = Runner(m, paged.PagedCache(m.config, ROWS * WIDTH, BLOCK, torch.bfloat16, dev), max_rows=ROWS,
-                        max_blocks=WIDTH, graphs=True, fused=step_kernels.triton_kernels(dev))
+        c = chunks(18, t)                                            # the last mode's model
         runner.run([], c)
         with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
             runner.run([], c).argmax(-1).tolist()
