@@ -2,7 +2,7 @@
 `bench/paged_step.py`, q/k/v and gate/up joined, the Triton step, no graph captured, so every step
 is eager): N prompts of T tokens in one step (the scheduler cuts a burst into steps of
 WCODEC_MAX_BATCH_TOKENS = 512), decode rows beside prompts, and the torch profiler's top kernels and
-host ops of one such step. It asks where the first token goes when a closed loop's 32 clients all
+host ops of one such step (--profile: the first burst of --prompts, 18 prompts if none). It asks where the first token goes when a closed loop's 32 clients all
 send their next request at once (docs/BENCHMARKS.md, 2026-11-30 16:46). --weights compressed holds
 the decoder layers' matrices in compressed mode's fixed-rate form (service/model/fixed.py), so that
 a step of over 64 rows decodes each matrix and calls cuBLAS, as served; each mode's steps are timed
@@ -103,13 +103,14 @@ def main() -> None:
             torch.cuda.empty_cache()
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
-        c = chunks(18, t)                                            # the last mode's model
+        c = chunks(prompts[0] if prompts else 18, t)                 # the last mode's model, the first burst
         runner.run([], c)
         with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
             runner.run([], c).argmax(-1).tolist()
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14))
         print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=10))
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=16))
 
 
 if __name__ == "__main__":
