@@ -2,22 +2,26 @@
 `bench/paged_step.py`, q/k/v and gate/up joined, the Triton step, no graph captured, so every step
 is eager): N prompts of T tokens in one step (the scheduler cuts a burst into steps of
 WCODEC_MAX_BATCH_TOKENS = 512), decode rows beside prompts, and the torch profiler's top kernels and
-host ops of one such step (--profile: the first burst of --prompts, 18 prompts if none). It asks where the first token goes when a closed loop's 32 clients all
-send their next request at once (docs/BENCHMARKS.md, 2026-11-30 16:46). --weights compressed holds
+host ops of one such step (--profile: the first burst of --prompts, 18 prompts if none). It asks
+where the first token goes when a closed loop's 32 clients all send their next request at once
+(docs/BENCHMARKS.md, 2026-11-30 16:46). --weights compressed holds
 the decoder layers' matrices in compressed mode's fixed-rate form (service/model/fixed.py), so that
 a step of over 64 rows decodes each matrix and calls cuBLAS, as served; each mode's steps are timed
 in turn on the same weights and printed beside decoded mode's.
 
+--graphs then captures every graph shape (a step of short prompts as decode rows up to 512 rows, as
+the server's runner does under WCODEC_MAX_BATCH_TOKENS = 512) and times the bursts again as replays.
 --long N also prefills one prompt of N tokens in steps of each of --long-steps tokens (the
 scheduler's WCODEC_MAX_BATCH_TOKENS): what a long prompt's first token costs at each step size.
 
     python bench/experiments/prompt_burst.py [--tokens 27] [--prompts 1,4,8,18,32] [--profile]
-        [--weights decoded,compressed] [--long 2048 --long-steps 512,1024,2048]
+        [--weights decoded,compressed] [--long 2048 --long-steps 512,1024,2048] [--graphs]
 """
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -78,6 +82,8 @@ def main() -> None:
     ap.add_argument("--weights", default="decoded", help="decoded, compressed or both (decoded first), comma-separated")
     ap.add_argument("--long", type=int, default=0, help="a long prompt's tokens (0: none)")
     ap.add_argument("--long-steps", default="512,1024,2048", help="its step sizes, tokens")
+    ap.add_argument("--graphs", action="store_true",
+                    help="then every graph shape captured (prompt steps up to 512 rows, as served) and the bursts again")
     args = ap.parse_args()
     modes = args.weights.split(",")
     if not set(modes) <= {"decoded", "compressed"} or modes != sorted(modes, key=["decoded", "compressed"].index):
@@ -90,12 +96,21 @@ def main() -> None:
             compress(m)
         paged.fuse_projections(m)
         cache = paged.PagedCache(m.config, ROWS * WIDTH, BLOCK, torch.bfloat16, dev)
-        runner = Runner(m, cache, max_rows=ROWS, max_blocks=WIDTH, graphs=True, fused=step_kernels.triton_kernels(dev))
+        runner = Runner(m, cache, max_rows=ROWS, max_blocks=WIDTH, graphs=True, fused=step_kernels.triton_kernels(dev),
+                        prompt_rows=512)                             # the server's: WCODEC_MAX_BATCH_TOKENS
         steps = burst(runner, prompts, t, dev) if prompts else {}
         if args.long:
             steps |= long_prompt(runner, args.long, [int(n) for n in args.long_steps.split(",")], dev)
+        if args.graphs and prompts:
+            t0 = time.perf_counter()
+            while runner.capture_next():
+                pass
+            print(f"{mode:10s} {len(runner.graphs)} graphs captured in {time.perf_counter() - t0:.1f} s", flush=True)
+            steps |= {f"{step}, graphs": s for step, s in burst(runner, prompts, t, dev).items()}
         for step, s in steps.items():
             over = f"  {s / seen[step]:.3f} of decoded's" if step in seen else ""
+            eager = step.removesuffix(", graphs")
+            over += f"  {s / steps[eager]:.3f} of eager's" if eager != step else ""
             print(f"{mode:10s} {step}: {s * 1e3:7.2f} ms{over}", flush=True)
             seen.setdefault(step, s)
         if mode != modes[-1]:

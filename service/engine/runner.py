@@ -3,9 +3,12 @@ Context -> logits; a decode-only step on CUDA replays a captured graph.
 
 Read me first.
 * One CUDA graph per (batch bucket, width bucket): B rows padded up to a bucket of BATCH_BUCKETS,
-  the block tables padded to a width of WIDTHS blocks (the keys a step gathers). Each graph owns
-  its static inputs (ids, positions, slots, tables, lengths) and its logits; all share one memory
-  pool (they never run at once, and their logits are read before the next replay).
+  the block tables padded to a width of WIDTHS blocks (the keys a step gathers). Decode steps take
+  buckets up to max_rows (the running batch); a step of short prompts as decode rows up to
+  prompt_rows (the step's token budget, at most 512), whose graphs the idle engine captures
+  last. Each graph owns its static inputs (ids, positions, slots, tables, lengths) and its
+  logits; all share one memory pool (they never run at once, and their logits are read before
+  the next replay).
 * In compressed mode a bucket of 33-64 rows has two graphs: one where the fused decode-matmul
   takes every row (fixed.decode_only): decode rows, and whole prompts short enough that alone
   they are fused too (fixed.fused_prompt), so each row gets the sums it gets alone; and one for
@@ -44,7 +47,7 @@ from ..model import fixed, paged
 from ..model.llama import LlamaForCausalLM
 from .sampling import greedy
 
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 WARM_AFTER_S = 1.0                 # an idle engine starts warming its kernels after this long (warm_later)
 SHORT_PROMPT = 256                 # keys of a chunk's context up to which its tokens attend as decode rows
 WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
@@ -117,8 +120,9 @@ class Launched:
 
 class Runner:
     def __init__(self, model: LlamaForCausalLM, cache: paged.PagedCache, max_rows: int, max_blocks: int,
-                 graphs: bool, fused=None):
+                 graphs: bool, fused=None, prompt_rows: int = 0):
         self.model, self.cache, self.max_rows, self.max_blocks = model, cache, max_rows, max_blocks
+        self.prompt_rows = max(max_rows, min(prompt_rows, BATCH_BUCKETS[-1]))   # rows of a step's graph (`_shape`)
         self.fused = fused                       # cuda_ext/step_triton.py, or None: the modules (paged.py)
         self.device = cache.k.device
         self.use_graphs = graphs and self.device.type == "cuda"
@@ -136,7 +140,7 @@ class Runner:
         self._warming: threading.Thread | None = None     # the warm-up's thread, joined by `close`
         self.on_warmed: Callable[[], None] | None = None     # the engine's wake-up (worker.py)
         if self.use_graphs:                      # the last launch's picks, read by the next launch's graph
-            self.last_picks = torch.zeros(max_rows, dtype=torch.long, device=self.device)
+            self.last_picks = torch.zeros(self.prompt_rows, dtype=torch.long, device=self.device)
             pinned = {"device": "cpu", "pin_memory": True}
             self.out = [(torch.empty(max_rows, dtype=torch.long, **pinned),
                          torch.empty(max_rows, dtype=torch.float32, **pinned)) for _ in range(2)]
@@ -201,7 +205,7 @@ class Runner:
         as_rows, fuse = self._prompts_as_rows(chunks), self._fused_prompts(chunks)
         if self.use_graphs and as_rows:
             rows = decodes + self._prompt_rows(chunks)
-            if len(rows) <= self.max_rows and self._shape(rows, fuse) in self.graphs:
+            if len(rows) <= self.prompt_rows and self._shape(rows, fuse) in self.graphs:
                 return self._replay(rows, fuse)[self._last_rows(decodes, chunks)]
         ids, ctx = self._eager_inputs(decodes, chunks)
         fused_step = as_rows and fuse and ids.shape[0] in self.wide
@@ -288,8 +292,10 @@ class Runner:
     # ---- CUDA graphs -----------------------------------------------------------------------------
     def _shape(self, decodes: list[Decode], fuse: bool) -> tuple[int, int, bool]:
         """The key of the graph that takes `decodes` (fuse: decode rows, or `_fused_prompts`'
-        rows): its (rows, width) buckets, and whether such rows are in a bucket that fuses them."""
-        rows = bucket(len(decodes), BATCH_BUCKETS, self.max_rows)
+        rows): its (rows, width) buckets, and whether such rows are in a bucket that fuses them.
+        Over max_rows rows (a step's short prompts as decode rows), buckets up to prompt_rows."""
+        n = len(decodes)
+        rows = bucket(n, BATCH_BUCKETS, self.max_rows if n <= self.max_rows else self.prompt_rows)
         return rows, bucket(self._width(decodes), WIDTHS, self.max_blocks), fuse and rows in self.wide
 
     def _graph_for(self, decodes: list[Decode], prev_index: list[int] | None, fuse: bool) -> Graph:
@@ -371,10 +377,13 @@ class Runner:
 
     def shapes(self) -> list[tuple[int, int, bool]]:
         """Every graph key a step can take, narrow and few rows first: (rows, width, False), and
-        (rows, width, True) too where decode rows (and whole short prompts) are fused (`self.wide`)."""
+        (rows, width, True) too where decode rows (and whole short prompts) are fused (`self.wide`);
+        then the buckets over max_rows that only steps of short prompts take, narrow first."""
         rows = sorted({bucket(n, BATCH_BUCKETS, self.max_rows) for n in range(1, self.max_rows + 1)})
         widths = sorted({bucket(n, WIDTHS, self.max_blocks) for n in range(1, self.max_blocks + 1)})
-        return [(r, w, f) for w in widths for r in rows for f in ((False, True) if r in self.wide else (False,))]
+        prompts = sorted({bucket(n, BATCH_BUCKETS, self.prompt_rows) for n in range(self.max_rows + 1, self.prompt_rows + 1)})
+        return [(r, w, f) for w in widths for r in rows for f in ((False, True) if r in self.wide else (False,))] \
+            + [(r, w, False) for w in widths for r in prompts]
 
     @functools.cached_property
     def _shapes_total(self) -> int:

@@ -19,7 +19,7 @@ from test_batching import Req, drive, fail_the_prompts_step, first_divergence_is
 from cuda_ext import step_kernels
 from service.engine import Batcher, Engine, GenRequest, Limits, paging
 from service.engine.blocks import BlockManager
-from service.engine.runner import Chunk
+from service.engine.runner import Chunk, Decode
 from service.engine.sampling import Row, SamplingParams
 from service.engine.worker import paged_engine
 from service.errors import QueueFull, ValidationFailed
@@ -219,6 +219,23 @@ def test_close_waits_for_the_warm_up_and_frees_what_it_holds(tiny) -> None:
     waiting.runner.warm_later(step_kernels.REFERENCES, started.clear, after_s=0)
     waiting.runner.close()
     assert waiting.runner.warm_due_in() is None and not waiting.runner.capture_next() and started.is_set()
+
+
+def test_short_prompts_over_the_batch_take_buckets_up_to_the_step_budget(tiny) -> None:
+    """A step of short prompts as decode rows may hold up to max_tokens rows (WCODEC_MAX_BATCH_TOKENS),
+    past the running batch's max_rows: its graph key takes row buckets up to that budget, and
+    the idle engine captures those shapes after every decode step's, so a decode step's graphs
+    come first."""
+    runner = paged(tiny, max_rows=8, max_tokens=100).runner
+    shapes = runner.shapes()
+    decode = [k for k in shapes if k[0] <= 8]
+    assert shapes == decode + [k for k in shapes if k[0] > 8]
+    assert {k[0] for k in shapes} - {k[0] for k in decode} == {16, 32, 64, 100}
+    assert not any(fused for _, _, fused in shapes)                  # decoded weights: one graph a shape
+    rows = lambda n: [Decode(1, 0, [0])] * n
+    assert [runner._shape(rows(n), False)[0] for n in (5, 8, 9, 65, 100)] == [8, 8, 16, 100, 100]
+    assert paged(tiny, max_rows=8, max_tokens=4).runner.prompt_rows == 8          # never under max_rows
+    assert paged(tiny, max_rows=8, max_tokens=4096).runner.prompt_rows == 512     # the largest bucket
 
 
 def test_a_full_cache_makes_requests_wait(tiny) -> None:

@@ -211,6 +211,33 @@ def test_a_replay_equals_the_eager_step(tiny) -> None:
     same_step(replayed, eager, atol=2e-2)
 
 
+@torch.inference_mode()
+def test_a_burst_of_short_prompts_over_64_rows_replays_its_graph(tiny) -> None:
+    """6 prompts of 20 tokens beside 3 decode rows (123 rows, over the 64 of the running batch)
+    go in as decode rows of one step: once its 128-row graph is captured (one of the shapes the
+    idle engine captures, the prompt buckets last), the step replays it and gives the eager step's
+    logits and picks."""
+    s = paged(tiny)
+    runner = s.runner
+    assert runner.prompt_rows == 512 and {128, 256, 512} <= {rows for rows, _, _ in runner.shapes()}
+    tables = [s.blocks.allocate(64) for _ in range(9)]
+    for i, t in enumerate(tables[:3]):                                    # the decode rows' keys
+        runner.run([], [Chunk(list(range(10 + i, 30 + i)), 0, t)])
+    decodes = [Decode(11 + i, 20, t) for i, t in enumerate(tables[:3])]
+    prompts = [Chunk(list(range(40 + i, 60 + i)), 0, t) for i, t in enumerate(tables[3:])]
+    key = runner._shape(decodes + runner._prompt_rows(prompts), False)
+    assert key[0] == 128 and key in runner.shapes() and key not in runner.graphs
+    replays = []
+    replay = runner._replay
+    runner._replay = lambda rows, fuse: replays.append(len(rows)) or replay(rows, fuse)
+    eager = runner.run(decodes, prompts).clone()                          # no graph of its key yet: eager
+    assert replays == []
+    runner._capture(*key)
+    replayed = runner.run(decodes, prompts)                               # each writes the same keys
+    assert replays == [123] and replayed.shape == eager.shape == (3 + 6, eager.shape[1])
+    same_step(replayed, eager, atol=2e-2)
+
+
 def test_closing_frees_graphs_and_cache(tiny) -> None:
     """After a first engine (the process's first capture allocates the capture stream's cuBLAS
     workspace, kept as every stream's is), a second one's graphs and cache are all given back."""
