@@ -404,7 +404,16 @@ class Runner:
         missing = next((s for s in self.shapes() if s not in self.graphs), None)
         if missing is None:
             return False
-        self._capture(*missing)
+        if missing[0] <= self.max_rows:          # a decode step's: a failure reaches the worker, which stops graphs
+            self._capture(*missing)
+            return True
+        try:                                     # a prompt step's bucket, captured last: optional
+            self._capture(*missing)
+        except Exception:                        # out of memory, say: such steps stay eager, decode steps replay
+            logging.getLogger("wcodec.service").warning("capturing a %d-row prompt step failed; prompt steps over "
+                                                        "%d rows run eagerly", missing[0], self.max_rows, exc_info=True)
+            self.prompt_rows = self.max_rows
+            self.__dict__.pop("_shapes_total", None)   # shape_count without the prompt buckets
         return True
 
     def close(self) -> None:

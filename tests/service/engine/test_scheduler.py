@@ -238,6 +238,29 @@ def test_short_prompts_over_the_batch_take_buckets_up_to_the_step_budget(tiny) -
     assert paged(tiny, max_rows=8, max_tokens=4096).runner.prompt_rows == 512     # the largest bucket
 
 
+def test_a_prompt_bucket_that_cannot_be_captured_leaves_the_decode_graphs(tiny, monkeypatch, caplog) -> None:
+    """The idle engine captures the prompt buckets last; if one fails (out of memory, say), steps
+    of prompts over max_rows stay eager and every decode step's graph stays (a decode shape's
+    failure still reaches the worker, which stops graphs). Captures faked: this machine has no GPU."""
+    runner = paged(tiny, max_rows=8, max_tokens=100).runner
+    decode = [k for k in runner.shapes() if k[0] <= 8]
+
+    def capture(rows: int, width: int, fused: bool) -> None:
+        if rows > runner.max_rows:
+            raise torch.OutOfMemoryError("CUDA out of memory (faked)")
+        runner.graphs[(rows, width, fused)] = object()
+
+    monkeypatch.setattr(runner, "_capture", capture)
+    runner.use_graphs = True
+    assert runner.shape_count == len(runner.shapes()) > len(decode)
+    with caplog.at_level("WARNING", logger="wcodec.service"):
+        while runner.capture_next():
+            pass
+    assert sorted(runner.graphs) == sorted(decode) and runner.use_graphs
+    assert runner.prompt_rows == 8 and runner.shapes() == decode and runner.shape_count == len(decode)
+    assert "prompt step failed" in caplog.text
+
+
 def test_a_full_cache_makes_requests_wait(tiny) -> None:
     s = paged(tiny, max_rows=8, nbytes=1, max_total_tokens=64)        # 64 tokens: 4 blocks
     assert s.blocks.blocks == 4
