@@ -238,13 +238,14 @@ def served_runs(args: argparse.Namespace, device: str, env: dict[str, str], out:
         graphs = wait_for_graphs(url) if device == "cuda" else {}
         weight_bytes = metric(url, "wcodec_model_weight_bytes")
         host_bytes = metric(url, "wcodec_model_host_weight_bytes")          # fixed.HostEmbedding
+        reserved = metric(url, "wcodec_gpu_memory_reserved_bytes")         # weights, cache and every graph
         runs = {str(u): bench(url, u, args.duration, args.tokens, out, "bench" if u == 1 else args.scenario)
                 for u in [1, *args.users]}                                   # batch 1: greedy streams always
         graphs_after = metric(url, "wcodec_engine_cuda_graphs")
     finally:
         proc.terminate()
         proc.wait(60)
-    return {"weight_bytes": weight_bytes, "host_weight_bytes": host_bytes, "request_tokens_per_s_1": args.tokens / runs["1"]["latency_s"]["p50"],
+    return {"weight_bytes": weight_bytes, "host_weight_bytes": host_bytes, "gpu_reserved_bytes": reserved, "request_tokens_per_s_1": args.tokens / runs["1"]["latency_s"]["p50"],
             **{f"tokens_per_s_{u}": r["tokens_per_s"] for u, r in runs.items()},
             "ttft_p50": {u: r["ttft_s"]["p50"] for u, r in runs.items()},
             "errors": sum(r["errors"] for r in runs.values()), **graphs, "graphs_after": graphs_after, "runs": runs}

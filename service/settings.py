@@ -90,6 +90,8 @@ class Settings(BaseSettings):
     kv_cache_fraction: float = Field(0.5, gt=0, le=1)    # of the device memory free after the weights
     cuda_graphs: bool = True                     # decode steps replayed as CUDA graphs (decoded weights)
     prefill_wait_ms: float = Field(20.0, ge=0)   # with graphs: gather arrivals this long into one prefill
+    prompt_graph_rows: int | None = Field(None, ge=0)   # with graphs: steps of short prompts up to this many
+                                                 # rows replayed too (None: max_batch_tokens; at most 512)
     max_input_tokens: int = Field(1024, ge=1)
     max_total_tokens: int = Field(2048, ge=2)
     default_max_new_tokens: int = Field(100, ge=1)

@@ -73,6 +73,30 @@ def long_prompt(runner: Runner, tokens: int, sizes: list[int], dev: torch.device
     return {f"one prompt of {tokens} tokens in steps of {size}": timed(lambda: prefill(size), dev, 5) for size in sizes}
 
 
+def captured(runner: Runner) -> tuple[int, int]:
+    """Capture every graph shape as the idle engine does (decode steps first, then the prompt
+    buckets over max_rows); the device memory each part adds to the caching allocator's reserve
+    (the graphs' pool, with the first capture's cuBLAS workspace)."""
+    torch.cuda.synchronize()
+    start, mark = torch.cuda.memory_reserved(), None
+    while True:
+        if mark is None and next((k for k in runner.shapes() if k not in runner.graphs), (0,))[0] > runner.max_rows:
+            mark = torch.cuda.memory_reserved()          # every decode step's graph is in
+        if not runner.capture_next():
+            break
+    end = torch.cuda.memory_reserved()
+    mark = end if mark is None else mark
+    return mark - start, end - mark
+
+
+def weight_bytes(m: torch.nn.Module) -> int:
+    """Device bytes of the model's parameters and buffers, each storage once (joined matrices'
+    parts are views of them)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in [*m.parameters(), *m.buffers()]
+                if t.device.type == "cuda"}
+    return sum(storages.values())
+
+
 @torch.inference_mode()
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -102,10 +126,11 @@ def main() -> None:
         if args.long:
             steps |= long_prompt(runner, args.long, [int(n) for n in args.long_steps.split(",")], dev)
         if args.graphs and prompts:
-            t0 = time.perf_counter()
-            while runner.capture_next():
-                pass
-            print(f"{mode:10s} {len(runner.graphs)} graphs captured in {time.perf_counter() - t0:.1f} s", flush=True)
+            t0, pools = time.perf_counter(), captured(runner)
+            print(f"{mode:10s} {len(runner.graphs)} graphs captured in {time.perf_counter() - t0:.1f} s; the graphs' "
+                  f"memory (reserved, GiB): decode steps {pools[0] / 2**30:.3f}, then the prompt buckets "
+                  f"{pools[1] / 2**30:.3f} more (the weights {weight_bytes(m) / 2**30:.3f}, the cache "
+                  f"{cache.nbytes / 2**30:.3f})", flush=True)
             steps |= {f"{step}, graphs": s for step, s in burst(runner, prompts, t, dev).items()}
         for step, s in steps.items():
             over = f"  {s / seen[step]:.3f} of decoded's" if step in seen else ""

@@ -33,6 +33,7 @@ class CacheSettings:
     max_total_tokens: int = 2048      # WCODEC_MAX_TOTAL_TOKENS: the largest request
     cuda_graphs: bool = True          # WCODEC_CUDA_GRAPHS
     prefill_wait_s: float = 0.0       # WCODEC_PREFILL_WAIT_MS / 1e3
+    prompt_graph_rows: int | None = None   # WCODEC_PROMPT_GRAPH_ROWS (None: the step's token budget)
 
 
 def cache_tokens(served: ServedModel, max_rows: int, s: CacheSettings) -> int:
@@ -65,7 +66,7 @@ def scheduler(served: ServedModel, max_rows: int, max_tokens: int, s: CacheSetti
     fused = step_kernels.triton_kernels(served.device) if steps else None
     runner = Runner(served.model, cache, max_rows, blocks.blocks_for(min(s.max_total_tokens, served.max_positions)),
                     s.cuda_graphs and steps, step_kernels.cpu_kernels(served.device) if steps else None,
-                    prompt_rows=max_tokens)
+                    prompt_rows=min(max_tokens, max_tokens if s.prompt_graph_rows is None else s.prompt_graph_rows))
     if plain and (fused is not None or cpu_dtype.joins_exactly(served.model)):
         paged.fuse_projections(served.model)         # CUDA: faster; the CPU's linear16: also exact
     if fused is not None:                            # Triton's step once compiled (runner.py), the modules till then

@@ -409,9 +409,12 @@ class Runner:
             return True
         try:                                     # a prompt step's bucket, captured last: optional
             self._capture(*missing)
-        except Exception:                        # out of memory, say: such steps stay eager, decode steps replay
-            logging.getLogger("wcodec.service").warning("capturing a %d-row prompt step failed; prompt steps over "
-                                                        "%d rows run eagerly", missing[0], self.max_rows, exc_info=True)
+        except Exception as e:                   # out of memory, say: such steps stay eager, decode steps replay
+            # the exception's text, not the exception: a handler that keeps its records (pytest's) would
+            # keep the traceback's frames, and with them the failed graph's tensors, alive
+            logging.getLogger("wcodec.service").warning("capturing a %d-row prompt step failed (%s); prompt steps "
+                                                        "over %d rows run eagerly", missing[0],
+                                                        f"{type(e).__name__}: {e}", self.max_rows)
             self.prompt_rows = self.max_rows
             self.__dict__.pop("_shapes_total", None)   # shape_count without the prompt buckets
         return True

@@ -40,7 +40,7 @@ class Limits:
 def limits(s) -> Limits:
     """The engine's limits from the service's Settings."""
     cache = paging.CacheSettings(s.kv_block_size, s.kv_cache_bytes, s.kv_cache_fraction, s.max_total_tokens,
-                                 s.cuda_graphs, s.prefill_wait_ms / 1e3)
+                                 s.cuda_graphs, s.prefill_wait_ms / 1e3, s.prompt_graph_rows)
     return Limits(s.max_batch_size, s.max_batch_tokens, s.max_queue, s.batch_wait_ms / 1e3, s.engine, cache)
 
 

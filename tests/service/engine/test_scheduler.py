@@ -236,6 +236,11 @@ def test_short_prompts_over_the_batch_take_buckets_up_to_the_step_budget(tiny) -
     assert [runner._shape(rows(n), False)[0] for n in (5, 8, 9, 65, 100)] == [8, 8, 16, 100, 100]
     assert paged(tiny, max_rows=8, max_tokens=4).runner.prompt_rows == 8          # never under max_rows
     assert paged(tiny, max_rows=8, max_tokens=4096).runner.prompt_rows == 512     # the largest bucket
+    capped = paged(tiny, max_rows=8, max_tokens=100, prompt_graph_rows=32).runner  # WCODEC_PROMPT_GRAPH_ROWS
+    assert capped.prompt_rows == 32 and {k[0] for k in capped.shapes()} - {k[0] for k in decode} == {16, 32}
+    assert [capped._shape(rows(n), False)[0] for n in (9, 32)] == [16, 32]
+    assert paged(tiny, max_rows=8, max_tokens=100, prompt_graph_rows=0).runner.shapes() == decode   # none
+    assert paged(tiny, max_rows=8, max_tokens=100, prompt_graph_rows=1000).runner.prompt_rows == 100
 
 
 def test_a_prompt_bucket_that_cannot_be_captured_leaves_the_decode_graphs(tiny, monkeypatch, caplog) -> None:

@@ -238,6 +238,59 @@ def test_a_burst_of_short_prompts_over_64_rows_replays_its_graph(tiny) -> None:
     same_step(replayed, eager, atol=2e-2)
 
 
+@torch.inference_mode()
+def test_a_prompt_bucket_failing_inside_its_capture_leaves_the_decode_graphs(tiny, monkeypatch, caplog) -> None:
+    """A prompt bucket's capture that fails inside torch.cuda.graph (out of memory raised once the
+    step's kernels are captured, where a real one would strike) ends that capture and frees what it
+    held; every decode step's graph stays and replays the eager step's logits, and a step of 6
+    prompts beside 3 decode rows (123 rows) runs eagerly with the same logits as before."""
+    s = paged(tiny, max_total_tokens=64)
+    runner = s.runner
+    tables = [s.blocks.allocate(64) for _ in range(9)]
+    for i, t in enumerate(tables[:3]):                                    # the decode rows' keys
+        runner.run([], [Chunk(list(range(10 + i, 30 + i)), 0, t)])
+    decodes = [Decode(11 + i, 20, t) for i, t in enumerate(tables[:3])]
+    prompts = [Chunk(list(range(40 + i, 60 + i)), 0, t) for i, t in enumerate(tables[3:])]
+    burst = lambda: runner.run(decodes, prompts)
+    before, _ = from_one_cache(runner, burst, lambda: None)              # eager: no graph of its key yet
+    decode_keys = [k for k in runner.shapes() if k[0] <= runner.max_rows]
+    step, held = runner._step_of_graph, []
+
+    def failing(g, fused):
+        out = step(g, fused)
+        if g.rows > runner.max_rows and torch.cuda.is_current_stream_capturing():
+            held.append(torch.cuda.memory_allocated())
+            raise torch.OutOfMemoryError("CUDA out of memory (injected inside the capture)")
+        return out
+
+    monkeypatch.setattr(runner, "_step_of_graph", failing)
+    allocated = []
+    with caplog.at_level("WARNING", logger="wcodec.service"):
+        while runner.capture_next():
+            allocated.append(torch.cuda.memory_allocated())
+    assert "prompt step failed (OutOfMemoryError: CUDA out of memory (injected" in caplog.text and len(held) == 1
+    gc.collect()
+    torch.cuda.synchronize()
+    assert sorted(runner.graphs) == sorted(decode_keys) and runner.use_graphs and runner.prompt_rows == runner.max_rows
+    assert held[0] > allocated[-2] == torch.cuda.memory_allocated()     # the failed capture's tensors are freed
+    replays = []
+    replay = runner._replay
+    runner._replay = lambda rows, fuse: replays.append(len(rows)) or replay(rows, fuse)
+    snapshot = runner.cache.k.clone(), runner.cache.v.clone()
+    after = burst()
+    assert replays == [] and torch.equal(after, before)                   # eager, as before the failure
+    runner.cache.k.copy_(snapshot[0])
+    runner.cache.v.copy_(snapshot[1])
+
+    def run_eagerly():
+        runner.use_graphs = False
+        return runner.run(decodes, [])
+
+    replayed, eager = from_one_cache(runner, lambda: runner.run(decodes, []), run_eagerly)
+    assert replays == [3]
+    same_step(replayed, eager, atol=2e-2)
+
+
 def test_closing_frees_graphs_and_cache(tiny) -> None:
     """After a first engine (the process's first capture allocates the capture stream's cuBLAS
     workspace, kept as every stream's is), a second one's graphs and cache are all given back."""
