@@ -76,15 +76,20 @@ def long_prompt(runner: Runner, tokens: int, sizes: list[int], dev: torch.device
 def captured(runner: Runner) -> tuple[int, int]:
     """Capture every graph shape as the idle engine does (decode steps first, then the prompt
     buckets over max_rows); the device memory each part adds to the caching allocator's reserve
-    (the graphs' pool, with the first capture's cuBLAS workspace)."""
-    torch.cuda.synchronize()
-    start, mark = torch.cuda.memory_reserved(), None
+    (the graphs' pool, with the first capture's cuBLAS workspace), the allocator's free cache emptied
+    at each mark so that the eager steps' freed activations do not count."""
+    def reserved() -> int:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        return torch.cuda.memory_reserved()
+
+    start, mark = reserved(), None
     while True:
         if mark is None and next((k for k in runner.shapes() if k not in runner.graphs), (0,))[0] > runner.max_rows:
-            mark = torch.cuda.memory_reserved()          # every decode step's graph is in
+            mark = reserved()                            # every decode step's graph is in
         if not runner.capture_next():
             break
-    end = torch.cuda.memory_reserved()
+    end = reserved()
     mark = end if mark is None else mark
     return mark - start, end - mark
 

@@ -244,6 +244,7 @@ def test_a_prompt_bucket_failing_inside_its_capture_leaves_the_decode_graphs(tin
     step's kernels are captured, where a real one would strike) ends that capture and frees what it
     held; every decode step's graph stays and replays the eager step's logits, and a step of 6
     prompts beside 3 decode rows (123 rows) runs eagerly with the same logits as before."""
+    gc.collect()                                                          # earlier tests' garbage freed now, not below
     s = paged(tiny, max_total_tokens=64)
     runner = s.runner
     tables = [s.blocks.allocate(64) for _ in range(9)]
@@ -272,7 +273,7 @@ def test_a_prompt_bucket_failing_inside_its_capture_leaves_the_decode_graphs(tin
     gc.collect()
     torch.cuda.synchronize()
     assert sorted(runner.graphs) == sorted(decode_keys) and runner.use_graphs and runner.prompt_rows == runner.max_rows
-    assert held[0] > allocated[-2] == torch.cuda.memory_allocated()     # the failed capture's tensors are freed
+    assert torch.cuda.memory_allocated() <= allocated[-2] < held[0]     # the failed capture's tensors are freed
     replays = []
     replay = runner._replay
     runner._replay = lambda rows, fuse: replays.append(len(rows)) or replay(rows, fuse)
