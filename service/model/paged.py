@@ -82,11 +82,11 @@ class PagedCache:
 
 
 def forward(model: llama.LlamaForCausalLM, ids: torch.Tensor, ctx: Context, cache: PagedCache,
-            fused=None) -> torch.Tensor:
+            fused=None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Logits [R, V] (float32) of the tokens `ctx.last` (all N when None), after writing every
-    token's keys and values into `cache`. `fused`: cuda_ext/step_triton.py or step_kernels.cpu_kernels
-    (their kernels read the norms' weights directly: compressed mode keeps them decoded); None: the
-    modules, called."""
+    token's keys and values into `cache`; into `out` when given (a float32 [R, V] view: the runner's
+    graphs share one). `fused`: cuda_ext/step_triton.py or step_kernels.cpu_kernels (their kernels
+    read the norms' weights directly: compressed mode keeps them decoded); None: the modules, called."""
     m, ops = model.model, (Fused(fused) if fused is not None else MODULES)
     _masks(ctx, cache.block_size, ids.device, fused is None)                       # once a step, not a layer
     x = m.embed_tokens(ids)                                                        # [N, E]
@@ -103,7 +103,8 @@ def forward(model: llama.LlamaForCausalLM, ids: torch.Tensor, ctx: Context, cach
     x = x + h
     if ctx.last is not None:
         x = x[ctx.last]                                                            # [R, E]
-    return model.lm_head(m.norm(x)).float()                                        # [R, V]
+    logits = model.lm_head(m.norm(x))                                              # [R, V]
+    return logits.float() if out is None else out.copy_(logits)
 
 
 class Modules:

@@ -216,7 +216,7 @@ def test_a_burst_of_short_prompts_over_64_rows_replays_its_graph(tiny) -> None:
     """6 prompts of 20 tokens beside 3 decode rows (123 rows, over the 64 of the running batch)
     go in as decode rows of one step: once its 128-row graph is captured (one of the shapes the
     idle engine captures, the prompt buckets last), the step replays it and gives the eager step's
-    logits and picks."""
+    logits and picks. Its graph and a decode step's write their logits into one buffer."""
     s = paged(tiny)
     runner = s.runner
     assert runner.prompt_rows == 512 and {128, 256, 512} <= {rows for rows, _, _ in runner.shapes()}
@@ -236,6 +236,9 @@ def test_a_burst_of_short_prompts_over_64_rows_replays_its_graph(tiny) -> None:
     replayed = runner.run(decodes, prompts)                               # each writes the same keys
     assert replays == [123] and replayed.shape == eager.shape == (3 + 6, eager.shape[1])
     same_step(replayed, eager, atol=2e-2)
+    small = runner._capture(*runner._shape(decodes, False))
+    assert small.logits.data_ptr() == runner.graphs[key].logits.data_ptr() == runner.logits.data_ptr()   # one buffer
+    assert runner.logits.shape == (512, eager.shape[1])
 
 
 @torch.inference_mode()
