@@ -66,7 +66,7 @@ def scheduler(served: ServedModel, max_rows: int, max_tokens: int, s: CacheSetti
     fused = step_kernels.triton_kernels(served.device) if steps else None
     runner = Runner(served.model, cache, max_rows, blocks.blocks_for(min(s.max_total_tokens, served.max_positions)),
                     s.cuda_graphs and steps, step_kernels.cpu_kernels(served.device) if steps else None,
-                    prompt_rows=min(max_tokens, max_tokens if s.prompt_graph_rows is None else s.prompt_graph_rows))
+                    prompt_rows=max_tokens if s.prompt_graph_rows is None else min(max_tokens, s.prompt_graph_rows))
     if plain and (fused is not None or cpu_dtype.joins_exactly(served.model)):
         paged.fuse_projections(served.model)         # CUDA: faster; the CPU's linear16: also exact
     if fused is not None:                            # Triton's step once compiled (runner.py), the modules till then

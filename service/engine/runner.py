@@ -368,9 +368,9 @@ class Runner:
         kept = self.last_picks.clone()                                    # a launch in flight may read them next
         logits = self._step_of_graph(g, fused)                            # warm-up: lazy inits outside the graph
         self.last_picks.copy_(kept)
-        if self.logits is None:                  # one buffer for every graph's logits, outside their pool: a
-            self.logits = logits.new_empty(self.prompt_rows, logits.shape[1])   # graph's own held V floats a row
-        del logits                               # (a 7B's 140 graphs: 1.5 GB; H200, 2026-11-30)
+        if self.logits is None:                  # every graph's logits, outside their pool (each graph's own
+            self.logits = logits.new_empty(self.prompt_rows, logits.shape[1])   # were a 7B's 1.5 GB)
+        del logits
         torch.cuda.synchronize(self.device)
         g.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g.graph, pool=self.pool, capture_error_mode="thread_local"):
