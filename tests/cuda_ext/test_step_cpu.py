@@ -121,7 +121,8 @@ def test_opcheck() -> None:
 @torch.inference_mode()
 def test_paged_forward_with_the_cpu_ops_equals_the_modules() -> None:
     """A toy llama (grouped heads) through paged.forward: two prompts chunked, then decode steps of
-    both rows; the logits of the CPU ops' step equal the modules' step's bit for bit."""
+    both rows; the logits of the CPU ops' step equal the modules' step's bit for bit, its decode
+    steps' written into the rows of a given buffer (`out`, as the runner's graphs do)."""
     config = llama.LlamaConfig.parse({"model_type": "llama", "vocab_size": 96, "hidden_size": 128,
                                       "intermediate_size": 160, "num_hidden_layers": 2, "num_attention_heads": 4,
                                       "num_key_value_heads": 2, "rms_norm_eps": 1e-5})
@@ -148,8 +149,10 @@ def test_paged_forward_with_the_cpu_ops_equals_the_modules() -> None:
             pos = torch.tensor(positions)
             slots = torch.tensor([tables[r][p // 16] * 16 + p % 16 for r, p in enumerate(positions)])
             ctx = paged.Context(pos, slots, 2, torch.tensor(tables), pos + 1, keys=int(pos.max()) + 1)
-            out = paged.forward(model, torch.tensor(tokens), ctx, cache, kernels)
-            steps.append(out)
+            shared = torch.empty(4, 96) if kernels else None                 # the runner's graphs' logits buffer
+            out = paged.forward(model, torch.tensor(tokens), ctx, cache, kernels, None if shared is None else shared[:2])
+            assert shared is None or out.data_ptr() == shared.data_ptr()
+            steps.append(out.clone())
             tokens, positions = out.argmax(-1).tolist(), [p + 1 for p in positions]
         logits[name] = torch.cat(steps)
     assert torch.equal(logits["cpu"], logits["modules"])
