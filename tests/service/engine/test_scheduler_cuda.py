@@ -146,6 +146,30 @@ def same_step(replayed: torch.Tensor, eager: torch.Tensor, places: int = 0, atol
     assert torch.equal(replayed.argmax(-1), eager.argmax(-1))
 
 
+def a_burst(s) -> tuple[list[Decode], list[Chunk]]:
+    """3 decode rows (their keys written) and 6 prompts of 20 tokens: 123 rows as decode rows."""
+    tables = [s.blocks.allocate(64) for _ in range(9)]
+    for i, t in enumerate(tables[:3]):
+        s.runner.run([], [Chunk(list(range(10 + i, 30 + i)), 0, t)])
+    return ([Decode(11 + i, 20, t) for i, t in enumerate(tables[:3])],
+            [Chunk(list(range(40 + i, 60 + i)), 0, t) for i, t in enumerate(tables[3:])])
+
+
+def count_replays(runner) -> list[int]:
+    """The rows of each graph replay of `runner` from now on."""
+    replays, replay = [], runner._replay
+    runner._replay = lambda rows, fuse: replays.append(len(rows)) or replay(rows, fuse)
+    return replays
+
+
+def eagerly(runner, decodes: list[Decode]):
+    """A step of `decodes` with graphs off (from_one_cache's second run)."""
+    def run():
+        runner.use_graphs = False
+        return runner.run(decodes, [])
+    return run
+
+
 @torch.inference_mode()
 def test_decode_rows_alone_take_the_fused_op_up_to_64_rows(untied_tiny_archive, monkeypatch) -> None:
     """The fixed-rate form: a step of 40 decode rows replays a 64-row graph captured with the fused
@@ -202,11 +226,7 @@ def test_a_replay_equals_the_eager_step(tiny) -> None:
     for i, t in enumerate(tables):                                        # some keys in the cache
         s.runner.run([], [Chunk(list(range(10 + i, 30 + 4 * i)), 0, t)])
     decodes = [Decode(11, 20 + 3 * i, t) for i, t in enumerate(tables)]
-    def run_eagerly():
-        s.runner.use_graphs = False
-        return s.runner.run(decodes, [])
-
-    replayed, eager = from_one_cache(s.runner, lambda: s.runner.run(decodes, []), run_eagerly)
+    replayed, eager = from_one_cache(s.runner, lambda: s.runner.run(decodes, []), eagerly(s.runner, decodes))
     print("largest |replay - eager| logit:", float((replayed - eager).abs().max()))
     same_step(replayed, eager, atol=2e-2)
 
@@ -220,16 +240,10 @@ def test_a_burst_of_short_prompts_over_64_rows_replays_its_graph(tiny) -> None:
     s = paged(tiny)
     runner = s.runner
     assert runner.prompt_rows == 512 and {128, 256, 512} <= {rows for rows, _, _ in runner.shapes()}
-    tables = [s.blocks.allocate(64) for _ in range(9)]
-    for i, t in enumerate(tables[:3]):                                    # the decode rows' keys
-        runner.run([], [Chunk(list(range(10 + i, 30 + i)), 0, t)])
-    decodes = [Decode(11 + i, 20, t) for i, t in enumerate(tables[:3])]
-    prompts = [Chunk(list(range(40 + i, 60 + i)), 0, t) for i, t in enumerate(tables[3:])]
+    decodes, prompts = a_burst(s)
     key = runner._shape(decodes + runner._prompt_rows(prompts), False)
     assert key[0] == 128 and key in runner.shapes() and key not in runner.graphs
-    replays = []
-    replay = runner._replay
-    runner._replay = lambda rows, fuse: replays.append(len(rows)) or replay(rows, fuse)
+    replays = count_replays(runner)
     eager = runner.run(decodes, prompts).clone()                          # no graph of its key yet: eager
     assert replays == []
     runner._capture(*key)
@@ -250,11 +264,7 @@ def test_a_prompt_bucket_failing_inside_its_capture_leaves_the_decode_graphs(tin
     gc.collect()                                                          # earlier tests' garbage freed now, not below
     s = paged(tiny, max_total_tokens=64)
     runner = s.runner
-    tables = [s.blocks.allocate(64) for _ in range(9)]
-    for i, t in enumerate(tables[:3]):                                    # the decode rows' keys
-        runner.run([], [Chunk(list(range(10 + i, 30 + i)), 0, t)])
-    decodes = [Decode(11 + i, 20, t) for i, t in enumerate(tables[:3])]
-    prompts = [Chunk(list(range(40 + i, 60 + i)), 0, t) for i, t in enumerate(tables[3:])]
+    decodes, prompts = a_burst(s)
     burst = lambda: runner.run(decodes, prompts)
     before, _ = from_one_cache(runner, burst, lambda: None)              # eager: no graph of its key yet
     decode_keys = [k for k in runner.shapes() if k[0] <= runner.max_rows]
@@ -277,20 +287,10 @@ def test_a_prompt_bucket_failing_inside_its_capture_leaves_the_decode_graphs(tin
     torch.cuda.synchronize()
     assert sorted(runner.graphs) == sorted(decode_keys) and runner.use_graphs and runner.prompt_rows == runner.max_rows
     assert torch.cuda.memory_allocated() <= allocated[-2] < held[0]     # the failed capture's tensors are freed
-    replays = []
-    replay = runner._replay
-    runner._replay = lambda rows, fuse: replays.append(len(rows)) or replay(rows, fuse)
-    snapshot = runner.cache.k.clone(), runner.cache.v.clone()
-    after = burst()
+    replays = count_replays(runner)
+    after, _ = from_one_cache(runner, burst, lambda: None)
     assert replays == [] and torch.equal(after, before)                   # eager, as before the failure
-    runner.cache.k.copy_(snapshot[0])
-    runner.cache.v.copy_(snapshot[1])
-
-    def run_eagerly():
-        runner.use_graphs = False
-        return runner.run(decodes, [])
-
-    replayed, eager = from_one_cache(runner, lambda: runner.run(decodes, []), run_eagerly)
+    replayed, eager = from_one_cache(runner, lambda: runner.run(decodes, []), eagerly(runner, decodes))
     assert replays == [3]
     same_step(replayed, eager, atol=2e-2)
 
