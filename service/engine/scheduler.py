@@ -6,8 +6,8 @@ Each `step()`:
   1. rows that finished or were cancelled leave; their blocks go back (blocks.py);
   2. admit: waiting rows, first come first served, while rows are free and the cache has the
      blocks of their whole budget (prompt + max_new_tokens); the others wait. With CUDA graphs, while
-     rows are decoding, admission waits up to `prefill_wait_s` to gather arrivals into one eager
-     step (a step with a prompt chunk is not captured);
+     rows are decoding, admission waits up to `prefill_wait_s` to gather arrivals into one prompt
+     step (whole short prompts replay a prompt bucket's graph, runner.py; longer ones run eager);
   3. chunk: the token budget (`max_tokens` less one per decoding row) goes to the prefilling rows'
      prompts in order, a chunk each, so a long prompt never stalls the decoding rows; a row that
      scores its prompt (prompt_logprobs) gets logits at every token of its chunk, such rows
