@@ -309,9 +309,13 @@ CODECS = {c.name: c for c in (Raw(), Float(), GGUF(), Int8())}
 INT8_MIN_ELEMENTS = 4096               # smaller 2-D tensors stay lossless
 
 
-def int8_applies(dtype: str, shape: tuple[int, ...]) -> bool:
-    """Which tensors `--codec int8` quantizes: floating 2-D weights of at least 4096 elements."""
-    return dtype in COMPUTE_DTYPES and len(shape) == 2 and shape[0] * shape[1] >= INT8_MIN_ELEMENTS
+def int8_applies(dtype: str, shape: tuple[int, ...], payload) -> bool:
+    """Which tensors `--codec int8` quantizes: floating 2-D weights of at least 4096 elements, all
+    finite. A NaN or an infinity stays lossless: its row's scale (max |w| / 127) would be infinite
+    and every value of the row decode as NaN."""
+    if not (dtype in COMPUTE_DTYPES and len(shape) == 2 and shape[0] * shape[1] >= INT8_MIN_ELEMENTS):
+        return False
+    return bool(torch.from_numpy(payload).view(getattr(torch, dtype)).isfinite().all())
 
 
 def encode(dtype: str, payload, shape: tuple[int, ...] = (), lossy: str | None = None,
@@ -326,14 +330,15 @@ def encode_many(items: list[tuple[str, object, tuple[int, ...]]], lossy: str | N
     the 2-D float weights are int8-coded; floats are float-coded unless raw storage is no larger;
     anything else is raw. `coder` prepares the planes to rANS-code (floatcodec.ReferenceCoder): the
     float planes of all the items in one prepare_many call (the CUDA coder waits once for them)."""
-    floats = [k for k, (dtype, payload, shape) in enumerate(items) if float_coded(dtype, payload, shape, lossy)]
+    int8s = {k for k, (dtype, payload, shape) in enumerate(items) if int8_coded(dtype, payload, shape, lossy)}
+    floats = [k for k, (dtype, payload, _) in enumerate(items) if k not in int8s and float_applies(dtype, payload)]
     float_codec = CODECS[CODEC_FLOAT]
     prepared = dict(zip(floats, coder.prepare_many([float_codec.plane(*items[k][:2]) for k in floats])))
     out = []
     for k, (dtype, payload, shape) in enumerate(items):
         if isinstance(payload, gguf_blocks.Blocks):
             out.append(CODECS[CODEC_GGUF].encode(dtype, payload, coder))
-        elif k not in prepared and lossy == CODEC_INT8 and int8_applies(dtype, tuple(shape)):
+        elif k in int8s:
             w = torch.from_numpy(payload).view(getattr(torch, dtype)).reshape(shape).float().numpy()
             out.append(CODECS[CODEC_INT8].encode(dtype, w, coder))
         else:
@@ -342,7 +347,15 @@ def encode_many(items: list[tuple[str, object, tuple[int, ...]]], lossy: str | N
     return out
 
 
+def int8_coded(dtype: str, payload, shape: tuple[int, ...], lossy: str | None) -> bool:
+    """`--codec int8` quantizes this tensor (int8_applies)."""
+    return lossy == CODEC_INT8 and not isinstance(payload, gguf_blocks.Blocks) and int8_applies(dtype, tuple(shape), payload)
+
+
+def float_applies(dtype: str, payload) -> bool:
+    return not isinstance(payload, gguf_blocks.Blocks) and CODECS[CODEC_FLOAT].applies(dtype)
+
+
 def float_coded(dtype: str, payload, shape: tuple[int, ...], lossy: str | None) -> bool:
     """The float codec (lossless) is tried on this tensor."""
-    return not isinstance(payload, gguf_blocks.Blocks) and CODECS[CODEC_FLOAT].applies(dtype) \
-        and not (lossy == CODEC_INT8 and int8_applies(dtype, tuple(shape)))
+    return float_applies(dtype, payload) and not int8_coded(dtype, payload, shape, lossy)

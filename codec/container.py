@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import secrets
 import struct
 import threading
 import time
@@ -109,13 +110,22 @@ def checksum_fault(data, record: dict) -> str | None:
 PREFILL_CHUNK = 64 << 20
 
 
+def temp_path(path: str) -> str:
+    """The name a file is written under before it is renamed to `path`: beside it (one file system,
+    so the rename is atomic) and unique to this process and call, so that two writers of one path,
+    or a user's own file of a fixed name, never meet. Created exclusively; a writer that fails
+    removes it, a killed one leaves it (never a file at `path` that a reader accepts)."""
+    return f"{path}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
+
+
 class Prefill:
-    """Zeros written into ``path + ".tmp"`` (the Writer's file), up to `nbytes`, on a thread started
+    """Zeros written into the Writer's file (temp_path(path)), up to `nbytes`, on a thread started
     now, until a Writer takes the file (`take`) or `discard` removes it. Best effort: an error (no
     such folder, a full disk) ends the filling quietly, and the Writer meets it itself."""
 
     def __init__(self, path: str | os.PathLike, nbytes: int):
-        self.tmp, self.nbytes, self.filled, self.seconds = os.fspath(path) + ".tmp", nbytes, 0, 0.0
+        self.path = os.fspath(path)
+        self.tmp, self.nbytes, self.filled, self.seconds = temp_path(self.path), nbytes, 0, 0.0
         self._stop, self._taken, self._fd = threading.Event(), False, None
         self._thread = threading.Thread(target=self._fill, name="wcodec-prefill", daemon=True)
         self._thread.start()
@@ -123,7 +133,7 @@ class Prefill:
     def _fill(self) -> None:
         t0 = time.perf_counter()
         try:
-            self._fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            self._fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             zeros = memoryview(bytes(min(PREFILL_CHUNK, self.nbytes)))
             while self.filled < self.nbytes and not self._stop.is_set():
                 self.filled += os.pwrite(self._fd, zeros[:self.nbytes - self.filled], self.filled)
@@ -158,31 +168,38 @@ class Prefill:
 class Writer:
     """Appends aligned blobs to a new archive; `finish(header)` writes the header and preamble.
 
-    Writes to ``path + ".tmp"`` and renames on success, so a failed compress leaves nothing.
-    `prefill`: that file's Prefill (its pages are written over, not made anew)."""
+    Writes to temp_path(path) and renames on success, so a failed compress leaves nothing and an
+    existing file at `path` stays until the new one replaces it whole. Every OSError is a CodecError
+    naming `path`. `prefill`: that file's Prefill (its pages are written over, not made anew)."""
 
     def __init__(self, path: str | os.PathLike, prefill: Prefill | None = None):
         self.path = os.fspath(path)
-        self._tmp = self.path + ".tmp"
-        if prefill is not None and prefill.tmp != self._tmp:
-            raise ValueError(f"the prefill of {prefill.tmp} is not this writer's file {self._tmp}")
+        if prefill is not None and prefill.path != self.path:
+            raise ValueError(f"the prefill of {prefill.path} is not this writer's file {self.path}")
+        if os.path.isdir(self.path):
+            raise errors.CodecError(self.path, "is a directory")
+        self._tmp = temp_path(self.path) if prefill is None else prefill.tmp
         try:
-            self._f = open(self._tmp, "r+b" if prefill is not None and prefill.take() else "wb")
+            self._f = open(self._tmp, "r+b" if prefill is not None and prefill.take() else "xb")
         except OSError as e:
             raise errors.CodecError(self.path, f"cannot create: {e.strerror or e}") from None
-        self._f.write(b"\0" * DATA_ALIGN)
-        self._pos = DATA_ALIGN
+        self._pos = 0
+        self._write(b"\0" * DATA_ALIGN)
+
+    def _write(self, data) -> None:
+        try:
+            self._f.write(data)
+        except OSError as e:
+            raise errors.CodecError(self.path, f"cannot write: {e.strerror or e}") from None
+        self._pos += len(data)
 
     def add(self, data, sums: dict | None = None) -> dict:
         """Write one blob (bytes-like); returns its {offset, length, crc32, xxh3} record. `sums`:
         the blob's checksums(), when the caller has made them already (on other threads)."""
-        pad = (-self._pos) % STREAM_ALIGN
-        self._f.write(b"\0" * pad)
-        self._pos += pad
+        self._write(b"\0" * ((-self._pos) % STREAM_ALIGN))
         view = memoryview(data).cast("B")
-        self._f.write(view)
         record = {"offset": self._pos, "length": len(view), **(sums or checksums(view))}
-        self._pos += len(view)
+        self._write(view)
         return record
 
     def finish(self, header: dict) -> int:
@@ -192,18 +209,23 @@ class Writer:
         body = json.dumps(header, separators=(",", ":")).encode()
         if len(body) > MAX_HEADER_BYTES:
             raise errors.HeaderError(self.path, f"header of {len(body)} bytes exceeds {MAX_HEADER_BYTES}")
-        self._f.write(body)
-        end = self._pos + len(body)
-        pre = Preamble(FORMAT_MAJOR, minor, self._pos, len(body), crc32(body), DATA_ALIGN, end)
-        self._f.seek(0)
-        self._f.write(pre.pack())
-        self._f.truncate(end)                  # a prefill may have made it longer
-        self._f.close()
-        os.replace(self._tmp, self.path)
-        return end
+        pre = Preamble(FORMAT_MAJOR, minor, self._pos, len(body), crc32(body), DATA_ALIGN, self._pos + len(body))
+        self._write(body)
+        try:
+            self._f.seek(0)
+            self._f.write(pre.pack())
+            self._f.truncate(pre.file_length)      # a prefill may have made it longer
+            self._f.close()
+            os.replace(self._tmp, self.path)
+        except OSError as e:
+            raise errors.CodecError(self.path, f"cannot write: {e.strerror or e}") from None
+        return pre.file_length
 
     def abort(self) -> None:
-        self._f.close()
+        try:
+            self._f.close()
+        except OSError:                         # its buffer's flush on a full disk: the file goes anyway
+            pass
         if os.path.exists(self._tmp):
             os.unlink(self._tmp)
 
@@ -277,6 +299,10 @@ def _read_preamble(path: str, buf: np.ndarray) -> Preamble:
     if pre.major != FORMAT_MAJOR:
         raise errors.UnsupportedVersion(path, f"format version {pre.major}.{pre.minor} is not supported "
                                               f"(this reader reads {FORMAT_MAJOR}.x)")
+    if f[3]:
+        raise errors.UnsupportedVersion(path, f"preamble flags {f[3]:#x} name features this reader does not know")
+    if f[7] or f[10]:
+        raise errors.HeaderError(path, "preamble's reserved fields are not 0")
     if pre.file_length != len(buf):
         kind = errors.TruncatedFile if len(buf) < pre.file_length else errors.HeaderError
         raise kind(path, f"file is {len(buf)} bytes but its preamble says {pre.file_length}")

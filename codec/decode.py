@@ -175,13 +175,27 @@ def _tensor_view(out: mmap.mmap, offset: int, e: TensorEntry) -> torch.Tensor:
 def decompress(src: str | os.PathLike, dst: str | os.PathLike, *, workers: int | None = None,
                loader=None) -> int:
     """Archive -> a plain .safetensors file. `loader(path)` decodes (default: this module's load;
-    the CLI passes the extension's, which uses the C++ twin when it is built)."""
+    the CLI passes the extension's, which uses the C++ twin when it is built). Written beside `dst`
+    under a temporary name and renamed, so a failure leaves nothing and replaces nothing."""
     from safetensors import SafetensorError
     from safetensors.torch import save_file
+
+    from .container import temp_path
+    from .sources import SAFETENSORS_RESERVED, refuse_destination
+    refuse_destination(src, dst)
+    if os.path.isdir(dst):
+        raise errors.CodecError(dst, "is a directory")
     model = (loader or (lambda p: load(p, workers=workers)))(src)
+    if SAFETENSORS_RESERVED in model.state_dict:
+        raise errors.CodecError(dst, f"a tensor is named {SAFETENSORS_RESERVED!r}, which safetensors reserves for "
+                                     "its metadata: the file could not be read back")
     meta = {"format": "pt", "wcodec_source": os.path.basename(os.fspath(src))}
+    tmp = temp_path(os.fspath(dst))
     try:
-        save_file(model.state_dict, os.fspath(dst), metadata=meta)
+        save_file(model.state_dict, tmp, metadata=meta)
+        os.replace(tmp, dst)
     except (OSError, SafetensorError) as e:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
         raise errors.CodecError(dst, f"cannot write: {e}") from None
     return sum(t.nbytes for t in model.state_dict.values())

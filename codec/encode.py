@@ -19,7 +19,7 @@ from .container import Prefill, Summed, Writer, blob_checksums, crc32
 from .entries import DTYPES, dtype_name
 from .parallel import WORKER_STATE, balanced_limit, default_workers, ordered_map
 from .reads import BatchReader
-from .sources import CheckpointSource, StateDictSource, layer_index, layer_order, open_source
+from .sources import CheckpointSource, StateDictSource, layer_index, layer_order, open_source, refuse_destination
 from .stagetimes import StageTimes
 
 BATCH_ELEMENTS = 48 << 20          # elements per encode job: big enough to fill the lanes
@@ -259,6 +259,7 @@ def compress(src: str | os.PathLike, dst: str | os.PathLike, *, workers: int | N
     encode_tensors' (`wcodec compress` passes the extension's on the device it picked). `prefill`:
     `dst`'s, started before (codec/container.py)."""
     keep = gguf_keep and lossy is None
+    refuse_destination(src, dst)
     with open_source(src, gguf_dtype=gguf_dtype, gguf_keep=keep) as source:
         return compress_source(source, dst, workers=workers, lossy=lossy, progress=progress, coder=coder,
                                prefill=prefill)

@@ -9,7 +9,7 @@ import torch
 from . import errors
 from .codecs import CODECS, GGUFParams
 from .constants import STREAM_ALIGN
-from .floatcodec import FloatParams
+from .floatcodec import FloatParams, min_stream_bytes
 
 # Every dtype an archive may hold; which codecs apply to which is the codec table's (codecs.py).
 DTYPES: dict[str, torch.dtype] = {
@@ -75,6 +75,8 @@ class TensorEntry:
         if rec.get("nbytes") != math.prod(shape) * itemsize or not _is_crc(rec.get("crc32")):
             raise bad("nbytes or crc32 disagree with the shape")
         n = math.prod(shape)
+        if n * itemsize > MAX_DIM:
+            raise bad("shape holds more bytes than an int64 counts")
         params = row.parse(rec.get("params"), tuple(shape), dtype, bad)
         streams = rec.get("streams")
         needed = row.roles(dtype, params)
@@ -88,6 +90,8 @@ class TensorEntry:
         planes = row.raw_lengths(n, itemsize, params)
         if any(streams[role]["length"] != size for role, size in planes.items() if role in streams):
             raise bad("a plane's length disagrees with the shape")
+        if any(streams[role]["length"] < min_stream_bytes(p) for role, p in row.coded(dtype, params).items()):
+            raise bad("a coded stream is shorter than the segments its shape needs")
         layer = rec.get("layer")
         if layer is not None and not _is_uint(layer):
             raise bad("layer is not a non-negative integer")

@@ -144,6 +144,13 @@ def _directory_size(p: FloatParams) -> int:
     return 12 * p.n_segments + 4 * (p.n_tables + 1)
 
 
+def min_stream_bytes(p: FloatParams) -> int:
+    """The fewest bytes an exp stream of these params can hold: its directory, and each segment's
+    states (segments never overlap). A header whose shape claims more symbols than its stream can
+    code is refused on this before any output is allocated."""
+    return _directory_size(p) + p.n_segments * STATE_BYTES
+
+
 def _align(n: int, a: int) -> int:
     return -(-n // a) * a
 

@@ -26,7 +26,7 @@ import torch
 from safetensors import safe_open
 
 from .checkpoint import CheckpointSource, TensorInfo
-from .errors import SourceError
+from .errors import CodecError, SourceError
 from .reads import pread_full
 
 SIDE_FILES = (  # embedded beside the weights; sentence-transformers side files are not needed
@@ -37,6 +37,7 @@ SIDE_FILES = (  # embedded beside the weights; sentence-transformers side files 
 PICKLE_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle"})
 SAFETENSORS_SINGLE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_RESERVED = "__metadata__"  # a header key of the format, never a tensor's name
 
 GGUF_MAGIC = b"GGUF"
 ZIP_MAGIC = b"PK\x03\x04"  # torch.save archives
@@ -243,6 +244,22 @@ def open_source(path: str | os.PathLike[str], *, gguf_dtype: torch.dtype = torch
     if kind == "safetensors":
         return SafetensorsSource(p, [p], _read_side_files(p.parent))
     raise SourceError(p, "not a safetensors or GGUF file")
+
+
+def refuse_destination(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+    """A CodecError naming `dst` where writing it would replace a file the input is made of: `src`
+    itself (a checkpoint, or the archive being decompressed), or the weights, index or side files
+    of a source folder. A new file in the source folder, or an old archive there, is fine."""
+    s, d = Path(src), Path(dst)
+    if not d.is_file() or not s.exists():
+        return
+    if s.is_dir():
+        ours = d.name in SIDE_FILES or d.name == SAFETENSORS_INDEX or d.suffix.lower() in {".safetensors", ".gguf"}
+        hit = ours and d.resolve().parent == s.resolve()
+    else:
+        hit = os.path.samefile(s, d)
+    if hit:
+        raise CodecError(d, f"is part of the input {s}: writing it would destroy what is being read; write elsewhere")
 
 
 # --- ordering ------------------------------------------------------------------------------------

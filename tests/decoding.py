@@ -52,3 +52,25 @@ def decode_whole(path) -> dict[str, torch.Tensor]:
         p = plans.build(archive.entries, archive.path)
         data = torch.from_numpy(archive.reader.buf[p.start:p.end].copy())
         return cuda_ext.decode_plan(p, data, archive.path)
+
+
+def overlapping_segments(path) -> tuple[plans.Plan, torch.Tensor, tuple]:
+    """An archive at `path` of one bf16 tensor whose two segments are the same symbols, then its
+    data with the second segment's offset pointed at the first: (plan, bad data, the good data's
+    index). Each segment would decode to the right bits; the directory breaks the format (segments
+    never overlap), which every decoder must refuse."""
+    from codec.constants import SEGMENT_SYMBOLS
+    from codec.decode import Archive
+    from codec.encode import compress_state_dict
+    from cuda_ext import ops
+    from tests.tensors import make_tensor
+    half = make_tensor(torch.bfloat16, (SEGMENT_SYMBOLS,), 7, "normal")
+    compress_state_dict({"w": torch.cat([half, half])}, path, workers=1)
+    with Archive.open(path) as archive:
+        p = plans.build(archive.entries, archive.path)
+        data = torch.from_numpy(archive.reader.buf[p.start:p.end].copy())
+    index = run_op(ops.reference_decode_pieces, data, p, plans.MODE_RECORD, 256)[2]
+    exp_off = int(p.desc[0, plans.DESC_FIELDS.index("exp_off")])
+    assert not torch.equal(data[exp_off:exp_off + 8], data[exp_off + 8:exp_off + 16])
+    data[exp_off + 8:exp_off + 16] = data[exp_off:exp_off + 8].clone()        # seg_off[1] = seg_off[0]
+    return p, data, index

@@ -214,6 +214,61 @@ def test_missing_paths_are_one_line_errors(tiny: Path, tiny_archive: Path, tmp_p
     assert_one_error_line(*run(capsys, *args), "missing" if "missing" in " ".join(args) else "no/such")
 
 
+def test_writing_over_the_input_is_refused_and_the_input_kept(tiny: Path, tiny_archive: Path, tmp_path: Path,
+                                                              capsys) -> None:
+    src, arc = tmp_path / "src.safetensors", tmp_path / "arc.wcodec"
+    src.write_bytes(tiny.read_bytes())
+    arc.write_bytes(tiny_archive.read_bytes())
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(tiny.read_bytes())
+    for argv in (["compress", src, src, "--codec", "int8"], ["decompress", arc, arc],
+                 ["compress", folder, folder / "model.safetensors"], ["compress", folder, folder / "config.json"]):
+        assert_one_error_line(*run(capsys, *argv), str(argv[2]), "destroy")
+    assert src.read_bytes() == tiny.read_bytes() and arc.read_bytes() == tiny_archive.read_bytes()
+    assert (folder / "model.safetensors").read_bytes() == tiny.read_bytes() and (folder / "config.json").read_text() == "{}"
+    assert run(capsys, "compress", folder, folder / "model.wcodec")[0] == 0     # a new file beside the source is fine
+
+
+def test_the_files_beside_the_destination_are_left_alone(tiny: Path, tiny_archive: Path, tmp_path: Path,
+                                                         capsys) -> None:
+    """The writers' temporary files are unique names (codec/container.temp_path): a user's own
+    DST.tmp survives both commands, and nothing else is left."""
+    for argv, dst in ((["compress", tiny], tmp_path / "x.wcodec"), (["decompress", tiny_archive], tmp_path / "x.safetensors")):
+        mine = dst.with_name(dst.name + ".tmp")
+        mine.write_text("my notes")
+        assert run(capsys, *argv, dst)[0] == 0
+        assert mine.read_text() == "my notes" and sorted(tmp_path.glob(dst.name + "*")) == [dst, mine]
+
+
+def test_a_directory_destination_is_named_in_one_line(tiny: Path, tiny_archive: Path, tmp_path: Path, capsys) -> None:
+    for argv in (["compress", tiny, tmp_path], ["decompress", tiny_archive, tmp_path]):
+        assert_one_error_line(*run(capsys, *argv), f"{tmp_path}: is a directory")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_decompress_refuses_the_name_safetensors_reserves(tmp_path: Path, capsys) -> None:
+    from codec.encode import compress_state_dict
+    compress_state_dict({"__metadata__": torch.ones(4), "w": torch.zeros(3)}, tmp_path / "m.wcodec", workers=1)
+    assert_one_error_line(*run(capsys, "decompress", tmp_path / "m.wcodec", tmp_path / "m.safetensors"),
+                          "__metadata__")
+    assert not (tmp_path / "m.safetensors").exists()
+
+
+def test_ppl_text_problems_are_one_line_before_anything_is_written(tiny: Path, tmp_path: Path, capsys) -> None:
+    text, latin = tmp_path / "t.txt", tmp_path / "latin1.txt"
+    text.write_text("The capital of France is Paris.")
+    latin.write_bytes("caf\xe9".encode("latin-1"))
+    dst = tmp_path / "o.wcodec"
+    for argv, needle in ((["--ppl-text", text], "--codec int8"),
+                         (["--codec", "int8", "--ppl-text", tmp_path / "missing.txt"], "missing.txt"),
+                         (["--codec", "int8", "--ppl-text", latin], "not UTF-8"),
+                         (["--codec", "int8", "--ppl-text", text], "--ppl-text: ")):    # no config.json: no LM
+        assert_one_error_line(*run(capsys, "compress", tiny, dst, *argv), needle)
+        assert list(tmp_path.glob("o.wcodec*")) == []
+
+
 def test_keyboard_interrupt_exits_130(tiny: Path, tmp_path: Path, monkeypatch, capsys) -> None:
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt

@@ -9,7 +9,7 @@ import pytest
 from codec.decode import load
 from tests.faults.crash import kill_compress
 
-# where to kill, as a share of the finished archive's size written to DST.tmp: as soon as it exists,
+# where to kill, as a share of the finished archive's size written beside DST: as soon as it exists,
 # a quarter, half and nine tenths of the way
 KILL_AT = [0.0, 0.25, 0.5, 0.9]
 

@@ -68,12 +68,38 @@ def _coder(device: str):
         raise bench.DeviceUnavailable(str(e)) from None
 
 
+def _ppl_text(path: str | None, codec: str) -> str | None:
+    """The text of --ppl-text, read before anything is written."""
+    if path is None:
+        return None
+    if codec != "int8":
+        raise CliError("--ppl-text measures a lossy compress: give it with --codec int8")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError:
+        raise CliError(f"{path}: not UTF-8 text") from None
+
+
+def _perplexity(fn, *args) -> float:
+    """One side of --ppl-text's report; a model that cannot be built from the checkpoint is one line."""
+    from service.errors import ServiceError
+    try:
+        return fn(*args)
+    except ServiceError as e:
+        raise CliError(f"--ppl-text: {e}") from None
+
+
 def cmd_compress(args: argparse.Namespace) -> int:
+    text = _ppl_text(args.ppl_text, args.codec)
     times = StageTimes()
     times.add("start-up/import", IMPORT_SECONDS)
     with times.stage("start-up/coder"):
         coder = _coder(args.device)
     times.print_if_asked()
+    if text is not None:
+        from . import quality
+        before = _perplexity(quality.source_perplexity, args.src, text, FLOAT_CHOICES[args.gguf_dtype])
     update, close = _progress_bar()
     try:
         stats = compress(args.src, args.dst, workers=args.workers, gguf_dtype=FLOAT_CHOICES[args.gguf_dtype],
@@ -85,11 +111,7 @@ def cmd_compress(args: argparse.Namespace) -> int:
         print(args.prefill.report(), file=sys.stderr)
     if stats.quality is not None:
         from . import quality
-        ppl = None
-        if args.ppl_text:
-            with open(args.ppl_text, encoding="utf-8") as f:
-                text = f.read()
-            ppl = quality.perplexities(args.src, args.dst, text, FLOAT_CHOICES[args.gguf_dtype])
+        ppl = None if text is None else (before, _perplexity(quality.archive_perplexity, args.dst, text))
         print(quality.format_report(stats.quality, ppl))
     print(f"{args.dst}: {stats.tensors} tensors, raw {stats.raw_bytes} bytes -> file {stats.file_bytes} "
           f"bytes, ratio {stats.ratio:.4f}, {stats.mb_per_s:.1f} MB/s ({stats.seconds:.2f} s)")

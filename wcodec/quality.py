@@ -25,13 +25,17 @@ def perplexity(files: dict[str, bytes], tensors: dict[str, torch.Tensor], text: 
         return math.exp(float(torch.nn.functional.cross_entropy(logits, ids[0, 1:])))
 
 
-def perplexities(src, dst, text: str, gguf_dtype: torch.dtype) -> tuple[float, float]:
-    """(before, after): the source checkpoint's weights, then the archive's decoded weights."""
+def source_perplexity(src, text: str, gguf_dtype: torch.dtype) -> float:
+    """Perplexity with the source checkpoint's weights (before the compress: a source that makes no
+    causal LM fails here, before any archive is written)."""
     with open_source(src, gguf_dtype=gguf_dtype) as source:
-        files = source.files
-        before = perplexity(files, {i.name: source.load(i.name) for i in source.tensors()}, text)
+        return perplexity(source.files, {i.name: source.load(i.name) for i in source.tensors()}, text)
+
+
+def archive_perplexity(dst, text: str) -> float:
+    """Perplexity with the archive's decoded weights."""
     model = load_archive(dst, "cpu")
-    return before, perplexity(model.files, model.state_dict, text)
+    return perplexity(model.files, model.state_dict, text)
 
 
 def format_report(quality: dict[str, dict], ppl: tuple[float, float] | None) -> str:

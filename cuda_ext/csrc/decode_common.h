@@ -59,6 +59,11 @@ WC_HD int read_segment(const uint8_t* exp, int64_t len, const TensorDesc& d, int
   if (off > static_cast<uint64_t>(len) || off % kSegmentAlign != 0 ||
       static_cast<int64_t>(off) < tables_end || static_cast<int64_t>(off) + kStateBytes + 2 * words > len)
     return kDirectory;
+  if (seg > 0) {  // in order, none overlapping the one before (codec/floatcodec.py _check_segments)
+    const uint64_t prev = load_le<uint64_t>(exp + 8 * (seg - 1));
+    const int64_t prev_words = load_le<uint32_t>(exp + 8 * nseg + 4 * (seg - 1));
+    if (prev > off || static_cast<int64_t>(off - prev) < kStateBytes + 2 * prev_words) return kDirectory;
+  }
   out->data = static_cast<int64_t>(off);
   out->words = words;
   out->symbols = (seg + 1 < nseg) ? kSegmentSymbols : d.numel - seg * kSegmentSymbols;

@@ -155,6 +155,15 @@ def test_newer_minor_version_is_read(small_archive, small_state_dict, write_arch
     bit_exact(small_state_dict, load(path, workers=1).state_dict)
 
 
+@pytest.mark.parametrize("at,kind", [(12, errors.UnsupportedVersion), (15, errors.UnsupportedVersion),
+                                     (36, errors.HeaderError), (63, errors.HeaderError)])
+def test_preamble_flags_and_reserved_fields_must_be_zero(small_archive, write_archive, at: int, kind) -> None:
+    """flags (12..15) name features this reader does not know; reserved (36..39, 56..63) are 0."""
+    data = bytearray(small_archive.data)
+    data[at] ^= 0x01
+    expect(kind, write_archive(bytes(data)))
+
+
 @pytest.mark.parametrize("field,value", [("data_offset", 0), ("data_offset", PREAMBLE_SIZE - 1),
                                          ("data_offset", 1 << 40), ("header_offset", 0),
                                          ("header_offset", 1 << 62), ("header_length", 0),

@@ -85,6 +85,24 @@ def test_archive_round_trip_reference_and_twin(tmp_path):
             assert torch.equal(raw_bytes(ref[name]), raw_bytes(t)), name
 
 
+def test_weights_with_nan_or_inf_stay_lossless(tmp_path):
+    """A NaN or an infinity would make its row's scale infinite and the whole row NaN: such a
+    weight is float-coded, bit-exact; its finite neighbour is still int8."""
+    g = torch.Generator().manual_seed(2)
+    bad = (torch.randn(64, 128, generator=g) * 0.02).bfloat16()
+    bad[3, 5], bad[40, 0] = float("nan"), float("-inf")
+    inf32 = torch.randn(64, 128, generator=g)
+    inf32[9, :4] = float("inf")
+    state = {"bad": bad, "inf32": inf32, "good": (torch.randn(64, 128, generator=g) * 0.02).bfloat16()}
+    path, stats = _compress(tmp_path, state)
+    assert set(stats.quality) == {"good"}
+    with Archive.open(path) as archive:
+        assert {e.name: e.codec for e in archive.entries} == {"bad": "float", "inf32": "float", "good": "int8"}
+    got = load(path, workers=1).state_dict
+    for name in ("bad", "inf32"):
+        assert torch.equal(raw_bytes(got[name]), raw_bytes(state[name])), name
+
+
 LIES = {
     "one-dimensional": lambda t: t.update(shape=[t["shape"][0] * t["shape"][1]]),
     "tile-8": lambda t: t["params"].update(tile=8),

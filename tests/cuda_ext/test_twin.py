@@ -17,7 +17,7 @@ from codec.constants import MIN_CODED_ELEMENTS, SEGMENT_SYMBOLS
 from codec.decode import Archive
 from codec.encode import compress_state_dict
 from cuda_ext import ops, plans
-from tests.decoding import MODES, every_mode, run_op, shifted
+from tests.decoding import MODES, every_mode, overlapping_segments, run_op, shifted
 from tests.tensors import make_tensor, raw_bytes
 
 
@@ -100,6 +100,14 @@ def test_twin_reports_corrupt_segments_like_the_reference(tmp_path):
             st_t = run_op(ops.decode_pieces, bad, p, mode, 256 if mode else 0, index)[0]
             st_n = run_op(ops.reference_decode_pieces, bad, p, mode, 256 if mode else 0, index)[0]
             assert torch.equal(st_t, st_n), (int(pos), mode)
+
+
+def test_twin_refuses_overlapping_segments_like_the_reference(tmp_path):
+    p, data, index = overlapping_segments(tmp_path / "o.wcodec")
+    for mode in MODES:
+        for op in (ops.decode_pieces, ops.reference_decode_pieces):
+            status = run_op(op, data, p, mode, 256 if mode else 0, index if mode == plans.MODE_INDEXED else None)[0]
+            assert int(status.abs().sum()) != 0, (op.__name__, mode)
 
 
 def test_corrupt_index_entries_are_caught(tmp_path):

@@ -20,6 +20,7 @@ import contextlib
 import copy
 import dataclasses
 import json
+import math
 import random
 import time
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from pathlib import Path
 import torch
 
 from codec import errors
-from codec.constants import PREAMBLE_SIZE, STREAM_ALIGN
+from codec.constants import PREAMBLE_SIZE, STREAM_ALIGN, TABLE_GROUP_QUANTUM
 from codec.container import crc32
 from tests.conftest import ArchiveBytes, small_state_dict
 
@@ -38,10 +39,12 @@ FILES = {"config.json": b'{"model_type": "llama", "hidden_size": 8}', "tokenizer
 
 
 def base_state_dict() -> dict[str, torch.Tensor]:
-    """tests/conftest's small state dict (bf16 and fp32 float-coded, raw ints, a raw 0-d) plus a
-    float-coded fp16 tensor: every codec and stream role the encoder writes."""
+    """tests/conftest's small state dict (bf16 and fp32 float-coded, raw ints, a raw 0-d) plus
+    float-coded fp16 and fp8 tensors: every codec and stream role the encoder writes (fp8's one
+    stream is coded: no raw plane bounds its shape)."""
     gen = torch.Generator().manual_seed(12)
-    return small_state_dict() | {"model.layers.1.w16": (torch.randn(4500, generator=gen) * 0.1).half()}
+    return small_state_dict() | {"model.layers.1.w16": (torch.randn(4500, generator=gen) * 0.1).half(),
+                                 "model.layers.1.w8": (torch.randn(6000, generator=gen) * 0.1).to(torch.float8_e4m3fn)}
 
 
 def base_archive(path: Path) -> tuple[ArchiveBytes, dict[str, torch.Tensor]]:
@@ -91,6 +94,16 @@ def _product_overflows(h: dict) -> None:
     t.update(shape=[1 << 32, 1 << 32, 1 << 32], nbytes=(1 << 96) * torch.int32.itemsize)
 
 
+def _fp8_claims(shape: list[int]) -> Callable[[dict], None]:
+    """The fp8 tensor claims `shape` (its nbytes to match, its table group valid for any size):
+    its coded stream is far too short for so many segments."""
+    def lie(h: dict) -> None:
+        t = next(t for t in h["tensors"] if t["dtype"] == "float8_e4m3fn")
+        t.update(shape=shape, nbytes=math.prod(shape))
+        t["params"].update(table_group=TABLE_GROUP_QUANTUM)
+    return lie
+
+
 def _swap_offsets(h: dict) -> None:
     a, b = _stream(_first(h, "raw")), _stream(_coded(h))
     a["offset"], b["offset"] = b["offset"], a["offset"]
@@ -119,6 +132,8 @@ HEADER_LIES: dict[str, Callable[[dict], None]] = {
     # shapes
     "shape-product-overflows": _product_overflows,
     "shape-dim-past-i64": _zero_dim_huge,
+    "coded-shape-huge": _fp8_claims([1 << 40]),
+    "coded-shape-past-i64": _fp8_claims([1 << 62, 4]),
     "shape-grows": lambda h: _first(h, "raw").update(shape=[2 * _first(h, "raw")["shape"][0]]),
     "shape-negative": lambda h: _first(h, "raw").update(shape=[-1]),
     "shape-of-floats": lambda h: _first(h, "raw").update(shape=[1.5]),

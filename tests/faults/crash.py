@@ -3,7 +3,7 @@
 * A server killed while it loads a model leaves the store as it was (same bytes, no new files),
   and the next server start loads the model.
 * `wcodec compress` killed at any moment never leaves a file that a reader accepts: the archive
-  is written to DST.tmp with the preamble (the magic) last, then renamed.
+  is written beside DST (DST.<pid>-<hex>.tmp) with the preamble (the magic) last, then renamed.
 """
 from __future__ import annotations
 
@@ -51,17 +51,16 @@ def reader_accepts(path: Path) -> bool:
 
 
 def kill_compress(src: Path, dst: Path, at_bytes: int | None) -> dict:
-    """Run `wcodec compress src dst`; kill -9 its whole process group once DST.tmp holds `at_bytes`
+    """Run `wcodec compress src dst`; kill -9 its whole process group once its file beside DST holds `at_bytes`
     bytes (None: let it finish). Which files it left, which a reader opens, and which of those are
     not the complete archive. Progress, not a clock, picks the moment: the encoder's speed varies
     by machine, the bytes on disk do not."""
     proc = subprocess.Popen([sys.executable, "-m", "wcodec", "compress", str(src), str(dst), "--workers", "2"],
                             cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
-    tmp = dst.with_name(dst.name + ".tmp")
     deadline = time.monotonic() + 240
     while proc.poll() is None and at_bytes is not None and time.monotonic() < deadline:
-        if tmp.exists() and tmp.stat().st_size >= at_bytes:
+        if _written(dst) >= at_bytes:
             os.killpg(proc.pid, signal.SIGKILL)
             break
         time.sleep(0.001)
@@ -71,6 +70,18 @@ def kill_compress(src: Path, dst: Path, at_bytes: int | None) -> dict:
     return {"killed": proc.returncode == -signal.SIGKILL, "exit": proc.returncode, "left": [p.name for p in left],
             "accepted": [p.name for p in accepted],
             "accepted_partial": [p.name for p in accepted if p != dst or not complete(p)]}
+
+
+def _written(dst: Path) -> int:
+    """Bytes in the compress's file beside `dst` (codec/container.temp_path: DST.<pid>-<hex>.tmp),
+    -1 while there is none."""
+    sizes = []
+    for tmp in dst.parent.glob(dst.name + ".*.tmp"):
+        try:
+            sizes.append(tmp.stat().st_size)
+        except FileNotFoundError:                # renamed or removed meanwhile
+            pass
+    return max(sizes, default=-1)
 
 
 def complete(path: Path) -> bool:

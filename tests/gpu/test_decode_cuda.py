@@ -13,7 +13,7 @@ from codec.decode import Archive, load
 from codec.encode import compress_state_dict
 from codec.errors import CorruptStreamError
 from cuda_ext import ops, plans
-from tests.decoding import MODES, every_mode, run_op, shifted
+from tests.decoding import MODES, every_mode, overlapping_segments, run_op, shifted
 from tests.tensors import make_tensor, same_bits
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -100,6 +100,17 @@ def test_corrupt_index_entry_is_a_status(tmp_path):
         w2[entry + 1] -= 1
         status = run_op(ops.decode_pieces, data, p, plans.MODE_INDEXED, 256, (s2, w2))[0].cpu()
         assert int(status[entry - 1]) != 0 and int(status[entry]) != 0, entry
+    torch.cuda.synchronize()
+
+
+def test_overlapping_segments_are_a_status_as_in_the_twin(tmp_path):
+    p, data, index = overlapping_segments(tmp_path / "o.wcodec")
+    for mode in MODES:
+        idx = index if mode == plans.MODE_INDEXED else None
+        twin = run_op(ops.decode_pieces, data, p, mode, 256 if mode else 0, idx)[0]
+        cuda = run_op(ops.decode_pieces, data.cuda(), p, mode, 256 if mode else 0,
+                      None if idx is None else tuple(t.cuda() for t in idx))[0].cpu()
+        assert int(cuda.abs().sum()) != 0 and torch.equal(cuda, twin), mode
     torch.cuda.synchronize()
 
 
