@@ -37,6 +37,16 @@ class Step:
     tokens: int         # tokens fed to the model: decoded rows + prompt tokens prefilled
 
 
+def drop_cancelled(waiting: deque[Row], gone: Callable[[Row], None]) -> None:
+    """Answer and take out every cancelled row of the waiting line, wherever it stands: one behind
+    a row that waits for blocks, or while the running rows fill the batch, would otherwise keep
+    its place (and its queue slot, and its client) until it reached the head. Row by row, as the
+    event loop's thread may append meanwhile."""
+    for row in [r for r in waiting if r.cancelled]:
+        waiting.remove(row)
+        gone(row)
+
+
 class Group:
     """Rows whose prompts are being prefilled together, in chunks of columns."""
 
@@ -98,6 +108,7 @@ class Batcher:
     @torch.inference_mode()
     def step(self) -> Step:
         self._leave()
+        drop_cancelled(self.waiting, self.on_finish)
         rows, group, chunk = len(self.running), self._plan(self.max_tokens - len(self.running)), 0
         parts = []
         if rows:

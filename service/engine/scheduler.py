@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ValidationFailed
-from .batcher import Step
+from .batcher import Step, drop_cancelled
 from .blocks import BlockManager
 from .runner import Chunk, Decode, Launched, Runner
 from .sampling import PROMPT_LOGITS, Row, TokenEvent, sample_rows
@@ -96,6 +96,7 @@ class Scheduler:
     @torch.inference_mode()
     def step(self) -> Step:
         self._leave()
+        drop_cancelled(self.waiting, self._gone)
         if self.pending is None:
             self.runner.adopt()                     # kernels warmed since the last step (runner.py)
         if self._pipelines():

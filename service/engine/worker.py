@@ -135,9 +135,9 @@ class Engine:
         with self._lock:
             if self._closed:
                 raise ModelNotReady(f"model {name!r} is unloading", 1)
-            if len(waiting) >= self.limits.max_queue:
+            if (queued := sum(not r.cancelled for r in waiting)) >= self.limits.max_queue:
                 self.metrics.requests.labels(name, "overloaded").inc()
-                raise QueueFull(f"model {name!r} has {len(waiting)} requests waiting")
+                raise QueueFull(f"model {name!r} has {queued} requests waiting")
             req.row = Row(req.prompt_ids, req.params, self.served, owner=req)
             self.batcher.add(req.row)
         self._first("request", f"{len(req.prompt_ids)} prompt tokens")

@@ -403,3 +403,47 @@ def test_a_failed_step_keeps_its_rows_for_reset(tiny, monkeypatch) -> None:
 def test_engine_setting_picks_the_engine(engine, paged_wanted) -> None:
     """WCODEC_ENGINE=auto: the paged engine, on every device; padded: the engine before it."""
     assert paged_engine(engine) is paged_wanted
+
+
+@pytest.mark.parametrize("kind", ["paged", "padded"])
+def test_a_cancelled_row_leaves_the_queue_at_the_next_step_wherever_it_waits(tiny, kind) -> None:
+    """One row runs, two wait; the second waiting one is cancelled: the next step answers it and
+    takes it out, while the first still waits for the row (it left only at the head before)."""
+    left: list[Row] = []
+    engine = paged(tiny, max_rows=1, left=left) if kind == "paged" else \
+        Batcher(tiny, max_rows=1, max_tokens=512, on_token=lambda r, e: None, on_finish=left.append)
+    running, first, second = (Row(p, SamplingParams(40), tiny) for p in prompts_of(tiny, 3, random.Random(4)))
+    engine.add(running)
+    engine.step()
+    engine.add(first)
+    engine.add(second)
+    second.cancelled = True
+    engine.step()
+    assert left == [second] and list(engine.waiting) == [first] and not running.done
+    while not engine.idle:
+        engine.step()
+    assert left[1:] == [running, first] if kind == "paged" else first.done
+
+
+@pytest.mark.anyio
+async def test_cancelled_requests_do_not_hold_queue_slots(demo) -> None:
+    """A queue of 1 behind one busy row (the demo: seconds for its 400 tokens on a CPU): a waiting
+    request that is cancelled frees its slot at once (a new one is queued, not refused with 429),
+    and is answered without waiting for the row."""
+    engine = Engine(demo, Metrics(), Limits(1, 512, 1, 0.0)).start()
+    try:
+        prompt = demo.tokenizer.encode("1, 2, 3, 4, 5, 6,")                    # counts on, no EOS
+        busy = GenRequest(prompt, SamplingParams(400), stream=True)
+        engine.submit(busy)
+        await asyncio.wait_for(busy.next(), 30)                  # its first token: the queue is empty
+        waiting = GenRequest(prompt, SamplingParams(5))
+        engine.submit(waiting)
+        waiting.cancel()
+        later = GenRequest(prompt, SamplingParams(5))
+        engine.submit(later)                                     # QueueFull before
+        gone = await asyncio.wait_for(waiting.result(), 30)
+        assert gone.finish_reason is None and not busy.outcome_sent
+        busy.cancel()
+        assert (await asyncio.wait_for(later.result(), 120)).finish_reason == "length"
+    finally:
+        engine.close()
