@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import jinja2
+
 from . import inference, openai_api
 from .engine.sampling import Finished, TokenEvent
-from .errors import ValidationFailed
+from .errors import TemplateFailed, ValidationFailed
 from .model.build import ServedModel
 from .registry import ModelRegistry
 from .schemas.chat import (
@@ -32,8 +34,11 @@ def templated(req: ChatRequest, registry: ModelRegistry) -> tuple[str, str]:
         tokenizer = lease.served.tokenizer
         if not getattr(tokenizer, "chat_template", None):
             raise ValidationFailed(f"model {lease.entry.name!r} has no chat template", param="messages")
-        return lease.entry.name, tokenizer.apply_chat_template([m.for_template() for m in req.messages],
-                                                               tokenize=False, add_generation_prompt=True)
+        try:
+            return lease.entry.name, tokenizer.apply_chat_template([m.for_template() for m in req.messages],
+                                                                   tokenize=False, add_generation_prompt=True)
+        except jinja2.TemplateError as e:
+            raise TemplateFailed(f"Template error: {e}", param="messages") from None
     finally:
         lease.release()
 

@@ -77,6 +77,12 @@ class ValidationFailed(ServiceError):
     openai = (400, "invalid_request_error", "invalid_value")
 
 
+class TemplateFailed(ValidationFailed):
+    """The model's chat template refused the messages (its raise_exception: roles that do not
+    alternate, say), as TGI answers it."""
+    error_type = "template_error"
+
+
 class InvalidModelName(ValidationFailed):
     """A name that is not a plain file stem (no separators, no leading dot)."""
 
@@ -105,6 +111,13 @@ class QueueFull(ServiceError):
 
     def __init__(self, message: str, retry_after_s: int = 1):
         super().__init__(message, {"Retry-After": str(retry_after_s)})
+
+
+class ClientClosed(ServiceError):
+    """The client hung up before its (not streamed) answer, whose generations were then cancelled:
+    nginx's 499, which nobody reads but the request metrics count."""
+    status_code, error_type, description = 499, "client_closed", "Client closed the request"
+    openai = (499, "client_closed", None)
 
 
 class ModelNotReady(ServiceError):
@@ -186,7 +199,14 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     return _respond(request, RouteNotFound(exc.status_code, str(exc.detail), exc.headers))
 
 
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    """Any other exception (a bug): still the route's error shape, a 500; Starlette then re-raises
+    it, so the server's log has the traceback."""
+    return _respond(request, ServiceError(f"internal error: {type(exc).__name__}: {str(exc)[:200]}"))
+
+
 def install(app: FastAPI) -> None:
+    app.add_exception_handler(Exception, _unexpected)
     app.add_exception_handler(ServiceError, _service_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)

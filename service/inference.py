@@ -10,10 +10,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from pydantic import BaseModel
+from starlette.requests import Request
 
 from .engine import GenRequest
 from .engine import grammar as constraints
-from .errors import ServiceError, ValidationFailed, error_event
+from .errors import ClientClosed, ServiceError, ValidationFailed, error_event
 from .engine.sampling import Finished, PromptToken, SamplingParams, TokenEvent
 from .model.build import ServedModel
 from .registry import ModelRegistry
@@ -67,7 +68,7 @@ def _tokenize(served: ServedModel, prompt: str | list[int], params: SamplingPara
     inputs, new = fields
     vocab = served.model.config.vocab_size
     if isinstance(prompt, str):
-        ids = served.tokenizer(prompt, add_special_tokens=special)["input_ids"]
+        ids = served.tokenizer(unicode_text(prompt, inputs), add_special_tokens=special)["input_ids"]
     elif (outside := next((t for t in prompt if t >= vocab), None)) is not None:
         raise ValidationFailed(f"`{inputs}`: token {outside} is not in the model's vocabulary (0 to {vocab - 1})",
                                param=inputs)
@@ -89,6 +90,17 @@ def _tokenize(served: ServedModel, prompt: str | list[int], params: SamplingPara
     return ids
 
 
+def unicode_text(text: str, field: str) -> str:
+    """`text`, where it is Unicode the tokenizer can take: JSON lets a request carry a lone UTF-16
+    surrogate ("\\ud800" unpaired), which no UTF-8 text holds."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValidationFailed(f"`{field}` is not valid Unicode: a lone surrogate at character {e.start}",
+                               param=field) from None
+    return text
+
+
 def input_tokens(registry: ModelRegistry, model: str | None, prompt: str, truncate: int | None,
                  special: bool = True) -> list[SimpleToken]:
     """TGI's /tokenize: the tokens /generate would feed the model for `prompt` (special tokens
@@ -97,7 +109,8 @@ def input_tokens(registry: ModelRegistry, model: str | None, prompt: str, trunca
     name = registry.resolve(model)
     lease = registry.acquire(name)
     try:
-        enc = lease.served.tokenizer(prompt, add_special_tokens=special, return_offsets_mapping=True)
+        enc = lease.served.tokenizer(unicode_text(prompt, "inputs"), add_special_tokens=special,
+                                     return_offsets_mapping=True)
     except NotImplementedError:                  # transformers' Python tokenizers give no offsets
         raise ValidationFailed(f"model {name!r} has a Python tokenizer, which gives no character offsets",
                                param="inputs") from None
@@ -153,7 +166,12 @@ async def start_many(registry: ModelRegistry, settings: Settings, model: str | N
     """One engine request per sequence: `n` per prompt, prompt after prompt (sequence i is prompt
     i // n), so they batch with each other and with every other route's (OpenAI's choices, TGI's
     best_of). With a seed, sequence j of a prompt samples with seed + j (mod 2^64), so that the n
-    samples differ and repeat."""
+    samples differ and repeat. More sequences than a model queues could never all be admitted: a
+    422 (400 on OpenAI's routes) names `n`, where a 429 would have the client retry in vain."""
+    if (total := len(prompts) * n) > settings.max_queue:
+        raise ValidationFailed(f"the request asks for {total} generations ({len(prompts)} prompts x {n} each); "
+                               f"this server queues at most {settings.max_queue} a model (WCODEC_MAX_QUEUE)",
+                               param="n")
     started = []
     try:
         for prompt in prompts:
@@ -172,11 +190,30 @@ def cancel_all(started: list[Started]) -> None:
         s.request.cancel()
 
 
-async def finish_all(started: list[Started]) -> list[Finished]:
+async def finish_all(started: list[Started], request: Request | None = None) -> list[Finished]:
+    """Every generation's end. With the HTTP `request` (the routes that answer once, at the end), a
+    client that hangs up first cancels them, as vLLM's and TGI's servers do: their rows and KV
+    blocks go at once instead of at max_new_tokens (ClientClosed)."""
+    results = asyncio.ensure_future(asyncio.gather(*(s.request.result() for s in started)))
+    hung_up = asyncio.ensure_future(_hung_up(request)) if request is not None else None
     try:
-        return list(await asyncio.gather(*(s.request.result() for s in started)))
+        if hung_up is not None:
+            await asyncio.wait({results, hung_up}, return_when=asyncio.FIRST_COMPLETED)
+            if not results.done():
+                raise ClientClosed(f"the client closed the request; its {len(started)} generations were cancelled")
+        return list(await results)
     finally:
         cancel_all(started)
+        for task in (results, hung_up):
+            if task is not None and not task.done():
+                task.cancel()
+
+
+async def _hung_up(request: Request) -> None:
+    """Returns when the client disconnects: once a request's body is read, the next ASGI message
+    is http.disconnect (uvicorn sends it when the socket closes, or after the response)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def first_events(started: list[Started]) -> list[TokenEvent | Finished]:

@@ -39,10 +39,13 @@ def sampling(req: OpenAIRequest, settings: Settings, max_tokens: int | None, top
         raise UnsupportedParameter(*next(iter(bad.items())))
     stops = req.stops()
     temperature = req.temperature or None                      # 0 means greedy
+    greedy = req.greedy()                                      # then no warper either
+    top_p, top_k = (None, None) if greedy else (req.top_p, req.top_k if (req.top_k or 0) > 0 else None)
     bias = tuple((int(token), value) for token, value in (req.logit_bias or {}).items())
     limit = settings.default_max_new_tokens if max_tokens is None else max_tokens      # 0: completions' echo
-    return SamplingParams(limit, temperature, req.top_p, None,
-                          temperature is not None, req.seed, None, tuple(s for s in stops if s), top_n, bias,
+    penalty = None if req.repetition_penalty in (None, 1.0) else req.repetition_penalty
+    return SamplingParams(limit, temperature, top_p, top_k,
+                          temperature is not None, req.seed, penalty, tuple(s for s in stops if s), top_n, bias,
                           req.presence_penalty or 0.0, req.frequency_penalty or 0.0)
 
 

@@ -1,7 +1,7 @@
 """OpenAI's chat completions."""
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 
 from .. import chat, inference
 from ..deps import RegistryDep, SettingsDep
@@ -16,9 +16,9 @@ router = APIRouter(prefix="/v1", tags=["openai"])
              response_model=ChatCompletion,
              responses={200: {"content": sse_content(ChatCompletionChunk), "description": "JSON, or SSE "
                               "chunks ending in [DONE] when stream=true"}, **openai_responses(400, 404, 429, 500, 503)})
-async def chat_completions(req: ChatRequest, registry: RegistryDep, settings: SettingsDep):
+async def chat_completions(req: ChatRequest, registry: RegistryDep, settings: SettingsDep, request: Request):
     started = await chat.start(req, registry, settings)
     if not req.stream:
-        return chat.completion(started, await inference.finish_all(started), req)
+        return chat.completion(started, await inference.finish_all(started, request), req)
     firsts = await inference.first_events(started)
     return sse_response(chat.chunks(started, firsts, req))

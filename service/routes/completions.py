@@ -1,7 +1,7 @@
 """OpenAI's (legacy) completions: raw prompts in, text out."""
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 
 from .. import completions, inference
 from ..deps import RegistryDep, SettingsDep
@@ -16,9 +16,9 @@ router = APIRouter(prefix="/v1", tags=["openai"])
              response_model=Completion,
              responses={200: {"content": sse_content(Completion), "description": "JSON, or SSE chunks ending "
                               "in [DONE] when stream=true"}, **openai_responses(400, 404, 429, 500, 503)})
-async def create_completion(req: CompletionRequest, registry: RegistryDep, settings: SettingsDep):
+async def create_completion(req: CompletionRequest, registry: RegistryDep, settings: SettingsDep, request: Request):
     started = await completions.start(req, registry, settings)
     if not req.stream:
-        return completions.completion(started, await inference.finish_all(started), req)
+        return completions.completion(started, await inference.finish_all(started, request), req)
     firsts = await inference.first_events(started)
     return sse_response(completions.chunks(started, firsts, req))

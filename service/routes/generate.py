@@ -2,7 +2,7 @@
 /chat_tokenize."""
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from .. import chat, inference
@@ -28,12 +28,13 @@ def _grammar(req: GenerateRequest) -> tuple[str, dict | str] | None:
     return req.parameters.grammar.spec() if req.parameters.grammar else None
 
 
-async def _generate(req: GenerateRequest, registry: RegistryDep, settings: SettingsDep) -> GenerateResponse:
+async def _generate(req: GenerateRequest, registry: RegistryDep, settings: SettingsDep,
+                    request: Request) -> GenerateResponse:
     params = inference.sampling_params(req.parameters, settings)
     started = await inference.start_many(registry, settings, req.model, [req.inputs], params,
                                          req.parameters.best_of or 1, stream=False, truncate=req.parameters.truncate,
                                          grammar=_grammar(req))
-    return inference.tgi_response(started, await inference.finish_all(started), req.parameters)
+    return inference.tgi_response(started, await inference.finish_all(started, request), req.parameters)
 
 
 async def _stream(req: GenerateRequest, registry: RegistryDep, settings: SettingsDep) -> StreamingResponse:
@@ -45,8 +46,9 @@ async def _stream(req: GenerateRequest, registry: RegistryDep, settings: Setting
 
 
 @router.post("/generate", summary="Generate text (TGI)", responses=ERRORS)
-async def generate(req: GenerateRequest, registry: RegistryDep, settings: SettingsDep) -> GenerateResponse:
-    return await _generate(req, registry, settings)
+async def generate(req: GenerateRequest, registry: RegistryDep, settings: SettingsDep,
+                   request: Request) -> GenerateResponse:
+    return await _generate(req, registry, settings, request)
 
 
 @router.post("/generate_stream", summary="Generate a stream of tokens as Server-Sent Events (TGI)",
@@ -59,10 +61,10 @@ async def generate_stream(req: GenerateRequest, registry: RegistryDep, settings:
 @router.post("/", summary="TGI's compatibility route: a list of one result, or SSE when stream=true",
              response_model=list[GenerateResponse],
              responses={200: {"content": SSE, "description": "JSON list, or SSE when stream=true"}, **ERRORS})
-async def compat_generate(req: CompatGenerateRequest, registry: RegistryDep, settings: SettingsDep):
+async def compat_generate(req: CompatGenerateRequest, registry: RegistryDep, settings: SettingsDep, request: Request):
     if req.stream:
         return await _stream(req, registry, settings)
-    return [await _generate(req, registry, settings)]
+    return [await _generate(req, registry, settings, request)]
 
 
 @router.post("/tokenize", summary="The tokens /generate would feed the model for `inputs` (TGI)",

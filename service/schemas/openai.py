@@ -42,6 +42,17 @@ class OpenAIRequest(BaseModel):
     frequency_penalty: float | None = Field(None, ge=-2, le=2, description="Times a token's count among the "
                                             "tokens generated so far, subtracted from its logit.")
     user: str | None = Field(None, description="An end-user id; accepted, not used.")
+    # vLLM's sampling extras: the two this engine has (TGI's), and those it has not, declared so
+    # that a value other than their neutral one is refused instead of ignored
+    top_k: int | None = Field(None, ge=-1, description="vLLM's: sample among the k most likely tokens "
+                                                       "(0 or -1: all).")
+    repetition_penalty: float | None = Field(None, gt=0, description="vLLM's (and TGI's): the logits of the "
+                                             "prompt's and generated tokens divided (positive) or multiplied "
+                                             "(negative) by it; 1: none.")
+    min_p: float | None = Field(None, ge=0, le=1, description="vLLM's; not supported (0 only).")
+    min_tokens: int | None = Field(None, ge=0, description="vLLM's; not supported (0 only).")
+    ignore_eos: bool | None = Field(None, description="vLLM's; not supported (false only).")
+    use_beam_search: bool | None = Field(None, description="vLLM's; not supported (false only).")
 
     @field_validator("logit_bias")
     @classmethod
@@ -55,7 +66,14 @@ class OpenAIRequest(BaseModel):
 
     def unsupported(self) -> dict[str, str]:
         """field -> why, for the fields set to something this server cannot do (400 naming the first)."""
-        return {}
+        return {f: "not supported by this server" for f in ("min_p", "min_tokens", "ignore_eos", "use_beam_search")
+                if getattr(self, f)}
+
+    def greedy(self) -> bool:
+        """An explicit temperature 0: argmax, whatever top_p and top_k say, as OpenAI and vLLM do it
+        (clients send temperature 0 beside their default top_p). An omitted one is greedy only
+        without a warper (TGI's rule)."""
+        return self.temperature == 0
 
     def choices(self) -> int:
         return self.n or 1

@@ -228,3 +228,43 @@ async def test_limits_come_from_the_settings_dependency(serve, store) -> None:
         assert (await server.client.get("/info")).json()["max_total_tokens"] == 40
         server.app.dependency_overrides.clear()
         assert (await server.client.post("/generate", json=generate_body(2))).status_code == 200
+
+
+async def test_a_chat_template_that_refuses_the_messages_is_a_template_error(serve, store) -> None:
+    """Mistral's, Llama-2's and Gemma's templates raise_exception on roles that do not alternate:
+    TGI's 422 template_error (OpenAI's 400), not a 500."""
+    async with serve(store(), preload=[DEMO]) as server:
+        await server.wait_state(DEMO, ModelState.READY)
+        tok = server.registry.get(DEMO).served.tokenizer
+        kept = tok.chat_template
+        tok.__dict__.pop("_template", None)
+        tok.chat_template = "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+        try:
+            body = {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}], "max_tokens": 2}
+            r = await server.client.post("/v1/chat/completions", json=body)
+            assert r.status_code == 400 and "roles must alternate" in r.json()["error"]["message"], r.text
+            assert r.json()["error"]["param"] == "messages"
+            assert_error(await server.client.post("/chat_tokenize", json=body), 422, "template_error")
+        finally:
+            tok.chat_template = kept
+            tok.__dict__.pop("_template", None)
+
+
+async def test_an_unexpected_exception_keeps_the_routes_error_shape(serve, store, monkeypatch) -> None:
+    """A bug (here a tokenizer that fails) is a 500 in TGI's shape, or OpenAI's on /v1, never
+    Starlette's text/plain; the exception still reaches the server's log."""
+    import httpx
+
+    from service import inference
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+    async with serve(store(), preload=[DEMO]) as server:
+        await server.wait_state(DEMO, ModelState.READY)
+        monkeypatch.setattr(inference, "_tokenize", broken)
+        transport = httpx.ASGITransport(app=server.app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://wcodec.test") as client:
+            body = assert_error(await client.post("/generate", json=generate_body(2)), 500, "internal")
+            assert "RuntimeError: boom" in body["error"]
+            r = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 500 and r.json()["error"]["type"] == "server_error", r.text

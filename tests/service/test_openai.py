@@ -6,6 +6,7 @@ the error classes that need a held engine or a loading model run in-process."""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import httpx2
@@ -294,6 +295,69 @@ def test_chat_seed_repeats_a_sample(client) -> None:
                                               seed=seed).choices[0].message.content
     texts = {seed: sample(seed) for seed in range(4)}
     assert sample(0) == texts[0] and len(set(texts.values())) > 1
+
+
+def test_temperature_zero_is_greedy_whatever_top_p_and_top_k_say(client) -> None:
+    """Clients (harnesses, LangChain) send temperature 0 beside their default top_p: greedy, as
+    OpenAI and vLLM. vLLM's top_k=1 samples the argmax too."""
+    greedy = client.completions.create(model=DEMO, prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text
+    for extra in ({"top_p": 0.95, "n": 3}, {"top_p": 0.5, "seed": 1, "extra_body": {"top_k": 40}},
+                  {"temperature": 1.5, "seed": 2, "extra_body": {"top_k": 1}}):
+        kwargs = {"temperature": 0, **extra}
+        out = client.completions.create(model=DEMO, prompt=PROMPT, max_tokens=8, **kwargs)
+        assert [c.text for c in out.choices] == [greedy] * len(out.choices), extra
+    assert client.completions.create(model=DEMO, prompt=PROMPT, max_tokens=8, temperature=0,
+                                     extra_body={"repetition_penalty": 1.0}).choices[0].text == greedy
+
+
+@pytest.mark.parametrize(("param", "value"), [("min_p", 0.5), ("min_tokens", 3), ("ignore_eos", True),
+                                              ("use_beam_search", True)])
+def test_vllms_extras_this_engine_lacks_are_refused_not_ignored(client, param, value) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=DEMO, prompt=PROMPT, max_tokens=2, extra_body={param: value})
+    assert e.value.body["param"] == param and e.value.body["code"] == "unsupported_parameter"
+
+
+def test_more_sequences_than_a_model_queues_is_a_400_not_a_429(client, live) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=DEMO, prompt=["Hello"] * 13, n=5, max_tokens=1)        # 65 > 64
+    assert e.value.body["param"] == "n" and "WCODEC_MAX_QUEUE" in e.value.message
+    assert len(client.completions.create(model=DEMO, prompt=["Hello"] * 16, n=4, max_tokens=1).choices) == 64
+
+
+def test_a_lone_surrogate_is_a_400_naming_the_field(live) -> None:
+    raw = '{"model": "%s", "prompt": "hi \\ud800", "max_tokens": 2}' % DEMO
+    r = httpx.post(f"{live[0]}/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and "surrogate" in r.text, r.text
+    chat = '{"messages": [{"role": "user", "content": "hi \\udfff"}], "max_tokens": 2}'
+    r = httpx.post(f"{live[0]}/v1/chat/completions", content=chat, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "surrogate" in r.text, r.text
+
+
+def _sample(url: str, name: str, **labels: str) -> float:
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith(f"{name}{{{want}}} "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+@pytest.mark.parametrize(("route", "body"), [
+    ("/generate", {"inputs": "1, 2, 3, 4, 5, 6,", "parameters": {"max_new_tokens": 1500}}),
+    ("/v1/completions", {"prompt": "1, 2, 3, 4, 5, 6,", "max_tokens": 1500, "temperature": 0})])
+def test_a_client_that_hangs_up_cancels_its_generation(live, route, body) -> None:
+    """A not-streamed request whose client leaves is cancelled at once, its row and KV blocks
+    freed, as vLLM and TGI do (it ran on to max_new_tokens, a minute on this CPU, before)."""
+    url = live[0]
+    cancelled = lambda: _sample(url, "wcodec_generate_requests_total", model=DEMO, status="cancelled")
+    before = cancelled()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}{route}", json=body, timeout=1.5)
+    deadline = time.monotonic() + 15
+    while cancelled() == before:
+        assert time.monotonic() < deadline, "the generation went on after its client left"
+        time.sleep(0.1)
+    assert _sample(url, "wcodec_kv_cache_blocks_used", model=DEMO) == 0
 
 
 UNSUPPORTED = [("tools", {"tools": [
