@@ -1,8 +1,8 @@
 """Every Prometheus metric of the service, on one registry per app (no process-wide state).
 
 Decode   wcodec_decode_batch_duration_seconds{model,codec,device}   one observation per layer batch;
-                                                   codec is "float" when any tensor of the batch
-                                                   is float-coded, else "raw"
+                                                   codec: the one holding most of the batch's
+                                                   decoded bytes (float, raw, gguf, int8)
          wcodec_decode_compressed_bytes_total{model,codec,device}   per tensor codec
          wcodec_decode_decoded_bytes_total{model,codec,device}
 Loads    wcodec_model_load_duration_seconds{model,phase}   phase: read, h2d, decode, build, total
@@ -69,6 +69,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.metrics import MetricWrapperBase
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .timeline import process_age
@@ -77,7 +78,11 @@ STATES = ("available", "loading", "ready", "unloading", "failed")
 LOAD_PHASES = ("read", "h2d", "decode", "build", "total")
 _FAST = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _SLOW = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-_TOKEN = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+# a request's phases: a GPU's queue and prefill take 2-50 ms, its first token 7 ms alone
+_REQUEST = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# between tokens: 4-7 ms a step on an H200 (docs/BENCHMARKS.md), 20-100 ms on a CPU
+_TOKEN = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PATCH"})   # others: "OTHER"
 
 
 LOAD_RESULTS = ("ok", "failed", "oom", "rejected")
@@ -153,11 +158,11 @@ class Metrics:
         self.request_seconds = Histogram("wcodec_generate_request_duration_seconds",
                                          "Queueing plus generation time", m, buckets=_SLOW, registry=r)
         self.ttft = Histogram("wcodec_generate_time_to_first_token_seconds", "Time to first token", m,
-                              buckets=_SLOW, registry=r)
+                              buckets=_REQUEST, registry=r)
         self.queue_seconds = Histogram("wcodec_generate_queue_duration_seconds", "Time from a request's arrival "
-                                       "to its admission into the running batch", m, buckets=_SLOW, registry=r)
+                                       "to its admission into the running batch", m, buckets=_REQUEST, registry=r)
         self.prefill_seconds = Histogram("wcodec_generate_prefill_duration_seconds", "Time from a request's "
-                                         "admission to its first token (its prompt's steps)", m, buckets=_SLOW,
+                                         "admission to its first token (its prompt's steps)", m, buckets=_REQUEST,
                                          registry=r)
         self.tpot = Histogram("wcodec_generate_time_per_output_token_seconds", "Time per output token "
                               "after the first", m, buckets=_TOKEN, registry=r)
@@ -211,6 +216,13 @@ class Metrics:
             self.loads.labels(model, result)
         self.host_cache_hits.labels(model)
         self.host_cache_misses.labels(model)
+
+    def untrack_model(self, model: str) -> None:
+        """Remove every series labelled with `model` (its file left the store): a failed model's
+        state would otherwise stay 1 and keep its alert firing, and the dashboards list it."""
+        for metric in [v for v in vars(self).values() if isinstance(v, MetricWrapperBase)]:
+            with contextlib.suppress(ValueError):            # a metric without a model label
+                metric.remove_by_labels({"model": model})
 
     def track_engine(self, model: str, max_queue: int) -> None:
         """The same for a serving model's request counters; and its queue capacity."""
@@ -270,6 +282,7 @@ class HttpMetricsMiddleware:
             await self.app(scope, receive, send_status)
         finally:
             route = getattr(scope.get("route"), "path", "<unmatched>")
-            labels = (scope["method"], route, str(status))
+            method = scope["method"] if scope["method"] in HTTP_METHODS else "OTHER"   # bounded: any token parses
+            labels = (method, route, str(status))
             self.metrics.http_requests.labels(*labels).inc()
             self.metrics.http_seconds.labels(*labels).observe(time.perf_counter() - start)

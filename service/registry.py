@@ -131,6 +131,7 @@ class ModelRegistry:
             self._track(f)
         for name in [n for n, s in self._entries.items() if n not in files and s.state not in HOLDS_MEMORY]:
             del self._entries[name]
+            self.metrics.untrack_model(name)
         return [self._entries[n] for n in sorted(self._entries)]
 
     def _track(self, f: ModelFile) -> ModelEntry:

@@ -78,15 +78,41 @@ def malloc_stats() -> dict[str, int] | None:
             "mmapped_bytes": m.hblkhd}
 
 
-def available_memory() -> int:
+CGROUP_FILES = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),                 # v2
+                ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"))
+
+
+def available_memory(meminfo: str = "/proc/meminfo", cgroups=CGROUP_FILES) -> int:
+    """Bytes this process may still take: the machine's MemAvailable, or less where the process's
+    cgroup (a container's memory limit: Kubernetes' `limits.memory`, `docker run -m`) leaves less.
+    In a container /proc/meminfo is the node's, so without the cgroup a host cache sized from it
+    could take the pod past its limit."""
+    free = _meminfo_available(meminfo)
+    for limit_file, usage_file in cgroups:
+        limit, usage = _read_int(limit_file), _read_int(usage_file)
+        if limit is not None and usage is not None and limit < 1 << 60:      # v1's "no limit" is ~2**63
+            return max(0, min(free, limit - usage))
+    return free
+
+
+def _meminfo_available(path: str) -> int:
     try:
-        with open("/proc/meminfo") as f:
+        with open(path) as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return 0
+
+
+def _read_int(path: str) -> int | None:
+    """An integer file of the cgroup filesystem; None where it is absent or says "max" (no limit)."""
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
 
 
 def address_of(buf: mmap.mmap) -> int:

@@ -77,3 +77,28 @@ async def test_a_step_is_counted_before_the_rows_it_finished_are_answered(serve,
         await server.client.post("/generate", json=generate_body(4))
         prompt = await server.metric("wcodec_generate_prompt_tokens_total", model=DEMO)
         assert seen == [prompt + 3]                           # prefill and 3 decodes, all observed
+
+
+async def test_http_methods_are_a_bounded_label(serve, store) -> None:
+    """Any token parses as a method (h11): the label takes the standard ones, the rest as OTHER,
+    so no client can grow the series."""
+    async with serve(store()) as server:
+        for i in range(5):
+            assert (await server.client.request(f"X{i:04d}", "/health")).status_code == 405
+        text = (await server.client.get("/metrics")).text
+        assert "X0000" not in text
+        assert await server.metric("wcodec_http_requests_total", method="OTHER", route="/health", status="405") == 5
+
+
+async def test_a_model_whose_file_leaves_the_store_leaves_the_metrics(serve, store, tmp_path) -> None:
+    """Its failed state would otherwise stay 1 forever (WcodecModelLoadFailed firing, the
+    dashboards listing it)."""
+    root = store()
+    (root / "broken.wcodec").write_bytes(b"not an archive")
+    async with serve(root) as server:
+        assert (await server.client.post("/models/broken/load")).status_code == 500
+        assert await server.metric("wcodec_model_state", model="broken", state="failed") == 1
+        (root / "broken.wcodec").unlink()
+        assert (await server.client.get("/models")).json()["models"][0]["name"] != "broken"
+        text = (await server.client.get("/metrics")).text
+        assert 'model="broken"' not in text and f'model="{DEMO}"' in text

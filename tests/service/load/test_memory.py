@@ -52,3 +52,23 @@ def test_a_server_process_gives_memory_back(store, tmp_path) -> None:
     with ServerProcess(store(), env={"WCODEC_DEVICE": "cpu"}, log=tmp_path / "server.log") as server:
         report = run_cycles(server, DEMO, BASE_CYCLE + 3)
     assert report.growth <= BOUND, report.summary()
+
+
+def test_available_memory_is_the_containers_where_its_cgroup_leaves_less(tmp_path) -> None:
+    """A pod's memory limit (cgroup v2's memory.max less memory.current, or v1's files) bounds what
+    the host cache and the early read size themselves from; /proc/meminfo there is the node's."""
+    from service.load.memory import available_memory
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       1048576000 kB\nMemAvailable:    524288000 kB\n")   # 500 GiB free
+    node = 524288000 * 1024
+
+    def cgroup(limit: str, usage: str) -> tuple[tuple[str, str]]:
+        (tmp_path / "max").write_text(limit + "\n")
+        (tmp_path / "current").write_text(usage + "\n")
+        return ((str(tmp_path / "max"), str(tmp_path / "current")),)
+    assert available_memory(str(meminfo), ()) == node                                 # no cgroup files
+    assert available_memory(str(meminfo), cgroup(str(32 << 30), str(6 << 30))) == 26 << 30
+    assert available_memory(str(meminfo), cgroup("max", str(6 << 30))) == node        # v2: no limit
+    assert available_memory(str(meminfo), cgroup(str((1 << 63) - 4096), "0")) == node  # v1: no limit
+    assert available_memory(str(meminfo), cgroup(str(1 << 30), str(2 << 30))) == 0    # over: nothing
+    assert available_memory(str(meminfo), cgroup(str(1 << 50), "0")) == node          # the node is less
