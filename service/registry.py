@@ -205,8 +205,11 @@ class ModelRegistry:
                 return entry
             if entry.state is not ModelState.LOADING:
                 entry.weights = weights or self.settings.weights
-                entry.weight_bytes = self.loader.estimate_bytes(entry.file.path, entry.weights,
-                                                                entry.file.decoded_bytes)
+                try:                                # compressed: the archive's header says how much
+                    entry.weight_bytes = self.loader.estimate_bytes(entry.file.path, entry.weights,
+                                                                    entry.file.decoded_bytes)
+                except CodecError as e:
+                    raise self._failed(entry, LoadFailed(f"cannot load {name!r}: {e}"), "failed") from None
                 await self._make_room(entry)
                 self._set_state(entry, ModelState.LOADING, "queued")
                 entry.progress = Progress("queued", 0, entry.file.decoded_bytes)
@@ -281,11 +284,13 @@ class ModelRegistry:
         return entry
 
     async def _start_unload(self, entry: ModelEntry) -> None:
+        # UNLOADING now, not when the task first runs: a load sent meanwhile waits for the unload,
+        # then loads again (it took the model for ready and answered 200, then the unload ran)
+        self._set_state(entry, ModelState.UNLOADING)
         entry.job = asyncio.create_task(self._unload_job(entry), name=f"unload {entry.name}")
         await asyncio.shield(entry.job)
 
     async def _unload_job(self, entry: ModelEntry) -> None:
-        self._set_state(entry, ModelState.UNLOADING)
         await entry.idle.wait()                    # in-flight requests finish first
         engine, served, entry.engine, entry.served = entry.engine, entry.served, None, None
         if engine is not None:
@@ -305,8 +310,12 @@ class ModelRegistry:
             await asyncio.to_thread(self.loader.warm_up)
             if self.settings.demo:
                 await asyncio.to_thread(demo.ensure_demo, self.store.root, self.settings.demo_workers)
-            for name in self._preload_names():
-                await self.load(name)
+            for name in self._preload_names():     # each loads or fails on its own
+                try:
+                    await self.load(name)
+                except ServiceError as e:
+                    self.startup_error = self.startup_error or e.message
+                    log.error("preload of %s failed: %s", name, e.message)
             self.timeline.mark("start-up: preloads done")
         except Exception as e:                     # a background task: report it, keep serving
             self.startup_error = str(e)

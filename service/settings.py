@@ -7,14 +7,16 @@ from typing import Literal
 from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from .load.names import NAME_PATTERN
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="WCODEC_", extra="ignore", populate_by_name=True)
 
     # where models live: one `<name>.wcodec` file per model
     model_store: Path = Path("models")
-    default_model: str | None = None             # picks the model when a request names none
-    device: str | None = None                    # "cuda" / "cpu"; default: cuda when there is a GPU
+    default_model: str | None = Field(None, pattern=NAME_PATTERN)    # the model of requests that name none
+    device: str | None = Field(None, pattern=r"^(cpu|cuda(:\d+)?)$")  # default: cuda when there is a GPU
     gpu_memory_budget: int | None = Field(None, ge=0)    # bytes; on CPU: decoded bytes resident
     admin_token: SecretStr | None = None         # bearer token for load/unload; None: open
 
@@ -100,4 +102,4 @@ class Settings(BaseSettings):
     # `wcodec serve`
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
-    log_level: str = "info"
+    log_level: str = Field("info", pattern="(?i)^(critical|error|warning|info|debug)$")

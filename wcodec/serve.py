@@ -108,7 +108,11 @@ def run(args: argparse.Namespace, timeline: Timeline | None = None) -> int:
     pin = _start_early_pin(settings, reads, timeline)
     _restore_once_read(reads, switch)
     with timeline.span("import torch"):
-        import torch  # noqa: F401
+        import torch
+    if (settings.device or "").startswith("cuda") and not torch.cuda.is_available():
+        print(f"wcodec: error: bad server settings: WCODEC_DEVICE={settings.device}, but torch sees no CUDA GPU",
+              file=sys.stderr)
+        return EXIT_ERROR
     early = _start_early_loads(settings, paths, reads, timeline, pin)
     with timeline.span("import uvicorn, fastapi and the service"):
         import uvicorn
@@ -119,7 +123,7 @@ def run(args: argparse.Namespace, timeline: Timeline | None = None) -> int:
     timeline.mark("imports done: early reads go wide")
     app = create_app(settings, timeline=timeline, early=early)
     timeline.mark("app created; uvicorn starts")
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower())
     return 0
 
 

@@ -38,11 +38,14 @@ async def health() -> Health:
     return Health(status="ok")
 
 
-@router.get("/health/ready", summary="Readiness: 200 once a model is ready", responses=responses(503))
+@router.get("/health/ready", summary="Readiness: 200 once a model is ready (the default model, where "
+            "WCODEC_DEFAULT_MODEL names one)", responses=responses(503))
 async def ready(registry: RegistryDep, settings: SettingsDep) -> Health:
     names = sorted(s.name for s in registry.refresh() if s.state is ModelState.READY)
     if not names:
         raise ModelNotReady(registry.startup_error or "no model is ready yet", settings.retry_after_s)
+    if settings.default_model and settings.default_model not in names:    # requests without a model
+        raise ModelNotReady(f"the default model {settings.default_model!r} is not ready", settings.retry_after_s)
     return Health(status="ready", ready_models=names, process_start_to_ready_s=registry.metrics.ready_after)
 
 

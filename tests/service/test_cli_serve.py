@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+import torch
 import uvicorn
 
 from wcodec import cli, entry
@@ -23,6 +25,32 @@ def test_bad_settings_are_one_line_errors(monkeypatch, capsys) -> None:
     assert entry.main(["serve"]) == cli.EXIT_ERROR
     err = capsys.readouterr().err
     assert err.startswith("wcodec: error: bad server settings: WCODEC_MAX_BATCH_SIZE:") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(("name", "value"), [("WCODEC_LOG_LEVEL", "verbose"), ("WCODEC_DEVICE", "gpu"),
+                                           ("WCODEC_DEFAULT_MODEL", "../x")])
+def test_bad_names_in_settings_are_one_line_errors_at_start(monkeypatch, capsys, name, value) -> None:
+    """They were a traceback from logging or torch, or a server whose every request got a 422."""
+    monkeypatch.setenv(name, value)
+    assert entry.main(["serve"]) == cli.EXIT_ERROR
+    err = capsys.readouterr().err
+    assert err.startswith(f"wcodec: error: bad server settings: {name}:") and err.count("\n") == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_cuda_asked_for_without_a_gpu_is_a_one_line_error(monkeypatch, capsys) -> None:
+    monkeypatch.setenv("WCODEC_DEVICE", "cuda")
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: pytest.fail("the server started"))
+    assert entry.main(["serve"]) == cli.EXIT_ERROR
+    err = capsys.readouterr().err
+    assert "WCODEC_DEVICE=cuda" in err and err.count("\n") == 1
+
+
+def test_an_upper_case_log_level_reaches_uvicorn_as_it_reads_them(monkeypatch, tmp_path: Path) -> None:
+    ran = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: ran.update(kw))
+    monkeypatch.setenv("WCODEC_LOG_LEVEL", "DEBUG")
+    assert entry.main(["serve", "--store", str(tmp_path)]) == 0 and ran["log_level"] == "debug"
 
 
 def test_help(capsys) -> None:

@@ -174,3 +174,43 @@ async def test_tiny_model_anywhere(serve, tmp_path, tiny_archive) -> None:
         assert r.status_code == 200 and r.json()["details"]["generated_tokens"] >= 1
         chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
         assert (await server.client.post("/v1/chat/completions", json=chat)).status_code == 200
+
+
+async def test_a_load_sent_beside_an_unload_ends_with_the_model_loaded(serve, store) -> None:
+    """Triton serializes a model's control calls: the load waits for the unload, then loads again
+    (it answered "ready" while the unload that followed left the model unloaded)."""
+    import asyncio
+    async with serve(store(), preload=[DEMO]) as server:
+        await server.wait_state(DEMO, ModelState.READY)
+        unload = asyncio.ensure_future(server.registry.unload(DEMO))
+        await asyncio.sleep(0)                  # the unload's task is made, and has not run yet
+        loaded = await server.registry.load(DEMO)
+        assert (await unload).state is not ModelState.UNLOADING
+        assert loaded.state is ModelState.READY and server.registry.get(DEMO).state is ModelState.READY
+        assert (await server.client.post("/generate", json=generate_body(4))).status_code == 200
+
+
+async def test_preloads_load_or_fail_each_on_their_own(serve, store) -> None:
+    """A typo or a broken archive in WCODEC_PRELOAD stopped every preload after it; readiness
+    follows WCODEC_DEFAULT_MODEL where it names one."""
+    root = store()
+    (root / "broken.wcodec").write_bytes(b"not an archive")
+    async with serve(root, preload=["typo", "broken", DEMO]) as server:
+        await server.wait_state(DEMO, ModelState.READY)
+        assert server.registry.get("broken").state is ModelState.FAILED
+        assert (await server.client.get("/health/ready")).status_code == 200
+    async with serve(root, preload=[DEMO], default_model="broken") as server:
+        await server.wait_state(DEMO, ModelState.READY)
+        r = await server.client.get("/health/ready")
+        assert r.status_code == 503 and "'broken'" in r.json()["error"]
+
+
+@pytest.mark.parametrize("weights", ["decoded", "compressed"])
+async def test_an_unreadable_archive_is_a_failed_load_in_both_weights_modes(serve, store, weights) -> None:
+    root = store()
+    (root / "broken.wcodec").write_bytes(b"not an archive")
+    async with serve(root) as server:
+        r = await server.client.post("/models/broken/load", params={"weights": weights})
+        assert r.status_code == 500 and r.json()["error_type"] == "load_failed", r.text
+        assert server.registry.get("broken").state is ModelState.FAILED
+        assert await server.metric("wcodec_model_loads_total", model="broken", result="failed") == 1
