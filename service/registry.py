@@ -194,30 +194,39 @@ class ModelRegistry:
 
     async def load(self, name: str, wait: bool = True, weights: str | None = None) -> ModelEntry:
         """Load a model (shared with a load in progress). `weights`: "decoded" or "compressed"
-        (default: the settings'); a ready model is returned as it is, held as it is."""
+        (default: the settings'); a ready model is returned as it is, held as it is. A load of a
+        model being unloaded waits for the unload outside the lock, so other models' loads go on."""
         entry = self.get(name)
-        async with self._lock:
+        while True:
             while entry.busy and entry.state is ModelState.UNLOADING:
                 with contextlib.suppress(ServiceError):
                     await asyncio.shield(entry.job)
-            if entry.state is ModelState.READY:
-                entry.last_used = time.monotonic()
-                return entry
-            if entry.state is not ModelState.LOADING:
-                entry.weights = weights or self.settings.weights
-                try:                                # compressed: the archive's header says how much
-                    entry.weight_bytes = self.loader.estimate_bytes(entry.file.path, entry.weights,
-                                                                    entry.file.decoded_bytes)
-                except CodecError as e:
-                    raise self._failed(entry, LoadFailed(f"cannot load {name!r}: {e}"), "failed") from None
-                await self._make_room(entry)
-                self._set_state(entry, ModelState.LOADING, "queued")
-                entry.progress = Progress("queued", 0, entry.file.decoded_bytes)
-                entry.job = asyncio.create_task(self._load_job(entry), name=f"load {name}")
-                entry.job.add_done_callback(_retrieve)
+            async with self._lock:
+                if entry.busy and entry.state is ModelState.UNLOADING:     # one began meanwhile
+                    continue
+                if entry.state is ModelState.READY:
+                    entry.last_used = time.monotonic()
+                    return entry
+                if entry.state is not ModelState.LOADING:
+                    await self._start_load(entry, weights)
+            break
         if wait:
             await asyncio.shield(entry.job)
         return entry
+
+    async def _start_load(self, entry: ModelEntry, weights: str | None) -> None:
+        """Budget the load (evicting idle models where it must), then start its job (lock held)."""
+        entry.weights = weights or self.settings.weights
+        try:                                        # compressed: the archive's header says how much
+            entry.weight_bytes = self.loader.estimate_bytes(entry.file.path, entry.weights,
+                                                            entry.file.decoded_bytes)
+        except CodecError as e:
+            raise self._failed(entry, LoadFailed(f"cannot load {entry.name!r}: {e}"), "failed") from None
+        await self._make_room(entry)
+        self._set_state(entry, ModelState.LOADING, "queued")
+        entry.progress = Progress("queued", 0, entry.file.decoded_bytes)
+        entry.job = asyncio.create_task(self._load_job(entry), name=f"load {entry.name}")
+        entry.job.add_done_callback(_retrieve)
 
     async def _make_room(self, entry: ModelEntry) -> None:
         budget = self.settings.gpu_memory_budget
@@ -235,9 +244,11 @@ class ModelRegistry:
             self.metrics.loads.labels(entry.name, "rejected").inc()
             raise InsufficientMemory(f"model {entry.name!r} needs {need} bytes; {used} of the budget of {budget} "
                                      f"bytes are in use and unloading idle models frees only {freed}")
-        for other in victims:
+        for other in victims:                       # all UNLOADING before the first await: none
             log.info("unloading idle model %s to make room for %s", other.name, entry.name)
-            await self._start_unload(other)
+            self._begin_unload(other)               # takes a new request meanwhile (503 instead)
+        for other in victims:
+            await asyncio.shield(other.job)
 
     async def _load_job(self, entry: ModelEntry) -> None:
         try:
@@ -284,11 +295,14 @@ class ModelRegistry:
         return entry
 
     async def _start_unload(self, entry: ModelEntry) -> None:
-        # UNLOADING now, not when the task first runs: a load sent meanwhile waits for the unload,
-        # then loads again (it took the model for ready and answered 200, then the unload ran)
+        await asyncio.shield(self._begin_unload(entry))
+
+    def _begin_unload(self, entry: ModelEntry) -> asyncio.Task:
+        """UNLOADING now, not when the task first runs: a load sent meanwhile waits for the unload,
+        then loads again (it took the model for ready and answered 200, then the unload ran)."""
         self._set_state(entry, ModelState.UNLOADING)
         entry.job = asyncio.create_task(self._unload_job(entry), name=f"unload {entry.name}")
-        await asyncio.shield(entry.job)
+        return entry.job
 
     async def _unload_job(self, entry: ModelEntry) -> None:
         await entry.idle.wait()                    # in-flight requests finish first

@@ -214,3 +214,44 @@ async def test_an_unreadable_archive_is_a_failed_load_in_both_weights_modes(serv
         assert r.status_code == 500 and r.json()["error_type"] == "load_failed", r.text
         assert server.registry.get("broken").state is ModelState.FAILED
         assert await server.metric("wcodec_model_loads_total", model="broken", result="failed") == 1
+
+
+async def test_a_load_waiting_for_an_unload_does_not_hold_up_other_models(serve, store) -> None:
+    """Model a drains a request before it unloads, and a load of a waits for that: a load of b
+    goes on meanwhile (it waited behind the registry's lock)."""
+    import asyncio
+    async with serve(store(DEMO, "b"), preload=[DEMO]) as server:
+        registry = server.registry
+        await server.wait_state(DEMO, ModelState.READY)
+        lease = registry.acquire(DEMO)                     # a request in flight on a
+        try:
+            unload = asyncio.ensure_future(registry.unload(DEMO))
+            reload = asyncio.ensure_future(registry.load(DEMO))
+            await asyncio.sleep(0.1)
+            assert registry.get(DEMO).state is ModelState.UNLOADING and not reload.done()
+            assert (await asyncio.wait_for(registry.load("b"), 60)).state is ModelState.READY
+        finally:
+            lease.release()
+        await unload
+        assert (await reload).state is ModelState.READY
+
+
+async def test_eviction_marks_every_victim_before_it_waits_on_any(serve, store, monkeypatch) -> None:
+    """Loading c must unload a and b: both stop taking requests at once, so b cannot be given a
+    request while a unloads and then be unloaded under it."""
+    import asyncio
+    from service.errors import ModelNotReady
+    async with serve(store(DEMO, "b", "c")) as server:
+        registry = server.registry
+        for name in (DEMO, "b"):
+            await registry.load(name)
+            registry.get(name).weight_bytes = 400          # budget units of this test
+        registry.settings = registry.settings.model_copy(update={"gpu_memory_budget": 1000})
+        monkeypatch.setattr(registry.loader, "estimate_bytes", lambda *a: 700)
+        load_c = asyncio.ensure_future(registry.load("c"))
+        while registry.get(DEMO).state is ModelState.READY:
+            await asyncio.sleep(0)
+        assert registry.get("b").state is ModelState.UNLOADING
+        with pytest.raises(ModelNotReady):
+            registry.acquire("b")
+        assert (await load_c).state is ModelState.READY
