@@ -94,7 +94,7 @@ async def _choice_chunks(index: int, s: inference.Started, first: TokenEvent | F
                                logprobs=_logprobs(s.served, log, sent) if log is not None else None)
     async for item in inference.events(s, first):
         if isinstance(item, Finished):
-            yield delta(stop.flush(), openai_api.finish_reason(item))
+            yield delta(stop.finish(item.generated_text), openai_api.finish_reason(item))
             fins.append(item)
         else:
             if log is not None:

@@ -98,7 +98,7 @@ async def _prompt_chunks(index: int, s: inference.Started, first: TokenEvent | F
         done = isinstance(item, Finished)
         if not done and log is not None:
             log.add(item)
-        text = stop.flush() if done else ("" if item.special else stop.feed(item.text))
+        text = stop.finish(item.generated_text) if done else ("" if item.special else stop.feed(item.text))
         sent += len(text)
         if text or done:
             yield CompletionChoice(text=text, index=index,

@@ -93,12 +93,13 @@ class StopCut:
     end could still be the start of a stop sequence."""
 
     def __init__(self, stops: list[str]):
-        self.stops, self.held, self.stopped = [s for s in stops if s], "", False
+        self.stops, self.held, self.stopped, self.fed = [s for s in stops if s], "", False, ""
 
     def feed(self, piece: str) -> str:
         """The part of the text so far that is now sure to be returned."""
         if self.stopped:
             return ""
+        self.fed += piece
         self.held += piece
         found = [i for i in (self.held.find(s) for s in self.stops) if i >= 0]
         if found:
@@ -111,6 +112,13 @@ class StopCut:
     def flush(self) -> str:
         out, self.held = self.held, ""
         return out
+
+    def finish(self, whole: str) -> str:
+        """At the end, the rest: what of `whole` (the generation's text, as the answer not streamed
+        has it) was not fed (a character the last tokens left unfinished, whose pieces held it
+        back: U+FFFD there), then what is held."""
+        rest = self.feed(whole[len(self.fed):]) if whole.startswith(self.fed) else ""
+        return rest + self.flush()
 
 
 class TokenLog:

@@ -16,6 +16,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -44,9 +45,14 @@ class ServedModel:
     schedule: compressed.UnitSchedule | None = None     # in compressed mode
     host_bytes: int = 0             # host bytes of its weights (fixed.HostEmbedding's table)
 
-    @property
+    @cached_property
     def special_ids(self) -> frozenset[int]:
-        return frozenset(self.tokenizer.all_special_ids)
+        """The ids decode(skip_special_tokens=True) drops, so that streamed text (pieces of the
+        other ids) is the text of the answer not streamed: the special tokens, and every added
+        token marked special (SmolLM2's <file_sep>, <repo_name>, ...)."""
+        tok = self.tokenizer
+        added = getattr(tok, "added_tokens_decoder", {})
+        return frozenset(tok.all_special_ids) | {i for i, t in added.items() if t.special}
 
     def release(self) -> None:
         """Give the weights back now (an unload): a request still unwinding may hold this object,

@@ -20,8 +20,6 @@ GENERIC_CLASSES = {"TokenizersBackend", "PreTrainedTokenizerFast", "GPT2Tokenize
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 KEPT = 8                                        # tokenizers kept by content (Tokenizer.from_files)
 SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-_CLEANUPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
-             (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
 
 
 def _content(token) -> str | None:
@@ -41,7 +39,6 @@ class Tokenizer:
     def __init__(self, rust: RustTokenizer, config: dict, special: dict[str, str], chat_template: str | None):
         self._tok, self._config, self.special_tokens_map = rust, config, special
         self.chat_template = chat_template
-        self.clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces", False))
         for name in SPECIAL:
             setattr(self, name, special.get(name))
             setattr(self, f"{name}_id", self._id(special.get(name)))
@@ -78,6 +75,11 @@ class Tokenizer:
         return None if token is None else self._tok.token_to_id(token)
 
     @cached_property
+    def added_tokens_decoder(self) -> dict:
+        """id -> AddedToken (its `special` flag: decode(skip_special_tokens=True) drops it)."""
+        return self._tok.get_added_tokens_decoder()
+
+    @cached_property
     def all_special_ids(self) -> list[int]:
         names = [self.special_tokens_map.get(n) for n in SPECIAL] + self.special_tokens_map["additional_special_tokens"]
         ids = [self._id(t) for t in dict.fromkeys(n for n in names if n)]
@@ -100,11 +102,7 @@ class Tokenizer:
         return out
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        text = self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
-        if self.clean_up_tokenization_spaces:
-            for old, new in _CLEANUPS:
-                text = text.replace(old, new)
-        return text
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     @cached_property
     def _template(self):

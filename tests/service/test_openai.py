@@ -360,6 +360,26 @@ def test_a_client_that_hangs_up_cancels_its_generation(live, route, body) -> Non
     assert _sample(url, "wcodec_kv_cache_blocks_used", model=DEMO) == 0
 
 
+@pytest.mark.parametrize(("route", "bias", "tokens"), [("chat", {"5": 100}, 4),          # <file_sep>, special
+                                                   ("completions", {"10813": 100}, 3)])   # an unfinished character
+def test_the_streamed_text_is_the_text_not_streamed(client, route, bias, tokens) -> None:
+    """Special added tokens are left out of both (the stream sent "<file_sep>" four times where the
+    answer was empty), and a character the last tokens leave unfinished ends both (U+FFFD; the
+    stream dropped it)."""
+    if route == "chat":
+        make = lambda **kw: client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=tokens,
+                                                           logit_bias=bias, **kw)
+        whole = make().choices[0].message.content
+        streamed = "".join(c.choices[0].delta.content or "" for c in make(stream=True) if c.choices)
+    else:
+        make = lambda **kw: client.completions.create(model=DEMO, prompt=PROMPT, max_tokens=tokens, logit_bias=bias,
+                                                      **kw)
+        whole = make().choices[0].text
+        streamed = "".join(c.choices[0].text for c in make(stream=True) if c.choices)
+    assert streamed == whole
+    assert ("<file_sep>" not in whole) if route == "chat" else whole.endswith("\ufffd")
+
+
 UNSUPPORTED = [("tools", {"tools": [
     {"type": "function", "function": {"name": "f", "parameters": {}}}]}),
     ("response_format", {"response_format": {"type": "xml"}}),

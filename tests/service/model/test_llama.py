@@ -121,6 +121,25 @@ def test_tokenizer_matches_transformers(demo_archive: Path) -> None:
             theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=prompt)
 
 
+def test_decoding_and_streaming_ignore_clean_up_tokenization_spaces(demo_archive: Path) -> None:
+    """TGI decodes with the tokenizers library, which never "cleans up" spaces (Llama-3's config
+    sets the flag; transformers 5 ignores it for BPE): text stays as written, and the streamed
+    pieces join to it (the clean-up lost characters between pieces: "it 's fine" -> "it ' fine")."""
+    import json
+
+    from service.engine.sampling import Detokenizer
+    with Archive.open(demo_archive) as archive:
+        files = archive.reader.files()
+    config = json.loads(files["tokenizer_config.json"])
+    tok = Tokenizer.from_files({**files, "tokenizer_config.json": json.dumps(
+        {**config, "clean_up_tokenization_spaces": True}).encode()})
+    for text in ("x = 1 , y = 2", "it 's fine", "Use the ' key", "Hello . World"):
+        ids = tok.encode(text, add_special_tokens=False)
+        assert tok.decode(ids) == text
+        pieces = Detokenizer(tok.decode)
+        assert "".join(pieces.add(i) for i in ids) == text
+
+
 def test_a_tokenizer_is_kept_by_the_content_of_its_files(demo_archive: Path) -> None:
     with Archive.open(demo_archive) as archive:
         files = archive.reader.files()
