@@ -266,6 +266,7 @@ class ModelRegistry:
         self.timeline.mark(f"load {entry.name}: back on the event loop")
         s = self.settings
         entry.served, entry.stats, entry.reserved_bytes = loaded.served, loaded.stats, loaded.reserved_bytes
+        entry.weights = loaded.served.weights                  # as held: an int8 archive's stay decoded
         entry.weight_bytes = loaded.budget_bytes               # the archive's dtype (README)
         entry.loaded_at, entry.last_error = time.time(), None
         entry.engine = Engine(loaded.served, self.metrics, limits(s), self.timeline).start()

@@ -36,6 +36,7 @@ import cuda_ext
 from codec.constants import CODEC_FLOAT, LANES, SEGMENT_STEPS
 from cuda_ext import plans
 
+from ..errors import LoadFailed
 from . import fixed, quantized
 
 ENTRY_STEPS = 256                  # the resident index's piece: 32 x 256 weights
@@ -190,7 +191,11 @@ def units_of(model: torch.nn.Module, layers: list[CompressedLayer]) -> list[Unit
                 leaves.append((e.name.rpartition(".")[2], size, tuple(e.shape), e.torch_dtype))
                 size += _scratch_bytes(e)
             part = part_of[entries[0].name]
-            out.append(Unit(model.get_submodule(path), leaves, plans.select(part.plan, [e.name for e in entries]),
+            try:
+                module = model.get_submodule(path)
+            except AttributeError:             # not this architecture's (decoded mode's assemble says the same)
+                raise LoadFailed(f"tensors unknown to {type(model).__name__}: {[e.name for e in entries][:5]}") from None
+            out.append(Unit(module, leaves, plans.select(part.plan, [e.name for e in entries]),
                             c, part.index, size))
     return out
 
@@ -326,7 +331,11 @@ class UnitSchedule:
         """The side stream forks from the compute stream (it waits for all queued before this
         forward); then one observation per earlier forward: its decode time, once its decodes
         completed (on the GPU, with their statuses: a decode's status is read before its buffer is
-        reused, which waits for the forward that reads it). None while capturing."""
+        reused, which waits for the forward that reads it). None while capturing. A forward that
+        raised between a module's two hooks kept its scratch buffer: every buffer is free again
+        (no module is issued ahead of the first), so the failure was that step's alone."""
+        if len(self.free) != self.n_scratch:
+            self.free, self.issued, self.prev = list(range(self.n_scratch)), [False] * len(self.units), None
         if not self.cuda:
             if self.seconds:
                 self.on_forward(self.seconds)

@@ -255,3 +255,35 @@ async def test_eviction_marks_every_victim_before_it_waits_on_any(serve, store, 
         with pytest.raises(ModelNotReady):
             registry.acquire("b")
         assert (await load_c).state is ModelState.READY
+
+
+async def test_models_say_how_a_model_is_held_not_what_was_asked(serve, tmp_path, tiny_archive) -> None:
+    """An int8 archive asked for compressed is held decoded (its tensors are no float streams):
+    /models said "compressed" while /metrics counted decoded bytes."""
+    from codec.decode import load
+    from codec.encode import compress_source
+    from codec.sources import StateDictSource
+    model = load(tiny_archive, workers=1)
+    root = tmp_path / "store"
+    root.mkdir()
+    with StateDictSource(model.state_dict, model.files) as source:
+        compress_source(source, root / "q.wcodec", workers=1, lossy="int8")
+    async with serve(root) as server:
+        r = await server.client.post("/models/q/load", params={"weights": "compressed"})
+        assert r.status_code == 200 and r.json()["weights"] == "decoded", r.text
+        assert await server.metric("wcodec_model_weight_bytes", model="q", weights="compressed") == 0
+        assert await server.metric("wcodec_model_weight_bytes", model="q", weights="decoded") > 0
+
+
+@pytest.mark.parametrize("weights", ["decoded", "compressed"])
+async def test_an_archive_this_server_cannot_build_is_a_typed_failed_load(serve, tmp_path, minilm_dir, weights) -> None:
+    """MiniLM (BERT, no LM head): the same typed load_failed in both modes (compressed mode raised
+    an AttributeError from deep in its schedule, with a traceback in the log)."""
+    from codec.encode import compress
+    root = tmp_path / "store"
+    root.mkdir()
+    compress(minilm_dir, root / "m.wcodec", workers=1)
+    async with serve(root) as server:
+        r = await server.client.post("/models/m/load", params={"weights": weights})
+        assert r.status_code == 500 and r.json()["error_type"] == "load_failed", r.text
+        assert "tensors unknown to" in r.json()["error"] and "AttributeError" not in r.json()["error"]

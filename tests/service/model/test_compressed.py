@@ -92,6 +92,25 @@ def test_same_tokens_and_bit_identical_logits(both_modes) -> None:
     assert_same_greedy(*both_modes, 8)
 
 
+def test_a_forward_that_raises_fails_that_step_alone(dense_demo_archive) -> None:
+    """A module that raises between its hooks kept its scratch buffer, and every later forward
+    failed ("pop from empty list") until the model was reloaded; now the next one is whole."""
+    model = served(dense_demo_archive, compressed=True)
+    enc = encode(model, PROMPTS[:1])
+    want, _ = greedy(model, enc, steps=4)
+    proj = model.model.model.layers[3].mlp.gate_proj      # a unit: its hooks take and give back scratch
+    real = type(proj).forward
+
+    def once(self, *args, **kwargs):
+        proj.forward = real.__get__(proj)                 # only this call fails
+        raise MemoryError("simulated")
+    proj.forward = once.__get__(proj)
+    with pytest.raises(MemoryError):
+        greedy(model, enc, steps=1)
+    got, _ = greedy(model, enc, steps=4)
+    assert torch.equal(got, want)
+
+
 def test_piece_size_per_module(both_modes, dense_demo_archive, monkeypatch) -> None:
     """Tensors of compressed.LARGE weights or more get 512-step pieces (half the index); a module of
     under a quarter of the largest module's weights 64 (the demo's k and v, 192 x 576 against the
