@@ -331,10 +331,11 @@ class UnitSchedule:
         """The side stream forks from the compute stream (it waits for all queued before this
         forward); then one observation per earlier forward: its decode time, once its decodes
         completed (on the GPU, with their statuses: a decode's status is read before its buffer is
-        reused, which waits for the forward that reads it). None while capturing. A forward that
-        raised between a module's two hooks kept its scratch buffer: every buffer is free again
-        (no module is issued ahead of the first), so the failure was that step's alone."""
-        if len(self.free) != self.n_scratch:
+        reused, which waits for the forward that reads it). None while capturing. On the CPU, a
+        forward that raised between a module's two hooks kept its scratch buffer: every buffer is
+        free again (the CPU issues nothing ahead), so the failure was that step's alone. (On CUDA
+        buffers issued ahead are in flight on the side stream here; not handled.)"""
+        if not self.cuda and len(self.free) != self.n_scratch:
             self.free, self.issued, self.prev = list(range(self.n_scratch)), [False] * len(self.units), None
         if not self.cuda:
             if self.seconds:
