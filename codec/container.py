@@ -118,6 +118,13 @@ def temp_path(path: str) -> str:
     return f"{path}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
 
 
+def refuse_directory(path: str | os.PathLike) -> None:
+    """A CodecError where the destination `path` is a directory (the rename onto it would fail
+    after all the work, naming the temporary file)."""
+    if os.path.isdir(path):
+        raise errors.CodecError(path, "is a directory")
+
+
 class Prefill:
     """Zeros written into the Writer's file (temp_path(path)), up to `nbytes`, on a thread started
     now, until a Writer takes the file (`take`) or `discard` removes it. Best effort: an error (no
@@ -176,8 +183,7 @@ class Writer:
         self.path = os.fspath(path)
         if prefill is not None and prefill.path != self.path:
             raise ValueError(f"the prefill of {prefill.path} is not this writer's file {self.path}")
-        if os.path.isdir(self.path):
-            raise errors.CodecError(self.path, "is a directory")
+        refuse_directory(self.path)
         self._tmp = temp_path(self.path) if prefill is None else prefill.tmp
         try:
             self._f = open(self._tmp, "r+b" if prefill is not None and prefill.take() else "xb")

@@ -180,11 +180,10 @@ def decompress(src: str | os.PathLike, dst: str | os.PathLike, *, workers: int |
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
-    from .container import temp_path
+    from .container import refuse_directory, temp_path
     from .sources import SAFETENSORS_RESERVED, refuse_destination
     refuse_destination(src, dst)
-    if os.path.isdir(dst):
-        raise errors.CodecError(dst, "is a directory")
+    refuse_directory(dst)
     model = (loader or (lambda p: load(p, workers=workers)))(src)
     if SAFETENSORS_RESERVED in model.state_dict:
         raise errors.CodecError(dst, f"a tensor is named {SAFETENSORS_RESERVED!r}, which safetensors reserves for "

@@ -1,5 +1,6 @@
 """What the service tests share besides fixtures: the demo's name and prompt, request bodies,
-`assert_error` (a response in TGI's error shape), `Server` (a client of an app whose lifespan runs, plus its registry and /metrics samples),
+`assert_error` (a response in TGI's error shape), `metric_sample` (one sample of a /metrics text),
+`with_broken_archive` (a store with a file that is no archive), `Server` (a client of an app whose lifespan runs, plus its registry and /metrics samples),
 `when_queue_full` (a request made while the model's queue is full), and `FileReads` (what a load
 read of an archive's file)."""
 from __future__ import annotations
@@ -36,6 +37,22 @@ def generate_body(max_new_tokens: int = 12, **parameters) -> dict:
     return {"inputs": CHAT_PROMPT, "parameters": {"max_new_tokens": max_new_tokens, **parameters}}
 
 
+def metric_sample(text: str, name: str, **labels: str) -> float:
+    """The value of one sample of a /metrics text (0 when absent)."""
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        m = re.fullmatch(rf"{re.escape(name)}(?:\{{(.*)\}})? (\S+)", line)
+        if m and ",".join(sorted((m.group(1) or "").split(","))) == want:
+            return float(m.group(2))
+    return 0.0
+
+
+def with_broken_archive(root):
+    """`root` (a store) with `broken.wcodec`, a file that is no archive; returns `root`."""
+    (root / "broken.wcodec").write_bytes(b"not an archive")
+    return root
+
+
 @dataclass
 class Server:
     client: httpx.AsyncClient
@@ -47,13 +64,7 @@ class Server:
 
     async def metric(self, name: str, **labels: str) -> float:
         """The value of one sample of /metrics (0 when absent)."""
-        text = (await self.client.get("/metrics")).text
-        want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-        for line in text.splitlines():
-            m = re.fullmatch(rf"{re.escape(name)}(?:\{{(.*)\}})? (\S+)", line)
-            if m and ",".join(sorted((m.group(1) or "").split(","))) == want:
-                return float(m.group(2))
-        return 0.0
+        return metric_sample((await self.client.get("/metrics")).text, name, **labels)
 
     async def wait_state(self, name: str, state: ModelState, timeout: float = 60) -> None:
         with anyio.fail_after(timeout):

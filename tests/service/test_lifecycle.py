@@ -8,7 +8,7 @@ import shutil
 import weakref
 
 import pytest
-from service_helpers import CHAT_PROMPT, DEMO, generate_body
+from service_helpers import CHAT_PROMPT, DEMO, generate_body, with_broken_archive
 
 from service.load import demo as demo_module
 from service.model import cpu_dtype
@@ -193,8 +193,7 @@ async def test_a_load_sent_beside_an_unload_ends_with_the_model_loaded(serve, st
 async def test_preloads_load_or_fail_each_on_their_own(serve, store) -> None:
     """A typo or a broken archive in WCODEC_PRELOAD stopped every preload after it; readiness
     follows WCODEC_DEFAULT_MODEL where it names one."""
-    root = store()
-    (root / "broken.wcodec").write_bytes(b"not an archive")
+    root = with_broken_archive(store())
     async with serve(root, preload=["typo", "broken", DEMO]) as server:
         await server.wait_state(DEMO, ModelState.READY)
         assert server.registry.get("broken").state is ModelState.FAILED
@@ -207,8 +206,7 @@ async def test_preloads_load_or_fail_each_on_their_own(serve, store) -> None:
 
 @pytest.mark.parametrize("weights", ["decoded", "compressed"])
 async def test_an_unreadable_archive_is_a_failed_load_in_both_weights_modes(serve, store, weights) -> None:
-    root = store()
-    (root / "broken.wcodec").write_bytes(b"not an archive")
+    root = with_broken_archive(store())
     async with serve(root) as server:
         r = await server.client.post("/models/broken/load", params={"weights": weights})
         assert r.status_code == 500 and r.json()["error_type"] == "load_failed", r.text

@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from service_helpers import DEMO, generate_body
+from service_helpers import DEMO, generate_body, with_broken_archive
 
 from service.engine.worker import GenRequest
 from service.engine.sampling import Finished
@@ -93,8 +93,7 @@ async def test_http_methods_are_a_bounded_label(serve, store) -> None:
 async def test_a_model_whose_file_leaves_the_store_leaves_the_metrics(serve, store, tmp_path) -> None:
     """Its failed state would otherwise stay 1 forever (WcodecModelLoadFailed firing, the
     dashboards listing it)."""
-    root = store()
-    (root / "broken.wcodec").write_bytes(b"not an archive")
+    root = with_broken_archive(store())
     async with serve(root) as server:
         assert (await server.client.post("/models/broken/load")).status_code == 500
         assert await server.metric("wcodec_model_state", model="broken", state="failed") == 1

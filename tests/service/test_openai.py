@@ -13,7 +13,7 @@ import httpx2
 import openai
 import pytest
 import torch
-from service_helpers import DEMO, QUEUE_OF_ONE, when_queue_full
+from service_helpers import DEMO, QUEUE_OF_ONE, metric_sample, when_queue_full
 
 from service.model import cpu_dtype, paged
 from service.registry import ModelState
@@ -335,11 +335,7 @@ def test_a_lone_surrogate_is_a_400_naming_the_field(live) -> None:
 
 
 def _sample(url: str, name: str, **labels: str) -> float:
-    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
-        if line.startswith(f"{name}{{{want}}} "):
-            return float(line.split()[-1])
-    return 0.0
+    return metric_sample(httpx.get(f"{url}/metrics").text, name, **labels)
 
 
 @pytest.mark.parametrize(("route", "body"), [
