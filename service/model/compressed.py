@@ -227,6 +227,7 @@ class UnitSchedule:
         self.next_of = {k: (k + 1) % len(units) for k in range(len(units))}
         self.free, self.buffer_of = list(range(self.n_scratch)), [-1] * len(units)
         self.issued, self.prev, self.first = [False] * len(units), None, None
+        self.entered = 0                                           # units whose forward started and has not ended
         self.seconds, self.handles = 0.0, []
         self.capturing = False                                     # this forward is being captured
         self.fresh = [False] * self.n_scratch                      # released in this forward
@@ -281,6 +282,7 @@ class UnitSchedule:
             self.first = k
         if k == self.first:
             self._forward_starts()
+        self.entered += 1
         if self.prev is not None:
             self.next_of[self.prev] = k                         # learn the execution order
         self.prev = k
@@ -296,11 +298,22 @@ class UnitSchedule:
             self._issue(nxt)
 
     def _after(self, k: int) -> None:
+        self.entered -= 1
         buf = self.buffer_of[k]
         if self.cuda:
             self.released[buf].record(torch.cuda.current_stream())
             self.fresh[buf] = True
         self.free.append(buf)
+
+    def _recover(self) -> None:
+        """The last forward raised between a module's two hooks: that module kept its scratch
+        buffer (and on CUDA the unit after it may hold one, decoded ahead), so every later forward
+        would fail. Every buffer is free again, and the failure was that step's alone. On CUDA a
+        decode issued ahead may still be running on the side stream: the next decode into its
+        buffer is queued behind it on that stream, and this forward's fork waits for the failed
+        one's reads. (A module that some forwards skip keeps its decode ahead: not a failure.)"""
+        self.free, self.issued = list(range(self.n_scratch)), [False] * len(self.units)
+        self.prev, self.entered = None, 0
 
     def _issue(self, k: int) -> None:
         buf = self.free.pop(0)
@@ -331,12 +344,9 @@ class UnitSchedule:
         """The side stream forks from the compute stream (it waits for all queued before this
         forward); then one observation per earlier forward: its decode time, once its decodes
         completed (on the GPU, with their statuses: a decode's status is read before its buffer is
-        reused, which waits for the forward that reads it). None while capturing. On the CPU, a
-        forward that raised between a module's two hooks kept its scratch buffer: every buffer is
-        free again (the CPU issues nothing ahead), so the failure was that step's alone. (On CUDA
-        buffers issued ahead are in flight on the side stream here; not handled.)"""
-        if not self.cuda and len(self.free) != self.n_scratch:
-            self.free, self.issued, self.prev = list(range(self.n_scratch)), [False] * len(self.units), None
+        reused, which waits for the forward that reads it). None while capturing."""
+        if self.entered:
+            self._recover()
         if not self.cuda:
             if self.seconds:
                 self.on_forward(self.seconds)

@@ -92,10 +92,15 @@ def test_same_tokens_and_bit_identical_logits(both_modes) -> None:
     assert_same_greedy(*both_modes, 8)
 
 
-def test_a_forward_that_raises_fails_that_step_alone(dense_demo_archive) -> None:
-    """A module that raises between its hooks kept its scratch buffer, and every later forward
-    failed ("pop from empty list") until the model was reloaded; now the next one is whole."""
-    model = served(dense_demo_archive, compressed=True)
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on a lent GPU)")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_a_forward_that_raises_fails_that_step_alone(dense_demo_archive, device) -> None:
+    """A module that raises between its hooks kept its scratch buffer (on CUDA, the unit after it
+    one more, decoded ahead), and every later forward failed ("pop from empty list") until the
+    model was reloaded; now the next one is whole."""
+    model = served(dense_demo_archive, compressed=True, device=device)
     enc = encode(model, PROMPTS[:1])
     want, _ = greedy(model, enc, steps=4)
     proj = model.model.model.layers[3].mlp.gate_proj      # a unit: its hooks take and give back scratch
@@ -132,7 +137,7 @@ def test_piece_size_per_module(both_modes, dense_demo_archive, monkeypatch) -> N
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on a lent GPU)")
+@CUDA
 @pytest.mark.parametrize("batch", [1, 8])
 def test_same_tokens_and_bit_identical_logits_on_cuda(dense_demo_archive, batch) -> None:
     """The demo on a GPU: compressed mode decodes each module on a side stream into a ring of two
