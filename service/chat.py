@@ -51,14 +51,19 @@ async def start(req: ChatRequest, registry: ModelRegistry, settings: Settings) -
                                       grammar=req.response_format.spec() if req.response_format else None)
 
 
+def _scored(served: ServedModel, cls: type[TopLogprob], token: int, logprob: float, **more) -> TopLogprob:
+    """One token with its own bytes, and its text or OpenAI's 'bytes:' form (openai_api.token_string)."""
+    text, raw = openai_api.token_of(served, token)
+    return cls(token=text, logprob=logprob, bytes=list(raw), **more)
+
+
 def _logprobs(served: ServedModel, log: openai_api.TokenLog, text_end: int) -> ChatLogprobs:
     events, _ = log.take(text_end)
 
     def top(e: TokenEvent) -> list[TopLogprob]:
-        return [TopLogprob(token=t.text, logprob=t.logprob, bytes=list(t.text.encode()))
-                for t in inference.top_tokens(served, e)]
-    return ChatLogprobs(content=[ChatTokenLogprob(token=e.text, logprob=e.logprob, bytes=list(e.text.encode()),
-                                                  top_logprobs=top(e)) for e in events])
+        return [_scored(served, TopLogprob, i, lp) for i, lp in e.top]
+    return ChatLogprobs(content=[_scored(served, ChatTokenLogprob, e.id, e.logprob, top_logprobs=top(e))
+                                 for e in events])
 
 
 def _choice(index: int, s: inference.Started, fin: Finished, req: ChatRequest) -> ChatChoice:

@@ -9,7 +9,7 @@ import itertools
 from collections.abc import AsyncIterator
 
 from . import inference, openai_api
-from .engine.sampling import Detokenizer, Finished, PromptToken, TokenEvent
+from .engine.sampling import Detokenizer, Finished, PromptToken, TokenEvent, TopN
 from .model.build import ServedModel
 from .registry import ModelRegistry
 from .schemas.completions import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
@@ -23,32 +23,42 @@ async def start(req: CompletionRequest, registry: ModelRegistry, settings: Setti
                                       req.candidates(), stream=req.stream, fields=("prompt", "max_tokens"))
 
 
-def _alternatives(served: ServedModel, e: TokenEvent | PromptToken, text: str) -> dict[str, float]:
-    """top_logprobs at one position: the most likely tokens (of two with one text, the likelier)
-    and the chosen one."""
-    alternatives = {}
-    for t in inference.top_tokens(served, e):           # most likely first
-        alternatives.setdefault(t.text, t.logprob)
-    return alternatives | ({} if text in alternatives else {text: e.logprob})
+def _alternatives(served: ServedModel, chosen: int, logprob: float, top: TopN) -> dict[str, float]:
+    """top_logprobs at one position: the most likely tokens, most likely first, and the chosen one
+    where it is not among them, each under its `token` string (the chosen one's is that of
+    `tokens`); a token whose string another of them already has is keyed 'token_id:<id>' (vLLM's
+    form), so that no token is lost."""
+    scored = [*top, *([] if any(i == chosen for i, _ in top) else [(chosen, logprob)])]
+    keys = {chosen: _token(served, chosen)}
+    for i, _ in scored:
+        if i not in keys:
+            key = _token(served, i)
+            keys[i] = f"token_id:{i}" if key in keys.values() else key
+    return {keys[i]: lp for i, lp in scored}
+
+
+def _token(served: ServedModel, token: int) -> str:
+    return openai_api.token_of(served, token)[0]
 
 
 def _logprobs(served: ServedModel, log: openai_api.TokenLog, text_end: int, at: int = 0) -> CompletionLogprobs:
     """The generated tokens' that start before text_end (of the completion), offsets from `at`."""
     events, offsets = log.take(text_end)
-    return CompletionLogprobs(tokens=[e.text for e in events], token_logprobs=[e.logprob for e in events],
-                              top_logprobs=[_alternatives(served, e, e.text) for e in events],
+    return CompletionLogprobs(tokens=[_token(served, e.id) for e in events],
+                              token_logprobs=[e.logprob for e in events],
+                              top_logprobs=[_alternatives(served, e.id, e.logprob, e.top) for e in events],
                               text_offset=[at + o for o in offsets])
 
 
 def _prompt_logprobs(served: ServedModel, prefill: tuple[PromptToken, ...]) -> CompletionLogprobs:
-    """An echoed prompt's tokens (pieces of its incremental decode, special tokens kept) with their
-    log-probabilities; the first has none."""
+    """An echoed prompt's tokens (special tokens kept) with their log-probabilities, the first
+    with none; offsets from the pieces of the prompt's incremental decode."""
     detok = Detokenizer(served.tokenizer.decode)
-    texts = [detok.add(t.id) for t in prefill]
-    offsets = list(itertools.accumulate((len(x) for x in texts[:-1]), initial=0)) if texts else []
-    return CompletionLogprobs(tokens=texts, token_logprobs=[t.logprob for t in prefill],
-                              top_logprobs=[None if t.logprob is None else _alternatives(served, t, x)
-                                            for t, x in zip(prefill, texts)], text_offset=offsets)
+    pieces = [detok.add(t.id) for t in prefill]
+    offsets = list(itertools.accumulate((len(x) for x in pieces[:-1]), initial=0)) if pieces else []
+    tops = [None if t.logprob is None else _alternatives(served, t.id, t.logprob, t.top) for t in prefill]
+    return CompletionLogprobs(tokens=[_token(served, t.id) for t in prefill],
+                              token_logprobs=[t.logprob for t in prefill], top_logprobs=tops, text_offset=offsets)
 
 
 def _choice(index: int, s: inference.Started, fin: Finished, req: CompletionRequest) -> CompletionChoice:

@@ -14,6 +14,7 @@ from pydantic import BaseModel
 from . import inference
 from .engine.sampling import Finished, SamplingParams, TokenEvent
 from .errors import ModelNotFound, ServiceError, UnsupportedParameter, openai_error_event
+from .model.build import ServedModel
 from .registry import ModelRegistry
 from .schemas.openai import OpenAIRequest, Usage
 from .settings import Settings
@@ -145,6 +146,22 @@ class TokenLog:
             n += 1
         events, offsets, self.given = self.events[self.given:n], self.offsets[self.given:n], n
         return events, offsets
+
+
+def token_string(raw: bytes) -> str:
+    """OpenAI's `token` of a token's bytes: its text, or where the bytes are not UTF-8 on their own
+    (a piece of a character) OpenAI's form, 'bytes:' and the bytes, printable ASCII as is and any
+    other byte (the backslash too) as \\xNN: b' \\xf0\\x9f' is 'bytes: \\xf0\\x9f'."""
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(chr(b) if 0x20 <= b < 0x7F and b != 0x5C else f"\\x{b:02x}" for b in raw)
+
+
+def token_of(served: ServedModel, token: int) -> tuple[str, bytes]:
+    """A token's `token` string and its own bytes (never those of the text it completes)."""
+    raw = served.token_bytes(token)
+    return token_string(raw), raw
 
 
 def cut(text: str, stops: list[str]) -> str:

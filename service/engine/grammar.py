@@ -4,8 +4,9 @@ a JSON schema becomes a regex (`build_regex_from_schema`); the regex and the mod
 become an index of the tokens that each state of the regex's automaton allows. A row keeps its
 state, takes only allowed tokens (the end of text only in a final state) and advances with each.
 
-    token_bytes(tokenizer)   the bytes each non-special token stands for: GPT-2's byte-level table,
-                             or SentencePiece's ▁ and <0xNN> pieces; other tokenizers: GrammarError
+    token_bytes(tokenizer)   the bytes each non-special token stands for (model/token_bytes.py: GPT-2's
+                             byte-level table, or SentencePiece's ▁ and <0xNN> pieces); other tokenizers:
+                             GrammarError
     index_of(served, regex)  the index, kept per model and pattern (a schema's took ~15 ms for the
                              demo's 49k tokens; callers run it off the event loop)
     Constraint               a row's place in it: `mask(logits)` and `advance(token)`
@@ -15,9 +16,10 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from functools import lru_cache
 
 import torch
+
+from ..model.token_bytes import BYTE_LEVEL, decoder_steps, piece_bytes, vocabulary_kind
 
 KEPT = 32                                       # compiled indexes kept per process (by model and pattern)
 
@@ -26,45 +28,21 @@ class GrammarError(ValueError):
     """A grammar this server cannot compile: its message says why (the caller answers 422)."""
 
 
-@lru_cache(maxsize=1)
-def _byte_chars() -> dict[str, int]:
-    """GPT-2's byte-level alphabet: each byte's printable stand-in -> the byte."""
-    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, moved = {}, 0
-    for b in range(256):
-        if b in kept:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + moved)] = b
-            moved += 1
-    return chars
-
-
-def _piece_bytes(piece: str, byte_level: bool) -> bytes:
-    if byte_level:
-        table = _byte_chars()
-        return bytes(table[c] for c in piece)
-    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):    # SentencePiece's byte fallback
-        return bytes([int(piece[3:5], 16)])
-    return piece.replace("\u2581", " ").encode()
-
-
 def token_bytes(tokenizer) -> tuple[int, dict[bytes, list[int]]]:
     """(end-of-text id, the bytes of every other non-special token -> its ids) of a fast tokenizer."""
     rust = getattr(tokenizer, "backend_tokenizer", None)
     if rust is None or tokenizer.eos_token_id is None:
         raise GrammarError("grammar needs a fast tokenizer with an end-of-text token")
-    decoder = json.loads(rust.to_str()).get("decoder") or {}
-    kinds = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders", [])}
-    byte_level = "ByteLevel" in kinds
-    if not byte_level and not kinds & {"Metaspace", "ByteFallback", "Replace"}:
-        raise GrammarError(f"grammar needs a byte-level or SentencePiece tokenizer, not {sorted(k for k in kinds if k)}")
+    kind = vocabulary_kind(rust)
+    if kind is None:
+        raise GrammarError(f"grammar needs a byte-level or SentencePiece tokenizer, not {sorted(decoder_steps(rust))}")
+    byte_level = kind == BYTE_LEVEL
     special, added = set(tokenizer.all_special_ids), rust.get_added_tokens_decoder()
     pieces: dict[bytes, list[int]] = {}
     try:
         for piece, i in rust.get_vocab(with_added_tokens=True).items():
             if i not in special:                           # an added token is its text, not pieces
-                pieces.setdefault(piece.encode() if i in added else _piece_bytes(piece, byte_level), []).append(i)
+                pieces.setdefault(piece.encode() if i in added else piece_bytes(piece, byte_level), []).append(i)
     except KeyError as e:                                  # a character outside the byte-level alphabet
         raise GrammarError(f"token {e} of the vocabulary is not a byte-level piece") from None
     return tokenizer.eos_token_id, pieces

@@ -27,6 +27,7 @@ from cuda_ext import fixedrate, quant
 from ..errors import LoadFailed
 from ..timeline import Timeline
 from . import compressed, fixed, llama, quantized
+from .token_bytes import TokenBytes
 from .tokenizer import Tokenizer
 
 
@@ -53,6 +54,12 @@ class ServedModel:
         tok = self.tokenizer
         added = getattr(tok, "added_tokens_decoder", {})
         return frozenset(tok.all_special_ids) | {i for i, t in added.items() if t.special}
+
+    @cached_property
+    def token_bytes(self) -> TokenBytes:
+        """`token_bytes(id)`: the bytes a token stands for, a piece of a character included (OpenAI's
+        logprobs)."""
+        return TokenBytes(self.tokenizer)
 
     def release(self) -> None:
         """Give the weights back now (an unload): a request still unwinding may hold this object,

@@ -95,15 +95,16 @@ class ChatMessage(BaseModel):
 
 
 class TopLogprob(BaseModel):
-    token: str
+    token: str = Field(description="the token's text; where its bytes are not UTF-8 on their own (a piece of "
+                                   "a character), 'bytes:' and the bytes, \\xNN escaped (OpenAI's form)")
     logprob: float
-    bytes: list[int] | None = Field(description="the UTF-8 bytes of `token`, the text the token added (a "
-                                                "character split across tokens comes whole with its last)")
+    bytes: list[int] | None = Field(description="the token's own bytes (of a piece of a character, that piece): "
+                                                "the content's tokens' bytes, joined, are the content's UTF-8")
 
 
 class ChatTokenLogprob(TopLogprob):
     top_logprobs: list[TopLogprob] = Field(description="the `top_logprobs` most likely tokens at this position, "
-                                                       "most likely first, each decoded on its own")
+                                                       "most likely first, each token its own entry")
 
 
 class ChatLogprobs(BaseModel):

@@ -56,12 +56,15 @@ class CompletionRequest(OpenAIRequest):
 
 
 class CompletionLogprobs(BaseModel):
-    tokens: list[str]
+    tokens: list[str] = Field(description="each token's text; where its bytes are not UTF-8 on their own (a piece "
+                                          "of a character), 'bytes:' and the bytes, \\xNN escaped (OpenAI's form)")
     token_logprobs: list[float | None] = Field(description="null for an echoed prompt's first token")
     top_logprobs: list[dict[str, float] | None] = Field(description="at each position the `logprobs` most "
-                                                                    "likely tokens, each decoded on its own, and the "
-                                                                    "chosen one (so up to logprobs + 1, as OpenAI's); "
-                                                                    "null for an echoed prompt's first token")
+                                                                    "likely tokens and the chosen one (so up to "
+                                                                    "logprobs + 1, as OpenAI's), keyed as `tokens`; "
+                                                                    "a token whose key another already has: "
+                                                                    "'token_id:<id>'; null for an echoed prompt's "
+                                                                    "first token")
     text_offset: list[int] = Field(description="each token's first character in `text`")
 
     def __add__(self, more: "CompletionLogprobs") -> "CompletionLogprobs":

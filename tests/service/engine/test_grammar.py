@@ -14,6 +14,7 @@ from service_helpers import DEMO
 
 from service.engine import grammar
 from service.engine.sampling import Row, SamplingParams
+from service.model.token_bytes import piece_bytes
 
 CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 
@@ -35,9 +36,9 @@ def test_token_bytes_of_a_byte_level_vocabulary(demo) -> None:
 
 
 def test_sentencepiece_pieces() -> None:
-    assert grammar._piece_bytes("\u2581Paris", False) == b" Paris"
-    assert grammar._piece_bytes("<0x0A>", False) == b"\n" and grammar._piece_bytes("<0xE2>", False) == b"\xe2"
-    assert grammar._piece_bytes("\u0120Paris", True) == b" Paris" and grammar._piece_bytes("\u010a", True) == b"\n"
+    assert piece_bytes("\u2581Paris", False) == b" Paris"
+    assert piece_bytes("<0x0A>", False) == b"\n" and piece_bytes("<0xE2>", False) == b"\xe2"
+    assert piece_bytes("\u0120Paris", True) == b" Paris" and piece_bytes("\u010a", True) == b"\n"
 
 
 def constrained(served, prompt: str, regex: str, tokens: int = 40) -> Row:
