@@ -9,6 +9,7 @@ typical_p < 1) is set; a sampled row gets a seed (the request's, or a random one
 report)."""
 from __future__ import annotations
 
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -304,7 +305,8 @@ def sample(logits: torch.Tensor, row: Row) -> Pick:
     """One token for one row from its logits [V]: (token, its log-probability, the row's top_n
     most likely tokens with theirs). Log-probabilities are those of the model's distribution after
     the watermark, the penalties and logit_bias, before temperature, top-k/p and typical_p (the
-    chosen token's and the top_n's alike), as TGI orders them."""
+    chosen token's and the top_n's alike), as TGI orders them. A token that a grammar rules out
+    is no alternative: the top_n then holds fewer (OpenAI's top_logprobs may), never a -inf."""
     p = row.params
     if p.watermark:
         logits = _watermark(logits, row)
@@ -323,7 +325,7 @@ def sample(logits: torch.Tensor, row: Row) -> Pick:
     top = ()
     if p.top_n:
         values, ids = logprobs.topk(min(p.top_n, logprobs.numel()))
-        top = tuple(zip(ids.tolist(), values.tolist()))
+        top = tuple((i, v) for i, v in zip(ids.tolist(), values.tolist()) if v != -math.inf)
     return token, float(logprobs[token]), top
 
 
