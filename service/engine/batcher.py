@@ -177,9 +177,9 @@ class Batcher:
         return Group(rows, self.served, self.cache) if rows else None
 
     def _emit(self, rows: list[Row], logits: torch.Tensor) -> None:
-        for row, (token, logprob, top) in zip(rows, sample_rows(logits, rows)):
-            if not row.done:
-                self.on_token(row, row.push(token, logprob, top))
+        for row, pick in zip(rows, sample_rows(logits, rows)):
+            if not row.done:                        # a failed pick (None) has ended its row
+                self.on_token(row, row.push(*pick))
 
     def _leave(self) -> None:
         keep = [i for i, r in enumerate(self.running) if not r.done]

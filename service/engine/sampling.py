@@ -123,6 +123,7 @@ class Row:
         self.text = ""                          # special tokens kept: what stop sequences see
         self.finish_reason: str | None = None
         self.cancelled = False
+        self.error: str | None = None           # why choosing its token failed (`sample_rows`): it ends
         self.admitted_at: float | None = None   # perf_counter when a batch took it (`admit`)
         self.detokenizer = Detokenizer(served.tokenizer.decode)
         self.prompt_scores: list[tuple[float, TopN]] = []    # prompt_logprobs: positions 1, 2, ... so far
@@ -152,7 +153,7 @@ class Row:
 
     @property
     def done(self) -> bool:
-        return self.finish_reason is not None or self.cancelled
+        return self.finish_reason is not None or self.cancelled or self.error is not None
 
     def score_prompt(self, start: int, logits: torch.Tensor) -> None:
         """Logits [n, V] (float32) at prompt positions start .. start + n - 1, in order: each gives
@@ -212,14 +213,23 @@ class Row:
         return Finished(text, self.finish_reason, self.tokens, self.seed, len(self.prompt_ids), self.prefill())
 
 
+MIN_TEMPERATURE = 1e-5         # below it, float32 logits / temperature overflow to inf (and softmax to nan)
+LOGIT_LIMIT = 1e30             # what a penalized logit stays within: / MIN_TEMPERATURE still finite in float32
+
+
+def _repeated(seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """HF's repetition penalty of the seen tokens' logits [T]: divided by it when positive, times it
+    when negative, 0 kept; within +-LOGIT_LIMIT, as float32 cannot take extreme penalties (1e-300
+    is 0 there: x / 0 = inf, 0 / 0 = nan, and softmax then nan, which failed the batch's step)."""
+    scaled = torch.where(seen > 0, seen / penalty, seen * penalty)
+    return torch.where(seen == 0, seen, scaled).clamp(-LOGIT_LIMIT, LOGIT_LIMIT)
+
+
 def _penalize(logits: torch.Tensor, history: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """TGI's repetition_penalty (a seen token's logit divided by it, or times it when negative),
-    then TGI's frequency_penalty: mu[j] - share[j] * penalty, share[j] token j's count among the
-    row's prompt and generated tokens over their number."""
+    """TGI's repetition_penalty (`_repeated`), then TGI's frequency_penalty: mu[j] - share[j] *
+    penalty, share[j] token j's count among the row's prompt and generated tokens over their number."""
     if p.repetition_penalty:
-        seen = logits.gather(0, history)                                 # [T]
-        penalty = p.repetition_penalty
-        logits = logits.scatter(0, history, torch.where(seen < 0, seen * penalty, seen / penalty))
+        logits = logits.scatter(0, history, _repeated(logits.gather(0, history), p.repetition_penalty))
     if p.share_penalty:
         counts = torch.bincount(history, minlength=logits.numel())[:logits.numel()].to(logits.dtype)
         logits = logits - counts / history.numel() * p.share_penalty
@@ -258,9 +268,6 @@ def _watermark(logits: torch.Tensor, row: Row) -> torch.Tensor:
     previous = row.ids[-1] if row.ids else row.prompt_ids[-1]
     return logits.index_add(0, greenlist(previous, logits.numel(), logits.device),
                             logits.new_full((int(logits.numel() * WATERMARK_GAMMA),), WATERMARK_DELTA))
-
-
-MIN_TEMPERATURE = 1e-5         # below it, float32 logits / temperature overflow to inf (and softmax to nan)
 
 
 def _warp(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -342,9 +349,10 @@ def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, logits.log_softmax(-1).gather(-1, tokens[:, None])[:, 0]
 
 
-def sample_rows(logits: torch.Tensor, rows: list[Row]) -> list[Pick]:
+def sample_rows(logits: torch.Tensor, rows: list[Row]) -> list[Pick | None]:
     """One pick per row from logits [B, V]: plain greedy rows with one argmax and one
-    device-to-host copy between them, the others (sampling, penalties, bias, top_n) one by one with `sample`."""
+    device-to-host copy between them, the others (sampling, penalties, bias, top_n) one by one with
+    `sample`; None for a row whose sampling failed (`_alone`)."""
     plain = [i for i, r in enumerate(rows) if r.greedy]
     out: list[Pick | None] = [None] * len(rows)
     if plain:
@@ -352,4 +360,14 @@ def sample_rows(logits: torch.Tensor, rows: list[Row]) -> list[Pick]:
         tokens, logprobs = greedy(sub)                                                                  # [G]
         for i, token, logprob in zip(plain, tokens.tolist(), logprobs.tolist()):
             out[i] = (token, logprob, ())
-    return [o if o is not None else sample(logits[i], rows[i]) for i, o in enumerate(out)]
+    return [o if o is not None else _alone(logits[i], rows[i]) for i, o in enumerate(out)]
+
+
+def _alone(logits: torch.Tensor, row: Row) -> Pick | None:
+    """`sample`, or None with `row.error` set when it raises: what a row's own parameters do to its
+    logits (nan probabilities, say) fails that row, not the step's other rows."""
+    try:
+        return sample(logits, row)
+    except RuntimeError as e:
+        row.error = f"generation failed: choosing a token: {e}"
+        return None

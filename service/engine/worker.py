@@ -221,7 +221,7 @@ class Engine:
 
     def _answer_done_rows(self) -> None:
         for row in self._done_rows:
-            self._finish(row.owner, row.finished())
+            self._finish(row.owner, GenerationFailed(row.error) if row.error else row.finished())
         self._done_rows.clear()                  # the batcher's on_finish appends to this very list
 
     def _on_token(self, row: Row, event: TokenEvent) -> None:

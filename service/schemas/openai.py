@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .tgi import MAX_SEED
 
@@ -20,6 +20,7 @@ class StreamOptions(BaseModel):
 
 
 class OpenAIRequest(BaseModel):
+    model_config = ConfigDict(allow_inf_nan=False)      # 1e309 (inf) or NaN: a 400, as GenerateParameters'
     model: str | None = Field(None, description="A model of the store (see /v1/models); none, 'tgi' or 'dummy' "
                                                 "(TGI clients' placeholders): the default model "
                                                 "(WCODEC_DEFAULT_MODEL, else the only ready one).")

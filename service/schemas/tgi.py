@@ -34,6 +34,9 @@ class Grammar(BaseModel):
 
 
 class GenerateParameters(BaseModel):
+    # JSON's 1e309 parses to inf (and Python's parser takes NaN): no sampling number is one (TGI's
+    # router cannot parse them); inf as a temperature turned a grammar's -inf to nan, failing a step
+    model_config = ConfigDict(allow_inf_nan=False)
     max_new_tokens: int | None = Field(None, ge=1, description="Maximum number of tokens to generate "
                                        "(default: WCODEC_DEFAULT_MAX_NEW_TOKENS).", examples=[20])
     temperature: float | None = Field(None, gt=0, description="The value used to modulate the logits.")

@@ -2,6 +2,7 @@
 incremental detokenization, left padding."""
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -12,6 +13,7 @@ from service.engine.sampling import (
     WATERMARK_KEY,
     Row,
     SamplingParams,
+    _penalize,
     _warp,
     greenlist,
     left_pad,
@@ -101,6 +103,28 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits() ->
     logits = torch.tensor([0.5, 4.0, -1.0, 3.0, 2.5])
     token, _, _ = sample(logits, r)
     assert token == 4                                     # 4.0 -> 2.0 and 3.0 -> 1.5 fall below 2.5
+
+
+def test_repetition_penalty_is_transformers_and_stays_finite_at_any_penalty() -> None:
+    """The logits of transformers' RepetitionPenaltyLogitsProcessor, bit for bit; penalties float32
+    cannot take (1e-300 is 0 there: a seen logit / 0 was inf, 0 / 0 nan; 1e300 is inf: 0 * inf
+    nan) leave finite logits, so that softmax, greedy's log-probability and a sample stay defined:
+    such a sample raised, failing every row of the step."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+    logits = torch.tensor([0.5, 4.0, -1.0, 0.0, 2.5, -3.0])
+    history = torch.tensor([1, 2, 3, 5, 1])
+    for penalty in (0.5, 1.3, 2.0):
+        theirs = RepetitionPenaltyLogitsProcessor(penalty)(history[None], logits[None].clone())[0]
+        assert torch.equal(_penalize(logits, history, SamplingParams(5, repetition_penalty=penalty)), theirs)
+    for penalty in (1e-300, 1e-40, 1e300):
+        shaped = _penalize(logits, history, SamplingParams(5, repetition_penalty=penalty))
+        assert shaped.isfinite().all() and shaped[3] == 0 and shaped[0] == 0.5, (penalty, shaped)
+        r = Row([1, 2, 3, 5], SamplingParams(5, repetition_penalty=penalty, do_sample=True, temperature=0.5,
+                                             seed=0), served())
+        token, logprob, _ = sample(logits, r)
+        assert math.isfinite(logprob) and token == (1 if penalty < 1 else 4), (penalty, token)
+        token, logprob, _ = sample(logits, row(repetition_penalty=penalty))
+        assert math.isfinite(logprob) and token == (1 if penalty < 1 else 4), (penalty, token)
 
 
 def test_openai_bias_and_penalties_shape_the_logits_of_generated_tokens_only() -> None:

@@ -1,0 +1,85 @@
+"""Sampling parameters through the routes, against TGI's router and OpenAI's API: one request's
+parameters never fail another's generation, numbers JSON can carry but float32 cannot (1e309 is
+inf) are refused, best_of's choice (TGI: the highest mean log-probability a token), a stream's
+details only when asked, `truncate` bounded as TGI bounds it, and an omitted max_new_tokens cut
+to the context the prompt leaves (TGI's default)."""
+from __future__ import annotations
+
+import json
+
+import anyio
+import pytest
+from service_helpers import CHAT_PROMPT, DEMO, assert_error, generate_body
+
+from service.engine import sampling
+from service.registry import ModelState
+
+pytestmark = pytest.mark.anyio
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+
+
+async def ready(server) -> None:
+    await server.wait_state(DEMO, ModelState.READY)
+
+
+async def together(client, *bodies: dict) -> list:
+    """The bodies posted to /generate at once (each a step apart: they share the running batch)."""
+    out = [None] * len(bodies)
+
+    async def post(i: int, body: dict) -> None:
+        await anyio.sleep(0.3 * i)
+        out[i] = await client.post("/generate", json=body)
+    async with anyio.create_task_group() as tg:
+        for i, body in enumerate(bodies):
+            tg.start_soon(post, i, body)
+    return out
+
+
+async def test_a_tiny_repetition_penalty_fails_no_one(serve, store) -> None:
+    """repetition_penalty 1e-300 is 0 in float32: a seen token's logit / 0 was inf, softmax nan,
+    and multinomial raised, failing the whole step: every row in the batch answered 424."""
+    async with serve(store(), preload=[DEMO]) as server:
+        await ready(server)
+        alone = (await server.client.post("/generate", json=generate_body(24))).json()
+        tiny = generate_body(4, do_sample=True, seed=1, repetition_penalty=1e-300)
+        plain, odd = await together(server.client, generate_body(24), tiny)
+        assert plain.status_code == 200 and plain.json()["generated_text"] == alone["generated_text"], plain.text
+        assert odd.status_code == 200, odd.text
+        greedy = (await server.client.post("/generate", json=generate_body(4, repetition_penalty=1e-300))).json()
+        assert all(t["logprob"] is not None for t in greedy["details"]["tokens"]), greedy      # was NaN: null
+        r = await server.client.post("/v1/chat/completions", json={**CHAT, "repetition_penalty": 1e-300,
+                                                                   "temperature": 1, "seed": 1})
+        assert r.status_code == 200, r.text
+
+
+async def test_a_row_whose_sampling_fails_fails_alone(serve, store, monkeypatch) -> None:
+    """Whatever a row's parameters do to its sampling, the other rows of the step go on."""
+    real = sampling.sample
+
+    def failing(logits, row):
+        if row.params.seed == 666:
+            raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+        return real(logits, row)
+    monkeypatch.setattr(sampling, "sample", failing)
+    async with serve(store(), preload=[DEMO]) as server:
+        await ready(server)
+        plain, odd = await together(server.client, generate_body(24), generate_body(4, do_sample=True, seed=666))
+        assert plain.status_code == 200, plain.text
+        assert_error(odd, 424, "generation")
+
+
+NOT_FINITE = [("temperature", "1e309"), ("repetition_penalty", "1e309"), ("top_p", "NaN")]
+
+
+async def test_numbers_float32_cannot_hold_are_refused(serve, store) -> None:
+    """JSON's 1e309 parses to inf (and Python's parser takes NaN): temperature inf made every
+    logit 0 and a grammar's -inf nan (a failed step); TGI's router cannot parse them at all."""
+    async with serve(store(), preload=[DEMO]) as server:
+        await ready(server)
+        for field, number in NOT_FINITE:
+            body = f'{{"inputs": "hi", "parameters": {{"max_new_tokens": 2, "{field}": {number}}}}}'
+            r = await server.client.post("/generate", content=body, headers={"content-type": "application/json"})
+            assert_error(r, 422, "validation")
+        body = json.dumps(CHAT)[:-1] + ', "repetition_penalty": 1e309}'
+        r = await server.client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "repetition_penalty", r.text
