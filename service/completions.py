@@ -78,14 +78,9 @@ def completion(started: list[inference.Started], fins: list[Finished], req: Comp
     k, n = req.candidates(), req.choices()
     if k > n:                                   # each prompt's n best of its k, best first
         kept = [i for p in range(0, len(fins), k)
-                for i in sorted(range(p, p + k), key=lambda i: -_mean(fins[i]))[:n]]
+                for i in sorted(range(p, p + k), key=lambda i: -inference.mean_logprob(fins[i]))[:n]]
         started, fins = [started[i] for i in kept], [fins[i] for i in kept]
     return openai_api.response(Completion, "cmpl", started, fins, req, lambda *a: _choice(*a, req), use)
-
-
-def _mean(fin: Finished) -> float:
-    """A candidate's mean log-probability a token: best_of's measure, as OpenAI's."""
-    return sum(t.logprob for t in fin.tokens) / len(fin.tokens) if fin.tokens else float("-inf")
 
 
 def chunks(started: list[inference.Started], firsts: list[TokenEvent | Finished],

@@ -256,10 +256,17 @@ def _details(cls: type[SequenceDetails], started: Started, fin: Finished, p: Gen
                **extra)
 
 
+def mean_logprob(fin: Finished) -> float:
+    """A sequence's mean log-probability a token: how TGI's best_of and OpenAI's pick the best
+    (a sum would favour the shortest); -inf for none."""
+    return sum(t.logprob for t in fin.tokens) / len(fin.tokens) if fin.tokens else float("-inf")
+
+
 def tgi_response(started: list[Started], fins: list[Finished], p: GenerateParameters) -> GenerateResponse:
-    """The response to a request of len(started) sequences (best_of): the one whose tokens' log-
-    probabilities sum highest, as TGI picks it; with details, the others in best_of_sequences."""
-    best = max(range(len(fins)), key=lambda i: sum(t.logprob for t in fins[i].tokens))
+    """The response to a request of len(started) sequences (best_of): the one of highest mean
+    log-probability a token, as TGI's router picks it (the first of equals); with details, the
+    others in best_of_sequences."""
+    best = max(range(len(fins)), key=lambda i: mean_logprob(fins[i]))
     details = None
     if p.details:
         others = [_details(BestOfSequence, s, f, p, generated_text=_text(s, f, p.return_full_text))

@@ -109,15 +109,15 @@ def test_inference_client_grammar(live) -> None:
 
 
 def test_inference_client_best_of(live) -> None:
-    """best_of, as TGI's: that many sampled sequences, the one whose tokens' log-probabilities sum
-    highest returned, the others in details.best_of_sequences, each with its own seed."""
+    """best_of, as TGI's: that many sampled sequences, the one of highest mean log-probability a
+    token returned, the others in details.best_of_sequences, each with its own seed."""
     client = hub.InferenceClient(base_url=live[0])
     out = client.text_generation(CHAT_PROMPT, max_new_tokens=8, details=True, best_of=3, do_sample=True,
                                  temperature=1.5)
     others = out.details.best_of_sequences
     assert len(others) == 2 and len({out.details.seed, *(o.seed for o in others)}) == 3
-    total = lambda tokens: sum(t.logprob for t in tokens)                      # noqa: E731
-    assert all(total(out.details.tokens) >= total(o.tokens) for o in others)
+    mean = lambda tokens: sum(t.logprob for t in tokens) / len(tokens)        # noqa: E731
+    assert all(mean(out.details.tokens) >= mean(o.tokens) for o in others)
     assert all(o.generated_tokens == len(o.tokens) >= 1 for o in others)
     assert httpx.get(f"{live[0]}/info").json()["max_best_of"] == 4
 

@@ -11,8 +11,12 @@ import anyio
 import pytest
 from service_helpers import CHAT_PROMPT, DEMO, assert_error, generate_body
 
+from service import inference
 from service.engine import sampling
+from service.engine.sampling import Finished, TokenEvent
+from service.inference import Started
 from service.registry import ModelState
+from service.schemas.tgi import GenerateParameters
 
 pytestmark = pytest.mark.anyio
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
@@ -83,3 +87,19 @@ async def test_numbers_float32_cannot_hold_are_refused(serve, store) -> None:
         body = json.dumps(CHAT)[:-1] + ', "repetition_penalty": 1e309}'
         r = await server.client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "repetition_penalty", r.text
+
+
+def sequence(*logprobs: float) -> Finished:
+    tokens = [TokenEvent(i, "x", lp, False) for i, lp in enumerate(logprobs)]
+    return Finished("x" * len(tokens), "length", tokens, 1, 3)
+
+
+def test_best_of_returns_the_highest_mean_logprob_as_tgis_router() -> None:
+    """TGI's generate_best_of keeps the sequence of highest mean log-probability a token; a sum
+    picked the shortest: one token at -1.0 over four at -0.5 each."""
+    short, long = sequence(-1.0), sequence(-0.5, -0.5, -0.5, -0.5)
+    started = [Started(DEMO, None, None, "") for _ in range(2)]
+    out = inference.tgi_response(started, [short, long], GenerateParameters(details=False))
+    assert out.generated_text == "xxxx"
+    out = inference.tgi_response(started, [long, short], GenerateParameters(details=False))
+    assert out.generated_text == "xxxx"
