@@ -306,7 +306,8 @@ async def events(started: Started, first: TokenEvent | Finished) -> AsyncIterato
 
 
 async def tgi_stream(started: Started, first: TokenEvent | Finished, p: GenerateParameters) -> AsyncIterator[bytes]:
-    """TGI's SSE: one event per token; the last token's event carries generated_text and details."""
+    """TGI's SSE: one event per token; the last token's event carries generated_text, and details
+    when asked for (`details`), as TGI's generate_stream."""
     pending, index = None, 0
 
     def event(e: TokenEvent, **last) -> bytes:
@@ -316,7 +317,7 @@ async def tgi_stream(started: Started, first: TokenEvent | Finished, p: Generate
             if isinstance(item, Finished):
                 if pending is not None:
                     details = StreamDetails(finish_reason=item.finish_reason, generated_tokens=len(item.tokens),
-                                            seed=item.seed, input_length=item.input_length)
+                                            seed=item.seed, input_length=item.input_length) if p.details else None
                     yield event(pending, generated_text=_text(started, item, p.return_full_text), details=details)
                 return
             if pending is not None:

@@ -103,3 +103,20 @@ def test_best_of_returns_the_highest_mean_logprob_as_tgis_router() -> None:
     assert out.generated_text == "xxxx"
     out = inference.tgi_response(started, [long, short], GenerateParameters(details=False))
     assert out.generated_text == "xxxx"
+
+
+def events(text: str) -> list[dict]:
+    return [json.loads(line[5:]) for line in text.splitlines() if line.startswith("data:")]
+
+
+async def test_a_streams_details_only_when_asked(serve, store) -> None:
+    """TGI's generate_stream: the last event's details are null with details false (they came anyway)."""
+    async with serve(store(), preload=[DEMO]) as server:
+        await ready(server)
+        for details in (False, True):
+            r = await server.client.post("/generate_stream", json=generate_body(3, details=details))
+            last = events(r.text)[-1]
+            assert last["generated_text"] == "The capital of", last
+            assert (last["details"] is not None) == details, last
+            assert not details or last["details"]["generated_tokens"] == 3
+
