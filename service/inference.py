@@ -51,7 +51,7 @@ def sampling_params(p: GenerateParameters, settings: Settings, *, stream: bool =
                             p.do_sample, p.seed, p.repetition_penalty, tuple(s for s in p.stop if s),
                             p.top_n_tokens or 0, typical_p=p.typical_p, share_penalty=p.frequency_penalty or 0.0,
                             prompt_logprobs=0 if p.decoder_input_details and p.details else None,
-                            watermark=p.watermark)
+                            watermark=p.watermark, default_length=p.max_new_tokens is None)
     if (p.best_of or 1) > 1:                     # TGI's rules
         if stream:
             raise ValidationFailed("`best_of` != 1 is not supported when streaming tokens", param="best_of")
@@ -63,10 +63,12 @@ def sampling_params(p: GenerateParameters, settings: Settings, *, stream: bool =
 
 
 def _tokenize(served: ServedModel, prompt: str | list[int], params: SamplingParams, truncate: int | None,
-              settings: Settings, special: bool, fields: tuple[str, str]) -> list[int]:
+              settings: Settings, special: bool, inputs: str) -> list[int]:
     """The prompt's token ids: a text tokenized, or ids as given (OpenAI's token prompts), checked."""
-    inputs, new = fields
     vocab = served.model.config.vocab_size
+    if truncate is not None and truncate > settings.max_input_tokens:      # TGI's rule
+        raise ValidationFailed(f"`truncate` must be strictly positive and less than {settings.max_input_tokens}. "
+                               f"Given: {truncate}", param="truncate")
     if isinstance(prompt, str):
         ids = served.tokenizer(unicode_text(prompt, inputs), add_special_tokens=special)["input_ids"]
     elif (outside := next((t for t in prompt if t >= vocab), None)) is not None:
@@ -83,11 +85,22 @@ def _tokenize(served: ServedModel, prompt: str | list[int], params: SamplingPara
     if params.logit_bias and (outside := max(i for i, _ in params.logit_bias)) >= vocab:
         raise ValidationFailed(f"`logit_bias`: token {outside} is not in the model's vocabulary (0 to "
                                f"{vocab - 1})", param="logit_bias")
+    return ids
+
+
+def _within_context(served: ServedModel, ids: list[int], params: SamplingParams, settings: Settings,
+                    fields: tuple[str, str]) -> SamplingParams:
+    """`params` whose prompt + max_new_tokens fit the context (WCODEC_MAX_TOTAL_TOKENS, the
+    model's positions): the server's default length cut to what the prompt leaves (at least one
+    token), as TGI's router does; a length the request gave that does not fit is its error."""
+    inputs, new = fields
     limit = min(settings.max_total_tokens, served.max_positions)
+    if params.default_length:
+        params = dataclasses.replace(params, max_new_tokens=max(1, min(params.max_new_tokens, limit - len(ids))))
     if len(ids) + params.max_new_tokens > limit:
         raise ValidationFailed(f"`{inputs}` tokens + `{new}` must be <= {limit}. Given: {len(ids)} "
                                f"`{inputs}` tokens and {params.max_new_tokens} `{new}`", param=new)
-    return ids
+    return params
 
 
 def unicode_text(text: str, field: str) -> str:
@@ -150,7 +163,8 @@ async def start(registry: ModelRegistry, settings: Settings, model: str | None, 
     lease = registry.acquire(name)
     try:
         params = await _constrained(lease.served, params, grammar, grammar_field)
-        ids = _tokenize(lease.served, prompt, params, truncate, settings, special, fields)
+        ids = _tokenize(lease.served, prompt, params, truncate, settings, special, fields[0])
+        params = _within_context(lease.served, ids, params, settings, fields)
         req = GenRequest(ids, params, stream=stream)
         lease.engine.submit(req)
     except BaseException:

@@ -47,7 +47,7 @@ def sampling(req: OpenAIRequest, settings: Settings, max_tokens: int | None, top
     penalty = None if req.repetition_penalty in (None, 1.0) else req.repetition_penalty
     return SamplingParams(limit, temperature, top_p, top_k,
                           temperature is not None, req.seed, penalty, tuple(s for s in stops if s), top_n, bias,
-                          req.presence_penalty or 0.0, req.frequency_penalty or 0.0)
+                          req.presence_penalty or 0.0, req.frequency_penalty or 0.0, default_length=max_tokens is None)
 
 
 def envelope(cls: type[BaseModel], prefix: str, started: list[inference.Started]) -> Callable[..., BaseModel]:

@@ -46,6 +46,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # each prompt token's log-probability and this many most likely
                                         # tokens at its position (TGI's decoder_input_details, OpenAI's echo);
                                         # None: not computed
+    default_length: bool = False       # max_new_tokens is the server's default, not the request's: at
+                                       # most what the context leaves the prompt (inference.py)
 
     @property
     def sampling(self) -> bool:

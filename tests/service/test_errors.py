@@ -39,6 +39,7 @@ BAD_BODIES = [
     {"inputs": "hi", "parameters": {"top_n_tokens": -1}},
     {"inputs": "hi", "parameters": {"max_new_tokens": 5000}},
     {"inputs": "hi", "parameters": {"truncate": 0}},
+    {"inputs": "hi", "parameters": {"truncate": 1025}},                       # TGI's: at most the input limit
     {"inputs": "hi", "parameters": {"do_sample": True, "seed": 2**64}},        # was a 500: beyond manual_seed
 ]
 

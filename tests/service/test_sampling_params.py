@@ -120,3 +120,29 @@ async def test_a_streams_details_only_when_asked(serve, store) -> None:
             assert (last["details"] is not None) == details, last
             assert not details or last["details"]["generated_tokens"] == 3
 
+
+async def test_truncate_beyond_the_input_limit_is_refused_as_tgi(serve, store) -> None:
+    """TGI's router: `truncate` must be strictly positive and at most its max input length."""
+    async with serve(store(), preload=[DEMO], max_input_tokens=64) as server:
+        await ready(server)
+        assert (await server.client.post("/generate", json=generate_body(2, truncate=64))).status_code == 200
+        body = assert_error(await server.client.post("/generate", json=generate_body(2, truncate=65)), 422,
+                            "validation")
+        assert "truncate" in body["error"], body
+
+
+async def test_an_omitted_max_new_tokens_is_what_the_context_leaves(serve, store) -> None:
+    """TGI's router makes an omitted max_new_tokens at most what max_total_tokens leaves the prompt
+    (OpenAI's omitted max_tokens: the context's rest): the default (100) was added to the prompt
+    and a 37-token prompt under a 40-token limit answered 422 naming a field the client never sent."""
+    async with serve(store(), preload=[DEMO], max_total_tokens=40) as server:
+        await ready(server)
+        r = await server.client.post("/generate", json={"inputs": CHAT_PROMPT})
+        assert r.status_code == 200, r.text
+        details = r.json()["details"]
+        assert details["generated_tokens"] == 3 and details["finish_reason"] == "length", details
+        assert_error(await server.client.post("/generate", json=generate_body(4)), 422, "validation")
+        r = await server.client.post("/v1/completions", json={"prompt": CHAT_PROMPT, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+        r = await server.client.post("/v1/completions", json={"prompt": CHAT_PROMPT * 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
