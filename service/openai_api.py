@@ -45,8 +45,9 @@ def sampling(req: OpenAIRequest, settings: Settings, max_tokens: int | None, top
     bias = tuple((int(token), value) for token, value in (req.logit_bias or {}).items())
     limit = settings.default_max_new_tokens if max_tokens is None else max_tokens      # 0: completions' echo
     penalty = None if req.repetition_penalty in (None, 1.0) else req.repetition_penalty
+    seed = None if req.seed is None else req.seed % 2**64                  # int64's negatives: two's complement
     return SamplingParams(limit, temperature, top_p, top_k,
-                          temperature is not None, req.seed, penalty, tuple(s for s in stops if s), top_n, bias,
+                          temperature is not None, seed, penalty, tuple(s for s in stops if s), top_n, bias,
                           req.presence_penalty or 0.0, req.frequency_penalty or 0.0, default_length=max_tokens is None)
 
 

@@ -28,7 +28,8 @@ class OpenAIRequest(BaseModel):
                                                            "WCODEC_DEFAULT_MAX_NEW_TOKENS).")
     temperature: float | None = Field(None, ge=0, le=2, description="0 or none: greedy.")
     top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    seed: int | None = Field(None, ge=-2**63, le=MAX_SEED, description="OpenAI's int64 (or up to 2^64 - 1); a "
+                             "negative one seeds as its two's complement, as torch's manual_seed takes it.")
     stop: str | Stops | None = Field(None, description=f"Up to {MAX_STOP} sequences; the text ends before the "
                                                        "first one generated.")
     stream: bool = False

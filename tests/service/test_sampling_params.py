@@ -146,3 +146,19 @@ async def test_an_omitted_max_new_tokens_is_what_the_context_leaves(serve, store
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
         r = await server.client.post("/v1/completions", json={"prompt": CHAT_PROMPT * 2})
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+
+
+async def test_openai_takes_a_negative_seed(serve, store) -> None:
+    """OpenAI's seed is any int64 (vLLM takes them too); -1 was a 400. It seeds as torch's
+    manual_seed takes it, two's complement: -1 samples as 2^64 - 1."""
+    async with serve(store(), preload=[DEMO]) as server:
+        await ready(server)
+
+        async def chat(seed: int):
+            return await server.client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 6, "temperature": 1.5,
+                                                                          "seed": seed})
+        negative, same = await chat(-1), await chat(2**64 - 1)
+        assert negative.status_code == 200, negative.text
+        assert negative.json()["choices"] == same.json()["choices"]
+        r = await chat(-2**63 - 1)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "seed", r.text
