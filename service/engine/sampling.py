@@ -315,9 +315,9 @@ def sample(logits: torch.Tensor, row: Row) -> Pick:
     most likely tokens with theirs). The logits go through TGI's order (watermark, penalties, then
     logit_bias and the grammar, then temperature, top-k/p, typical_p); log-probabilities are those
     of the distribution before temperature and the warpers (the chosen token's and the top_n's
-    alike). TGI's router reports the warped distribution's instead: a sampled row's differ. A token that
-    a grammar rules out is no alternative: the top_n then holds fewer (OpenAI's top_logprobs may),
-    never a -inf."""
+    alike). TGI's router reports the warped distribution's instead: a sampled row's differ. A
+    token that a grammar rules out is no alternative: the top_n then holds fewer (OpenAI's
+    top_logprobs may), never a -inf."""
     p = row.params
     if p.watermark:
         logits = _watermark(logits, row)
