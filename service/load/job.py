@@ -28,7 +28,7 @@ from codec.decode import Archive
 from codec.errors import CodecError
 
 from ..metrics import Metrics
-from ..model import build, compressed, cpu_dtype, fixed
+from ..model import build, compressed, cpu_dtype, fixed, llama
 from ..settings import Settings
 from ..timeline import Timeline
 from . import devicecheck, memory, pipeline
@@ -65,14 +65,18 @@ class Loader:
         memory.tune_allocator()                    # an unloaded model's host memory goes back (memory.py)
 
     def estimate_bytes(self, path, weights: str, decoded_bytes: int) -> int:
-        """Device bytes the load will take, from the archive's header."""
+        """Device bytes the load will take, from the archive's header and config.json (whether
+        llama.py or transformers' classes serve the model: the latter hold GGUF blocks and the
+        fixed-rate form decoded)."""
         if weights == "decoded":
             return decoded_bytes
         with Archive.open(path) as archive:
-            scratch = self.settings.compressed_scratch if self.device.type == "cuda" else 1
-            form = self._form()
-            host = fixed.host_names(_config(archive)) if form == "fixed" else frozenset()
-            return compressed.estimate_bytes(archive.entries, scratch, form, host)
+            entries, config = archive.entries, _config(archive)
+        scratch = self.settings.compressed_scratch if self.device.type == "cuda" else 1
+        form = self._form()
+        host = fixed.host_names(config) if form == "fixed" else frozenset()
+        native = llama.native_config(config) is not None
+        return compressed.estimate_bytes(entries, scratch, form, host, native)
 
     def _form(self) -> str:
         return fixed.form_for(self.settings.compressed_form, self.device)

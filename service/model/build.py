@@ -183,12 +183,13 @@ def finish(name: str, prepared: Prepared, decoded: dict[str, torch.Tensor], kept
            fixed_form: dict[str, fixedrate.FixedRateWeight] | None = None) -> ServedModel:
     """Assign the `decoded` tensors. Layers the loader `kept` compressed get a decode schedule
     (`scratch` buffers on CUDA); GGUF tensors kept as `blocks`, block modules (quantized.py; a
-    model that is not llama.py's gets them dequantized instead); matrices in the fixed-rate form
-    (`fixed_form`), FixedLinears (fixed.py)."""
+    model that is not llama.py's gets them dequantized instead, held and counted as decoded
+    tensors); matrices in the fixed-rate form (`fixed_form`), FixedLinears (fixed.py)."""
     config, tokenizer = prepared.config, prepared.tokenizer
     tensors, schedule, held, host = decoded, None, 0, 0
     if blocks and not isinstance(prepared.model, llama.LlamaForCausalLM):
-        tensors, blocks = {**tensors, **quantized.dequantized(blocks)}, None
+        tensors = decoded = {**decoded, **quantized.dequantized(blocks)}
+        blocks = None
     if blocks:
         held = quantized.attach(prepared.model, blocks, device)
     if fixed_form:

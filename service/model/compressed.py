@@ -119,28 +119,42 @@ def stays_compressed(e) -> bool:
     return e.layer is not None and e.codec == CODEC_FLOAT and e.dtype in plans.DTYPE_CODES and len(e.shape) >= 2
 
 
-def estimate_bytes(entries, scratch: int, form: str = "indexed", host: frozenset[str] = frozenset()) -> int:
-    """Device bytes a model takes in compressed-resident mode, from its header: GGUF matrices'
-    blocks and their scratch (quantized.py); float matrices in the fixed-rate form (fixed.py), or
-    else the decoder layers' kept streams, their index and `scratch` scratch buffers; the rest
-    decoded, but for the tensors the fixed form keeps on the host (`host`: fixed.host_names, if
-    the form holds them)."""
-    blocks = [e for e in entries if quantized.keeps(e)]
-    if form == "fixed":                 # outside the layers (a head, the embedding): counted decoded
-        matrices = [e for e in entries if fixed.keeps(e) and e.layer is not None]
-        ids = {id(e) for e in blocks + matrices}
-        rest = sum(e.nbytes for e in entries if id(e) not in ids and not (e.name in host and fixed.keeps(e)))
-        return quantized.estimate_bytes(blocks) + fixed.estimate_bytes(matrices) + rest
-    kept = [e for e in entries if stays_compressed(e)]
+def kept_entries(entries, form: str = "indexed", native: bool = True) -> tuple[list, list]:
+    """The tensors a load in compressed mode keeps compressed: GGUF matrices as their blocks, and
+    float matrices in `form` (the fixed-rate form's, or else a decoder layer's streams). Block
+    modules and FixedLinears are llama.py's: a model served by transformers' classes (`native`
+    False: llama.native_config) gets both decoded (build.finish, fixed.attach); its streams are
+    decoded by hooks on any model. Empty lists: the model is held decoded."""
+    blocks = [e for e in entries if quantized.keeps(e)] if native else []
+    if form == "fixed":
+        return blocks, [e for e in entries if fixed.keeps(e) and e.layer is not None] if native else []
+    return blocks, [e for e in entries if stays_compressed(e)]
+
+
+def estimate_bytes(entries, scratch: int, form: str = "indexed", host: frozenset[str] = frozenset(),
+                   native: bool = True) -> int:
+    """Device bytes a model takes in compressed-resident mode, from its header: what
+    `kept_entries` keeps -- GGUF matrices' blocks and their scratch (quantized.py); float matrices
+    in the fixed-rate form (fixed.py), or else the decoder layers' kept streams, their index and
+    `scratch` scratch buffers -- and the rest counted decoded (outside the layers, a head and the
+    embedding too), but for the tensors the fixed form keeps on the host (`host`:
+    fixed.host_names, if the form holds them)."""
+    blocks, floats = kept_entries(entries, form, native)
+    ids = {id(e) for e in blocks + floats}
+    rest = sum(e.nbytes for e in entries if id(e) not in ids and not (e.name in host and fixed.keeps(e)))
+    held = fixed.estimate_bytes(floats) if form == "fixed" else _indexed_bytes(floats, scratch)
+    return quantized.estimate_bytes(blocks) + held + rest
+
+
+def _indexed_bytes(kept: list, scratch: int) -> int:
+    """The kept streams, their resident index and `scratch` buffers of the largest module."""
     streams = sum(r["length"] for e in kept for r in e.streams.values())
     steps = piece_steps(kept)
     index = sum(e.params.n_segments * (SEGMENT_STEPS // steps[e.name]) * (LANES + 1) * 4 for e in kept)
     per_module: dict[str, int] = {}
     for e in kept:
         per_module[_module(e)] = per_module.get(_module(e), 0) + _scratch_bytes(e)
-    kept_ids = {id(e) for e in kept + blocks}
-    rest = sum(e.nbytes for e in entries if id(e) not in kept_ids)
-    return streams + index + scratch * max(per_module.values(), default=0) + quantized.estimate_bytes(blocks) + rest
+    return streams + index + scratch * max(per_module.values(), default=0)
 
 
 def keep_layer(index: int, entries: list, span: tuple[int, int], data: torch.Tensor,

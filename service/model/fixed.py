@@ -188,10 +188,7 @@ def host_table(config: llama.LlamaConfig) -> bool:
 def host_names(config: dict | None) -> frozenset[str]:
     """The tensors this form keeps on the host for a model whose config.json is `config` (the
     memory budget's estimate, before the load): an untied llama.py model's embedding table."""
-    try:
-        parsed = llama.LlamaConfig.parse(config) if config else None
-    except llama.INVALID_CONFIG:                  # not valid: build.prepare says why
-        return frozenset()
+    parsed = llama.native_config(config)
     return frozenset({EMBEDDING}) if parsed is not None and host_table(parsed) else frozenset()
 
 

@@ -83,6 +83,16 @@ class LlamaConfig:
                    d.get("bos_token_id"))
 
 
+def native_config(d: dict | None) -> LlamaConfig | None:
+    """The config of config.json's `d` if this file serves the model, else None: no config, a model
+    build.prepare gives to transformers' classes, or a config that is not valid (the load says why).
+    For what is known before a load (the memory budget's estimate)."""
+    try:
+        return LlamaConfig.parse(d) if d else None
+    except INVALID_CONFIG:
+        return None
+
+
 def inv_freq(c: LlamaConfig, device=None) -> tuple[torch.Tensor, float]:
     """Rotary inverse frequencies [D/2] (float32) and the cos/sin scale, as transformers computes them."""
     d = c.head_dim

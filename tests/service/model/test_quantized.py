@@ -5,6 +5,8 @@ mode's greedy tokens and logits, and a memory budget of 0.6x the bf16 bytes serv
 mode gets 507). The CUDA cases run on a lent GPU."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from service_helpers import DEMO, generate_body
@@ -134,3 +136,26 @@ async def test_budget_of_0_6_bf16_serves_only_compressed(serve, store, device) -
         r = await c.post("/generate", json=generate_body())
         assert r.status_code == 200 and r.json()["generated_text"].startswith("The capital of France is Paris"), r.text
         assert (await c.post(f"/models/{DEMO}/unload")).status_code == 200
+
+
+@pytest.mark.anyio
+async def test_a_transformers_model_counts_its_blocks_dequantized(serve, tmp_path, mistral_gguf_archive) -> None:
+    """transformers' classes hold no block modules: a GGUF archive they serve (here named "mistral":
+    MistralForCausalLM) gets its blocks dequantized at the load in compressed mode too, and is held
+    decoded. The budget's estimate and /models count those bytes, as the metrics do: the demo's
+    counted only its norms (70 KB of 269 MB) and its estimate only the blocks."""
+    (tmp_path / "store").mkdir()
+    os.link(mistral_gguf_archive, tmp_path / "store" / "m.wcodec")
+    with Archive.open(mistral_gguf_archive) as archive:
+        dequantized = sum(e.nbytes for e in archive.entries)
+    async with serve(tmp_path / "store") as server:
+        c = server.client
+        server.registry.settings.gpu_memory_budget = dequantized - 1
+        r = await c.post("/models/m/load", params={"weights": "compressed"})
+        assert r.status_code == 507 and r.json()["error_type"] == "insufficient_memory", r.text
+        server.registry.settings.gpu_memory_budget = dequantized
+        r = await c.post("/models/m/load", params={"weights": "compressed"})
+        assert r.status_code == 200 and r.json()["weights"] == "decoded", r.text
+        assert type(server.registry.get("m").served.model).__name__ == "MistralForCausalLM"
+        assert r.json()["weight_bytes"] == dequantized == server.registry.used_bytes()
+        assert await server.metric("wcodec_model_weight_bytes", model="m", weights="decoded") == dequantized
