@@ -7,8 +7,9 @@
   waits for a load in progress, then for the model's in-flight requests (leases), then frees.
 * Memory budget (`gpu_memory_budget`, bytes): before a load, the least recently used idle
   ready models are unloaded until the new one fits; if even that cannot make it fit, nothing
-  is unloaded and the load is refused (507). Used memory is the decoded bytes of resident
-  models, or `torch.cuda.memory_allocated` when that is larger (on CUDA).
+  is unloaded and the load is refused (507). Used memory is the weight bytes of resident
+  models as held (their `weight_bytes`: the load's estimate from the header while it runs, then
+  the figure the metrics report), or `torch.cuda.memory_allocated` when that is larger (on CUDA).
 * An out-of-memory error during a load fails that load alone (the model ends `failed`).
 The load itself (early loads, the host cache, the decode, the model's build) is service/load/'s
 (`Loader`), run in a worker thread; this file only moves states. Every method runs on the event
@@ -64,7 +65,7 @@ class ModelEntry:
     last_used: float = 0.0                     # monotonic; orders eviction
     reserved_bytes: int = 0                    # CUDA: allocator reserve taken by its load
     weights: str = "decoded"                   # how its weights are held: "decoded" or "compressed"
-    weight_bytes: int = 0                      # device bytes of its weights (an estimate while loading)
+    weight_bytes: int = 0                      # device bytes of its weights as held (an estimate while loading)
     in_flight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     job: asyncio.Task | None = None
@@ -267,7 +268,7 @@ class ModelRegistry:
         s = self.settings
         entry.served, entry.stats, entry.reserved_bytes = loaded.served, loaded.stats, loaded.reserved_bytes
         entry.weights = loaded.served.weights                  # as held: an int8 archive's stay decoded
-        entry.weight_bytes = loaded.budget_bytes               # the archive's dtype (README)
+        entry.weight_bytes = loaded.served.weight_bytes        # as held: the estimate corrected (README)
         entry.loaded_at, entry.last_error = time.time(), None
         entry.engine = Engine(loaded.served, self.metrics, limits(s), self.timeline).start()
         entry.last_used = time.monotonic()

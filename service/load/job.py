@@ -52,7 +52,6 @@ class Loaded:
     served: build.ServedModel
     stats: LoadStats
     reserved_bytes: int            # CUDA: allocator reserve the load took; CPU: the weights' bytes
-    budget_bytes: int              # what the memory budget counts: the weights in the archive's dtype
 
 
 class Loader:
@@ -67,15 +66,20 @@ class Loader:
     def estimate_bytes(self, path, weights: str, decoded_bytes: int) -> int:
         """Device bytes the load will take, from the archive's header and config.json (whether
         llama.py or transformers' classes serve the model: the latter hold GGUF blocks and the
-        fixed-rate form decoded)."""
-        if weights == "decoded":
+        fixed-rate form decoded); a model held decoded, widened where the CPU casts it to float32.
+        The buffers the CPU's compute adds at the load (linear16's packed copies, the mixed
+        matmul's scratch) are known after it: the registry then charges the load's own figure."""
+        widens = cpu_dtype.widens(self.device, self.settings.cpu_dtype)
+        if weights == "decoded" and not widens:
             return decoded_bytes
         with Archive.open(path) as archive:
             entries, config = archive.entries, _config(archive)
+        form, native = self._form(), llama.native_config(config) is not None
+        blocks, floats = compressed.kept_entries(entries, form, native)
+        if weights == "decoded" or not blocks + floats:                # held decoded
+            return decoded_bytes + (cpu_dtype.widened_bytes(entries) if widens else 0)
         scratch = self.settings.compressed_scratch if self.device.type == "cuda" else 1
-        form = self._form()
         host = fixed.host_names(config) if form == "fixed" else frozenset()
-        native = llama.native_config(config) is not None
         return compressed.estimate_bytes(entries, scratch, form, host, native)
 
     def _form(self) -> str:
@@ -105,13 +109,11 @@ class Loader:
         mark("skeleton ready")
         served = self._build(name, weights, decoded, ready)
         mark("model assembled")
-        budget_bytes = served.weight_bytes
         served = cpu_dtype.for_cpu(served, self.settings.cpu_dtype)
         mark("weights assigned")
         decoded.stats.total_s = time.perf_counter() - t0
         cuda = self.device.type == "cuda"
-        loaded = Loaded(served, decoded.stats, self._reserved() - reserved if cuda else served.weight_bytes,
-                        budget_bytes)
+        loaded = Loaded(served, decoded.stats, self._reserved() - reserved if cuda else served.weight_bytes)
         self._record(name, loaded, progress)
         return loaded
 

@@ -68,6 +68,7 @@ from . import llama, quantized
 from .build import ServedModel
 
 CpuDtype = Literal["auto", "model", "float32"]
+HALF = (torch.bfloat16, torch.float16)
 MIXED_ROWS = 6                   # rows of a call from which float32 matmuls win (table above)
 CHUNK_FLOATS = 1 << 20           # float32 elements of a weight widened at a time (4 MiB)
 
@@ -94,13 +95,24 @@ def cpu_compute(served: ServedModel, setting: CpuDtype) -> str:
     """"model", "linear16", "mixed" or "float32": how `served` computes under `setting`.
     Compressed weights, decoded into scratch every forward, are not cast: they compute as decoded
     weights under `auto` (the same arithmetic in both modes)."""
-    if served.device.type != "cpu" or setting == "model" or served.dtype not in (torch.bfloat16, torch.float16):
-        return "model"
-    if setting == "float32" and served.weights == "decoded":
+    if widens(served.device, setting) and served.weights == "decoded" and served.dtype in HALF:
         return "float32"
+    if served.device.type != "cpu" or setting == "model" or served.dtype not in HALF:
+        return "model"
     if linear16_kernel(served.dtype):
         return "linear16"
     return "model" if _native(served.dtype) else "mixed"
+
+
+def widens(device: torch.device, setting: CpuDtype) -> bool:
+    """Whether a bf16/fp16 model held decoded on `device` is cast to float32 after its load."""
+    return device.type == "cpu" and setting == "float32"
+
+
+def widened_bytes(entries) -> int:
+    """The bytes that cast adds, from the archive's header (the memory budget's estimate, before
+    the load): each bf16/fp16 tensor's bytes once more, as `for_cpu` counts them after it."""
+    return sum(e.nbytes for e in entries if e.torch_dtype in HALF)
 
 
 class Linear16(llama.Linear):
@@ -255,6 +267,7 @@ def for_cpu(served: ServedModel, setting: CpuDtype) -> ServedModel:
     if how == "mixed":
         return replace(served, weight_bytes=served.weight_bytes + _mix(served.model, MIXED_ROWS))
     if how == "float32":
+        widened = sum(t.nbytes for t in (*served.model.parameters(), *served.model.buffers()) if t.dtype in HALF)
         model = served.model.to(torch.float32)        # each parameter replaced: the old one is freed
-        return replace(served, model=model, dtype=torch.float32, weight_bytes=served.weight_bytes * 2)
+        return replace(served, model=model, dtype=torch.float32, weight_bytes=served.weight_bytes + widened)
     return served

@@ -41,8 +41,11 @@ class ModelInfo(BaseModel):
     in_flight: int = Field(description="requests holding the model")
     weights: Weights | None = Field(
         None, description="how its decoder layers are held on the device while loaded (docs/RESIDENT.md)")
-    weight_bytes: int | None = Field(None, description="device bytes its weights take while loaded: decoded "
-                                                        "tensors, or kept compressed streams, index and scratch")
+    weight_bytes: int | None = Field(None, description="device bytes its weights take as held (decoded tensors, "
+                                                        "or kept compressed streams, index and scratch; on the CPU "
+                                                        "after its compute setting: float32 doubles bf16), what "
+                                                        "the memory budget charges and wcodec_model_weight_bytes "
+                                                        "reports; while loading, the load's estimate")
     host_weight_bytes: int | None = Field(None, description="host bytes of its weights while loaded: on a GPU, "
                                           "compressed mode keeps an untied embedding table page-locked there")
     resident: Weights | None = Field(None, description="deprecated: the old name of `weights`")

@@ -101,3 +101,32 @@ async def test_a_model_whose_file_leaves_the_store_leaves_the_metrics(serve, sto
         assert (await server.client.get("/models")).json()["models"][0]["name"] != "broken"
         text = (await server.client.get("/metrics")).text
         assert 'model="broken"' not in text and f'model="{DEMO}"' in text
+
+
+@pytest.mark.parametrize("cpu_dtype", ["auto", "float32"])
+async def test_models_the_metrics_and_the_budget_count_the_same_bytes(serve, store, cpu_dtype) -> None:
+    """/models' weight_bytes is the metrics' figure and what the budget charges: the weights as
+    held once the CPU's compute setting is applied (float32: the model cast, twice its bytes; an
+    AVX-512 CPU's `auto`: linear16's packed copy of the tied head, 57 MB more). /models showed,
+    and the budget charged, the bf16 bytes."""
+    async with serve(store(), cpu_dtype=cpu_dtype) as server:
+        r = await server.client.post(f"/models/{DEMO}/load")
+        assert r.status_code == 200, r.text
+        held = r.json()["weight_bytes"]
+        assert held == await server.metric("wcodec_model_weight_bytes", model=DEMO, weights="decoded")
+        assert held == await server.metric("wcodec_model_memory_allocated_bytes", model=DEMO, device="cpu")
+        listed = (await server.client.get("/models")).json()["models"][0]
+        assert held == listed["weight_bytes"] == server.registry.used_bytes()
+        assert held >= (2 if cpu_dtype == "float32" else 1) * r.json()["decoded_bytes"]
+
+
+async def test_the_budget_counts_a_float32_cast_before_the_load(serve, store) -> None:
+    """Under WCODEC_CPU_DTYPE=float32 a bf16 model takes twice its bytes: the estimate says so, and a
+    budget of 1.5x its bf16 bytes refuses it (it loaded, then held 2x)."""
+    async with serve(store(), cpu_dtype="float32") as server:
+        decoded_bytes = (await server.client.get(f"/models/{DEMO}")).json()["decoded_bytes"]
+        server.registry.settings.gpu_memory_budget = int(1.5 * decoded_bytes)
+        r = await server.client.post(f"/models/{DEMO}/load")
+        assert r.status_code == 507 and r.json()["error_type"] == "insufficient_memory", r.text
+        server.registry.settings.gpu_memory_budget = 2 * decoded_bytes
+        assert (await server.client.post(f"/models/{DEMO}/load")).status_code == 200
