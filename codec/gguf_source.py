@@ -28,6 +28,7 @@ import gguf
 import numpy as np
 import torch
 
+from . import gguf_rope
 from .errors import SourceError
 from .gguf_blocks import BLOCK_TYPES, Blocks, shape_fits
 from .checkpoint import CheckpointSource, TensorInfo
@@ -45,8 +46,10 @@ GGUF_BLOCK_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
-# Precomputed from the rope scaling that transformers rebuilds from config.json; not a parameter.
-GGUF_DERIVED = frozenset({"rope_freqs.weight"})
+# Not a parameter: the rope scaling that config.json says (gguf_rope.py), from which transformers
+# and llama.py compute it again.
+ROPE_FREQS = "rope_freqs.weight"
+GGUF_DERIVED = frozenset({ROPE_FREQS})
 GGUF_NAME_RE = re.compile(r"(?:blk\.(?P<layer>\d+)\.)?(?P<stem>\w+)\.(?P<suffix>weight|bias)")
 
 
@@ -69,6 +72,7 @@ class GGUFSource(CheckpointSource):
             if tensor.name not in GGUF_DERIVED:
                 self._by_name[self._hf_name(tensor.name)] = tensor
         self._tied = "lm_head.weight" not in self._by_name  # no output.weight: head shares token_embd
+        self._rope = self._rope_scaling(arch)
 
     def _field(self, key: str, default: Any = None) -> Any:
         field = self._reader.get_field(key) if self._reader is not None else None
@@ -77,6 +81,20 @@ class GGUFSource(CheckpointSource):
                 raise self._error(f"GGUF metadata lacks {key!r}")
             return default
         return field.contents()
+
+    def _rope_scaling(self, arch: str) -> tuple | None:
+        """The llama3 rope scaling that `rope_freqs.weight` holds (sorted items), None without one."""
+        tensor = next((t for t in self._reader.tensors if t.name == ROPE_FREQS), None)
+        if tensor is None:
+            return None
+        theta = float(self._field(f"{arch}.rope.freq_base", 10000.0))
+        head_dim = int(self._field(f"{arch}.rope.dimension_count", 0)
+                       or int(self._field(f"{arch}.embedding_length")) // self._n_head)
+        try:
+            scaling = gguf_rope.llama3_scaling(np.asarray(tensor.data, dtype=np.float32), theta, head_dim)
+        except ValueError as exc:
+            raise self._error(f"{ROPE_FREQS}: {exc}; served with the default rope, the model would be wrong") from None
+        return tuple(sorted(scaling.items())) if scaling else None
 
     def _hf_name(self, gguf_name: str) -> str:
         match = GGUF_NAME_RE.fullmatch(gguf_name)
@@ -92,7 +110,7 @@ class GGUFSource(CheckpointSource):
     @property
     def files(self) -> dict[str, bytes]:
         if self._files is None:
-            self._files = _gguf_side_files(self.path, tied=self._tied)
+            self._files = _gguf_side_files(self.path, tied=self._tied, rope=self._rope)
         return dict(self._files)
 
     def tensors(self) -> list[TensorInfo]:
@@ -176,14 +194,23 @@ def _unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _gguf_side_files(path: Path, *, tied: bool) -> dict[str, bytes]:
+def _gguf_side_files(path: Path, *, tied: bool, rope: tuple | None = None) -> dict[str, bytes]:
     """config.json, generation_config.json and tokenizer files, built by transformers from metadata.
     Once a process for a given file: transformers parses the whole metadata twice (config, then
     tokenizer), 11 s for the demo's 49 152-token vocabulary on a 2-core CPU, and a process that
     converts one GGUF again (a second compress of it, the server's demo build beside one) reuses
     the result. The file's size, modification time and inode are part of the key, so a file
-    replaced in place is converted anew."""
-    return dict(_side_files_of(*_file_key(path), tied))
+    replaced in place is converted anew. `rope`: the llama3 scaling of the file's rope_freqs
+    (sorted items), which transformers' loader does not read."""
+    return dict(_side_files_of(*_file_key(path), tied, rope))
+
+
+def _set_rope(config, scaling: dict) -> None:
+    """The rope scaling into transformers' config: 5's rope_parameters (theta inside), or 4's rope_scaling."""
+    if isinstance(getattr(config, "rope_parameters", None), dict):
+        config.rope_parameters = {**config.rope_parameters, **scaling}
+    else:
+        config.rope_scaling = scaling
 
 
 def _file_key(path: Path) -> tuple[Path, int, int, int]:
@@ -193,7 +220,7 @@ def _file_key(path: Path) -> tuple[Path, int, int, int]:
 
 
 @functools.lru_cache(maxsize=4)
-def _side_files_of(path: Path, size: int, mtime_ns: int, inode: int, tied: bool) -> dict[str, bytes]:
+def _side_files_of(path: Path, size: int, mtime_ns: int, inode: int, tied: bool, rope: tuple | None) -> dict[str, bytes]:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     kwargs = {"gguf_file": path.name, "local_files_only": True}
@@ -203,6 +230,8 @@ def _side_files_of(path: Path, size: int, mtime_ns: int, inode: int, tied: bool)
     except (ValueError, OSError, KeyError) as exc:
         raise SourceError(path, f"transformers cannot build config/tokenizer ({exc})") from exc
     config.tie_word_embeddings = tied  # must match the tensors: no output.weight <=> tied head
+    if rope:
+        _set_rope(config, dict(rope))
     files = {
         "config.json": config.to_json_string().encode(),
         "generation_config.json": GenerationConfig.from_model_config(config).to_json_string().encode(),
