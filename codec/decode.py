@@ -176,25 +176,38 @@ def decompress(src: str | os.PathLike, dst: str | os.PathLike, *, workers: int |
                loader=None) -> int:
     """Archive -> a plain .safetensors file. `loader(path)` decodes (default: this module's load;
     the CLI passes the extension's, which uses the C++ twin when it is built). Written beside `dst`
-    under a temporary name and renamed, so a failure leaves nothing and replaces nothing."""
+    under a temporary name, created before the decode (a missing or read-only folder fails at once,
+    not after the whole model is decoded), and renamed, so a failure leaves nothing and replaces
+    nothing."""
+    from .container import refuse_directory, temp_path
+    from .sources import refuse_destination
+    refuse_destination(src, dst)
+    refuse_directory(dst)
+    tmp = temp_path(os.fspath(dst))
+    try:
+        open(tmp, "xb").close()
+    except OSError as e:
+        raise errors.CodecError(dst, f"cannot create: {e.strerror or e}") from None
+    try:
+        model = (loader or (lambda p: load(p, workers=workers)))(src)
+        _save_safetensors(model.state_dict, src, dst, tmp)
+        os.replace(tmp, dst)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return sum(t.nbytes for t in model.state_dict.values())
+
+
+def _save_safetensors(state: dict[str, torch.Tensor], src, dst, tmp: str) -> None:
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
-    from .container import refuse_directory, temp_path
-    from .sources import SAFETENSORS_RESERVED, refuse_destination
-    refuse_destination(src, dst)
-    refuse_directory(dst)
-    model = (loader or (lambda p: load(p, workers=workers)))(src)
-    if SAFETENSORS_RESERVED in model.state_dict:
+    from .sources import SAFETENSORS_RESERVED
+    if SAFETENSORS_RESERVED in state:
         raise errors.CodecError(dst, f"a tensor is named {SAFETENSORS_RESERVED!r}, which safetensors reserves for "
                                      "its metadata: the file could not be read back")
-    meta = {"format": "pt", "wcodec_source": os.path.basename(os.fspath(src))}
-    tmp = temp_path(os.fspath(dst))
     try:
-        save_file(model.state_dict, tmp, metadata=meta)
-        os.replace(tmp, dst)
+        save_file(state, tmp, metadata={"format": "pt", "wcodec_source": os.path.basename(os.fspath(src))})
     except (OSError, SafetensorError) as e:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
         raise errors.CodecError(dst, f"cannot write: {e}") from None
-    return sum(t.nbytes for t in model.state_dict.values())

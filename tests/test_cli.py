@@ -79,7 +79,9 @@ def test_python_m_wcodec_version() -> None:
 
 def test_usage_error_exits_2_without_traceback(capsys) -> None:
     code, out, err = run(capsys, "compress")
-    assert code == 2 and "usage:" in err and "Traceback" not in out + err
+    assert code == 2 and "Traceback" not in out + err
+    assert err.splitlines() == ["wcodec compress: error: the following arguments are required: src, dst "
+                                "(see `wcodec compress --help`)"]
 
 
 # --- compress / inspect / verify / decompress on the tiny file ------------------------------------

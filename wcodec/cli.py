@@ -7,6 +7,7 @@ as ONE line `wcodec: error: <message>` on stderr and exit status 1; an unusable 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -238,8 +239,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 # --- entry point ---------------------------------------------------------------------------------
 
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """`wcodec serve` through main() (the console script dispatches it earlier: wcodec/entry.py)."""
+    from .serve import run as serve_run
+    return serve_run(args)
+
+
 COMMANDS = {"compress": cmd_compress, "decompress": cmd_decompress, "inspect": cmd_inspect, "verify": cmd_verify,
-            "bench": cmd_bench}
+            "bench": cmd_bench, "serve": cmd_serve}
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -250,9 +258,20 @@ def _run(args: argparse.Namespace) -> int:
         return EXIT_DEVICE
     except (CodecError, bench.BenchError, CliError) as e:
         _error(str(e))
+    except BrokenPipeError as e:
+        if e.filename is not None:             # a file of the command's, not its standard output
+            _error(_oserror_message(e))
+        _stdout_gone()
     except OSError as e:
         _error(_oserror_message(e))
     return EXIT_ERROR
+
+
+def _stdout_gone() -> None:
+    """The reader of standard output left (`wcodec inspect x | head`): no error line, as other
+    tools; stdout goes to /dev/null so that the interpreter's last flush does not fail again."""
+    with contextlib.suppress(OSError, ValueError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def main(argv: list[str] | None = None) -> int:

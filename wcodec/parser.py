@@ -13,9 +13,29 @@ FP8_SCALES = ("row", "block")
 EXIT_ERROR = 1
 
 
+EXIT_USAGE = 2                          # argparse's status for a usage error
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, but a usage error is ONE line on stderr, as every other error of the
+    command line: `wcodec compress: error: <what> (see `wcodec compress --help`)`, status 2
+    (argparse prints the whole usage first: five lines for compress). An unknown argument is
+    reported by the command that got it, not by `wcodec`."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+    def parse_args(self, args=None, namespace=None) -> argparse.Namespace:
+        ns, extra = self.parse_known_args(args, namespace)
+        if extra:
+            commands = getattr(self, "commands", {})
+            commands.get(getattr(ns, "command", None), self).error(f"unrecognized arguments: {' '.join(extra)}")
+        return ns
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace | int:
     """The arguments of one command, or the exit status where parsing ended it (--help, --version,
-    a usage error, whose message argparse has printed)."""
+    a usage error, whose one line the parser has printed)."""
     try:
         return build_parser().parse_args(argv)
     except SystemExit as e:
@@ -23,7 +43,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace | int:
 
 
 def _add(sub, name: str, help: str) -> argparse.ArgumentParser:
-    return sub.add_parser(name, help=help, description=help)
+    p = sub.add_parser(name, help=help, description=help)
+    sub.commands[name] = p
+    return p
 
 
 def _positive(text: str) -> int:
@@ -58,12 +80,13 @@ def _gguf_mode(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="wcodec", description="Lossless compression of model checkpoints.",
+    parser = Parser(prog="wcodec", description="Lossless compression of model checkpoints.",
                                      epilog="wcodec serve [--host H] [--port P] [--store DIR]: serve models over "
                                             "HTTP (TGI- and OpenAI-style generation, model control, Prometheus "
                                             "metrics); see `wcodec serve --help`")
     parser.add_argument("--version", action="version", version=f"wcodec {codec.__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub.commands = parser.commands = {}
     p = _add(sub, "compress", "compress an HF folder, .safetensors or .gguf into a .wcodec file")
     p.add_argument("src")
     p.add_argument("dst")
@@ -92,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     _read_threads(p)
     _gguf_dtype(p)
     _bench_parser(_add(sub, "bench", "measure ratio and speeds against peer codecs"))
+    from .serve import DESCRIPTION, add_arguments       # `wcodec serve` runs from wcodec/entry.py
+    add_arguments(_add(sub, "serve", DESCRIPTION))
     return parser
 
 

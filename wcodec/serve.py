@@ -24,6 +24,9 @@ import threading
 
 from service.timeline import Timeline
 
+from .parser import Parser
+
+DESCRIPTION = "serve models over HTTP: TGI- and OpenAI-style generation, model control, Prometheus metrics"
 EXIT_ERROR = 1
 IMPORT_SWITCH_INTERVAL = 0.001           # s; Python's default 0.005 let the imports starve the early reads
 
@@ -142,8 +145,7 @@ def omp_defaults(environ=os.environ) -> None:
 def main(argv: list[str]) -> int:
     omp_defaults()
     timeline = Timeline()
-    parser = argparse.ArgumentParser(prog="wcodec serve", description="serve models over HTTP: TGI-compatible "
-                                     "generation, model control, Prometheus metrics")
+    parser = Parser(prog="wcodec serve", description=DESCRIPTION)
     add_arguments(parser)
     try:
         args = parser.parse_args(argv)
