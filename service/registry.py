@@ -330,14 +330,24 @@ class ModelRegistry:
                 try:
                     await self.load(name)
                 except ServiceError as e:
-                    self.startup_error = self.startup_error or e.message
-                    log.error("preload of %s failed: %s", name, e.message)
+                    self._preload_failed(name, e)
             self.timeline.mark("start-up: preloads done")
         except Exception as e:                     # a background task: report it, keep serving
             self.startup_error = str(e)
             log.exception("start-up failed")
         finally:
             self.loader.release_early()            # preloads that did not use theirs
+
+    def _preload_failed(self, name: str, error: ServiceError) -> None:
+        """A preload that failed is `failed` in /models with its error, whatever refused it: a load
+        refused before it began (the memory budget: 507) left the model `available` and no error,
+        where nobody had seen the answer."""
+        self.startup_error = self.startup_error or error.message
+        log.error("preload of %s failed: %s", name, error.message)
+        entry = self._entries.get(name)
+        if entry is not None and entry.state is ModelState.AVAILABLE:
+            entry.last_error = error.message
+            self._set_state(entry, ModelState.FAILED)
 
     def _preload_names(self) -> list[str]:
         if self.settings.preload is not None:

@@ -14,6 +14,10 @@ from ..schemas.tgi import Info
 router = APIRouter(tags=["health"])
 
 
+class Liveness(BaseModel):
+    status: str = "ok"
+
+
 class Health(BaseModel):
     status: str
     ready_models: list[str] = []
@@ -34,8 +38,10 @@ class Startup(BaseModel):
 
 
 @router.get("/health", summary="Liveness: the process answers")
-async def health() -> Health:
-    return Health(status="ok")
+async def health() -> Liveness:
+    """{"status": "ok"} alone: /health/ready says which models are ready (this answered an empty
+    `ready_models` and a null start-up time while models were ready)."""
+    return Liveness()
 
 
 @router.get("/health/ready", summary="Readiness: 200 once a model is ready (the default model, where "

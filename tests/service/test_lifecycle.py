@@ -149,6 +149,8 @@ async def test_startup_loads_the_demo_while_health_answers(serve, store) -> None
         assert r.status_code == 503 and r.headers["retry-after"]
         await server.wait_state(DEMO, ModelState.READY)
         assert (await server.client.get("/health/ready")).status_code == 200
+        # README: liveness alone (it answered an empty `ready_models` while the demo was ready)
+        assert (await server.client.get("/health")).json() == {"status": "ok"}
         r = await server.client.post("/generate", json=generate_body())
         assert r.json()["generated_text"].startswith("The capital of France is Paris")
 
@@ -202,6 +204,16 @@ async def test_preloads_load_or_fail_each_on_their_own(serve, store) -> None:
         await server.wait_state(DEMO, ModelState.READY)
         r = await server.client.get("/health/ready")
         assert r.status_code == 503 and "'broken'" in r.json()["error"]
+
+
+async def test_a_preload_the_memory_budget_refuses_is_failed_with_its_error(serve, store) -> None:
+    """README: a failed preload is `failed` in /models. Refused by WCODEC_GPU_MEMORY_BUDGET (507,
+    before the load began) it stayed `available`, its `last_error` null."""
+    async with serve(store(), preload=[DEMO], gpu_memory_budget=1000) as server:
+        await server.registry.startup
+        info = (await server.client.get(f"/models/{DEMO}")).json()
+        assert info["state"] == "failed" and "the budget of 1000 bytes" in info["last_error"], info
+        assert (await server.client.get("/health/ready")).status_code == 503
 
 
 @pytest.mark.parametrize("weights", ["decoded", "compressed"])
