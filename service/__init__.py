@@ -1,5 +1,5 @@
 """wcodec's HTTP server: `.wcodec` models decoded onto the device at load time (or kept compressed
-there), TGI- and OpenAI-style generation with continuous batching, Triton-style model control,
+there), TGI- and OpenAI-style generation with continuous batching, model control (and Triton's repository API),
 Prometheus metrics. `create_app(Settings())` builds the app; `wcodec serve` runs it under uvicorn.
 
     app.py, settings.py, deps.py, routes/, schemas/, errors.py, metrics.py, timeline.py   the app

@@ -16,13 +16,14 @@ import codec
 from . import errors, openapi
 from .metrics import HttpMetricsMiddleware, Metrics
 from .registry import ModelRegistry
-from .routes import chat, completions, generate, health, models, openai_models
+from .routes import chat, completions, generate, health, models, openai_models, repository
 from .settings import Settings
 from .timeline import Timeline
 
 log = logging.getLogger("wcodec.service")
 DESCRIPTION = ("Serves `.wcodec` models: decoded onto the GPU (or the CPU) at load time, generation "
-               "in Text Generation Inference's API and OpenAI's (/v1), model control in the spirit of Triton's.")
+               "in Text Generation Inference's API and OpenAI's (/v1), model control (wcodec's /models "
+               "and Triton's repository API, /v2/repository).")
 
 
 @asynccontextmanager
@@ -51,6 +52,6 @@ def create_app(settings: Settings | None = None, *, timeline: Timeline | None = 
     errors.install(app)
     openapi.install(app)
     app.add_middleware(HttpMetricsMiddleware, metrics=app.state.metrics)
-    for module in (health, models, generate, chat, completions, openai_models):
+    for module in (health, models, repository, generate, chat, completions, openai_models):
         app.include_router(module.router)
     return app

@@ -1,2 +1,2 @@
 """One router per resource: health (health, readiness, info, metrics), models (control API),
-generate (TGI) and chat (OpenAI)."""
+repository (Triton's repository extension over it), generate (TGI) and chat (OpenAI)."""

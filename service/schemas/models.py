@@ -54,3 +54,21 @@ class ModelInfo(BaseModel):
 
 class ModelList(BaseModel):
     models: list[ModelInfo]
+
+
+RepositoryState = Literal["UNAVAILABLE", "LOADING", "READY", "UNLOADING"]
+
+
+class RepositoryModel(BaseModel):
+    """One model of Triton's repository index (POST /v2/repository/index)."""
+    name: str
+    version: str = Field("1", description="wcodec keeps one version of each model")
+    state: RepositoryState = Field(description="Triton's names: available and failed are UNAVAILABLE")
+    reason: str = Field("", description="why it is not ready: its last load's error, or the file's")
+
+
+class RepositoryRequest(BaseModel):
+    """The body of Triton's index, load and unload requests (optional, any content type)."""
+    ready: bool = Field(False, description="index: list only the models ready for requests")
+    parameters: dict[str, object] = Field(default_factory=dict, description="load: none is supported (a "
+                                          "model config or files to load from); unload: `unload_dependents`")

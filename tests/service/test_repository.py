@@ -1,0 +1,61 @@
+"""Triton's model repository extension (/v2/repository): index, load, unload on the demo model,
+with requests as tritonclient sends them (no content type; an empty body for the index)."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+from service_helpers import DEMO, assert_error, with_broken_archive
+
+from service.registry import ModelState
+
+pytestmark = pytest.mark.anyio
+
+
+async def post(server, path: str, body: bytes = b"", **headers: str):
+    return await server.client.post(path, content=body, headers=headers)
+
+
+async def test_index_load_unload_as_tritonclient_sends_them(serve, store) -> None:
+    async with serve(store()) as server:
+        r = await post(server, "/v2/repository/index")
+        assert r.status_code == 200 and r.json() == [{"name": DEMO, "version": "1", "state": "UNAVAILABLE",
+                                                      "reason": ""}]
+        assert (await post(server, "/v2/repository/index", b'{"ready": true}')).json() == []
+        r = await post(server, f"/v2/repository/models/{DEMO}/load", b"{}")
+        assert (r.status_code, r.content) == (200, b"") and server.registry.get(DEMO).state is ModelState.READY
+        assert (await post(server, "/v2/repository/index", b'{"ready": true}')).json()[0]["state"] == "READY"
+        r = await post(server, f"/v2/repository/models/{DEMO}/unload", b'{"parameters": {"unload_dependents": false}}')
+        assert (r.status_code, r.content) == (200, b"") and server.registry.get(DEMO).state is ModelState.AVAILABLE
+
+
+async def test_errors_carry_the_message_tritons_clients_read(serve, store) -> None:
+    async with serve(with_broken_archive(store())) as server:
+        r = await post(server, "/v2/repository/models/nope/load")
+        assert "'nope'" in assert_error(r, 404, "not_found")["error"]
+        r = await post(server, f"/v2/repository/models/{DEMO}/load", b'{"parameters": {"config": "{}"}}')
+        assert assert_error(r, 422, "validation")["error"] == "not supported by this server: parameters.config"
+        assert_error(await post(server, "/v2/repository/index", b"[1"), 422, "validation")
+        assert_error(await post(server, "/v2/repository/models/broken/load"), 500, "load_failed")
+        broken = [m for m in (await post(server, "/v2/repository/index")).json() if m["name"] == "broken"]
+        assert broken[0]["state"] == "UNAVAILABLE" and "broken" in broken[0]["reason"]
+
+
+async def test_load_and_unload_need_the_admin_token_when_set(serve, store) -> None:
+    async with serve(store(), admin_token="s3cret") as server:
+        assert_error(await post(server, f"/v2/repository/models/{DEMO}/load"), 401, "unauthorized")
+        assert_error(await post(server, f"/v2/repository/models/{DEMO}/unload", Authorization="Bearer x"), 403,
+                     "forbidden")
+        assert (await post(server, "/v2/repository/index")).status_code == 200
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tritonclient") is None, reason="tritonclient is not installed")
+def test_tritonclient_itself(live) -> None:
+    """The real client, where it is installed (it is not a test extra)."""
+    import tritonclient.http as httpclient
+    url, _ = live
+    client = httpclient.InferenceServerClient(url=url.removeprefix("http://"))
+    assert {"name": DEMO, "version": "1", "state": "READY", "reason": ""} in client.get_model_repository_index()
+    client.load_model(DEMO)                                   # ready already: a no-op, as Triton's reload
+    with pytest.raises(httpclient.InferenceServerException, match="no model 'nope'"):
+        client.load_model("nope")
