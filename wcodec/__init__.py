@@ -14,6 +14,13 @@ __all__ = ["__version__", "load"]
 
 
 def load(path, device="cuda", *, verify: bool = True):
-    """A whole archive -> codec.decode.LoadedModel (state_dict, files, config) with tensors on `device`."""
+    """A whole archive -> codec.decode.LoadedModel (state_dict, files, config) with tensors on `device`.
+    CUDA where torch sees no GPU is a RuntimeError that says so (it was pin_memory's, about allocators)."""
+    import torch
+
     from service.load.pipeline import load_archive
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"wcodec.load: device {str(device)!r}, but torch sees no CUDA GPU ('cpu' decodes "
+                           "with the C++ twin)")
     return load_archive(path, device, verify=verify)

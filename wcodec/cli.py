@@ -214,7 +214,7 @@ def compare_to_source(state: dict[str, torch.Tensor], src: str, gguf_dtype: torc
 def cmd_verify(args: argparse.Namespace) -> int:
     state = _load_archive(args.file, args.workers, verify=True).state_dict
     if args.against is None:
-        print(f"OK: {len(state)} tensors bit-exact (every stream and tensor matches its CRC32)")
+        print(f"OK: {len(state)} tensors bit-exact (every stream matches its checksum, every tensor its CRC32)")
         return 0
     problems = compare_to_source(state, args.against, FLOAT_CHOICES[args.gguf_dtype])
     for why in problems:
