@@ -175,7 +175,10 @@ class ModelRegistry:
     def acquire(self, name: str) -> Lease:
         entry = self.get(name)
         if entry.state is not ModelState.READY:
-            raise ModelNotReady(f"model {name!r} is {entry.state.value}", self.settings.retry_after_s)
+            loads = entry.state in (ModelState.AVAILABLE, ModelState.FAILED)
+            how = f": POST /models/{name}/load loads it" if loads else ""
+            raise ModelNotReady(f"model {name!r} is not ready (state {entry.state.value}){how}",
+                                self.settings.retry_after_s)
         return Lease(entry)
 
     # --- state ----------------------------------------------------------------------------------

@@ -102,7 +102,8 @@ async def test_503_with_retry_after_until_ready(serve, store) -> None:
         assert r.headers["retry-after"] == "7"
         r = await server.client.post("/generate", json={**generate_body(), "model": DEMO})
         assert_error(r, 503, "model_not_ready")
-        assert r.headers["retry-after"] == "7" and "available" in r.json()["error"]
+        assert r.headers["retry-after"] == "7"          # it said "model '...' is available": it is not loaded
+        assert r.json()["error"] == f"model '{DEMO}' is not ready (state available): POST /models/{DEMO}/load loads it"
         assert_error(await server.client.get("/health/ready"), 503, "model_not_ready")
 
 
