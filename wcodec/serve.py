@@ -28,6 +28,7 @@ from .parser import Parser
 
 DESCRIPTION = "serve models over HTTP: TGI- and OpenAI-style generation, model control, Prometheus metrics"
 EXIT_ERROR = 1
+FLAGS = {"host": "--host", "port": "--port", "model_store": "--store"}      # Settings field -> flag
 IMPORT_SWITCH_INTERVAL = 0.001           # s; Python's default 0.005 let the imports starve the early reads
 
 
@@ -43,11 +44,14 @@ def _settings(args: argparse.Namespace, timeline: Timeline):
         from pydantic import ValidationError
 
         from service.settings import Settings
-    flags = {"host": args.host, "port": args.port, "model_store": args.store}
+    given = {k: v for k, v in {"host": args.host, "port": args.port, "model_store": args.store}.items()
+             if v is not None}
     try:
-        return Settings(**{k: v for k, v in flags.items() if v is not None})
-    except ValidationError as e:
-        why = "; ".join(f"{Settings.env_name(err['loc'])}: {err['msg']}" for err in e.errors())
+        return Settings(**given)
+    except ValidationError as e:                 # a flag's error names the flag, not WCODEC_PORT
+        names = [FLAGS[err["loc"][0]] if err["loc"] and err["loc"][0] in given else Settings.env_name(err["loc"])
+                 for err in e.errors()]
+        why = "; ".join(f"{name}: {err['msg']}" for name, err in zip(names, e.errors()))
         print(f"wcodec: error: bad server settings: {why}", file=sys.stderr)
         return None
 

@@ -27,6 +27,17 @@ def test_bad_settings_are_one_line_errors(monkeypatch, capsys) -> None:
     assert err.startswith("wcodec: error: bad server settings: WCODEC_MAX_BATCH_SIZE:") and err.count("\n") == 1
 
 
+def test_a_bad_flag_value_names_the_flag(monkeypatch, capsys) -> None:
+    """`wcodec serve --port 70000` said 'WCODEC_PORT: ...', a variable the user had not set."""
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: pytest.fail("the server started"))
+    assert entry.main(["serve", "--port", "70000"]) == cli.EXIT_ERROR
+    assert capsys.readouterr().err == ("wcodec: error: bad server settings: --port: Input should be less than or "
+                                       "equal to 65535\n")
+    monkeypatch.setenv("WCODEC_PORT", "-1")
+    assert entry.main(["serve"]) == cli.EXIT_ERROR
+    assert capsys.readouterr().err.startswith("wcodec: error: bad server settings: WCODEC_PORT: ")
+
+
 @pytest.mark.parametrize(("name", "value"), [("WCODEC_LOG_LEVEL", "verbose"), ("WCODEC_DEVICE", "gpu"),
                                            ("WCODEC_DEFAULT_MODEL", "../x")])
 def test_bad_names_in_settings_are_one_line_errors_at_start(monkeypatch, capsys, name, value) -> None:
