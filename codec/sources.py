@@ -26,6 +26,7 @@ import torch
 from safetensors import safe_open
 
 from .checkpoint import CheckpointSource, TensorInfo
+from .constants import MAGIC
 from .errors import CodecError, SourceError
 from .reads import pread_full
 
@@ -200,7 +201,7 @@ def _open_hf_folder(folder: Path) -> SafetensorsSource:
 
 
 def _sniff(path: Path) -> str:
-    """'gguf', 'safetensors', 'pickle' or 'unknown', from the first bytes of the file.
+    """'gguf', 'safetensors', 'wcodec', 'pickle' or 'unknown', from the first bytes of the file.
 
     The safetensors layout is tested first: its first 8 bytes are a header length, any value,
     so a valid file may begin with 0x80 (a low byte of 0x80) or even with the zip magic (a
@@ -212,6 +213,8 @@ def _sniff(path: Path) -> str:
         return "safetensors"
     if head[:4] == GGUF_MAGIC:
         return "gguf"
+    if head[:8] == MAGIC:
+        return "wcodec"
     if head[:4] == ZIP_MAGIC or head[:1] == bytes([PICKLE_PROTO]):
         return "pickle"
     return "unknown"
@@ -243,6 +246,8 @@ def open_source(path: str | os.PathLike[str], *, gguf_dtype: torch.dtype = torch
         return GGUFSource(p, gguf_dtype, keep_blocks=gguf_keep)
     if kind == "safetensors":
         return SafetensorsSource(p, [p], _read_side_files(p.parent))
+    if kind == "wcodec":
+        raise SourceError(p, "is a .wcodec archive, not a checkpoint (`wcodec decompress` makes a .safetensors of it)")
     raise SourceError(p, "not a safetensors or GGUF file")
 
 

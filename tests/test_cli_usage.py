@@ -1,5 +1,6 @@
-"""The `wcodec` command line's usage errors and its standard output going away: one line on
-stderr or none, never argparse's multi-line usage or a traceback (README, "Command line")."""
+"""The `wcodec` command line's usage errors, inputs of the wrong kind and its standard output
+going away: one line on stderr or none, never argparse's multi-line usage or a traceback (README,
+"Command line")."""
 from __future__ import annotations
 
 import os
@@ -78,3 +79,18 @@ def test_decompress_into_a_missing_folder_fails_before_decoding(tmp_path: Path, 
     assert cli.main(["decompress", str(tmp_path / "t.wcodec"), str(dst)]) == cli.EXIT_ERROR
     assert capsys.readouterr().err == f"wcodec: error: {dst}: cannot create: No such file or directory\n"
     assert not (tmp_path / "missing").exists()
+
+
+@pytest.mark.parametrize("command", ["compress", "verify"])
+def test_an_archive_given_as_the_checkpoint_is_named_as_one(tmp_path: Path, capsys, command: str) -> None:
+    """`wcodec compress a.wcodec b.wcodec` said 'not a safetensors or GGUF file'."""
+    src = tmp_path / "t.safetensors"
+    save_file({"w": torch.arange(4096, dtype=torch.float32)}, str(src))
+    archive = tmp_path / "t.wcodec"
+    assert cli.main(["compress", str(src), str(archive), "--workers", "1"]) == 0
+    capsys.readouterr()
+    argv = ["compress", str(archive), str(tmp_path / "u.wcodec")] if command == "compress" else \
+        ["verify", str(archive), "--against", str(archive)]
+    assert cli.main(argv) == cli.EXIT_ERROR
+    assert capsys.readouterr().err == (f"wcodec: error: {archive}: is a .wcodec archive, not a checkpoint "
+                                       "(`wcodec decompress` makes a .safetensors of it)\n")
