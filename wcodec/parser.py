@@ -60,7 +60,8 @@ def _positive(text: str) -> int:
 
 def _workers(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=_positive, default=None, metavar="N",
-                   help="worker processes (default: one per CPU, at most 8)")
+                   help="the NumPy encoder's worker processes (default: one per CPU, at most 8); the "
+                        "extension's encoders, used where it is built, spread over threads of their own")
 
 
 def _read_threads(p: argparse.ArgumentParser) -> None:
