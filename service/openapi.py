@@ -1,5 +1,6 @@
 """The OpenAPI schema, plus the Server-Sent Event payloads (TGI's StreamResponse, OpenAI's
-ChatCompletionChunk) that no JSON route returns, so /docs shows the stream routes' events. The
+ChatCompletionChunk) that no JSON route returns, so /docs shows the stream routes' events, and the
+body of Triton's repository routes, which read it themselves (any content type). The
 OpenAI routes (/v1/*) answer a validation error with 400 (service/errors.py): FastAPI's own 422
 is taken off them."""
 from __future__ import annotations
@@ -13,10 +14,18 @@ from pydantic.json_schema import models_json_schema
 
 from .errors import is_openai
 from .schemas.chat import ChatCompletionChunk
+from .schemas.models import RepositoryRequest
 from .schemas.tgi import StreamResponse
 
 EVENT_MODELS = (StreamResponse, ChatCompletionChunk)
+EXTRA_MODELS = (*EVENT_MODELS, RepositoryRequest)       # in the schema, though no route declares them
 REF = "#/components/schemas/{model}"
+
+
+def optional_body(model: type) -> dict:
+    """`openapi_extra=` of a route that reads an optional JSON body of `model` itself."""
+    return {"requestBody": {"required": False,
+                            "content": {"application/json": {"schema": {"$ref": REF.format(model=model.__name__)}}}}}
 
 
 def sse_content(model: type) -> dict:
@@ -35,7 +44,7 @@ def install(app: FastAPI) -> None:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, description=app.description,
                                  routes=app.routes)
-            _, defs = models_json_schema([(m, "serialization") for m in EVENT_MODELS], ref_template=REF)
+            _, defs = models_json_schema([(m, "serialization") for m in EXTRA_MODELS], ref_template=REF)
             schema.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
             for path, item in schema["paths"].items():
                 for op in item.values() if is_openai(path) else ():

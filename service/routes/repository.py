@@ -13,6 +13,7 @@ from pydantic import ValidationError
 
 from ..deps import AdminDep, ModelName, RegistryDep
 from ..errors import ValidationFailed, responses
+from ..openapi import optional_body
 from ..registry import ModelEntry, ModelState
 from ..schemas.models import RepositoryModel, RepositoryRequest
 
@@ -21,6 +22,7 @@ router = APIRouter(prefix="/v2/repository", tags=["models"])
 STATES = {ModelState.AVAILABLE: "UNAVAILABLE", ModelState.LOADING: "LOADING", ModelState.READY: "READY",
           ModelState.UNLOADING: "UNLOADING", ModelState.FAILED: "UNAVAILABLE"}
 DONE = {200: {"description": "Done (an empty body, as Triton's)", "content": {}}}
+BODY = optional_body(RepositoryRequest)
 
 
 async def repository_request(request: Request) -> RepositoryRequest:
@@ -46,14 +48,14 @@ def _indexed(entry: ModelEntry) -> RepositoryModel:
 
 
 @router.post("/index", summary="Triton's repository index: every model of the store and its state",
-             responses=responses(422))
+             responses=responses(422), openapi_extra=BODY)
 async def index(registry: RegistryDep, body: RepositoryBody) -> list[RepositoryModel]:
     entries = registry.refresh()
     return [_indexed(e) for e in entries if not body.ready or e.state is ModelState.READY]
 
 
 @router.post("/models/{name}/load", summary="Triton's load: answers once the model is ready",
-             dependencies=[AdminDep], response_class=Response,
+             dependencies=[AdminDep], response_class=Response, openapi_extra=BODY,
              responses={**DONE, **responses(401, 403, 404, 422, 500, 507)})
 async def load(name: ModelName, registry: RegistryDep, body: RepositoryBody) -> Response:
     _refuse_parameters(body, set())
@@ -62,7 +64,8 @@ async def load(name: ModelName, registry: RegistryDep, body: RepositoryBody) -> 
 
 
 @router.post("/models/{name}/unload", summary="Triton's unload: waits for the model's requests, then frees it",
-             dependencies=[AdminDep], response_class=Response, responses={**DONE, **responses(401, 403, 404, 422)})
+             dependencies=[AdminDep], response_class=Response, openapi_extra=BODY,
+             responses={**DONE, **responses(401, 403, 404, 422)})
 async def unload(name: ModelName, registry: RegistryDep, body: RepositoryBody) -> Response:
     _refuse_parameters(body, {"unload_dependents"})       # wcodec's models have no dependents
     await registry.unload(name)

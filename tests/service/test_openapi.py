@@ -55,7 +55,8 @@ async def test_schema_is_complete(serve, tmp_path) -> None:
     for name in ("GenerateRequest", "GenerateParameters", "GenerateResponse", "Details", "Token", "StreamResponse",
                  "StreamDetails", "CompatGenerateRequest", "SimpleToken", "ChatTokenizeResponse", "ErrorResponse", "ModelInfo", "ModelList",
                  "LoadProgress", "Info", "ChatRequest", "ChatCompletion", "ChatCompletionChunk", "CompletionRequest",
-                 "Completion", "ModelCardList", "OpenAIErrorResponse"):
+                 "Completion", "ModelCardList", "OpenAIErrorResponse",
+                 "RepositoryModel", "RepositoryRequest"):
         assert name in components, name
     dangling = {r for r in _refs(schema) if r.rsplit("/", 1)[-1] not in components}
     assert not dangling, dangling

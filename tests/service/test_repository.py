@@ -41,6 +41,15 @@ async def test_errors_carry_the_message_tritons_clients_read(serve, store) -> No
         assert broken[0]["state"] == "UNAVAILABLE" and "broken" in broken[0]["reason"]
 
 
+async def test_the_schema_shows_the_optional_body(serve, tmp_path) -> None:
+    async with serve(tmp_path) as server:
+        paths = (await server.client.get("/openapi.json")).json()["paths"]
+    for path in ("/v2/repository/index", "/v2/repository/models/{name}/load", "/v2/repository/models/{name}/unload"):
+        body = paths[path]["post"]["requestBody"]
+        assert body["required"] is False
+        assert body["content"]["application/json"]["schema"]["$ref"].endswith("/RepositoryRequest")
+
+
 async def test_load_and_unload_need_the_admin_token_when_set(serve, store) -> None:
     async with serve(store(), admin_token="s3cret") as server:
         assert_error(await post(server, f"/v2/repository/models/{DEMO}/load"), 401, "unauthorized")
