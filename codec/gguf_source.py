@@ -50,6 +50,11 @@ GGUF_BLOCK_NAMES = {
 # and llama.py compute it again.
 ROPE_FREQS = "rope_freqs.weight"
 GGUF_DERIVED = frozenset({ROPE_FREQS})
+# llama.cpp's pre-tokenizers (`tokenizer.ggml.pre`) that split every number character off before
+# GPT-2's split (llama-vocab.cpp: STARCODER, REFACT, COMMAND_R, SMOLLM, CODESHELL, EXAONE, MINERVA).
+# transformers' GGUF reader knows none of them and splits as GPT-2 alone: "a  1" became a|Ġ|Ġ|1
+# where the model was trained on a|ĠĠ|1, and "\n\n1." Ċ|Ċ|1 where it saw ĊĊ|1.
+GGUF_DIGIT_PRE = frozenset({"starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b"})
 GGUF_NAME_RE = re.compile(r"(?:blk\.(?P<layer>\d+)\.)?(?P<stem>\w+)\.(?P<suffix>weight|bias)")
 
 
@@ -110,7 +115,8 @@ class GGUFSource(CheckpointSource):
     @property
     def files(self) -> dict[str, bytes]:
         if self._files is None:
-            self._files = _gguf_side_files(self.path, tied=self._tied, rope=self._rope)
+            pre = str(self._field("tokenizer.ggml.pre", ""))
+            self._files = _gguf_side_files(self.path, tied=self._tied, rope=self._rope, pre=pre)
         return dict(self._files)
 
     def tensors(self) -> list[TensorInfo]:
@@ -194,15 +200,16 @@ def _unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _gguf_side_files(path: Path, *, tied: bool, rope: tuple | None = None) -> dict[str, bytes]:
+def _gguf_side_files(path: Path, *, tied: bool, pre: str, rope: tuple | None = None) -> dict[str, bytes]:
     """config.json, generation_config.json and tokenizer files, built by transformers from metadata.
     Once a process for a given file: transformers parses the whole metadata twice (config, then
     tokenizer), 11 s for the demo's 49 152-token vocabulary on a 2-core CPU, and a process that
     converts one GGUF again (a second compress of it, the server's demo build beside one) reuses
     the result. The file's size, modification time and inode are part of the key, so a file
-    replaced in place is converted anew. `rope`: the llama3 scaling of the file's rope_freqs
-    (sorted items), which transformers' loader does not read."""
-    return dict(_side_files_of(*_file_key(path), tied, rope))
+    replaced in place is converted anew. `pre`: the file's `tokenizer.ggml.pre` (_split_as_llama_cpp);
+    `rope`: the llama3 scaling of the file's rope_freqs (sorted items), which transformers' loader
+    does not read."""
+    return dict(_side_files_of(*_file_key(path), tied, pre, rope))
 
 
 def _set_rope(config, scaling: dict) -> None:
@@ -220,7 +227,8 @@ def _file_key(path: Path) -> tuple[Path, int, int, int]:
 
 
 @functools.lru_cache(maxsize=4)
-def _side_files_of(path: Path, size: int, mtime_ns: int, inode: int, tied: bool, rope: tuple | None) -> dict[str, bytes]:
+def _side_files_of(path: Path, size: int, mtime_ns: int, inode: int, tied: bool, pre: str,
+                   rope: tuple | None) -> dict[str, bytes]:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     kwargs = {"gguf_file": path.name, "local_files_only": True}
@@ -230,6 +238,7 @@ def _side_files_of(path: Path, size: int, mtime_ns: int, inode: int, tied: bool,
     except (ValueError, OSError, KeyError) as exc:
         raise SourceError(path, f"transformers cannot build config/tokenizer ({exc})") from exc
     config.tie_word_embeddings = tied  # must match the tensors: no output.weight <=> tied head
+    _split_as_llama_cpp(tokenizer, pre)
     if rope:
         _set_rope(config, dict(rope))
     files = {
@@ -242,3 +251,12 @@ def _side_files_of(path: Path, size: int, mtime_ns: int, inode: int, tied: bool,
     return files
 
 
+def _split_as_llama_cpp(tokenizer: Any, pre: str) -> None:
+    """Number characters split off one by one before the byte-level split, where llama.cpp's
+    pre-tokenizer `pre` does so (GGUF_DIGIT_PRE) and transformers left GPT-2's split alone."""
+    from tokenizers import pre_tokenizers
+
+    backend = tokenizer.backend_tokenizer
+    if pre in GGUF_DIGIT_PRE and isinstance(backend.pre_tokenizer, pre_tokenizers.ByteLevel):
+        backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                         backend.pre_tokenizer])

@@ -310,9 +310,9 @@ def test_gguf_side_files_are_converted_once_a_file(smollm_gguf: Path, gguf_sourc
         assert module._side_files_of.cache_info().hits == hits + 1          # gguf_files converted it already
     finally:
         again.close()
-    edited = module._gguf_side_files(smollm_gguf, tied=True)
+    edited = module._gguf_side_files(smollm_gguf, tied=True, pre="smollm")
     edited["config.json"] = b"edited"
-    assert module._gguf_side_files(smollm_gguf, tied=True)["config.json"] == gguf_source.files["config.json"]
+    assert module._gguf_side_files(smollm_gguf, tied=True, pre="smollm")["config.json"] == gguf_source.files["config.json"]
     f = tmp_path / "m.gguf"
     f.write_bytes(b"one")
     before = module._file_key(f)
