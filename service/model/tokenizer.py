@@ -106,20 +106,7 @@ class Tokenizer:
 
     @cached_property
     def _template(self):
-        import jinja2
-        import jinja2.ext
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message):
-            raise jinja2.exceptions.TemplateError(message)
-
-        def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-        env.filters["tojson"] = tojson
-        env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: datetime.now().strftime(f))
-        return env.from_string(self.chat_template)
+        return _environment().from_string(self.chat_template)
 
     def apply_chat_template(self, messages: list[dict], tokenize: bool = False, add_generation_prompt: bool = False,
                             **kwargs) -> str | list[int]:
@@ -129,6 +116,39 @@ class Tokenizer:
         text = self._template.render(messages=messages, tools=None, documents=None,
                                      add_generation_prompt=add_generation_prompt, **variables)
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+@lru_cache(maxsize=1)
+def _environment():
+    """transformers' chat template environment: a sandbox with trim_blocks and lstrip_blocks, loop
+    controls, its `tojson`, `raise_exception`, `strftime_now`, and its `{% generation %}` block
+    (which marks the assistant's tokens for training masks; it renders as its body)."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[Generation, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: datetime.now().strftime(f))
+    return env
 
 
 @lru_cache(maxsize=KEPT)
