@@ -29,7 +29,10 @@ class GrammarError(ValueError):
 
 
 def token_bytes(tokenizer) -> tuple[int, dict[bytes, list[int]]]:
-    """(end-of-text id, the bytes of every other non-special token -> its ids) of a fast tokenizer."""
+    """(end-of-text id, the bytes of every other token -> its ids) of a fast tokenizer. Special
+    tokens, added ones marked special included, are left out: the answer's text drops them
+    (decode(skip_special_tokens=True)), so a grammar that let one stand for its characters let
+    SmolLM2's <file_sep> satisfy `<[a-z_]+>` in an answer that then had none of them."""
     rust = getattr(tokenizer, "backend_tokenizer", None)
     if rust is None or tokenizer.eos_token_id is None:
         raise GrammarError("grammar needs a fast tokenizer with an end-of-text token")
@@ -37,7 +40,8 @@ def token_bytes(tokenizer) -> tuple[int, dict[bytes, list[int]]]:
     if kind is None:
         raise GrammarError(f"grammar needs a byte-level or SentencePiece tokenizer, not {sorted(decoder_steps(rust))}")
     byte_level = kind == BYTE_LEVEL
-    special, added = set(tokenizer.all_special_ids), rust.get_added_tokens_decoder()
+    added = rust.get_added_tokens_decoder()
+    special = set(tokenizer.all_special_ids) | {i for i, t in added.items() if t.special}   # text drops them
     pieces: dict[bytes, list[int]] = {}
     try:
         for piece, i in rust.get_vocab(with_added_tokens=True).items():

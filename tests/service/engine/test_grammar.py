@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+from types import SimpleNamespace
 
 import pytest
 from test_batching import load
@@ -14,6 +15,7 @@ from service_helpers import DEMO
 
 from service.engine import grammar
 from service.engine.sampling import Row, SamplingParams
+from service.model.tokenizer import Tokenizer
 from service.model.token_bytes import piece_bytes
 
 CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
@@ -28,7 +30,7 @@ def test_token_bytes_of_a_byte_level_vocabulary(demo) -> None:
     eos, pieces = grammar.token_bytes(demo.tokenizer)
     ids = {i: b for b, group in pieces.items() for i in group}
     assert eos == demo.tokenizer.eos_token_id and eos not in ids
-    assert len(ids) == len(demo.tokenizer) - len(demo.tokenizer.all_special_ids)
+    assert len(ids) == len(demo.tokenizer) - len(demo.special_ids)
     for i in random.Random(0).sample(sorted(ids), 2000):
         text = demo.tokenizer.decode([i])
         if "\ufffd" not in text:                                     # a whole character or more
@@ -39,6 +41,31 @@ def test_sentencepiece_pieces() -> None:
     assert piece_bytes("\u2581Paris", False) == b" Paris"
     assert piece_bytes("<0x0A>", False) == b"\n" and piece_bytes("<0xE2>", False) == b"\xe2"
     assert piece_bytes("\u0120Paris", True) == b" Paris" and piece_bytes("\u010a", True) == b"\n"
+
+
+def _byte_level(added: list[str]) -> Tokenizer:
+    """A small byte-level BPE tokenizer, with `added` as added special tokens that are not among
+    its named special tokens (SmolLM2's <file_sep>, <repo_name>, ...)."""
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+    rust = RustTokenizer(models.BPE())
+    rust.pre_tokenizer, rust.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|im_end|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    rust.train_from_iterator(["<file> <sep> a_b"] * 10, trainer)
+    rust.add_special_tokens(added)
+    return Tokenizer(rust, {}, {"eos_token": "<|im_end|>", "additional_special_tokens": []}, None)
+
+
+def test_added_special_tokens_stand_for_no_text() -> None:
+    """decode(skip_special_tokens=True) drops an added special token: a grammar that took one for
+    its characters ended with an answer that does not follow it."""
+    tok = _byte_level(["<file_sep>"])
+    special = tok.backend_tokenizer.token_to_id("<file_sep>")
+    _, pieces = grammar.token_bytes(tok)
+    assert b"<file_sep>" not in pieces and special not in {i for ids in pieces.values() for i in ids}
+    index = grammar.index_of(SimpleNamespace(tokenizer=tok), r"<[a-z_]+>")
+    assert special not in index.get_allowed_tokens(index.get_initial_state())
 
 
 def constrained(served, prompt: str, regex: str, tokens: int = 40) -> Row:
