@@ -20,6 +20,7 @@ from collections import OrderedDict
 import torch
 
 from ..model.token_bytes import BYTE_LEVEL, decoder_steps, piece_bytes, vocabulary_kind
+from .json_schema import refusal
 
 KEPT = 32                                       # compiled indexes kept per process (by model and pattern)
 
@@ -62,8 +63,15 @@ def _outlines():
 
 
 def schema_regex(schema: dict | str) -> str:
-    """A JSON schema's regex (outlines-core's, as TGI's)."""
+    """A JSON schema's regex (outlines-core's, as TGI's); GrammarError for a schema whose regex
+    would not hold the text to it (json_schema.py)."""
     build_regex_from_schema = _outlines().json_schema.build_regex_from_schema
+    try:
+        why = refusal(json.loads(schema) if isinstance(schema, str) else schema)
+    except ValueError:                                     # not JSON: outlines-core says so below
+        why = None
+    if why:
+        raise GrammarError(f"unsupported JSON schema: {why}")
     try:
         return build_regex_from_schema(schema if isinstance(schema, str) else json.dumps(schema))
     except (ValueError, TypeError) as e:

@@ -43,7 +43,7 @@ def test_sentencepiece_pieces() -> None:
     assert piece_bytes("\u0120Paris", True) == b" Paris" and piece_bytes("\u010a", True) == b"\n"
 
 
-def _byte_level(added: list[str]) -> Tokenizer:
+def byte_level(added: list[str]) -> Tokenizer:
     """A small byte-level BPE tokenizer, with `added` as added special tokens that are not among
     its named special tokens (SmolLM2's <file_sep>, <repo_name>, ...)."""
     from tokenizers import Tokenizer as RustTokenizer
@@ -60,7 +60,7 @@ def _byte_level(added: list[str]) -> Tokenizer:
 def test_added_special_tokens_stand_for_no_text() -> None:
     """decode(skip_special_tokens=True) drops an added special token: a grammar that took one for
     its characters ended with an answer that does not follow it."""
-    tok = _byte_level(["<file_sep>"])
+    tok = byte_level(["<file_sep>"])
     special = tok.backend_tokenizer.token_to_id("<file_sep>")
     _, pieces = grammar.token_bytes(tok)
     assert b"<file_sep>" not in pieces and special not in {i for ids in pieces.values() for i in ids}
