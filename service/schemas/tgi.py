@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 FinishReason = Literal["length", "eos_token", "stop_sequence"]
 MAX_STOP_SEQUENCES = 4
@@ -24,13 +24,19 @@ class Grammar(BaseModel):
                                                                          "regex; 'json_schema': {name, schema}.")
     value: dict | str = Field(description="The schema (an object, or its JSON text), the regex, or {name, schema}.")
 
+    @model_validator(mode="after")
+    def _named_schema(self) -> Grammar:
+        """'json_schema' takes {name, schema}: a value without `schema` (a bare schema, say) was
+        taken for the empty schema, and any JSON answered it."""
+        if self.type == "json_schema" and not (isinstance(self.value, dict) and "schema" in self.value):
+            raise ValueError("a 'json_schema' grammar's value is {name, schema}: it has no `schema`")
+        return self
+
     def spec(self) -> tuple[str, dict | str]:
         """('regex', pattern) or ('schema', schema)."""
         if self.type == "regex":
             return "regex", self.value
-        if self.type == "json_schema":
-            return "schema", self.value.get("schema", {}) if isinstance(self.value, dict) else self.value
-        return "schema", self.value
+        return "schema", self.value["schema"] if self.type == "json_schema" else self.value
 
 
 class GenerateParameters(BaseModel):

@@ -35,6 +35,7 @@ BAD_BODIES = [
     {"inputs": "hi", "parameters": {"grammar": {"type": "regex", "value": {"a": 1}}}},
     {"inputs": "hi", "parameters": {"grammar": {"type": "yaml", "value": "a"}}},
     {"inputs": "hi", "parameters": {"grammar": {"type": "json", "value": {"type": "integer", "minimum": 0}}}},  # not held
+    {"inputs": "hi", "parameters": {"grammar": {"type": "json_schema", "value": {"type": "integer"}}}},  # no `schema`
     {"inputs": "hi", "parameters": {"adapter_id": "lora-1"}},
     {"inputs": "hi", "parameters": {"top_n_tokens": 21}},
     {"inputs": "hi", "parameters": {"top_n_tokens": -1}},
