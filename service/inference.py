@@ -135,10 +135,10 @@ def input_tokens(registry: ModelRegistry, model: str | None, prompt: str, trunca
 
 
 async def _constrained(served: ServedModel, params: SamplingParams, grammar: tuple[str, dict | str] | None,
-                       field: str) -> SamplingParams:
+                       field: str, limits: constraints.CompileLimits) -> SamplingParams:
     """`params` with the index of `grammar` (('regex', pattern) or ('schema', JSON schema)), compiled
-    off the event loop (milliseconds to seconds, by the pattern); a grammar that does not compile
-    is the request's error, naming `field`."""
+    off the event loop (a fraction of a second to minutes, by the pattern; held to `limits`); a
+    grammar that does not compile within them is the request's error, naming `field`."""
     if grammar is None:
         return params
     kind, value = grammar
@@ -146,7 +146,8 @@ async def _constrained(served: ServedModel, params: SamplingParams, grammar: tup
         if kind == "regex" and not isinstance(value, str):
             raise constraints.GrammarError("a regex is a string")
         regex = value if kind == "regex" else constraints.schema_regex(value)
-        return dataclasses.replace(params, grammar=await asyncio.to_thread(constraints.index_of, served, regex))
+        index = await asyncio.to_thread(constraints.index_of, served, regex, limits)
+        return dataclasses.replace(params, grammar=index)
     except constraints.GrammarError as e:
         raise ValidationFailed(f"`{field}`: {e}", param=field) from None
 
@@ -162,7 +163,8 @@ async def start(registry: ModelRegistry, settings: Settings, model: str | None, 
     name = registry.resolve(model)
     lease = registry.acquire(name)
     try:
-        params = await _constrained(lease.served, params, grammar, grammar_field)
+        limits = constraints.CompileLimits(settings.grammar_compile_s, settings.grammar_compile_bytes)
+        params = await _constrained(lease.served, params, grammar, grammar_field, limits)
         ids = _tokenize(lease.served, prompt, params, truncate, settings, special, fields[0])
         params = _within_context(lease.served, ids, params, settings, fields)
         req = GenRequest(ids, params, stream=stream)

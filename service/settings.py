@@ -98,6 +98,8 @@ class Settings(BaseSettings):
     max_total_tokens: int = Field(2048, ge=2)
     default_max_new_tokens: int = Field(100, ge=1)
     retry_after_s: int = Field(5, ge=1)          # Retry-After on 503 while a model is not ready
+    grammar_compile_s: float = Field(120.0, gt=0)    # building one grammar's index (a child process), then 422
+    grammar_compile_bytes: int = Field(8 << 30, ge=1 << 28)   # that process's address space
 
     # `wcodec serve`
     host: str = "127.0.0.1"

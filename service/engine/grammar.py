@@ -7,22 +7,32 @@ state, takes only allowed tokens (the end of text only in a final state) and adv
     token_bytes(tokenizer)   the bytes each non-special token stands for (model/token_bytes.py: GPT-2's
                              byte-level table, or SentencePiece's ▁ and <0xNN> pieces); other tokenizers:
                              GrammarError
-    index_of(served, regex)  the index, kept per model and pattern (a schema's took ~15 ms for the
-                             demo's 49k tokens; callers run it off the event loop)
+    index_of(served, regex)  the index, kept per model and pattern, built in a child process held
+                             to a time and memory limit (index_child.py; a small schema's takes
+                             ~0.5 s for the demo's 49k tokens on a 2-core CPU, {"type": "object"}
+                             37 s, a string of maxLength 20 104 s; callers run it off the event loop)
     Constraint               a row's place in it: `mask(logits)` and `advance(token)`
 """
 from __future__ import annotations
 
 import json
+import pickle
+import subprocess
+import sys
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from ..model.token_bytes import BYTE_LEVEL, decoder_steps, piece_bytes, vocabulary_kind
+from .index_child import DOES_NOT_COMPILE
 from .json_schema import refusal
 
 KEPT = 32                                       # compiled indexes kept per process (by model and pattern)
+COMPILES = 2                                    # indexes built at once (a process each, up to its bytes)
+CHILD = Path(__file__).with_name("index_child.py")
 
 
 class GrammarError(ValueError):
@@ -100,22 +110,55 @@ class _Kept:
 
 
 _indexes, _vocabularies = _Kept(KEPT), _Kept(4)
+_compiles = threading.BoundedSemaphore(COMPILES)
 
 
-def index_of(served, regex: str):
-    """The index of `regex` over the model's vocabulary (kept: the last KEPT model-and-pattern pairs)."""
-    oc, tok = _outlines(), served.tokenizer
+@dataclass(frozen=True)
+class CompileLimits:
+    """What building one index may take (Settings.grammar_compile_s and grammar_compile_bytes)."""
+    seconds: float = 120.0
+    bytes: int = 8 << 30
+
+
+def index_of(served, regex: str, limits: CompileLimits = CompileLimits()):
+    """The index of `regex` over the model's vocabulary (kept: the last KEPT model-and-pattern
+    pairs, a pattern that failed as its error), built in a child process held to `limits`."""
+    tok = served.tokenizer
     if (index := _indexes.get((id(tok), regex))) is not None:
+        if isinstance(index, GrammarError):
+            raise index
         return index
     if (vocabulary := _vocabularies.get((id(tok),))) is None:
-        vocabulary = oc.Vocabulary(*token_bytes(tok))
+        vocabulary = _outlines().Vocabulary(*token_bytes(tok))
         _vocabularies.put((id(tok),), tok, vocabulary)
     try:
-        index = oc.Index(regex, vocabulary)
-    except (ValueError, TypeError) as e:
-        raise GrammarError(f"the pattern does not compile over the model's vocabulary: {e}") from None
+        index = _compile(regex, vocabulary, limits)
+    except GrammarError as e:
+        _indexes.put((id(tok), regex), tok, e)
+        raise
     _indexes.put((id(tok), regex), tok, index)
     return index
+
+
+def _compile(regex: str, vocabulary, limits: CompileLimits):
+    """outlines-core's Index, built by index_child.py. Its cost grows steeply with some patterns
+    ({"type": "string", "maxLength": 20}: 104 s and 4.4 GB on a 2-core CPU, about twice that for
+    each character more), and a thread can be neither stopped nor held to a memory budget: a
+    process is killed at `limits.seconds` and fails an allocation beyond `limits.bytes`."""
+    payload = pickle.dumps((regex, vocabulary, limits.bytes))
+    with _compiles:
+        try:
+            done = subprocess.run([sys.executable, str(CHILD)], input=payload, capture_output=True,
+                                  timeout=limits.seconds, check=False)
+        except subprocess.TimeoutExpired:
+            raise GrammarError(f"the pattern did not compile within {limits.seconds:g} s") from None
+    error = done.stderr.decode(errors="replace").strip()
+    if done.returncode == DOES_NOT_COMPILE:
+        raise GrammarError(f"the pattern does not compile over the model's vocabulary: {error}")
+    if done.returncode != 0:                           # an allocation beyond the limit aborts (Rust) or raises
+        raise GrammarError(f"building the pattern's index failed (exit status {done.returncode}; its limit is "
+                           f"{limits.bytes} bytes): {error[-200:]}")
+    return pickle.loads(done.stdout)
 
 
 class Constraint:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -102,3 +103,21 @@ def test_grammars_that_do_not_compile(demo) -> None:
         grammar.schema_regex({"type": "nonsense"})
     with pytest.raises(grammar.GrammarError):
         grammar.index_of(demo, "(unclosed")
+
+
+def test_an_index_too_costly_to_build_is_a_grammar_error_in_time() -> None:
+    """Building an index can take minutes and gigabytes ({"type": "string", "maxLength": 20}: 104 s
+    and 4.4 GB for the demo's vocabulary on a 2-core CPU, twice that for each character more), in
+    a thread that nothing could stop: it is a child process, killed at the time limit, whose
+    allocations fail beyond the memory limit; the failure is kept like an index."""
+    served = SimpleNamespace(tokenizer=byte_level([]))
+    slow, large = r"a{100000}", grammar.schema_regex({"type": "string", "maxLength": 20})
+    started = time.monotonic()
+    with pytest.raises(grammar.GrammarError, match="did not compile within 1 s"):
+        grammar.index_of(served, slow, grammar.CompileLimits(seconds=1))
+    assert time.monotonic() - started < 5
+    with pytest.raises(grammar.GrammarError, match="did not compile within 1 s"):      # kept: not built again
+        grammar.index_of(served, slow, grammar.CompileLimits(seconds=1))
+    assert time.monotonic() - started < 5
+    with pytest.raises(grammar.GrammarError, match=f"its limit is {1 << 28} bytes"):
+        grammar.index_of(served, large, grammar.CompileLimits(seconds=60, bytes=1 << 28))
