@@ -14,7 +14,9 @@
                  SamplingParams, greedy / top-k / top-p / typical sampling, penalties, TGI's
                  watermark, TokenEvent and Finished
     grammar.py   constrained generation (TGI's grammar, OpenAI's response_format): a regex's
-                 index over the vocabulary (outlines-core), a row's Constraint
+                 index over the vocabulary (outlines-core), a row's Constraint; json_schema.py:
+                 the schemas whose regex would not hold the text (refused); index_child.py: the
+                 process that builds an index, held to a time and a memory limit
 
 Testable without HTTP: `Batcher` takes `Row`s and calls back with their tokens, synchronously."""
 from .batcher import Batcher, Step
