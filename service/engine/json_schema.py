@@ -13,10 +13,24 @@ generates from each and validates with `jsonschema`):
     `required` names absent from `properties`                 the property may be missing
     `allOf` of two or more schemas                            the values written one after another
     an empty `enum`, `anyOf` or `oneOf`                       the empty text, which is no JSON
+    a `pattern` that may match '"', '\\' or a control         written raw inside the string's
+      character (`.`, `[^,]`, `\\s`, ...)                       quotes: text that is not JSON
+    format email, time, uri                                   the same, from outlines-core's own
+                                                              regex of the format
+
+A pattern Python's `re` cannot parse (Rust's `\\p{L}`, say) is left to outlines-core unchecked.
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
+
+try:
+    from re import _constants as sre
+    from re import _parser as sre_parse
+except ImportError:                                        # Python 3.10
+    import sre_constants as sre
+    import sre_parse
 
 UNENFORCED = frozenset({
     "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
@@ -25,6 +39,10 @@ UNENFORCED = frozenset({
     "dependentRequired", "dependentSchemas", "dependencies",
     "not", "if", "then", "else",
 })
+BROKEN_FORMATS = frozenset({"email", "time", "uri"})
+ESCAPED = '"\\' + "".join(map(chr, range(0x20)))           # what JSON writes escaped in a string
+CATEGORIES = {"DIGIT": r"\d", "NOT_DIGIT": r"\D", "SPACE": r"\s", "NOT_SPACE": r"\S", "WORD": r"\w",
+              "NOT_WORD": r"\W", "LINEBREAK": r"\n", "NOT_LINEBREAK": r"[^\n]"}
 MAPS = ("properties", "$defs", "definitions")              # keywords whose values map names to schemas
 ONE = ("items", "additionalProperties")                    # a schema
 LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")          # a list of schemas
@@ -66,4 +84,58 @@ def _why(node: dict) -> str | None:
         return "'allOf' of more than one schema cannot be enforced"
     if empty := [key for key in ("enum", "anyOf", "oneOf") if node.get(key) == []]:
         return f"an empty {empty[0]!r} admits no value"
+    if node.get("format") in BROKEN_FORMATS:
+        return f"format {node['format']!r} cannot be enforced (its regex lets through text that is not JSON)"
+    if isinstance(node.get("pattern"), str) and _may_match_escaped(node["pattern"]):
+        return (f"pattern {node['pattern']!r} may match a quote, a backslash or a control character, "
+                "which the regex would leave unescaped (not JSON)")
     return None
+
+
+def _may_match_escaped(pattern: str) -> bool:
+    """Whether a string `pattern` matches may hold a character of ESCAPED (False when Python's
+    `re` cannot parse the pattern)."""
+    try:
+        return _escaped_in(sre_parse.parse(pattern))
+    except (re.error, RecursionError):
+        return False
+
+
+def _escaped_in(items) -> bool:
+    """Whether the parsed pattern `items` may match a character of ESCAPED."""
+    for op, arg in items:
+        if op in (sre.ANY, sre.NOT_LITERAL) or (op is sre.LITERAL and chr(arg) in ESCAPED):
+            return True
+        if op is sre.IN and any(_in_set(arg, c) for c in ESCAPED):
+            return True
+        if any(_escaped_in(sub) for sub in _subpatterns(op, arg)):
+            return True
+    return False
+
+
+def _subpatterns(op, arg) -> list:
+    """The parsed patterns inside one that is not a character (lookarounds match none)."""
+    if op is sre.BRANCH:
+        return arg[1]
+    if op in (sre.MAX_REPEAT, sre.MIN_REPEAT, getattr(sre, "POSSESSIVE_REPEAT", None)):
+        return [arg[2]]
+    if op is sre.SUBPATTERN:
+        return [arg[-1]]
+    if op is getattr(sre, "ATOMIC_GROUP", None):
+        return [arg]
+    return [p for p in arg[1:] if p is not None] if op is sre.GROUPREF_EXISTS else []
+
+
+def _in_set(items, c: str) -> bool:
+    """Whether the character class `items` ([...], \\d, ...) matches `c`."""
+    negate = bool(items) and items[0][0] is sre.NEGATE
+    hit = False
+    for op, arg in items:
+        if op is sre.LITERAL:
+            hit |= ord(c) == arg
+        elif op is sre.RANGE:
+            hit |= arg[0] <= ord(c) <= arg[1]
+        elif op is sre.CATEGORY:
+            name = str(arg).removeprefix("CATEGORY_").removeprefix("UNI_").removeprefix("LOC_")
+            hit |= re.fullmatch(CATEGORIES[name], c) is not None
+    return hit != negate

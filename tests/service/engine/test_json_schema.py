@@ -30,6 +30,12 @@ REFUSED = {
                                {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}]},
     "empty enum": {"type": "object", "properties": {"a": {"enum": []}}, "required": ["a"]},
     "empty anyOf": {"anyOf": []},
+    "pattern .*": {"type": "object", "properties": {"s": {"type": "string", "pattern": ".*"}}, "required": ["s"]},
+    "pattern [^,]+": {"type": "string", "pattern": "^[^,]+$"},
+    "pattern \\s": {"type": "string", "pattern": "a\\sb"},
+    "format email": {"type": "string", "format": "email"},
+    "format time": {"type": "string", "format": "time"},
+    "format uri": {"type": "string", "format": "uri"},
 }
 ACCEPTED = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "tags": {
@@ -41,6 +47,9 @@ ACCEPTED = [
     {"anyOf": [{"type": "integer"}, {"type": "null"}]},
     {"allOf": [{"type": "string", "minLength": 2, "maxLength": 4}]},
     {"type": "object", "additionalProperties": {"type": "integer"}},
+    {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{2}-\\d{3}$"}, "free": {
+        "type": "string", "pattern": '^[^"\\\\\\x00-\\x1f]{1,6}$'}}, "required": ["code", "free"]},
+    {"type": "array", "items": {"type": "string", "format": "uuid"}, "maxItems": 2},
 ]
 
 
@@ -84,7 +93,8 @@ def test_accepted_schemas_hold_the_text(served, schema: dict) -> None:
 
 @pytest.mark.parametrize(("name", "text"), [("minimum", '{"age":-1}'), ("uniqueItems", "[true,true]"),
                                             ("required, no properties", "{}"), ("allOf of two", '{"a":1}{"b":2}'),
-                                            ("empty anyOf", "")])
+                                            ("empty anyOf", ""), ("pattern .*", '{"s":"a"b"}'),
+                                            ("format time", '"12:00:00\\a1"'), ("format uri", '"urn:a:b"c"')])
 def test_why_they_are_refused(name: str, text: str) -> None:
     """outlines-core's own regex of each lets through text that breaks the schema (were a later
     outlines-core to hold it, the refusal could go)."""
