@@ -122,19 +122,20 @@ class CompileLimits:
 
 def index_of(served, regex: str, limits: CompileLimits = CompileLimits()):
     """The index of `regex` over the model's vocabulary (kept: the last KEPT model-and-pattern
-    pairs, a pattern that failed as its error), built in a child process held to `limits`."""
+    pairs, and a pattern that failed, under these limits, as its error), built in a child process
+    held to `limits`."""
     tok = served.tokenizer
     if (index := _indexes.get((id(tok), regex))) is not None:
-        if isinstance(index, GrammarError):
-            raise index
         return index
+    if (failed := _indexes.get((id(tok), regex, limits))) is not None:
+        raise failed
     if (vocabulary := _vocabularies.get((id(tok),))) is None:
         vocabulary = _outlines().Vocabulary(*token_bytes(tok))
         _vocabularies.put((id(tok),), tok, vocabulary)
     try:
         index = _compile(regex, vocabulary, limits)
     except GrammarError as e:
-        _indexes.put((id(tok), regex), tok, e)
+        _indexes.put((id(tok), regex, limits), tok, e)
         raise
     _indexes.put((id(tok), regex), tok, index)
     return index
