@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from .tgi import MAX_SEED
 
@@ -33,7 +33,8 @@ class OpenAIRequest(BaseModel):
     stop: str | Stops | None = Field(None, description=f"Up to {MAX_STOP} sequences; the text ends before the "
                                                        "first one generated.")
     stream: bool = False
-    stream_options: StreamOptions | None = None
+    stream_options: StreamOptions | None = Field(None, description="Only with `stream: true` (a 400 otherwise, "
+                                                 "as OpenAI and vLLM answer).")
     n: int | None = Field(None, ge=1, le=MAX_N, description="Choices for each prompt, each its own generation "
                           "(with a seed, choice j samples with seed + j). Greedy choices are alike.")
     logit_bias: dict[str, float] | None = Field(None, description="Token id (a decimal string) -> a bias of "
@@ -55,6 +56,13 @@ class OpenAIRequest(BaseModel):
     min_tokens: int | None = Field(None, ge=0, description="vLLM's; not supported (0 only).")
     ignore_eos: bool | None = Field(None, description="vLLM's; not supported (false only).")
     use_beam_search: bool | None = Field(None, description="vLLM's; not supported (false only).")
+
+    @field_validator("stream_options")
+    @classmethod
+    def _streamed(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("only allowed when `stream` is true")
+        return v
 
     @field_validator("logit_bias")
     @classmethod

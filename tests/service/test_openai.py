@@ -166,6 +166,12 @@ def test_chat_stream_ends_with_usage(client) -> None:
     assert "".join(c.choices[0].delta.content for c in chunks[:-1]) == out.choices[0].message.content
     assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == out.usage.model_dump()
     assert all(c.usage is None for c in chunks[:-1])
+    unstreamed = {"model": DEMO, "max_tokens": 2, "stream_options": {"include_usage": True}}
+    for create in (lambda: client.chat.completions.create(messages=QUESTION, **unstreamed),
+                   lambda: client.completions.create(prompt="Hi", **unstreamed)):
+        with pytest.raises(openai.BadRequestError) as e:                 # OpenAI's and vLLM's 400, ignored before
+            create()
+        assert e.value.body["param"] == "stream_options" and "stream" in e.value.body["message"]
     cut = client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=12, stop="Paris")
     assert cut.choices[0].message.content == "The capital of France is " and cut.choices[0].finish_reason == "stop"
 
