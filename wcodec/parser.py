@@ -11,8 +11,6 @@ FLOAT_NAMES = ("bfloat16", "float16", "float32")        # cli.FLOAT_CHOICES: the
 CAST_NAMES = FLOAT_NAMES + ("float8_e4m3fn", "float8_e5m2")
 FP8_SCALES = ("row", "block")
 EXIT_ERROR = 1
-
-
 EXIT_USAGE = 2                          # argparse's status for a usage error
 
 
@@ -82,9 +80,9 @@ def _gguf_mode(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="wcodec", description="Lossless compression of model checkpoints.",
-                                     epilog="wcodec serve [--host H] [--port P] [--store DIR]: serve models over "
-                                            "HTTP (TGI- and OpenAI-style generation, model control, Prometheus "
-                                            "metrics); see `wcodec serve --help`")
+                    epilog="wcodec serve [--host H] [--port P] [--store DIR]: serve models over "
+                           "HTTP (TGI- and OpenAI-style generation, model control, Prometheus "
+                           "metrics); see `wcodec serve --help`")
     parser.add_argument("--version", action="version", version=f"wcodec {codec.__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.commands = parser.commands = {}
