@@ -67,7 +67,7 @@ def _logprobs(served: ServedModel, log: openai_api.TokenLog, text_end: int) -> C
 
 
 def _choice(index: int, s: inference.Started, fin: Finished, req: ChatRequest) -> ChatChoice:
-    text = openai_api.cut(fin.generated_text, req.stops())
+    text = openai_api.cut(fin.generated_text, req)
     logprobs = _logprobs(s.served, openai_api.TokenLog(fin.tokens), len(text)) if req.logprobs else None
     return ChatChoice(index=index, message=ChatMessage(content=text), finish_reason=openai_api.finish_reason(fin),
                       logprobs=logprobs)
@@ -90,7 +90,7 @@ async def _choice_chunks(index: int, s: inference.Started, first: TokenEvent | F
                          req: ChatRequest) -> AsyncIterator[ChatChunkChoice]:
     """One choice's deltas as they come (held back at a possible stop sequence), then the rest with
     the finish reason; `fins` gets its result."""
-    stop, log, sent = openai_api.StopCut(req.stops()), openai_api.TokenLog() if req.logprobs else None, 0
+    stop, log, sent = openai_api.stop_cut(req), openai_api.TokenLog() if req.logprobs else None, 0
 
     def delta(content: str, reason: str | None = None) -> ChatChunkChoice:
         nonlocal sent

@@ -62,7 +62,7 @@ def _prompt_logprobs(served: ServedModel, prefill: tuple[PromptToken, ...]) -> C
 
 
 def _choice(index: int, s: inference.Started, fin: Finished, req: CompletionRequest) -> CompletionChoice:
-    completion = openai_api.cut(fin.generated_text, req.stops())
+    completion = openai_api.cut(fin.generated_text, req)
     at = len(s.prompt) if req.echo else 0
     logprobs = None
     if req.logprobs is not None:
@@ -93,7 +93,7 @@ async def _prompt_chunks(index: int, s: inference.Started, first: TokenEvent | F
                          req: CompletionRequest) -> AsyncIterator[CompletionChoice]:
     """One prompt's chunks: the prompt (echo), the text as it comes (held back at a possible stop
     sequence), then the rest with the finish reason; `fins` gets its result."""
-    stop, sent = openai_api.StopCut(req.stops()), 0
+    stop, sent = openai_api.stop_cut(req), 0
     log = openai_api.TokenLog() if req.logprobs is not None else None
     at = len(s.prompt) if req.echo else 0
     if req.echo:

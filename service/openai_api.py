@@ -91,11 +91,13 @@ async def stream(started: list[inference.Started], firsts: list[TokenEvent | Fin
 
 
 class StopCut:
-    """The text before the first stop sequence. Streamed pieces are held back while the text's
-    end could still be the start of a stop sequence."""
+    """The text before the first stop sequence (through it with `keep`: vLLM's
+    include_stop_str_in_output). Streamed pieces are held back while the text's end could still be
+    the start of a stop sequence."""
 
-    def __init__(self, stops: list[str]):
+    def __init__(self, stops: list[str], keep: bool = False):
         self.stops, self.held, self.stopped, self.fed = [s for s in stops if s], "", False, ""
+        self.keep = keep
 
     def feed(self, piece: str) -> str:
         """The part of the text so far that is now sure to be returned."""
@@ -103,9 +105,10 @@ class StopCut:
             return ""
         self.fed += piece
         self.held += piece
-        found = [i for i in (self.held.find(s) for s in self.stops) if i >= 0]
+        found = [(i, i + len(s) if self.keep else i) for i, s in ((self.held.find(s), s) for s in self.stops)
+                 if i >= 0]
         if found:
-            out, self.held, self.stopped = self.held[:min(found)], "", True
+            out, self.held, self.stopped = self.held[:min(found)[1]], "", True
             return out
         keep = max((k for s in self.stops for k in range(1, len(s)) if self.held.endswith(s[:k])), default=0)
         out, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
@@ -165,8 +168,12 @@ def token_of(served: ServedModel, token: int) -> tuple[str, bytes]:
     return token_string(raw), raw
 
 
-def cut(text: str, stops: list[str]) -> str:
-    c = StopCut(stops)
+def stop_cut(req: OpenAIRequest) -> StopCut:
+    return StopCut(req.stops(), keep=bool(req.include_stop_str_in_output))
+
+
+def cut(text: str, req: OpenAIRequest) -> str:
+    c = stop_cut(req)
     return c.feed(text) + c.flush()
 
 

@@ -32,6 +32,8 @@ class OpenAIRequest(BaseModel):
                              "negative one seeds as its two's complement, as torch's manual_seed takes it.")
     stop: str | Stops | None = Field(None, description=f"Up to {MAX_STOP} sequences; the text ends before the "
                                                        "first one generated.")
+    include_stop_str_in_output: bool | None = Field(None, description="vLLM's: the text ends after the stop "
+                                                    "sequence generated, not before it.")
     stream: bool = False
     stream_options: StreamOptions | None = Field(None, description="Only with `stream: true` (a 400 otherwise, "
                                                  "as OpenAI and vLLM answer).")

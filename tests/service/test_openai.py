@@ -176,6 +176,27 @@ def test_chat_stream_ends_with_usage(client) -> None:
     assert cut.choices[0].message.content == "The capital of France is " and cut.choices[0].finish_reason == "stop"
 
 
+def test_include_stop_str_in_output_keeps_the_stop(client) -> None:
+    """vLLM's include_stop_str_in_output: the text ends after the stop sequence instead of before
+    it (it was ignored: the stop was cut all the same), streamed or not; the logprobs' tokens are
+    then every generated token, their offsets inside the text. Without it, a stop of two tokens
+    (" Paris" + ".") leaves the one that starts in the text and drops the one wholly in the stop."""
+    body = {"model": DEMO, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "logprobs": 0, "stop": "Paris."}
+    cut = client.completions.create(**body).choices[0]
+    assert cut.text == " " and cut.logprobs.tokens == [" Paris"] and cut.logprobs.text_offset == [0]
+    kept = client.completions.create(**body, extra_body={"include_stop_str_in_output": True}).choices[0]
+    assert kept.text == " Paris." and kept.finish_reason == "stop"
+    assert kept.logprobs.tokens == [" Paris", "."] and kept.logprobs.text_offset == [0, 6]
+    streamed = list(client.completions.create(**body, stream=True, extra_body={"include_stop_str_in_output": True}))
+    assert "".join(c.choices[0].text for c in streamed) == kept.text
+    assert [t for c in streamed for t in c.choices[0].logprobs.tokens] == kept.logprobs.tokens
+    chat = {"model": DEMO, "messages": QUESTION, "max_tokens": 12, "stop": "Paris",
+            "extra_body": {"include_stop_str_in_output": True}}
+    assert client.chat.completions.create(**chat).choices[0].message.content == "The capital of France is Paris"
+    chunks = client.chat.completions.create(**chat, stream=True)
+    assert "".join(c.choices[0].delta.content for c in chunks) == "The capital of France is Paris"
+
+
 def test_chat_logprobs_are_the_contents_tokens(client) -> None:
     """logprobs=true: each token of the message's content with its log-probability, the same as
     the completions route gives for the same text, and as the stream's chunks carry them."""
