@@ -70,8 +70,8 @@ class OpenAIRequest(BaseModel):
     @classmethod
     def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (v or {}).items():
-            if not key.isdecimal():
-                raise ValueError(f"keys are token ids (decimal strings), not {key!r}")
+            if not (key.isascii() and key.isdecimal()):                  # int() also reads '\u0663' as 3
+                raise ValueError(f"keys are token ids (strings of the digits 0-9), not {key!r}")
             if not -MAX_BIAS <= bias <= MAX_BIAS:
                 raise ValueError(f"biases lie in [-{MAX_BIAS}, {MAX_BIAS}], not {bias} (token {key})")
         return v

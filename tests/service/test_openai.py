@@ -264,7 +264,7 @@ def test_logit_bias_bans_and_forces_tokens_and_penalties_curb_repeats(client, li
     base = client.completions.create(**counting).choices[0].text
     curbed = client.completions.create(**counting, presence_penalty=2, frequency_penalty=2).choices[0].text
     assert curbed != base and repeats(curbed) < repeats(base), (base, curbed)
-    for bias in ({"x": 1}, {"5": 101}, {"-5": 1}, {"99999999": 5}):
+    for bias in ({"x": 1}, {"5": 101}, {"-5": 1}, {"99999999": 5}, {"\u0663": 1}):       # an Arabic-Indic 3
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=2, logit_bias=bias)
         assert e.value.body["param"] == "logit_bias", bias
