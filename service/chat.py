@@ -47,7 +47,8 @@ async def start(req: ChatRequest, registry: ModelRegistry, settings: Settings) -
     params = openai_api.sampling(req, settings, req.new_tokens(), req.top_n())
     name, prompt = templated(req, registry)
     return await inference.start_many(registry, settings, name, [prompt], params, req.choices(), stream=req.stream,
-                                      special=False, fields=("messages", "max_tokens"), grammar_field="response_format",
+                                      special=False, fields=("messages", req.new_tokens_field()),
+                                      grammar_field="response_format",
                                       grammar=req.response_format.spec() if req.response_format else None)
 
 

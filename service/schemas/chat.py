@@ -85,6 +85,10 @@ class ChatRequest(OpenAIRequest):
     def new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def new_tokens_field(self) -> str:
+        """The field `new_tokens` came from, which an error about it names."""
+        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
+
     def top_n(self) -> int:
         return (self.top_logprobs or 0) if self.logprobs else 0
 

@@ -426,6 +426,9 @@ def test_bad_requests_and_unknown_models(client) -> None:
             client.completions.create(**{"model": DEMO, "prompt": PROMPT, **kwargs})
     with pytest.raises(openai.BadRequestError, match="must be <="):
         client.completions.create(model=DEMO, prompt=PROMPT, max_tokens=4000)
+    with pytest.raises(openai.BadRequestError) as e:                  # the field the request used (max_tokens before)
+        client.chat.completions.create(model=DEMO, messages=QUESTION, max_completion_tokens=4000)
+    assert e.value.body["param"] == "max_completion_tokens" and "max_completion_tokens" in e.value.message
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="gpt-4o", messages=QUESTION)
     assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
