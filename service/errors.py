@@ -199,10 +199,15 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     return _respond(request, RouteNotFound(exc.status_code, str(exc.detail), exc.headers))
 
 
+def internal(exc: Exception) -> ServiceError:
+    """Any other exception (a bug) as the 500 that answers it."""
+    return ServiceError(f"internal error: {type(exc).__name__}: {str(exc)[:200]}")
+
+
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     """Any other exception (a bug): still the route's error shape, a 500; Starlette then re-raises
     it, so the server's log has the traceback."""
-    return _respond(request, ServiceError(f"internal error: {type(exc).__name__}: {str(exc)[:200]}"))
+    return _respond(request, internal(exc))
 
 
 def install(app: FastAPI) -> None:

@@ -4,6 +4,7 @@ the text cut before the first stop sequence (OpenAI leaves the stop out; TGI kee
 pieces of a response (finish reason, usage, the envelope) and of a stream."""
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -13,12 +14,13 @@ from pydantic import BaseModel
 
 from . import inference
 from .engine.sampling import Finished, SamplingParams, TokenEvent
-from .errors import ModelNotFound, ServiceError, UnsupportedParameter, openai_error_event
+from .errors import ModelNotFound, ServiceError, UnsupportedParameter, internal, openai_error_event
 from .model.build import ServedModel
 from .registry import ModelRegistry
 from .schemas.openai import OpenAIRequest, Usage
 from .settings import Settings
 
+log = logging.getLogger(__name__)
 FINGERPRINT = f"wcodec-{codec.__version__}"          # every response's system_fingerprint
 # what TGI's clients send for a server that ignores `model` (huggingface_hub: "dummy", older "tgi")
 PLACEHOLDERS = ("tgi", "dummy")
@@ -74,7 +76,7 @@ async def stream(started: list[inference.Started], firsts: list[TokenEvent | Fin
     """A stream's events: each choice's chunks one choice after the other (`choice_chunks(index,
     started, first, fins)` yields a choice's pieces and appends its result to `fins`; `chunk(choices,
     usage)` wraps them), a last chunk with the usage and no choices when
-    `stream_options.include_usage`, an error event if generation fails, then [DONE]. Whatever ends
+    `stream_options.include_usage`, an error event if generation or a chunk fails, then [DONE]. Whatever ends
     the stream (a client gone too) cancels the choices still generating."""
     fins: list[Finished] = []
     try:
@@ -85,6 +87,9 @@ async def stream(started: list[inference.Started], firsts: list[TokenEvent | Fin
             yield inference.sse(chunk([], usage(fins, req.choices())))
     except ServiceError as e:
         yield inference.sse(openai_error_event(e))
+    except Exception as e:                      # a bug: logged, and the stream still ends as vLLM's does
+        log.exception("an OpenAI stream failed")
+        yield inference.sse(openai_error_event(internal(e)))
     finally:
         inference.cancel_all(started)
     yield inference.sse("[DONE]")

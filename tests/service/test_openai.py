@@ -15,6 +15,7 @@ import pytest
 import torch
 from service_helpers import DEMO, QUEUE_OF_ONE, metric_sample, when_queue_full
 
+from service import openai_api
 from service.model import cpu_dtype, paged
 from service.registry import ModelState
 
@@ -343,6 +344,20 @@ def test_vllms_extras_this_engine_lacks_are_refused_not_ignored(client, param, v
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=DEMO, prompt=PROMPT, max_tokens=2, extra_body={param: value})
     assert e.value.body["param"] == param and e.value.body["code"] == "unsupported_parameter"
+
+
+def test_a_stream_that_fails_midway_ends_with_an_error_event(client, live, monkeypatch) -> None:
+    """A stream that fails after its first chunks, for a reason that is not a service error (a bug
+    in building a chunk), ends as vLLM's does: an error event in OpenAI's shape, which the client
+    raises, then [DONE]; the connection was dropped before, the client left with a broken read."""
+    def broken(fin):
+        raise RuntimeError("no finish reason")
+    monkeypatch.setattr(openai_api, "finish_reason", broken)
+    with pytest.raises(openai.APIError) as e:
+        list(client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=3, stream=True))
+    assert "RuntimeError: no finish reason" in e.value.message and e.value.body["code"] == "internal_error"
+    raw = httpx.post(f"{live[0]}/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "stream": True}).text
+    assert raw.endswith("data: [DONE]\n\n") and '"type": "server_error"' in raw, raw
 
 
 def test_more_sequences_than_a_model_queues_is_a_400_not_a_429(client, live) -> None:
