@@ -52,24 +52,27 @@ async def start(req: ChatRequest, registry: ModelRegistry, settings: Settings) -
                                       grammar=req.response_format.spec() if req.response_format else None)
 
 
-def _scored(served: ServedModel, cls: type[TopLogprob], token: int, logprob: float, **more) -> TopLogprob:
-    """One token with its own bytes, and its text or OpenAI's 'bytes:' form (openai_api.token_string)."""
-    text, raw = openai_api.token_of(served, token)
+def _scored(served: ServedModel, as_id: bool | None, cls: type[TopLogprob], token: int, logprob: float,
+            **more) -> TopLogprob:
+    """One token with its own bytes, and its text or OpenAI's 'bytes:' form (openai_api.token_string),
+    or with `as_id` (vLLM's return_tokens_as_token_ids) 'token_id:<id>'."""
+    text, raw = openai_api.token_of(served, token, as_id)
     return cls(token=text, logprob=logprob, bytes=list(raw), **more)
 
 
-def _logprobs(served: ServedModel, log: openai_api.TokenLog, text_end: int) -> ChatLogprobs:
+def _logprobs(served: ServedModel, log: openai_api.TokenLog, text_end: int, as_id: bool | None) -> ChatLogprobs:
     events, _ = log.take(text_end)
 
     def top(e: TokenEvent) -> list[TopLogprob]:
-        return [_scored(served, TopLogprob, i, lp) for i, lp in e.top]
-    return ChatLogprobs(content=[_scored(served, ChatTokenLogprob, e.id, e.logprob, top_logprobs=top(e))
+        return [_scored(served, as_id, TopLogprob, i, lp) for i, lp in e.top]
+    return ChatLogprobs(content=[_scored(served, as_id, ChatTokenLogprob, e.id, e.logprob, top_logprobs=top(e))
                                  for e in events])
 
 
 def _choice(index: int, s: inference.Started, fin: Finished, req: ChatRequest) -> ChatChoice:
     text = openai_api.cut(fin.generated_text, req)
-    logprobs = _logprobs(s.served, openai_api.TokenLog(fin.tokens), len(text)) if req.logprobs else None
+    as_id = req.return_tokens_as_token_ids
+    logprobs = _logprobs(s.served, openai_api.TokenLog(fin.tokens), len(text), as_id) if req.logprobs else None
     return ChatChoice(index=index, message=ChatMessage(content=text), finish_reason=openai_api.finish_reason(fin),
                       logprobs=logprobs)
 
@@ -97,7 +100,8 @@ async def _choice_chunks(index: int, s: inference.Started, first: TokenEvent | F
         nonlocal sent
         sent += len(content)
         return ChatChunkChoice(index=index, delta=ChatDelta(content=content), finish_reason=reason,
-                               logprobs=_logprobs(s.served, log, sent) if log is not None else None)
+                               logprobs=_logprobs(s.served, log, sent, req.return_tokens_as_token_ids)
+                               if log is not None else None)
     async for item in inference.events(s, first):
         if isinstance(item, Finished):
             yield delta(stop.finish(item.generated_text), openai_api.finish_reason(item))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from . import inference, openai_api
 from .engine.sampling import Detokenizer, Finished, PromptToken, TokenEvent, TopN
@@ -14,6 +14,8 @@ from .model.build import ServedModel
 from .registry import ModelRegistry
 from .schemas.completions import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
 from .settings import Settings
+
+Name = Callable[[int], str]                     # a token id -> its string in `tokens`
 
 
 async def start(req: CompletionRequest, registry: ModelRegistry, settings: Settings) -> list[inference.Started]:
@@ -23,41 +25,43 @@ async def start(req: CompletionRequest, registry: ModelRegistry, settings: Setti
                                       req.candidates(), stream=req.stream, fields=("prompt", "max_tokens"))
 
 
-def _alternatives(served: ServedModel, chosen: int, logprob: float, top: TopN) -> dict[str, float]:
+def _alternatives(name: Name, chosen: int, logprob: float, top: TopN) -> dict[str, float]:
     """top_logprobs at one position: the most likely tokens, most likely first, and the chosen one
     where it is not among them, each under its `token` string (the chosen one's is that of
     `tokens`); a token whose string another of them already has is keyed 'token_id:<id>' (vLLM's
     form), so that no token is lost."""
     scored = [*top, *([] if any(i == chosen for i, _ in top) else [(chosen, logprob)])]
-    keys = {chosen: _token(served, chosen)}
+    keys = {chosen: name(chosen)}
     for i, _ in scored:
         if i not in keys:
-            key = _token(served, i)
+            key = name(i)
             keys[i] = f"token_id:{i}" if key in keys.values() else key
     return {keys[i]: lp for i, lp in scored}
 
 
-def _token(served: ServedModel, token: int) -> str:
-    return openai_api.token_of(served, token)[0]
+def namer(served: ServedModel, req: CompletionRequest) -> Name:
+    """A token's string in `tokens` and the keys of `top_logprobs`: its text, or 'token_id:<id>'
+    with vLLM's return_tokens_as_token_ids."""
+    return lambda token: openai_api.token_of(served, token, req.return_tokens_as_token_ids)[0]
 
 
-def _logprobs(served: ServedModel, log: openai_api.TokenLog, text_end: int, at: int = 0) -> CompletionLogprobs:
+def _logprobs(name: Name, log: openai_api.TokenLog, text_end: int, at: int = 0) -> CompletionLogprobs:
     """The generated tokens' that start before text_end (of the completion), offsets from `at`."""
     events, offsets = log.take(text_end)
-    return CompletionLogprobs(tokens=[_token(served, e.id) for e in events],
+    return CompletionLogprobs(tokens=[name(e.id) for e in events],
                               token_logprobs=[e.logprob for e in events],
-                              top_logprobs=[_alternatives(served, e.id, e.logprob, e.top) for e in events],
+                              top_logprobs=[_alternatives(name, e.id, e.logprob, e.top) for e in events],
                               text_offset=[at + o for o in offsets])
 
 
-def _prompt_logprobs(served: ServedModel, prefill: tuple[PromptToken, ...]) -> CompletionLogprobs:
+def _prompt_logprobs(served: ServedModel, name: Name, prefill: tuple[PromptToken, ...]) -> CompletionLogprobs:
     """An echoed prompt's tokens (special tokens kept) with their log-probabilities, the first
     with none; offsets from the pieces of the prompt's incremental decode."""
     detok = Detokenizer(served.tokenizer.decode)
     pieces = [detok.add(t.id) for t in prefill]
     offsets = list(itertools.accumulate((len(x) for x in pieces[:-1]), initial=0)) if pieces else []
-    tops = [None if t.logprob is None else _alternatives(served, t.id, t.logprob, t.top) for t in prefill]
-    return CompletionLogprobs(tokens=[_token(served, t.id) for t in prefill],
+    tops = [None if t.logprob is None else _alternatives(name, t.id, t.logprob, t.top) for t in prefill]
+    return CompletionLogprobs(tokens=[name(t.id) for t in prefill],
                               token_logprobs=[t.logprob for t in prefill], top_logprobs=tops, text_offset=offsets)
 
 
@@ -66,8 +70,9 @@ def _choice(index: int, s: inference.Started, fin: Finished, req: CompletionRequ
     at = len(s.prompt) if req.echo else 0
     logprobs = None
     if req.logprobs is not None:
-        logprobs = _logprobs(s.served, openai_api.TokenLog(fin.tokens), len(completion), at)
-        logprobs = _prompt_logprobs(s.served, fin.prefill) + logprobs if req.echo else logprobs
+        name = namer(s.served, req)
+        logprobs = _logprobs(name, openai_api.TokenLog(fin.tokens), len(completion), at)
+        logprobs = _prompt_logprobs(s.served, name, fin.prefill) + logprobs if req.echo else logprobs
     return CompletionChoice(text=(s.prompt if req.echo else "") + completion, index=index, logprobs=logprobs,
                             finish_reason=openai_api.finish_reason(fin))
 
@@ -95,10 +100,10 @@ async def _prompt_chunks(index: int, s: inference.Started, first: TokenEvent | F
     sequence), then the rest with the finish reason; `fins` gets its result."""
     stop, sent = openai_api.stop_cut(req), 0
     log = openai_api.TokenLog() if req.logprobs is not None else None
-    at = len(s.prompt) if req.echo else 0
+    at, name = len(s.prompt) if req.echo else 0, namer(s.served, req)
     if req.echo:
         yield CompletionChoice(text=s.prompt, index=index, finish_reason=None,
-                               logprobs=_prompt_logprobs(s.served, first.prefill) if log is not None else None)
+                               logprobs=_prompt_logprobs(s.served, name, first.prefill) if log is not None else None)
     async for item in inference.events(s, first):
         done = isinstance(item, Finished)
         if not done and log is not None:
@@ -107,7 +112,7 @@ async def _prompt_chunks(index: int, s: inference.Started, first: TokenEvent | F
         sent += len(text)
         if text or done:
             yield CompletionChoice(text=text, index=index,
-                                   logprobs=_logprobs(s.served, log, sent, at) if log is not None else None,
+                                   logprobs=_logprobs(name, log, sent, at) if log is not None else None,
                                    finish_reason=openai_api.finish_reason(item) if done else None)
         if done:
             fins.append(item)

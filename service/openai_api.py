@@ -167,10 +167,11 @@ def token_string(raw: bytes) -> str:
         return "bytes:" + "".join(chr(b) if 0x20 <= b < 0x7F and b != 0x5C else f"\\x{b:02x}" for b in raw)
 
 
-def token_of(served: ServedModel, token: int) -> tuple[str, bytes]:
-    """A token's `token` string and its own bytes (never those of the text it completes)."""
+def token_of(served: ServedModel, token: int, as_id: bool | None = False) -> tuple[str, bytes]:
+    """A token's `token` string ('token_id:<id>' with `as_id`, vLLM's return_tokens_as_token_ids)
+    and its own bytes (never those of the text it completes)."""
     raw = served.token_bytes(token)
-    return token_string(raw), raw
+    return f"token_id:{token}" if as_id else token_string(raw), raw
 
 
 def stop_cut(req: OpenAIRequest) -> StopCut:

@@ -34,6 +34,8 @@ class OpenAIRequest(BaseModel):
                                                        "first one generated.")
     include_stop_str_in_output: bool | None = Field(None, description="vLLM's: the text ends after the stop "
                                                     "sequence generated, not before it.")
+    return_tokens_as_token_ids: bool | None = Field(None, description="vLLM's: with logprobs, each token (and "
+                                                    "each alternative) written 'token_id:<id>' instead of its text.")
     stream: bool = False
     stream_options: StreamOptions | None = Field(None, description="Only with `stream: true` (a 400 otherwise, "
                                                  "as OpenAI and vLLM answer).")

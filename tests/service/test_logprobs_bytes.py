@@ -89,7 +89,8 @@ def test_token_strings_and_distinct_keys() -> None:
     assert token_string(b"a\\\xe2") == "bytes:a\\x5c\\xe2" and raw(token_string(b"a\\\xe2")) == b"a\\\xe2"
     served = SimpleNamespace(token_bytes={1: b"\xe2", 2: b"x", 3: b"x", 4: b"\xe2", 5: b"\xe3"}.__getitem__)
     top = ((2, -0.5), (1, -1.0), (3, -2.0), (5, -3.0))
-    assert completions._alternatives(served, 3, -2.0, top) == \
+    name = completions.namer(served, SimpleNamespace(return_tokens_as_token_ids=None))
+    assert completions._alternatives(name, 3, -2.0, top) == \
         {"token_id:2": -0.5, "bytes:\\xe2": -1.0, "x": -2.0, "bytes:\\xe3": -3.0}
-    assert completions._alternatives(served, 4, -4.0, top) == \
+    assert completions._alternatives(name, 4, -4.0, top) == \
         {"x": -0.5, "token_id:1": -1.0, "token_id:3": -2.0, "bytes:\\xe3": -3.0, "bytes:\\xe2": -4.0}

@@ -248,6 +248,28 @@ def test_top_logprobs_list_the_most_likely_tokens(client) -> None:
                for token, logprob, top in zip(sampled.tokens, sampled.token_logprobs, sampled.top_logprobs))
 
 
+def test_return_tokens_as_token_ids_names_each_token_by_its_id(client, live) -> None:
+    """vLLM's return_tokens_as_token_ids (it was ignored: the tokens came as text): completions'
+    `tokens` and `top_logprobs` keys, the echoed prompt's too, and chat's `token`s are
+    'token_id:<id>', the ids /generate gives and /tokenize makes of the prompt; chat's `bytes`
+    stay the token's own."""
+    plain = httpx.post(f"{live[0]}/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 3}}).json()
+    ids = [f"token_id:{t['id']}" for t in plain["details"]["tokens"]]
+    prompt = [f"token_id:{t['id']}" for t in httpx.post(f"{live[0]}/tokenize", json={"inputs": PROMPT}).json()]
+    lp = client.completions.create(model=DEMO, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=2, echo=True,
+                                   extra_body={"return_tokens_as_token_ids": True}).choices[0].logprobs
+    assert lp.tokens == prompt + ids and all(t in top for t, top in zip(lp.tokens[1:], lp.top_logprobs[1:]))
+    assert all(k.startswith("token_id:") for top in lp.top_logprobs[1:] for k in top)
+    streamed = client.completions.create(model=DEMO, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=0,
+                                         stream=True, extra_body={"return_tokens_as_token_ids": True})
+    assert [t for c in streamed for t in c.choices[0].logprobs.tokens] == ids
+    chat = client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=3, logprobs=True, top_logprobs=2,
+                                          extra_body={"return_tokens_as_token_ids": True}).choices[0]
+    content = chat.logprobs.content
+    assert all(t.token.startswith("token_id:") and t.top_logprobs[0].token == t.token for t in content)
+    assert b"".join(bytes(t.bytes) for t in content) == chat.message.content.encode()
+
+
 def test_logit_bias_bans_and_forces_tokens_and_penalties_curb_repeats(client, live) -> None:
     """logit_bias -100 bans the token greedy decoding picked first, +100 makes every token the
     biased one; presence and frequency penalties make a repeating continuation repeat less; bad
