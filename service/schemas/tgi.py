@@ -7,13 +7,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 FinishReason = Literal["length", "eos_token", "stop_sequence"]
 MAX_STOP_SEQUENCES = 4
 MAX_SEED = 2**64 - 1                           # torch.Generator.manual_seed's range
 MAX_BEST_OF = 4                                # sequences a best_of request samples (TGI's default max is 2)
 MAX_TOP_N_TOKENS = 20                          # alternatives a token (OpenAI's top_logprobs bound; TGI's default is 5)
+OPEN_UNIT = {"exclusiveMinimum": 0, "exclusiveMaximum": 1}    # TGI's range of top_p and typical_p: 0 < p < 1
 CHAT_EXAMPLE = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -46,7 +48,8 @@ class GenerateParameters(BaseModel):
     max_new_tokens: int | None = Field(None, ge=1, description="Maximum number of tokens to generate "
                                        "(default: WCODEC_DEFAULT_MAX_NEW_TOKENS).", examples=[20])
     temperature: float | None = Field(None, gt=0, description="The value used to modulate the logits.")
-    top_p: float | None = Field(None, gt=0, le=1, description="Top-p value for nucleus sampling.")
+    top_p: float | None = Field(None, description="Top-p value for nucleus sampling (0 < top_p < 1, as TGI's: "
+                                "1.0 is refused; OpenAI's routes take it).", json_schema_extra=OPEN_UNIT)
     top_k: int | None = Field(None, gt=0, description="Keep only the top-k tokens when sampling.")
     do_sample: bool = Field(False, description="Sample instead of greedy decoding.")
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Random sampling seed.")
@@ -62,9 +65,9 @@ class GenerateParameters(BaseModel):
     best_of: int | None = Field(None, ge=1, le=MAX_BEST_OF, description="Sample this many sequences and "
                                 "return the one of highest log-probability (the others in "
                                 "details.best_of_sequences); needs sampling, and neither a seed nor a stream.")
-    typical_p: float | None = Field(None, gt=0, lt=1, description="Typical decoding: keep the tokens whose "
-                                    "surprisal is nearest the entropy, most typical first, until their "
-                                    "probabilities reach this mass; samples.")
+    typical_p: float | None = Field(None, description="Typical decoding: keep the tokens whose surprisal is "
+                                    "nearest the entropy, most typical first, until their probabilities reach "
+                                    "this mass; samples.", json_schema_extra=OPEN_UNIT)
     watermark: bool = Field(False, description="TGI's watermark (Kirchenbauer et al. 2023): after each token, "
                             "a green half of the vocabulary (drawn from that token) gains 2.0 in its logits, so "
                             "that a detector can tell the text.")
@@ -76,6 +79,14 @@ class GenerateParameters(BaseModel):
     grammar: Grammar | None = Field(None, description="Constrain the text to a JSON schema or a regex (TGI's "
                                     "grammar, through outlines-core; the end of text only once it is complete).")
     adapter_id: str | None = Field(None, description="Not supported: must be null.")
+
+    @field_validator("top_p", "typical_p")
+    @classmethod
+    def _open_unit(cls, v: float | None, info: ValidationInfo) -> float | None:
+        """TGI's router refuses top_p and typical_p outside (0, 1), 1.0 included, in these words."""
+        if v is not None and not 0 < v < 1:
+            raise PydanticCustomError("open_unit", f"`{info.field_name}` must be > 0.0 and < 1.0")
+        return v
 
     def unsupported(self) -> list[str]:
         """The parameters set to something this server cannot do."""

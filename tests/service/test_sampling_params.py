@@ -162,3 +162,21 @@ async def test_openai_takes_a_negative_seed(serve, store) -> None:
         assert negative.json()["choices"] == same.json()["choices"]
         r = await chat(-2**63 - 1)
         assert r.status_code == 400 and r.json()["error"]["param"] == "seed", r.text
+
+
+async def test_top_p_1_is_refused_as_tgi_on_its_routes_and_taken_on_openais(serve, store) -> None:
+    """TGI's router: "`top_p` must be > 0.0 and < 1.0" (a 422, error_type validation), so 1.0 is
+    refused there; OpenAI's and vLLM's range is (0, 1]: 1.0 is taken on /v1/*. It was taken on
+    TGI's routes too."""
+    async with serve(store(), preload=[DEMO]) as server:
+        await ready(server)
+        for route, extra in (("/generate", {}), ("/generate_stream", {}), ("/", {}), ("/", {"stream": True})):
+            body = {**generate_body(2, top_p=1.0), **extra}
+            error = assert_error(await server.client.post(route, json=body), 422, "validation")["error"]
+            assert "`top_p` must be > 0.0 and < 1.0" in error, (route, error)
+        assert (await server.client.post("/generate", json=generate_body(2, top_p=0.99, seed=1))).status_code == 200
+        r = await server.client.post("/v1/chat/completions", json={**CHAT, "top_p": 1.0})
+        assert r.status_code == 200, r.text
+        r = await server.client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "top_p": 1.0})
+        assert r.status_code == 200, r.text
+
