@@ -51,7 +51,7 @@ def sampling_params(p: GenerateParameters, settings: Settings, *, stream: bool =
                             p.do_sample, p.seed, p.repetition_penalty, tuple(s for s in p.stop if s),
                             p.top_n_tokens or 0, typical_p=p.typical_p, share_penalty=p.frequency_penalty or 0.0,
                             prompt_logprobs=0 if p.decoder_input_details and p.details else None,
-                            watermark=p.watermark, default_length=p.max_new_tokens is None)
+                            watermark=p.watermark, default_length=p.max_new_tokens is None, tgi=True)
     if (p.best_of or 1) > 1:                     # TGI's rules
         if stream:
             raise ValidationFailed("`best_of` != 1 is not supported when streaming tokens", param="best_of")

@@ -48,6 +48,9 @@ class SamplingParams:
                                         # None: not computed
     default_length: bool = False       # max_new_tokens is the server's default, not the request's: at
                                        # most what the context leaves the prompt (inference.py)
+    tgi: bool = False                  # TGI's conventions (its routes) over vLLM's (OpenAI's routes): the
+                                       # length reached is the finish reason even at an EOS or a stop
+                                       # (`Row.push`)
 
     @property
     def sampling(self) -> bool:
@@ -200,15 +203,25 @@ class Row:
         event = TokenEvent(token, piece, logprob, token in self.served.special_ids, top,
                            self.prefill() if len(self.ids) == 1 else ())
         self.tokens.append(event)
-        longest = max((len(s) for s in self.params.stop), default=0)
-        window = self.text[-(len(piece) + longest):] if longest else ""
-        if token in self.served.eos_ids:
-            self.finish_reason = "eos_token"
-        elif longest and any(s in window for s in self.params.stop):
-            self.finish_reason = "stop_sequence"
-        elif len(self.ids) >= self.params.max_new_tokens:
-            self.finish_reason = "length"
+        self.finish_reason = self._stop(token, piece)
         return event
+
+    def _stop(self, token: int, piece: str) -> str | None:
+        """Why the row ends with `token` (whose text is `piece`), or None. At its last allowed token
+        that is also an EOS or ends a stop sequence, TGI's StoppingCriteria checks the length first
+        ("length"); vLLM's check_stop the EOS first and its detokenizer's stop strings override
+        the length ("stop" both, on OpenAI's routes)."""
+        p = self.params
+        length = "length" if len(self.ids) >= p.max_new_tokens else None
+        if p.tgi and length:
+            return length
+        if token in self.served.eos_ids:
+            return "eos_token"
+        longest = max((len(s) for s in p.stop), default=0)
+        window = self.text[-(len(piece) + longest):] if longest else ""
+        if longest and any(s in window for s in p.stop):
+            return "stop_sequence"
+        return length
 
     def finished(self) -> Finished:
         text = self.served.tokenizer.decode(self.ids, skip_special_tokens=True)

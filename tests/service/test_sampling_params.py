@@ -180,3 +180,32 @@ async def test_top_p_1_is_refused_as_tgi_on_its_routes_and_taken_on_openais(serv
         r = await server.client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "top_p": 1.0})
         assert r.status_code == 200, r.text
 
+
+def completed_at(tokens: list[dict], text: str) -> int:
+    """How many of `tokens` (details.tokens) it takes for their text to hold `text`."""
+    so_far = ""
+    for n, t in enumerate(tokens, 1):
+        so_far += t["text"]
+        if text in so_far:
+            return n
+    raise AssertionError(f"{text!r} not in {so_far!r}")
+
+
+async def test_the_last_allowed_token_ends_by_length_on_tgis_routes_by_stop_on_openais(serve, store) -> None:
+    """max_new_tokens reached by the EOS, or by the token that completes a stop sequence: TGI's
+    StoppingCriteria checks the length first ("length"); vLLM's check_stop the EOS first and its
+    stop strings override the length ("stop"). Both routes said eos_token / stop_sequence."""
+    async with serve(store(), preload=[DEMO]) as server:
+        await ready(server)
+        whole = (await server.client.post("/generate", json=generate_body(40))).json()["details"]
+        assert whole["finish_reason"] == "eos_token", whole
+        at_eos, at_stop = whole["generated_tokens"], completed_at(whole["tokens"], "Paris")
+        for limit, stop in ((at_eos, []), (at_stop, ["Paris"])):
+            tgi = (await server.client.post("/generate", json=generate_body(limit, stop=stop))).json()["details"]
+            assert (tgi["finish_reason"], tgi["generated_tokens"]) == ("length", limit), (stop, tgi)
+            stream = events((await server.client.post("/generate_stream", json=generate_body(limit, stop=stop))).text)
+            assert stream[-1]["details"]["finish_reason"] == "length", stream[-1]
+            r = await server.client.post("/v1/completions", json={"prompt": CHAT_PROMPT, "max_tokens": limit,
+                                                                  "temperature": 0, "stop": stop})
+            assert r.json()["choices"][0]["finish_reason"] == "stop", r.text
+

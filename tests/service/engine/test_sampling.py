@@ -252,6 +252,25 @@ def test_finish_reasons() -> None:
     assert r.finish_reason == "stop_sequence" and r.finished().generated_text == "hello w"
 
 
+def test_the_last_allowed_token_ends_by_length_first_on_tgis_routes_only() -> None:
+    """At max_new_tokens, a token that is also the EOS or ends a stop sequence: TGI's
+    StoppingCriteria checks the length first ("length"); vLLM's check_stop the EOS first, and
+    its stop strings override the length (OpenAI's routes: "stop" for both)."""
+    for tgi, at_eos, at_stop in ((True, "length", "length"), (False, "eos_token", "stop_sequence")):
+        r = row(max_new_tokens=2, tgi=tgi)
+        r.push(ord("a"), 0.0)
+        r.push(EOS, 0.0)
+        assert r.finish_reason == at_eos, tgi
+        r = row(max_new_tokens=2, stop=("ab",), tgi=tgi)
+        r.push(ord("a"), 0.0)
+        r.push(ord("b"), 0.0)
+        assert r.finish_reason == at_stop, tgi
+        r = row(max_new_tokens=3, stop=("ab",), tgi=tgi)      # before the length: the same on both
+        r.push(ord("a"), 0.0)
+        r.push(ord("b"), 0.0)
+        assert r.finish_reason == "stop_sequence", tgi
+
+
 def test_incremental_text_never_splits_a_character() -> None:
     r = row()
     pieces = [r.push(b, 0.0).text for b in "é€x".encode()]
