@@ -50,7 +50,7 @@ class SamplingParams:
                                        # most what the context leaves the prompt (inference.py)
     tgi: bool = False                  # TGI's conventions (its routes) over vLLM's (OpenAI's routes): the
                                        # length reached is the finish reason even at an EOS or a stop
-                                       # (`Row.push`)
+                                       # (`Row.push`); log-probabilities after the warpers (`sample`)
 
     @property
     def sampling(self) -> bool:
@@ -326,11 +326,13 @@ Pick = tuple[int, float, TopN]         # token, its log-probability, the top_n
 def sample(logits: torch.Tensor, row: Row) -> Pick:
     """One token for one row from its logits [V]: (token, its log-probability, the row's top_n
     most likely tokens with theirs). The logits go through TGI's order (watermark, penalties, then
-    logit_bias and the grammar, then temperature, top-k/p, typical_p); log-probabilities are those
-    of the distribution before temperature and the warpers (the chosen token's and the top_n's
-    alike). TGI's router reports the warped distribution's instead: a sampled row's differ. A
-    token that a grammar rules out is no alternative: the top_n then holds fewer (OpenAI's
-    top_logprobs may), never a -inf."""
+    logit_bias and the grammar, then temperature, top-k/p, typical_p). Log-probabilities (the
+    chosen token's and the top_n's alike) are those of the distribution before temperature and the
+    warpers, as vLLM's default logprobs_mode (raw_logprobs) reports them, or with `tgi` after them,
+    as TGI's (the log_softmax of the warped scores: a token a warper dropped is then -inf); a
+    greedy row has no warper, so both are the same there. One log_softmax a row either way. A
+    token ruled out (a grammar, a warper) is no alternative: the top_n then holds fewer (OpenAI's
+    top_logprobs may; TGI's batch_top_tokens leaves -inf out too), never a -inf."""
     p = row.params
     if p.watermark:
         logits = _watermark(logits, row)
@@ -340,12 +342,13 @@ def sample(logits: torch.Tensor, row: Row) -> Pick:
         logits = _shape(logits, row)
     if row.constraint is not None:
         logits = row.constraint.mask(logits)
-    logprobs = logits.log_softmax(-1)
     if p.sampling:
-        probs = _warp(logits, p).softmax(-1)
-        token = int(torch.multinomial(probs, 1, generator=row.generator))
+        warped = _warp(logits, p)
+        token = int(torch.multinomial(warped.softmax(-1), 1, generator=row.generator))
+        logprobs = (warped if p.tgi else logits).log_softmax(-1)
     else:
         token = int(logits.argmax())
+        logprobs = logits.log_softmax(-1)
     top = ()
     if p.top_n:
         values, ids = logprobs.topk(min(p.top_n, logprobs.numel()))

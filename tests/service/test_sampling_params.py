@@ -6,6 +6,7 @@ to the context the prompt leaves (TGI's default)."""
 from __future__ import annotations
 
 import json
+import math
 
 import anyio
 import pytest
@@ -209,3 +210,23 @@ async def test_the_last_allowed_token_ends_by_length_on_tgis_routes_by_stop_on_o
                                                                   "temperature": 0, "stop": stop})
             assert r.json()["choices"][0]["finish_reason"] == "stop", r.text
 
+
+async def test_tgis_routes_report_logprobs_after_the_warpers_openais_before(serve, store) -> None:
+    """TGI reports log_softmax of the warped scores (HeterogeneousNextTokenChooser): with top_k 2
+    the top tokens are those two, their probabilities summing to 1, and the chosen token's
+    log-probability is its entry there. vLLM's default (raw_logprobs) is before temperature and
+    top-k: OpenAI's routes list 5 alternatives. Both listed 5, from the unwarped distribution."""
+    async with serve(store(), preload=[DEMO]) as server:
+        await ready(server)
+        body = generate_body(4, do_sample=True, temperature=0.7, top_k=2, seed=5, top_n_tokens=5)
+        details = (await server.client.post("/generate", json=body)).json()["details"]
+        for token, top in zip(details["tokens"], details["top_tokens"]):
+            assert len(top) <= 2 and sum(math.exp(t["logprob"]) for t in top) == pytest.approx(1, abs=1e-4), top
+            assert token["logprob"] == pytest.approx(next(t["logprob"] for t in top if t["id"] == token["id"]))
+        streamed = events((await server.client.post("/generate_stream", json=body)).text)
+        assert [e["token"]["logprob"] for e in streamed] == pytest.approx([t["logprob"] for t in details["tokens"]])
+        assert all(len(e["top_tokens"]) <= 2 for e in streamed)
+        r = await server.client.post("/v1/chat/completions", json={**CHAT, "temperature": 0.7, "top_k": 2, "seed": 5,
+                                                                   "logprobs": True, "top_logprobs": 5})
+        content = r.json()["choices"][0]["logprobs"]["content"]
+        assert all(len(t["top_logprobs"]) == 5 for t in content), content

@@ -132,7 +132,7 @@ EXTREMES = {"temperature": [1e-300, 1e-5, 0.3, 1e30], "repetition_penalty": [1e-
             "top_k": [1, 3], "top_p": [1e-300, 0.9], "typical_p": [1e-9, 0.95],
             "logit_bias": [((0, -100.0),), ((0, 100.0),)],
             "presence_penalty": [-2.0, 2.0], "frequency_penalty": [-2.0, 2.0], "share_penalty": [-2.0, 2.0],
-            "watermark": [True], "do_sample": [True]}
+            "watermark": [True], "do_sample": [True], "tgi": [True]}
 
 
 def test_any_accepted_parameters_pick_a_token_with_a_finite_logprob() -> None:
@@ -269,6 +269,26 @@ def test_the_last_allowed_token_ends_by_length_first_on_tgis_routes_only() -> No
         r.push(ord("a"), 0.0)
         r.push(ord("b"), 0.0)
         assert r.finish_reason == "stop_sequence", tgi
+
+
+def test_tgi_rows_report_the_warped_distributions_logprobs() -> None:
+    """TGI's NextTokenChooser (and HeterogeneousNextTokenChooser) report log_softmax of the scores
+    after temperature, top_k, top_p and typical_p, for the chosen token and top_n_tokens alike; a
+    token a warper dropped is no alternative. vLLM's default (raw_logprobs), OpenAI's routes:
+    before temperature. A greedy row has no warper: the same on both."""
+    logits = torch.tensor([0.5, 4.0, -1.0, 3.0, 2.5])
+    for params in ({"temperature": 0.5}, {"temperature": 2.0, "top_k": 2}, {"do_sample": True, "top_p": 0.6},
+                   {"typical_p": 0.5}):
+        warped = _warp(logits, SamplingParams(5, **params)).log_softmax(-1)
+        token, logprob, top = sample(logits, row(top_n=5, seed=3, tgi=True, **params))
+        kept = [(i, v) for i, v in zip(warped.topk(5).indices.tolist(), warped.topk(5).values.tolist())
+                if v != -math.inf]
+        assert logprob == pytest.approx(float(warped[token])) and [i for i, _ in top] == [i for i, _ in kept]
+        assert [v for _, v in top] == pytest.approx([v for _, v in kept]), params
+        raw = sample(logits, row(top_n=5, seed=3, **params))
+        assert raw[0] == token and raw[1] == pytest.approx(float(logits.log_softmax(-1)[token])), params
+        assert len(raw[2]) == 5
+    assert sample(logits, row(top_n=2, tgi=True)) == sample(logits, row(top_n=2))
 
 
 def test_incremental_text_never_splits_a_character() -> None:
