@@ -10,7 +10,9 @@
   is unloaded and the load is refused (507). Used memory is the weight bytes of resident
   models as held (their `weight_bytes`: the load's estimate from the header while it runs, then
   the figure the metrics report), or `torch.cuda.memory_allocated` when that is larger (on CUDA).
-* An out-of-memory error during a load fails that load alone (the model ends `failed`).
+* A load that fails anywhere, its engine's start (the KV cache) included, fails that load alone:
+  the model ends `failed` with its error (507 for out of memory, else 500), and what the load had
+  made is freed before the error is answered.
 The load itself (early loads, the host cache, the decode, the model's build) is service/load/'s
 (`Loader`), run in a worker thread; this file only moves states. Every method runs on the event
 loop."""
@@ -21,6 +23,7 @@ import contextlib
 import enum
 import logging
 import time
+import traceback
 from dataclasses import dataclass, field
 
 import torch
@@ -31,7 +34,7 @@ from .engine import Engine, limits
 from .errors import InsufficientMemory, LoadFailed, ModelNotFound, ModelNotReady, ServiceError, ValidationFailed
 from .load import demo
 from .load.early_load import EarlyLoad
-from .load.job import Loader, LoadStats, Progress
+from .load.job import Loaded, Loader, LoadStats, Progress
 from .load.store import ModelFile, ModelStore, check_name
 from .metrics import Metrics
 from .model.build import ServedModel
@@ -99,6 +102,16 @@ class Lease:
             self.entry.last_used = time.monotonic()
             if self.entry.in_flight == 0:
                 self.entry.idle.set()
+
+
+def _forget_frames(error: BaseException | None) -> None:
+    """Clear the locals of the finished frames that a failed load's exceptions (and those they
+    chain) hold: the tensors it had decoded, its model, would else live as long as the job's
+    exception, until the model's next load (and in torch.cuda.memory_allocated, which the budget
+    reads, meanwhile)."""
+    while error is not None:
+        traceback.clear_frames(error.__traceback__)
+        error = error.__context__
 
 
 def _retrieve(task: asyncio.Task) -> None:
@@ -255,26 +268,41 @@ class ModelRegistry:
             await asyncio.shield(other.job)
 
     async def _load_job(self, entry: ModelEntry) -> None:
+        loaded = None
         try:
             loaded = await asyncio.to_thread(self.loader.load, entry.name, entry.file.path, entry.weights,
                                              entry.progress)
-        except (torch.cuda.OutOfMemoryError, MemoryError) as e:
-            raise self._failed(entry, InsufficientMemory(f"out of memory while loading {entry.name!r}: {e}"), "oom")
-        except CodecError as e:
-            raise self._failed(entry, LoadFailed(f"cannot load {entry.name!r}: {e}"), "failed")
-        except LoadFailed as e:
-            raise self._failed(entry, e, "failed")
+            self.timeline.mark(f"load {entry.name}: back on the event loop")
+            engine = Engine(loaded.served, self.metrics, limits(self.settings), self.timeline).start()
         except Exception as e:
-            log.exception("loading %s failed", entry.name)
-            raise self._failed(entry, LoadFailed(f"cannot load {entry.name!r}: {type(e).__name__}: {e}"), "failed")
-        self.timeline.mark(f"load {entry.name}: back on the event loop")
-        s = self.settings
+            error, result = self._load_error(entry, e)
+            _forget_frames(e)                      # their locals hold what the load had decoded
+        else:
+            self._ready(entry, loaded, engine)
+            return
+        if loaded is not None:                     # built, but its engine could not start
+            loaded.served.release()
+        del loaded
+        await asyncio.to_thread(self.loader.unloaded, entry.name)     # memory back before the answer
+        raise self._failed(entry, error, result)
+
+    def _load_error(self, entry: ModelEntry, e: Exception) -> tuple[ServiceError, str]:
+        """The typed error of a failed load, and its wcodec_model_loads_total result."""
+        if isinstance(e, (torch.cuda.OutOfMemoryError, MemoryError)):
+            return InsufficientMemory(f"out of memory while loading {entry.name!r}: {e}"), "oom"
+        if isinstance(e, LoadFailed):
+            return e, "failed"
+        if isinstance(e, CodecError):
+            return LoadFailed(f"cannot load {entry.name!r}: {e}"), "failed"
+        log.exception("loading %s failed", entry.name)
+        return LoadFailed(f"cannot load {entry.name!r}: {type(e).__name__}: {e}"), "failed"
+
+    def _ready(self, entry: ModelEntry, loaded: Loaded, engine: Engine) -> None:
         entry.served, entry.stats, entry.reserved_bytes = loaded.served, loaded.stats, loaded.reserved_bytes
         entry.weights = loaded.served.weights                  # as held: an int8 archive's stay decoded
         entry.weight_bytes = loaded.served.weight_bytes        # as held: the estimate corrected (README)
         entry.loaded_at, entry.last_error = time.time(), None
-        entry.engine = Engine(loaded.served, self.metrics, limits(s), self.timeline).start()
-        entry.last_used = time.monotonic()
+        entry.engine, entry.last_used = engine, time.monotonic()
         self.metrics.loads.labels(entry.name, "ok").inc()
         self._set_state(entry, ModelState.READY)
         self.timeline.mark(f"load {entry.name}: engine started, ready")
@@ -283,7 +311,6 @@ class ModelRegistry:
         entry.last_error = error.message
         self.metrics.loads.labels(entry.name, result).inc()
         self._set_state(entry, ModelState.FAILED)
-        self.loader.free_memory()
         return error
 
     # --- unload ---------------------------------------------------------------------------------
