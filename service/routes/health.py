@@ -1,4 +1,5 @@
-"""Liveness, readiness, TGI's /info, and the Prometheus scrape endpoint."""
+"""Liveness, readiness (wcodec's, and KServe v2's that Triton's clients read), TGI's /info, and the
+Prometheus scrape endpoint."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
@@ -6,12 +7,14 @@ from pydantic import BaseModel, Field
 
 import codec
 
-from ..deps import MetricsDep, RegistryDep, SettingsDep
+from ..deps import MetricsDep, ModelName, RegistryDep, SettingsDep
 from ..errors import ModelNotReady, responses
-from ..registry import ModelState
+from ..registry import ModelRegistry, ModelState
+from ..settings import Settings
 from ..schemas.tgi import Info
 
 router = APIRouter(tags=["health"])
+EMPTY = {200: {"description": "Yes (an empty body, as Triton's); not: an error, as /health/ready's", "content": {}}}
 
 
 class Liveness(BaseModel):
@@ -47,12 +50,40 @@ async def health() -> Liveness:
 @router.get("/health/ready", summary="Readiness: 200 once a model is ready (the default model, where "
             "WCODEC_DEFAULT_MODEL names one)", responses=responses(503))
 async def ready(registry: RegistryDep, settings: SettingsDep) -> Health:
+    return Health(status="ready", ready_models=_ready_models(registry, settings),
+                  process_start_to_ready_s=registry.metrics.ready_after)
+
+
+def _ready_models(registry: ModelRegistry, settings: Settings) -> list[str]:
+    """The ready models' names; ModelNotReady (503) while none is, or the default model is not."""
     names = sorted(s.name for s in registry.refresh() if s.state is ModelState.READY)
     if not names:
         raise ModelNotReady(registry.startup_error or "no model is ready yet", settings.retry_after_s)
     if settings.default_model and settings.default_model not in names:    # requests without a model
         raise ModelNotReady(f"the default model {settings.default_model!r} is not ready", settings.retry_after_s)
-    return Health(status="ready", ready_models=names, process_start_to_ready_s=registry.metrics.ready_after)
+    return names
+
+
+@router.get("/v2/health/live", summary="KServe v2 (Triton) liveness: 200, an empty body", response_class=Response,
+            responses=EMPTY)
+async def v2_live() -> Response:
+    return Response()
+
+
+@router.get("/v2/health/ready", summary="KServe v2 (Triton) readiness: /health/ready's answer, an empty body "
+            "when ready", response_class=Response, responses={**EMPTY, **responses(503)})
+async def v2_ready(registry: RegistryDep, settings: SettingsDep) -> Response:
+    _ready_models(registry, settings)
+    return Response()
+
+
+@router.get("/v2/models/{name}/ready", summary="KServe v2 (Triton) model readiness: 200, an empty body, once "
+            "the model is ready", response_class=Response, responses={**EMPTY, **responses(404, 422, 503)})
+async def v2_model_ready(name: ModelName, registry: RegistryDep, settings: SettingsDep) -> Response:
+    state = registry.get(name).state
+    if state is not ModelState.READY:
+        raise ModelNotReady(f"model {name!r} is not ready (state {state.value})", settings.retry_after_s)
+    return Response()
 
 
 @router.get("/health/startup", summary="The start-up timeline: every phase and import, seconds after the "

@@ -13,6 +13,8 @@ ROUTES = {
     ("get", "/metrics"): set(), ("get", "/models"): set(), ("get", "/models/{name}"): {"404", "422"},
     ("post", "/models/{name}/load"): {"202", "401", "403", "404", "422", "500", "507"},
     ("post", "/models/{name}/unload"): {"401", "403", "404", "422"},
+    ("get", "/v2/health/live"): set(), ("get", "/v2/health/ready"): {"503"},
+    ("get", "/v2/models/{name}/ready"): {"404", "422", "503"},
     ("post", "/v2/repository/index"): {"422"},
     ("post", "/v2/repository/models/{name}/load"): {"401", "403", "404", "422", "500", "507"},
     ("post", "/v2/repository/models/{name}/unload"): {"401", "403", "404", "422"},

@@ -68,3 +68,29 @@ def test_tritonclient_itself(live) -> None:
     client.load_model(DEMO)                                   # ready already: a no-op, as Triton's reload
     with pytest.raises(httpclient.InferenceServerException, match="no model 'nope'"):
         client.load_model("nope")
+
+
+async def test_kserve_health_routes_follow_the_preload(serve, store, monkeypatch) -> None:
+    """tritonclient's is_server_live, is_server_ready and is_model_ready read these (they were 404s,
+    so a Triton-style probe never passed): live at once, ready once /health/ready is, the model's
+    once it is; an empty body, as Triton's."""
+    import threading
+
+    from service.load.job import Loader
+    gate, real = threading.Event(), Loader.load
+    monkeypatch.setattr(Loader, "load", lambda self, name, *args: (name != DEMO or gate.wait(60)) and
+                        real(self, name, *args))
+    async with serve(with_broken_archive(store()), preload=["broken", DEMO]) as server:
+        c = server.client
+        await server.wait_state(DEMO, ModelState.LOADING)                 # the preload is in flight
+        assert ((r := await c.get("/v2/health/live")).status_code, r.content) == (200, b"")
+        assert (await c.get("/health")).status_code == 200
+        for path in ("/v2/health/ready", f"/v2/models/{DEMO}/ready", "/health/ready"):
+            assert assert_error(r := await c.get(path), 503, "model_not_ready") and r.headers["retry-after"]
+        assert "'broken'" in (await c.get("/v2/health/ready")).json()["error"]      # the failed preload's error
+        assert_error(await c.get("/v2/models/nope/ready"), 404, "not_found")
+        gate.set()
+        await server.wait_state(DEMO, ModelState.READY)
+        for path in ("/v2/health/ready", f"/v2/models/{DEMO}/ready"):
+            assert ((r := await c.get(path)).status_code, r.content) == (200, b"")
+        assert_error(await c.get("/v2/models/broken/ready"), 503, "model_not_ready")
