@@ -2,7 +2,6 @@
 with requests as tritonclient sends them (no content type; an empty body for the index)."""
 from __future__ import annotations
 
-import importlib.util
 
 import pytest
 from service_helpers import DEMO, assert_error, with_broken_archive
@@ -58,12 +57,13 @@ async def test_load_and_unload_need_the_admin_token_when_set(serve, store) -> No
         assert (await post(server, "/v2/repository/index")).status_code == 200
 
 
-@pytest.mark.skipif(importlib.util.find_spec("tritonclient") is None, reason="tritonclient is not installed")
 def test_tritonclient_itself(live) -> None:
-    """The real client, where it is installed (it is not a test extra)."""
+    """The real client (a test extra): the index, load, the health and readiness calls."""
     import tritonclient.http as httpclient
     url, _ = live
     client = httpclient.InferenceServerClient(url=url.removeprefix("http://"))
+    assert client.is_server_live() and client.is_server_ready() and client.is_model_ready(DEMO)
+    assert not client.is_model_ready("nope")
     assert {"name": DEMO, "version": "1", "state": "READY", "reason": ""} in client.get_model_repository_index()
     client.load_model(DEMO)                                   # ready already: a no-op, as Triton's reload
     with pytest.raises(httpclient.InferenceServerException, match="no model 'nope'"):
