@@ -14,7 +14,7 @@ from starlette.requests import Request
 
 from .engine import GenRequest
 from .engine import grammar as constraints
-from .errors import ClientClosed, ServiceError, ValidationFailed, error_event
+from .errors import ClientClosed, QueueFull, ServiceError, ValidationFailed, error_event
 from .engine.sampling import Finished, PromptToken, SamplingParams, TokenEvent
 from .model.build import ServedModel
 from .registry import ModelRegistry
@@ -138,18 +138,17 @@ async def _constrained(served: ServedModel, params: SamplingParams, grammar: tup
                        field: str, limits: constraints.CompileLimits) -> SamplingParams:
     """`params` with the index of `grammar` (('regex', pattern) or ('schema', JSON schema)), compiled
     off the event loop (a fraction of a second to minutes, by the pattern; held to `limits`); a
-    grammar that does not compile within them is the request's error, naming `field`."""
+    grammar that does not compile within them is the request's 422, naming `field`; no compile
+    slot free within `limits.seconds` is a 429, as TGI answers an overloaded model."""
     if grammar is None:
         return params
-    kind, value = grammar
     try:
-        if kind == "regex" and not isinstance(value, str):
-            raise constraints.GrammarError("a regex is a string")
-        regex = value if kind == "regex" else constraints.schema_regex(value)
-        index = await asyncio.to_thread(constraints.index_of, served, regex, limits)
-        return dataclasses.replace(params, grammar=index)
+        index = await constraints.index_async(served, grammar, limits)
     except constraints.GrammarError as e:
         raise ValidationFailed(f"`{field}`: {e}", param=field) from None
+    except constraints.GrammarBusy as e:
+        raise QueueFull(f"`{field}`: {e}") from None
+    return dataclasses.replace(params, grammar=index)
 
 
 async def start(registry: ModelRegistry, settings: Settings, model: str | None, prompt: str | list[int],

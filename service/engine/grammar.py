@@ -9,18 +9,25 @@ state, takes only allowed tokens (the end of text only in a final state) and adv
                              GrammarError
     index_of(served, regex)  the index, kept per model and pattern, built in a child process held
                              to a time and memory limit (index_child.py; a small schema's takes
-                             ~0.5 s for the demo's 49k tokens on a 2-core CPU, {"type": "object"}
-                             37 s, a string of maxLength 20 104 s; callers run it off the event loop)
+                             ~0.5 s for the demo's 49k tokens on a 2-core CPU, a string of maxLength
+                             20 104 s), at most COMPILES at once: a request that finds no slot free
+                             within its limit is GrammarBusy (429), one that asks for a pattern being
+                             built waits for that build
+    index_async(...)         the same off the event loop, on threads of its own, the wait for a slot
+                             counted from the call
     Constraint               a row's place in it: `mask(logits)` and `advance(token)`
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import pickle
 import subprocess
 import sys
 import threading
+import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,11 +39,18 @@ from .json_schema import refusal
 
 KEPT = 32                                       # compiled indexes kept per process (by model and pattern)
 COMPILES = 2                                    # indexes built at once (a process each, up to its bytes)
+WAITING = 32                                    # threads of index_async (building or waiting for a slot)
 CHILD = Path(__file__).with_name("index_child.py")
 
 
 class GrammarError(ValueError):
     """A grammar this server cannot compile: its message says why (the caller answers 422)."""
+
+
+class GrammarBusy(RuntimeError):
+    """Every compile slot stayed busy for as long as the request may wait: the server is
+    overloaded, not the grammar wrong (the caller answers 429 with Retry-After, TGI's
+    "Model is overloaded"; nothing is kept, so a later request builds it)."""
 
 
 def token_bytes(tokenizer) -> tuple[int, dict[bytes, list[int]]]:
@@ -111,29 +125,88 @@ class _Kept:
 
 _indexes, _vocabularies = _Kept(KEPT), _Kept(4)
 _compiles = threading.BoundedSemaphore(COMPILES)
+_building: dict[tuple, Future] = {}                 # (tokenizer id, pattern, limits) -> the build under way
+_building_lock = threading.Lock()
+_threads = ThreadPoolExecutor(WAITING, thread_name_prefix="grammar")   # not the loop's: loads use that
 
 
 @dataclass(frozen=True)
 class CompileLimits:
-    """What building one index may take (Settings.grammar_compile_s and grammar_compile_bytes)."""
+    """What building one index may take (Settings.grammar_compile_s and grammar_compile_bytes).
+    A request waits for a compile slot as long as a build may last, `seconds`."""
     seconds: float = 120.0
     bytes: int = 8 << 30
 
 
-def index_of(served, regex: str, limits: CompileLimits = CompileLimits()):
+async def index_async(served, grammar: tuple[str, dict | str], limits: CompileLimits = CompileLimits()):
+    """The index of `grammar` (('regex', pattern) or ('schema', JSON schema)), made off the event
+    loop on threads of its own (requests waiting for a slot hold none of the loop's executor,
+    which loads models): the wait for a slot counts from this call, time queued for a thread
+    included."""
+    deadline = time.monotonic() + limits.seconds
+    return await asyncio.get_running_loop().run_in_executor(_threads, _index_of_grammar, served, grammar,
+                                                            limits, deadline)
+
+
+def _index_of_grammar(served, grammar: tuple[str, dict | str], limits: CompileLimits, deadline: float):
+    kind, value = grammar
+    if kind == "regex" and not isinstance(value, str):
+        raise GrammarError("a regex is a string")
+    return index_of(served, value if kind == "regex" else schema_regex(value), limits, deadline)
+
+
+def index_of(served, regex: str, limits: CompileLimits = CompileLimits(), deadline: float | None = None):
     """The index of `regex` over the model's vocabulary (kept: the last KEPT model-and-pattern
     pairs, and a pattern that failed, under these limits, as its error), built in a child process
-    held to `limits`."""
+    held to `limits`. A request for a pattern being built under the same limits waits for that
+    build. GrammarBusy when no slot frees by `deadline` (time.monotonic(); default `limits.seconds`
+    from now)."""
     tok = served.tokenizer
+    key = (id(tok), regex, limits)
+    with _building_lock:
+        if (index := _kept(tok, regex, limits)) is not None:
+            return index
+        build = _building.get(key)
+        if leads := build is None:
+            build = _building[key] = Future()
+    if not leads:
+        return _follow(build, limits)
+    try:
+        build.set_result(_build(tok, regex, limits, deadline or time.monotonic() + limits.seconds))
+    except BaseException as e:                         # the followers get it too
+        build.set_exception(e)
+    finally:
+        with _building_lock:
+            del _building[key]
+    return build.result()
+
+
+def _follow(build: Future, limits: CompileLimits):
+    """The result of another request's build of the same pattern: it waits at most `limits.seconds`
+    for a slot and its child runs at most as long (a minute more for the index's transfer)."""
+    try:
+        return build.result(timeout=2 * limits.seconds + 60)
+    except TimeoutError:
+        raise GrammarBusy(f"the same pattern, being compiled for another request, was not ready within "
+                          f"{2 * limits.seconds + 60:g} s; try again later") from None
+
+
+def _kept(tok, regex: str, limits: CompileLimits):
+    """The kept index of `regex` (raises its kept failure under `limits`), or None."""
     if (index := _indexes.get((id(tok), regex))) is not None:
         return index
     if (failed := _indexes.get((id(tok), regex, limits))) is not None:
         raise failed
+    return None
+
+
+def _build(tok, regex: str, limits: CompileLimits, deadline: float):
+    """Build and keep the index of `regex` (a GrammarError is kept too; GrammarBusy is not)."""
     if (vocabulary := _vocabularies.get((id(tok),))) is None:
         vocabulary = _outlines().Vocabulary(*token_bytes(tok))
         _vocabularies.put((id(tok),), tok, vocabulary)
     try:
-        index = _compile(regex, vocabulary, limits)
+        index = _compile(regex, vocabulary, limits, deadline)
     except GrammarError as e:
         _indexes.put((id(tok), regex, limits), tok, e)
         raise
@@ -141,18 +214,24 @@ def index_of(served, regex: str, limits: CompileLimits = CompileLimits()):
     return index
 
 
-def _compile(regex: str, vocabulary, limits: CompileLimits):
+def _compile(regex: str, vocabulary, limits: CompileLimits, deadline: float):
     """outlines-core's Index, built by index_child.py. Its cost grows steeply with some patterns
     ({"type": "string", "maxLength": 20}: 104 s and 4.4 GB on a 2-core CPU, about twice that for
     each character more), and a thread can be neither stopped nor held to a memory budget: a
-    process is killed at `limits.seconds` and fails an allocation beyond `limits.bytes`."""
+    process is killed at `limits.seconds` and fails an allocation beyond `limits.bytes`. It waits
+    for a slot until `deadline`, then is GrammarBusy."""
     payload = pickle.dumps((regex, vocabulary, limits.bytes))
-    with _compiles:
+    if not _compiles.acquire(timeout=max(0.0, deadline - time.monotonic())):
+        raise GrammarBusy(f"{COMPILES} grammars are being compiled and no slot freed within "
+                          f"{limits.seconds:g} s; try again later")
+    try:
         try:
             done = subprocess.run([sys.executable, str(CHILD)], input=payload, capture_output=True,
                                   timeout=limits.seconds, check=False)
         except subprocess.TimeoutExpired:
             raise GrammarError(f"the pattern did not compile within {limits.seconds:g} s") from None
+    finally:
+        _compiles.release()
     error = done.stderr.decode(errors="replace").strip()
     if done.returncode == DOES_NOT_COMPILE:
         raise GrammarError(f"the pattern does not compile over the model's vocabulary: {error}")

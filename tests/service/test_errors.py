@@ -4,6 +4,8 @@ test_openai.py): 422, 404, 503 + Retry-After, 429 + Retry-After,
 and model names that try to leave the store."""
 from __future__ import annotations
 
+import asyncio
+import time
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ from service_helpers import DEMO, QUEUE_OF_ONE, assert_error, generate_body, whe
 
 from service.load import pipeline
 from service.deps import get_settings
+from service.engine import grammar
 from service.model import paged
 from service.registry import ModelState
 
@@ -123,6 +126,30 @@ async def test_429_when_the_queue_is_full(serve, store, monkeypatch) -> None:
         assert rejected.headers["retry-after"] == "1"
         assert [r.status_code for r in held] == [200, 200]
         assert await server.metric("wcodec_generate_requests_total", model=DEMO, status="overloaded") == 1
+
+
+async def test_429_when_no_grammar_compile_slot_frees(serve, store) -> None:
+    """Both compile slots busy (slow patterns): a grammar request waited without bound; it waits
+    WCODEC_GRAMMAR_COMPILE_S for a slot, then answers TGI's overloaded 429, and the event loop
+    answers other requests meanwhile."""
+    async with serve(store(), preload=[DEMO], grammar_compile_s=1) as server:
+        await server.wait_state(DEMO, ModelState.READY)
+        body = generate_body(4, grammar={"type": "regex", "value": "[0-9]{3}"})
+        held = [grammar._compiles.acquire(timeout=0) for _ in range(grammar.COMPILES)]
+        try:
+            assert all(held)
+            started = time.monotonic()
+            waiting = asyncio.ensure_future(server.client.post("/generate", json=body))
+            await asyncio.sleep(0.3)
+            assert (await server.client.get("/health")).status_code == 200 and not waiting.done()
+            rejected = await asyncio.wait_for(waiting, 10)
+        finally:
+            for _ in range(grammar.COMPILES):
+                grammar._compiles.release()
+        assert_error(rejected, 429, "overloaded")
+        assert rejected.headers["retry-after"] == "1" and 1 <= time.monotonic() - started < 10
+        assert "`grammar`: 2 grammars are being compiled" in rejected.json()["error"]
+        assert (await server.client.post("/generate", json=body)).status_code == 200     # not kept
 
 
 async def test_424_when_generation_fails(serve, store, monkeypatch) -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import threading
 import time
 from types import SimpleNamespace
 
@@ -121,3 +123,54 @@ def test_an_index_too_costly_to_build_is_a_grammar_error_in_time() -> None:
     assert time.monotonic() - started < 5
     with pytest.raises(grammar.GrammarError, match=f"its limit is {1 << 28} bytes"):
         grammar.index_of(served, large, grammar.CompileLimits(seconds=60, bytes=1 << 28))
+
+
+def in_thread(call, *args) -> tuple[threading.Thread, list]:
+    """`call(*args)` started in a thread; the list gets its result or its exception."""
+    out: list = []
+
+    def run() -> None:
+        try:
+            out.append(call(*args))
+        except Exception as e:                                   # noqa: BLE001 - handed to the test
+            out.append(e)
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def test_a_request_that_finds_no_compile_slot_in_time_is_busy() -> None:
+    """Both slots held by slow builds: a third request waited without bound (its HTTP request
+    hung); it waits `limits.seconds`, then is GrammarBusy, which is not kept."""
+    served, limits = SimpleNamespace(tokenizer=byte_level([])), grammar.CompileLimits(seconds=0.5)
+    held = [grammar._compiles.acquire(timeout=0) for _ in range(grammar.COMPILES)]
+    try:
+        assert all(held)
+        started = time.monotonic()
+        thread, out = in_thread(grammar.index_of, served, "[a-c]+busy", limits)
+        thread.join(5)
+        assert not thread.is_alive() and 0.4 < time.monotonic() - started < 5
+        assert isinstance(out[0], grammar.GrammarBusy) and "no slot freed within 0.5 s" in str(out[0])
+    finally:
+        for _ in range(grammar.COMPILES):
+            grammar._compiles.release()
+    index = grammar.index_of(served, "[a-c]+busy", limits)                    # built once a slot is free
+    assert index.get_allowed_tokens(index.get_initial_state())
+
+
+def test_two_requests_for_one_pattern_build_it_once(monkeypatch) -> None:
+    """A request for a pattern another is building waits for that build (it built it again, in
+    a second process, and took a second slot)."""
+    served, runs, run = SimpleNamespace(tokenizer=byte_level([])), [], subprocess.run
+
+    def slow_run(*args, **kw):
+        runs.append(args)
+        time.sleep(0.5)
+        return run(*args, **kw)
+    monkeypatch.setattr(grammar.subprocess, "run", slow_run)
+    first, out1 = in_thread(grammar.index_of, served, "[d-f]+once")
+    time.sleep(0.1)
+    second, out2 = in_thread(grammar.index_of, served, "[d-f]+once")
+    first.join(30), second.join(30)
+    assert len(runs) == 1 and out1[0] is out2[0]
+    assert out1[0].get_allowed_tokens(out1[0].get_initial_state())
