@@ -36,6 +36,7 @@ import torch
 from ..model.token_bytes import BYTE_LEVEL, decoder_steps, piece_bytes, vocabulary_kind
 from .index_child import DOES_NOT_COMPILE
 from .json_schema import refusal
+from .regex_syntax import ascii_classes
 
 KEPT = 32                                       # compiled indexes kept per process (by model and pattern)
 COMPILES = 2                                    # indexes built at once (a process each, up to its bytes)
@@ -87,17 +88,19 @@ def _outlines():
 
 
 def schema_regex(schema: dict | str) -> str:
-    """A JSON schema's regex (outlines-core's, as TGI's); GrammarError for a schema whose regex
-    would not hold the text to it (json_schema.py)."""
+    """A JSON schema's regex (outlines-core's, as TGI's, with `\\d`, `\\w` ASCII as JSON
+    Schema's: regex_syntax.py); GrammarError for a
+    schema whose regex would not hold the text to it (json_schema.py)."""
     build_regex_from_schema = _outlines().json_schema.build_regex_from_schema
     try:
-        why = refusal(json.loads(schema) if isinstance(schema, str) else schema)
+        parsed = json.loads(schema) if isinstance(schema, str) else schema
     except ValueError:                                     # not JSON: outlines-core says so below
-        why = None
-    if why:
+        parsed = None
+    if why := refusal(parsed):
         raise GrammarError(f"unsupported JSON schema: {why}")
     try:
-        return build_regex_from_schema(schema if isinstance(schema, str) else json.dumps(schema))
+        text = schema if parsed is None else json.dumps(parsed)
+        return ascii_classes(build_regex_from_schema(text))
     except (ValueError, TypeError) as e:
         raise GrammarError(f"unsupported JSON schema: {e}") from None
 

@@ -18,12 +18,18 @@ generates from each and validates with `jsonschema`):
     format email, time, uri                                   the same, from outlines-core's own
                                                               regex of the format
 
-A pattern Python's `re` cannot parse (Rust's `\\p{L}`, say) is left to outlines-core unchecked.
+A pattern is read as outlines-core reads it (regex_syntax.py): a Unicode property (`\\p{L}`) as the
+characters outlines-core's engine puts in it; syntax that Rust's regex and JSON Schema's read
+differently (nested classes, `&&` in a class), or that Python's `re` cannot parse, is refused too.
+`oneOf` is outlines-core's alternation, as `anyOf` (TGI's too; llguidance refuses it unless told to
+coerce it so): exactly one holds only where no text matches two alternatives (README).
 """
 from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+
+from .regex_syntax import ESCAPED, Unchecked, checkable
 
 try:
     from re import _constants as sre
@@ -40,7 +46,6 @@ UNENFORCED = frozenset({
     "not", "if", "then", "else",
 })
 BROKEN_FORMATS = frozenset({"email", "time", "uri"})
-ESCAPED = '"\\' + "".join(map(chr, range(0x20)))           # what JSON writes escaped in a string
 CATEGORIES = {"DIGIT": r"\d", "NOT_DIGIT": r"\D", "SPACE": r"\s", "NOT_SPACE": r"\S", "WORD": r"\w",
               "NOT_WORD": r"\W", "LINEBREAK": r"\n", "NOT_LINEBREAK": r"[^\n]"}
 MAPS = ("properties", "$defs", "definitions")              # keywords whose values map names to schemas
@@ -86,19 +91,23 @@ def _why(node: dict) -> str | None:
         return f"an empty {empty[0]!r} admits no value"
     if node.get("format") in BROKEN_FORMATS:
         return f"format {node['format']!r} cannot be enforced (its regex lets through text that is not JSON)"
-    if isinstance(node.get("pattern"), str) and _may_match_escaped(node["pattern"]):
-        return (f"pattern {node['pattern']!r} may match a quote, a backslash or a control character, "
-                "which the regex would leave unescaped (not JSON)")
+    if isinstance(node.get("pattern"), str):
+        return _pattern_refusal(node["pattern"])
     return None
 
 
-def _may_match_escaped(pattern: str) -> bool:
-    """Whether a string `pattern` matches may hold a character of ESCAPED (False when Python's
-    `re` cannot parse the pattern)."""
+def _pattern_refusal(pattern: str) -> str | None:
+    """Why a string `pattern` matches would break the JSON text, or None."""
     try:
-        return _escaped_in(sre_parse.parse(pattern))
-    except (re.error, RecursionError):
-        return False
+        parsed = sre_parse.parse(checkable(pattern))
+    except Unchecked as e:
+        return f"pattern {pattern!r} cannot be checked: {e}"
+    except (re.error, RecursionError) as e:
+        return f"pattern {pattern!r} cannot be checked (Python's re reads it as: {e})"
+    if _escaped_in(parsed):
+        return (f"pattern {pattern!r} may match a quote, a backslash or a control character, "
+                "which the regex would leave unescaped (not JSON)")
+    return None
 
 
 def _escaped_in(items) -> bool:

@@ -36,6 +36,12 @@ REFUSED = {
     "format email": {"type": "string", "format": "email"},
     "format time": {"type": "string", "format": "time"},
     "format uri": {"type": "string", "format": "uri"},
+    "pattern \\P{L}": {"type": "string", "pattern": "^\\P{L}+$"},                # Python's re cannot read
+    "pattern \\p{Cc}": {"type": "string", "pattern": "^a\\p{Cc}$"},              # ... these: unchecked
+    "pattern [^\\p{L}]": {"type": "string", "pattern": "^[^\\p{L}]$"},
+    "pattern \\p{Nope}": {"type": "string", "pattern": "^\\p{Nope}$"},
+    "pattern [a[^b]]": {"type": "string", "pattern": "^[a[^b]]$"},              # Rust: a or not b
+    "pattern [a-z&&[^x]]": {"type": "string", "pattern": "^[a-z&&[^x]]$"},
 }
 ACCEPTED = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "tags": {
@@ -94,7 +100,8 @@ def test_accepted_schemas_hold_the_text(served, schema: dict) -> None:
 @pytest.mark.parametrize(("name", "text"), [("minimum", '{"age":-1}'), ("uniqueItems", "[true,true]"),
                                             ("required, no properties", "{}"), ("allOf of two", '{"a":1}{"b":2}'),
                                             ("empty anyOf", ""), ("pattern .*", '{"s":"a"b"}'),
-                                            ("format time", '"12:00:00\\a1"'), ("format uri", '"urn:a:b"c"')])
+                                            ("format time", '"12:00:00\\a1"'), ("format uri", '"urn:a:b"c"'),
+                                            ("pattern \\P{L}", '"1"1"'), ("pattern \\p{Cc}", '"a\n"')])
 def test_why_they_are_refused(name: str, text: str) -> None:
     """outlines-core's own regex of each lets through text that breaks the schema (were a later
     outlines-core to hold it, the refusal could go)."""
@@ -103,3 +110,36 @@ def test_why_they_are_refused(name: str, text: str) -> None:
     assert regex.fullmatch(build_regex_from_schema(json.dumps(REFUSED[name])), text)
     with pytest.raises((ValueError, jsonschema.ValidationError)):
         jsonschema.validate(json.loads(text), REFUSED[name])
+
+
+def accepts(served, regex: str, text: str) -> bool:
+    """Whether the index of `regex` takes `text`, one byte a token, to where the text may end."""
+    eos, pieces = grammar.token_bytes(served.tokenizer)
+    index = grammar.index_of(served, regex)
+    state = index.get_initial_state()
+    for byte in text.encode():
+        token = pieces[bytes([byte])][0]
+        if token not in index.get_allowed_tokens(state):
+            return False
+        state = index.get_next_state(state, token)
+    return eos in index.get_allowed_tokens(state)
+
+
+def test_digits_and_word_characters_are_ascii(served) -> None:
+    """JSON Schema's \\d and \\w are ECMA-262's, ASCII; outlines-core's are Rust's, Unicode: its
+    `format: date` (\\d{4}) and a pattern's \\d took Arabic-Indic digits, \\w took 'é'."""
+    date = grammar.schema_regex({"type": "string", "format": "date"})
+    assert accepts(served, date, '"2024-01-31"') and not accepts(served, date, '"\u0662\u0660\u0662\u0664-01-31"')
+    code = grammar.schema_regex({"type": "string", "pattern": "^\\d{2}\\w[^\\d\\W]$"})
+    assert accepts(served, code, '"12a_"') and accepts(served, code, '"12_b"')
+    for text in ('"\u0661\u0662a_"', '"12\u00e9_"', '"12a1"', '"12a\u00e9"'):
+        assert not accepts(served, code, text), text
+
+
+def test_unicode_properties_are_outlines_cores(served) -> None:
+    """outlines-core's regex engine knows \\p{...} (Rust's): a schema's pattern and a regex
+    grammar take what the property holds; patterns whose property may hold a quote, a backslash
+    or a control character are refused (REFUSED)."""
+    letters = grammar.schema_regex({"type": "string", "pattern": "^\\p{L}{1,3}$"})
+    assert accepts(served, letters, '"\u00e9\u03a9a"') and not accepts(served, letters, '"1"')
+    assert accepts(served, "\\p{Greek}+!", "\u03a9\u03b1!") and not accepts(served, "\\p{Greek}+!", "a!")
