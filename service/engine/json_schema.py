@@ -1,4 +1,5 @@
-"""What outlines-core's regex of a JSON schema leaves out (grammar.py's `schema_regex` refuses it).
+"""What outlines-core's regex of a JSON schema leaves out (grammar.py's `schema_regex` refuses it),
+and how deep its free-form values nest (`bounded`).
 
 outlines-core turns a schema into a regex keyword by keyword, and passes over the keywords it does
 not know: the text that follows the regex need not follow the schema. A request whose schema
@@ -26,6 +27,7 @@ coerce it so): exactly one holds only where no text matches two alternatives (RE
 """
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Iterator
 
@@ -48,6 +50,8 @@ UNENFORCED = frozenset({
 BROKEN_FORMATS = frozenset({"email", "time", "uri"})
 CATEGORIES = {"DIGIT": r"\d", "NOT_DIGIT": r"\D", "SPACE": r"\s", "NOT_SPACE": r"\S", "WORD": r"\w",
               "NOT_WORD": r"\W", "LINEBREAK": r"\n", "NOT_LINEBREAK": r"[^\n]"}
+NESTING = 1                 # free-form values' depth (outlines-core's `depth`; its default, 2: 7 s, not 0.4)
+SCALARS = ({"type": "boolean"}, {"type": "null"}, {"type": "number"}, {"type": "string"})
 MAPS = ("properties", "$defs", "definitions")              # keywords whose values map names to schemas
 ONE = ("items", "additionalProperties")                    # a schema
 LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")          # a list of schemas
@@ -59,6 +63,23 @@ def refusal(schema: object) -> str | None:
         if why := _why(node):
             return f"{why} (at {pointer or '/'})"
     return None
+
+
+def bounded(schema: object) -> object:
+    """A copy of `schema` whose free-form values (an object without `properties`, an array without
+    `items`, the empty schema: any JSON inside) nest NESTING levels below them at most:
+    {"type": "object"} takes {"a": {"b": 1}, "c": [1]}, not {"a": {"b": {"c": 1}}} nor {"a": [[1]]}.
+    outlines-core writes every level out in full: the regex grows fourfold a level, the index's
+    cost over the demo's vocabulary (0.3, 1.1, 20 s for depths 0, 1, 2 on a loaded 2-core CPU)
+    steeply (docs/BENCHMARKS.md). A schema's own `depth` is kept."""
+    schema = copy.deepcopy(schema)
+    for _, node in _nodes(schema, ""):
+        types = node.get("type") if isinstance(node.get("type"), list) else [node.get("type")]
+        if "object" in types or "array" in types:
+            node.setdefault("depth", NESTING)
+        elif not node:                                     # outlines-core's any value, at its depth
+            node["anyOf"] = [*SCALARS, {"type": "array", "depth": NESTING}, {"type": "object", "depth": NESTING}]
+    return schema
 
 
 def _nodes(node: object, pointer: str) -> Iterator[tuple[str, dict]]:
