@@ -35,7 +35,7 @@ import torch
 
 from ..model.token_bytes import BYTE_LEVEL, decoder_steps, piece_bytes, vocabulary_kind
 from .index_child import DOES_NOT_COMPILE
-from .json_schema import bounded, refusal
+from .json_schema import prepared, refusal
 from .regex_syntax import ascii_classes
 
 KEPT = 32                                       # compiled indexes kept per process (by model and pattern)
@@ -88,8 +88,9 @@ def _outlines():
 
 
 def schema_regex(schema: dict | str) -> str:
-    """A JSON schema's regex (outlines-core's, as TGI's, its free-form values' nesting bounded and
-    `\\d`, `\\w` ASCII as JSON Schema's: json_schema.py, regex_syntax.py); GrammarError for a
+    """A JSON schema's regex (outlines-core's, as TGI's, of the schema `prepared`: its patterns
+    anchored, its free-form values' nesting bounded; `\\d`, `\\w` ASCII as JSON Schema's:
+    json_schema.py, regex_syntax.py); GrammarError for a
     schema whose regex would not hold the text to it (json_schema.py)."""
     build_regex_from_schema = _outlines().json_schema.build_regex_from_schema
     try:
@@ -99,7 +100,7 @@ def schema_regex(schema: dict | str) -> str:
     if why := refusal(parsed):
         raise GrammarError(f"unsupported JSON schema: {why}")
     try:
-        text = schema if parsed is None else json.dumps(bounded(parsed))
+        text = schema if parsed is None else json.dumps(prepared(parsed))
         return ascii_classes(build_regex_from_schema(text))
     except (ValueError, TypeError) as e:
         raise GrammarError(f"unsupported JSON schema: {e}") from None

@@ -1,5 +1,5 @@
 """What outlines-core's regex of a JSON schema leaves out (grammar.py's `schema_regex` refuses it),
-and how deep its free-form values nest (`bounded`).
+and the schema it is given (`prepared`: its patterns anchored, its free-form values' nesting bounded).
 
 outlines-core turns a schema into a regex keyword by keyword, and passes over the keywords it does
 not know: the text that follows the regex need not follow the schema. A request whose schema
@@ -18,6 +18,7 @@ generates from each and validates with `jsonschema`):
       character (`.`, `[^,]`, `\\s`, ...)                       quotes: text that is not JSON
     format email, time, uri                                   the same, from outlines-core's own
                                                               regex of the format
+    two of minLength/maxLength, pattern, format               all but the first dropped
 
 A pattern is read as outlines-core reads it (regex_syntax.py): a Unicode property (`\\p{L}`) as the
 characters outlines-core's engine puts in it; syntax that Rust's regex and JSON Schema's read
@@ -31,7 +32,7 @@ import copy
 import re
 from collections.abc import Iterator
 
-from .regex_syntax import ESCAPED, Unchecked, checkable
+from .regex_syntax import ESCAPED, Unchecked, anchored, checkable
 
 try:
     from re import _constants as sre
@@ -48,6 +49,7 @@ UNENFORCED = frozenset({
     "not", "if", "then", "else",
 })
 BROKEN_FORMATS = frozenset({"email", "time", "uri"})
+STRING_KINDS = (("minLength", "maxLength"), ("pattern",), ("format",))   # outlines-core writes the first only
 CATEGORIES = {"DIGIT": r"\d", "NOT_DIGIT": r"\D", "SPACE": r"\s", "NOT_SPACE": r"\S", "WORD": r"\w",
               "NOT_WORD": r"\W", "LINEBREAK": r"\n", "NOT_LINEBREAK": r"[^\n]"}
 NESTING = 1                 # free-form values' depth (outlines-core's `depth`; its default, 2: 7 s, not 0.4)
@@ -65,9 +67,10 @@ def refusal(schema: object) -> str | None:
     return None
 
 
-def bounded(schema: object) -> object:
-    """A copy of `schema` whose free-form values (an object without `properties`, an array without
-    `items`, the empty schema: any JSON inside) nest NESTING levels below them at most:
+def prepared(schema: object) -> object:
+    """A copy of `schema` for outlines-core: its patterns `anchored` (regex_syntax.py), its
+    free-form values (an object without `properties`, an array without
+    `items`, the empty schema: any JSON inside) nesting NESTING levels below them at most:
     {"type": "object"} takes {"a": {"b": 1}, "c": [1]}, not {"a": {"b": {"c": 1}}} nor {"a": [[1]]}.
     outlines-core writes every level out in full: the regex grows fourfold a level, the index's
     cost over the demo's vocabulary (0.3, 1.1, 20 s for depths 0, 1, 2 on a loaded 2-core CPU)
@@ -79,6 +82,8 @@ def bounded(schema: object) -> object:
             node.setdefault("depth", NESTING)
         elif not node:                                     # outlines-core's any value, at its depth
             node["anyOf"] = [*SCALARS, {"type": "array", "depth": NESTING}, {"type": "object", "depth": NESTING}]
+        if isinstance(node.get("pattern"), str):
+            node["pattern"] = anchored(node["pattern"])
     return schema
 
 
@@ -110,6 +115,8 @@ def _why(node: dict) -> str | None:
         return "'allOf' of more than one schema cannot be enforced"
     if empty := [key for key in ("enum", "anyOf", "oneOf") if node.get(key) == []]:
         return f"an empty {empty[0]!r} admits no value"
+    if len(kinds := [next(k for k in keys if k in node) for keys in STRING_KINDS if node.keys() & set(keys)]) > 1:
+        return f"keyword {kinds[1]!r} cannot be enforced beside {kinds[0]!r} (outlines-core writes only the latter)"
     if node.get("format") in BROKEN_FORMATS:
         return f"format {node['format']!r} cannot be enforced (its regex lets through text that is not JSON)"
     if isinstance(node.get("pattern"), str):

@@ -63,6 +63,17 @@ def ascii_classes(regex: str) -> str:
     return "".join(out)
 
 
+def anchored(pattern: str) -> str:
+    """`pattern` as outlines-core must be given it to match a whole string: `^(?:...)$`. It strips
+    a leading '^' and a trailing '$' only when both are there, then writes the rest between the
+    string's quotes as is: `cat|dog` became `"cat|dog"`, which takes `"cat` (not JSON), `^a\\$` lost
+    its escaped '$'. A JSON Schema pattern searches: a string it matches whole is one it takes."""
+    parts = list(pieces(pattern))
+    parts = parts[1:] if parts[:1] == [("^", 0)] else parts
+    parts = parts[:-1] if parts[-1:] == [("$", 0)] else parts
+    return "^(?:" + "".join(piece for piece, _ in parts) + ")$"
+
+
 def checkable(pattern: str) -> str:
     """`pattern` as Python's `re` reads it, for what matters here (which characters of ESCAPED
     it may match): properties as the characters of ESCAPED they hold, `(?<name>` as `(?P<name>`.

@@ -42,6 +42,8 @@ REFUSED = {
     "pattern \\p{Nope}": {"type": "string", "pattern": "^\\p{Nope}$"},
     "pattern [a[^b]]": {"type": "string", "pattern": "^[a[^b]]$"},              # Rust: a or not b
     "pattern [a-z&&[^x]]": {"type": "string", "pattern": "^[a-z&&[^x]]$"},
+    "pattern and maxLength": {"type": "string", "pattern": "^[0-9]+$", "maxLength": 3},      # pattern dropped
+    "format and pattern": {"type": "string", "format": "date", "pattern": "^2"},            # format dropped
 }
 ACCEPTED = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "tags": {
@@ -58,6 +60,7 @@ ACCEPTED = [
     {"type": "array", "items": {"type": "string", "format": "uuid"}, "maxItems": 2},
     {"type": "object"},
     {"type": "array", "items": {}, "maxItems": 3},
+    {"type": "object", "properties": {"pet": {"type": "string", "pattern": "cat|dog"}}, "required": ["pet"]},
 ]
 
 
@@ -103,7 +106,8 @@ def test_accepted_schemas_hold_the_text(served, schema: dict) -> None:
                                             ("required, no properties", "{}"), ("allOf of two", '{"a":1}{"b":2}'),
                                             ("empty anyOf", ""), ("pattern .*", '{"s":"a"b"}'),
                                             ("format time", '"12:00:00\\a1"'), ("format uri", '"urn:a:b"c"'),
-                                            ("pattern \\P{L}", '"1"1"'), ("pattern \\p{Cc}", '"a\n"')])
+                                            ("pattern \\P{L}", '"1"1"'), ("pattern \\p{Cc}", '"a\n"'),
+                                            ("pattern and maxLength", '"abc"')])
 def test_why_they_are_refused(name: str, text: str) -> None:
     """outlines-core's own regex of each lets through text that breaks the schema (were a later
     outlines-core to hold it, the refusal could go)."""
@@ -163,3 +167,13 @@ def test_free_form_values_nest_one_level_below(served, schema: dict, inside: str
     for text in beyond:
         assert not accepts(served, regex, text), text
     assert len(regex) < 3500 or "depth" in schema                       # 6 832 to 13 879 at depth 2
+
+
+def test_patterns_match_whole_strings(served) -> None:
+    """outlines-core writes a pattern between the string's quotes as is, stripping '^' and '$' only
+    when both are there: `cat|dog` took `"cat` (not JSON) and `^a\\$` lost its escaped '$'."""
+    pets = grammar.schema_regex({"type": "string", "pattern": "cat|dog"})
+    assert accepts(served, pets, '"cat"') and accepts(served, pets, '"dog"') and not accepts(served, pets, '"cat')
+    dollar = grammar.schema_regex({"type": "string", "pattern": "^a\\$"})
+    assert accepts(served, dollar, '"a$"') and not accepts(served, dollar, '"a"')
+    assert accepts(served, grammar.schema_regex({"type": "string", "pattern": "^ab"}), '"ab"')     # was none
