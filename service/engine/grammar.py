@@ -10,9 +10,9 @@ state, takes only allowed tokens (the end of text only in a final state) and adv
     index_of(served, regex)  the index, kept per model and pattern, built in a child process held
                              to a time and memory limit (index_child.py; a small schema's takes
                              ~0.5 s for the demo's 49k tokens on a 2-core CPU, {"type": "object"}
-                             0.4 s, a string of maxLength 20 104 s), at most COMPILES at once: a request that finds no slot free
-                             within its limit is GrammarBusy (429), one that asks for a pattern being
-                             built waits for that build
+                             0.4 s, a string of maxLength 20 104 s), COMPILES at once: a request
+                             that finds no slot free within its limit is GrammarBusy (429), one
+                             for a pattern being built waits for that build
     index_async(...)         the same off the event loop, on threads of its own, the wait for a slot
                              counted from the call
     Constraint               a row's place in it: `mask(logits)` and `advance(token)`
