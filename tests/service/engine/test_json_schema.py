@@ -177,3 +177,16 @@ def test_patterns_match_whole_strings(served) -> None:
     dollar = grammar.schema_regex({"type": "string", "pattern": "^a\\$"})
     assert accepts(served, dollar, '"a$"') and not accepts(served, dollar, '"a"')
     assert accepts(served, grammar.schema_regex({"type": "string", "pattern": "^ab"}), '"ab"')     # was none
+
+
+def test_one_of_is_any_of(served) -> None:
+    """outlines-core writes oneOf as anyOf's alternation (README): a text both alternatives take
+    is written, which oneOf refuses; disjoint alternatives (different types) hold exactly one."""
+    overlapping = {"oneOf": [{"type": "integer"}, {"type": "number"}]}
+    assert accepts(served, grammar.schema_regex(overlapping), "1")
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(1, overlapping)
+    disjoint = {"oneOf": [{"type": "string", "maxLength": 3}, {"type": "null"}, {"type": "boolean"}]}
+    regex = grammar.schema_regex(disjoint)
+    for text in (t for t in (walk(served, regex, seed) for seed in range(10)) if t is not None):
+        jsonschema.validate(json.loads(text), disjoint)
