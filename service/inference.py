@@ -163,7 +163,11 @@ async def start(registry: ModelRegistry, settings: Settings, model: str | None, 
     lease = registry.acquire(name)
     try:
         limits = constraints.CompileLimits(settings.grammar_compile_s, settings.grammar_compile_bytes)
-        params = await _constrained(lease.served, params, grammar, grammar_field, limits)
+        try:
+            params = await _constrained(lease.served, params, grammar, grammar_field, limits)
+        except QueueFull:
+            lease.engine.overloaded()
+            raise
         ids = _tokenize(lease.served, prompt, params, truncate, settings, special, fields[0])
         params = _within_context(lease.served, ids, params, settings, fields)
         req = GenRequest(ids, params, stream=stream)

@@ -136,7 +136,7 @@ class Engine:
             if self._closed:
                 raise ModelNotReady(f"model {name!r} is unloading", 1)
             if (queued := sum(not r.cancelled for r in waiting)) >= self.limits.max_queue:
-                self.metrics.requests.labels(name, "overloaded").inc()
+                self.overloaded()
                 raise QueueFull(f"model {name!r} has {queued} requests waiting")
             req.row = Row(req.prompt_ids, req.params, self.served, owner=req)
             self.batcher.add(req.row)
@@ -144,6 +144,10 @@ class Engine:
         self.metrics.prompt_tokens.labels(name).inc(len(req.prompt_ids))
         self.metrics.queue_depth.labels(name).set(len(waiting))
         self._wake.set()
+
+    def overloaded(self) -> None:
+        """Count a request refused with 429 before it was queued (the queue full, no grammar slot)."""
+        self.metrics.requests.labels(self.served.name, "overloaded").inc()
 
     def close(self) -> None:
         """No new requests; those still waiting fail with 503; the running ones finish; then the

@@ -149,6 +149,7 @@ async def test_429_when_no_grammar_compile_slot_frees(serve, store) -> None:
         assert_error(rejected, 429, "overloaded")
         assert rejected.headers["retry-after"] == "1" and 1 <= time.monotonic() - started < 10
         assert "`grammar`: 2 grammars are being compiled" in rejected.json()["error"]
+        assert await server.metric("wcodec_generate_requests_total", model=DEMO, status="overloaded") == 1
         assert (await server.client.post("/generate", json=body)).status_code == 200     # not kept
 
 
