@@ -105,6 +105,12 @@ class GenerationFailed(ServiceError):
     openai = (500, "server_error", "generation_failed")
 
 
+class IncompleteGeneration(ServiceError):
+    """A stream that ends without its last token: TGI's 500 "Incomplete generation", here a server
+    bug met after the stream started (its first event is sent: no status can answer it)."""
+    status_code, error_type, description = 500, "incomplete_generation", "Incomplete generation"
+
+
 class QueueFull(ServiceError):
     status_code, error_type, description = 429, "overloaded", "Model is overloaded"
     openai = (429, "rate_limit_error", "queue_full")
@@ -220,6 +226,11 @@ def install(app: FastAPI) -> None:
 def error_event(exc: ServiceError) -> dict:
     """The SSE payload TGI sends when a stream fails after it started."""
     return _body(exc.message, exc.error_type)
+
+
+def incomplete(exc: Exception) -> IncompleteGeneration:
+    """Any other exception (a bug) met by a TGI stream: TGI's incomplete generation, naming it."""
+    return IncompleteGeneration(f"{IncompleteGeneration.description}: {internal(exc).message}")
 
 
 def openai_error_event(exc: ServiceError) -> dict:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -14,7 +15,7 @@ from starlette.requests import Request
 
 from .engine import GenRequest
 from .engine import grammar as constraints
-from .errors import ClientClosed, QueueFull, ServiceError, ValidationFailed, error_event
+from .errors import ClientClosed, QueueFull, ServiceError, ValidationFailed, error_event, incomplete
 from .engine.sampling import Finished, PromptToken, SamplingParams, TokenEvent
 from .model.build import ServedModel
 from .registry import ModelRegistry
@@ -32,6 +33,7 @@ from .schemas.tgi import (
 )
 from .settings import Settings
 
+log = logging.getLogger(__name__)
 
 @dataclass
 class Started:
@@ -326,7 +328,9 @@ async def events(started: Started, first: TokenEvent | Finished) -> AsyncIterato
 
 async def tgi_stream(started: Started, first: TokenEvent | Finished, p: GenerateParameters) -> AsyncIterator[bytes]:
     """TGI's SSE: one event per token; the last token's event carries generated_text, and details
-    when asked for (`details`), as TGI's generate_stream."""
+    when asked for (`details`), as TGI's generate_stream. A failure after the first event ends
+    the stream with TGI's error event: the service error's, or for any other exception (a bug,
+    logged) an incomplete generation's. Whatever ends it cancels the generation."""
     pending, index = None, 0
 
     def event(e: TokenEvent, **last) -> bytes:
@@ -344,3 +348,8 @@ async def tgi_stream(started: Started, first: TokenEvent | Finished, p: Generate
             pending, index = item, index + 1
     except ServiceError as e:
         yield sse(error_event(e))
+    except Exception as e:
+        log.exception("a TGI stream failed")
+        yield sse(error_event(incomplete(e)))
+    finally:
+        started.request.cancel()

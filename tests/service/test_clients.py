@@ -3,11 +3,15 @@ InferenceClient.text_generation, which calls TGI's `/` route) and its OpenAI cha
 unchanged, and a client that leaves mid-stream cancels its generation."""
 from __future__ import annotations
 
+import json
+import logging
 import time
 
 import httpx
 import pytest
 from service_helpers import CHAT_PROMPT, DEMO
+
+from service import inference
 
 
 @pytest.fixture(autouse=True)
@@ -28,6 +32,29 @@ def test_inference_client_text_generation(live) -> None:
     assert out.details.finish_reason == "eos_token" and out.details.generated_tokens == len(out.details.tokens)
     streamed = list(client.text_generation(CHAT_PROMPT, max_new_tokens=12, stream=True, details=True))
     assert streamed[-1].generated_text == out.generated_text and streamed[-1].details.finish_reason == "eos_token"
+
+
+def test_a_stream_that_fails_midway_ends_with_tgis_error_event(live, monkeypatch, caplog) -> None:
+    """A stream that fails after its first events for a reason that is not a service error (a bug
+    building the last event) ends as TGI's ends a stream without its last token: an error event
+    {"error", "error_type": "incomplete_generation"}, which TGI's client raises, logged; the
+    connection was dropped mid-body, the client left with a broken read."""
+    def broken(**fields):
+        raise RuntimeError("no details")
+    monkeypatch.setattr(inference, "StreamDetails", broken)
+    client = hub.InferenceClient(base_url=live[0])
+    with caplog.at_level(logging.ERROR, logger="service.inference"), \
+            pytest.raises(hub.errors.IncompleteGenerationError, match="RuntimeError: no details"):
+        list(client.text_generation(CHAT_PROMPT, max_new_tokens=4, stream=True, details=True))
+    assert any(r.exc_info and "no details" in str(r.exc_info[1]) for r in caplog.records)
+    for route, body in (("/generate_stream", {}), ("/", {"stream": True})):
+        body = {"inputs": CHAT_PROMPT, "parameters": {"max_new_tokens": 4}, **body}
+        events = httpx.post(f"{live[0]}{route}", json=body, timeout=60).text.split("\n\n")
+        assert events[-1] == "" and all(e.startswith("data: ") for e in events[:-1]), events
+        *tokens, last = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+        assert [t["index"] for t in tokens] == [1, 2, 3] and all(t["generated_text"] is None for t in tokens)
+        assert last == {"error": "Incomplete generation: internal error: RuntimeError: no details",
+                        "error_type": "incomplete_generation"}
 
 
 def test_inference_client_top_n_tokens(live) -> None:
