@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
+from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 
@@ -191,9 +192,18 @@ def _field(loc) -> str | None:
     return fields[0] if fields and isinstance(fields[0], str) else None
 
 
+SELF_NAMED = "self_named"                      # a schema's error whose message names its field
+
+
+def self_named(message: str) -> PydanticCustomError:
+    """A schema's validation error in words that name the field themselves (TGI's router's:
+    "`inputs` cannot be empty"): the 422 says them as they are, with no location before them."""
+    return PydanticCustomError(SELF_NAMED, message)
+
+
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
-    wheres = [_where(e.get("loc", ())) for e in errors]
+    wheres = ["" if e.get("type") == SELF_NAMED else _where(e.get("loc", ())) for e in errors]
     parts = [f"{w}: {e.get('msg')}" if w else str(e.get("msg")) for w, e in zip(wheres, errors)]
     param = _field(errors[0].get("loc", ())) if errors else None
     return _respond(request, ValidationFailed("; ".join(parts) or "invalid request", param=param))

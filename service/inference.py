@@ -47,12 +47,12 @@ def sampling_params(p: GenerateParameters, settings: Settings, *, stream: bool =
     if bad := p.unsupported():
         raise ValidationFailed(f"not supported by this server: {', '.join(bad)}")
     if p.decoder_input_details and stream:       # TGI's rule
-        raise ValidationFailed("`decoder_input_details` == true is not supported with stream",
+        raise ValidationFailed("`decoder_input_details` == true is not supported when streaming tokens",
                                param="decoder_input_details")
     params = SamplingParams(p.max_new_tokens or settings.default_max_new_tokens, p.temperature, p.top_p, p.top_k,
                             p.do_sample, p.seed, p.repetition_penalty, tuple(s for s in p.stop if s),
                             p.top_n_tokens or 0, typical_p=p.typical_p, share_penalty=p.frequency_penalty or 0.0,
-                            prompt_logprobs=0 if p.decoder_input_details and p.details else None,
+                            prompt_logprobs=0 if p.decoder_input_details else None,
                             watermark=p.watermark, default_length=p.max_new_tokens is None, tgi=True)
     if (p.best_of or 1) > 1:                     # TGI's rules
         if stream:
@@ -285,11 +285,11 @@ def mean_logprob(fin: Finished) -> float:
 
 def tgi_response(started: list[Started], fins: list[Finished], p: GenerateParameters) -> GenerateResponse:
     """The response to a request of len(started) sequences (best_of): the one of highest mean
-    log-probability a token, as TGI's router picks it (the first of equals); with details, the
-    others in best_of_sequences."""
+    log-probability a token, as TGI's router picks it (the first of equals); with details (or
+    decoder_input_details), the others in best_of_sequences."""
     best = max(range(len(fins)), key=lambda i: mean_logprob(fins[i]))
     details = None
-    if p.details:
+    if p.details or p.decoder_input_details:     # TGI's rule: either asks for details
         others = [_details(BestOfSequence, s, f, p, generated_text=_text(s, f, p.return_full_text))
                   for i, (s, f) in enumerate(zip(started, fins)) if i != best]
         details = _details(Details, started[best], fins[best], p, best_of_sequences=others or None)

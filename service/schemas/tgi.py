@@ -8,7 +8,8 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
-from pydantic_core import PydanticCustomError
+
+from ..errors import self_named
 
 FinishReason = Literal["length", "eos_token", "stop_sequence"]
 MAX_STOP_SEQUENCES = 4
@@ -85,8 +86,23 @@ class GenerateParameters(BaseModel):
     def _open_unit(cls, v: float | None, info: ValidationInfo) -> float | None:
         """TGI's router refuses top_p and typical_p outside (0, 1), 1.0 included, in these words."""
         if v is not None and not 0 < v < 1:
-            raise PydanticCustomError("open_unit", f"`{info.field_name}` must be > 0.0 and < 1.0")
+            raise self_named(f"`{info.field_name}` must be > 0.0 and < 1.0")
         return v
+
+    @field_validator("max_new_tokens", mode="before")
+    @classmethod
+    def _positive(cls, value):
+        """TGI's words for a length below 1 (the Field's bound stays, for the schema)."""
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 1:
+            raise self_named("`max_new_tokens` must be strictly positive")
+        return value
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _few_stops(cls, value):
+        if isinstance(value, list) and len(value) > MAX_STOP_SEQUENCES:
+            raise self_named(f"`stop` supports up to {MAX_STOP_SEQUENCES} stop sequences. Given: {len(value)}")
+        return value
 
     def unsupported(self) -> list[str]:
         """The parameters set to something this server cannot do."""
@@ -99,6 +115,13 @@ class GenerateRequest(BaseModel):
     parameters: GenerateParameters = Field(default_factory=GenerateParameters)
     model: str | None = Field(None, description="Model name (a file stem in the store). Default: "
                               "WCODEC_DEFAULT_MODEL, else the only ready model.")
+
+    @field_validator("inputs", mode="before")
+    @classmethod
+    def _not_empty(cls, value):
+        if value == "":
+            raise self_named("`inputs` cannot be empty")
+        return value
 
 
 class CompatGenerateRequest(GenerateRequest):

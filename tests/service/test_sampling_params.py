@@ -122,6 +122,41 @@ async def test_a_streams_details_only_when_asked(serve, store) -> None:
             assert not details or last["details"]["generated_tokens"] == 3
 
 
+TGI_MESSAGES = [                               # TGI's router/src/validation.rs, word for word
+    ({"inputs": ""}, "`inputs` cannot be empty"),
+    ({"inputs": "hi", "parameters": {"stop": ["a", "b", "c", "d", "e"]}},
+     "`stop` supports up to 4 stop sequences. Given: 5"),
+    ({"inputs": "hi", "parameters": {"max_new_tokens": 0}}, "`max_new_tokens` must be strictly positive"),
+]
+
+
+async def test_validation_messages_are_tgis(serve, store) -> None:
+    """The 422s TGI's router words itself (pydantic's own words came: 'parameters.stop: List should
+    have at most 4 items after validation, not 5'), on each TGI route, streamed or not."""
+    async with serve(store(), preload=[DEMO]) as server:
+        await ready(server)
+        for body, message in TGI_MESSAGES:
+            for route, extra in (("/generate", {}), ("/generate_stream", {}), ("/", {"stream": True})):
+                r = await server.client.post(route, json={**body, **extra})
+                assert assert_error(r, 422, "validation")["error"] == message, (route, r.text)
+        prefill = {"inputs": "hi", "parameters": {"decoder_input_details": True}}
+        for route, extra in (("/generate_stream", {}), ("/", {"stream": True})):
+            r = await server.client.post(route, json={**prefill, **extra})
+            assert assert_error(r, 422, "validation")["error"] == \
+                "`decoder_input_details` == true is not supported when streaming tokens"
+
+
+async def test_decoder_input_details_answers_details_without_details(serve, store) -> None:
+    """TGI's /generate answers details when `details` or `decoder_input_details` is true: the
+    prefill asked for came with details false (details were null, the prefill lost)."""
+    async with serve(store(), preload=[DEMO]) as server:
+        await ready(server)
+        r = await server.client.post("/generate", json=generate_body(2, details=False, decoder_input_details=True))
+        details = r.json()["details"]
+        assert details is not None and details["generated_tokens"] == 2, r.text
+        assert details["prefill"][0]["logprob"] is None and len(details["prefill"]) > 1, r.text
+
+
 async def test_truncate_beyond_the_input_limit_is_refused_as_tgi(serve, store) -> None:
     """TGI's router: `truncate` must be strictly positive and at most its max input length."""
     async with serve(store(), preload=[DEMO], max_input_tokens=64) as server:
