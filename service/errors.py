@@ -117,7 +117,7 @@ class QueueFull(ServiceError):
     openai = (429, "rate_limit_error", "queue_full")
 
     def __init__(self, message: str, retry_after_s: int = 1):
-        super().__init__(message, {"Retry-After": str(retry_after_s)})
+        super().__init__(f"Model is overloaded: {message}", {"Retry-After": str(retry_after_s)})
 
 
 class ClientClosed(ServiceError):

@@ -137,7 +137,7 @@ class Engine:
                 raise ModelNotReady(f"model {name!r} is unloading", 1)
             if (queued := sum(not r.cancelled for r in waiting)) >= self.limits.max_queue:
                 self.overloaded()
-                raise QueueFull(f"model {name!r} has {queued} requests waiting")
+                raise QueueFull(f"model {name!r} has {queued} requests waiting (WCODEC_MAX_QUEUE)")
             req.row = Row(req.prompt_ids, req.params, self.served, owner=req)
             self.batcher.add(req.row)
         self._first("request", f"{len(req.prompt_ids)} prompt tokens")

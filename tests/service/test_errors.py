@@ -122,7 +122,8 @@ async def test_429_when_the_queue_is_full(serve, store, monkeypatch) -> None:
 
         rejected = await when_queue_full(server, monkeypatch, send,
                                          lambda: server.client.post("/generate", json=generate_body(4)))
-        assert_error(rejected, 429, "overloaded")
+        body = assert_error(rejected, 429, "overloaded")
+        assert body["error"].startswith("Model is overloaded: "), body         # TGI's words, then ours
         assert rejected.headers["retry-after"] == "1"
         assert [r.status_code for r in held] == [200, 200]
         assert await server.metric("wcodec_generate_requests_total", model=DEMO, status="overloaded") == 1
@@ -148,7 +149,7 @@ async def test_429_when_no_grammar_compile_slot_frees(serve, store) -> None:
                 grammar._compiles.release()
         assert_error(rejected, 429, "overloaded")
         assert rejected.headers["retry-after"] == "1" and 1 <= time.monotonic() - started < 10
-        assert "`grammar`: 2 grammars are being compiled" in rejected.json()["error"]
+        assert rejected.json()["error"].startswith("Model is overloaded: `grammar`: 2 grammars are being compiled")
         assert await server.metric("wcodec_generate_requests_total", model=DEMO, status="overloaded") == 1
         assert (await server.client.post("/generate", json=body)).status_code == 200     # not kept
 
