@@ -178,22 +178,27 @@ def _metric(url: str, sample: str) -> float:
     return 0.0
 
 
-def test_client_gone_mid_stream_cancels_and_releases(live) -> None:
-    """The live server is the module's: the counters are read before and after, so the other
-    tests' requests do not count."""
+@pytest.mark.parametrize(("route", "extra"), [("/generate_stream", {}), ("/", {"stream": True})])
+def test_client_gone_mid_stream_cancels_and_releases(live, route, extra) -> None:
+    """A client that leaves a TGI stream after its first event: the generation is cancelled, its
+    row leaves the engine's batch and its KV blocks go back, as TGI's router drops a stream whose
+    receiver is gone. The live server is the module's: the counters are read before and after, so
+    the other tests' requests do not count."""
     url, app = live
     cancelled = f'wcodec_generate_requests_total{{model="{DEMO}",status="cancelled"}}'
     generated = f'wcodec_generate_generated_tokens_total{{model="{DEMO}"}}'
     before = _metric(url, cancelled), _metric(url, generated)
-    body = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 400}}
-    with httpx.stream("POST", f"{url}/generate_stream", json=body, timeout=60) as r:
+    body = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 400}, **extra}
+    entry = app.state.registry.get(DEMO)
+    scheduler = entry.engine.batcher
+    with httpx.stream("POST", f"{url}{route}", json=body, timeout=60) as r:
         for line in r.iter_lines():
             if line.startswith("data:"):
                 break                                       # leave after the first token
-    entry = app.state.registry.get(DEMO)
+        assert scheduler.active and scheduler.blocks.used > 0          # it was generating
     deadline = time.monotonic() + 30
-    while entry.in_flight and time.monotonic() < deadline:
+    while (entry.in_flight or scheduler.active or scheduler.blocks.used) and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert entry.in_flight == 0
+    assert entry.in_flight == 0 and scheduler.active == [] and scheduler.blocks.used == 0
     assert _metric(url, cancelled) - before[0] == 1
     assert _metric(url, generated) - before[1] < 300                 # of the 400 asked for
