@@ -8,8 +8,10 @@
 * Memory budget (`gpu_memory_budget`, bytes): before a load, the least recently used idle
   ready models are unloaded until the new one fits; if even that cannot make it fit, nothing
   is unloaded and the load is refused (507). Used memory is the weight bytes of resident
-  models as held (their `weight_bytes`: the load's estimate from the header while it runs, then
-  the figure the metrics report), or `torch.cuda.memory_allocated` when that is larger (on CUDA).
+  models as held (their `weight_bytes`: the load's estimate from the header while it runs, every
+  buffer the load makes included, then the figure the metrics report, which is no more; a load
+  that took more is logged as an error, and fails where the budget cannot hold it), or
+  `torch.cuda.memory_allocated` when that is larger (on CUDA).
 * A load that fails anywhere, its engine's start (the KV cache) included, fails that load alone:
   the model ends `failed` with its error (507 for out of memory, else 500), and what the load had
   made is freed before the error is answered.
@@ -201,8 +203,12 @@ class ModelRegistry:
         entry.progress.phase = phase or state.value
         self.metrics.set_state(entry.name, state.value)
 
+    def charged_bytes(self, exclude: ModelEntry | None = None) -> int:
+        """The weight bytes the budget charges the models that hold memory (but `exclude`)."""
+        return sum(e.weight_bytes for e in self._entries.values() if e.state in HOLDS_MEMORY and e is not exclude)
+
     def used_bytes(self, exclude: ModelEntry | None = None) -> int:
-        held = sum(e.weight_bytes for e in self._entries.values() if e.state in HOLDS_MEMORY and e is not exclude)
+        held = self.charged_bytes(exclude)
         if self.device.type == "cuda":
             return max(held, torch.cuda.memory_allocated(self.device))
         return held
@@ -273,6 +279,7 @@ class ModelRegistry:
             loaded = await asyncio.to_thread(self.loader.load, entry.name, entry.file.path, entry.weights,
                                              entry.progress)
             self.timeline.mark(f"load {entry.name}: back on the event loop")
+            self._check_charge(entry, loaded.served)
             engine = Engine(loaded.served, self.metrics, limits(self.settings), self.timeline).start()
         except Exception as e:
             error, result = self._load_error(entry, e)
@@ -280,7 +287,7 @@ class ModelRegistry:
         else:
             self._ready(entry, loaded, engine)
             return
-        if loaded is not None:                     # built, but its engine could not start
+        if loaded is not None:                     # built, then refused (its charge) or its engine did not start
             loaded.served.release()
         del loaded
         await asyncio.to_thread(self.loader.unloaded, entry.name)     # memory back before the answer
@@ -290,6 +297,8 @@ class ModelRegistry:
         """The typed error of a failed load, and its wcodec_model_loads_total result."""
         if isinstance(e, (torch.cuda.OutOfMemoryError, MemoryError)):
             return InsufficientMemory(f"out of memory while loading {entry.name!r}: {e}"), "oom"
+        if isinstance(e, InsufficientMemory):               # _check_charge
+            return e, "oom"
         if isinstance(e, LoadFailed):
             return e, "failed"
         if isinstance(e, CodecError):
@@ -300,12 +309,28 @@ class ModelRegistry:
     def _ready(self, entry: ModelEntry, loaded: Loaded, engine: Engine) -> None:
         entry.served, entry.stats, entry.reserved_bytes = loaded.served, loaded.stats, loaded.reserved_bytes
         entry.weights = loaded.served.weights                  # as held: an int8 archive's stay decoded
-        entry.weight_bytes = loaded.served.weight_bytes        # as held: the estimate corrected (README)
+        entry.weight_bytes = loaded.served.weight_bytes        # as held: the estimate or less (_check_charge)
         entry.loaded_at, entry.last_error = time.time(), None
         entry.engine, entry.last_used = engine, time.monotonic()
         self.metrics.loads.labels(entry.name, "ok").inc()
         self._set_state(entry, ModelState.READY)
         self.timeline.mark(f"load {entry.name}: engine started, ready")
+
+    def _check_charge(self, entry: ModelEntry, served: ServedModel) -> None:
+        """The load's own bytes against the estimate charged before it, which counts every buffer
+        the load makes (Loader.estimate_bytes), so more is an estimate's bug: logged as an error,
+        and where the budget cannot hold the difference, the load fails (507; its memory is given
+        back by the failed load's path), so that no load leaves the budget exceeded. One that fits
+        is kept: a model that fits refused for a wrong estimate would be an outage."""
+        estimate, real, budget = entry.weight_bytes, served.weight_bytes, self.settings.gpu_memory_budget
+        if real <= estimate:
+            return
+        log.error("load of %s took %d weight bytes, %d more than the estimate charged before it: "
+                  "Loader.estimate_bytes misses a buffer", entry.name, real, real - estimate)
+        if budget is not None and self.charged_bytes(entry) + real > budget:
+            raise InsufficientMemory(f"model {entry.name!r} took {real} bytes, more than its estimate of {estimate}, "
+                                     f"and {self.charged_bytes(entry)} of the budget of {budget} bytes are charged "
+                                     "to other models")
 
     def _failed(self, entry: ModelEntry, error: ServiceError, result: str) -> ServiceError:
         entry.last_error = error.message

@@ -64,23 +64,26 @@ class Loader:
         memory.tune_allocator()                    # an unloaded model's host memory goes back (memory.py)
 
     def estimate_bytes(self, path, weights: str, decoded_bytes: int) -> int:
-        """Device bytes the load will take, from the archive's header and config.json (whether
-        llama.py or transformers' classes serve the model: the latter hold GGUF blocks and the
-        fixed-rate form decoded); a model held decoded, widened where the CPU casts it to float32.
-        The buffers the CPU's compute adds at the load (linear16's packed copies, the mixed
-        matmul's scratch) are known after it: the registry then charges the load's own figure."""
-        widens = cpu_dtype.widens(self.device, self.settings.cpu_dtype)
-        if weights == "decoded" and not widens:
+        """Device bytes the load will take, every buffer it makes included, from the archive's
+        header and config.json (whether llama.py or transformers' classes serve the model: the
+        latter hold GGUF blocks and the fixed-rate form decoded): the weights as held, decoded or
+        compressed, and what the CPU's compute adds to them (cpu_dtype.added_bytes: the float32
+        cast, linear16's packed copy of a tied head, the mixed matmul's scratch). The registry
+        charges it before the load and checks the load's own figure against it after."""
+        if weights == "decoded" and self.device.type != "cpu":
             return decoded_bytes
         with Archive.open(path) as archive:
             entries, config = archive.entries, _config(archive)
-        form, native = self._form(), llama.native_config(config) is not None
-        blocks, floats = compressed.kept_entries(entries, form, native)
-        if weights == "decoded" or not blocks + floats:                # held decoded
-            return decoded_bytes + (cpu_dtype.widened_bytes(entries) if widens else 0)
-        scratch = self.settings.compressed_scratch if self.device.type == "cuda" else 1
-        host = fixed.host_names(config) if form == "fixed" else frozenset()
-        return compressed.estimate_bytes(entries, scratch, form, host, native)
+        form, native = self._form(), llama.native_config(config)
+        blocks, floats = compressed.kept_entries(entries, form, native is not None)
+        held = "compressed" if weights == "compressed" and blocks + floats else "decoded"
+        if held == "decoded":
+            need, blocks = decoded_bytes, []
+        else:
+            scratch = self.settings.compressed_scratch if self.device.type == "cuda" else 1
+            host = fixed.host_names(config) if form == "fixed" else frozenset()
+            need = compressed.estimate_bytes(entries, scratch, form, host, native is not None)
+        return need + cpu_dtype.added_bytes(_held(entries, native, held, blocks), self.device, self.settings.cpu_dtype)
 
     def _form(self) -> str:
         return fixed.form_for(self.settings.compressed_form, self.device)
@@ -196,6 +199,19 @@ class Loader:
         self.release_early()
         self.host_cache.clear()
         self.free_memory()
+
+
+def _held(entries, native: llama.LlamaConfig | None, weights: str, blocks: list) -> cpu_dtype.Held:
+    """The model a load will hold as `weights` (`blocks`: the entries it keeps as GGUF blocks),
+    as the CPU's compute setting will meet it: its dtype (ServedModel.dtype: the blocks', else
+    the first parameter's, the embedding table's) and, where llama.py serves it, its Linears."""
+    table = [e for e in entries if e.name == llama.EMBEDDING] or entries[:1]
+    dtype = blocks[0].torch_dtype if blocks else table[0].torch_dtype if table else torch.float32
+    if native is None:                             # transformers' classes: no Linear of llama.py's
+        return cpu_dtype.Held(weights, dtype, entries)
+    linears, shared = llama.linear_weights(native, entries)
+    ids = {id(e) for e in blocks}
+    return cpu_dtype.Held(weights, dtype, entries, linears, shared, [e for e in linears if id(e) in ids])
 
 
 def _config(archive: Archive) -> dict | None:

@@ -26,6 +26,7 @@ weights are decoded into a small ring of scratch buffers just before the module 
 """
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -142,13 +143,22 @@ def estimate_bytes(entries, scratch: int, form: str = "indexed", host: frozenset
     blocks, floats = kept_entries(entries, form, native)
     ids = {id(e) for e in blocks + floats}
     rest = sum(e.nbytes for e in entries if id(e) not in ids and not (e.name in host and fixed.keeps(e)))
-    held = fixed.estimate_bytes(floats) if form == "fixed" else _indexed_bytes(floats, scratch)
+    held = fixed.estimate_bytes(floats) if form == "fixed" else _indexed_bytes(entries, floats, scratch)
     return quantized.estimate_bytes(blocks) + held + rest
 
 
-def _indexed_bytes(kept: list, scratch: int) -> int:
-    """The kept streams, their resident index and `scratch` buffers of the largest module."""
-    streams = sum(r["length"] for e in kept for r in e.streams.values())
+def kept_spans(entries) -> list[tuple[int, int]]:
+    """The archive byte ranges this mode holds on the device: each decoder layer's batch of
+    streams (consecutive entries of one layer: ring.layer_batches) where it keeps a tensor of it,
+    whole, as the pipeline read it (its norms' streams and the gaps between streams too)."""
+    groups = [list(g) for _, g in itertools.groupby(entries, key=lambda e: e.layer)]
+    return [plans.stream_range(g) for g in groups if any(stays_compressed(e) for e in g)]
+
+
+def _indexed_bytes(entries, kept: list, scratch: int) -> int:
+    """The kept layers' bytes (kept_spans), their resident index and `scratch` buffers of the
+    largest module."""
+    streams = sum(end - start for start, end in kept_spans(entries))
     steps = piece_steps(kept)
     index = sum(e.params.n_segments * (SEGMENT_STEPS // steps[e.name]) * (LANES + 1) * 4 for e in kept)
     per_module: dict[str, int] = {}

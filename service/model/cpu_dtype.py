@@ -55,7 +55,7 @@ demo's paged engine on the 2-core Xeon without AVX512-BF16, ms (bench/experiment
 from __future__ import annotations
 
 import os
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -92,16 +92,22 @@ def linear16_kernel(dtype: torch.dtype) -> bool:
 
 
 def cpu_compute(served: ServedModel, setting: CpuDtype) -> str:
-    """"model", "linear16", "mixed" or "float32": how `served` computes under `setting`.
-    Compressed weights, decoded into scratch every forward, are not cast: they compute as decoded
-    weights under `auto` (the same arithmetic in both modes)."""
-    if widens(served.device, setting) and served.weights == "decoded" and served.dtype in HALF:
+    """"model", "linear16", "mixed" or "float32": how `served` computes under `setting`."""
+    return compute_for(served.device, served.weights, served.dtype, setting)
+
+
+def compute_for(device: torch.device, weights: str, dtype: torch.dtype, setting: CpuDtype) -> str:
+    """How a model of `dtype` held as `weights` on `device` computes under `setting` (before its
+    load too: the memory budget's estimate). Compressed weights, decoded into scratch every
+    forward, are not cast: they compute as decoded weights under `auto` (the same arithmetic in
+    both modes)."""
+    if widens(device, setting) and weights == "decoded" and dtype in HALF:
         return "float32"
-    if served.device.type != "cpu" or setting == "model" or served.dtype not in HALF:
+    if device.type != "cpu" or setting == "model" or dtype not in HALF:
         return "model"
-    if linear16_kernel(served.dtype):
+    if linear16_kernel(dtype):
         return "linear16"
-    return "model" if _native(served.dtype) else "mixed"
+    return "model" if _native(dtype) else "mixed"
 
 
 def widens(device: torch.device, setting: CpuDtype) -> bool:
@@ -113,6 +119,38 @@ def widened_bytes(entries) -> int:
     """The bytes that cast adds, from the archive's header (the memory budget's estimate, before
     the load): each bf16/fp16 tensor's bytes once more, as `for_cpu` counts them after it."""
     return sum(e.nbytes for e in entries if e.torch_dtype in HALF)
+
+
+@dataclass(frozen=True)
+class Held:
+    """A model as its load will hold it, from the archive's header: what `for_cpu` will meet (the
+    memory budget's estimate, before the load; Loader.estimate_bytes)."""
+    weights: str                 # as held: "decoded" or "compressed"
+    dtype: torch.dtype           # ServedModel.dtype (with blocks: their scratch's)
+    entries: list                # every tensor's header entry
+    linears: list = ()           # the entries of llama.py's Linears' weights (a tied head: the table's)
+    shared: list = ()            # those another module holds too (the table a head is tied to)
+    blocks: list = ()            # those held as GGUF blocks (quantized.attach's BlockLinears)
+
+
+def added_bytes(held: Held, device: torch.device, setting: CpuDtype) -> int:
+    """The bytes `for_cpu` will add to a model held as `held`, by the load's own rules (the memory
+    budget's estimate, before the load): the float32 cast's, linear16's packed copies of shared
+    weights, the mixed matmul's float32 scratch where the block Linears' scratch cannot hold it."""
+    how = compute_for(device, held.weights, held.dtype, setting)
+    if how == "float32":
+        return widened_bytes(held.entries)
+    if how == "linear16":
+        return sum(e.nbytes for e in held.shared if packable(e.shape, e.torch_dtype)) if packs(held.weights) else 0
+    if how == "mixed":
+        floats = max((scratch_floats(*e.shape) for e in held.linears), default=0)
+        if held.blocks:
+            size = quantized.scratch_numel([e.shape for e in held.blocks]) * held.dtype.itemsize
+            chunk = max(scratch_floats(*e.shape) for e in held.blocks) * held.dtype.itemsize
+            if _shared_start(0, size, chunk, floats) is not None:    # CPU tensors are 64-byte aligned (c10)
+                return 0
+        return floats * torch.float32.itemsize
+    return 0
 
 
 class Linear16(llama.Linear):
@@ -134,6 +172,17 @@ class Linear16(llama.Linear):
         return (ops.linear16_packed if self.packed else ops.linear16)(x, weight, bias)
 
 
+def packable(shape, dtype: torch.dtype) -> bool:
+    """Whether linear16_pack takes a weight of `shape` [out, in] and `dtype`: bf16, both multiples of 32."""
+    return dtype == torch.bfloat16 and shape[0] % 32 == 0 and shape[1] % 32 == 0
+
+
+def packs(weights: str) -> bool:
+    """Whether a model held as `weights` is packed: decoded (compressed mode's scratch views are
+    rewritten every forward)."""
+    return weights == "decoded"
+
+
 def pack(model: torch.nn.Module) -> int:
     """Pack every Linear16 weight that linear16_pack takes (bf16, out and in features multiples
     of 32): once, so that no call transposes its blocks again (1.7-2.2x the one-row speed on the
@@ -149,7 +198,7 @@ def pack(model: torch.nn.Module) -> int:
     extra = 0
     for m in model.modules():
         w = getattr(m, "weight", None)
-        if not isinstance(m, Linear16) or w.dtype != torch.bfloat16 or w.shape[0] % 32 or w.shape[1] % 32:
+        if not isinstance(m, Linear16) or not packable(w.shape, w.dtype):
             continue
         if holders[id(w)] > 1:
             m.register_buffer("packed_copy", ops.linear16_pack(w.detach().contiguous()), persistent=False)
@@ -213,9 +262,21 @@ class MixedLinear(llama.Linear):
         return self.mixed(x, self.weight, self.bias)
 
 
+def scratch_floats(out_features: int, in_features: int) -> int:
+    """Floats a Linear [out, in] widens at a time: all of it, or its blocks of block_rows."""
+    return min(out_features, block_rows(in_features)) * in_features
+
+
 def _scratch_floats(linear: torch.nn.Module) -> int:
-    """Floats `linear` widens at a time: all of it, or its blocks of block_rows."""
-    return min(linear.out_features, block_rows(linear.in_features)) * linear.in_features
+    return scratch_floats(linear.out_features, linear.in_features)
+
+
+def _shared_start(base: int, size: int, chunk: int, floats: int) -> int | None:
+    """Where `floats` float32 elements start in the block Linears' shared scratch (`size` bytes
+    at address `base`): at the first 64-byte boundary past their `chunk` bytes; None where they
+    do not fit."""
+    start = -(-(base + chunk) // 64) * 64 - base
+    return start if start + floats * torch.float32.itemsize <= size else None
 
 
 def _float_scratch(model: torch.nn.Module, floats: int) -> tuple[torch.Tensor, int]:
@@ -232,9 +293,9 @@ def _float_scratch(model: torch.nn.Module, floats: int) -> tuple[torch.Tensor, i
     if blocks:
         shared = blocks[0].scratch.view(torch.uint8)                      # one per model (quantized.attach)
         chunk = max(_scratch_floats(m) for m in blocks) * blocks[0].scratch.element_size()
-        start = -(-(shared.data_ptr() + chunk) // 64) * 64 - shared.data_ptr()
-        if start + 4 * floats <= shared.numel():
-            return shared[start:start + 4 * floats].view(torch.float32), 0
+        start = _shared_start(shared.data_ptr(), shared.numel(), chunk, floats)
+        if start is not None:
+            return shared[start:start + floats * torch.float32.itemsize].view(torch.float32), 0
     scratch = torch.empty(floats, dtype=torch.float32)
     return scratch, scratch.nbytes
 
@@ -262,7 +323,7 @@ def for_cpu(served: ServedModel, setting: CpuDtype) -> ServedModel:
             if isinstance(m, llama.Linear):
                 m.__class__ = Linear16
         quantized.use_kernel(served.model, ops.linear16)        # GGUF blocks kept: decoded mode's kernel
-        packed = pack(served.model) if served.weights == "decoded" else 0   # scratch views are not packed
+        packed = pack(served.model) if packs(served.weights) else 0
         return replace(served, weight_bytes=served.weight_bytes + packed)
     if how == "mixed":
         return replace(served, weight_bytes=served.weight_bytes + _mix(served.model, MIXED_ROWS))

@@ -30,7 +30,7 @@ from cuda_ext import fixedrate, ops
 from . import llama
 
 ESCAPES = 0.02                   # escaped weights the estimate allows (trained-like 8B layer: ~0.012)
-EMBEDDING = "model.embed_tokens.weight"
+EMBEDDING = llama.EMBEDDING
 
 
 def form_for(setting: str, device: torch.device) -> str:

@@ -93,6 +93,21 @@ def native_config(d: dict | None) -> LlamaConfig | None:
         return None
 
 
+EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def linear_weights(config: LlamaConfig, entries) -> tuple[list, list]:
+    """Of a model of `config` whose archive's header lists `entries` (before a load: the memory
+    budget's estimate), the entries of its Linears' weights -- every matrix but the embedding
+    table, and the head's: its own, or with tie_word_embeddings the table -- and those another
+    module holds too (the table a tied head shares: `tie_weights`)."""
+    table = [e for e in entries if e.name == EMBEDDING]
+    linears = [e for e in entries if len(e.shape) == 2 and e.name not in (EMBEDDING, HEAD)]
+    if config.tie_word_embeddings:
+        return linears + table, table
+    return linears + [e for e in entries if e.name == HEAD], []
+
+
 def inv_freq(c: LlamaConfig, device=None) -> tuple[torch.Tensor, float]:
     """Rotary inverse frequencies [D/2] (float32) and the cos/sin scale, as transformers computes them."""
     d = c.head_dim

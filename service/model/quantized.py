@@ -44,11 +44,16 @@ def _chunk_rows(rows: int, cols: int) -> int:
     return min(rows, max(1, CHUNK // cols))
 
 
+def scratch_numel(shapes) -> int:
+    """Elements of the scratch that block Linears of `shapes` [out, in] share: their largest chunk."""
+    return max((_chunk_rows(rows, cols) * cols for rows, cols in shapes), default=0)
+
+
 def estimate_bytes(kept: list) -> int:
-    """Device bytes of the kept tensors: their blocks, and the scratch buffer."""
+    """Device bytes of the kept tensors: their blocks, and the scratch buffer (in the first one's
+    dtype, as `attach` makes it; counting an untied embedding's chunk too, which only gathers rows)."""
     blocks = sum(e.params.n_blocks * e.params.block.type_size for e in kept)
-    scratch = max((_chunk_rows(*e.shape) * e.shape[1] * e.torch_dtype.itemsize for e in kept), default=0)
-    return blocks + scratch
+    return blocks + (scratch_numel([e.shape for e in kept]) * kept[0].torch_dtype.itemsize if kept else 0)
 
 
 class _Planes(torch.nn.Module):
@@ -111,8 +116,8 @@ def attach(model: llama.LlamaForCausalLM, kept: dict[str, quant.QuantBlocks], de
     embed = linears.pop("model.embed_tokens", None)
     if embed is not None and model.config.tie_word_embeddings:
         linears["lm_head"] = embed
-    rows = max((_chunk_rows(*k.shape) * k.shape[1] for k in linears.values()), default=0)
-    scratch = torch.empty(rows, dtype=next(iter(kept.values())).dtype, device=device)
+    dtype = next(iter(kept.values())).dtype
+    scratch = torch.empty(scratch_numel([k.shape for k in linears.values()]), dtype=dtype, device=device)
     for path, k in linears.items():
         owner, attr = llama.owner_of(model, path)
         setattr(owner, attr, BlockLinear(getattr(owner, attr), k.block, k.planes, k.dtype, scratch))

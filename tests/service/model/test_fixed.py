@@ -190,7 +190,7 @@ def test_the_estimate_leaves_out_a_table_kept_on_the_host(untied_tiny_archive, m
     table = next(e.nbytes for e in entries if e.name == fixed.EMBEDDING)
     whole = compressed.estimate_bytes(entries, scratch=2, form="fixed")
     assert compressed.estimate_bytes(entries, 2, "fixed", frozenset({fixed.EMBEDDING})) == whole - table
-    loader = Loader(Settings(demo=False), Metrics(), torch.device("cpu"), Timeline())
+    loader = Loader(Settings(demo=False, cpu_dtype="model"), Metrics(), torch.device("cpu"), Timeline())
     monkeypatch.setattr(loader, "_form", lambda: "fixed")
     monkeypatch.setattr(loader.settings, "compressed_scratch", 2)
     assert loader.estimate_bytes(untied_tiny_archive, "compressed", 0) == whole - table
@@ -218,7 +218,7 @@ def test_the_estimate_counts_a_transformers_models_matrices_decoded(untied_tiny_
     whole = sum(e.nbytes for e in entries)
     assert compressed.estimate_bytes(entries, 2, "fixed", native=False) == whole
     assert compressed.estimate_bytes(entries, 2, "fixed") != whole          # the form, and its temporary
-    loader = Loader(Settings(demo=False), Metrics(), torch.device("cpu"), Timeline())
+    loader = Loader(Settings(demo=False, cpu_dtype="model"), Metrics(), torch.device("cpu"), Timeline())
     monkeypatch.setattr(loader, "_form", lambda: "fixed")
     monkeypatch.setattr(job, "_config", lambda archive: {**config, "hidden_act": "gelu"})
     assert loader.estimate_bytes(untied_tiny_archive, "compressed", whole) == whole
