@@ -146,7 +146,7 @@ def added_bytes(held: Held, device: torch.device, setting: CpuDtype) -> int:
         floats = max((scratch_floats(*e.shape) for e in held.linears), default=0)
         if held.blocks:
             size = quantized.scratch_numel([e.shape for e in held.blocks]) * held.dtype.itemsize
-            chunk = max(scratch_floats(*e.shape) for e in held.blocks) * held.dtype.itemsize
+            chunk = _chunks_bytes([e.shape for e in held.blocks], held.dtype.itemsize)
             if _shared_start(0, size, chunk, floats) is not None:    # CPU tensors are 64-byte aligned (c10)
                 return 0
         return floats * torch.float32.itemsize
@@ -271,6 +271,12 @@ def _scratch_floats(linear: torch.nn.Module) -> int:
     return scratch_floats(linear.out_features, linear.in_features)
 
 
+def _chunks_bytes(shapes, itemsize: int) -> int:
+    """Bytes of the block Linears' shared scratch that their chunks take: a block of rows of the
+    largest, in the scratch's dtype (`itemsize`)."""
+    return max(scratch_floats(*shape) for shape in shapes) * itemsize
+
+
 def _shared_start(base: int, size: int, chunk: int, floats: int) -> int | None:
     """Where `floats` float32 elements start in the block Linears' shared scratch (`size` bytes
     at address `base`): at the first 64-byte boundary past their `chunk` bytes; None where they
@@ -292,7 +298,7 @@ def _float_scratch(model: torch.nn.Module, floats: int) -> tuple[torch.Tensor, i
     blocks = [m for m in model.modules() if isinstance(m, quantized.BlockLinear)]
     if blocks:
         shared = blocks[0].scratch.view(torch.uint8)                      # one per model (quantized.attach)
-        chunk = max(_scratch_floats(m) for m in blocks) * blocks[0].scratch.element_size()
+        chunk = _chunks_bytes([(m.out_features, m.in_features) for m in blocks], blocks[0].scratch.element_size())
         start = _shared_start(shared.data_ptr(), shared.numel(), chunk, floats)
         if start is not None:
             return shared[start:start + floats * torch.float32.itemsize].view(torch.float32), 0

@@ -171,8 +171,11 @@ async def test_424_when_generation_fails(serve, store, monkeypatch) -> None:
 
 
 async def test_507_when_the_model_cannot_fit(serve, store) -> None:
-    async with serve(store("small", "big"), preload=["small"], gpu_memory_budget=DECODED + 1000) as server:
+    """A budget of one model as held and 1000 bytes (more than its bf16 bytes where the CPU's
+    compute adds to them: the estimate counts that now, and refused the preload of DECODED + 1000)."""
+    async with serve(store("small", "big"), preload=["small"]) as server:
         await server.wait_state("small", ModelState.READY)
+        server.registry.settings.gpu_memory_budget = server.registry.get("small").weight_bytes + 1000
         lease = server.registry.acquire("small")                 # busy: it may not be evicted
         body = assert_error(await server.client.post("/models/big/load"), 507, "insufficient_memory")
         assert "needs" in body["error"]

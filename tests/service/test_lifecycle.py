@@ -264,7 +264,8 @@ async def test_eviction_marks_every_victim_before_it_waits_on_any(serve, store, 
         assert registry.get("b").state is ModelState.UNLOADING
         with pytest.raises(ModelNotReady):
             registry.acquire("b")
-        assert (await load_c).state is ModelState.READY
+        registry.settings = registry.settings.model_copy(update={"gpu_memory_budget": None})   # c takes
+        assert (await load_c).state is ModelState.READY          # more than the fake 700 (_check_charge)
 
 
 async def test_models_say_how_a_model_is_held_not_what_was_asked(serve, tmp_path, tiny_archive) -> None:
