@@ -101,6 +101,12 @@ class LoadFailed(ServiceError):
     openai = (500, "server_error", "load_failed")
 
 
+class UnloadFailed(ServiceError):
+    """The model's engine did not close cleanly; its weights were freed all the same."""
+    status_code, error_type, description = 500, "unload_failed", "The model's unload failed"
+    openai = (500, "server_error", "unload_failed")
+
+
 class GenerationFailed(ServiceError):
     status_code, error_type, description = 424, "generation", "Request failed during generation"
     openai = (500, "server_error", "generation_failed")

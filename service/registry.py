@@ -1,17 +1,16 @@
 """The model registry: every model of the store, its state, and its load / unload jobs.
 
-    available --load--> loading --ok--> ready --unload--> unloading --> available
-                           \\--error--> failed --load--> loading
+    available --load--> loading --ok--> ready --unload--> unloading --ok--> available
+                           \\--error--> failed <--------------------/ engine.close failed
+    failed --load--> loading;  ready --load, its archive changed--> unloading --> loading (a reload)
 
 * One job per model at a time (`entry.job`): concurrent loads of a model share it; an unload
-  waits for a load in progress, then for the model's in-flight requests (leases), then frees.
-* Memory budget (`gpu_memory_budget`, bytes): before a load, the least recently used idle
-  ready models are unloaded until the new one fits; if even that cannot make it fit, nothing
-  is unloaded and the load is refused (507). Used memory is the weight bytes of resident
-  models as held (their `weight_bytes`: the load's estimate from the header while it runs, every
-  buffer the load makes included, then the figure the metrics report, which is no more; a load
-  that took more is logged as an error, and fails where the budget cannot hold it), or
-  `torch.cuda.memory_allocated` when that is larger (on CUDA).
+  waits for a load in progress (from the moment it is budgeted: `loading`, phase "making room",
+  while the idle models it evicts unload), then for the model's in-flight requests (leases),
+  then frees. A model `loading` or later holds its entry: a refresh never drops it.
+* Memory budget: budget.py (which idle models a load evicts; the load's charge checked against
+  its estimate). A load's evictions are waited for with the lock held (the next load budgets
+  after them); unloads take no lock.
 * A load that fails anywhere, its engine's start (the KV cache) included, fails that load alone:
   the model ends `failed` with its error (507 for out of memory, else 500), and what the load had
   made is freed before the error is answered.
@@ -22,98 +21,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import logging
 import time
-import traceback
-from dataclasses import dataclass, field
 
 import torch
 
 from codec.errors import CodecError
 
 from .engine import Engine, limits
-from .errors import InsufficientMemory, LoadFailed, ModelNotFound, ModelNotReady, ServiceError, ValidationFailed
-from .load import demo
+from .budget import check_charge, evictions
+from .entry import HOLDS_MEMORY, Lease, ModelEntry, ModelState
+from .errors import (InsufficientMemory, LoadFailed, ModelNotFound, ModelNotReady, ServiceError, UnloadFailed,
+                     ValidationFailed)
+from .load import demo, failure
 from .load.early_load import EarlyLoad
-from .load.job import Loaded, Loader, LoadStats, Progress
+from .load.job import Loaded, Loader, Progress
 from .load.store import ModelFile, ModelStore, check_name
 from .metrics import Metrics
-from .model.build import ServedModel
 from .settings import Settings
 from .timeline import Timeline
 
 log = logging.getLogger("wcodec.service")
-
-
-class ModelState(str, enum.Enum):
-    AVAILABLE = "available"
-    LOADING = "loading"
-    READY = "ready"
-    UNLOADING = "unloading"
-    FAILED = "failed"
-
-
-HOLDS_MEMORY = (ModelState.LOADING, ModelState.READY, ModelState.UNLOADING)   # states with weights on the device
-
-
-@dataclass
-class ModelEntry:
-    file: ModelFile
-    state: ModelState = ModelState.AVAILABLE
-    progress: Progress = field(default_factory=Progress)
-    served: ServedModel | None = None
-    engine: Engine | None = None
-    stats: LoadStats | None = None
-    loaded_at: float | None = None             # wall-clock time of the last successful load
-    last_error: str | None = None
-    last_used: float = 0.0                     # monotonic; orders eviction
-    reserved_bytes: int = 0                    # CUDA: allocator reserve taken by its load
-    weights: str = "decoded"                   # how its weights are held: "decoded" or "compressed"
-    weight_bytes: int = 0                      # device bytes of its weights as held (an estimate while loading)
-    in_flight: int = 0
-    idle: asyncio.Event = field(default_factory=asyncio.Event)
-    job: asyncio.Task | None = None
-
-    def __post_init__(self) -> None:
-        self.idle.set()
-
-    @property
-    def name(self) -> str:
-        return self.file.name
-
-    @property
-    def busy(self) -> bool:
-        return self.job is not None and not self.job.done()
-
-
-class Lease:
-    """A reference on a ready model for one request; `release()` is idempotent."""
-
-    def __init__(self, entry: ModelEntry):
-        self.entry, self._held = entry, True
-        entry.in_flight += 1
-        entry.idle.clear()
-        entry.last_used = time.monotonic()
-        self.served, self.engine = entry.served, entry.engine
-
-    def release(self) -> None:
-        if self._held:
-            self._held = False
-            self.entry.in_flight -= 1
-            self.entry.last_used = time.monotonic()
-            if self.entry.in_flight == 0:
-                self.entry.idle.set()
-
-
-def _forget_frames(error: BaseException | None) -> None:
-    """Clear the locals of the finished frames that a failed load's exceptions (and those they
-    chain) hold: the tensors it had decoded, its model, would else live as long as the job's
-    exception, until the model's next load (and in torch.cuda.memory_allocated, which the budget
-    reads, meanwhile)."""
-    while error is not None:
-        traceback.clear_frames(error.__traceback__)
-        error = error.__context__
 
 
 def _retrieve(task: asyncio.Task) -> None:
@@ -130,13 +58,18 @@ class ModelRegistry:
         self.device = settings.torch_device()
         self.loader = Loader(settings, metrics, self.device, self.timeline, early)
         self.startup: asyncio.Task | None = None
-        self.startup_error: str | None = None
+        self._startup_errors: dict[str, str] = {}    # model (or "": start-up itself) -> its error
         self._entries: dict[str, ModelEntry] = {}
         self._lock = asyncio.Lock()
 
     @property
     def host_cache(self):
         return self.loader.host_cache
+
+    @property
+    def startup_error(self) -> str | None:
+        """The first start-up error still standing (a preload's goes once that model loads)."""
+        return next(iter(self._startup_errors.values()), None)
 
     # --- lookup -------------------------------------------------------------------------------
 
@@ -217,17 +150,21 @@ class ModelRegistry:
 
     async def load(self, name: str, wait: bool = True, weights: str | None = None) -> ModelEntry:
         """Load a model (shared with a load in progress). `weights`: "decoded" or "compressed"
-        (default: the settings'); a ready model is returned as it is, held as it is. A load of a
-        model being unloaded waits for the unload outside the lock, so other models' loads go on."""
-        entry = self.get(name)
+        (default: the settings'); a ready model is returned as it is, held as it is, unless its
+        archive changed since (`_begin_reload`). A load of a model being unloaded waits for the
+        unload outside the lock, so other models' loads go on."""
         while True:
+            entry = self.get(name)                 # the tracked entry (a refresh may have dropped one)
             while entry.busy and entry.state is ModelState.UNLOADING:
                 with contextlib.suppress(ServiceError):
                     await asyncio.shield(entry.job)
             async with self._lock:
-                if entry.busy and entry.state is ModelState.UNLOADING:     # one began meanwhile
-                    continue
+                if self.get(name) is not entry or entry.busy and entry.state is ModelState.UNLOADING:
+                    continue                       # dropped, or an unload began meanwhile; else its file as now
                 if entry.state is ModelState.READY:
+                    if self._begin_reload(entry, weights):
+                        weights = weights or entry.weights     # the new version held as the old one
+                        continue
                     entry.last_used = time.monotonic()
                     return entry
                 if entry.state is not ModelState.LOADING:
@@ -238,52 +175,70 @@ class ModelRegistry:
         return entry
 
     async def _start_load(self, entry: ModelEntry, weights: str | None) -> None:
-        """Budget the load (evicting idle models where it must), then start its job (lock held)."""
+        """Budget the load, mark it `loading` and start its job, then wait for the idle models it
+        evicts (lock held): an unload or a refresh meanwhile sees the model loading, not available."""
         entry.weights = weights or self.settings.weights
         try:                                        # compressed: the archive's header says how much
             entry.weight_bytes = self.loader.estimate_bytes(entry.file.path, entry.weights,
                                                             entry.file.decoded_bytes)
         except CodecError as e:
             raise self._failed(entry, LoadFailed(f"cannot load {entry.name!r}: {e}"), "failed") from None
-        await self._make_room(entry)
-        self._set_state(entry, ModelState.LOADING, "queued")
-        entry.progress = Progress("queued", 0, entry.file.decoded_bytes)
-        entry.job = asyncio.create_task(self._load_job(entry), name=f"load {entry.name}")
-        entry.job.add_done_callback(_retrieve)
-
-    async def _make_room(self, entry: ModelEntry) -> None:
-        budget = self.settings.gpu_memory_budget
-        need = entry.weight_bytes
-        if budget is None or self.used_bytes(entry) + need <= budget:
-            return
-        used, freed, victims = self.used_bytes(entry), 0, []
-        idle = [e for e in self._entries.values() if e.state is ModelState.READY and e.in_flight == 0]
-        for other in sorted(idle, key=lambda e: e.last_used):
-            victims.append(other)
-            freed += other.weight_bytes
-            if used - freed + need <= budget:
-                break
-        else:
-            self.metrics.loads.labels(entry.name, "rejected").inc()
-            raise InsufficientMemory(f"model {entry.name!r} needs {need} bytes; {used} of the budget of {budget} "
-                                     f"bytes are in use and unloading idle models frees only {freed}")
+        victims = self._evict_for(entry, entry.weight_bytes)
         for other in victims:                       # all UNLOADING before the first await: none
             log.info("unloading idle model %s to make room for %s", other.name, entry.name)
             self._begin_unload(other)               # takes a new request meanwhile (503 instead)
-        for other in victims:
-            await asyncio.shield(other.job)
+        phase = "making room" if victims else "queued"
+        entry.progress = Progress(phase, 0, entry.file.decoded_bytes)
+        self._set_state(entry, ModelState.LOADING, phase)
+        evicted = asyncio.gather(*(asyncio.shield(v.job) for v in victims), return_exceptions=True)
+        entry.job = asyncio.create_task(self._load_job(entry, evicted), name=f"load {entry.name}")
+        entry.job.add_done_callback(_retrieve)
+        await asyncio.shield(evicted)               # a victim whose engine failed to close is freed too
 
-    async def _load_job(self, entry: ModelEntry) -> None:
+    def _evict_for(self, entry: ModelEntry, need: int) -> list[ModelEntry]:
+        """The idle ready models (not `entry`) to unload for `need` bytes; 507 if they cannot make room."""
+        idle = [e for e in self._entries.values() if e.state is ModelState.READY and e.in_flight == 0
+                and e is not entry]
+        try:
+            return evictions(entry.name, need, self.used_bytes(entry), self.settings.gpu_memory_budget, idle)
+        except InsufficientMemory:
+            self.metrics.loads.labels(entry.name, "rejected").inc()
+            raise
+
+    def _begin_reload(self, entry: ModelEntry, weights: str | None) -> bool:
+        """A ready model whose archive changed (another inode, size or mtime): unload it, so that the
+        load loads the new one (README: unavailable meanwhile). True: the unload began. First the new
+        header is read and budgeted, so that a reload refused there keeps the loaded version."""
+        f = self.store.find(entry.name)
+        if f is None or f.version == entry.file.version:
+            return False                            # unchanged, or deleted: the loaded version stays
+        try:
+            need, error = self.loader.estimate_bytes(f.path, weights or entry.weights, f.decoded_bytes), f.error
+        except CodecError as e:
+            need, error = 0, str(e)
+        if error:                                   # the store could not read its header either
+            raise LoadFailed(f"cannot reload {entry.name!r} (the loaded version stays): {error}")
+        self._evict_for(entry, need)                # 507 here: the loaded version stays
+        log.info("reloading %s: its archive changed", entry.name)
+        self._begin_unload(entry)
+        return True
+
+    async def _load_job(self, entry: ModelEntry, evicted: asyncio.Future) -> None:
         loaded = None
         try:
+            await evicted
+            entry.progress.phase = "queued"
             loaded = await asyncio.to_thread(self.loader.load, entry.name, entry.file.path, entry.weights,
                                              entry.progress)
             self.timeline.mark(f"load {entry.name}: back on the event loop")
-            self._check_charge(entry, loaded.served)
-            engine = Engine(loaded.served, self.metrics, limits(self.settings), self.timeline).start()
+            check_charge(entry.name, entry.weight_bytes, loaded.served.weight_bytes, self.charged_bytes(entry),
+                         self.settings.gpu_memory_budget)
+            engine = await asyncio.to_thread(Engine, loaded.served, self.metrics, limits(self.settings),
+                                             self.timeline)    # its KV cache and joins: off the loop
+            engine.start()                                    # its own thread captures the graphs
         except Exception as e:
-            error, result = self._load_error(entry, e)
-            _forget_frames(e)                      # their locals hold what the load had decoded
+            error, result = failure.load_error(entry.name, e)
+            failure.forget_frames(e)               # their locals hold what the load had decoded
         else:
             self._ready(entry, loaded, engine)
             return
@@ -293,44 +248,16 @@ class ModelRegistry:
         await asyncio.to_thread(self.loader.unloaded, entry.name)     # memory back before the answer
         raise self._failed(entry, error, result)
 
-    def _load_error(self, entry: ModelEntry, e: Exception) -> tuple[ServiceError, str]:
-        """The typed error of a failed load, and its wcodec_model_loads_total result."""
-        if isinstance(e, (torch.cuda.OutOfMemoryError, MemoryError)):
-            return InsufficientMemory(f"out of memory while loading {entry.name!r}: {e}"), "oom"
-        if isinstance(e, InsufficientMemory):               # _check_charge
-            return e, "oom"
-        if isinstance(e, LoadFailed):
-            return e, "failed"
-        if isinstance(e, CodecError):
-            return LoadFailed(f"cannot load {entry.name!r}: {e}"), "failed"
-        log.exception("loading %s failed", entry.name)
-        return LoadFailed(f"cannot load {entry.name!r}: {type(e).__name__}: {e}"), "failed"
-
     def _ready(self, entry: ModelEntry, loaded: Loaded, engine: Engine) -> None:
         entry.served, entry.stats, entry.reserved_bytes = loaded.served, loaded.stats, loaded.reserved_bytes
         entry.weights = loaded.served.weights                  # as held: an int8 archive's stay decoded
-        entry.weight_bytes = loaded.served.weight_bytes        # as held: the estimate or less (_check_charge)
+        entry.weight_bytes = loaded.served.weight_bytes        # as held: the estimate or less (check_charge)
         entry.loaded_at, entry.last_error = time.time(), None
+        self._startup_errors.pop(entry.name, None)             # its preload's error is history
         entry.engine, entry.last_used = engine, time.monotonic()
         self.metrics.loads.labels(entry.name, "ok").inc()
         self._set_state(entry, ModelState.READY)
         self.timeline.mark(f"load {entry.name}: engine started, ready")
-
-    def _check_charge(self, entry: ModelEntry, served: ServedModel) -> None:
-        """The load's own bytes against the estimate charged before it, which counts every buffer
-        the load makes (Loader.estimate_bytes), so more is an estimate's bug: logged as an error,
-        and where the budget cannot hold the difference, the load fails (507; its memory is given
-        back by the failed load's path), so that no load leaves the budget exceeded. One that fits
-        is kept: a model that fits refused for a wrong estimate would be an outage."""
-        estimate, real, budget = entry.weight_bytes, served.weight_bytes, self.settings.gpu_memory_budget
-        if real <= estimate:
-            return
-        log.error("load of %s took %d weight bytes, %d more than the estimate charged before it: "
-                  "Loader.estimate_bytes misses a buffer", entry.name, real, real - estimate)
-        if budget is not None and self.charged_bytes(entry) + real > budget:
-            raise InsufficientMemory(f"model {entry.name!r} took {real} bytes, more than its estimate of {estimate}, "
-                                     f"and {self.charged_bytes(entry)} of the budget of {budget} bytes are charged "
-                                     "to other models")
 
     def _failed(self, entry: ModelEntry, error: ServiceError, result: str) -> ServiceError:
         entry.last_error = error.message
@@ -362,15 +289,27 @@ class ModelRegistry:
         return entry.job
 
     async def _unload_job(self, entry: ModelEntry) -> None:
+        """Frees the weights whether or not the engine closes; one that fails to close leaves the
+        model `failed` with the error (500 unload_failed), charged nothing: its weights are gone."""
         await entry.idle.wait()                    # in-flight requests finish first
         engine, served, entry.engine, entry.served = entry.engine, entry.served, None, None
-        if engine is not None:
-            await asyncio.to_thread(engine.close)
+        error = None
+        try:
+            if engine is not None:
+                await asyncio.to_thread(engine.close)
+        except Exception as e:
+            log.exception("closing the engine of %s failed", entry.name)
+            error = UnloadFailed(f"unloading {entry.name!r}: its engine failed to close: {type(e).__name__}: {e}")
+            failure.forget_frames(e)               # their locals hold the engine and its cache
         if served is not None:                     # a request still unwinding may hold `served`
             served.release()
         del engine, served
         await asyncio.to_thread(self.loader.unloaded, entry.name)
         entry.progress = Progress()
+        if error is not None:
+            entry.last_error = error.message
+            self._set_state(entry, ModelState.FAILED)
+            raise error
         self._set_state(entry, ModelState.AVAILABLE)
 
     # --- start-up and shutdown ------------------------------------------------------------------
@@ -388,7 +327,7 @@ class ModelRegistry:
                     self._preload_failed(name, e)
             self.timeline.mark("start-up: preloads done")
         except Exception as e:                     # a background task: report it, keep serving
-            self.startup_error = str(e)
+            self._startup_errors.setdefault("", str(e))
             log.exception("start-up failed")
         finally:
             self.loader.release_early()            # preloads that did not use theirs
@@ -397,7 +336,7 @@ class ModelRegistry:
         """A preload that failed is `failed` in /models with its error, whatever refused it: a load
         refused before it began (the memory budget: 507) left the model `available` and no error,
         where nobody had seen the answer."""
-        self.startup_error = self.startup_error or error.message
+        self._startup_errors.setdefault(name, error.message)
         log.error("preload of %s failed: %s", name, error.message)
         entry = self._entries.get(name)
         if entry is not None and entry.state is ModelState.AVAILABLE:

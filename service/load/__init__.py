@@ -15,4 +15,5 @@ whole-archive load of the CLI and the Python API. Nothing here is imported at pa
     ring.py         layer batches and the ring of (pinned) host buffers they are read into
     pipeline.py     decode_archive: read -> H2D -> decode, overlapped; load_archive
     job.py          Loader: one model's load (early load, host cache, decode, build), its metrics
+    failure.py      a failed load: its typed error, the frames it must not keep alive
 """

@@ -32,6 +32,12 @@ class ModelFile:
     decoded_bytes: int             # sum of its tensors' sizes (from the header)
     mtime_ns: int
     error: str | None = None       # the header could not be read
+    inode: int = 0                 # a file replaced (renamed over) has another
+
+    @property
+    def version(self) -> tuple[int, int, int]:
+        """What tells this file from a rewritten one: a load of a ready model compares it."""
+        return self.inode, self.compressed_bytes, self.mtime_ns
 
     @property
     def ratio(self) -> float:
@@ -66,13 +72,13 @@ class ModelStore:
     def _describe(self, path: Path) -> ModelFile:
         stat = path.stat()
         cached = self._cache.get(path.stem)
-        if cached and cached.mtime_ns == stat.st_mtime_ns and cached.compressed_bytes == stat.st_size:
+        if cached and cached.version == (stat.st_ino, stat.st_size, stat.st_mtime_ns):
             return cached
         from codec.decode import Archive         # imports torch: not on `wcodec serve`'s first steps
         try:
             with Archive.open(path) as archive:
                 decoded = sum(e.nbytes for e in archive.entries)
-            return ModelFile(path.stem, path, stat.st_size, decoded, stat.st_mtime_ns)
+            return ModelFile(path.stem, path, stat.st_size, decoded, stat.st_mtime_ns, inode=stat.st_ino)
         except CodecError as e:
-            return ModelFile(path.stem, path, stat.st_size, 0, stat.st_mtime_ns, str(e))
+            return ModelFile(path.stem, path, stat.st_size, 0, stat.st_mtime_ns, str(e), stat.st_ino)
 

@@ -54,6 +54,6 @@ async def load_model(name: ModelName, registry: RegistryDep, response: Response,
 
 
 @router.post("/{name}/unload", summary="Wait for the model's requests, then free its memory",
-             dependencies=[AdminDep], responses=responses(401, 403, 404, 422))
+             dependencies=[AdminDep], responses=responses(401, 403, 404, 422, 500))
 async def unload_model(name: ModelName, registry: RegistryDep) -> ModelInfo:
     return model_info(await registry.unload(name), registry.device.type)

@@ -65,7 +65,7 @@ async def load(name: ModelName, registry: RegistryDep, body: RepositoryBody) -> 
 
 @router.post("/models/{name}/unload", summary="Triton's unload: waits for the model's requests, then frees it",
              dependencies=[AdminDep], response_class=Response, openapi_extra=BODY,
-             responses={**DONE, **responses(401, 403, 404, 422)})
+             responses={**DONE, **responses(401, 403, 404, 422, 500)})
 async def unload(name: ModelName, registry: RegistryDep, body: RepositoryBody) -> Response:
     _refuse_parameters(body, {"unload_dependents"})       # wcodec's models have no dependents
     await registry.unload(name)

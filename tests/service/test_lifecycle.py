@@ -216,6 +216,19 @@ async def test_a_preload_the_memory_budget_refuses_is_failed_with_its_error(serv
         assert (await server.client.get("/health/ready")).status_code == 503
 
 
+async def test_readiness_forgets_a_preload_error_once_that_model_loads(serve, store) -> None:
+    """/health/ready's 503 kept the failed preload's error after the model had loaded since (and was
+    unloaded again): the error of a start-up that is over."""
+    async with serve(store(), preload=[DEMO], gpu_memory_budget=1000) as server:
+        await server.registry.startup
+        assert "the budget of 1000 bytes" in (await server.client.get("/health/ready")).json()["error"]
+        server.registry.settings = server.registry.settings.model_copy(update={"gpu_memory_budget": None})
+        assert (await server.client.post(f"/models/{DEMO}/load")).status_code == 200
+        assert (await server.client.post(f"/models/{DEMO}/unload")).status_code == 200
+        r = await server.client.get("/health/ready")
+        assert r.status_code == 503 and r.json()["error"] == "no model is ready yet"
+
+
 @pytest.mark.parametrize("weights", ["decoded", "compressed"])
 async def test_an_unreadable_archive_is_a_failed_load_in_both_weights_modes(serve, store, weights) -> None:
     root = with_broken_archive(store())
