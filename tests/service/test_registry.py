@@ -97,7 +97,8 @@ async def test_a_load_failing_mid_way_keeps_none_of_what_it_decoded(serve, store
 
 async def _evicting(server, monkeypatch) -> tuple[asyncio.Future, threading.Event]:
     """The demo ready, then a load of b that must unload it (a budget of 1000, 400 + 700 do not
-    fit), held at the demo's unload's last step until the returned event is set."""
+    fit), held at the demo's unload's last step until the returned event is set (set it with
+    `_room`: b's real charge is no 700 units)."""
     registry = server.registry
     await registry.load(DEMO)
     registry.get(DEMO).weight_bytes = 400                  # budget units of these tests
@@ -110,6 +111,13 @@ async def _evicting(server, monkeypatch) -> tuple[asyncio.Future, threading.Even
         while registry.get(DEMO).state is not ModelState.UNLOADING:
             await asyncio.sleep(0.01)
     return load_b, gate
+
+
+def _room(server, gate: threading.Event) -> None:
+    """Lift the budget of `_evicting` (its units are no bytes: b's load, which charges what it took
+    against the budget, would fail), then let the demo's unload end."""
+    server.registry.settings = server.registry.settings.model_copy(update={"gpu_memory_budget": None})
+    gate.set()
 
 
 async def test_an_unload_sent_while_a_load_makes_room_waits_for_that_load(serve, store, monkeypatch) -> None:
@@ -126,7 +134,7 @@ async def test_an_unload_sent_while_a_load_makes_room_waits_for_that_load(serve,
         for _ in range(20):
             await asyncio.sleep(0)
         assert registry.get("b").state is ModelState.LOADING and not unload_b.done()
-        gate.set()
+        _room(server, gate)
         await load_b
         assert (await unload_b).state is ModelState.AVAILABLE
         assert registry.get("b").state is ModelState.AVAILABLE and registry.used_bytes() == 0
@@ -143,7 +151,7 @@ async def test_a_model_whose_file_goes_while_it_loads_stays_tracked(serve, store
         listed = {m["name"]: m["state"] for m in (await server.client.get("/models")).json()["models"]}
         assert listed["b"] == "loading"
         (root / "b.moved").rename(root / "b.wcodec")
-        gate.set()
+        _room(server, gate)
         loaded = await load_b
         assert registry.get("b") is loaded and loaded.state is ModelState.READY
         assert registry.used_bytes() == loaded.weight_bytes > 0
