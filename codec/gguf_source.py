@@ -88,6 +88,23 @@ class GGUFSource(CheckpointSource):
         return field.contents()
 
     def _rope_scaling(self, arch: str) -> tuple | None:
+        """The rope scaling config.json must say (sorted items; None: the default rope), which
+        transformers' GGUF loader reads from neither place llama.cpp writes it: a linear one as
+        `{arch}.rope.scaling.type` and `.factor`, Llama 3.1's as `rope_freqs.weight`. Another kind
+        (yarn, longrope: parameters of llama.cpp's own) is refused, never served as the default rope."""
+        kind = str(self._field(f"{arch}.rope.scaling.type", "none"))
+        if kind not in ("none", "linear"):
+            raise self._error(f"rope scaling {kind!r} ({arch}.rope.scaling.type) is not supported (linear is, and "
+                              f"{ROPE_FREQS}); served with the default rope, the model would be wrong")
+        freqs = self._rope_freqs(arch)
+        if kind == "none":
+            return freqs
+        if freqs is not None:
+            raise self._error(f"both a linear rope scaling and {ROPE_FREQS}: which one the model was trained with is unknown")
+        factor = float(self._field(f"{arch}.rope.scaling.factor"))
+        return (("factor", factor), ("rope_type", "linear")) if factor != 1.0 else None
+
+    def _rope_freqs(self, arch: str) -> tuple | None:
         """The llama3 rope scaling that `rope_freqs.weight` holds (sorted items), None without one."""
         tensor = next((t for t in self._reader.tensors if t.name == ROPE_FREQS), None)
         if tensor is None:

@@ -91,3 +91,34 @@ def test_the_demo_with_rope_freqs_says_llama3(tmp_path: Path) -> None:
     bad = np.linspace(1, 4, head_dim // 2, dtype=np.float32)
     with pytest.raises(SourceError, match="rope_freqs.weight: .*not those of a llama3"):
         open_source(_with_rope_freqs(tmp_path / "bad.gguf", bad))
+
+
+def _with_metadata(dst: Path, fields: dict,
+                   keep=lambda name: not name.startswith("blk.") or name.startswith("blk.0.")) -> Path:
+    """The demo cut to its first layer (the tensors `keep` names), with `fields` ({key: (GGUFValueType, value)}) added."""
+    from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
+    reader = gguf.GGUFReader(_demo())
+    reader.tensors = [t for t in reader.tensors if keep(t.name)]
+    writer = gguf.GGUFWriter(dst, arch="llama")
+    extra = {k: MetadataDetails(kind, value) for k, (kind, value) in fields.items()}
+    copy_with_new_metadata(reader, writer, {"llama.block_count": MetadataDetails(gguf.GGUFValueType.UINT32, 1),
+                                            **extra}, [])
+    return dst
+
+
+def test_a_linear_rope_scaling_in_the_metadata_reaches_config_json(tmp_path: Path) -> None:
+    """llama.cpp writes a linear rope scaling (Llama-2 long-context fine-tunes) as
+    `llama.rope.scaling.type` and `.factor`, which transformers' GGUF loader does not read: the
+    config said the default rope and every position past 0 was rotated by the wrong angle."""
+    linear = {"llama.rope.scaling.type": (gguf.GGUFValueType.STRING, "linear"),
+              "llama.rope.scaling.factor": (gguf.GGUFValueType.FLOAT32, 4.0)}
+    with open_source(_with_metadata(tmp_path / "linear.gguf", linear)) as src:
+        rope = json.loads(src.files["config.json"])["rope_parameters"]
+    assert rope["rope_type"] == "linear" and rope["factor"] == 4.0
+
+
+def test_a_rope_scaling_nothing_here_computes_is_refused(tmp_path: Path) -> None:
+    yarn = {"llama.rope.scaling.type": (gguf.GGUFValueType.STRING, "yarn"),
+            "llama.rope.scaling.factor": (gguf.GGUFValueType.FLOAT32, 4.0)}
+    with pytest.raises(SourceError, match="rope scaling 'yarn'"):
+        open_source(_with_metadata(tmp_path / "yarn.gguf", yarn, keep=lambda name: name == "output_norm.weight"))
