@@ -86,8 +86,30 @@ def _rebuild_meta_buffers(model: torch.nn.Module, config, device: torch.device) 
             with torch.device(device):
                 fresh = type(module)(config=config)
         except TypeError as e:
-            raise LoadFailed(f"cannot rebuild {name} ({type(module).__name__}): {e}") from None
+            _init_buffers(model, name, module, device, e)
+            continue
         setattr(*llama.owner_of(model, name), fresh)
+
+
+def _init_buffers(model: torch.nn.Module, name: str, module: torch.nn.Module, device: torch.device,
+                  why: Exception) -> None:
+    """The meta buffers of a module not built from the config alone (Gemma's scaled embedding and
+    its `embed_scale`) set as transformers' from_pretrained sets them: by the model's
+    `_init_weights`, whose `init` functions leave a tensor marked `_is_hf_initialized` alone (the
+    module's assigned weights). A buffer it leaves unset (NaN) fails the load, never served."""
+    buffers = {k: b for k, b in module.named_buffers(recurse=False) if b.is_meta}
+    init = getattr(model, "_init_weights", None)
+    if init is None or not all(b.is_floating_point() for b in buffers.values()):
+        raise LoadFailed(f"cannot rebuild {name} ({type(module).__name__}): {why}")
+    for p in module.parameters(recurse=False):
+        p._is_hf_initialized = True
+    for k, b in buffers.items():
+        setattr(module, k, torch.full(b.shape, float("nan"), dtype=b.dtype, device=device))
+    init(module)
+    unset = [k for k in buffers if getattr(module, k).isnan().any()]
+    if unset:
+        raise LoadFailed(f"cannot rebuild {name} ({type(module).__name__}): its buffers {unset} are not set by "
+                         f"{type(model).__name__}._init_weights ({why})")
 
 
 _IMPORT_LOCK = threading.Lock()

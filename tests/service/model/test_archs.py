@@ -1,0 +1,121 @@
+"""Every architecture the server accepts, against transformers on the same weights: a tiny random
+model of transformers' own config class, saved as an HF folder, compressed (`codec.encode.compress`),
+loaded through the server's path (build.prepare, the load pipeline, build.finish) and run as the
+engine runs it (the padded batcher's KV cache, service/engine/kv.py; llama.py's models also through
+the paged engine, batched rows and chunked prompts). fp32 on the CPU: logits within 1e-5, the same
+greedy tokens. llama.py serves llama, mistral and qwen2 (LlamaConfig.parse); the others and
+sliding windows go to transformers' classes, and must compute what transformers computes."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from codec.decode import Archive
+from codec.encode import compress
+from service.engine.kv import PaddedKV, cache_class, forward_all
+from service.load import pipeline
+from service.model import build, llama
+
+SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256)
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16}       # the prompts run past it
+CASES = {
+    "llama-gqa-tied": ("Llama", dict(tie_word_embeddings=True)),
+    "llama-head-dim-24-biases": ("Llama", dict(head_dim=24, attention_bias=True, mlp_bias=True)),
+    "llama-linear-theta": ("Llama", dict(rope_scaling={"rope_type": "linear", "factor": 2.0}, rope_theta=5e5)),
+    "llama-llama3-long": ("Llama", dict(rope_scaling=LLAMA3, rope_theta=5e5, tie_word_embeddings=True)),
+    "mistral-no-window": ("Mistral", dict(sliding_window=None)),
+    "qwen2-window-off-tied": ("Qwen2", dict(use_sliding_window=False, sliding_window=8, tie_word_embeddings=True)),
+    "mistral-window-8": ("Mistral", dict(sliding_window=8)),
+    "qwen2-window-on": ("Qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+    "qwen3": ("Qwen3", dict(head_dim=16)),
+    "gemma": ("Gemma", dict(head_dim=16)),
+    "gemma2": ("Gemma2", dict(head_dim=16, sliding_window=8)),
+    "phi3": ("Phi3", dict(num_key_value_heads=4)),
+}
+NATIVE = {"llama-gqa-tied", "llama-head-dim-24-biases", "llama-linear-theta", "llama-llama3-long",
+          "mistral-no-window", "qwen2-window-off-tied"}
+
+
+def served_pair(tmp_path: Path, kind: str, **config):
+    """(transformers' model, the server's ServedModel) of one tiny random model, fp32."""
+    import transformers
+    from conftest import _tiny_tokenizer
+    tok = _tiny_tokenizer(tmp_path / "hf")
+    cfg = getattr(transformers, f"{kind}Config")(vocab_size=len(tok), pad_token_id=tok.pad_token_id,
+                                                 eos_token_id=tok.eos_token_id, bos_token_id=None, **{**SIZES, **config})
+    torch.manual_seed(0)
+    theirs = getattr(transformers, f"{kind}ForCausalLM")(cfg).eval()
+    with torch.no_grad():                                       # biases and norms off their 0 / 1 init
+        for n, p in theirs.named_parameters():
+            if n.endswith("bias") or "norm" in n:
+                p.add_(0.1 * torch.randn_like(p))
+    theirs.save_pretrained(tmp_path / "hf")
+    compress(tmp_path / "hf", tmp_path / "m.wcodec", workers=1)
+    with Archive.open(tmp_path / "m.wcodec") as archive:
+        opened = archive.entries, archive.reader.files()
+    prepared = build.prepare("m", opened[1])
+    decoded = pipeline.decode_archive(str(tmp_path / "m.wcodec"), torch.device("cpu"), opened=opened)
+    return theirs, build.finish("m", prepared, decoded.tensors, decoded.layers, torch.device("cpu"))
+
+
+@torch.inference_mode()
+def greedy(model, prompts: list[list[int]], new: int) -> list[list[int]]:
+    """`new` greedy tokens of each prompt, the prompts left-padded into one batch (the batcher's KV)."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    real = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    kv, out = PaddedKV(torch.device("cpu"), cache_class(model), rows=len(prompts)), []
+    for _ in range(new):
+        ids = forward_all(model, [(kv, ids, real)])[0].argmax(-1)[:, None]        # [B, 1]
+        real = torch.ones_like(ids)
+        out.append(ids[:, 0].tolist())
+    return [list(t) for t in zip(*out)]
+
+
+@torch.inference_mode()
+def their_greedy(model, prompt: list[int], new: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    for _ in range(new):
+        ids = torch.cat([ids, model(input_ids=ids).logits[:, -1:].argmax(-1)], 1)
+    return ids[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_served_model_computes_what_transformers_computes(tmp_path: Path, case: str) -> None:
+    kind, config = CASES[case]
+    theirs, served = served_pair(tmp_path, kind, **config)
+    assert isinstance(served.model, llama.LlamaForCausalLM) == (case in NATIVE)
+    torch.manual_seed(1)
+    prompts = [torch.randint(3, 280, (n,)).tolist() for n in (40, 23)]
+    with torch.inference_mode():
+        ids = torch.tensor([prompts[0]])
+        torch.testing.assert_close(served.model(input_ids=ids).logits, theirs(input_ids=ids).logits, rtol=0, atol=1e-5)
+    assert greedy(served.model, prompts, 6) == [their_greedy(theirs, p, 6) for p in prompts]
+
+
+def test_a_buffer_nothing_rebuilds_fails_the_load_typed() -> None:
+    """A non-persistent buffer left on meta by a module that neither its config nor the model's
+    `_init_weights` rebuilds: LoadFailed naming it, not a model computing with garbage."""
+    from service.errors import LoadFailed
+
+    class Scaled(torch.nn.Module):
+        def __init__(self, scale: float):
+            super().__init__()
+            self.scale = torch.nn.Buffer(torch.tensor(scale), persistent=False)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = Scaled(2.0)
+
+        def _init_weights(self, module):
+            pass
+
+    with torch.device("meta"):
+        model = Model()
+    with pytest.raises(LoadFailed, match=r"cannot rebuild inner \(Scaled\): its buffers \['scale'\] are not set"):
+        build._rebuild_meta_buffers(model, None, torch.device("cpu"))
