@@ -119,3 +119,35 @@ def test_a_buffer_nothing_rebuilds_fails_the_load_typed() -> None:
         model = Model()
     with pytest.raises(LoadFailed, match=r"cannot rebuild inner \(Scaled\): its buffers \['scale'\] are not set"):
         build._rebuild_meta_buffers(model, None, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("case", sorted(NATIVE))
+@pytest.mark.parametrize("kernels", ["modules", "cpu-step"])
+def test_the_paged_engine_batched_and_chunked_computes_what_transformers_computes(tmp_path: Path, case: str,
+                                                                                  kernels: str) -> None:
+    """Two prompts, one in two chunks beside the other whole, then decode rows beside the second
+    chunk and both rows decoding: each logit row that of transformers' model on that row alone."""
+    from cuda_ext import step_kernels
+    from service.engine.runner import Chunk, Decode, Runner
+    from service.model import paged
+    fused = step_kernels.cpu_kernels(torch.device("cpu")) if kernels == "cpu-step" else None
+    if kernels == "cpu-step" and fused is None:
+        pytest.skip("the extension's CPU step ops are not built")
+    theirs, served = served_pair(tmp_path, *CASES[case][:1], **CASES[case][1])
+    paged.fuse_projections(served.model)
+    torch.manual_seed(2)
+    p0, p1 = torch.randint(3, 280, (30,)).tolist(), torch.randint(3, 280, (13,)).tolist()
+    t0, t1 = list(range(8)), list(range(8, 12))                              # block tables, 4 tokens a block
+    cache = paged.PagedCache(served.model.config, 16, 4, torch.float32, torch.device("cpu"))
+    with torch.inference_mode():
+        runner = Runner(served.model, cache, 4, 16, False, fused)
+        a = runner.run([], [Chunk(p0[:20], 0, t0), Chunk(p1, 0, t1)])
+        n1 = int(a[1].argmax())
+        b = runner.run([Decode(n1, 13, t1)], [Chunk(p0[20:], 20, t0)])
+        n0, n1b = int(b[1].argmax()), int(b[0].argmax())
+        c = runner.run([Decode(n0, 30, t0), Decode(n1b, 14, t1)], [])
+        r0 = theirs(input_ids=torch.tensor([p0 + [n0]])).logits[0]             # [31, V]
+        r1 = theirs(input_ids=torch.tensor([p1 + [n1, n1b]])).logits[0]        # [15, V]
+    got = torch.stack([a[0], a[1], b[0], b[1], c[0], c[1]])
+    want = torch.stack([r0[19], r1[12], r1[13], r0[29], r0[30], r1[14]])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
