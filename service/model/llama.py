@@ -28,6 +28,10 @@ from torch import nn
 from .kvcache import KVCache
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
+# transformers' class defaults, for a config.json that omits the field (transformers' AutoConfig reads it so)
+TYPE_DEFAULTS = {"llama": {"max_position_embeddings": 2048},
+                 "mistral": {"max_position_embeddings": 131072, "sliding_window": 4096},
+                 "qwen2": {"max_position_embeddings": 32768, "sliding_window": 4096}}
 
 
 def _rope(d: dict) -> tuple[float, dict] | None:
@@ -68,6 +72,7 @@ class LlamaConfig:
         """The config of config.json's `d`, None for a model llama.py does not implement; raises
         one of INVALID_CONFIG for a config that is not valid (a field missing or mistyped, 0 heads)."""
         kind = d.get("model_type")
+        d = {**TYPE_DEFAULTS.get(kind, {}), **d}
         rope = _rope(d)
         window = d.get("sliding_window") if kind != "qwen2" or d.get("use_sliding_window") else None
         if kind not in MODEL_TYPES or rope is None or d.get("hidden_act", "silu") != "silu" or window \
@@ -77,7 +82,7 @@ class LlamaConfig:
         bias = bool(d.get("attention_bias", False))
         return cls(kind, d["vocab_size"], d["hidden_size"], d["intermediate_size"], d["num_hidden_layers"], heads,
                    d.get("num_key_value_heads") or heads, d.get("head_dim") or d["hidden_size"] // heads,
-                   d.get("rms_norm_eps", 1e-6), rope[0], rope[1], d.get("max_position_embeddings", 2048),
+                   d.get("rms_norm_eps", 1e-6), rope[0], rope[1], d["max_position_embeddings"],
                    bool(d.get("tie_word_embeddings", False)), bias or kind == "qwen2",
                    bias, bool(d.get("mlp_bias", False)), d.get("eos_token_id"), d.get("pad_token_id"),
                    d.get("bos_token_id"))

@@ -90,7 +90,7 @@ def test_rotation_by_roll_and_signed_sin_is_rotate_half_bit_for_bit(dtype: torch
                                     {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}])
 def test_what_is_not_implemented_goes_to_transformers(change: dict) -> None:
     base = {"model_type": "mistral", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
-            "num_hidden_layers": 1, "num_attention_heads": 2}
+            "num_hidden_layers": 1, "num_attention_heads": 2, "sliding_window": None}   # Mistral v0.2+: no window
     assert llama.LlamaConfig.parse(base) is not None
     assert llama.LlamaConfig.parse({**base, **change}) is None
 
@@ -191,3 +191,22 @@ def test_a_config_that_is_not_valid_fails_the_load_typed(change: dict) -> None:
     config = {k: v for k, v in {**base, **change}.items() if v is not None}
     with pytest.raises(LoadFailed, match="config.json is not valid"):
         build.prepare("m", {"config.json": json.dumps(config).encode()})
+
+
+@pytest.mark.parametrize("extra", [{"model_type": "llama"}, {"model_type": "mistral"}, {"model_type": "qwen2"},
+                                   {"model_type": "qwen2", "use_sliding_window": True},
+                                   {"model_type": "mistral", "sliding_window": None}])
+def test_a_field_config_json_omits_is_read_as_transformers_reads_it(tmp_path: Path, extra: dict) -> None:
+    """A config.json without `sliding_window` or `max_position_embeddings` (hand-written, or cut to
+    what differs): transformers' class defaults apply (Mistral: a 4096-token window, 131072
+    positions; Qwen2: 32768, a 4096 window once switched on). llama.py served such a Mistral with
+    full attention, as no window, and every type with 2048 positions."""
+    from transformers import AutoConfig
+    d = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
+         "num_attention_heads": 2, **extra}
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    theirs, ours = AutoConfig.from_pretrained(tmp_path), llama.LlamaConfig.parse(d)
+    windowed = getattr(theirs, "sliding_window", None) is not None
+    assert (ours is None) == windowed
+    if ours is not None:
+        assert ours.max_position_embeddings == theirs.max_position_embeddings
