@@ -100,7 +100,8 @@ class GGUFSource(CheckpointSource):
         if kind == "none":
             return freqs
         if freqs is not None:
-            raise self._error(f"both a linear rope scaling and {ROPE_FREQS}: which one the model was trained with is unknown")
+            raise self._error(f"both a linear rope scaling and {ROPE_FREQS}: "
+                              "which one the model was trained with is unknown")
         factor = float(self._field(f"{arch}.rope.scaling.factor"))
         return (("factor", factor), ("rope_type", "linear")) if factor != 1.0 else None
 

@@ -95,7 +95,8 @@ def test_the_demo_with_rope_freqs_says_llama3(tmp_path: Path) -> None:
 
 def _with_metadata(dst: Path, fields: dict,
                    keep=lambda name: not name.startswith("blk.") or name.startswith("blk.0.")) -> Path:
-    """The demo cut to its first layer (the tensors `keep` names), with `fields` ({key: (GGUFValueType, value)}) added."""
+    """The demo cut to its first layer (the tensors `keep` names), with `fields` added
+    ({key: (GGUFValueType, value)})."""
     from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
     reader = gguf.GGUFReader(_demo())
     reader.tensors = [t for t in reader.tensors if keep(t.name)]

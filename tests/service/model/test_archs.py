@@ -45,8 +45,8 @@ def served_pair(tmp_path: Path, kind: str, **config):
     import transformers
     from conftest import _tiny_tokenizer
     tok = _tiny_tokenizer(tmp_path / "hf")
-    cfg = getattr(transformers, f"{kind}Config")(vocab_size=len(tok), pad_token_id=tok.pad_token_id,
-                                                 eos_token_id=tok.eos_token_id, bos_token_id=None, **{**SIZES, **config})
+    ids = dict(vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
+    cfg = getattr(transformers, f"{kind}Config")(**ids, **{**SIZES, **config})
     torch.manual_seed(0)
     theirs = getattr(transformers, f"{kind}ForCausalLM")(cfg).eval()
     with torch.no_grad():                                       # biases and norms off their 0 / 1 init
