@@ -38,8 +38,9 @@ Generate wcodec_generate_requests_total{model,status}  status: ok, error, cancel
          wcodec_generate_inter_token_latency_seconds{model}   one observation per token after the first
          wcodec_generate_queue_depth{model}    requests waiting to join the running batch
          wcodec_generate_queue_capacity{model}
-         wcodec_generate_batch_size{model}     rows decoded per step (continuous batching: one
-                                                   observation per step that did work)
+         wcodec_generate_batch_size{model}     rows a step ran, decoded or prefilled (as TGI's
+                                                   tgi_batch_current_size: one observation per step
+                                                   that did work)
          wcodec_generate_batch_tokens{model}   tokens fed per step: decoded rows + prompt tokens
 KV cache wcodec_kv_cache_blocks{model}, wcodec_kv_cache_blocks_used{model}   the paged cache's blocks
                                                    (service/engine/blocks.py), all / held by rows
@@ -173,7 +174,7 @@ class Metrics:
                                     "(WCODEC_MAX_QUEUE)", m, registry=r)
         self.itl = Histogram("wcodec_generate_inter_token_latency_seconds", "Time between two tokens of "
                              "a request", m, buckets=_TOKEN, registry=r)
-        self.batch_size = Histogram("wcodec_generate_batch_size", "Rows decoded per step of the running batch",
+        self.batch_size = Histogram("wcodec_generate_batch_size", "Rows a step of the running batch ran (decoded or prefilled)",
                                     m, buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
         self.batch_tokens = Histogram("wcodec_generate_batch_tokens", "Tokens fed to the model per step "
                                       "(decoded rows + prompt tokens)", m,

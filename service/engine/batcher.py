@@ -33,7 +33,7 @@ from .kv import PaddedKV, cache_class, forward_all
 
 @dataclass(frozen=True)
 class Step:
-    rows: int           # rows decoded
+    rows: int           # rows the step ran: decoded, and prefilled (a chunk of their prompts)
     tokens: int         # tokens fed to the model: decoded rows + prompt tokens prefilled
 
 
@@ -128,7 +128,8 @@ class Batcher:
             if every:
                 group.score(logits[-1])                                                     # [G, chunk, V]
             self._prefilled(group, chunk, logits[-1][:, -1] if every else logits[-1])
-        return Step(rows, rows + (len(group.rows) * chunk if group else 0))
+        prefilled = len(group.rows) if group else 0
+        return Step(rows + prefilled, rows + prefilled * chunk)
 
     def reset(self) -> list[Row]:
         """Forget the running batch and the group (after a failed step); returns their rows."""

@@ -125,7 +125,7 @@ class Scheduler:
                 self.prefilling.remove(s)
                 self.running.append(s)
         self._leave()
-        return Step(len(decoding), len(decoding) + sum(len(c.tokens) for _, c in chunks))
+        return Step(len(decoding) + len(chunks), len(decoding) + sum(len(c.tokens) for _, c in chunks))
 
     def reset(self) -> list[Row]:
         """Forget every running and prefilling row (after a failed step); returns their rows."""

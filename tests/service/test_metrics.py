@@ -130,3 +130,16 @@ async def test_the_budget_counts_a_float32_cast_before_the_load(serve, store) ->
         assert r.status_code == 507 and r.json()["error_type"] == "insufficient_memory", r.text
         server.registry.settings.gpu_memory_budget = 2 * decoded_bytes
         assert (await server.client.post(f"/models/{DEMO}/load")).status_code == 200
+
+
+@pytest.mark.parametrize("engine", ["paged", "padded"])
+async def test_batch_size_counts_the_rows_a_step_ran_its_prefill_too(serve, store, engine) -> None:
+    """One request of 4 tokens alone: 4 steps (its prefill, 3 decodes) of one row each. The prefill
+    step was observed as 0 rows (decoded rows only), so a lone client's batch read 0.75 rows a
+    step on the dashboard, where TGI's tgi_batch_current_size counts the rows being prefilled."""
+    async with serve(store(), preload=[DEMO], engine=engine) as server:
+        await server.wait_state(DEMO, ModelState.READY)
+        assert (await server.client.post("/generate", json=generate_body(4))).status_code == 200
+        assert await server.metric("wcodec_generate_batch_size_count", model=DEMO) == 4
+        assert await server.metric("wcodec_generate_batch_size_sum", model=DEMO) == 4
+        assert await server.metric("wcodec_generate_batch_size_bucket", model=DEMO, le="1.0") == 4
