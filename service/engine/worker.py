@@ -141,7 +141,6 @@ class Engine:
             req.row = Row(req.prompt_ids, req.params, self.served, owner=req)
             self.batcher.add(req.row)
         self._first("request", f"{len(req.prompt_ids)} prompt tokens")
-        self.metrics.prompt_tokens.labels(name).inc(len(req.prompt_ids))
         self.metrics.queue_depth.labels(name).set(len(waiting))
         self._wake.set()
 
@@ -232,6 +231,7 @@ class Engine:
         req, now, name = row.owner, time.perf_counter(), self.served.name
         if req.first_token_at is None:
             req.first_token_at = now
+            self.metrics.prompt_tokens.labels(name).inc(len(req.prompt_ids))      # prefilled: taken in
             self.metrics.ttft.labels(name).observe(now - req.created)
             if row.admitted_at is not None:
                 self.metrics.queue_seconds.labels(name).observe(row.admitted_at - req.created)

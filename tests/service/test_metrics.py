@@ -1,10 +1,13 @@
 """/metrics: every documented family, `wcodec_` names, route templates (not raw paths) as labels."""
 from __future__ import annotations
 
+import contextlib
 import re
 
+import anyio
 import pytest
-from service_helpers import DEMO, generate_body, with_broken_archive
+from pydantic import ValidationError
+from service_helpers import DEMO, QUEUE_OF_ONE, generate_body, when_queue_full, with_broken_archive
 
 from service.engine.worker import GenRequest
 from service.engine.sampling import Finished
@@ -143,3 +146,26 @@ async def test_batch_size_counts_the_rows_a_step_ran_its_prefill_too(serve, stor
         assert await server.metric("wcodec_generate_batch_size_count", model=DEMO) == 4
         assert await server.metric("wcodec_generate_batch_size_sum", model=DEMO) == 4
         assert await server.metric("wcodec_generate_batch_size_bucket", model=DEMO, le="1.0") == 4
+
+
+async def test_a_prompt_cancelled_before_its_prefill_is_not_counted(serve, store, monkeypatch) -> None:
+    """wcodec_generate_prompt_tokens_total counts the prompt tokens the model took in, as vLLM's
+    prompt_tokens counts a prompt once prefilled: a request whose client left while it waited
+    for a row counted its prompt at arrival, though no step ever fed it."""
+    async with serve(store(), preload=[DEMO], **QUEUE_OF_ONE) as server:
+        await server.wait_state(DEMO, ModelState.READY)
+
+        codes = []
+
+        async def send():
+            with contextlib.suppress(ValidationError):        # the cancelled one: no client to answer
+                codes.append((await server.client.post("/generate", json=generate_body(4))).status_code)
+
+        def cancel_the_waiting_one():                         # as finish_all does once its client left
+            server.registry.get(DEMO).engine.batcher.waiting[0].owner.cancel()
+
+        await when_queue_full(server, monkeypatch, send, lambda: anyio.to_thread.run_sync(cancel_the_waiting_one))
+        assert codes == [200]
+        assert await server.metric("wcodec_generate_requests_total", model=DEMO, status="cancelled") == 1
+        assert await server.metric("wcodec_generate_prompt_tokens_total", model=DEMO) \
+            == await server.metric("wcodec_generate_batch_tokens_sum", model=DEMO) - 3     # one prefill, 3 decodes
