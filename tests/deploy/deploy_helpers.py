@@ -102,11 +102,9 @@ def metric_names(expr: str) -> set[str]:
 
 def exposed_metric_names() -> set[str]:
     """Every sample name the service's registry can expose, by metric type, labelled or not."""
-    from service.metrics import Metrics
+    from promql_labels import exposed_labels
 
-    suffixes = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"),
-                "gauge": ("",), "summary": ("_sum", "_count", "_created")}
-    return {family.name + s for family in Metrics().registry.collect() for s in suffixes[family.type]}
+    return set(exposed_labels()) - {"up"}
 
 
 def dashboard_and_alert_metrics() -> dict[str, set[str]]:

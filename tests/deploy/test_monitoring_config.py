@@ -1,7 +1,7 @@
 """Prometheus and Grafana configuration, without running them: promtool checks the config and the
 rules and runs the alerts' unit tests; the dashboard is checked the way Grafana would load it (the
 provisioned datasource, the variables, a query on every panel) and every metric it or an alert
-names is one the service's registry exposes. tests/deploy/test_monitoring_e2e.py runs them live."""
+names is one the service's registry exposes, with every label the query uses (promql_labels.py). tests/deploy/test_monitoring_e2e.py runs them live."""
 from __future__ import annotations
 
 import re
@@ -9,9 +9,10 @@ import shutil
 import subprocess
 
 import pytest
-from deploy_helpers import (ALERT_TESTS, ALERTS, DASHBOARD, DATASOURCES, PROMETHEUS, PROVIDERS,
-                            dashboard, dashboard_and_alert_metrics, exposed_metric_names, load_yaml,
-                            panel_queries, panels, variables)
+from deploy_helpers import (ALERT_TESTS, ALERTS, DASHBOARD, DATASOURCES, LABEL_VALUES, PROMETHEUS, PROVIDERS,
+                            alert_rules, dashboard, dashboard_and_alert_metrics, exposed_metric_names,
+                            load_yaml, panel_queries, panels, variables)
+from promql_labels import exposed_labels, label_problems, output_labels
 
 SELECTOR = re.compile(r"\b(wcodec_[a-z0-9_]+)(\{[^}]*\})?")
 # what the issue asks the dashboard to show, as metrics its panels must read
@@ -115,3 +116,32 @@ def test_every_metric_named_is_one_the_service_exposes() -> None:
     missing = {name: sorted(where) for name, where in dashboard_and_alert_metrics().items()
                if name not in exposed_metric_names() | {"up"}}
     assert not missing, f"not in service/metrics.py: {missing}"
+
+
+def test_every_label_a_panel_or_an_alert_uses_is_one_its_metrics_carry() -> None:
+    """A matcher, a `by (...)`, a legend's or an annotation's label the metric lacks selects
+    nothing, merges series or prints an empty name, and the metric-name checks above pass."""
+    known = exposed_labels()
+    dash = dashboard()
+    for p in panels(dash):
+        for t in p["targets"]:
+            assert not label_problems(t["expr"], known, t.get("legendFormat", "")), (p["title"], t["refId"])
+    for v, query in variables(dash).items():
+        selector, label = LABEL_VALUES.match(query).group("selector", "label")
+        assert not label_problems(selector, known) and label in output_labels(selector, known), v
+    for rule in alert_rules():
+        printed = " ".join(rule.get("annotations", {}).values())
+        assert not label_problems(rule["expr"], known, printed, frozenset(rule["labels"])), rule["alert"]
+
+
+@pytest.mark.parametrize(("expr", "printed", "problem"), [
+    ('sum by (model) (rate(wcodec_http_requests_total{instance=~"a"}[1m]))', "", "by (model)"),
+    ('wcodec_generate_requests_total{state="ok"}', "", "no label 'state'"),
+    ('histogram_quantile(0.9, sum by (model) (rate(wcodec_generate_request_duration_seconds_bucket[1m])))', "",
+     "buckets merged"),
+    ('sum by (model) (wcodec_model_state)', "{{state}}", "prints 'state'"),
+    ('wcodec_kv_cache_usage / on (phase) wcodec_kv_cache_blocks', "", "on (phase)"),
+])
+def test_the_label_check_finds_a_wrong_label(expr, printed, problem) -> None:
+    found = label_problems(expr, exposed_labels(), printed)
+    assert any(problem in p for p in found), found
