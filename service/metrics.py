@@ -27,7 +27,10 @@ cache                                              between loads (service/load/h
          wcodec_host_cache_pinned_bytes            of those, page-locked (CUDA): hits copy in place
          wcodec_host_cache_hits_total{model}, wcodec_host_cache_misses_total{model}   loads that found
                                                    their archive there / that read the file (cache on)
-Generate wcodec_generate_requests_total{model,status}  status: ok, error, cancelled, overloaded
+Generate wcodec_generate_requests_total{model,status}  status: ok, error, cancelled, overloaded;
+                                                   one per generation (n > 1, best_of: n, as vLLM
+                                                   counts parallel samples); a 4xx before the engine
+                                                   only in wcodec_http_requests_total
          wcodec_generate_request_duration_seconds{model}, ..._time_to_first_token_seconds{model},
          ..._time_per_output_token_seconds{model}
          wcodec_generate_queue_duration_seconds{model}, ..._prefill_duration_seconds{model}   the time to
@@ -41,6 +44,8 @@ Generate wcodec_generate_requests_total{model,status}  status: ok, error, cancel
          wcodec_generate_inter_token_latency_seconds{model}   one observation per token after the first
          wcodec_generate_queue_depth{model}    requests waiting to join the running batch
          wcodec_generate_queue_capacity{model}
+         wcodec_generate_running_requests{model}   rows in the running batch, decoding or prefilling
+                                                   (vLLM's num_requests_running), after each step
          wcodec_generate_batch_size{model}     rows a step ran, decoded or prefilled (as TGI's
                                                    tgi_batch_current_size: one observation per step
                                                    that did work)
@@ -173,6 +178,8 @@ class Metrics:
         self.prompt_tokens = Counter("wcodec_generate_prompt_tokens", "Prompt tokens", m, registry=r)
         self.generated_tokens = Counter("wcodec_generate_generated_tokens", "Generated tokens", m, registry=r)
         self.queue_depth = Gauge("wcodec_generate_queue_depth", "Requests waiting for a batch", m, registry=r)
+        self.running = Gauge("wcodec_generate_running_requests", "Requests in the running batch, decoding or "
+                             "prefilling (a request with n > 1 counts n)", m, registry=r)
         self.queue_capacity = Gauge("wcodec_generate_queue_capacity", "Waiting requests before 429 "
                                     "(WCODEC_MAX_QUEUE)", m, registry=r)
         self.itl = Histogram("wcodec_generate_inter_token_latency_seconds", "Time between two tokens of "
@@ -229,10 +236,13 @@ class Metrics:
                 metric.remove_by_labels({"model": model})
 
     def track_engine(self, model: str, max_queue: int) -> None:
-        """The same for a serving model's request counters; and its queue capacity."""
+        """The same for a serving model's request counters; its queue capacity, and its gauges of
+        requests at 0."""
         for status in REQUEST_STATUSES:
             self.requests.labels(model, status)
         self.queue_capacity.labels(model).set(max_queue)
+        self.queue_depth.labels(model).set(0)
+        self.running.labels(model).set(0)
 
     def watch_host_cache(self, cache) -> None:
         """The host cache's size and entries, read at each scrape."""

@@ -206,9 +206,11 @@ class Engine:
             self._answer_done_rows()
             for row in self.batcher.reset():
                 self._finish(row.owner, GenerationFailed(f"generation failed: {type(e).__name__}: {e}"))
+            m.running.labels(name).set(0)
             return
         self._first("step", f"{step.tokens} tokens, {step.rows} rows")
         m.queue_depth.labels(name).set(len(self.batcher.waiting))
+        m.running.labels(name).set(len(self.batcher.active))
         if step.tokens:
             m.batch_size.labels(name).observe(step.rows)
             m.batch_tokens.labels(name).observe(step.tokens)

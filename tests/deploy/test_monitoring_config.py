@@ -29,6 +29,7 @@ REQUIRED_METRICS = {
     "its prefill": "wcodec_generate_prefill_duration_seconds_bucket",
     "tokens/s": "wcodec_generate_generated_tokens_total",
     "queue depth": "wcodec_generate_queue_depth",
+    "running requests": "wcodec_generate_running_requests",
     "batch size": "wcodec_generate_batch_size_bucket",
     "process start to ready": "wcodec_process_start_to_ready_seconds",
     "batch size in tokens": "wcodec_generate_batch_tokens_bucket",

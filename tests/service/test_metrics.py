@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
+import threading
 
 import anyio
 import pytest
@@ -11,6 +13,7 @@ from service_helpers import DEMO, QUEUE_OF_ONE, generate_body, when_queue_full, 
 
 from service.engine.worker import GenRequest
 from service.engine.sampling import Finished
+from service.model import paged
 from service.registry import ModelState
 
 pytestmark = pytest.mark.anyio
@@ -24,6 +27,7 @@ FAMILIES = [
     "wcodec_generate_queue_duration_seconds", "wcodec_generate_prefill_duration_seconds",
     "wcodec_generate_time_per_output_token_seconds", "wcodec_generate_prompt_tokens_total",
     "wcodec_generate_generated_tokens_total", "wcodec_generate_queue_depth", "wcodec_generate_batch_size",
+    "wcodec_generate_running_requests",
     "wcodec_generate_batch_tokens", "wcodec_generate_inter_token_latency_seconds",
     "wcodec_http_requests_total", "wcodec_http_request_duration_seconds",
     "wcodec_host_cache_bytes", "wcodec_host_cache_entries", "wcodec_host_cache_hits_total",
@@ -169,3 +173,30 @@ async def test_a_prompt_cancelled_before_its_prefill_is_not_counted(serve, store
         assert await server.metric("wcodec_generate_requests_total", model=DEMO, status="cancelled") == 1
         assert await server.metric("wcodec_generate_prompt_tokens_total", model=DEMO) \
             == await server.metric("wcodec_generate_batch_tokens_sum", model=DEMO) - 3     # one prefill, 3 decodes
+
+
+async def test_running_requests_while_one_decodes_and_after(serve, store, monkeypatch) -> None:
+    """vLLM's num_requests_running, TGI's tgi_batch_current_size: the rows in the running batch,
+    1 while a request decodes, back to 0 once it ends and after an unload. There was no such gauge."""
+    calls, entered, release = [], threading.Event(), threading.Event()
+    real = paged.forward
+
+    def held(*args, **kwargs):                           # the second forward: the first decode step
+        calls.append(1)
+        if len(calls) == 2:
+            entered.set()
+            release.wait(30)
+        return real(*args, **kwargs)
+
+    async with serve(store(), preload=[DEMO]) as server:
+        await server.wait_state(DEMO, ModelState.READY)
+        monkeypatch.setattr(paged, "forward", held)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(functools.partial(server.client.post, "/generate", json=generate_body(4)))
+            await anyio.to_thread.run_sync(entered.wait, 30)
+            running = await server.metric("wcodec_generate_running_requests", model=DEMO)
+            release.set()
+        assert running == 1
+        assert await server.metric("wcodec_generate_running_requests", model=DEMO) == 0
+        assert (await server.client.post(f"/models/{DEMO}/unload")).status_code == 200
+        assert await server.metric("wcodec_generate_running_requests", model=DEMO) == 0
