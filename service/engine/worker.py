@@ -206,11 +206,10 @@ class Engine:
             self._answer_done_rows()
             for row in self.batcher.reset():
                 self._finish(row.owner, GenerationFailed(f"generation failed: {type(e).__name__}: {e}"))
-            m.running.labels(name).set(0)
+            self._count_rows()
             return
         self._first("step", f"{step.tokens} tokens, {step.rows} rows")
-        m.queue_depth.labels(name).set(len(self.batcher.waiting))
-        m.running.labels(name).set(len(self.batcher.active))
+        self._count_rows()
         if step.tokens:
             m.batch_size.labels(name).observe(step.rows)
             m.batch_tokens.labels(name).observe(step.tokens)
@@ -218,6 +217,11 @@ class Engine:
         if runner is not None:
             m.set_graphs(name, len(runner.graphs), runner.capture_seconds, runner.shape_count)
         self._answer_done_rows()
+
+    def _count_rows(self) -> None:
+        """The waiting and running gauges, after a step (or a failed one: its rows are gone)."""
+        self.metrics.queue_depth.labels(self.served.name).set(len(self.batcher.waiting))
+        self.metrics.running.labels(self.served.name).set(len(self.batcher.active))
 
     def _first(self, what: str, detail: str) -> None:
         if what in self._firsts:

@@ -166,8 +166,14 @@ async def test_424_when_generation_fails(serve, store, monkeypatch) -> None:
         assert_error(await server.client.post("/generate_stream", json=generate_body()), 424, "generation")
         assert_error(await server.client.post("/", json={**generate_body(), "stream": True}), 424, "generation")
         assert server.registry.get(DEMO).in_flight == 0
+        for gauge in ("wcodec_generate_running_requests", "wcodec_generate_queue_depth", "wcodec_kv_cache_blocks_used"):
+            assert await server.metric(gauge, model=DEMO) == 0, gauge                   # back at rest
         monkeypatch.undo()
         assert (await server.client.post("/generate", json=generate_body(2))).status_code == 200
+        counted = {s: await server.metric("wcodec_generate_requests_total", model=DEMO, status=s)
+                   for s in ("ok", "error", "cancelled", "overloaded")}
+        assert counted == {"ok": 1, "error": 3, "cancelled": 0, "overloaded": 0}           # each once
+        assert await server.metric("wcodec_generate_generated_tokens_total", model=DEMO) == 2
 
 
 async def test_507_when_the_model_cannot_fit(serve, store) -> None:
