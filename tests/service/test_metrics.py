@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import re
 import threading
 
@@ -200,3 +201,28 @@ async def test_running_requests_while_one_decodes_and_after(serve, store, monkey
         assert await server.metric("wcodec_generate_running_requests", model=DEMO) == 0
         assert (await server.client.post(f"/models/{DEMO}/unload")).status_code == 200
         assert await server.metric("wcodec_generate_running_requests", model=DEMO) == 0
+
+
+async def test_each_route_counts_its_generations_and_the_tokens_its_usage_reports(serve, store) -> None:
+    """A TGI stream, an OpenAI chat stream and a completion with n=2: four generations, each
+    counted once with its time to first token (a stream's: its first token, not its end), and
+    the generated tokens the responses report; a request for a model not in the store adds no
+    series."""
+    chat = {"model": DEMO, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "stream": True,
+            "stream_options": {"include_usage": True}}
+    async with serve(store(), preload=[DEMO]) as server:
+        await server.wait_state(DEMO, ModelState.READY)
+        c = server.client
+        tgi = [line for line in (await c.post("/generate_stream", json=generate_body(6))).text.splitlines()
+               if line.startswith("data:")]
+        usage = json.loads((await c.post("/v1/chat/completions", json=chat)).text.split("data: ")[-2])["usage"]
+        two = (await c.post("/v1/completions", json={"model": DEMO, "prompt": "hi", "max_tokens": 5, "n": 2})).json()
+        assert (await c.post("/v1/completions", json={"model": "nope", "prompt": "hi"})).status_code == 404
+        assert await server.metric("wcodec_generate_requests_total", model=DEMO, status="ok") == 4
+        assert await server.metric("wcodec_generate_generated_tokens_total", model=DEMO) \
+            == len(tgi) + usage["completion_tokens"] + two["usage"]["completion_tokens"]
+        assert await server.metric("wcodec_generate_time_to_first_token_seconds_count", model=DEMO) == 4
+        ttft, itl, total = [await server.metric(f"wcodec_generate_{f}_seconds_sum", model=DEMO) for f in
+                            ("time_to_first_token", "inter_token_latency", "request_duration")]
+        assert itl > 0 and ttft + itl <= total + 1e-9       # per request: first token + gaps = last token <= end
+        assert 'model="nope"' not in (await c.get("/metrics")).text
