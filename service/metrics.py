@@ -39,8 +39,8 @@ Generate wcodec_generate_requests_total{model,status}  status: ok, error, cancel
                                                    to the first token (the prompt's steps)
          wcodec_generate_prompt_tokens_total{model}, wcodec_generate_generated_tokens_total{model}
                                                    a prompt once prefilled (vLLM's prompt_tokens),
-                                                   the tokens of a request that finished or was
-                                                   cancelled
+                                                   each token after the step that made it (as
+                                                   vLLM's generation_tokens; not at request end)
          wcodec_generate_inter_token_latency_seconds{model}   one observation per token after the first
          wcodec_generate_queue_depth{model}    requests waiting to join the running batch
          wcodec_generate_queue_capacity{model}

@@ -101,6 +101,7 @@ class Engine:
         self.served, self.metrics, self.limits = served, metrics, limits
         self.timeline = timeline or Timeline()   # the start-up's: the engine's build, its first request and step
         self._done_rows: list[Row] = []          # rows a step finished, answered once its metrics are in
+        self._made = 0                           # tokens the step under way made (counted after it)
         self._wake = threading.Event()
         self._firsts = {"request", "step"}       # firsts not yet marked on the timeline
         with self.timeline.span(f"engine {served.name}: built (its cache, runner, joined weights)"):
@@ -219,9 +220,13 @@ class Engine:
         self._answer_done_rows()
 
     def _count_rows(self) -> None:
-        """The waiting and running gauges, after a step (or a failed one: its rows are gone)."""
-        self.metrics.queue_depth.labels(self.served.name).set(len(self.batcher.waiting))
-        self.metrics.running.labels(self.served.name).set(len(self.batcher.active))
+        """After a step (or a failed one: its rows are gone): the waiting and running gauges, and
+        the tokens it made, counted as they are made as vLLM counts them (not when a request ends)."""
+        m, name = self.metrics, self.served.name
+        m.queue_depth.labels(name).set(len(self.batcher.waiting))
+        m.running.labels(name).set(len(self.batcher.active))
+        m.generated_tokens.labels(name).inc(self._made)
+        self._made = 0
 
     def _first(self, what: str, detail: str) -> None:
         if what in self._firsts:
@@ -235,6 +240,7 @@ class Engine:
 
     def _on_token(self, row: Row, event: TokenEvent) -> None:
         req, now, name = row.owner, time.perf_counter(), self.served.name
+        self._made += 1
         if req.first_token_at is None:
             req.first_token_at = now
             self.metrics.prompt_tokens.labels(name).inc(len(req.prompt_ids))      # prefilled: taken in
@@ -256,7 +262,6 @@ class Engine:
         if isinstance(outcome, Finished):
             status = "cancelled" if outcome.finish_reason is None else "ok"
             n = len(outcome.tokens)
-            self.metrics.generated_tokens.labels(name).inc(n)
             if n > 1 and req.first_token_at is not None:
                 self.metrics.tpot.labels(name).observe((now - req.first_token_at) / (n - 1))
         else:

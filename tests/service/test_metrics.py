@@ -176,27 +176,34 @@ async def test_a_prompt_cancelled_before_its_prefill_is_not_counted(serve, store
             == await server.metric("wcodec_generate_batch_tokens_sum", model=DEMO) - 3     # one prefill, 3 decodes
 
 
-async def test_running_requests_while_one_decodes_and_after(serve, store, monkeypatch) -> None:
-    """vLLM's num_requests_running, TGI's tgi_batch_current_size: the rows in the running batch,
-    1 while a request decodes, back to 0 once it ends and after an unload. There was no such gauge."""
+async def _in_step(server, monkeypatch, nth: int, metric: str) -> float:
+    """`metric` of the demo read while a /generate of 6 tokens is held in its `nth` step (the
+    paged engine's forward), then the request let go and answered."""
     calls, entered, release = [], threading.Event(), threading.Event()
     real = paged.forward
 
-    def held(*args, **kwargs):                           # the second forward: the first decode step
+    def held(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 2:
+        if len(calls) == nth:
             entered.set()
             release.wait(30)
         return real(*args, **kwargs)
 
+    monkeypatch.setattr(paged, "forward", held)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(functools.partial(server.client.post, "/generate", json=generate_body(6)))
+        try:
+            await anyio.to_thread.run_sync(entered.wait, 30)
+            return await server.metric(metric, model=DEMO)
+        finally:
+            release.set()
+
+async def test_running_requests_while_one_decodes_and_after(serve, store, monkeypatch) -> None:
+    """vLLM's num_requests_running, TGI's tgi_batch_current_size: the rows in the running batch,
+    1 while a request decodes, back to 0 once it ends and after an unload. There was no such gauge."""
     async with serve(store(), preload=[DEMO]) as server:
         await server.wait_state(DEMO, ModelState.READY)
-        monkeypatch.setattr(paged, "forward", held)
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(functools.partial(server.client.post, "/generate", json=generate_body(4)))
-            await anyio.to_thread.run_sync(entered.wait, 30)
-            running = await server.metric("wcodec_generate_running_requests", model=DEMO)
-            release.set()
+        running = await _in_step(server, monkeypatch, 2, "wcodec_generate_running_requests")   # the first decode
         assert running == 1
         assert await server.metric("wcodec_generate_running_requests", model=DEMO) == 0
         assert (await server.client.post(f"/models/{DEMO}/unload")).status_code == 200
@@ -226,3 +233,14 @@ async def test_each_route_counts_its_generations_and_the_tokens_its_usage_report
                             ("time_to_first_token", "inter_token_latency", "request_duration")]
         assert itl > 0 and ttft + itl <= total + 1e-9       # per request: first token + gaps = last token <= end
         assert 'model="nope"' not in (await c.get("/metrics")).text
+
+
+async def test_generated_tokens_are_counted_as_they_are_made(serve, store, monkeypatch) -> None:
+    """vLLM counts generation tokens every step: a long request's tokens show on the dashboard's
+    tokens/s while it runs. They were counted when the request ended, so a rate over a window
+    shorter than a request read 0, then a burst."""
+    async with serve(store(), preload=[DEMO]) as server:
+        await server.wait_state(DEMO, ModelState.READY)
+        midway = await _in_step(server, monkeypatch, 4, "wcodec_generate_generated_tokens_total")
+        assert midway == 3                                   # the prefill's token and two decodes'
+        assert await server.metric("wcodec_generate_generated_tokens_total", model=DEMO) == 6
