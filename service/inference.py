@@ -43,7 +43,16 @@ class Started:
     prompt: str
 
 
+def check_truncate(truncate: int | None, settings: Settings) -> None:
+    """TGI's rule and words: `truncate` is 1 to the input limit (its schema says minimum 1; 0 is
+    refused here, where the limit is known, so that TGI's message can name it)."""
+    if truncate is not None and not 0 < truncate <= settings.max_input_tokens:
+        raise ValidationFailed(f"`truncate` must be strictly positive and less than {settings.max_input_tokens}. "
+                               f"Given: {truncate}", param="truncate")
+
+
 def sampling_params(p: GenerateParameters, settings: Settings, *, stream: bool = False) -> SamplingParams:
+    check_truncate(p.truncate, settings)
     if bad := p.unsupported():
         raise ValidationFailed(f"not supported by this server: {', '.join(bad)}")
     if p.decoder_input_details and stream:       # TGI's rule
@@ -68,9 +77,6 @@ def _tokenize(served: ServedModel, prompt: str | list[int], params: SamplingPara
               settings: Settings, special: bool, inputs: str) -> list[int]:
     """The prompt's token ids: a text tokenized, or ids as given (OpenAI's token prompts), checked."""
     vocab = served.model.config.vocab_size
-    if truncate is not None and truncate > settings.max_input_tokens:      # TGI's rule
-        raise ValidationFailed(f"`truncate` must be strictly positive and less than {settings.max_input_tokens}. "
-                               f"Given: {truncate}", param="truncate")
     if isinstance(prompt, str):
         ids = served.tokenizer(unicode_text(prompt, inputs), add_special_tokens=special)["input_ids"]
     elif (outside := next((t for t in prompt if t >= vocab), None)) is not None:

@@ -69,7 +69,8 @@ async def compat_generate(req: CompatGenerateRequest, registry: RegistryDep, set
 
 @router.post("/tokenize", summary="The tokens /generate would feed the model for `inputs` (TGI)",
              responses=responses(404, 422, 503))
-async def tokenize(req: GenerateRequest, registry: RegistryDep) -> list[SimpleToken]:
+async def tokenize(req: GenerateRequest, registry: RegistryDep, settings: SettingsDep) -> list[SimpleToken]:
+    inference.check_truncate(req.parameters.truncate, settings)
     return inference.input_tokens(registry, req.model, req.inputs, req.parameters.truncate)
 
 

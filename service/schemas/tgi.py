@@ -17,6 +17,17 @@ MAX_SEED = 2**64 - 1                           # torch.Generator.manual_seed's r
 MAX_BEST_OF = 4                                # sequences a best_of request samples (TGI's default max is 2)
 MAX_TOP_N_TOKENS = 20                          # alternatives a token (OpenAI's top_logprobs bound; TGI's default is 5)
 OPEN_UNIT = {"exclusiveMinimum": 0, "exclusiveMaximum": 1}    # TGI's range of top_p and typical_p: 0 < p < 1
+# field -> (in bounds?, TGI's router's words otherwise: router/src/validation.rs, ValidationError)
+TGI_BOUNDS = {
+    "max_new_tokens": (lambda v: v >= 1, "`max_new_tokens` must be strictly positive"),
+    "temperature": (lambda v: v > 0, "`temperature` must be strictly positive"),
+    "top_k": (lambda v: v > 0, "`top_k` must be strictly positive"),
+    "repetition_penalty": (lambda v: v > 0, "`repetition_penalty` must be strictly positive"),
+    "frequency_penalty": (lambda v: -2 <= v <= 2, "`frequency_penalty` must be >= -2.0 and <= 2.0"),
+    "top_n_tokens": (lambda v: 0 <= v <= MAX_TOP_N_TOKENS,
+                     f"`top_n_tokens` must be >= 0 and <= {MAX_TOP_N_TOKENS}. Given: {{value}}"),
+    "best_of": (lambda v: 0 < v <= MAX_BEST_OF, f"`best_of` must be > 0 and <= {MAX_BEST_OF}. Given: {{value}}"),
+}
 CHAT_EXAMPLE = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -59,7 +70,8 @@ class GenerateParameters(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0, description="1.0 means no penalty.")
     return_full_text: bool | None = Field(None, description="Prepend the prompt to the generated text.")
     details: bool = Field(True, description="Return generation details.")
-    truncate: int | None = Field(None, ge=1, description="Keep only the last `truncate` input tokens.")
+    truncate: int | None = Field(None, description="Keep only the last `truncate` input tokens (1 to "
+                                 "WCODEC_MAX_INPUT_TOKENS).", json_schema_extra={"minimum": 1})
     decoder_input_details: bool = Field(False, description="details.prefill: each prompt token with its "
                                         "log-probability given the tokens before it (null for the first); "
                                         "not with a stream.")
@@ -89,12 +101,14 @@ class GenerateParameters(BaseModel):
             raise self_named(f"`{info.field_name}` must be > 0.0 and < 1.0")
         return v
 
-    @field_validator("max_new_tokens", mode="before")
+    @field_validator(*TGI_BOUNDS, mode="before")
     @classmethod
-    def _positive(cls, value):
-        """TGI's words for a length below 1 (the Field's bound stays, for the schema)."""
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 1:
-            raise self_named("`max_new_tokens` must be strictly positive")
+    def _tgi_bounds(cls, value, info: ValidationInfo):
+        """TGI's router's words for a number out of its bounds (the Field's bounds stay, for the schema)."""
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            within, words = TGI_BOUNDS[info.field_name]
+            if not within(value):
+                raise self_named(words.format(value=value))
         return value
 
     @field_validator("stop", mode="before")
@@ -204,7 +218,9 @@ class Info(BaseModel):
     model_dtype: str | None
     model_device_type: str
     model_pipeline_tag: str | None = "text-generation"
-    max_concurrent_requests: int
+    max_concurrent_requests: int = Field(description="TGI's: the requests in flight (running or waiting) at "
+                                         "most before 429: WCODEC_MAX_BATCH_SIZE running rows + "
+                                         "WCODEC_MAX_QUEUE waiting")
     max_best_of: int = MAX_BEST_OF
     max_stop_sequences: int = MAX_STOP_SEQUENCES
     max_input_tokens: int

@@ -127,6 +127,9 @@ async def test_429_when_the_queue_is_full(serve, store, monkeypatch) -> None:
         assert rejected.headers["retry-after"] == "1"
         assert [r.status_code for r in held] == [200, 200]
         assert await server.metric("wcodec_generate_requests_total", model=DEMO, status="overloaded") == 1
+        # TGI's max_concurrent_requests counts every request in flight, running or waiting: the 429
+        # came with two in flight (one running, one waiting); /info said 1 (WCODEC_MAX_QUEUE alone)
+        assert (await server.client.get("/info")).json()["max_concurrent_requests"] == len(held) == 2
 
 
 async def test_429_when_no_grammar_compile_slot_frees(serve, store) -> None:
