@@ -15,6 +15,7 @@ import codec
 
 from . import errors, openapi
 from .metrics import HttpMetricsMiddleware, Metrics
+from .payload import PayloadLimitMiddleware
 from .registry import ModelRegistry
 from .routes import chat, completions, generate, health, models, openai_models, repository
 from .settings import Settings
@@ -51,7 +52,8 @@ def create_app(settings: Settings | None = None, *, timeline: Timeline | None = 
     app.state.metrics = Metrics()
     errors.install(app)
     openapi.install(app)
-    app.add_middleware(HttpMetricsMiddleware, metrics=app.state.metrics)
+    app.add_middleware(PayloadLimitMiddleware, limit=app.state.settings.payload_limit)
+    app.add_middleware(HttpMetricsMiddleware, metrics=app.state.metrics)     # outside: it counts the 413s
     for module in (health, models, repository, generate, chat, completions, openai_models):
         app.include_router(module.router)
     return app

@@ -78,6 +78,16 @@ class ValidationFailed(ServiceError):
     openai = (400, "invalid_request_error", "invalid_value")
 
 
+class PayloadTooLarge(ServiceError):
+    """A request body over WCODEC_PAYLOAD_LIMIT bytes: TGI's 413 (its router's --payload-limit),
+    answered before the body is read whole (payload.py)."""
+    status_code, error_type, description = 413, "payload_too_large", "Request body too large"
+    openai = (413, "invalid_request_error", "payload_too_large")
+
+    def __init__(self, limit: int):
+        super().__init__(f"the request body is over {limit} bytes (WCODEC_PAYLOAD_LIMIT)")
+
+
 class TemplateFailed(ValidationFailed):
     """The model's chat template refused the messages (its raise_exception: roles that do not
     alternate, say), as TGI answers it."""
@@ -147,10 +157,10 @@ class InsufficientMemory(ServiceError):
 
 
 _BY_STATUS: dict[int, type[ServiceError]] = {c.status_code: c for c in (
-    Unauthorized, Forbidden, ModelNotFound, ValidationFailed, LoadFailed, GenerationFailed,
+    Unauthorized, Forbidden, ModelNotFound, PayloadTooLarge, ValidationFailed, LoadFailed, GenerationFailed,
     QueueFull, ModelNotReady, InsufficientMemory)}
 _BY_OPENAI_STATUS: dict[int, type[ServiceError]] = {c.openai[0]: c for c in (
-    ModelNotFound, ValidationFailed, QueueFull, ModelNotReady, GenerationFailed)}
+    ModelNotFound, PayloadTooLarge, ValidationFailed, QueueFull, ModelNotReady, GenerationFailed)}
 
 
 def responses(*codes: int) -> dict[int | str, dict]:
@@ -179,7 +189,12 @@ def is_openai(path: str) -> bool:
 
 
 def _respond(request: Request, exc: ServiceError) -> JSONResponse:
-    if is_openai(request.url.path):
+    return respond(request.url.path, exc)
+
+
+def respond(path: str, exc: ServiceError) -> JSONResponse:
+    """The response to `exc` on the route at `path`: OpenAI's shape on /v1/*, TGI's elsewhere."""
+    if is_openai(path):
         return JSONResponse(_openai_body(exc), exc.openai[0], headers=exc.headers)
     return JSONResponse(_body(exc.message, exc.error_type), exc.status_code, headers=exc.headers)
 
@@ -216,9 +231,20 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    if isinstance(exc, BodyOverLimit):         # payload.py, as the route read the body
+        return _respond(request, PayloadTooLarge(exc.limit))
     if exc.status_code == 400:                 # FastAPI's "error parsing the body" (not UTF-8, say): a
         return _respond(request, ValidationFailed(f"invalid request body: {exc.detail}"))   # 422, as for bad JSON
     return _respond(request, RouteNotFound(exc.status_code, str(exc.detail), exc.headers))
+
+
+class BodyOverLimit(StarletteHTTPException):
+    """A body that grew past the limit as the route read it (payload.py): an HTTPException, which
+    FastAPI's body reading lets through (any other error there it makes a 400)."""
+
+    def __init__(self, limit: int):
+        super().__init__(413)
+        self.limit = limit
 
 
 def internal(exc: Exception) -> ServiceError:

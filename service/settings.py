@@ -94,6 +94,7 @@ class Settings(BaseSettings):
     prefill_wait_ms: float = Field(20.0, ge=0)   # with graphs: gather arrivals this long into one prefill
     prompt_graph_rows: int | None = Field(None, ge=0)   # with graphs: steps of short prompts up to this many
                                                  # rows replayed too (None: max_batch_tokens; at most 512)
+    payload_limit: int = Field(2_000_000, ge=1)  # request body bytes before 413 (TGI's --payload-limit)
     max_input_tokens: int = Field(1024, ge=1)
     max_total_tokens: int = Field(2048, ge=2)
     default_max_new_tokens: int = Field(100, ge=1)

@@ -5,6 +5,7 @@ and model names that try to leave the store."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import pytest
@@ -317,3 +318,26 @@ async def test_an_unexpected_exception_keeps_the_routes_error_shape(serve, store
             assert "RuntimeError: boom" in body["error"]
             r = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
             assert r.status_code == 500 and r.json()["error"]["type"] == "server_error", r.text
+
+
+async def test_413_for_a_body_over_the_payload_limit(serve, store) -> None:
+    """TGI's router refuses a body over its payload limit (2 MB) with 413 before parsing it; a body
+    of any size was read whole and parsed (a 12 MB prompt: 7.8 s and 1.4 GB more memory, then a
+    422). Said by its Content-Length, or sent in chunks without one; OpenAI's shape on /v1."""
+    async with serve(store(), payload_limit=1000) as server:
+        big = json.dumps({"inputs": "a " * 600})
+
+        async def chunks():
+            for _ in range(4):
+                yield big[:400].encode()
+        headers = {"content-type": "application/json"}
+        for body in (big, chunks()):
+            r = await server.client.post("/generate", content=body, headers=headers)
+            assert "1000 bytes" in assert_error(r, 413, "payload_too_large")["error"]
+        r = await server.client.post("/v1/completions", json={"prompt": "a " * 600})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large", r.text
+        r = await server.client.post("/generate", json={"inputs": "a " * 400})       # 810 bytes: read, parsed
+        assert_error(r, 503, "model_not_ready")
+        counted = {route: await server.metric("wcodec_http_requests_total", route=route, method="POST", status="413")
+                   for route in ("/generate", "<unmatched>")}         # refused unread: before the routing
+        assert counted == {"/generate": 1, "<unmatched>": 2}, counted
