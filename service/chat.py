@@ -26,7 +26,7 @@ from .schemas.chat import (
 )
 from .settings import Settings
 
-def templated(req: ChatRequest, registry: ModelRegistry) -> tuple[str, str]:
+async def templated(req: ChatRequest, registry: ModelRegistry) -> tuple[str, str]:
     """The model the request names, and the prompt its chat template makes of the messages
     (special tokens written in the text: it is tokenized without adding any)."""
     lease = registry.acquire(registry.resolve(openai_api.model_of(req, registry)))
@@ -35,8 +35,9 @@ def templated(req: ChatRequest, registry: ModelRegistry) -> tuple[str, str]:
         if not getattr(tokenizer, "chat_template", None):
             raise ValidationFailed(f"model {lease.entry.name!r} has no chat template", param="messages")
         try:
-            return lease.entry.name, tokenizer.apply_chat_template([m.for_template() for m in req.messages],
-                                                                   tokenize=False, add_generation_prompt=True)
+            return lease.entry.name, await inference.off_loop(tokenizer.apply_chat_template,
+                                                              [m.for_template() for m in req.messages],
+                                                              tokenize=False, add_generation_prompt=True)
         except jinja2.TemplateError as e:
             raise TemplateFailed(f"Template error: {e}", param="messages") from None
     finally:
@@ -45,7 +46,7 @@ def templated(req: ChatRequest, registry: ModelRegistry) -> tuple[str, str]:
 
 async def start(req: ChatRequest, registry: ModelRegistry, settings: Settings) -> list[inference.Started]:
     params = openai_api.sampling(req, settings, req.new_tokens(), req.top_n())
-    name, prompt = templated(req, registry)
+    name, prompt = await templated(req, registry)
     return await inference.start_many(registry, settings, name, [prompt], params, req.choices(), stream=req.stream,
                                       special=False, fields=("messages", req.new_tokens_field()),
                                       grammar_field="response_format",

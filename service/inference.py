@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from pydantic import BaseModel
@@ -34,6 +36,10 @@ from .schemas.tgi import (
 from .settings import Settings
 
 log = logging.getLogger(__name__)
+# the thread that tokenizes prompts and renders chat templates (TGI's validation worker, one as
+# /info's validation_workers says): seconds for a prompt of megabytes, which on the event loop
+# stalled every other request and /health with it
+VALIDATION = ThreadPoolExecutor(1, thread_name_prefix="wcodec-validation")
 
 @dataclass
 class Started:
@@ -122,16 +128,21 @@ def unicode_text(text: str, field: str) -> str:
     return text
 
 
-def input_tokens(registry: ModelRegistry, model: str | None, prompt: str, truncate: int | None,
-                 special: bool = True) -> list[SimpleToken]:
+async def off_loop(fn: Callable, *args, **kwargs):
+    """`fn(*args, **kwargs)` on the validation thread, the event loop free meanwhile."""
+    return await asyncio.get_running_loop().run_in_executor(VALIDATION, functools.partial(fn, *args, **kwargs))
+
+
+async def input_tokens(registry: ModelRegistry, model: str | None, prompt: str, truncate: int | None,
+                       special: bool = True) -> list[SimpleToken]:
     """TGI's /tokenize: the tokens /generate would feed the model for `prompt` (special tokens
     added unless `special` is false, as for a chat template's text; the last `truncate` kept),
     each with the characters of `prompt` it covers."""
     name = registry.resolve(model)
     lease = registry.acquire(name)
     try:
-        enc = lease.served.tokenizer(unicode_text(prompt, "inputs"), add_special_tokens=special,
-                                     return_offsets_mapping=True)
+        enc = await off_loop(lease.served.tokenizer, unicode_text(prompt, "inputs"), add_special_tokens=special,
+                             return_offsets_mapping=True)
     except NotImplementedError:                  # transformers' Python tokenizers give no offsets
         raise ValidationFailed(f"model {name!r} has a Python tokenizer, which gives no character offsets",
                                param="inputs") from None
@@ -176,7 +187,7 @@ async def start(registry: ModelRegistry, settings: Settings, model: str | None, 
         except QueueFull:
             lease.engine.overloaded()
             raise
-        ids = _tokenize(lease.served, prompt, params, truncate, settings, special, fields[0])
+        ids = await off_loop(_tokenize, lease.served, prompt, params, truncate, settings, special, fields[0])
         params = _within_context(lease.served, ids, params, settings, fields)
         req = GenRequest(ids, params, stream=stream)
         lease.engine.submit(req)

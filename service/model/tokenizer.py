@@ -88,14 +88,19 @@ class Tokenizer:
     def __len__(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    def _encoding(self, text: str, add_special_tokens: bool):
+        """`text`'s encoding, made with the GIL released (the Rust tokenizer's `encode` holds it: a
+        prompt of megabytes stalled every other thread, the event loop's included, for seconds)."""
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._encoding(text, add_special_tokens).ids
 
     def __call__(self, text: str, add_special_tokens: bool = True,
                  return_offsets_mapping: bool = False) -> dict[str, list]:
         """transformers' fast tokenizer's result: ids, mask and, asked for, each token's
         (start, stop) characters in `text` ((0, 0) for an added special token)."""
-        enc = self._tok.encode(text, add_special_tokens=add_special_tokens)
+        enc = self._encoding(text, add_special_tokens)
         out = {"input_ids": enc.ids, "attention_mask": [1] * len(enc.ids)}
         if return_offsets_mapping:
             out["offset_mapping"] = [tuple(o) for o in enc.offsets]

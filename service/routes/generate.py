@@ -71,12 +71,12 @@ async def compat_generate(req: CompatGenerateRequest, registry: RegistryDep, set
              responses=responses(404, 422, 503))
 async def tokenize(req: GenerateRequest, registry: RegistryDep, settings: SettingsDep) -> list[SimpleToken]:
     inference.check_truncate(req.parameters.truncate, settings)
-    return inference.input_tokens(registry, req.model, req.inputs, req.parameters.truncate)
+    return await inference.input_tokens(registry, req.model, req.inputs, req.parameters.truncate)
 
 
 @router.post("/chat_tokenize", summary="The chat template's text for `messages`, and its tokens (TGI)",
              responses=responses(404, 422, 503))
 async def chat_tokenize(req: ChatRequest, registry: RegistryDep) -> ChatTokenizeResponse:
-    name, text = chat.templated(req, registry)
-    return ChatTokenizeResponse(tokenize_response=inference.input_tokens(registry, name, text, None, special=False),
-                                templated_text=text)
+    name, text = await chat.templated(req, registry)
+    tokens = await inference.input_tokens(registry, name, text, None, special=False)
+    return ChatTokenizeResponse(tokenize_response=tokens, templated_text=text)

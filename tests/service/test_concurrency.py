@@ -1,14 +1,18 @@
 """Many requests at once: 16 parallel generates (batched), a duplicate load and an unload in the
-middle of them, each ending with its documented status; concurrent loads share one job."""
+middle of them, each ending with its documented status; concurrent loads share one job; a prompt
+and a chat template are made off the event loop."""
 from __future__ import annotations
 
+import functools
 import gc
+import threading
 import weakref
 
 import anyio
 import pytest
 from service_helpers import DEMO, generate_body
 
+from service import inference
 from service.registry import ModelState
 
 pytestmark = pytest.mark.anyio
@@ -80,3 +84,38 @@ async def test_unload_during_a_load_waits_for_it(serve, store) -> None:
         assert unload.status_code == 200 and unload.json()["state"] == "available"
         assert await server.metric("wcodec_model_loads_total", model=DEMO, result="ok") == 1
 
+
+
+def _held_point(route: str, served) -> tuple[object, str]:
+    """What a route calls to tokenize (or template) its prompt: (object, attribute)."""
+    if route == "/tokenize":
+        return served, "tokenizer"
+    if route.startswith("/v1"):
+        return served.tokenizer, "apply_chat_template"
+    return inference, "_tokenize"
+
+
+@pytest.mark.parametrize("route", ["/generate", "/v1/chat/completions", "/tokenize"])
+async def test_prompts_are_tokenized_off_the_event_loop(serve, store, monkeypatch, route) -> None:
+    """A prompt of megabytes takes the tokenizer seconds (2 MB: 2 to 6.6 s), as may a chat template
+    of many messages: on the event loop, that stalled every other request, /health included. Here
+    the tokenizer (or the template) is held until /health has answered."""
+    async with serve(store(), preload=[DEMO]) as server:
+        await server.wait_state(DEMO, ModelState.READY)
+        entered, gate, waits = threading.Event(), threading.Event(), []
+        owner, name = _held_point(route, server.registry.get(DEMO).served)
+        real = getattr(owner, name)
+
+        def held(*args, **kwargs):
+            entered.set()
+            waits.append(gate.wait(10))                  # False: /health never answered meanwhile
+            return real(*args, **kwargs)
+        monkeypatch.setattr(owner, name, held)
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2} if route.startswith("/v1") \
+            else generate_body(2)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(functools.partial(server.client.post, route, json=body))
+            await anyio.to_thread.run_sync(entered.wait, 10)
+            assert (await server.client.get("/health")).status_code == 200
+            gate.set()
+        assert waits == [True], waits
