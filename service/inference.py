@@ -84,6 +84,7 @@ def _tokenize(served: ServedModel, prompt: str | list[int], params: SamplingPara
     """The prompt's token ids: a text tokenized, or ids as given (OpenAI's token prompts), checked."""
     vocab = served.model.config.vocab_size
     if isinstance(prompt, str):
+        _refuse_unread(served, prompt, truncate, settings, inputs)
         ids = served.tokenizer(unicode_text(prompt, inputs), add_special_tokens=special)["input_ids"]
     elif (outside := next((t for t in prompt if t >= vocab), None)) is not None:
         raise ValidationFailed(f"`{inputs}`: token {outside} is not in the model's vocabulary (0 to {vocab - 1})",
@@ -100,6 +101,17 @@ def _tokenize(served: ServedModel, prompt: str | list[int], params: SamplingPara
         raise ValidationFailed(f"`logit_bias`: token {outside} is not in the model's vocabulary (0 to "
                                f"{vocab - 1})", param="logit_bias")
     return ids
+
+
+def _refuse_unread(served: ServedModel, text: str, truncate: int | None, settings: Settings, inputs: str) -> None:
+    """Refuse a text that cannot fit without tokenizing it (seconds of the validation thread for a
+    text of megabytes): a token stands for at most `served.longest_token` characters, so a text
+    of more than twice max_input_tokens x that many (twice: for a normalizer that adds some) has
+    more tokens than the limit. With `truncate` every text fits: it is tokenized."""
+    limit, longest = settings.max_input_tokens, served.longest_token
+    if truncate is None and longest and len(text) > 2 * limit * longest:
+        raise ValidationFailed(f"`{inputs}` must have less than {limit} tokens. Given: more than "
+                               f"{len(text) // (2 * longest)} ({len(text)} characters)", param=inputs)
 
 
 def _within_context(served: ServedModel, ids: list[int], params: SamplingParams, settings: Settings,

@@ -56,6 +56,13 @@ class ServedModel:
         return frozenset(tok.all_special_ids) | {i for i, t in added.items() if t.special}
 
     @cached_property
+    def longest_token(self) -> int:
+        """The most characters a token stands for: its vocabulary entry's length (a byte-level
+        entry spells one character per byte, so never fewer); 0 where no Rust tokenizer says."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        return max(map(len, backend.get_vocab(with_added_tokens=True)), default=0) if backend else 0
+
+    @cached_property
     def token_bytes(self) -> TokenBytes:
         """`token_bytes(id)`: the bytes a token stands for, a piece of a character included (OpenAI's
         logprobs)."""

@@ -177,6 +177,29 @@ async def test_truncate_beyond_the_input_limit_is_refused_as_tgi(serve, store) -
         assert "truncate" in body["error"], body
 
 
+async def test_a_text_too_long_for_any_tokenization_is_refused_untokenized(serve, store, monkeypatch) -> None:
+    """A prompt of more characters than max_input_tokens tokens can stand for is refused before the
+    tokenizer sees it: a 2 MB prompt took the tokenizer 2 to 6.6 s before its 422. One within
+    that bound is tokenized, as is any with `truncate` (it may fit once cut)."""
+    async with serve(store(), preload=[DEMO], max_input_tokens=64) as server:
+        await ready(server)
+        served = server.registry.get(DEMO).served
+        calls, real = [], type(served.tokenizer).__call__
+        monkeypatch.setattr(type(served.tokenizer), "__call__",
+                            lambda tok, text, **kw: calls.append(len(text)) or real(tok, text, **kw))
+        longest = max(map(len, served.tokenizer.backend_tokenizer.get_vocab(with_added_tokens=True)))
+        bound = 2 * 64 * longest                        # characters 64 tokens can stand for, twice
+        for route, body in (("/generate", {"inputs": "a" * (bound + 1)}),
+                            ("/v1/completions", {"prompt": "a" * (bound + 1)})):
+            r = await server.client.post(route, json=body)
+            assert r.status_code in (400, 422) and "must have less than 64 tokens" in r.text, r.text
+        assert calls == []
+        r = await server.client.post("/generate", json={"inputs": "a" * bound})
+        assert "must have less than 64 tokens. Given: " in r.text and calls == [bound], r.text
+        r = await server.client.post("/generate", json=generate_body(2, truncate=10) | {"inputs": "a" * (bound + 1)})
+        assert r.status_code == 200 and calls == [bound, bound + 1], r.text
+
+
 async def test_an_omitted_max_new_tokens_is_what_the_context_leaves(serve, store) -> None:
     """TGI's router makes an omitted max_new_tokens at most what max_total_tokens leaves the prompt
     (OpenAI's omitted max_tokens: the context's rest): the default (100) was added to the prompt
