@@ -59,6 +59,8 @@ def check_truncate(truncate: int | None, settings: Settings) -> None:
 
 def sampling_params(p: GenerateParameters, settings: Settings, *, stream: bool = False) -> SamplingParams:
     check_truncate(p.truncate, settings)
+    for stop in p.stop:
+        unicode_text(stop, "stop")
     if bad := p.unsupported():
         raise ValidationFailed(f"not supported by this server: {', '.join(bad)}")
     if p.decoder_input_details and stream:       # TGI's rule

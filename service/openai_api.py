@@ -40,7 +40,7 @@ def sampling(req: OpenAIRequest, settings: Settings, max_tokens: int | None, top
     completions' logprobs)."""
     if bad := req.unsupported():
         raise UnsupportedParameter(*next(iter(bad.items())))
-    stops = req.stops()
+    stops = [inference.unicode_text(stop, "stop") for stop in req.stops()]
     temperature = req.temperature or None                      # 0 means greedy
     greedy = req.greedy()                                      # then no warper either
     top_p, top_k = (None, None) if greedy else (req.top_p, req.top_k if (req.top_k or 0) > 0 else None)

@@ -341,3 +341,17 @@ async def test_413_for_a_body_over_the_payload_limit(serve, store) -> None:
         counted = {route: await server.metric("wcodec_http_requests_total", route=route, method="POST", status="413")
                    for route in ("/generate", "<unmatched>")}         # refused unread: before the routing
         assert counted == {"/generate": 1, "<unmatched>": 2}, counted
+
+
+async def test_a_lone_surrogate_in_a_stop_sequence_is_refused(serve, store) -> None:
+    """JSON lets a string carry a lone UTF-16 surrogate, which no generated text can hold: a stop
+    sequence of one was taken (200) and could never stop anything; the prompt's was refused."""
+    async with serve(store(), preload=[DEMO]) as server:
+        await server.wait_state(DEMO, ModelState.READY)
+        headers = {"content-type": "application/json"}
+        body = b'{"inputs": "hi", "parameters": {"max_new_tokens": 2, "stop": ["a\\ud800"]}}'
+        r = await server.client.post("/generate", headers=headers, content=body)
+        assert "`stop` is not valid Unicode" in assert_error(r, 422, "validation")["error"]
+        r = await server.client.post("/v1/completions", headers=headers,
+                                     content=b'{"prompt": "hi", "max_tokens": 2, "stop": "\\udc00"}')
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stop", r.text
