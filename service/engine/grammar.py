@@ -87,12 +87,11 @@ def _outlines():
     return outlines_core
 
 
-def schema_regex(schema: dict | str) -> str:
+def schema_regex(schema: dict | str, limits: CompileLimits | None = None, deadline: float | None = None) -> str:
     """A JSON schema's regex (outlines-core's, as TGI's, of the schema `prepared`: its patterns
     anchored, its free-form values' nesting bounded; `\\d`, `\\w` ASCII as JSON Schema's:
-    json_schema.py, regex_syntax.py); GrammarError for a
-    schema whose regex would not hold the text to it (json_schema.py)."""
-    build_regex_from_schema = _outlines().json_schema.build_regex_from_schema
+    json_schema.py, regex_syntax.py), built in a child process held to `limits` (`_in_child`);
+    GrammarError for a schema whose regex would not hold the text to it (json_schema.py)."""
     try:
         parsed = json.loads(schema) if isinstance(schema, str) else schema
     except ValueError:                                     # not JSON: outlines-core says so below
@@ -101,9 +100,25 @@ def schema_regex(schema: dict | str) -> str:
         raise GrammarError(f"unsupported JSON schema: {why}")
     try:
         text = schema if parsed is None else json.dumps(prepared(parsed))
-        return ascii_classes(build_regex_from_schema(text))
     except (ValueError, TypeError) as e:
         raise GrammarError(f"unsupported JSON schema: {e}") from None
+    limits = limits or CompileLimits()
+    return _regex_of(text, limits, deadline or time.monotonic() + limits.seconds)
+
+
+def _regex_of(text: str, limits: CompileLimits, deadline: float) -> str:
+    """The regex of a schema's text, kept for the last KEPT schemas (a refusal is not kept)."""
+    key = (text, limits)
+    with _building_lock:
+        if (regex := _regexes.get(key)) is not None:
+            _regexes.move_to_end(key)
+            return regex
+    regex = ascii_classes(_in_child((text, None, limits.bytes), limits, deadline, "unsupported JSON schema"))
+    with _building_lock:
+        _regexes[key] = regex
+        while len(_regexes) > KEPT:
+            _regexes.popitem(last=False)
+    return regex
 
 
 class _Kept:
@@ -131,6 +146,7 @@ _indexes, _vocabularies = _Kept(KEPT), _Kept(4)
 _compiles = threading.BoundedSemaphore(COMPILES)
 _building: dict[tuple, Future] = {}                 # (tokenizer id, pattern, limits) -> the build under way
 _building_lock = threading.Lock()
+_regexes: OrderedDict[tuple, str] = OrderedDict()      # (schema text, limits) -> its regex (_regex_of)
 _threads = ThreadPoolExecutor(WAITING, thread_name_prefix="grammar")   # not the loop's: loads use that
 
 
@@ -156,7 +172,7 @@ def _index_of_grammar(served, grammar: tuple[str, dict | str], limits: CompileLi
     kind, value = grammar
     if kind == "regex" and not isinstance(value, str):
         raise GrammarError("a regex is a string")
-    return index_of(served, value if kind == "regex" else schema_regex(value), limits, deadline)
+    return index_of(served, value if kind == "regex" else schema_regex(value, limits, deadline), limits, deadline)
 
 
 def index_of(served, regex: str, limits: CompileLimits = CompileLimits(), deadline: float | None = None):
@@ -221,10 +237,16 @@ def _build(tok, regex: str, limits: CompileLimits, deadline: float):
 def _compile(regex: str, vocabulary, limits: CompileLimits, deadline: float):
     """outlines-core's Index, built by index_child.py. Its cost grows steeply with some patterns
     ({"type": "string", "maxLength": 20}: 104 s and 4.4 GB on a 2-core CPU, about twice that for
-    each character more), and a thread can be neither stopped nor held to a memory budget: a
-    process is killed at `limits.seconds` and fails an allocation beyond `limits.bytes`. It waits
-    for a slot until `deadline`, then is GrammarBusy."""
-    payload = pickle.dumps((regex, vocabulary, limits.bytes))
+    each character more), and a thread can be neither stopped nor held to a memory budget."""
+    return _in_child((regex, vocabulary, limits.bytes), limits, deadline,
+                     "the pattern does not compile over the model's vocabulary")
+
+
+def _in_child(job: tuple, limits: CompileLimits, deadline: float, refused: str):
+    """index_child.py's answer to `job`: a process killed at `limits.seconds` and failing an
+    allocation beyond `limits.bytes`, once one of COMPILES slots frees (GrammarBusy if none does
+    by `deadline`); GrammarError, its words after `refused`, for what outlines-core refuses."""
+    payload = pickle.dumps(job)
     if not _compiles.acquire(timeout=max(0.0, deadline - time.monotonic())):
         raise GrammarBusy(f"{COMPILES} grammars are being compiled and no slot freed within "
                           f"{limits.seconds:g} s; try again later")
@@ -238,7 +260,7 @@ def _compile(regex: str, vocabulary, limits: CompileLimits, deadline: float):
         _compiles.release()
     error = done.stderr.decode(errors="replace").strip()
     if done.returncode == DOES_NOT_COMPILE:
-        raise GrammarError(f"the pattern does not compile over the model's vocabulary: {error}")
+        raise GrammarError(f"{refused}: {error}")
     if done.returncode != 0:                           # an allocation beyond the limit aborts (Rust) or raises
         raise GrammarError(f"building the pattern's index failed (exit status {done.returncode}; its limit is "
                            f"{limits.bytes} bytes): {error[-200:]}")

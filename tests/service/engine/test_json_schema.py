@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -190,3 +191,20 @@ def test_one_of_is_any_of(served) -> None:
     regex = grammar.schema_regex(disjoint)
     for text in (t for t in (walk(served, regex, seed) for seed in range(10)) if t is not None):
         jsonschema.validate(json.loads(text), disjoint)
+
+
+def _arrays(depth: int) -> dict:
+    schema = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+def test_a_schema_whose_regex_explodes_fails_within_the_limits() -> None:
+    """50 nested arrays (a 1 KB request): a regex of about 2^50 characters, which outlines-core
+    built in the server's own process, its memory growing until the allocation that aborted the
+    process (the server). Its child process now fails at the byte limit: a 422."""
+    start = time.monotonic()
+    with pytest.raises(grammar.GrammarError, match=str(1 << 28)):
+        grammar.schema_regex(_arrays(50), grammar.CompileLimits(60, 1 << 28))
+    assert time.monotonic() - start < 60
