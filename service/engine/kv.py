@@ -33,6 +33,8 @@ on an H100 box, all of it that import).
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 
@@ -125,11 +127,18 @@ def forward_all(model: torch.nn.Module, parts: list[tuple[PaddedKV, torch.Tensor
     if isinstance(model, llama.LlamaForCausalLM):
         outs = model.forward_segments(segments, logits_to_keep=keep)
     else:
+        name = _cache_keyword(model)
         outs = [model(input_ids=s.ids, attention_mask=s.attention_mask, position_ids=s.position_ids,
-                      past_key_values=s.cache, use_cache=True, logits_to_keep=keep).logits for s in segments]
+                      **{name: s.cache}, use_cache=True, logits_to_keep=keep).logits for s in segments]
     for kv, _, real in parts:
         kv._advance(real)
     return [out.float() if every else out[:, -1].float() for out in outs]
+
+
+def _cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword a transformers model's forward takes its cache by: `cache` from transformers
+    5.24 (where `past_key_values` is deprecated, to go in 5.40), `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:

@@ -84,6 +84,7 @@ def their_greedy(model, prompt: list[int], new: int) -> list[int]:
     return ids[0, len(prompt):].tolist()
 
 
+@pytest.mark.filterwarnings("error:`past_key_values` is deprecated:FutureWarning")   # removed in 5.40
 @pytest.mark.parametrize("case", CASES)
 def test_the_served_model_computes_what_transformers_computes(tmp_path: Path, case: str) -> None:
     kind, config = CASES[case]
