@@ -108,16 +108,10 @@ def schema_regex(schema: dict | str, limits: CompileLimits | None = None, deadli
 
 def _regex_of(text: str, limits: CompileLimits, deadline: float) -> str:
     """The regex of a schema's text, kept for the last KEPT schemas (a refusal is not kept)."""
-    key = (text, limits)
-    with _building_lock:
-        if (regex := _regexes.get(key)) is not None:
-            _regexes.move_to_end(key)
-            return regex
+    if (regex := _regexes.get((text, limits))) is not None:
+        return regex
     regex = ascii_classes(_in_child((text, None, limits.bytes), limits, deadline, "unsupported JSON schema"))
-    with _building_lock:
-        _regexes[key] = regex
-        while len(_regexes) > KEPT:
-            _regexes.popitem(last=False)
+    _regexes.put((text, limits), None, regex)
     return regex
 
 
@@ -146,7 +140,7 @@ _indexes, _vocabularies = _Kept(KEPT), _Kept(4)
 _compiles = threading.BoundedSemaphore(COMPILES)
 _building: dict[tuple, Future] = {}                 # (tokenizer id, pattern, limits) -> the build under way
 _building_lock = threading.Lock()
-_regexes: OrderedDict[tuple, str] = OrderedDict()      # (schema text, limits) -> its regex (_regex_of)
+_regexes = _Kept(KEPT)                              # (schema text, limits) -> its regex (_regex_of)
 _threads = ThreadPoolExecutor(WAITING, thread_name_prefix="grammar")   # not the loop's: loads use that
 
 
