@@ -6,6 +6,7 @@ Python pass over ~50 000 segments and ~100 000 tables. Column order: wcodec_cons
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +63,12 @@ def _rel(entry: TensorEntry, role: str, start: int, end: int, path) -> int:
     if rec["offset"] < start or rec["offset"] + rec["length"] > end:
         raise errors.HeaderError(path, f"tensor {entry.name!r}: stream {role} lies outside its batch")
     return rec["offset"] - start
+
+
+def layer_groups(entries: list[TensorEntry]) -> list[list[TensorEntry]]:
+    """Consecutive entries of one layer (None: embeddings before, final norm after), in order: the
+    batches a load reads and decodes together, each in its byte range (stream_range)."""
+    return [list(g) for _, g in itertools.groupby(entries, key=lambda e: e.layer)]
 
 
 def stream_range(entries: list[TensorEntry]) -> tuple[int, int]:

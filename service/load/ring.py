@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import collections
-import itertools
 import queue
 import threading
 import time
@@ -54,12 +53,7 @@ class Batch:
 
 def layer_batches(entries: list[TensorEntry]) -> list[Batch]:
     """Consecutive entries of one layer (None: embeddings before, final norm after) per batch."""
-    out = []
-    for _, group in itertools.groupby(entries, key=lambda e: e.layer):
-        batch = list(group)
-        start, end = plans.stream_range(batch)
-        out.append(Batch(batch, start, end))
-    return out
+    return [Batch(group, *plans.stream_range(group)) for group in plans.layer_groups(entries)]
 
 
 def ring_shape(ring: int, batches: list[Batch]) -> tuple[int, int]:

@@ -26,7 +26,6 @@ weights are decoded into a small ring of scratch buffers just before the module 
 """
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -149,10 +148,9 @@ def estimate_bytes(entries, scratch: int, form: str = "indexed", host: frozenset
 
 def kept_spans(entries) -> list[tuple[int, int]]:
     """The archive byte ranges this mode holds on the device: each decoder layer's batch of
-    streams (consecutive entries of one layer: ring.layer_batches) where it keeps a tensor of it,
+    streams (plans.layer_groups, as ring.layer_batches reads them) where it keeps a tensor of it,
     whole, as the pipeline read it (its norms' streams and the gaps between streams too)."""
-    groups = [list(g) for _, g in itertools.groupby(entries, key=lambda e: e.layer)]
-    return [plans.stream_range(g) for g in groups if any(stays_compressed(e) for e in g)]
+    return [plans.stream_range(g) for g in plans.layer_groups(entries) if any(stays_compressed(e) for e in g)]
 
 
 def _indexed_bytes(entries, kept: list, scratch: int) -> int:
