@@ -179,8 +179,7 @@ class ModelRegistry:
         evicts (lock held): an unload or a refresh meanwhile sees the model loading, not available."""
         entry.weights = weights or self.settings.weights
         try:                                        # compressed: the archive's header says how much
-            entry.weight_bytes = self.loader.estimate_bytes(entry.file.path, entry.weights,
-                                                            entry.file.decoded_bytes)
+            entry.weight_bytes = self.loader.estimate_bytes(entry.file.path, entry.weights)
         except CodecError as e:
             raise self._failed(entry, LoadFailed(f"cannot load {entry.name!r}: {e}"), "failed") from None
         victims = self._evict_for(entry, entry.weight_bytes)
@@ -213,7 +212,7 @@ class ModelRegistry:
         if f is None or f.version == entry.file.version:
             return False                            # unchanged, or deleted: the loaded version stays
         try:
-            need, error = self.loader.estimate_bytes(f.path, weights or entry.weights, f.decoded_bytes), f.error
+            need, error = self.loader.estimate_bytes(f.path, weights or entry.weights), f.error
         except CodecError as e:
             need, error = 0, str(e)
         if error:                                   # the store could not read its header either

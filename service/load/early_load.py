@@ -57,7 +57,7 @@ class EarlyLoad:
         import cuda_ext
         from codec.decode import Archive
 
-        from ..model import fixed
+        from ..model import fixed, fp8
         from . import pipeline
         with Archive.open(self.path) as archive:
             opened = archive.entries, archive.reader.files(settings.verify_crc)
@@ -75,7 +75,8 @@ class EarlyLoad:
                                             on_batch=lambda batch, seconds: self.batches.append((batch, seconds)),
                                             mark=self._mark, direct=settings.direct_io(),
                                             threads=settings.read_threads(), compressed=self.weights == "compressed",
-                                            form=fixed.form_for(settings.compressed_form, self.device))
+                                            form=fixed.form_for(settings.compressed_form, self.device),
+                                            fp8_scheme=fp8.scheme_of(*opened, self.name))
             ready = prepared.result()
         self._mark("weights decoded, skeleton ready")
         return decoded, ready

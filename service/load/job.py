@@ -27,8 +27,9 @@ import torch
 from codec.decode import Archive
 from codec.errors import CodecError
 
+from ..errors import LoadFailed
 from ..metrics import Metrics
-from ..model import build, compressed, cpu_dtype, fixed, llama
+from ..model import build, compressed, cpu_dtype, fixed, fp8, llama
 from ..settings import Settings
 from ..timeline import Timeline
 from . import devicecheck, memory, pipeline
@@ -63,22 +64,23 @@ class Loader:
         metrics.watch_host_cache(self.host_cache)
         memory.tune_allocator()                    # an unloaded model's host memory goes back (memory.py)
 
-    def estimate_bytes(self, path, weights: str, decoded_bytes: int) -> int:
+    def estimate_bytes(self, path, weights: str) -> int:
         """Device bytes the load will take, every buffer it makes included, from the archive's
         header and config.json (whether llama.py or transformers' classes serve the model: the
         latter hold GGUF blocks and the fixed-rate form decoded): the weights as held, decoded or
         compressed, and what the CPU's compute adds to them (cpu_dtype.added_bytes: the float32
         cast, linear16's packed copy of a tied head, the mixed matmul's scratch). The registry
         charges it before the load and checks the load's own figure against it after."""
-        if weights == "decoded" and self.device.type != "cpu":
-            return decoded_bytes
         with Archive.open(path) as archive:
             entries, config = archive.entries, _config(archive)
+        entries = fp8.served_entries(entries, _fp8_scheme(config, entries))     # fp8 weights held dequantized
+        if weights == "decoded" and self.device.type != "cpu":
+            return sum(e.nbytes for e in entries)
         form, native = self._form(), llama.native_config(config)
         blocks, floats = compressed.kept_entries(entries, form, native is not None)
         held = "compressed" if weights == "compressed" and blocks + floats else "decoded"
         if held == "decoded":
-            need, blocks = decoded_bytes, []
+            need, blocks = sum(e.nbytes for e in entries), []
         else:
             scratch = self.settings.compressed_scratch if self.device.type == "cuda" else 1
             host = fixed.host_names(config) if form == "fixed" else frozenset()
@@ -134,6 +136,7 @@ class Loader:
         with Archive.open(path) as archive:
             opened = archive.entries, archive.reader.files(s.verify_crc)
         mark("header and files read")
+        fp8_scheme = fp8.scheme_of(*opened, name)                # a quantization it cannot serve: refused here
         with ThreadPoolExecutor(1, thread_name_prefix="wcodec-prepare") as pool:
             prepared = pool.submit(build.prepare, name, opened[1])
             with self.host_cache.use(str(path), verify=devicecheck.on_host(self.device, s.verify_crc),
@@ -144,7 +147,8 @@ class Loader:
                 decoded = pipeline.decode_archive(path, self.device, ring=s.load_ring_buffers, verify=s.verify_crc,
                                          on_batch=on_batch, opened=opened, mark=mark, early=cached.read,
                                          direct=s.direct_io(), threads=s.read_threads(),
-                                         compressed=weights == "compressed", form=self._form())
+                                         compressed=weights == "compressed", form=self._form(),
+                                         fp8_scheme=fp8_scheme)
             decoded.stats.source = cached.source
             return decoded, prepared.result()
 
@@ -212,6 +216,14 @@ def _held(entries, native: llama.LlamaConfig | None, weights: str, blocks: list)
     linears, shared = llama.linear_weights(native, entries)
     ids = {id(e) for e in blocks}
     return cpu_dtype.Held(weights, dtype, entries, linears, shared, [e for e in linears if id(e) in ids])
+
+
+def _fp8_scheme(config: dict | None, entries) -> fp8.Scheme | None:
+    """fp8.scheme, None for a quantization that cannot be served (its load refuses it, saying why)."""
+    try:
+        return fp8.scheme(config, entries)
+    except LoadFailed:
+        return None
 
 
 def _config(archive: Archive) -> dict | None:

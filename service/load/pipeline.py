@@ -38,7 +38,7 @@ from codec.errors import ChecksumError
 from codec.entries import TensorEntry
 from cuda_ext import fixedrate, plans, quant
 
-from ..model import compressed, fixed, quantized
+from ..model import compressed, fixed, fp8, quantized
 from . import devicecheck
 from .early_read import EarlyRead
 from .reading import ArchiveFile
@@ -202,7 +202,7 @@ def decode_archive(path: str | Path, device: torch.device, *, ring: int = 4, ver
                    on_batch: OnBatch | None = None, opened: tuple[list[TensorEntry], dict] | None = None,
                    mark: Callable[[str], None] = lambda what: None, early: EarlyRead | None = None,
                    direct: bool | None = None, threads: int | None = None, compressed: bool = False,
-                   form: str = "indexed") -> Decoded:
+                   form: str = "indexed", fp8_scheme: fp8.Scheme | None = None) -> Decoded:
     """Every tensor of an archive, decoded onto `device` through the pipeline above. `opened`:
     its (entries, embedded files) when the caller has read them already; `early`: the archive's
     bytes in memory, read at start-up or held by the host cache (used only if it is of this very
@@ -210,7 +210,8 @@ def decode_archive(path: str | Path, device: torch.device, *, ring: int = 4, ver
     the page cache. `compressed`: keep the decoder layers' float tensors compressed on the device
     (Decoded.layers; service/model/compressed.py) or, with `form` "fixed", in the fixed-rate form
     (Decoded.fixed; service/model/fixed.py), and GGUF matrices as their blocks (Decoded.blocks;
-    service/model/quantized.py)."""
+    service/model/quantized.py). `fp8_scheme`: float8 weights come out dequantized, each layer's
+    as it is decoded (service/model/fp8.py)."""
     t0 = time.perf_counter()
     path = os.fspath(path)
     if device.type == "cuda":
@@ -242,6 +243,7 @@ def decode_archive(path: str | Path, device: torch.device, *, ring: int = 4, ver
                     Path(path).name, len(left), "/".join(sorted({e.dtype for e in left})),
                     sum(e.nbytes for e in left) / 1e9)
     decode = _keeping(layers, blocks, fixed_form) if compressed else _decode
+    decode = fp8.dequantizing(decode, fp8_scheme) if fp8_scheme is not None else decode
     file = ArchiveFile(path, direct) if early is None else None
     try:
         with RingReader(path, file, batches, buffers, on_host, threads or read_threads(), early) as reader:
@@ -256,6 +258,8 @@ def decode_archive(path: str | Path, device: torch.device, *, ring: int = 4, ver
             early.release()
         if pin:
             PINNED.give(buffers)
+    if fp8_scheme is not None:                  # weights whose scale was in another batch
+        tensors = fp8.dequantize(tensors, fp8_scheme)
     stats.read_s, stats.total_s = reader.read_s, time.perf_counter() - t0
     mark(f"{len(batches)} batches decoded")
     return Decoded(tensors, files, stats, layers, blocks, fixed_form or {})

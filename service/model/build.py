@@ -26,7 +26,7 @@ from cuda_ext import fixedrate, quant
 
 from ..errors import LoadFailed
 from ..timeline import Timeline
-from . import compressed, fixed, llama, quantized
+from . import compressed, fixed, fp8, llama, quantized
 from .token_bytes import TokenBytes
 from .tokenizer import Tokenizer
 
@@ -187,6 +187,7 @@ def prepare(name: str, files: dict[str, bytes]) -> Prepared:
     t0 = time.perf_counter()
     if "config.json" not in files:
         raise LoadFailed(f"model {name!r} embeds no config.json: it cannot be served")
+    files = fp8.unquantized_files(files)
     try:
         native = llama.LlamaConfig.parse(json.loads(files["config.json"]))
     except llama.INVALID_CONFIG as e:

@@ -4,6 +4,7 @@ running, reached through httpx's ASGI transport, and `live`: a real uvicorn serv
 loopback with the demo loaded, one per test module (for clients that need a URL)."""
 from __future__ import annotations
 
+import json
 import os
 import socket
 import threading
@@ -90,11 +91,10 @@ def _tiny_tokenizer(folder: Path):
     return fast
 
 
-def _tiny_llama(folder: Path, tied: bool, dtype: str = "bfloat16") -> Path:
+def _tiny_state(folder: Path, tied: bool, dtype: str = "bfloat16") -> tuple[dict, dict[str, bytes]]:
+    """A random 2-layer Llama's tensors (seed 0) and its embedded files (config and tokenizer)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from codec.encode import compress_state_dict
 
     tok = _tiny_tokenizer(folder)
     config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=256, num_hidden_layers=2,
@@ -104,9 +104,84 @@ def _tiny_llama(folder: Path, tied: bool, dtype: str = "bfloat16") -> Path:
     model = LlamaForCausalLM(config).to(getattr(torch, dtype))
     state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight" or not tied}
     files = {p.name: p.read_bytes() for p in folder.iterdir()} | {"config.json": config.to_json_string().encode()}
+    return state, files
+
+
+def _tiny_llama(folder: Path, tied: bool, dtype: str = "bfloat16") -> Path:
+    from codec.encode import compress_state_dict
+
+    state, files = _tiny_state(folder, tied, dtype)
     path = folder / "tiny.wcodec"
     compress_state_dict(state, path, files=files, workers=1)
     return path
+
+
+# fp8 checkpoints as their makers write them (service/model/fp8.py): method -> (scale tensor,
+# scale of a row / a block / the tensor, its dtype, quantization_config).
+FP8_FORMATS = {
+    "compressed-tensors": ("weight_scale", "tensor", "bfloat16", {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False}}}}),
+    "fp8": ("weight_scale_inv", "block", "float32", {
+        "quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 48]}),
+    "fbgemm_fp8": ("weight_scale", "channel", "float32", {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0}),
+}
+
+
+def fp8_checkpoint(state: dict, method: str) -> tuple[dict, dict, dict]:
+    """`state`'s Linears (not the head) as an fp8 checkpoint of `method` (FP8_FORMATS; blocks of
+    32 x 48: ragged on 64 columns), its quantization_config, and the weights the checkpoint means
+    (each fp8 weight times its scale, rounded once to bf16: the served model's)."""
+    import torch
+
+    suffix, kind, dtype, qconfig = FP8_FORMATS[method]
+    out, meant = {}, dict(state)
+    for name, w in state.items():
+        if not name.endswith("proj.weight"):
+            out[name] = w
+            continue
+        rows, cols = w.shape
+        blocks = (1, cols) if kind == "channel" else (32, 48) if kind == "block" else (rows, cols)
+        grid = -(-rows // blocks[0]), -(-cols // blocks[1])
+        ones = torch.ones(blocks)
+        amax = torch.stack([w[i * blocks[0]:(i + 1) * blocks[0], j * blocks[1]:(j + 1) * blocks[1]].float().abs().max()
+                            for i in range(grid[0]) for j in range(grid[1])]).view(grid)
+        scale = (amax / 448).to(getattr(torch, dtype))
+        full = torch.kron(scale.float(), ones)[:rows, :cols]                    # each weight's scale
+        scale = scale.reshape(1) if kind == "tensor" else scale                 # compressed-tensors' [1]
+        q = (w.float() / full).to(torch.float8_e4m3fn)
+        out[name], out[name.replace("weight", suffix)] = q, scale
+        meant[name] = (q.float() * full).to(w.dtype)
+        if method == "compressed-tensors":
+            out[name.replace("weight", "input_scale")] = torch.ones(1, dtype=torch.bfloat16)
+    if method == "compressed-tensors":                                          # a kv-cache scheme's scales
+        for layer in (0, 1):
+            for kv in ("k_scale", "v_scale"):
+                out[f"model.layers.{layer}.self_attn.{kv}"] = torch.ones((), dtype=torch.float32)
+    return out, qconfig, meant
+
+
+@pytest.fixture(scope="session")
+def fp8_archives(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Path, Path]]:
+    """method -> (untied_tiny_archive's weights as an fp8 checkpoint of FP8_FORMATS' `method`, the
+    bf16 archive of the weights that checkpoint means), each made once."""
+    made: dict[str, tuple[Path, Path]] = {}
+
+    def make(method: str) -> tuple[Path, Path]:
+        from codec.encode import compress_state_dict
+
+        if method not in made:
+            folder = tmp_path_factory.mktemp(f"fp8-{method}")
+            state, files = _tiny_state(folder, tied=False)
+            quantized, qconfig, meant = fp8_checkpoint(state, method)
+            config = json.loads(files["config.json"]) | {"quantization_config": qconfig}
+            fp8, twin = folder / "fp8.wcodec", folder / "twin.wcodec"
+            compress_state_dict(quantized, fp8, files={**files, "config.json": json.dumps(config).encode()}, workers=1)
+            compress_state_dict(meant, twin, files=files, workers=1)
+            made[method] = fp8, twin
+        return made[method]
+    return make
 
 
 @pytest.fixture(scope="session")

@@ -23,6 +23,7 @@ CASES = [
     ("tiny", "decoded", "auto", "1"), ("tiny", "compressed", "auto", "1"),
     ("tiny", "decoded", "auto", "0"), ("tiny", "compressed", "auto", "0"),
     ("untied", "compressed", "float32", "0"), ("fp16", "decoded", "auto", "1"),
+    ("fp8", "decoded", "auto", "0"), ("fp8", "compressed", "float32", "1"),     # held dequantized (fp8.py)
 ]
 
 
@@ -30,8 +31,9 @@ CASES = [
 def one_model(tmp_path, request):
     """A store holding one archive (by CASES' name), and the model's name in it."""
     def make(which: str):
-        archive = request.getfixturevalue({"demo": "demo_archive", "tiny": "tiny_archive",
-                                           "untied": "untied_tiny_archive", "fp16": "fp16_tiny_archive"}[which])
+        archive = request.getfixturevalue("fp8_archives")("fp8")[0] if which == "fp8" else request.getfixturevalue(
+            {"demo": "demo_archive", "tiny": "tiny_archive", "untied": "untied_tiny_archive",
+             "fp16": "fp16_tiny_archive"}[which])
         root = tmp_path / "store"
         root.mkdir()
         name = DEMO if which == "demo" else which

@@ -193,7 +193,7 @@ def test_the_estimate_leaves_out_a_table_kept_on_the_host(untied_tiny_archive, m
     loader = Loader(Settings(demo=False, cpu_dtype="model"), Metrics(), torch.device("cpu"), Timeline())
     monkeypatch.setattr(loader, "_form", lambda: "fixed")
     monkeypatch.setattr(loader.settings, "compressed_scratch", 2)
-    assert loader.estimate_bytes(untied_tiny_archive, "compressed", 0) == whole - table
+    assert loader.estimate_bytes(untied_tiny_archive, "compressed") == whole - table
     untied = {"model_type": "llama", "tie_word_embeddings": False, "vocab_size": 32, "hidden_size": 8,
               "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2}
     assert fixed.host_names(untied) == {fixed.EMBEDDING}
@@ -221,7 +221,7 @@ def test_the_estimate_counts_a_transformers_models_matrices_decoded(untied_tiny_
     loader = Loader(Settings(demo=False, cpu_dtype="model"), Metrics(), torch.device("cpu"), Timeline())
     monkeypatch.setattr(loader, "_form", lambda: "fixed")
     monkeypatch.setattr(job, "_config", lambda archive: {**config, "hidden_act": "gelu"})
-    assert loader.estimate_bytes(untied_tiny_archive, "compressed", whole) == whole
+    assert loader.estimate_bytes(untied_tiny_archive, "compressed") == whole
 
 
 @torch.inference_mode()

@@ -1,0 +1,102 @@
+"""fp8 checkpoints served (service/model/fp8.py): compressed-tensors' per-tensor scales,
+fbgemm's per-row scales and transformers' FineGrainedFP8 blocks (ragged ones included) come out
+of the load as exactly the bf16 weights the checkpoint means, scales and activation/kv-cache
+scales dropped; the server then generates what their bf16 twin generates, charged the bytes it
+holds; a quantization it cannot serve is refused by name before a byte of weights is read."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from conftest import FP8_FORMATS, _tiny_state
+from service_helpers import FileReads
+
+from codec.encode import compress_state_dict
+from service.load import pipeline
+from service.model import fp8
+
+pytestmark = pytest.mark.anyio
+METHODS = sorted(FP8_FORMATS)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_the_load_dequantizes_each_weight_as_its_checkpoint_means(fp8_archives, method) -> None:
+    archive, twin = fp8_archives(method)
+    meant = pipeline.decode_archive(twin, torch.device("cpu")).tensors
+    with_scales = pipeline.decode_archive(archive, torch.device("cpu"))
+    s = fp8.scheme_of([e for e in _entries(archive)], with_scales.files)
+    got = pipeline.decode_archive(archive, torch.device("cpu"), fp8_scheme=s).tensors
+    assert any(t.dtype == torch.float8_e4m3fn for t in with_scales.tensors.values())
+    assert sorted(got) == sorted(meant)                       # scales, input and kv-cache scales dropped
+    for name, t in meant.items():
+        assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
+
+
+def _entries(path):
+    from codec.decode import Archive
+    with Archive.open(path) as archive:
+        return archive.entries
+
+
+def _store(tmp_path, **archives):
+    root = tmp_path / "store"
+    root.mkdir()
+    for name, path in archives.items():
+        os.link(path, root / f"{name}.wcodec")
+    return root
+
+
+async def _greedy(client, name: str, prompt: str) -> list[tuple[int, float]]:
+    r = await client.post("/generate", json={"inputs": prompt, "model": name,
+                                             "parameters": {"max_new_tokens": 12, "details": True}})
+    assert r.status_code == 200, r.text
+    return [(t["id"], t["logprob"]) for t in r.json()["details"]["tokens"]]
+
+
+@pytest.mark.parametrize("weights", ["decoded", "compressed"])
+@pytest.mark.parametrize("method", METHODS)
+async def test_an_fp8_model_generates_what_its_bf16_twin_does(serve, fp8_archives, tmp_path, method, weights) -> None:
+    archive, twin = fp8_archives(method)
+    async with serve(_store(tmp_path, fp8=archive, twin=twin)) as server:
+        loads = [await server.client.post(f"/models/{n}/load", params={"weights": weights}) for n in ("fp8", "twin")]
+        assert [r.status_code for r in loads] == [200, 200], [r.text for r in loads]
+        held = [r.json()["weight_bytes"] for r in loads]
+        assert held[0] == held[1] or weights == "compressed"  # as bf16; the twin's compressed form is smaller
+        for prompt in ("What is the capital of France?", "The capital"):
+            assert await _greedy(server.client, "fp8", prompt) == await _greedy(server.client, "twin", prompt)
+
+
+async def test_the_budget_charges_an_fp8_model_its_dequantized_bytes(serve, fp8_archives, tmp_path) -> None:
+    """The estimate before the load counts each fp8 weight at bf16's 2 bytes, no scale: a budget one
+    byte short of that refuses it, that budget loads it (the header's fp8 bytes are fewer)."""
+    archive, _ = fp8_archives("fp8")
+    async with serve(_store(tmp_path, fp8=archive)) as server:
+        need = server.registry.loader.estimate_bytes(archive, "decoded")
+        header = sum(e.nbytes for e in _entries(archive))
+        server.registry.settings.gpu_memory_budget = need - 1
+        r = await server.client.post("/models/fp8/load")
+        assert r.status_code == 507 and need > header, r.text
+        server.registry.settings.gpu_memory_budget = need
+        r = await server.client.post("/models/fp8/load")
+        assert r.status_code == 200 and r.json()["weight_bytes"] == need, r.text
+
+
+@pytest.mark.parametrize(("qconfig", "named"), [
+    ({"quant_method": "awq", "bits": 4, "group_size": 128}, "'awq'"),
+    ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int"}}}},
+     "only 8-bit float"),
+])
+async def test_a_quantization_it_cannot_serve_is_refused_by_name_before_reading_weights(
+        serve, tmp_path, monkeypatch, qconfig, named) -> None:
+    state, files = _tiny_state(tmp_path, tied=True)
+    config = json.loads(files["config.json"]) | {"quantization_config": qconfig}
+    compress_state_dict(state, tmp_path / "q.wcodec", files={**files, "config.json": json.dumps(config).encode()},
+                        workers=1)
+    async with serve(_store(tmp_path, q=tmp_path / "q.wcodec")) as server:
+        reads = FileReads(monkeypatch)
+        r = await server.client.post("/models/q/load")
+        assert r.status_code == 500 and r.json()["error_type"] == "load_failed", r.text
+        assert named in r.json()["error"] and "not supported" in r.json()["error"]
+        assert reads.bytes == 0
