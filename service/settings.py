@@ -95,6 +95,11 @@ class Settings(BaseSettings):
     prompt_graph_rows: int | None = Field(None, ge=0)   # with graphs: steps of short prompts up to this many
                                                  # rows replayed too (None: max_batch_tokens; at most 512)
     payload_limit: int = Field(2_000_000, ge=1)  # request body bytes before 413 (TGI's --payload-limit)
+    # TGI's launcher limits, at its defaults (--max-best-of, --max-stop-sequences, --max-top-n-tokens):
+    # the TGI routes refuse more in its router's words, /info reports them
+    max_best_of: int = Field(2, ge=1)
+    max_stop_sequences: int = Field(4, ge=0)
+    max_top_n_tokens: int = Field(5, ge=0)
     max_input_tokens: int = Field(1024, ge=1)
     max_total_tokens: int = Field(2048, ge=2)
     default_max_new_tokens: int = Field(100, ge=1)

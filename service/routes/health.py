@@ -100,8 +100,9 @@ async def info(registry: RegistryDep, settings: SettingsDep, model: str | None =
     limit = min(settings.max_total_tokens, served.max_positions) if served else settings.max_total_tokens
     return Info(model_id=entry.name, model_dtype=str(served.dtype) if served else None,
                 model_device_type=registry.device.type, max_concurrent_requests=settings.max_queue + settings.max_batch_size,
-                max_input_tokens=min(settings.max_input_tokens, limit - 1), max_total_tokens=limit,
-                max_batch_size=settings.max_batch_size, version=codec.__version__)
+                max_best_of=settings.max_best_of, max_stop_sequences=settings.max_stop_sequences,
+                max_top_n_tokens=settings.max_top_n_tokens, max_input_tokens=min(settings.max_input_tokens, limit - 1),
+                max_total_tokens=limit, max_batch_size=settings.max_batch_size, version=codec.__version__)
 
 
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response,

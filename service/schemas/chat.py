@@ -6,7 +6,8 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from .openai import OpenAIRequest, OpenAIResponse, Usage
-from .tgi import MAX_TOP_N_TOKENS
+
+MAX_TOP_LOGPROBS = 20                           # OpenAI's bound on top_logprobs (vLLM's max_logprobs default)
 
 
 class TextPart(BaseModel):
@@ -60,7 +61,7 @@ class ChatRequest(OpenAIRequest):
     max_completion_tokens: int | None = Field(None, ge=1, description="The newer name of `max_tokens`.")
     logprobs: bool | None = Field(None, description="Each generated token's log-probability, in "
                                                     "`choices[].logprobs.content`.")
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_N_TOKENS, description="With `logprobs: true`, the "
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="With `logprobs: true`, the "
                                      "most likely tokens at each position, in `logprobs.content[].top_logprobs`.")
     response_format: ResponseFormat | None = Field(None, description="{'type': 'text'}, {'type': 'json_object'}, "
                                                    "{'type': 'json_schema', 'json_schema': {'name', 'schema'}}, or "

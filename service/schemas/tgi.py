@@ -12,21 +12,17 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from ..errors import self_named
 
 FinishReason = Literal["length", "eos_token", "stop_sequence"]
-MAX_STOP_SEQUENCES = 4
 MAX_SEED = 2**64 - 1                           # torch.Generator.manual_seed's range
-MAX_BEST_OF = 4                                # sequences a best_of request samples (TGI's default max is 2)
-MAX_TOP_N_TOKENS = 20                          # alternatives a token (OpenAI's top_logprobs bound; TGI's default is 5)
 OPEN_UNIT = {"exclusiveMinimum": 0, "exclusiveMaximum": 1}    # TGI's range of top_p and typical_p: 0 < p < 1
-# field -> (in bounds?, TGI's router's words otherwise: router/src/validation.rs, ValidationError)
+# field -> (in bounds?, TGI's router's words otherwise: router/src/validation.rs, ValidationError); the
+# bounds WCODEC_MAX_BEST_OF, _STOP_SEQUENCES and _TOP_N_TOKENS set are checked where the settings are
+# known (inference.check_limits)
 TGI_BOUNDS = {
     "max_new_tokens": (lambda v: v >= 1, "`max_new_tokens` must be strictly positive"),
     "temperature": (lambda v: v > 0, "`temperature` must be strictly positive"),
     "top_k": (lambda v: v > 0, "`top_k` must be strictly positive"),
     "repetition_penalty": (lambda v: v > 0, "`repetition_penalty` must be strictly positive"),
     "frequency_penalty": (lambda v: -2 <= v <= 2, "`frequency_penalty` must be >= -2.0 and <= 2.0"),
-    "top_n_tokens": (lambda v: 0 <= v <= MAX_TOP_N_TOKENS,
-                     f"`top_n_tokens` must be >= 0 and <= {MAX_TOP_N_TOKENS}. Given: {{value}}"),
-    "best_of": (lambda v: 0 < v <= MAX_BEST_OF, f"`best_of` must be > 0 and <= {MAX_BEST_OF}. Given: {{value}}"),
 }
 CHAT_EXAMPLE = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
 
@@ -65,8 +61,8 @@ class GenerateParameters(BaseModel):
     top_k: int | None = Field(None, gt=0, description="Keep only the top-k tokens when sampling.")
     do_sample: bool = Field(False, description="Sample instead of greedy decoding.")
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Random sampling seed.")
-    stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_SEQUENCES,
-                            description="Stop generating when one of these is generated.")
+    stop: list[str] = Field(default_factory=list, description="Stop generating when one of these is generated "
+                            "(at most WCODEC_MAX_STOP_SEQUENCES, TGI's --max-stop-sequences: 4 by default).")
     repetition_penalty: float | None = Field(None, gt=0, description="1.0 means no penalty.")
     return_full_text: bool | None = Field(None, description="Prepend the prompt to the generated text.")
     details: bool = Field(True, description="Return generation details.")
@@ -75,18 +71,20 @@ class GenerateParameters(BaseModel):
     decoder_input_details: bool = Field(False, description="details.prefill: each prompt token with its "
                                         "log-probability given the tokens before it (null for the first); "
                                         "not with a stream.")
-    best_of: int | None = Field(None, ge=1, le=MAX_BEST_OF, description="Sample this many sequences and "
-                                "return the one of highest log-probability (the others in "
-                                "details.best_of_sequences); needs sampling, and neither a seed nor a stream.")
+    best_of: int | None = Field(None, description="Sample this many sequences (1 to WCODEC_MAX_BEST_OF, TGI's "
+                                "--max-best-of: 2 by default) and return the one of highest log-probability (the "
+                                "others in details.best_of_sequences); needs sampling, and neither a seed nor a "
+                                "stream.", json_schema_extra={"minimum": 1})
     typical_p: float | None = Field(None, description="Typical decoding: keep the tokens whose surprisal is "
                                     "nearest the entropy, most typical first, until their probabilities reach "
                                     "this mass; samples.", json_schema_extra=OPEN_UNIT)
     watermark: bool = Field(False, description="TGI's watermark (Kirchenbauer et al. 2023): after each token, "
                             "a green half of the vocabulary (drawn from that token) gains 2.0 in its logits, so "
                             "that a detector can tell the text.")
-    top_n_tokens: int | None = Field(None, ge=0, le=MAX_TOP_N_TOKENS, description="The most likely tokens "
-                                     "at each step, with their log-probabilities (details.top_tokens, a stream "
-                                     "event's top_tokens).")
+    top_n_tokens: int | None = Field(None, description="The most likely tokens at each step (0 to "
+                                     "WCODEC_MAX_TOP_N_TOKENS, TGI's --max-top-n-tokens: 5 by default), with their "
+                                     "log-probabilities (details.top_tokens, a stream event's top_tokens).",
+                                     json_schema_extra={"minimum": 0})
     frequency_penalty: float | None = Field(None, ge=-2, le=2, description="TGI's: subtracted from each "
                                            "token's logit times its share of the prompt and generated tokens.")
     grammar: Grammar | None = Field(None, description="Constrain the text to a JSON schema or a regex (TGI's "
@@ -109,13 +107,6 @@ class GenerateParameters(BaseModel):
             within, words = TGI_BOUNDS[info.field_name]
             if not within(value):
                 raise self_named(words.format(value=value))
-        return value
-
-    @field_validator("stop", mode="before")
-    @classmethod
-    def _few_stops(cls, value):
-        if isinstance(value, list) and len(value) > MAX_STOP_SEQUENCES:
-            raise self_named(f"`stop` supports up to {MAX_STOP_SEQUENCES} stop sequences. Given: {len(value)}")
         return value
 
     def unsupported(self) -> list[str]:
@@ -212,6 +203,8 @@ class StreamResponse(BaseModel):
 
 
 class Info(BaseModel):
+    """TGI's /info (router/src/lib.rs, Info), with model_dtype and model_device_type (TGI's before 2.0),
+    max_batch_size and max_top_n_tokens (TGI's launcher flags, which its Info does not report) beside it."""
     model_config = ConfigDict(protected_namespaces=())
     model_id: str
     model_sha: str | None = None
@@ -221,8 +214,11 @@ class Info(BaseModel):
     max_concurrent_requests: int = Field(description="TGI's: the requests in flight (running or waiting) at "
                                          "most before 429: WCODEC_MAX_BATCH_SIZE running rows + "
                                          "WCODEC_MAX_QUEUE waiting")
-    max_best_of: int = MAX_BEST_OF
-    max_stop_sequences: int = MAX_STOP_SEQUENCES
+    max_best_of: int = Field(description="WCODEC_MAX_BEST_OF: the largest `best_of` the TGI routes take")
+    max_stop_sequences: int = Field(description="WCODEC_MAX_STOP_SEQUENCES: the most `stop` sequences the TGI "
+                                    "routes take")
+    max_top_n_tokens: int = Field(description="WCODEC_MAX_TOP_N_TOKENS: the largest `top_n_tokens` the TGI "
+                                  "routes take")
     max_input_tokens: int
     max_total_tokens: int
     max_batch_size: int

@@ -246,7 +246,8 @@ def live(tmp_path_factory: pytest.TempPathFactory, demo_archive) -> Iterator[tup
     """(url, app) of a uvicorn server on 127.0.0.1 whose store holds the demo, ready."""
     root = tmp_path_factory.mktemp("live")
     os.link(demo_archive, root / f"{DEMO}.wcodec")
-    app = create_app(Settings(model_store=root, demo=False, preload=[DEMO]))
+    # best_of 3 (test_clients.py) is over TGI's default WCODEC_MAX_BEST_OF of 2
+    app = create_app(Settings(model_store=root, demo=False, preload=[DEMO], max_best_of=3))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))

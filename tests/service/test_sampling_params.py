@@ -133,10 +133,10 @@ TGI_MESSAGES = [                               # TGI's router/src/validation.rs,
      "`truncate` must be strictly positive and less than 1024. Given: -3"),
     ({"inputs": "hi", "parameters": {"temperature": 0}}, "`temperature` must be strictly positive"),
     ({"inputs": "hi", "parameters": {"top_k": 0}}, "`top_k` must be strictly positive"),
-    ({"inputs": "hi", "parameters": {"top_n_tokens": 21}}, "`top_n_tokens` must be >= 0 and <= 20. Given: 21"),
+    ({"inputs": "hi", "parameters": {"top_n_tokens": 21}}, "`top_n_tokens` must be >= 0 and <= 5. Given: 21"),
     ({"inputs": "hi", "parameters": {"repetition_penalty": -1.5}}, "`repetition_penalty` must be strictly positive"),
     ({"inputs": "hi", "parameters": {"frequency_penalty": 2.5}}, "`frequency_penalty` must be >= -2.0 and <= 2.0"),
-    ({"inputs": "hi", "parameters": {"best_of": 5, "do_sample": True}}, "`best_of` must be > 0 and <= 4. Given: 5"),
+    ({"inputs": "hi", "parameters": {"best_of": 5, "do_sample": True}}, "`best_of` must be > 0 and <= 2. Given: 5"),
 ]
 
 
