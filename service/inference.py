@@ -39,7 +39,8 @@ log = logging.getLogger(__name__)
 # the thread that tokenizes prompts and renders chat templates (TGI's validation worker, one as
 # /info's validation_workers says): seconds for a prompt of megabytes, which on the event loop
 # stalled every other request and /health with it
-VALIDATION = ThreadPoolExecutor(1, thread_name_prefix="wcodec-validation")
+VALIDATION_WORKERS = 1
+VALIDATION = ThreadPoolExecutor(VALIDATION_WORKERS, thread_name_prefix="wcodec-validation")
 
 @dataclass
 class Started:

@@ -9,8 +9,10 @@ import codec
 
 from ..deps import MetricsDep, ModelName, RegistryDep, SettingsDep
 from ..errors import ModelNotReady, responses
+from ..inference import VALIDATION_WORKERS
 from ..registry import ModelRegistry, ModelState
 from ..settings import Settings
+from ..schemas.completions import MAX_PROMPTS
 from ..schemas.tgi import Info
 
 router = APIRouter(tags=["health"])
@@ -102,7 +104,8 @@ async def info(registry: RegistryDep, settings: SettingsDep, model: str | None =
                 model_device_type=registry.device.type, max_concurrent_requests=settings.max_queue + settings.max_batch_size,
                 max_best_of=settings.max_best_of, max_stop_sequences=settings.max_stop_sequences,
                 max_top_n_tokens=settings.max_top_n_tokens, max_input_tokens=min(settings.max_input_tokens, limit - 1),
-                max_total_tokens=limit, max_batch_size=settings.max_batch_size, version=codec.__version__)
+                max_total_tokens=limit, max_batch_size=settings.max_batch_size,
+                validation_workers=VALIDATION_WORKERS, max_client_batch_size=MAX_PROMPTS, version=codec.__version__)
 
 
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response,

@@ -222,8 +222,9 @@ class Info(BaseModel):
     max_input_tokens: int
     max_total_tokens: int
     max_batch_size: int
-    validation_workers: int = 1
-    max_client_batch_size: int = 1
+    validation_workers: int = Field(description="the threads that tokenize prompts (TGI's validation workers)")
+    max_client_batch_size: int = Field(description="the most prompts one request carries (/v1/completions' "
+                                       "list, as TGI's)")
     router: str = "wcodec"
     version: str
     sha: str | None = None

@@ -1,20 +1,25 @@
 """TGI's launcher limits as settings: WCODEC_MAX_BEST_OF, WCODEC_MAX_STOP_SEQUENCES and
 WCODEC_MAX_TOP_N_TOKENS, at TGI's defaults (--max-best-of 2, --max-stop-sequences 4,
 --max-top-n-tokens 5). The TGI routes refuse more in TGI's router's words with the configured
-bound (router/src/validation.rs), and /info reports them. OpenAI's routes keep OpenAI's own
-bounds."""
+bound (router/src/validation.rs), /info reports them, and /info has every field of TGI's Info
+(router/src/lib.rs). OpenAI's routes keep OpenAI's own bounds."""
 from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
 from service_helpers import DEMO, assert_error, generate_body
 
+from service import inference
 from service.registry import ModelState
 from service.schemas.chat import ChatRequest
+from service.schemas.completions import MAX_PROMPTS
 from service.settings import Settings
 
 pytestmark = pytest.mark.anyio
 LIMITS = ("WCODEC_MAX_BEST_OF", "WCODEC_MAX_STOP_SEQUENCES", "WCODEC_MAX_TOP_N_TOKENS")
+TGI_INFO = {"model_id", "model_sha", "model_dtype", "model_device_type", "model_pipeline_tag",
+            "max_concurrent_requests", "max_best_of", "max_stop_sequences", "max_input_tokens", "max_total_tokens",
+            "validation_workers", "max_client_batch_size", "router", "version", "sha", "docker_label"}
 TGI_ROUTES = (("/generate", {}), ("/generate_stream", {}), ("/", {"stream": True}))
 
 
@@ -59,6 +64,19 @@ async def test_tgis_default_limits_are_refused_in_its_words_and_info_reports_the
         await refuses(server.client, {"top_n_tokens": -1}, "`top_n_tokens` must be >= 0 and <= 5. Given: -1")
         await refuses(server.client, {"stop": list("abcde")}, "`stop` supports up to 4 stop sequences. Given: 5")
         assert limits((await server.client.get("/info", params={"model": DEMO})).json()) == (2, 4, 5)
+
+
+async def test_info_has_every_field_of_tgis_info_with_honest_values(serve, store) -> None:
+    """Every field of TGI's Info; max_client_batch_size (TGI's bound on the prompts of one
+    /v1/completions request) said 1 where that route takes 32; validation_workers is the
+    tokenizing thread pool's size; what this server has no value for is null."""
+    async with serve(store()) as server:
+        info = (await server.client.get("/info", params={"model": DEMO})).json()
+        assert TGI_INFO <= set(info), TGI_INFO - set(info)
+        assert info["max_client_batch_size"] == MAX_PROMPTS == 32, info
+        assert info["validation_workers"] == inference.VALIDATION._max_workers == 1, info
+        assert info["model_sha"] is info["sha"] is info["docker_label"] is None, info
+        assert info["model_dtype"] is None and info["model_pipeline_tag"] == "text-generation", info
 
 
 async def test_max_best_of_1_disables_best_of_as_tgis_router(serve, store) -> None:
