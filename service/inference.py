@@ -58,24 +58,8 @@ def check_truncate(truncate: int | None, settings: Settings) -> None:
                                f"Given: {truncate}", param="truncate")
 
 
-def check_limits(p: GenerateParameters, settings: Settings) -> None:
-    """TGI's launcher limits (WCODEC_MAX_BEST_OF, _STOP_SEQUENCES, _TOP_N_TOKENS), refused in its
-    router's words with the configured bound (router/src/validation.rs: validate_best_of, validate)."""
-    best_of, most, stops, top_n = p.best_of, settings.max_best_of, len(p.stop), p.top_n_tokens
-    if best_of is not None and most == 1 and best_of != 1:
-        raise ValidationFailed("`best_of` != 1 is not allowed for this endpoint", param="best_of")
-    if best_of is not None and not 0 < best_of <= most:
-        raise ValidationFailed(f"`best_of` must be > 0 and <= {most}. Given: {best_of}", param="best_of")
-    if stops > settings.max_stop_sequences:
-        raise ValidationFailed(f"`stop` supports up to {settings.max_stop_sequences} stop sequences. "
-                               f"Given: {stops}", param="stop")
-    if top_n is not None and not 0 <= top_n <= settings.max_top_n_tokens:
-        raise ValidationFailed(f"`top_n_tokens` must be >= 0 and <= {settings.max_top_n_tokens}. Given: {top_n}",
-                               param="top_n_tokens")
-
-
 def sampling_params(p: GenerateParameters, settings: Settings, *, stream: bool = False) -> SamplingParams:
-    check_limits(p, settings)
+    p.check_limits(settings)
     check_truncate(p.truncate, settings)
     for stop in p.stop:
         unicode_text(stop, "stop")

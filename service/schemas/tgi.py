@@ -5,18 +5,21 @@ Parameters this server does not implement are accepted at their neutral value (w
 send by default) and refused with 422 otherwise."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from ..errors import self_named
+from ..errors import ValidationFailed, self_named
+
+if TYPE_CHECKING:
+    from ..settings import Settings
 
 FinishReason = Literal["length", "eos_token", "stop_sequence"]
 MAX_SEED = 2**64 - 1                           # torch.Generator.manual_seed's range
 OPEN_UNIT = {"exclusiveMinimum": 0, "exclusiveMaximum": 1}    # TGI's range of top_p and typical_p: 0 < p < 1
 # field -> (in bounds?, TGI's router's words otherwise: router/src/validation.rs, ValidationError); the
 # bounds WCODEC_MAX_BEST_OF, _STOP_SEQUENCES and _TOP_N_TOKENS set are checked where the settings are
-# known (inference.check_limits)
+# known (GenerateParameters.check_limits, called by inference.sampling_params)
 TGI_BOUNDS = {
     "max_new_tokens": (lambda v: v >= 1, "`max_new_tokens` must be strictly positive"),
     "temperature": (lambda v: v > 0, "`temperature` must be strictly positive"),
@@ -112,6 +115,21 @@ class GenerateParameters(BaseModel):
     def unsupported(self) -> list[str]:
         """The parameters set to something this server cannot do."""
         return ["adapter_id"] if self.adapter_id is not None else []
+
+    def check_limits(self, settings: Settings) -> None:
+        """TGI's launcher limits (WCODEC_MAX_BEST_OF, _STOP_SEQUENCES, _TOP_N_TOKENS), refused in its
+        router's words with the configured bound (router/src/validation.rs: validate_best_of, validate)."""
+        best_of, most, stops, top_n = self.best_of, settings.max_best_of, len(self.stop), self.top_n_tokens
+        if best_of is not None and most == 1 and best_of != 1:
+            raise ValidationFailed("`best_of` != 1 is not allowed for this endpoint", param="best_of")
+        if best_of is not None and not 0 < best_of <= most:
+            raise ValidationFailed(f"`best_of` must be > 0 and <= {most}. Given: {best_of}", param="best_of")
+        if stops > settings.max_stop_sequences:
+            raise ValidationFailed(f"`stop` supports up to {settings.max_stop_sequences} stop sequences. "
+                                   f"Given: {stops}", param="stop")
+        if top_n is not None and not 0 <= top_n <= settings.max_top_n_tokens:
+            raise ValidationFailed(f"`top_n_tokens` must be >= 0 and <= {settings.max_top_n_tokens}. "
+                                   f"Given: {top_n}", param="top_n_tokens")
 
 
 class GenerateRequest(BaseModel):
