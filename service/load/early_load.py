@@ -31,6 +31,7 @@ class EarlyLoad:
         self.name, self.path, self.device, self.timeline, self.pin = name, path, device, timeline, pin
         self.identity = identity(path)
         self.weights = settings.weights                              # preloads use the default weights mode
+        self.context = settings.max_total_tokens
         self.read = early if early is not None and settings.host_cache_budget() > 0 else None
         if self.read is not None:
             self.read.kept = True              # not freed after the load: the host cache may adopt it
@@ -102,7 +103,7 @@ class EarlyLoad:
     def _prepare(self, files: dict[str, bytes]):
         from ..model import build
         with self.timeline.span(f"early load {self.name}: tokenizer and skeleton"):
-            return build.prepare(self.name, files)
+            return build.prepare(self.name, files, self.context)
 
     def matches(self, path, device: torch.device) -> bool:
         try:

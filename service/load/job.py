@@ -76,14 +76,14 @@ class Loader:
         entries = fp8.served_entries(entries, _fp8_scheme(config, entries))     # fp8 weights held dequantized
         if weights == "decoded" and self.device.type != "cpu":
             return sum(e.nbytes for e in entries)
-        form, native = self._form(), llama.native_config(config)
+        form, native = self._form(), llama.native_config(config, self.settings.max_total_tokens)
         blocks, floats = compressed.kept_entries(entries, form, native is not None)
         held = "compressed" if weights == "compressed" and blocks + floats else "decoded"
         if held == "decoded":
             need, blocks = sum(e.nbytes for e in entries), []
         else:
             scratch = self.settings.compressed_scratch if self.device.type == "cuda" else 1
-            host = fixed.host_names(config) if form == "fixed" else frozenset()
+            host = fixed.host_names(native) if form == "fixed" else frozenset()
             need = compressed.estimate_bytes(entries, scratch, form, host, native is not None)
         return need + cpu_dtype.added_bytes(_held(entries, native, held, blocks), self.device, self.settings.cpu_dtype)
 
@@ -138,7 +138,7 @@ class Loader:
         mark("header and files read")
         fp8_scheme = fp8.scheme_of(*opened, name)                # a quantization it cannot serve: refused here
         with ThreadPoolExecutor(1, thread_name_prefix="wcodec-prepare") as pool:
-            prepared = pool.submit(build.prepare, name, opened[1])
+            prepared = pool.submit(build.prepare, name, opened[1], s.max_total_tokens)
             with self.host_cache.use(str(path), verify=devicecheck.on_host(self.device, s.verify_crc),
                                      threads=s.read_threads(), direct=s.direct_io()) as cached:
                 if cached.looked:

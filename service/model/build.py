@@ -182,14 +182,15 @@ def _hf_prepare(files: dict[str, bytes], tokenizer: object | None) -> tuple[obje
     return config, tokenizer, generation
 
 
-def prepare(name: str, files: dict[str, bytes]) -> Prepared:
-    """Config, tokenizer, generation config and the meta-device skeleton from embedded files."""
+def prepare(name: str, files: dict[str, bytes], context: int | None = None) -> Prepared:
+    """Config, tokenizer, generation config and the meta-device skeleton from embedded files;
+    `context`: the longest sequence served (WCODEC_MAX_TOTAL_TOKENS; llama.LlamaConfig.parse)."""
     t0 = time.perf_counter()
     if "config.json" not in files:
         raise LoadFailed(f"model {name!r} embeds no config.json: it cannot be served")
     files = fp8.unquantized_files(files)
     try:
-        native = llama.LlamaConfig.parse(json.loads(files["config.json"]))
+        native = llama.LlamaConfig.parse(json.loads(files["config.json"]), context)
     except llama.INVALID_CONFIG as e:
         raise LoadFailed(f"model {name!r}: config.json is not valid: {type(e).__name__}: {e}") from None
     tokenizer = Tokenizer.from_files(files)

@@ -185,11 +185,11 @@ def host_table(config: llama.LlamaConfig) -> bool:
     return not config.tie_word_embeddings and ops.has_ops(ops.HOST_ROWS_OPS, "cuda")
 
 
-def host_names(config: dict | None) -> frozenset[str]:
-    """The tensors this form keeps on the host for a model whose config.json is `config` (the
-    memory budget's estimate, before the load): an untied llama.py model's embedding table."""
-    parsed = llama.native_config(config)
-    return frozenset({EMBEDDING}) if parsed is not None and host_table(parsed) else frozenset()
+def host_names(native: llama.LlamaConfig | None) -> frozenset[str]:
+    """The tensors this form keeps on the host for a model whose config.json is parsed as `native`
+    (llama.native_config; None: not llama.py's) -- the memory budget's estimate, before the
+    load: an untied llama.py model's embedding table."""
+    return frozenset({EMBEDDING}) if native is not None and host_table(native) else frozenset()
 
 
 def _table_on_host(model: torch.nn.Module, name: str, w: fixedrate.FixedRateWeight) -> bool:

@@ -11,8 +11,10 @@ model modules pull in torch._dynamo, sympy and scipy: seconds on the start-up's 
   2.13 the first random init on `meta` imports torch._dynamo (seconds), so modules here never
   initialise; the decoded tensors are assigned over them.
 * `LlamaConfig.parse(config.json)` returns None for anything this file does not implement
-  exactly (another activation, sliding windows, a rope type other than default/linear/llama3):
-  such models are served by transformers' own classes (build.py).
+  exactly (another activation, a rope type other than default/linear/llama3, a sliding window
+  that can take effect): such models are served by transformers' own classes (build.py). A
+  window as long as the longest sequence served (the model's positions, or the service's
+  WCODEC_MAX_TOTAL_TOKENS when lower) never hides a key: such a model is served here.
 
     ids [B, S]   x [B, S, E]   q [B, H, S, D]   k, v [B, KV, T, D]   mask [B, 1, S, T] (True: attend)
 """
@@ -31,7 +33,7 @@ MODEL_TYPES = ("llama", "mistral", "qwen2")
 # transformers' class defaults, for a config.json that omits the field (transformers' AutoConfig reads it so)
 TYPE_DEFAULTS = {"llama": {"max_position_embeddings": 2048},
                  "mistral": {"max_position_embeddings": 131072, "sliding_window": 4096},
-                 "qwen2": {"max_position_embeddings": 32768, "sliding_window": 4096}}
+                 "qwen2": {"max_position_embeddings": 32768, "sliding_window": 4096, "max_window_layers": 28}}
 
 
 def _rope(d: dict) -> tuple[float, dict] | None:
@@ -43,6 +45,25 @@ def _rope(d: dict) -> tuple[float, dict] | None:
 
 
 INVALID_CONFIG = (ValueError, KeyError, TypeError, ArithmeticError)   # what LlamaConfig.parse raises
+
+
+def sliding_window(d: dict) -> tuple[int | None, int]:
+    """(the window, how many layers it windows) of config.json's `d` (TYPE_DEFAULTS applied), as
+    transformers applies it: Mistral every layer (`sliding_window`, None: none; `layer_types` is
+    ignored); Qwen2 only with `use_sliding_window`, the layers `layer_types` marks
+    "sliding_attention", else those from `max_window_layers` on; Llama none. A query at position
+    p then sees the keys at positions > p - window (masking_utils.sliding_window_overlay)."""
+    kind, window = d.get("model_type"), d.get("sliding_window")
+    if window is None or kind not in ("mistral", "qwen2") or (kind == "qwen2" and not d.get("use_sliding_window")):
+        return None, 0
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"sliding_window must be a positive integer or null, not {window!r}")
+    layers = d["num_hidden_layers"]
+    if kind == "mistral":
+        return window, layers
+    types = d.get("layer_types") or ["sliding_attention" if i >= d["max_window_layers"] else "full_attention"
+                                     for i in range(layers)]
+    return window, types.count("sliding_attention")
 
 
 @dataclass(frozen=True)
@@ -68,16 +89,20 @@ class LlamaConfig:
     bos_token_id: int | None = None
 
     @classmethod
-    def parse(cls, d: dict) -> LlamaConfig | None:
+    def parse(cls, d: dict, context: int | None = None) -> LlamaConfig | None:
         """The config of config.json's `d`, None for a model llama.py does not implement; raises
-        one of INVALID_CONFIG for a config that is not valid (a field missing or mistyped, 0 heads)."""
+        one of INVALID_CONFIG for a config that is not valid (a field missing or mistyped, 0 heads).
+        `context`: the longest sequence the service lets a request hold (WCODEC_MAX_TOTAL_TOKENS);
+        None: the model's positions bound it alone."""
         kind = d.get("model_type")
         d = {**TYPE_DEFAULTS.get(kind, {}), **d}
         rope = _rope(d)
-        window = d.get("sliding_window") if kind != "qwen2" or d.get("use_sliding_window") else None
-        if kind not in MODEL_TYPES or rope is None or d.get("hidden_act", "silu") != "silu" or window \
+        if kind not in MODEL_TYPES or rope is None or d.get("hidden_act", "silu") != "silu" \
                 or d.get("pretraining_tp", 1) != 1:
             return None
+        window, windowed = sliding_window(d)
+        if windowed and window < min(d["max_position_embeddings"], context or d["max_position_embeddings"]):
+            return None                                 # a window that hides keys of a sequence served
         heads = d["num_attention_heads"]
         bias = bool(d.get("attention_bias", False))
         return cls(kind, d["vocab_size"], d["hidden_size"], d["intermediate_size"], d["num_hidden_layers"], heads,
@@ -88,12 +113,12 @@ class LlamaConfig:
                    d.get("bos_token_id"))
 
 
-def native_config(d: dict | None) -> LlamaConfig | None:
+def native_config(d: dict | None, context: int | None = None) -> LlamaConfig | None:
     """The config of config.json's `d` if this file serves the model, else None: no config, a model
     build.prepare gives to transformers' classes, or a config that is not valid (the load says why).
-    For what is known before a load (the memory budget's estimate)."""
+    For what is known before a load (the memory budget's estimate); `context`: as LlamaConfig.parse."""
     try:
-        return LlamaConfig.parse(d) if d else None
+        return LlamaConfig.parse(d, context) if d else None
     except INVALID_CONFIG:
         return None
 

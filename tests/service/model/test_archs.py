@@ -3,8 +3,9 @@ model of transformers' own config class, saved as an HF folder, compressed (`cod
 loaded through the server's path (build.prepare, the load pipeline, build.finish) and run as the
 engine runs it (the padded batcher's KV cache, service/engine/kv.py; llama.py's models also through
 the paged engine, batched rows and chunked prompts). fp32 on the CPU: logits within 1e-5, the same
-greedy tokens. llama.py serves llama, mistral and qwen2 (LlamaConfig.parse); the others and
-sliding windows go to transformers' classes, and must compute what transformers computes."""
+greedy tokens. llama.py serves llama, mistral and qwen2 (LlamaConfig.parse), and sliding windows
+that never hide a key (as long as the positions, or on no layer); the others and windows that
+take effect go to transformers' classes, and must compute what transformers computes."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -30,6 +31,9 @@ CASES = {
     "mistral-no-window": ("Mistral", dict(sliding_window=None)),
     "qwen2-window-off-tied": ("Qwen2", dict(use_sliding_window=False, sliding_window=8, tie_word_embeddings=True)),
     "mistral-window-8": ("Mistral", dict(sliding_window=8)),
+    "mistral-window-of-the-positions": ("Mistral", dict(sliding_window=256)),     # never hides a key
+    "qwen2-window-on-no-layer": ("Qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=2)),
+    "qwen2-window-past-the-positions": ("Qwen2", dict(use_sliding_window=True, sliding_window=300, max_window_layers=0)),
     "qwen2-window-on": ("Qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),
     "qwen3": ("Qwen3", dict(head_dim=16)),
     "gemma": ("Gemma", dict(head_dim=16)),
@@ -37,7 +41,8 @@ CASES = {
     "phi3": ("Phi3", dict(num_key_value_heads=4)),
 }
 NATIVE = {"llama-gqa-tied", "llama-head-dim-24-biases", "llama-linear-theta", "llama-llama3-long",
-          "mistral-no-window", "qwen2-window-off-tied"}
+          "mistral-no-window", "qwen2-window-off-tied", "mistral-window-of-the-positions", "qwen2-window-on-no-layer",
+          "qwen2-window-past-the-positions"}
 
 
 def served_pair(tmp_path: Path, kind: str, **config):

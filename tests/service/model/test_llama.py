@@ -95,6 +95,36 @@ def test_what_is_not_implemented_goes_to_transformers(change: dict) -> None:
     assert llama.LlamaConfig.parse({**base, **change}) is None
 
 
+@pytest.mark.parametrize(("window", "positions", "context", "native"), [
+    (4096, 32768, None, False),            # Mistral-7B-v0.1, its whole context served: the window hides keys
+    (4096, 32768, 4096, True),             # WCODEC_MAX_TOTAL_TOKENS=4096: a query at 4095 sees key 0
+    (4096, 32768, 4097, False),            # one more: a query at 4096 does not
+    (4096, 32768, 2048, True),             # the service's default limit
+    (32768, 32768, None, True),            # a window as long as the positions
+    (32767, 32768, 65536, False)])         # a limit above the positions: the positions bound a sequence
+def test_a_window_no_sequence_served_outgrows_is_no_window(window: int, positions: int, context: int | None,
+                                                           native: bool) -> None:
+    """A window is served by llama.py (full attention) where it can never take effect: no
+    sequence is longer than it, the model's positions or the service's context limit bounding
+    it (inference._within_context: min(WCODEC_MAX_TOTAL_TOKENS, positions)). transformers' query
+    at position p sees the keys at positions > p - window: all of them while p < window."""
+    d = {"model_type": "mistral", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
+         "num_attention_heads": 2, "sliding_window": window, "max_position_embeddings": positions}
+    assert (llama.LlamaConfig.parse(d, context) is not None) == native
+    qwen = {**d, "model_type": "qwen2", "use_sliding_window": True, "max_window_layers": 0}
+    assert (llama.LlamaConfig.parse(qwen, context) is not None) == native
+
+
+@pytest.mark.parametrize("window", [0, -1, 4.5, "4096"])
+def test_a_window_that_is_not_a_positive_integer_fails_the_load_typed(window) -> None:
+    from service.errors import LoadFailed
+    from service.model import build
+    config = {"model_type": "mistral", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+              "num_hidden_layers": 1, "num_attention_heads": 2, "sliding_window": window}
+    with pytest.raises(LoadFailed, match="config.json is not valid: ValueError: sliding_window must be a positive"):
+        build.prepare("m", {"config.json": json.dumps(config).encode()})
+
+
 def test_tokenizer_matches_transformers(demo_archive: Path) -> None:
     from transformers import AutoTokenizer
     with Archive.open(demo_archive) as archive:
@@ -195,18 +225,25 @@ def test_a_config_that_is_not_valid_fails_the_load_typed(change: dict) -> None:
 
 @pytest.mark.parametrize("extra", [{"model_type": "llama"}, {"model_type": "mistral"}, {"model_type": "qwen2"},
                                    {"model_type": "qwen2", "use_sliding_window": True},
-                                   {"model_type": "mistral", "sliding_window": None}])
+                                   {"model_type": "qwen2", "use_sliding_window": True, "max_window_layers": 0},
+                                   {"model_type": "qwen2", "use_sliding_window": True,
+                                    "layer_types": ["sliding_attention"]},
+                                   {"model_type": "mistral", "sliding_window": None},
+                                   {"model_type": "llama", "sliding_window": 16}])
 def test_a_field_config_json_omits_is_read_as_transformers_reads_it(tmp_path: Path, extra: dict) -> None:
     """A config.json without `sliding_window` or `max_position_embeddings` (hand-written, or cut to
     what differs): transformers' class defaults apply (Mistral: a 4096-token window, 131072
-    positions; Qwen2: 32768, a 4096 window once switched on). llama.py served such a Mistral with
-    full attention, as no window, and every type with 2048 positions."""
+    positions; Qwen2: 32768, a 4096 window once switched on, on the layers from max_window_layers
+    (28) on, so on none of 1 layer). llama.py served such a Mistral with full attention, as no
+    window, and every type with 2048 positions."""
     from transformers import AutoConfig
     d = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
          "num_attention_heads": 2, **extra}
     (tmp_path / "config.json").write_text(json.dumps(d))
     theirs, ours = AutoConfig.from_pretrained(tmp_path), llama.LlamaConfig.parse(d)
-    windowed = getattr(theirs, "sliding_window", None) is not None
+    layers = getattr(theirs, "layer_types", None) or ["sliding_attention"]   # Mistral: every layer
+    windowed = theirs.model_type != "llama" and getattr(theirs, "sliding_window", None) is not None \
+        and "sliding_attention" in layers                                   # LlamaAttention reads no window
     assert (ours is None) == windowed
     if ours is not None:
         assert ours.max_position_embeddings == theirs.max_position_embeddings
