@@ -56,13 +56,17 @@ def rope_store_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos:
 
 
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-                               lengths: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
+                               lengths: torch.Tensor, block_size: int, scale: float,
+                               window: int | None = None) -> torch.Tensor:
     """q [B, H, D]: each row's one query against the first lengths[b] keys of its block table,
-    query head h reading KV head h // (H / KV); float32 softmax -> [B, H, D]."""
+    query head h reading KV head h // (H / KV); float32 softmax -> [B, H, D]. With a sliding
+    `window`, the query (at position lengths[b] - 1) sees only the keys at positions
+    > lengths[b] - 1 - window: the last `window` of them."""
     out = torch.empty_like(q)
     g = q.shape[1] // k_cache.shape[1]
     for b in range(q.shape[0]):
-        pos = torch.arange(int(lengths[b]), device=q.device)                      # [T]
+        n = int(lengths[b])
+        pos = torch.arange(max(0, n - window) if window else 0, n, device=q.device)   # [T]
         slots = tables[b, pos // block_size] * block_size + pos % block_size
         k = k_cache[slots].float().repeat_interleave(g, 1)                        # [T, H, D]
         v = v_cache[slots].float().repeat_interleave(g, 1)
@@ -76,8 +80,10 @@ def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 REFERENCES = SimpleNamespace(add_rms_norm=add_rms_norm_reference, rope_store=rope_store_reference,
-                             decode_attention=decode_attention_reference, silu_mul=silu_mul_reference)
-"""The references as a kernel set: step_triton.py's interface (paged.Fused runs either)."""
+                             decode_attention=decode_attention_reference, silu_mul=silu_mul_reference, windows=True)
+"""The references as a kernel set: step_triton.py's interface (paged.Fused runs either). `windows`:
+decode_attention takes a sliding window (csrc/step_cpu.cpp's op does not: paged.Fused attends
+such rows with the modules' SDPA)."""
 
 
 def cpu_kernels(device: torch.device) -> SimpleNamespace | None:

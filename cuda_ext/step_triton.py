@@ -187,9 +187,9 @@ ATTENTION_GROUPED = True                                                 # GQA: 
 ATTENTION_GROUP_WARPS = 4
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window"])
 def _decode_attention_kernel(q_ptr, kc_ptr, vc_ptr, tables_ptr, lengths_ptr, out_ptr, part_ptr, scale, width,
-                             heads, kv_heads, BS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                             heads, kv_heads, window, BS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                              CHUNK: tl.constexpr, SPLIT: tl.constexpr, GDC: tl.constexpr):
     _pdl_enter(GDC)
     b = tl.program_id(0).to(tl.int64)
@@ -198,11 +198,12 @@ def _decode_attention_kernel(q_ptr, kc_ptr, vc_ptr, tables_ptr, lengths_ptr, out
     d = tl.arange(0, D)
     q = tl.load(q_ptr + (b * heads + head) * D + d).to(tl.float32)
     length = tl.load(lengths_ptr + b)
+    first = tl.maximum(length - window, 0)                               # the window's first key position
     if SPLIT:                                                            # chunk s of the row's keys
-        lo = tl.program_id(2) * CHUNK
-        hi = tl.minimum(length, lo + CHUNK)
+        lo = tl.maximum(tl.program_id(2) * CHUNK, first)                 # (none where it ends before `first`)
+        hi = tl.minimum(length, tl.program_id(2) * CHUNK + CHUNK)
     else:
-        lo, hi = 0, length
+        lo, hi = first, length
     best = tl.max(tl.full([BLOCK_N], float("-inf"), tl.float32), axis=0)     # running max of the scores
     total = tl.sum(tl.zeros([BLOCK_N], tl.float32), axis=0)                  # running sum of exp(s - best)
     acc = tl.zeros([D], tl.float32)                                          # running sum of exp(s - best) * v
@@ -230,9 +231,9 @@ def _decode_attention_kernel(q_ptr, kc_ptr, vc_ptr, tables_ptr, lengths_ptr, out
         tl.store(out_ptr + (b * heads + head) * D + d, _round(acc / total, dtype).to(dtype))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window"])
 def _decode_attention_group_kernel(q_ptr, kc_ptr, vc_ptr, tables_ptr, lengths_ptr, out_ptr, part_ptr, scale, width,
-                                   heads, kv_heads, BS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                                   heads, kv_heads, window, BS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                                    CHUNK: tl.constexpr, SPLIT: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                                    GDC: tl.constexpr):
     """_decode_attention_kernel for the G query heads that share KV head program_id(1) (GQA): K and V
@@ -247,11 +248,12 @@ def _decode_attention_group_kernel(q_ptr, kc_ptr, vc_ptr, tables_ptr, lengths_pt
     d = tl.arange(0, D)
     q = tl.load(q_ptr + (b * heads + head)[:, None] * D + d[None, :], mask=in_group[:, None], other=0.0)
     length = tl.load(lengths_ptr + b)
+    first = tl.maximum(length - window, 0)                               # as _decode_attention_kernel
     if SPLIT:
-        lo = tl.program_id(2) * CHUNK
-        hi = tl.minimum(length, lo + CHUNK)
+        lo = tl.maximum(tl.program_id(2) * CHUNK, first)
+        hi = tl.minimum(length, tl.program_id(2) * CHUNK + CHUNK)
     else:
-        lo, hi = 0, length
+        lo, hi = first, length
     best = tl.full([GP], float("-inf"), tl.float32)
     total = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
@@ -282,8 +284,8 @@ def _decode_attention_group_kernel(q_ptr, kc_ptr, vc_ptr, tables_ptr, lengths_pt
                  mask=in_group[:, None])
 
 
-@triton.jit
-def _attention_combine_kernel(part_ptr, lengths_ptr, out_ptr, width, heads, BS: tl.constexpr, D: tl.constexpr,
+@triton.jit(do_not_specialize=["window"])
+def _attention_combine_kernel(part_ptr, lengths_ptr, out_ptr, width, heads, window, BS: tl.constexpr, D: tl.constexpr,
                               CHUNK: tl.constexpr, GDC: tl.constexpr):
     _pdl_enter(GDC)
     b = tl.program_id(0).to(tl.int64)
@@ -294,7 +296,9 @@ def _attention_combine_kernel(part_ptr, lengths_ptr, out_ptr, width, heads, BS: 
     best = tl.max(tl.full([D], float("-inf"), tl.float32), axis=0)
     total = tl.sum(tl.zeros([D], tl.float32), axis=0)
     acc = tl.zeros([D], tl.float32)
-    for s in range(0, tl.cdiv(tl.load(lengths_ptr + b), CHUNK)):        # the row's chunks, in order
+    length = tl.load(lengths_ptr + b)
+    first = tl.maximum(length - window, 0)                               # chunks before the one of key `first`
+    for s in range(first // CHUNK, tl.cdiv(length, CHUNK)):              # hold no key: the row's others, in order
         at = base + s * (D + 2)
         m = tl.load(at + D)
         new = tl.maximum(best, m)
@@ -306,12 +310,18 @@ def _attention_combine_kernel(part_ptr, lengths_ptr, out_ptr, width, heads, BS: 
     tl.store(out_ptr + (b * heads + head) * D + d, _round(acc / total, dtype).to(dtype))
 
 
+WINDOWS = True                       # decode_attention takes a sliding window (paged.Fused)
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-                     lengths: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
+                     lengths: torch.Tensor, block_size: int, scale: float, window: int | None = None) -> torch.Tensor:
     """q [B, H, D] contiguous, caches [slots, KV, D], tables [B, M] int64, lengths [B] int64 (>= 1)
-    -> [B, H, D]."""
+    -> [B, H, D]. A sliding `window`: row b's query (at position lengths[b] - 1) sees the keys at
+    positions >= lengths[b] - window (> its position - window, as transformers' mask); None: the
+    table's every key (a window longer than any row, so the kernels' first key is 0)."""
     b, heads, d = q.shape
     kv, width = k_cache.shape[1], tables.shape[1]
+    window = window or 1 << 30                                           # no window: one no row outgrows
     torch._check(q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
                  and tables.is_contiguous() and heads % kv == 0 and d == triton.next_power_of_2(d),
                  lambda: "decode_attention: contiguous inputs, H a multiple of KV, head_dim a power of 2")
@@ -323,17 +333,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     group = heads // kv
     if group > 1 and d >= 16 and ATTENTION_GROUPED:                      # GQA: a program a KV head's group
         _decode_attention_group_kernel[(b, kv, chunks)](q, k_cache, v_cache, tables, lengths, out, part, scale, width,
-                                                        heads, kv, BS=block_size, D=d, BLOCK_N=ATTENTION_BLOCK,
+                                                        heads, kv, window, BS=block_size, D=d, BLOCK_N=ATTENTION_BLOCK,
                                                         CHUNK=ATTENTION_CHUNK, SPLIT=chunks > 1, G=group,
                                                         GP=max(16, triton.next_power_of_2(group)),
                                                         num_warps=ATTENTION_GROUP_WARPS, **_pdl(q))
     else:
         _decode_attention_kernel[(b, heads, chunks)](q, k_cache, v_cache, tables, lengths, out, part, scale, width,
-                                                     heads, kv, BS=block_size, D=d, BLOCK_N=ATTENTION_BLOCK,
+                                                     heads, kv, window, BS=block_size, D=d, BLOCK_N=ATTENTION_BLOCK,
                                                      CHUNK=ATTENTION_CHUNK, SPLIT=chunks > 1, num_warps=ATTENTION_WARPS,
                                                      **_pdl(q))
     if chunks > 1:
-        _attention_combine_kernel[(b, heads)](part, lengths, out, width, heads, BS=block_size, D=d,
+        _attention_combine_kernel[(b, heads)](part, lengths, out, width, heads, window, BS=block_size, D=d,
                                               CHUNK=ATTENTION_CHUNK, num_warps=1, **_pdl(q))
     return out
 

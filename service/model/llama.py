@@ -12,9 +12,9 @@ model modules pull in torch._dynamo, sympy and scipy: seconds on the start-up's 
   initialise; the decoded tensors are assigned over them.
 * `LlamaConfig.parse(config.json)` returns None for anything this file does not implement
   exactly (another activation, a rope type other than default/linear/llama3, a sliding window
-  that can take effect): such models are served by transformers' own classes (build.py). A
-  window as long as the longest sequence served (the model's positions, or the service's
-  WCODEC_MAX_TOTAL_TOKENS when lower) never hides a key: such a model is served here.
+  on some layers only): such models are served by transformers' own classes (build.py). A
+  window on every layer is `sliding_window` (`visible`), None where no sequence served
+  (WCODEC_MAX_TOTAL_TOKENS, the positions) outgrows it.
 
     ids [B, S]   x [B, S, E]   q [B, H, S, D]   k, v [B, KV, T, D]   mask [B, 1, S, T] (True: attend)
 """
@@ -49,10 +49,9 @@ INVALID_CONFIG = (ValueError, KeyError, TypeError, ArithmeticError)   # what Lla
 
 def sliding_window(d: dict) -> tuple[int | None, int]:
     """(the window, how many layers it windows) of config.json's `d` (TYPE_DEFAULTS applied), as
-    transformers applies it: Mistral every layer (`sliding_window`, None: none; `layer_types` is
-    ignored); Qwen2 only with `use_sliding_window`, the layers `layer_types` marks
-    "sliding_attention", else those from `max_window_layers` on; Llama none. A query at position
-    p then sees the keys at positions > p - window (masking_utils.sliding_window_overlay)."""
+    transformers applies it: Mistral every layer (`layer_types` ignored); Qwen2 with
+    `use_sliding_window` the layers `layer_types` marks "sliding_attention", else those from
+    `max_window_layers` on; Llama none."""
     kind, window = d.get("model_type"), d.get("sliding_window")
     if window is None or kind not in ("mistral", "qwen2") or (kind == "qwen2" and not d.get("use_sliding_window")):
         return None, 0
@@ -87,6 +86,7 @@ class LlamaConfig:
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
     bos_token_id: int | None = None
+    sliding_window: int | None = None           # every layer's window, where one hides keys of a sequence served
 
     @classmethod
     def parse(cls, d: dict, context: int | None = None) -> LlamaConfig | None:
@@ -101,8 +101,10 @@ class LlamaConfig:
                 or d.get("pretraining_tp", 1) != 1:
             return None
         window, windowed = sliding_window(d)
-        if windowed and window < min(d["max_position_embeddings"], context or d["max_position_embeddings"]):
-            return None                                 # a window that hides keys of a sequence served
+        if not windowed or window >= min(d["max_position_embeddings"], context or d["max_position_embeddings"]):
+            window = None                               # no sequence served outgrows it
+        elif windowed < d["num_hidden_layers"]:
+            return None                                 # windowed layers beside full ones
         heads = d["num_attention_heads"]
         bias = bool(d.get("attention_bias", False))
         return cls(kind, d["vocab_size"], d["hidden_size"], d["intermediate_size"], d["num_hidden_layers"], heads,
@@ -110,7 +112,7 @@ class LlamaConfig:
                    d.get("rms_norm_eps", 1e-6), rope[0], rope[1], d["max_position_embeddings"],
                    bool(d.get("tie_word_embeddings", False)), bias or kind == "qwen2",
                    bias, bool(d.get("mlp_bias", False)), d.get("eos_token_id"), d.get("pad_token_id"),
-                   d.get("bos_token_id"))
+                   d.get("bos_token_id"), window)
 
 
 def native_config(d: dict | None, context: int | None = None) -> LlamaConfig | None:
@@ -335,13 +337,21 @@ class CausalLMOutput:
     past_key_values: KVCache | None
 
 
-def causal_mask(mask: torch.Tensor, q_len: int) -> torch.Tensor:
-    """[B, T] (1: a real token) -> [B, 1, q_len, T] bool: causal, no padding keys; a query always
-    sees itself, so a padding row is never empty (no NaN in SDPA)."""
+def visible(keys: torch.Tensor, queries: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Whether the queries see the keys (positions, broadcast): causal, within `window`
+    (transformers' masking_utils.sliding_window_overlay: key > query - window)."""
+    seen = keys <= queries
+    return seen if window is None else seen & (keys > queries - window)
+
+
+def causal_mask(mask: torch.Tensor, q_len: int, window: int | None = None) -> torch.Tensor:
+    """[B, T] (1: a real token) -> [B, 1, q_len, T] bool: causal (within `window`: a row's real tokens
+    are contiguous, service/engine/kv.py), no padding keys; a query always sees itself, so a
+    padding row is never empty (no NaN in SDPA)."""
     t = mask.shape[1]
     keys = torch.arange(t, device=mask.device)                                     # [T]
     queries = torch.arange(t - q_len, t, device=mask.device)[:, None]              # [S, 1]
-    allowed = (keys <= queries)[None, None] & mask[:, None, None, :].bool()        # [B, 1, S, T]
+    allowed = visible(keys, queries, window)[None, None] & mask[:, None, None, :].bool()   # [B, 1, S, T]
     return allowed | (keys == queries)[None, None]
 
 
@@ -391,5 +401,5 @@ class LlamaForCausalLM(nn.Module):
 
     def _part(self, x: torch.Tensor, seg: Segment) -> Part:
         cos, sin = self.model.rotary_emb(x, seg.position_ids)                      # [B, S, D]
-        mask = causal_mask(seg.attention_mask, seg.ids.shape[1])
+        mask = causal_mask(seg.attention_mask, seg.ids.shape[1], self.config.sliding_window)
         return Part(tuple(seg.ids.shape), cos.unsqueeze(1), _signed_sin(sin).unsqueeze(1), mask, seg.cache)

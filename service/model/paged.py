@@ -87,8 +87,8 @@ def forward(model: llama.LlamaForCausalLM, ids: torch.Tensor, ctx: Context, cach
     token's keys and values into `cache`; into `out` when given (a float32 [R, V] view: the runner's
     graphs share one). `fused`: cuda_ext/step_triton.py or step_kernels.cpu_kernels (their kernels
     read the norms' weights directly: compressed mode keeps them decoded); None: the modules, called."""
-    m, ops = model.model, (Fused(fused) if fused is not None else MODULES)
-    _masks(ctx, cache.block_size, ids.device, fused is None)                       # once a step, not a layer
+    m, ops, window = model.model, (Fused(fused) if fused is not None else MODULES), model.config.sliding_window
+    _masks(ctx, cache.block_size, ids.device, fused is None or window is not None, window)   # once a step
     x = m.embed_tokens(ids)                                                        # [N, E]
     cos, sin = m.rotary_emb(x, ctx.positions)                                      # [N, D]
     sin, h = llama._signed_sin(sin), None
@@ -96,7 +96,7 @@ def forward(model: llama.LlamaForCausalLM, ids: torch.Tensor, ctx: Context, cach
         attn, mlp = layer.self_attn, layer.mlp
         qkv = _readers(attn, "qkv", (attn.q_proj, attn.k_proj, attn.v_proj))
         x, normed = ops.add_norm(x, h, layer.input_layernorm, qkv)                # x += h; RMSNorm
-        h = attention(attn, normed, cos, sin, ctx, cache.k[i], cache.v[i], cache.block_size, ops)
+        h = attention(attn, normed, cos, sin, ctx, (cache.k[i], cache.v[i]), cache.block_size, ops, window)
         gate_up = _readers(mlp, "gate_up", (mlp.gate_proj, mlp.up_proj))
         x, normed = ops.add_norm(x, h, layer.post_attention_layernorm, gate_up)
         h = ops.mlp(mlp, normed)
@@ -131,8 +131,8 @@ class Modules:
 
     @staticmethod
     def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context,
-                         block_size: int, scale: float) -> torch.Tensor:
-        return _decode(q, k_cache, v_cache, ctx, block_size, scale)
+                         block_size: int, scale: float, window: int | None = None) -> torch.Tensor:
+        return _decode(q, k_cache, v_cache, ctx, block_size, scale)             # ctx.mask holds the window
 
 
 MODULES = Modules()
@@ -163,8 +163,14 @@ class Fused(Modules):
         return mlp.down_proj(fixedrate.PermutedX(self.silu_mul(gate, up, rows, width), *gate.shape))
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context,
-                         block_size: int, scale: float) -> torch.Tensor:
-        return self.k.decode_attention(q, k_cache, v_cache, ctx.tables, ctx.lengths, block_size, scale)
+                         block_size: int, scale: float, window: int | None = None) -> torch.Tensor:
+        """The kernels' op; with a sliding window, theirs where they take one (`windows`: Triton's,
+        the references), else the modules' (the CPU op attends every key of a row)."""
+        if window is None:
+            return self.k.decode_attention(q, k_cache, v_cache, ctx.tables, ctx.lengths, block_size, scale)
+        if getattr(self.k, "windows", False):
+            return self.k.decode_attention(q, k_cache, v_cache, ctx.tables, ctx.lengths, block_size, scale, window)
+        return _decode(q, k_cache, v_cache, ctx, block_size, scale)
 
 
 WARM_UP_CONFIG = {"model_type": "llama", "vocab_size": 64, "hidden_size": 64, "intermediate_size": 128,
@@ -244,26 +250,30 @@ def _joined(parent: torch.nn.Module, name: str, parts: tuple[torch.nn.Linear, ..
     return joined.split([p.out_features for p in parts], -1)
 
 
-def _masks(ctx: Context, block_size: int, device: torch.device, decode: bool) -> None:
+def _masks(ctx: Context, block_size: int, device: torch.device, decode: bool, window: int | None = None) -> None:
+    """The decode rows' mask (where `decode`: the modules attend them) and each chunk's: causal,
+    within `window` (llama.visible; a decode row's query is at position lengths - 1)."""
     if ctx.decode and decode:
         keys = torch.arange(ctx.keys or ctx.tables.shape[1] * block_size, device=device)   # [T]
-        ctx.mask = (keys < ctx.lengths[:, None])[:, None, None, :]                      # [B, 1, 1, T]
+        ctx.mask = llama.visible(keys, ctx.lengths[:, None] - 1, window)[:, None, None, :]   # [B, 1, 1, T]
     for p in ctx.prefills:
         t = p.past + p.length
         keys, queries = torch.arange(t, device=device), torch.arange(p.past, t, device=device)[:, None]   # [T], [S, 1]
-        p.mask = (keys <= queries)[None, None]                                          # [1, 1, S, T]
+        p.mask = llama.visible(keys, queries, window)[None, None]                       # [1, 1, S, T]
 
 
 def attention(attn: llama.Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: Context,
-              k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int, ops) -> torch.Tensor:
+              kv: tuple[torch.Tensor, torch.Tensor], block_size: int, ops, window: int | None = None) -> torch.Tensor:
     """x [N, E] -> [N, E]: the projections on every token at once, rotary and the new keys and
-    values into their slots, then attention of the decode rows (batched) and of each prompt chunk."""
-    n, d = x.shape[0], attn.head_dim
+    values into their slots `kv` (the layer's k and v caches), then attention of the decode rows
+    (batched) and of each prompt chunk, within the model's sliding `window`. Blocks wholly
+    before a row's window stay allocated (and are gathered by the modules' decode, masked)."""
+    (k_cache, v_cache), n, d = kv, x.shape[0], attn.head_dim
     q, k, v = (t.view(n, -1, d) for t in ops.projections(attn, x))                 # [N, H, D], [N, KV, D]
     q = ops.rope_store(q, k, v, cos, sin, k_cache, v_cache, ctx.slots)             # sin: signed
     scale, outs = d ** -0.5, []
     if ctx.decode:
-        outs.append(ops.decode_attention(q[:ctx.decode], k_cache, v_cache, ctx, block_size, scale))
+        outs.append(ops.decode_attention(q[:ctx.decode], k_cache, v_cache, ctx, block_size, scale, window))
     for p in ctx.prefills:
         outs.append(_prefill(q[p.start:p.start + p.length], k_cache, v_cache, p, scale))
     out = outs[0] if len(outs) == 1 else torch.cat(outs)                           # [N, H, D]

@@ -92,6 +92,28 @@ def test_decode_attention(b, h, kv, d, lengths, bs) -> None:
     torch.testing.assert_close(got, want, rtol=1.6e-2, atol=2e-3)
 
 
+@pytest.mark.parametrize("b,h,kv,d,lengths,bs,window", [
+    (3, 32, 8, 128, [40, 17, 1], 16, 16),                 # GQA's grouped kernel, one chunk of keys
+    (4, 9, 3, 64, [100, 33, 64, 65], 16, 16),             # grouped, chunks before the window skipped
+    (5, 8, 8, 64, [63, 64, 65, 128, 129], 16, 64),        # per-head kernel, windows on chunk bounds
+    (2, 4, 4, 128, [300, 2], 64, 100), (1, 32, 8, 128, [4000], 16, 3000), (1, 32, 8, 128, [4000], 16, 1)])
+def test_decode_attention_with_a_sliding_window(b, h, kv, d, lengths, bs, window) -> None:
+    """The window in Triton's kernels: row b's query sees the keys at positions >= lengths[b] -
+    window (transformers' `key > query - window`), as the reference and the CPU engine's path
+    (paged's modules: SDPA over the gathered keys under llama.visible's mask, float32 on the CPU) do."""
+    from service.model import paged
+    q, kc, vc, tables, lens = paged_case(b, h, kv, d, lengths, bs, b * 5 + window)
+    got = triton_ops.decode_attention(q, kc, vc, tables, lens, bs, d ** -0.5, window)
+    want = ref.decode_attention_reference(q, kc, vc, tables, lens, bs, d ** -0.5, window)
+    torch.testing.assert_close(got, want, rtol=1.6e-2, atol=2e-3)
+    ctx = paged.Context(lens.cpu(), lens.cpu(), b, tables.cpu(), lens.cpu())
+    paged._masks(ctx, bs, torch.device("cpu"), True, window)
+    cpu = paged.MODULES.decode_attention(q.cpu().float(), kc.cpu().float(), vc.cpu().float(), ctx, bs, d ** -0.5, window)
+    torch.testing.assert_close(got.cpu().float(), cpu, rtol=1.6e-2, atol=2e-3)
+    assert not torch.allclose(got, triton_ops.decode_attention(q, kc, vc, tables, lens, bs, d ** -0.5),
+                              rtol=1.6e-2, atol=2e-3)                 # the window hides keys of every case
+
+
 def test_decode_attention_is_the_same_in_any_batch() -> None:
     """A row's output does not depend on the batch around it: alone with its own table (one
     chunk of keys or a few) it is bit for bit what it gets beside a row of 4 000 keys, whose
@@ -165,11 +187,12 @@ def test_the_kernels_write_a_fused_linears_x_layout(n, cols) -> None:
         assert torch.equal(triton_ops.silu_mul(gu[:, :cols], gu[:, cols:], *layout), fixedrate.permute(plain).data)
 
 
-def small_llama(seed: int):
+def small_llama(seed: int, **extra):
     """A 4-layer GQA Llama on the GPU, bf16, norms N(1, 0.02) and matrices N(0, 0.05)."""
     from service.model import llama
     config = {"model_type": "llama", "hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 4,
-              "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 1000, "max_position_embeddings": 512}
+              "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 1000, "max_position_embeddings": 512,
+              **extra}
     torch.manual_seed(seed)
     m = llama.LlamaForCausalLM(llama.LlamaConfig.parse(config), "cuda").to(BF16).eval()
     with torch.no_grad():
@@ -178,14 +201,16 @@ def small_llama(seed: int):
     return m
 
 
+@pytest.mark.parametrize("extra", [{}, {"model_type": "mistral", "sliding_window": 16}], ids=["llama", "window-16"])
 @torch.inference_mode()
-def test_the_triton_step_equals_the_modules_step() -> None:
+def test_the_triton_step_equals_the_modules_step(extra) -> None:
     """A small Llama's paged forward (prompt chunks, then decode rows replayed as a CUDA graph)
     with Triton's kernels and with the modules: logits within four bf16 places of the largest,
-    greedy picks equal or tied to a place."""
+    greedy picks equal or tied to a place. With a window of 16 (a Mistral), the prompts of 25
+    to 27 tokens and their decode rows see past it."""
     from service.engine.runner import Chunk, Decode, Runner
     from service.model import paged
-    m = small_llama(seed=0)
+    m = small_llama(seed=0, **extra)
     runs = {}
     for kind, fused in (("triton", triton_ops), ("modules", None)):
         cache = paged.PagedCache(m.config, 16, 16, BF16, torch.device("cuda"))

@@ -3,9 +3,11 @@ model of transformers' own config class, saved as an HF folder, compressed (`cod
 loaded through the server's path (build.prepare, the load pipeline, build.finish) and run as the
 engine runs it (the padded batcher's KV cache, service/engine/kv.py; llama.py's models also through
 the paged engine, batched rows and chunked prompts). fp32 on the CPU: logits within 1e-5, the same
-greedy tokens. llama.py serves llama, mistral and qwen2 (LlamaConfig.parse), and sliding windows
-that never hide a key (as long as the positions, or on no layer); the others and windows that
-take effect go to transformers' classes, and must compute what transformers computes."""
+greedy tokens. llama.py serves llama, mistral and qwen2 (LlamaConfig.parse), sliding windows on
+every layer (prompts of 40 tokens and the paged engine's 46: past windows of 8 and 16, in prefill
+and decode) and windows that never hide a key (as long as the positions, or on no layer); the
+others and Qwen2's windows on some layers go to transformers' classes, and must compute what
+transformers computes."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -31,6 +33,8 @@ CASES = {
     "mistral-no-window": ("Mistral", dict(sliding_window=None)),
     "qwen2-window-off-tied": ("Qwen2", dict(use_sliding_window=False, sliding_window=8, tie_word_embeddings=True)),
     "mistral-window-8": ("Mistral", dict(sliding_window=8)),
+    "mistral-window-16": ("Mistral", dict(sliding_window=16)),                   # Mistral-7B-v0.1's, shrunk
+    "qwen2-window-every-layer": ("Qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=0)),
     "mistral-window-of-the-positions": ("Mistral", dict(sliding_window=256)),     # never hides a key
     "qwen2-window-on-no-layer": ("Qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=2)),
     "qwen2-window-past-the-positions": ("Qwen2", dict(use_sliding_window=True, sliding_window=300, max_window_layers=0)),
@@ -42,7 +46,7 @@ CASES = {
 }
 NATIVE = {"llama-gqa-tied", "llama-head-dim-24-biases", "llama-linear-theta", "llama-llama3-long",
           "mistral-no-window", "qwen2-window-off-tied", "mistral-window-of-the-positions", "qwen2-window-on-no-layer",
-          "qwen2-window-past-the-positions"}
+          "qwen2-window-past-the-positions", "mistral-window-8", "mistral-window-16", "qwen2-window-every-layer"}
 
 
 def served_pair(tmp_path: Path, kind: str, **config):
@@ -142,8 +146,8 @@ def test_the_paged_engine_batched_and_chunked_computes_what_transformers_compute
     theirs, served = served_pair(tmp_path, *CASES[case][:1], **CASES[case][1])
     paged.fuse_projections(served.model)
     torch.manual_seed(2)
-    p0, p1 = torch.randint(3, 280, (30,)).tolist(), torch.randint(3, 280, (13,)).tolist()
-    t0, t1 = list(range(8)), list(range(8, 12))                              # block tables, 4 tokens a block
+    p0, p1 = torch.randint(3, 280, (45,)).tolist(), torch.randint(3, 280, (13,)).tolist()
+    t0, t1 = list(range(12)), list(range(12, 16))                            # block tables, 4 tokens a block
     cache = paged.PagedCache(served.model.config, 16, 4, torch.float32, torch.device("cpu"))
     with torch.inference_mode():
         runner = Runner(served.model, cache, 4, 16, False, fused)
@@ -151,9 +155,9 @@ def test_the_paged_engine_batched_and_chunked_computes_what_transformers_compute
         n1 = int(a[1].argmax())
         b = runner.run([Decode(n1, 13, t1)], [Chunk(p0[20:], 20, t0)])
         n0, n1b = int(b[1].argmax()), int(b[0].argmax())
-        c = runner.run([Decode(n0, 30, t0), Decode(n1b, 14, t1)], [])
-        r0 = theirs(input_ids=torch.tensor([p0 + [n0]])).logits[0]             # [31, V]
+        c = runner.run([Decode(n0, 45, t0), Decode(n1b, 14, t1)], [])
+        r0 = theirs(input_ids=torch.tensor([p0 + [n0]])).logits[0]             # [46, V]
         r1 = theirs(input_ids=torch.tensor([p1 + [n1, n1b]])).logits[0]        # [15, V]
     got = torch.stack([a[0], a[1], b[0], b[1], c[0], c[1]])
-    want = torch.stack([r0[19], r1[12], r1[13], r0[29], r0[30], r1[14]])
+    want = torch.stack([r0[19], r1[12], r1[13], r0[44], r0[45], r1[14]])
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)

@@ -86,7 +86,9 @@ def test_rotation_by_roll_and_signed_sin_is_rotate_half_bit_for_bit(dtype: torch
     assert torch.equal(x * cos + x.roll(4, -1) * llama._signed_sin(sin), want)
 
 
-@pytest.mark.parametrize("change", [{"model_type": "gemma"}, {"hidden_act": "gelu"}, {"sliding_window": 4096},
+@pytest.mark.parametrize("change", [{"model_type": "gemma"}, {"hidden_act": "gelu"},
+                                    {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16,
+                                     "num_hidden_layers": 2, "max_window_layers": 1},      # a window on layer 1 only
                                     {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}])
 def test_what_is_not_implemented_goes_to_transformers(change: dict) -> None:
     base = {"model_type": "mistral", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
@@ -95,24 +97,27 @@ def test_what_is_not_implemented_goes_to_transformers(change: dict) -> None:
     assert llama.LlamaConfig.parse({**base, **change}) is None
 
 
-@pytest.mark.parametrize(("window", "positions", "context", "native"), [
-    (4096, 32768, None, False),            # Mistral-7B-v0.1, its whole context served: the window hides keys
-    (4096, 32768, 4096, True),             # WCODEC_MAX_TOTAL_TOKENS=4096: a query at 4095 sees key 0
-    (4096, 32768, 4097, False),            # one more: a query at 4096 does not
-    (4096, 32768, 2048, True),             # the service's default limit
-    (32768, 32768, None, True),            # a window as long as the positions
-    (32767, 32768, 65536, False)])         # a limit above the positions: the positions bound a sequence
+@pytest.mark.parametrize(("window", "positions", "context", "takes_effect"), [
+    (4096, 32768, None, True),             # Mistral-7B-v0.1, its whole context served: the window hides keys
+    (4096, 32768, 4096, False),            # WCODEC_MAX_TOTAL_TOKENS=4096: a query at 4095 sees key 0
+    (4096, 32768, 4097, True),             # one more: a query at 4096 does not
+    (4096, 32768, 2048, False),            # the service's default limit
+    (32768, 32768, None, False),           # a window as long as the positions
+    (32767, 32768, 65536, True)])          # a limit above the positions: the positions bound a sequence
 def test_a_window_no_sequence_served_outgrows_is_no_window(window: int, positions: int, context: int | None,
-                                                           native: bool) -> None:
-    """A window is served by llama.py (full attention) where it can never take effect: no
-    sequence is longer than it, the model's positions or the service's context limit bounding
-    it (inference._within_context: min(WCODEC_MAX_TOTAL_TOKENS, positions)). transformers' query
-    at position p sees the keys at positions > p - window: all of them while p < window."""
-    d = {"model_type": "mistral", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
+                                                           takes_effect: bool) -> None:
+    """A window is no window (full attention) where it can never take effect: no sequence is
+    longer than it, the model's positions or the service's context limit bounding it
+    (inference._within_context: min(WCODEC_MAX_TOTAL_TOKENS, positions)). transformers' query at
+    position p sees the keys at positions > p - window: all of them while p < window."""
+    d = {"model_type": "mistral", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 2,
          "num_attention_heads": 2, "sliding_window": window, "max_position_embeddings": positions}
-    assert (llama.LlamaConfig.parse(d, context) is not None) == native
+    served = window if takes_effect else None
+    assert llama.LlamaConfig.parse(d, context).sliding_window == served
     qwen = {**d, "model_type": "qwen2", "use_sliding_window": True, "max_window_layers": 0}
-    assert (llama.LlamaConfig.parse(qwen, context) is not None) == native
+    assert llama.LlamaConfig.parse(qwen, context).sliding_window == served
+    some_layers = llama.LlamaConfig.parse({**qwen, "max_window_layers": 1}, context)     # transformers' classes
+    assert (some_layers is None) == takes_effect
 
 
 @pytest.mark.parametrize("window", [0, -1, 4.5, "4096"])
@@ -244,6 +249,5 @@ def test_a_field_config_json_omits_is_read_as_transformers_reads_it(tmp_path: Pa
     layers = getattr(theirs, "layer_types", None) or ["sliding_attention"]   # Mistral: every layer
     windowed = theirs.model_type != "llama" and getattr(theirs, "sliding_window", None) is not None \
         and "sliding_attention" in layers                                   # LlamaAttention reads no window
-    assert (ours is None) == windowed
-    if ours is not None:
-        assert ours.max_position_embeddings == theirs.max_position_embeddings
+    assert ours.sliding_window == (theirs.sliding_window if windowed else None)
+    assert ours.max_position_embeddings == theirs.max_position_embeddings

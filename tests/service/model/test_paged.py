@@ -1,6 +1,7 @@
 """service/model/paged.py's two step kinds on the CPU: the `Fused` step (run here with the
 kernels' PyTorch references in place of Triton's, cuda_ext/step_kernels.py) over weights joined
-by `fuse_projections` equals the `Modules` step, prompt chunks and decode rows; joining holds no
+by `fuse_projections` equals the `Modules` step, prompt chunks and decode rows (a sliding window
+too: the references' decode attention takes it); joining holds no
 byte twice, happens once, and skips what it cannot join. The Triton kernels themselves are
 tested on the GPU (tests/gpu/test_step_kernels.py)."""
 from __future__ import annotations
@@ -37,7 +38,8 @@ def steps(m: llama.LlamaForCausalLM, fused) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("extra", [{}, {"model_type": "qwen2"}], ids=["llama", "qwen2-bias"])
+@pytest.mark.parametrize("extra", [{}, {"model_type": "qwen2"}, {"model_type": "mistral", "sliding_window": 8}],
+                         ids=["llama", "qwen2-bias", "mistral-window-8"])      # 30 keys: past the window
 def test_the_fused_step_over_joined_weights_equals_the_modules_step(extra) -> None:
     m = model(**extra)
     want = steps(m, None)
@@ -45,7 +47,7 @@ def test_the_fused_step_over_joined_weights_equals_the_modules_step(extra) -> No
     paged.fuse_projections(m)
     attn = m.model.layers[0].self_attn
     assert attn.q_proj.weight.untyped_storage().data_ptr() == attn.qkv_weight.untyped_storage().data_ptr()
-    assert (attn.qkv_bias is not None) == (extra != {})
+    assert (attn.qkv_bias is not None) == (extra.get("model_type") == "qwen2")
     assert all(torch.equal(p, before[n]) for n, p in m.named_parameters())       # the same weights, views now
     for got, ref in zip(steps(m, REFERENCES), want):
         torch.testing.assert_close(got, ref, rtol=0, atol=2e-2)

@@ -139,17 +139,20 @@ async def test_budget_of_0_6_bf16_serves_only_compressed(serve, store, device) -
 
 
 @pytest.mark.anyio
-async def test_a_transformers_model_counts_its_blocks_dequantized(serve, tmp_path, mistral_gguf_archive) -> None:
+async def test_a_transformers_model_counts_its_blocks_dequantized(serve, tmp_path, mistral_gguf_archive,
+                                                                  monkeypatch) -> None:
     """transformers' classes hold no block modules: a GGUF archive they serve (here named "mistral":
-    MistralForCausalLM, its 4096-token window reachable under a context limit of 8192) gets its
-    blocks dequantized at the load in compressed mode too, and is held decoded. The budget's
-    estimate and /models count those bytes, as the metrics do: the demo's counted only its norms
-    (70 KB of 269 MB) and its estimate only the blocks."""
+    MistralForCausalLM, which llama.py would serve but for the patch standing in for a config it
+    does not) gets its blocks dequantized at the load in compressed mode too, and is held decoded.
+    The budget's estimate and /models count those bytes, as the metrics do: the demo's counted
+    only its norms (70 KB of 269 MB) and its estimate only the blocks."""
+    from service.model import llama
+    monkeypatch.setattr(llama.LlamaConfig, "parse", classmethod(lambda cls, d, context=None: None))
     (tmp_path / "store").mkdir()
     os.link(mistral_gguf_archive, tmp_path / "store" / "m.wcodec")
     with Archive.open(mistral_gguf_archive) as archive:
         dequantized = sum(e.nbytes for e in archive.entries)
-    async with serve(tmp_path / "store", max_total_tokens=8192) as server:
+    async with serve(tmp_path / "store") as server:
         c = server.client
         server.registry.settings.gpu_memory_budget = dequantized - 1
         r = await c.post("/models/m/load", params={"weights": "compressed"})
@@ -163,19 +166,20 @@ async def test_a_transformers_model_counts_its_blocks_dequantized(serve, tmp_pat
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize(("context", "native"), [(4096, True), (4097, False)])
-async def test_a_window_no_request_reaches_is_served_by_llama_py(serve, tmp_path, mistral_gguf_archive, context: int,
-                                                                 native: bool) -> None:
-    """The GGUF "mistral" (a 4096-token window, 8192 positions) under WCODEC_MAX_TOTAL_TOKENS: at
-    4096 no request reaches past its window, and llama.py serves it, its blocks kept (compressed
-    mode); at 4097 one does, and transformers' class serves it. The budget's estimate makes the
-    same choice (Loader.estimate_bytes: it equals the load's bytes)."""
+@pytest.mark.parametrize(("context", "window"), [(4096, None), (4097, 4096)])
+async def test_a_window_no_request_reaches_is_no_window(serve, tmp_path, mistral_gguf_archive, context: int,
+                                                        window: int | None) -> None:
+    """The GGUF "mistral" (a 4096-token window, 8192 positions), served by llama.py, its blocks
+    kept (compressed mode), under WCODEC_MAX_TOTAL_TOKENS: at 4096 no request reaches past its
+    window, which is then no window; at 4097 one does, and the window applies. The budget's
+    estimate makes the same choice (Loader.estimate_bytes: it equals the load's bytes)."""
     (tmp_path / "store").mkdir()
     os.link(mistral_gguf_archive, tmp_path / "store" / "m.wcodec")
     async with serve(tmp_path / "store", max_total_tokens=context) as server:
         r = await server.client.post("/models/m/load", params={"weights": "compressed"})
-        assert r.status_code == 200 and r.json()["weights"] == ("compressed" if native else "decoded"), r.text
+        assert r.status_code == 200 and r.json()["weights"] == "compressed", r.text
         entry = server.registry.get("m")
-        assert type(entry.served.model).__name__ == ("LlamaForCausalLM" if native else "MistralForCausalLM")
+        assert type(entry.served.model).__name__ == "LlamaForCausalLM"
+        assert entry.served.model.config.sliding_window == window
         estimate = server.registry.loader.estimate_bytes(entry.file.path, "compressed", entry.file.decoded_bytes)
         assert estimate == r.json()["weight_bytes"]
