@@ -31,7 +31,8 @@ Generate wcodec_generate_requests_total{model,status}  status: ok, error, cancel
                                                    one per generation (n > 1, best_of: n, as vLLM
                                                    counts parallel samples); a 4xx before the engine
                                                    only in wcodec_http_requests_total
-         wcodec_generate_request_duration_seconds{model}, ..._time_to_first_token_seconds{model},
+         wcodec_generate_request_duration_seconds{model}   buckets to 1920 s (_LONG, as the HTTP one)
+         ..._time_to_first_token_seconds{model},
          ..._time_per_output_token_seconds{model}
          wcodec_generate_queue_duration_seconds{model}, ..._prefill_duration_seconds{model}   the time to
                                                    first token in two: arrival to admission (waiting
@@ -87,6 +88,9 @@ STATES = ("available", "loading", "ready", "unloading", "failed")
 LOAD_PHASES = ("read", "h2d", "decode", "build", "total")
 _FAST = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _SLOW = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# a whole request: 4096 tokens at a CPU's 20-100 ms a step is 80-410 s; doubling to 32 min as
+# vLLM's e2e latency does (TGI's durations stop near 145 s), 4 series a label set more than _SLOW
+_LONG = (*_SLOW, 240.0, 480.0, 960.0, 1920.0)
 # a request's phases: a GPU's queue and prefill take 2-50 ms, its first token 7 ms alone
 _REQUEST = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 # between tokens: 4-7 ms a step on an H200 (docs/BENCHMARKS.md), 20-100 ms on a CPU
@@ -158,14 +162,14 @@ class Metrics:
         self.http_requests = Counter("wcodec_http_requests", "HTTP requests", ["method", "route", "status"],
                                      registry=r)
         self.http_seconds = Histogram("wcodec_http_request_duration_seconds", "HTTP request latency",
-                                      ["method", "route", "status"], buckets=_SLOW, registry=r)
+                                      ["method", "route", "status"], buckets=_LONG, registry=r)
 
     def _generation(self, r: CollectorRegistry) -> None:
         m = ["model"]
         self.requests = Counter("wcodec_generate_requests", "Generation requests by status", ["model", "status"],
                                 registry=r)
         self.request_seconds = Histogram("wcodec_generate_request_duration_seconds",
-                                         "Queueing plus generation time", m, buckets=_SLOW, registry=r)
+                                         "Queueing plus generation time", m, buckets=_LONG, registry=r)
         self.ttft = Histogram("wcodec_generate_time_to_first_token_seconds", "Time to first token", m,
                               buckets=_REQUEST, registry=r)
         self.queue_seconds = Histogram("wcodec_generate_queue_duration_seconds", "Time from a request's arrival "

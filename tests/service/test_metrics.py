@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from service_helpers import DEMO, QUEUE_OF_ONE, generate_body, when_queue_full, with_broken_archive
 
 from service.engine.worker import GenRequest
+from service.metrics import Metrics
 from service.engine.sampling import Finished
 from service.model import paged
 from service.registry import ModelState
@@ -65,6 +66,20 @@ async def test_every_family_after_a_load_and_a_generate(serve, store) -> None:
         assert await server.metric("wcodec_generate_prompt_tokens_total", model=DEMO) > 0
         assert await server.metric("wcodec_http_requests_total", method="GET", route="/models/{name}",
                                    status="200") == 1
+
+
+def test_a_long_generation_lands_in_a_finite_bucket() -> None:
+    """4096 tokens at a CPU's 80 ms a step take 328 s: the request and HTTP duration buckets stopped
+    at 120 s, so such a request fell in +Inf, where histogram_quantile can say no more than 120 s."""
+    m = Metrics()
+    seconds = 4096 * 0.08
+    m.request_seconds.labels(DEMO).observe(seconds)
+    m.http_seconds.labels("POST", "/generate", "200").observe(seconds)
+    for name, labels in (("wcodec_generate_request_duration_seconds", {"model": DEMO}),
+                         ("wcodec_http_request_duration_seconds", {"method": "POST", "route": "/generate",
+                                                                   "status": "200"})):
+        assert m.registry.get_sample_value(f"{name}_bucket", {**labels, "le": "240.0"}) == 0, name
+        assert m.registry.get_sample_value(f"{name}_bucket", {**labels, "le": "480.0"}) == 1, name
 
 
 async def test_a_step_is_counted_before_the_rows_it_finished_are_answered(serve, store, monkeypatch) -> None:
