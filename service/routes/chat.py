@@ -15,7 +15,7 @@ router = APIRouter(prefix="/v1", tags=["openai"])
 @router.post("/chat/completions", summary="Chat with the model's embedded chat template (OpenAI style)",
              response_model=ChatCompletion,
              responses={200: {"content": sse_content(ChatCompletionChunk), "description": "JSON, or SSE "
-                              "chunks ending in [DONE] when stream=true"}, **openai_responses(400, 404, 429, 500, 503)})
+                              "chunks ending in [DONE] when stream=true"}, **openai_responses(400, 404, 413, 429, 500, 503)})
 async def chat_completions(req: ChatRequest, registry: RegistryDep, settings: SettingsDep, request: Request):
     started = await chat.start(req, registry, settings)
     if not req.stream:

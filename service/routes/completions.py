@@ -15,7 +15,7 @@ router = APIRouter(prefix="/v1", tags=["openai"])
 @router.post("/completions", summary="Complete a raw prompt, or several batched together (OpenAI style)",
              response_model=Completion,
              responses={200: {"content": sse_content(Completion), "description": "JSON, or SSE chunks ending "
-                              "in [DONE] when stream=true"}, **openai_responses(400, 404, 429, 500, 503)})
+                              "in [DONE] when stream=true"}, **openai_responses(400, 404, 413, 429, 500, 503)})
 async def create_completion(req: CompletionRequest, registry: RegistryDep, settings: SettingsDep, request: Request):
     started = await completions.start(req, registry, settings)
     if not req.stream:

@@ -20,7 +20,7 @@ from ..schemas.tgi import (
 )
 
 router = APIRouter(tags=["generate"])
-ERRORS = responses(404, 422, 424, 429, 503)
+ERRORS = responses(404, 413, 422, 424, 429, 503)
 SSE = sse_content(StreamResponse)
 
 
@@ -68,14 +68,14 @@ async def compat_generate(req: CompatGenerateRequest, registry: RegistryDep, set
 
 
 @router.post("/tokenize", summary="The tokens /generate would feed the model for `inputs` (TGI)",
-             responses=responses(404, 422, 503))
+             responses=responses(404, 413, 422, 503))
 async def tokenize(req: GenerateRequest, registry: RegistryDep, settings: SettingsDep) -> list[SimpleToken]:
     inference.check_truncate(req.parameters.truncate, settings)
     return await inference.input_tokens(registry, req.model, req.inputs, req.parameters.truncate)
 
 
 @router.post("/chat_tokenize", summary="The chat template's text for `messages`, and its tokens (TGI)",
-             responses=responses(404, 422, 503))
+             responses=responses(404, 413, 422, 503))
 async def chat_tokenize(req: ChatRequest, registry: RegistryDep) -> ChatTokenizeResponse:
     name, text = await chat.templated(req, registry)
     tokens = await inference.input_tokens(registry, name, text, None, special=False)

@@ -48,7 +48,7 @@ def _indexed(entry: ModelEntry) -> RepositoryModel:
 
 
 @router.post("/index", summary="Triton's repository index: every model of the store and its state",
-             responses=responses(422), openapi_extra=BODY)
+             responses=responses(413, 422), openapi_extra=BODY)
 async def index(registry: RegistryDep, body: RepositoryBody) -> list[RepositoryModel]:
     entries = registry.refresh()
     return [_indexed(e) for e in entries if not body.ready or e.state is ModelState.READY]
@@ -56,7 +56,7 @@ async def index(registry: RegistryDep, body: RepositoryBody) -> list[RepositoryM
 
 @router.post("/models/{name}/load", summary="Triton's load: answers once the model is ready",
              dependencies=[AdminDep], response_class=Response, openapi_extra=BODY,
-             responses={**DONE, **responses(401, 403, 404, 422, 500, 507)})
+             responses={**DONE, **responses(401, 403, 404, 413, 422, 500, 507)})
 async def load(name: ModelName, registry: RegistryDep, body: RepositoryBody) -> Response:
     _refuse_parameters(body, set())
     await registry.load(name)
@@ -65,7 +65,7 @@ async def load(name: ModelName, registry: RegistryDep, body: RepositoryBody) -> 
 
 @router.post("/models/{name}/unload", summary="Triton's unload: waits for the model's requests, then frees it",
              dependencies=[AdminDep], response_class=Response, openapi_extra=BODY,
-             responses={**DONE, **responses(401, 403, 404, 422, 500)})
+             responses={**DONE, **responses(401, 403, 404, 413, 422, 500)})
 async def unload(name: ModelName, registry: RegistryDep, body: RepositoryBody) -> Response:
     _refuse_parameters(body, {"unload_dependents"})       # wcodec's models have no dependents
     await registry.unload(name)

@@ -323,7 +323,9 @@ async def test_an_unexpected_exception_keeps_the_routes_error_shape(serve, store
 async def test_413_for_a_body_over_the_payload_limit(serve, store) -> None:
     """TGI's router refuses a body over its payload limit (2 MB) with 413 before parsing it; a body
     of any size was read whole and parsed (a 12 MB prompt: 7.8 s and 1.4 GB more memory, then a
-    422). Said by its Content-Length, or sent in chunks without one; OpenAI's shape on /v1."""
+    422). Said by its Content-Length, or sent in chunks without one; OpenAI's shape on /v1. Each is
+    counted under its route's template (one refused unread was refused before the routing, and counted
+    `<unmatched>`); a path no route takes is a 404 whatever its body, as TGI's."""
     async with serve(store(), payload_limit=1000) as server:
         big = json.dumps({"inputs": "a " * 600})
 
@@ -338,9 +340,10 @@ async def test_413_for_a_body_over_the_payload_limit(serve, store) -> None:
         assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large", r.text
         r = await server.client.post("/generate", json={"inputs": "a " * 400})       # 810 bytes: read, parsed
         assert_error(r, 503, "model_not_ready")
+        assert (await server.client.post("/nope", content=big, headers=headers)).status_code == 404   # as TGI
         counted = {route: await server.metric("wcodec_http_requests_total", route=route, method="POST", status="413")
-                   for route in ("/generate", "<unmatched>")}         # refused unread: before the routing
-        assert counted == {"/generate": 1, "<unmatched>": 2}, counted
+                   for route in ("/generate", "/v1/completions", "<unmatched>")}
+        assert counted == {"/generate": 2, "/v1/completions": 1, "<unmatched>": 0}, counted   # refused unread too
 
 
 async def test_a_lone_surrogate_in_a_stop_sequence_is_refused(serve, store) -> None:

@@ -15,17 +15,17 @@ ROUTES = {
     ("post", "/models/{name}/unload"): {"401", "403", "404", "422"},
     ("get", "/v2/health/live"): set(), ("get", "/v2/health/ready"): {"503"},
     ("get", "/v2/models/{name}/ready"): {"404", "422", "503"},
-    ("post", "/v2/repository/index"): {"422"},
-    ("post", "/v2/repository/models/{name}/load"): {"401", "403", "404", "422", "500", "507"},
-    ("post", "/v2/repository/models/{name}/unload"): {"401", "403", "404", "422"},
-    ("post", "/generate"): {"404", "422", "424", "429", "503"},
-    ("post", "/generate_stream"): {"404", "422", "424", "429", "503"},
-    ("post", "/"): {"404", "422", "424", "429", "503"},
-    ("post", "/tokenize"): {"404", "422", "503"}, ("post", "/chat_tokenize"): {"404", "422", "503"},
+    ("post", "/v2/repository/index"): {"413", "422"},
+    ("post", "/v2/repository/models/{name}/load"): {"401", "403", "404", "413", "422", "500", "507"},
+    ("post", "/v2/repository/models/{name}/unload"): {"401", "403", "404", "413", "422"},
+    ("post", "/generate"): {"404", "413", "422", "424", "429", "503"},
+    ("post", "/generate_stream"): {"404", "413", "422", "424", "429", "503"},
+    ("post", "/"): {"404", "413", "422", "424", "429", "503"},
+    ("post", "/tokenize"): {"404", "413", "422", "503"}, ("post", "/chat_tokenize"): {"404", "413", "422", "503"},
 }
 OPENAI_ROUTES = {      # OpenAI's status codes and error shape
-    ("post", "/v1/chat/completions"): {"400", "404", "429", "500", "503"},
-    ("post", "/v1/completions"): {"400", "404", "429", "500", "503"},
+    ("post", "/v1/chat/completions"): {"400", "404", "413", "429", "500", "503"},
+    ("post", "/v1/completions"): {"400", "404", "413", "429", "500", "503"},
     ("get", "/v1/models"): set(), ("get", "/v1/models/{model_id}"): {"404"},
 }
 
@@ -68,3 +68,19 @@ async def test_schema_is_complete(serve, tmp_path) -> None:
     assert ops[("post", "/generate")]["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(
         "/GenerateRequest")
     assert "bearer" in json.dumps(schema["components"].get("securitySchemes", {})).lower()
+
+
+async def test_a_route_declares_413_where_it_answers_it(serve, store) -> None:
+    """A body over WCODEC_PAYLOAD_LIMIT is refused as the route reads it: every POST route that
+    reads a body answers 413, and its document says so (none did); /models' load and unload read
+    none (here they answer 404: no model "nope")."""
+    async with serve(store(), payload_limit=100) as server:
+        schema = (await server.client.get("/openapi.json")).json()
+        big = json.dumps({"inputs": "a " * 100})
+        posts = {p: item["post"]["responses"] for p, item in schema["paths"].items() if "post" in item}
+        assert len(posts) == 12
+        for path, declared in posts.items():
+            r = await server.client.post(path.replace("{name}", "nope"), content=big,
+                                         headers={"content-type": "application/json"})
+            assert (r.status_code == 413) == ("413" in declared), (path, r.status_code)
+        assert sum("413" in declared for declared in posts.values()) == 10
