@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel
 from starlette.requests import Request
 
-from .engine import GenRequest
+from .engine import GenRequest, RequestGroup
 from .engine import grammar as constraints
 from .errors import ClientClosed, QueueFull, ServiceError, ValidationFailed, error_event, incomplete
 from .engine.sampling import Finished, PromptToken, SamplingParams, TokenEvent
@@ -189,11 +189,13 @@ async def _constrained(served: ServedModel, params: SamplingParams, grammar: tup
 async def start(registry: ModelRegistry, settings: Settings, model: str | None, prompt: str | list[int],
                 params: SamplingParams, *, stream: bool, truncate: int | None = None,
                 special: bool = True, fields: tuple[str, str] = ("inputs", "max_new_tokens"),
-                grammar: tuple[str, dict | str] | None = None, grammar_field: str = "grammar") -> Started:
+                grammar: tuple[str, dict | str] | None = None, grammar_field: str = "grammar",
+                group: RequestGroup | None = None, prompt_index: int = 0) -> Started:
     """Queue a generation on the model; the lease ends when the engine finishes the request.
     `prompt`: a text, or token ids (its text is then their decode). `fields`: the request's names
     for the prompt and the token limit, for the error messages. `grammar`: the text's constraint
-    (`_constrained`), named `grammar_field` in errors."""
+    (`_constrained`), named `grammar_field` in errors. `group`: the HTTP request's sequences, this
+    one of prompt `prompt_index` (engine/group.py: the metrics count the request once)."""
     name = registry.resolve(model)
     lease = registry.acquire(name)
     try:
@@ -205,7 +207,7 @@ async def start(registry: ModelRegistry, settings: Settings, model: str | None, 
             raise
         ids = await off_loop(_tokenize, lease.served, prompt, params, truncate, settings, special, fields[0])
         params = _within_context(lease.served, ids, params, settings, fields)
-        req = GenRequest(ids, params, stream=stream)
+        req = GenRequest(ids, params, stream=stream, group=group, prompt=prompt_index)
         lease.engine.submit(req)
     except BaseException:
         lease.release()
@@ -221,18 +223,20 @@ async def start_many(registry: ModelRegistry, settings: Settings, model: str | N
     i // n), so they batch with each other and with every other route's (OpenAI's choices, TGI's
     best_of). With a seed, sequence j of a prompt samples with seed + j (mod 2^64), so that the n
     samples differ and repeat. More sequences than a model queues could never all be admitted: a
-    422 (400 on OpenAI's routes) names `n`, where a 429 would have the client retry in vain."""
+    422 (400 on OpenAI's routes) names `n`, where a 429 would have the client retry in vain. They
+    are one request in the metrics (engine/group.py)."""
     if (total := len(prompts) * n) > settings.max_queue:
         raise ValidationFailed(f"the request asks for {total} generations ({len(prompts)} prompts x {n} each); "
                                f"this server queues at most {settings.max_queue} a model (WCODEC_MAX_QUEUE)",
                                param="n")
-    started = []
+    started, group = [], RequestGroup(total)
     try:
-        for prompt in prompts:
+        for i, prompt in enumerate(prompts):
             for j in range(n):
                 nth = params if j == 0 or params.seed is None else \
                     dataclasses.replace(params, seed=(params.seed + j) % 2**64)
-                started.append(await start(registry, settings, model, prompt, nth, stream=stream, **kw))
+                started.append(await start(registry, settings, model, prompt, nth, stream=stream, group=group,
+                                           prompt_index=i, **kw))
     except BaseException:
         cancel_all(started)
         raise

@@ -28,9 +28,10 @@ cache                                              between loads (service/load/h
          wcodec_host_cache_hits_total{model}, wcodec_host_cache_misses_total{model}   loads that found
                                                    their archive there / that read the file (cache on)
 Generate wcodec_generate_requests_total{model,status}  status: ok, error, cancelled, overloaded;
-                                                   one per generation (n > 1, best_of: n, as vLLM
-                                                   counts parallel samples); a 4xx before the engine
-                                                   only in wcodec_http_requests_total
+                                                   one per HTTP request (n, best_of > 1, a list of
+                                                   prompts: once, as TGI counts best_of; so are its
+                                                   duration, TTFT and TPOT: engine/group.py); a 4xx
+                                                   before the engine only in wcodec_http_requests_total
          wcodec_generate_request_duration_seconds{model}   buckets to 1920 s (_LONG, as the HTTP one)
          ..._time_to_first_token_seconds{model},
          ..._time_per_output_token_seconds{model}
@@ -39,7 +40,8 @@ Generate wcodec_generate_requests_total{model,status}  status: ok, error, cancel
                                                    for a free row, blocks, or a step to end), admission
                                                    to the first token (the prompt's steps)
          wcodec_generate_prompt_tokens_total{model}, wcodec_generate_generated_tokens_total{model}
-                                                   a prompt once prefilled (vLLM's prompt_tokens),
+                                                   a prompt once prefilled (vLLM's prompt_tokens;
+                                                   once for its n sequences, as the usage),
                                                    each token after the step that made it (as
                                                    vLLM's generation_tokens; not at request end)
          wcodec_generate_inter_token_latency_seconds{model}   one observation per token after the first

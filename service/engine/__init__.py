@@ -3,6 +3,8 @@
 
     worker.py    Engine: the model's worker thread, the waiting line (429 beyond WCODEC_MAX_QUEUE),
                  metrics; GenRequest: one request's events, handed to the event loop
+    group.py     RequestGroup: the GenRequests of one HTTP request (n, best_of, prompt lists),
+                 counted once in the per-request metrics
     batcher.py   Batcher: one decoding step after another; admits waiting rows up to the token
                  budget (WCODEC_MAX_BATCH_TOKENS), prefills them in chunks, drops finished rows
     kv.py        PaddedKV: the batch's KV cache (service/model/kvcache.py's KVCache for llama.py's
@@ -20,7 +22,8 @@
 
 Testable without HTTP: `Batcher` takes `Row`s and calls back with their tokens, synchronously."""
 from .batcher import Batcher, Step
+from .group import RequestGroup
 from .kv import PaddedKV
 from .worker import Engine, GenRequest, Limits, limits
 
-__all__ = ["Batcher", "Engine", "GenRequest", "Limits", "PaddedKV", "Step", "limits"]
+__all__ = ["Batcher", "Engine", "GenRequest", "Limits", "PaddedKV", "RequestGroup", "Step", "limits"]

@@ -21,6 +21,7 @@ from ..model.llama import LlamaForCausalLM
 from ..timeline import Timeline
 from . import paging
 from .batcher import Batcher
+from .group import RequestGroup
 from .sampling import Finished, Row, SamplingParams, TokenEvent
 
 log = logging.getLogger("wcodec.service")
@@ -51,12 +52,16 @@ def paged_engine(engine: str) -> bool:
 
 
 class GenRequest:
-    """A request in flight: created on the event loop, fed by the worker thread."""
+    """A request in flight: created on the event loop, fed by the worker thread. `group`: the
+    HTTP request's sequences it is one of, `prompt` the index of its prompt there (group.py)."""
 
-    def __init__(self, prompt_ids: list[int], params: SamplingParams, *, stream: bool = False):
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, *, stream: bool = False,
+                 group: RequestGroup | None = None, prompt: int = 0):
         self.prompt_ids, self.params, self.stream = prompt_ids, params, stream
         self.loop = asyncio.get_running_loop()
         self.created = time.perf_counter()
+        self.group, self.prompt = group or RequestGroup(), prompt
+        self.group.arrived(self.created)
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
         self.row: Row | None = None
@@ -241,13 +246,9 @@ class Engine:
     def _on_token(self, row: Row, event: TokenEvent) -> None:
         req, now, name = row.owner, time.perf_counter(), self.served.name
         self._made += 1
-        if req.first_token_at is None:
+        if req.first_token_at is None:          # prefilled: its prompt taken in
             req.first_token_at = now
-            self.metrics.prompt_tokens.labels(name).inc(len(req.prompt_ids))      # prefilled: taken in
-            self.metrics.ttft.labels(name).observe(now - req.created)
-            if row.admitted_at is not None:
-                self.metrics.queue_seconds.labels(name).observe(row.admitted_at - req.created)
-                self.metrics.prefill_seconds.labels(name).observe(now - row.admitted_at)
+            req.group.first_token(self.metrics, name, req.prompt, len(req.prompt_ids), row.admitted_at, now)
         else:
             self.metrics.itl.labels(name).observe(now - req.last_token_at)
         req.last_token_at = now
@@ -258,14 +259,11 @@ class Engine:
         if req.outcome_sent:
             return
         req.outcome_sent = True
-        name, now = self.served.name, time.perf_counter()
+        now, status, tpot = time.perf_counter(), "error", None
         if isinstance(outcome, Finished):
             status = "cancelled" if outcome.finish_reason is None else "ok"
             n = len(outcome.tokens)
             if n > 1 and req.first_token_at is not None:
-                self.metrics.tpot.labels(name).observe((now - req.first_token_at) / (n - 1))
-        else:
-            status = "error"
-        self.metrics.requests.labels(name, status).inc()
-        self.metrics.request_seconds.labels(name).observe(now - req.created)
+                tpot = (now - req.first_token_at) / (n - 1)
+        req.group.end(self.metrics, self.served.name, status, tpot, now)       # the request's last: counted
         req.put(outcome)

@@ -225,28 +225,38 @@ async def test_running_requests_while_one_decodes_and_after(serve, store, monkey
         assert await server.metric("wcodec_generate_running_requests", model=DEMO) == 0
 
 
-async def test_each_route_counts_its_generations_and_the_tokens_its_usage_reports(serve, store) -> None:
-    """A TGI stream, an OpenAI chat stream and a completion with n=2: four generations, each
-    counted once with its time to first token (a stream's: its first token, not its end), and
-    the generated tokens the responses report; a request for a model not in the store adds no
-    series."""
+async def test_each_route_counts_its_requests_and_the_tokens_its_usage_reports(serve, store) -> None:
+    """A TGI stream, an OpenAI chat stream, a completion of two prompts with n=2 and a /generate
+    with best_of=2: four requests, each counted once with one time to first token (a stream's: its
+    first token, not its end), one duration and one time per output token, as TGI counts best_of
+    and OpenAI's usage n; every generated token counted, and each prompt once, as the usage
+    reports them. The completion counted as 4 requests and its prompts twice, the best_of as 2; a
+    request for a model not in the store adds no series."""
     chat = {"model": DEMO, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "stream": True,
             "stream_options": {"include_usage": True}}
+    metric = lambda name: server.metric(f"wcodec_generate_{name}", model=DEMO)
     async with serve(store(), preload=[DEMO]) as server:
         await server.wait_state(DEMO, ModelState.READY)
         c = server.client
         tgi = [line for line in (await c.post("/generate_stream", json=generate_body(6))).text.splitlines()
                if line.startswith("data:")]
         usage = json.loads((await c.post("/v1/chat/completions", json=chat)).text.split("data: ")[-2])["usage"]
-        two = (await c.post("/v1/completions", json={"model": DEMO, "prompt": "hi", "max_tokens": 5, "n": 2})).json()
-        assert (await c.post("/v1/completions", json={"model": "nope", "prompt": "hi"})).status_code == 404
-        assert await server.metric("wcodec_generate_requests_total", model=DEMO, status="ok") == 4
-        assert await server.metric("wcodec_generate_generated_tokens_total", model=DEMO) \
-            == len(tgi) + usage["completion_tokens"] + two["usage"]["completion_tokens"]
-        assert await server.metric("wcodec_generate_time_to_first_token_seconds_count", model=DEMO) == 4
-        ttft, itl, total = [await server.metric(f"wcodec_generate_{f}_seconds_sum", model=DEMO) for f in
+        ttft, itl, total = [await metric(f"{f}_seconds_sum") for f in
                             ("time_to_first_token", "inter_token_latency", "request_duration")]
         assert itl > 0 and ttft + itl <= total + 1e-9       # per request: first token + gaps = last token <= end
+        prompt = await metric("prompt_tokens_total")
+        four = (await c.post("/v1/completions", json={"model": DEMO, "prompt": ["hi", "Once upon a time"],
+                                                      "max_tokens": 5, "n": 2})).json()
+        assert len(four["choices"]) == 4
+        assert await metric("prompt_tokens_total") - prompt == four["usage"]["prompt_tokens"]
+        best = await c.post("/generate", json=generate_body(4, best_of=2, do_sample=True, details=True))
+        assert best.status_code == 200 and len((details := best.json()["details"])["best_of_sequences"]) == 1, best.text
+        assert (await c.post("/v1/completions", json={"model": "nope", "prompt": "hi"})).status_code == 404
+        assert await server.metric("wcodec_generate_requests_total", model=DEMO, status="ok") == 4
+        for family in ("time_to_first_token", "request_duration", "time_per_output_token"):
+            assert await metric(f"{family}_seconds_count") == 4, family
+        assert await metric("generated_tokens_total") == len(tgi) + usage["completion_tokens"] \
+            + four["usage"]["completion_tokens"] + sum(d["generated_tokens"] for d in (details, *details["best_of_sequences"]))
         assert 'model="nope"' not in (await c.get("/metrics")).text
 
 
