@@ -3,6 +3,7 @@ there), TGI- and OpenAI-style generation with continuous batching, model control
 Prometheus metrics. `create_app(Settings())` builds the app; `wcodec serve` runs it under uvicorn.
 
     app.py, settings.py, deps.py, routes/, schemas/, errors.py, metrics.py, timeline.py   the app
+    refusals.py        a generation refused as invalid, in the metrics (status="validation")
     registry.py        the models' states, leases and memory budget
     inference.py, chat.py  TGI and OpenAI requests <-> engine requests and token events
     load/              archive -> device (the store, reads, host cache, pipeline; job.Loader)

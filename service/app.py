@@ -13,7 +13,7 @@ from fastapi import FastAPI
 
 import codec
 
-from . import errors, openapi
+from . import errors, openapi, refusals
 from .metrics import HttpMetricsMiddleware, Metrics
 from .payload import PayloadLimitMiddleware
 from .registry import ModelRegistry
@@ -50,7 +50,7 @@ def create_app(settings: Settings | None = None, *, timeline: Timeline | None = 
     app.state.timeline = timeline or Timeline()
     app.state.early = early or {}
     app.state.metrics = Metrics()
-    errors.install(app)
+    errors.install(app, on_invalid=refusals.count_invalid)
     openapi.install(app)
     app.add_middleware(PayloadLimitMiddleware, limit=app.state.settings.payload_limit)
     app.add_middleware(HttpMetricsMiddleware, metrics=app.state.metrics)     # outside: it counts the 413s

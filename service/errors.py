@@ -9,6 +9,8 @@ them on routes for the OpenAPI schema.
 """
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -258,11 +260,25 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     return _respond(request, internal(exc))
 
 
-def install(app: FastAPI) -> None:
+Handler = Callable[[Request, Exception], Awaitable[JSONResponse]]
+
+
+def _counting(handler: Handler, on_invalid: Callable[[Request], Awaitable[None]]) -> Handler:
+    """`handler`, after `on_invalid(request)` (refusals.py: the metrics' status="validation")."""
+    async def counted(request: Request, exc: Exception) -> JSONResponse:
+        await on_invalid(request)
+        return await handler(request, exc)
+    return counted
+
+
+def install(app: FastAPI, on_invalid: Callable[[Request], Awaitable[None]] | None = None) -> None:
+    """The handlers; `on_invalid` is told of every request answered with a validation error."""
     app.add_exception_handler(Exception, _unexpected)
     app.add_exception_handler(ServiceError, _service_error)
-    app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    invalid = [(ValidationFailed, _service_error), (RequestValidationError, _validation_error)]
+    for exc, handler in invalid:
+        app.add_exception_handler(exc, handler if on_invalid is None else _counting(handler, on_invalid))
 
 
 def error_event(exc: ServiceError) -> dict:

@@ -27,11 +27,12 @@ cache                                              between loads (service/load/h
          wcodec_host_cache_pinned_bytes            of those, page-locked (CUDA): hits copy in place
          wcodec_host_cache_hits_total{model}, wcodec_host_cache_misses_total{model}   loads that found
                                                    their archive there / that read the file (cache on)
-Generate wcodec_generate_requests_total{model,status}  status: ok, error, cancelled, overloaded;
+Generate wcodec_generate_requests_total{model,status}  status: ok, error, cancelled, overloaded,
+                                                   validation (a 422, 400 on /v1: refusals.py);
                                                    one per HTTP request (n, best_of > 1, a list of
                                                    prompts: once, as TGI counts best_of; so are its
-                                                   duration, TTFT and TPOT: engine/group.py); a 4xx
-                                                   before the engine only in wcodec_http_requests_total
+                                                   duration, TTFT and TPOT: engine/group.py); another
+                                                   4xx (404, 413) only in wcodec_http_requests_total
          wcodec_generate_request_duration_seconds{model}   buckets to 1920 s (_LONG, as the HTTP one)
          ..._time_to_first_token_seconds{model},
          ..._time_per_output_token_seconds{model}
@@ -102,7 +103,7 @@ HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PA
 
 LOAD_RESULTS = ("ok", "failed", "oom", "rejected")
 WEIGHTS = ("decoded", "compressed")
-REQUEST_STATUSES = ("ok", "error", "cancelled", "overloaded")
+REQUEST_STATUSES = ("ok", "error", "cancelled", "overloaded", "validation")
 
 
 def _cuda_total(fn) -> float:

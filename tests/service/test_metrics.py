@@ -269,3 +269,33 @@ async def test_generated_tokens_are_counted_as_they_are_made(serve, store, monke
         midway = await _in_step(server, monkeypatch, 4, "wcodec_generate_generated_tokens_total")
         assert midway == 3                                   # the prefill's token and two decodes'
         assert await server.metric("wcodec_generate_generated_tokens_total", model=DEMO) == 6
+
+
+async def test_a_refused_generation_counts_as_validation(serve, store) -> None:
+    """TGI counts a request its validation refuses in tgi_request_failure{err="validation"}: a 422
+    (400 on /v1), its body's schema or its values, counts once under the model it names, or the one
+    the route would pick; it was in wcodec_http_requests_total alone. A second prompt refused after
+    the first's sequences were queued is that one request, not also a cancelled one. Not counted:
+    a model not in the store (no series), a body that is no JSON, a route that generates nothing."""
+    async with serve(store(), preload=[DEMO]) as server:
+        await server.wait_state(DEMO, ModelState.READY)
+        c = server.client
+        refused = [
+            await c.post("/generate", json=generate_body(4, temperature=-1)),              # the schema's
+            await c.post("/generate", json={**generate_body(4, truncate=10**6), "model": DEMO}),   # a value's
+            await c.post("/v1/chat/completions", json={"model": "tgi", "messages": []}),
+            await c.post("/v1/completions", json={"model": DEMO, "prompt": [[1, 2], [10**7]], "n": 2}),
+        ]
+        assert [r.status_code for r in refused] == [422, 422, 400, 400], [r.text for r in refused]
+        ignored = [
+            await c.post("/v1/completions", json={"model": "nope", "prompt": "hi", "max_tokens": -1}),
+            await c.post("/generate", content=b"{not json", headers={"content-type": "application/json"}),
+            await c.post("/tokenize", json=generate_body(4, truncate=10**6)),
+        ]
+        assert [r.status_code for r in ignored] == [400, 422, 422], [r.text for r in ignored]
+        counted = {s: await server.metric("wcodec_generate_requests_total", model=DEMO, status=s)
+                   for s in ("ok", "error", "cancelled", "overloaded", "validation")}
+        assert counted == {"ok": 0, "error": 0, "cancelled": 0, "overloaded": 0, "validation": 4}, counted
+        assert await server.metric("wcodec_http_requests_total", method="POST", route="/generate",
+                                   status="422") == 3
+        assert 'model="nope"' not in (await c.get("/metrics")).text
