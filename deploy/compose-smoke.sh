@@ -53,7 +53,7 @@ until curl -fsS --max-time 5 "http://127.0.0.1:$WCODEC_HOST_PORT/health/ready" >
   sleep 3
 done
 curl -fsS --max-time 120 "http://127.0.0.1:$WCODEC_HOST_PORT/v1/chat/completions" -H 'Content-Type: application/json' \
-  -d '{"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 20}' | grep -q Paris \
+  -d '{"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 20, "temperature": 0}' | grep -q Paris \
   || die "the chat answer names no Paris"
 asked=$SECONDS
 until [ "$(query 'sum(wcodec_generate_requests_total{job="wcodec"})' 2>/dev/null | value 2>/dev/null)" = 1 ]; do

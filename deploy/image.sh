@@ -171,7 +171,8 @@ smoke() {
   wait_ready
   local answer
   answer=$(curl -fsS --max-time 120 "http://127.0.0.1:$PORT/v1/chat/completions" -H 'Content-Type: application/json' \
-    -d '{"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 20}')
+    -d '{"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 20,
+         "temperature": 0}')
   say "chat: $answer"
   grep -q Paris <<<"$answer" || die "the answer names no Paris"
   # TGI's grammar (outlines-core, a dependency the image must carry): the text is the schema's JSON

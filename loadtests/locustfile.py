@@ -155,7 +155,8 @@ class MixUser(Recorded):
 
     @task(2)
     def chat(self) -> None:
-        payload = {"messages": [{"role": "user", "content": question()}], "max_tokens": MAX_NEW_TOKENS}
+        payload = {"messages": [{"role": "user", "content": question()}], "max_tokens": MAX_NEW_TOKENS,
+                   "temperature": 0}
         self.post_json("chat", "/v1/chat/completions", {**payload, "model": MODEL} if MODEL else payload,
                        lambda j: bool(j["choices"][0]["message"]["content"]))
 

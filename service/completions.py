@@ -4,7 +4,6 @@ with every other route's. The result is a Completion with those choices, or a st
 the other, each chunk naming its choice's index), the usage when asked for, then `[DONE]`."""
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import AsyncIterator, Callable
 
@@ -19,8 +18,7 @@ Name = Callable[[int], str]                     # a token id -> its string in `t
 
 
 async def start(req: CompletionRequest, registry: ModelRegistry, settings: Settings) -> list[inference.Started]:
-    params = dataclasses.replace(openai_api.sampling(req, settings, req.max_tokens, req.logprobs or 0),
-                                 prompt_logprobs=req.prompt_logprobs())
+    params = openai_api.sampling(req, settings, req.max_tokens, req.logprobs or 0, req.prompt_logprobs())
     return await inference.start_many(registry, settings, openai_api.model_of(req, registry), req.prompts(), params,
                                       req.candidates(), stream=req.stream, fields=("prompt", "max_tokens"))
 

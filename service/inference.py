@@ -42,6 +42,11 @@ log = logging.getLogger(__name__)
 VALIDATION_WORKERS = 1
 VALIDATION = ThreadPoolExecutor(VALIDATION_WORKERS, thread_name_prefix="wcodec-validation")
 
+# a request's sampling parameters, or what makes them of the model it is leased (OpenAI's routes:
+# the model's generation_config fills what the request leaves out, openai_api.defaulted)
+Params = SamplingParams | Callable[[ServedModel], SamplingParams]
+
+
 @dataclass
 class Started:
     model: str
@@ -187,7 +192,7 @@ async def _constrained(served: ServedModel, params: SamplingParams, grammar: tup
 
 
 async def start(registry: ModelRegistry, settings: Settings, model: str | None, prompt: str | list[int],
-                params: SamplingParams, *, stream: bool, truncate: int | None = None,
+                params: Params, *, stream: bool, truncate: int | None = None,
                 special: bool = True, fields: tuple[str, str] = ("inputs", "max_new_tokens"),
                 grammar: tuple[str, dict | str] | None = None, grammar_field: str = "grammar",
                 group: RequestGroup | None = None, prompt_index: int = 0) -> Started:
@@ -199,6 +204,7 @@ async def start(registry: ModelRegistry, settings: Settings, model: str | None, 
     name = registry.resolve(model)
     lease = registry.acquire(name)
     try:
+        params = params(lease.served) if callable(params) else params
         limits = constraints.CompileLimits(settings.grammar_compile_s, settings.grammar_compile_bytes)
         try:
             params = await _constrained(lease.served, params, grammar, grammar_field, limits)
@@ -218,7 +224,7 @@ async def start(registry: ModelRegistry, settings: Settings, model: str | None, 
 
 
 async def start_many(registry: ModelRegistry, settings: Settings, model: str | None, prompts: list[str | list[int]],
-                     params: SamplingParams, n: int, *, stream: bool, **kw) -> list[Started]:
+                     params: Params, n: int, *, stream: bool, **kw) -> list[Started]:
     """One engine request per sequence: `n` per prompt, prompt after prompt (sequence i is prompt
     i // n), so they batch with each other and with every other route's (OpenAI's choices, TGI's
     best_of). With a seed, sequence j of a prompt samples with seed + j (mod 2^64), so that the n
@@ -233,14 +239,19 @@ async def start_many(registry: ModelRegistry, settings: Settings, model: str | N
     try:
         for i, prompt in enumerate(prompts):
             for j in range(n):
-                nth = params if j == 0 or params.seed is None else \
-                    dataclasses.replace(params, seed=(params.seed + j) % 2**64)
-                started.append(await start(registry, settings, model, prompt, nth, stream=stream, group=group,
-                                           prompt_index=i, **kw))
+                started.append(await start(registry, settings, model, prompt, _nth(params, j), stream=stream,
+                                           group=group, prompt_index=i, **kw))
     except BaseException:
         cancel_all(started)
         raise
     return started
+
+
+def _nth(params: Params, j: int) -> Params:
+    """Sequence j's parameters: with a seed, seed + j (mod 2^64)."""
+    def shifted(p: SamplingParams) -> SamplingParams:
+        return p if j == 0 or p.seed is None else dataclasses.replace(p, seed=(p.seed + j) % 2**64)
+    return (lambda served: shifted(params(served))) if callable(params) else shifted(params)
 
 
 def cancel_all(started: list[Started]) -> None:

@@ -4,6 +4,7 @@ the text cut before the first stop sequence (OpenAI leaves the stop out; TGI kee
 pieces of a response (finish reason, usage, the envelope) and of a stream."""
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import uuid
@@ -35,22 +36,42 @@ def model_of(req: OpenAIRequest, registry: ModelRegistry) -> str | None:
     return req.model
 
 
-def sampling(req: OpenAIRequest, settings: Settings, max_tokens: int | None, top_n: int = 0) -> SamplingParams:
-    """`top_n`: the alternatives each token's log-probabilities list (chat's top_logprobs,
-    completions' logprobs)."""
+def sampling(req: OpenAIRequest, settings: Settings, max_tokens: int | None, top_n: int = 0,
+             prompt_logprobs: int | None = None) -> Callable[[ServedModel], SamplingParams]:
+    """The request's sampling parameters for the model it is leased (inference.start): checked
+    now (a field this server cannot honour is a 400 before any model is needed); the model's
+    generation_config fills what the request leaves out (`defaulted`). `top_n`: the alternatives
+    each token's log-probabilities list (chat's top_logprobs, completions' logprobs)."""
     if bad := req.unsupported():
         raise UnsupportedParameter(*next(iter(bad.items())))
-    stops = [inference.unicode_text(stop, "stop") for stop in req.stops()]
-    temperature = req.temperature or None                      # 0 means greedy
-    greedy = req.greedy()                                      # then no warper either
-    top_p, top_k = (None, None) if greedy else (req.top_p, req.top_k if (req.top_k or 0) > 0 else None)
+    stops = tuple(s for s in (inference.unicode_text(stop, "stop") for stop in req.stops()) if s)
+    return functools.partial(defaulted, req, settings, max_tokens, top_n, prompt_logprobs, stops)
+
+
+def defaulted(req: OpenAIRequest, settings: Settings, max_tokens: int | None, top_n: int, prompt_logprobs: int | None,
+              stops: tuple[str, ...], served: ServedModel) -> SamplingParams:
+    """vLLM's to_sampling_params: a field the request leaves out takes the model's default
+    (`served.sampling_defaults`), else vLLM's neutral one: temperature 1 (OpenAI samples by
+    default), no top-p, top-k or repetition penalty; max_tokens the model's max_new_tokens, else
+    WCODEC_DEFAULT_MAX_NEW_TOKENS, cut to what the context leaves. Temperature 0: greedy, whatever
+    top_p and top_k say, as OpenAI and vLLM (clients send it beside their default top_p)."""
+    model = served.sampling_defaults
+
+    def given(field: str):
+        value = getattr(req, field)
+        return model.get(field) if value is None else value
+    temperature = given("temperature")
+    temperature = 1.0 if temperature is None else temperature
+    greedy = temperature == 0                                  # then no warper either
+    top_p, top_k = (None, None) if greedy else (given("top_p"), given("top_k"))
+    penalty = given("repetition_penalty")
     bias = tuple((int(token), value) for token, value in (req.logit_bias or {}).items())
-    limit = settings.default_max_new_tokens if max_tokens is None else max_tokens      # 0: completions' echo
-    penalty = None if req.repetition_penalty in (None, 1.0) else req.repetition_penalty
+    limit = model.get("max_new_tokens", settings.default_max_new_tokens) if max_tokens is None else max_tokens
     seed = None if req.seed is None else req.seed % 2**64                  # int64's negatives: two's complement
-    return SamplingParams(limit, temperature, top_p, top_k,
-                          temperature is not None, seed, penalty, tuple(s for s in stops if s), top_n, bias,
-                          req.presence_penalty or 0.0, req.frequency_penalty or 0.0, default_length=max_tokens is None)
+    return SamplingParams(int(limit), None if greedy else temperature, top_p, top_k if (top_k or 0) > 0 else None,
+                          not greedy, seed, None if penalty in (None, 1.0) else penalty, stops, top_n, bias,
+                          req.presence_penalty or 0.0, req.frequency_penalty or 0.0,
+                          prompt_logprobs=prompt_logprobs, default_length=max_tokens is None)
 
 
 def envelope(cls: type[BaseModel], prefix: str, started: list[inference.Started]) -> Callable[..., BaseModel]:

@@ -15,7 +15,7 @@ import json
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from types import SimpleNamespace
@@ -27,6 +27,7 @@ from cuda_ext import fixedrate, quant
 from ..errors import LoadFailed
 from ..timeline import Timeline
 from . import compressed, fixed, fp8, llama, quantized
+from .defaults import sampling_defaults
 from .token_bytes import TokenBytes
 from .tokenizer import Tokenizer
 
@@ -45,6 +46,7 @@ class ServedModel:
     weights: str = "decoded"        # "compressed": decoder layers decoded per forward (compressed.py)
     schedule: compressed.UnitSchedule | None = None     # in compressed mode
     host_bytes: int = 0             # host bytes of its weights (fixed.HostEmbedding's table)
+    sampling_defaults: dict[str, float] = field(default_factory=dict)   # its generation_config's (defaults.py)
 
     @cached_property
     def special_ids(self) -> frozenset[int]:
@@ -168,6 +170,7 @@ class Prepared:
     generation: object | None
     model: torch.nn.Module          # on meta until finish() assigns the decoded tensors
     seconds: float
+    defaults: dict[str, float] = field(default_factory=dict)       # sampling defaults (defaults.py)
 
 
 def _hf_prepare(files: dict[str, bytes], tokenizer: object | None) -> tuple[object, object, object | None]:
@@ -194,9 +197,10 @@ def prepare(name: str, files: dict[str, bytes], context: int | None = None) -> P
     except llama.INVALID_CONFIG as e:
         raise LoadFailed(f"model {name!r}: config.json is not valid: {type(e).__name__}: {e}") from None
     tokenizer = Tokenizer.from_files(files)
+    defaults = sampling_defaults(name, files.get("generation_config.json"))
     if native is None:
         config, tokenizer, generation = _hf_prepare(files, tokenizer)
-        return Prepared(config, tokenizer, generation, skeleton(config), time.perf_counter() - t0)
+        return Prepared(config, tokenizer, generation, skeleton(config), time.perf_counter() - t0, defaults)
     if tokenizer is None:
         (auto_tokenizer,) = hf("AutoTokenizer")
         with tempfile.TemporaryDirectory(prefix="wcodec-") as tmp:
@@ -205,7 +209,7 @@ def prepare(name: str, files: dict[str, bytes], context: int | None = None) -> P
     blob = files.get("generation_config.json")
     generation = SimpleNamespace(**json.loads(blob)) if blob else None
     model = llama.LlamaForCausalLM(native, device="meta")
-    return Prepared(native, tokenizer, generation, model, time.perf_counter() - t0)
+    return Prepared(native, tokenizer, generation, model, time.perf_counter() - t0, defaults)
 
 
 def finish(name: str, prepared: Prepared, decoded: dict[str, torch.Tensor], kept: list[compressed.CompressedLayer],
@@ -239,7 +243,8 @@ def finish(name: str, prepared: Prepared, decoded: dict[str, torch.Tensor], kept
     dtype = next(iter(blocks.values())).dtype if blocks else next(model.parameters()).dtype
     return ServedModel(name, model, tokenizer, device, dtype, eos, pad,
                        getattr(config, "max_position_embeddings", 2048), weight_bytes,
-                       "compressed" if schedule is not None or blocks or fixed_form else "decoded", schedule, host)
+                       "compressed" if schedule is not None or blocks or fixed_form else "decoded", schedule, host,
+                       prepared.defaults)
 
 
 _WARM_LOCK = threading.Lock()

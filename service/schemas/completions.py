@@ -14,9 +14,9 @@ TokenPrompts = Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROM
 
 
 class CompletionRequest(OpenAIRequest):
-    max_tokens: int | None = Field(None, ge=0, description="New tokens at most (default: "
-                                   "WCODEC_DEFAULT_MAX_NEW_TOKENS); 0 with echo: the prompt alone, scored "
-                                   "with logprobs.")
+    max_tokens: int | None = Field(None, ge=0, description="New tokens at most (default: the model's "
+                                   "generation_config max_new_tokens, else WCODEC_DEFAULT_MAX_NEW_TOKENS); 0 "
+                                   "with echo: the prompt alone, scored with logprobs.")
     prompt: str | Prompts | TokenIds | TokenPrompts = Field(
         description=f"A prompt, or up to {MAX_PROMPTS} (`n` choices each, all batched together); each a text or "
                     "the model's token ids (as evaluation harnesses send them; not tokenized again).",

@@ -24,10 +24,11 @@ class OpenAIRequest(BaseModel):
     model: str | None = Field(None, description="A model of the store (see /v1/models); none, 'tgi' or 'dummy' "
                                                 "(TGI clients' placeholders): the default model "
                                                 "(WCODEC_DEFAULT_MODEL, else the only ready one).")
-    max_tokens: int | None = Field(None, ge=1, description="New tokens at most (default: "
-                                                           "WCODEC_DEFAULT_MAX_NEW_TOKENS).")
-    temperature: float | None = Field(None, ge=0, le=2, description="0 or none: greedy.")
-    top_p: float | None = Field(None, gt=0, le=1)
+    max_tokens: int | None = Field(None, ge=1, description="New tokens at most (default: the model's "
+                                   "generation_config max_new_tokens, else WCODEC_DEFAULT_MAX_NEW_TOKENS).")
+    temperature: float | None = Field(None, ge=0, le=2, description="0: greedy (whatever top_p and top_k say). "
+                                      "None: the model's generation_config value, else 1 (it samples).")
+    top_p: float | None = Field(None, gt=0, le=1, description="None: the model's generation_config value, else 1.")
     seed: int | None = Field(None, ge=-2**63, le=MAX_SEED, description="OpenAI's int64 (or up to 2^64 - 1); a "
                              "negative one seeds as its two's complement, as torch's manual_seed takes it.")
     stop: str | Stops | None = Field(None, description=f"Up to {MAX_STOP} sequences; the text ends before the "
@@ -52,10 +53,11 @@ class OpenAIRequest(BaseModel):
     # vLLM's sampling extras: the two this engine has (TGI's), and those it has not, declared so
     # that a value other than their neutral one is refused instead of ignored
     top_k: int | None = Field(None, ge=-1, description="vLLM's: sample among the k most likely tokens "
-                                                       "(0 or -1: all).")
+                                                       "(0 or -1: all; None: the model's generation_config value).")
     repetition_penalty: float | None = Field(None, gt=0, description="vLLM's (and TGI's): the logits of the "
                                              "prompt's and generated tokens divided (positive) or multiplied "
-                                             "(negative) by it; 1: none.")
+                                             "(negative) by it; 1: none; None: the model's generation_config "
+                                             "value).")
     min_p: float | None = Field(None, ge=0, le=1, description="vLLM's; not supported (0 only).")
     min_tokens: int | None = Field(None, ge=0, description="vLLM's; not supported (0 only).")
     ignore_eos: bool | None = Field(None, description="vLLM's; not supported (false only).")
@@ -82,12 +84,6 @@ class OpenAIRequest(BaseModel):
         """field -> why, for the fields set to something this server cannot do (400 naming the first)."""
         return {f: "not supported by this server" for f in ("min_p", "min_tokens", "ignore_eos", "use_beam_search")
                 if getattr(self, f)}
-
-    def greedy(self) -> bool:
-        """An explicit temperature 0: argmax, whatever top_p and top_k say, as OpenAI and vLLM do it
-        (clients send temperature 0 beside their default top_p). An omitted one is greedy only
-        without a warper (TGI's rule)."""
-        return self.temperature == 0
 
     def choices(self) -> int:
         return self.n or 1

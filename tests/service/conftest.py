@@ -107,10 +107,13 @@ def _tiny_state(folder: Path, tied: bool, dtype: str = "bfloat16") -> tuple[dict
     return state, files
 
 
-def _tiny_llama(folder: Path, tied: bool, dtype: str = "bfloat16") -> Path:
+def _tiny_llama(folder: Path, tied: bool, dtype: str = "bfloat16", generation: dict | None = None) -> Path:
+    """`generation`: the archive's generation_config.json (none without)."""
     from codec.encode import compress_state_dict
 
     state, files = _tiny_state(folder, tied, dtype)
+    if generation is not None:
+        files["generation_config.json"] = json.dumps(generation).encode()
     path = folder / "tiny.wcodec"
     compress_state_dict(state, path, files=files, workers=1)
     return path
@@ -201,6 +204,16 @@ def untied_tiny_archive(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def fp16_tiny_archive(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """untied_tiny_archive in fp16 (as Llama-2's checkpoints are)."""
     return _tiny_llama(tmp_path_factory.mktemp("fp16"), tied=False, dtype="float16")
+
+
+@pytest.fixture(scope="session")
+def tiny_archive_with_defaults(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny_archive whose generation_config.json sets sampling defaults as a model's may (Llama 3's
+    temperature and top_p), top_k 1 (so that a default-sampled answer is the argmax) and
+    max_new_tokens 3."""
+    generation = {"bos_token_id": 0, "do_sample": True, "temperature": 0.6, "top_p": 0.9, "top_k": 1,
+                  "max_new_tokens": 3}
+    return _tiny_llama(tmp_path_factory.mktemp("tiny-defaults"), tied=True, generation=generation)
 
 
 @pytest.fixture

@@ -99,7 +99,8 @@ async def test_compat_route_and_chat(serve, store) -> None:
         r = await c.post("/", json={**generate_body(), "stream": True})
         assert sse_events(r.text)[-1]["generated_text"].startswith("The capital of France is Paris")
 
-        question = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 12}
+        question = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 12,
+                    "temperature": 0}
         r = await c.post("/v1/chat/completions", json=question)
         assert r.status_code == 200, r.text
         body = r.json()

@@ -140,16 +140,17 @@ def test_chat_response_format_constrains_the_content(client) -> None:
     format that cannot be compiled is a 400 naming response_format."""
     import json as _json
     schema = {"type": "object", "properties": {"capital": {"type": "string", "maxLength": 24}}, "required": ["capital"]}
-    out = client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=40, response_format={
+    out = client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=40, temperature=0, response_format={
         "type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
     assert "Paris" in _json.loads(out.choices[0].message.content)["capital"]
-    out = client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=60,
+    out = client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=60, temperature=0,
                                          response_format={"type": "json_object"})
     assert isinstance(_json.loads(out.choices[0].message.content), dict)
     for tgi in ({"type": "json_object", "value": schema}, {"type": "json", "value": schema}):   # TGI's forms
-        out = client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=40, response_format=tgi)
+        out = client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=40, temperature=0,
+                                             response_format=tgi)
         assert "Paris" in _json.loads(out.choices[0].message.content)["capital"]
-    out = client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=10,
+    out = client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=10, temperature=0,
                                          response_format={"type": "regex", "value": "(Paris|Rome)"})
     assert out.choices[0].message.content == "Paris"
     for bad in ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}},
@@ -160,10 +161,10 @@ def test_chat_response_format_constrains_the_content(client) -> None:
 
 
 def test_chat_stream_ends_with_usage(client) -> None:
-    out = client.chat.completions.create(model=DEMO, messages=QUESTION, max_completion_tokens=12)
+    out = client.chat.completions.create(model=DEMO, messages=QUESTION, max_completion_tokens=12, temperature=0)
     assert out.choices[0].message.content.startswith("The capital of France is Paris")
-    chunks = list(client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=12, stream=True,
-                                                 stream_options={"include_usage": True}))
+    chunks = list(client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=12, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
     assert "".join(c.choices[0].delta.content for c in chunks[:-1]) == out.choices[0].message.content
     assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == out.usage.model_dump()
     assert all(c.usage is None for c in chunks[:-1])
@@ -173,7 +174,7 @@ def test_chat_stream_ends_with_usage(client) -> None:
         with pytest.raises(openai.BadRequestError) as e:                 # OpenAI's and vLLM's 400, ignored before
             create()
         assert e.value.body["param"] == "stream_options" and "stream" in e.value.body["message"]
-    cut = client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=12, stop="Paris")
+    cut = client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=12, temperature=0, stop="Paris")
     assert cut.choices[0].message.content == "The capital of France is " and cut.choices[0].finish_reason == "stop"
 
 
@@ -191,7 +192,7 @@ def test_include_stop_str_in_output_keeps_the_stop(client) -> None:
     streamed = list(client.completions.create(**body, stream=True, extra_body={"include_stop_str_in_output": True}))
     assert "".join(c.choices[0].text for c in streamed) == kept.text
     assert [t for c in streamed for t in c.choices[0].logprobs.tokens] == kept.logprobs.tokens
-    chat = {"model": DEMO, "messages": QUESTION, "max_tokens": 12, "stop": "Paris",
+    chat = {"model": DEMO, "messages": QUESTION, "max_tokens": 12, "temperature": 0, "stop": "Paris",
             "extra_body": {"include_stop_str_in_output": True}}
     assert client.chat.completions.create(**chat).choices[0].message.content == "The capital of France is Paris"
     chunks = client.chat.completions.create(**chat, stream=True)
@@ -201,18 +202,19 @@ def test_include_stop_str_in_output_keeps_the_stop(client) -> None:
 def test_chat_logprobs_are_the_contents_tokens(client) -> None:
     """logprobs=true: each token of the message's content with its log-probability, the same as
     the completions route gives for the same text, and as the stream's chunks carry them."""
-    out = client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=12, logprobs=True,
+    out = client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=12, temperature=0, logprobs=True,
                                          top_logprobs=0).choices[0]
     content = out.logprobs.content
     assert "".join(t.token for t in content) == out.message.content
     assert all(t.logprob <= 0 and t.bytes == list(t.token.encode()) and t.top_logprobs == [] for t in content)
     assert out.message.content.startswith("The capital of France is Paris") and len(content) >= 6
-    chunks = list(client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=12, logprobs=True,
-                                                 stream=True))
+    chunks = list(client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=12, temperature=0,
+                                                 logprobs=True, stream=True))
     streamed = [t for c in chunks for t in c.choices[0].logprobs.content]
     assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
     assert all("".join(t.token for t in c.choices[0].logprobs.content) == c.choices[0].delta.content for c in chunks)
-    cut = client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=12, logprobs=True, stop="Paris")
+    cut = client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=12, temperature=0, logprobs=True,
+                                         stop="Paris")
     assert cut.choices[0].message.content == "The capital of France is "         # " Paris" starts in it: given
     assert "".join(t.token for t in cut.choices[0].logprobs.content) == "The capital of France is Paris"
     plain = client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=3).choices[0]
@@ -223,7 +225,7 @@ def test_top_logprobs_list_the_most_likely_tokens(client) -> None:
     """chat's top_logprobs and completions' logprobs = n: at each position the n most likely tokens,
     most likely first (greedy: the chosen token first), the same in a stream; completions' dict
     adds the chosen token where it is not among them (OpenAI's up to n + 1)."""
-    out = client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=8, logprobs=True,
+    out = client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=8, temperature=0, logprobs=True,
                                          top_logprobs=4).choices[0]
     content = out.logprobs.content
     assert "".join(t.token for t in content) == out.message.content and len(content) >= 6
@@ -233,8 +235,8 @@ def test_top_logprobs_list_the_most_likely_tokens(client) -> None:
         assert [a.logprob for a in top] == sorted((a.logprob for a in top), reverse=True)
         assert (top[0].token, top[0].logprob, top[0].bytes) == (t.token, t.logprob, t.bytes)
         assert all(a.bytes == list(a.token.encode()) for a in top)
-    chunks = list(client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=8, logprobs=True,
-                                                 top_logprobs=4, stream=True))
+    chunks = list(client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=8, temperature=0,
+                                                 logprobs=True, top_logprobs=4, stream=True))
     streamed = [t for c in chunks for t in c.choices[0].logprobs.content]
     assert [[(a.token, a.logprob) for a in t.top_logprobs] for t in streamed] == \
         [[(a.token, a.logprob) for a in t.top_logprobs] for t in content]
@@ -263,8 +265,8 @@ def test_return_tokens_as_token_ids_names_each_token_by_its_id(client, live) -> 
     streamed = client.completions.create(model=DEMO, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=0,
                                          stream=True, extra_body={"return_tokens_as_token_ids": True})
     assert [t for c in streamed for t in c.choices[0].logprobs.tokens] == ids
-    chat = client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=3, logprobs=True, top_logprobs=2,
-                                          extra_body={"return_tokens_as_token_ids": True}).choices[0]
+    chat = client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=3, temperature=0, logprobs=True,
+                                          top_logprobs=2, extra_body={"return_tokens_as_token_ids": True}).choices[0]
     content = chat.logprobs.content
     assert all(t.token.startswith("token_id:") and t.top_logprobs[0].token == t.token for t in content)
     assert b"".join(bytes(t.bytes) for t in content) == chat.message.content.encode()
@@ -300,7 +302,7 @@ def test_n_choices_each_their_own_generation(client) -> None:
     prompt i's choices at i * n .. i * n + n - 1."""
     def chat(**extra):
         return client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=8, **extra)
-    one, three = chat(), chat(n=3)
+    one, three = chat(temperature=0), chat(n=3, temperature=0)
     assert [c.index for c in three.choices] == [0, 1, 2]
     assert {c.message.content for c in three.choices} == {one.choices[0].message.content}
     assert three.usage.prompt_tokens == one.usage.prompt_tokens and three.usage.completion_tokens == 24
@@ -428,12 +430,12 @@ def test_the_streamed_text_is_the_text_not_streamed(client, route, bias, tokens)
     stream dropped it)."""
     if route == "chat":
         make = lambda **kw: client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=tokens,
-                                                           logit_bias=bias, **kw)
+                                                           temperature=0, logit_bias=bias, **kw)
         whole = make().choices[0].message.content
         streamed = "".join(c.choices[0].delta.content or "" for c in make(stream=True) if c.choices)
     else:
-        make = lambda **kw: client.completions.create(model=DEMO, prompt=PROMPT, max_tokens=tokens, logit_bias=bias,
-                                                      **kw)
+        make = lambda **kw: client.completions.create(model=DEMO, prompt=PROMPT, max_tokens=tokens, temperature=0,
+                                                      logit_bias=bias, **kw)
         whole = make().choices[0].text
         streamed = "".join(c.choices[0].text for c in make(stream=True) if c.choices)
     assert streamed == whole
@@ -503,7 +505,7 @@ def test_raw_json_shapes_use_openais_field_names(live) -> None:
         assert set(models) == {"object", "data"} and models["object"] == "list"
         _same_fields(models["data"][0], Model)
         _same_fields(http.get(f"/v1/models/{DEMO}").json(), Model)
-        body = {"model": DEMO, "prompt": PROMPT, "max_tokens": 3, "logprobs": 0}
+        body = {"model": DEMO, "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "logprobs": 0}
         out = http.post("/v1/completions", json=body).json()
         _same_fields(out, Completion)
         _same_fields(out["choices"][0], CompletionChoice)
@@ -511,7 +513,7 @@ def test_raw_json_shapes_use_openais_field_names(live) -> None:
         _same_fields(out["usage"], CompletionUsage)
         for chunk in _events(http.post("/v1/completions", json={**body, "stream": True}).text):
             _same_fields(chunk, Completion)
-        chat = {"model": DEMO, "messages": QUESTION, "max_tokens": 3}
+        chat = {"model": DEMO, "messages": QUESTION, "max_tokens": 3, "temperature": 0}
         out = http.post("/v1/chat/completions", json=chat).json()
         _same_fields(out, ChatCompletion)
         _same_fields(out["choices"][0], Choice)
