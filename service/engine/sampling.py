@@ -235,9 +235,10 @@ LOGIT_LIMIT = 1e30             # what a penalized logit stays within: / MIN_TEMP
 def _repeated(seen: torch.Tensor, penalty: float) -> torch.Tensor:
     """HF's repetition penalty of the seen tokens' logits [T]: divided by it when positive, times it
     when negative, 0 kept; within +-LOGIT_LIMIT, as float32 cannot take extreme penalties (1e-300
-    is 0 there: x / 0 = inf, 0 / 0 = nan, and softmax then nan, which failed the batch's step)."""
-    scaled = torch.where(seen > 0, seen / penalty, seen * penalty)
-    return torch.where(seen == 0, seen, scaled).clamp(-LOGIT_LIMIT, LOGIT_LIMIT)
+    is 0 there: x / 0 = inf, 0 / 0 = nan, and softmax then nan, which failed the batch's step);
+    -inf (a token the grammar masked, on OpenAI's routes) kept."""
+    scaled = torch.where(seen > 0, seen / penalty, seen * penalty).clamp(-LOGIT_LIMIT, LOGIT_LIMIT)
+    return torch.where((seen == 0) | (seen == -math.inf), seen, scaled)      # a masked token stays masked
 
 
 def _penalize(logits: torch.Tensor, history: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -324,36 +325,45 @@ Pick = tuple[int, float, TopN]         # token, its log-probability, the top_n
 
 
 def sample(logits: torch.Tensor, row: Row) -> Pick:
-    """One token for one row from its logits [V]: (token, its log-probability, the row's top_n
-    most likely tokens with theirs). The logits go through TGI's order (watermark, penalties, then
-    logit_bias and the grammar, then temperature, top-k/p, typical_p). Log-probabilities (the
-    chosen token's and the top_n's alike) are those of the distribution before temperature and the
-    warpers, as vLLM's default logprobs_mode (raw_logprobs) reports them, or with `tgi` after them,
-    as TGI's (the log_softmax of the warped scores: a token a warper dropped is then -inf); a
-    greedy row has no warper, so both are the same there. One log_softmax a row either way. A
-    token ruled out (a grammar, a warper) is no alternative: the top_n then holds fewer (OpenAI's
-    top_logprobs may; TGI's batch_top_tokens leaves -inf out too), never a -inf."""
+    """One token for one row from its logits [V] (processed, then warped: temperature, top-k/p,
+    typical_p): (token, its log-probability, the top_n most likely tokens with theirs). Those are,
+    on OpenAI's routes, vLLM's default raw_logprobs: the model's before the penalties, the bias
+    and the warpers (after the grammar's mask, as vLLM's); with `tgi`, the warped scores' (TGI's).
+    One log_softmax a row either way (the model's logits are kept, not computed again). A token
+    ruled out (a grammar, a warper) is no alternative: the top_n then holds fewer, never a -inf."""
     p = row.params
+    logits, scored = _processed(logits, row)
+    if p.sampling:
+        warped = _warp(logits, p)
+        token = int(torch.multinomial(warped.softmax(-1), 1, generator=row.generator))
+        logprobs = (warped if p.tgi else scored).log_softmax(-1)
+    else:
+        token = int(logits.argmax())
+        logprobs = scored.log_softmax(-1)
+    top = ()
+    if p.top_n:
+        values, ids = logprobs.topk(min(p.top_n, logprobs.numel()))
+        top = tuple((i, v) for i, v in zip(ids.tolist(), values.tolist()) if v != -math.inf)
+    return token, float(logprobs[token]), top
+
+
+def _processed(logits: torch.Tensor, row: Row) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the logits [V] a token is chosen from, those reported when not warped). TGI's order:
+    watermark, penalties, the grammar's mask, reported at the end; vLLM's: the grammar's mask,
+    reported there, then the penalties and logit_bias."""
+    p = row.params
+    if not p.tgi and row.constraint is not None:
+        logits = row.constraint.mask(logits)
+    scored = logits
     if p.watermark:
         logits = _watermark(logits, row)
     if row.history is not None:
         logits = _penalize(logits, row.history, p)
     if p.shaped:
         logits = _shape(logits, row)
-    if row.constraint is not None:
+    if p.tgi and row.constraint is not None:
         logits = row.constraint.mask(logits)
-    if p.sampling:
-        warped = _warp(logits, p)
-        token = int(torch.multinomial(warped.softmax(-1), 1, generator=row.generator))
-        logprobs = (warped if p.tgi else logits).log_softmax(-1)
-    else:
-        token = int(logits.argmax())
-        logprobs = logits.log_softmax(-1)
-    top = ()
-    if p.top_n:
-        values, ids = logprobs.topk(min(p.top_n, logprobs.numel()))
-        top = tuple((i, v) for i, v in zip(ids.tolist(), values.tolist()) if v != -math.inf)
-    return token, float(logprobs[token]), top
+    return logits, logits if p.tgi else scored
 
 
 def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

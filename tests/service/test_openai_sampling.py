@@ -69,3 +69,23 @@ async def test_the_models_generation_config_fills_what_the_request_leaves_out(se
                                                                        "top_p": 0.9}, range(4))
         r = (await server.client.post("/v1/completions", json=everything)).json()
         assert r["usage"]["completion_tokens"] == 5, r
+
+
+async def test_logprobs_are_the_models_before_the_bias_and_penalties(serve, store) -> None:
+    """vLLM's default logprobs_mode (raw_logprobs): the model's log-softmax before any processing.
+    A token forced by logit_bias 100 is reported with the log-probability the model gives it (the
+    same as the prompt's scores give it there), not ~0 (the biased distribution's, before)."""
+    async with serve(store(), preload=[DEMO]) as server:
+        await server.wait_state(DEMO, ModelState.READY)
+        c = server.client
+        ids = [t["id"] for t in (await c.post("/tokenize", json={"inputs": PROMPT})).json()]
+        forced = (await c.post("/tokenize", json={"inputs": " London"})).json()[0]["id"]
+        body = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "logprobs": 1, "logit_bias": {str(forced): 100},
+                "presence_penalty": 2}
+        out = (await c.post("/v1/completions", json=body)).json()["choices"][0]["logprobs"]
+        scored = (await c.post("/v1/completions", json={"prompt": ids + [forced] * 3, "max_tokens": 0, "echo": True,
+                                                        "logprobs": 1})).json()["choices"][0]["logprobs"]
+        assert len(set(out["tokens"])) == 1 and out["token_logprobs"][0] < -1, out
+        assert out["token_logprobs"] == pytest.approx(scored["token_logprobs"][len(ids):], abs=0.3), (out, scored)
+        for top, (token, logprob) in zip(out["top_logprobs"], zip(out["tokens"], out["token_logprobs"])):
+            assert top[token] == logprob and max(top.values()) > logprob, top      # the model's top one is not it

@@ -55,10 +55,11 @@ def test_greedy_takes_the_argmax_and_reports_its_logprob() -> None:
     assert row().greedy and not row(top_n=2).greedy
 
 
-def test_top_n_gives_the_most_likely_tokens_after_the_penalty_whatever_is_chosen() -> None:
-    """top_n: the n most likely tokens with their log-probabilities, most likely first: those of
-    the model's distribution after the repetition penalty (the chosen token's are the same), not
-    of the warped one a sample is drawn from; the chosen token need not be among them."""
+def test_top_n_gives_the_most_likely_tokens_whatever_is_chosen() -> None:
+    """top_n: the n most likely tokens with their log-probabilities, most likely first: on OpenAI's
+    routes those of the model's distribution before the repetition penalty (vLLM's raw_logprobs;
+    the chosen token's are the same), with `tgi` after it; never of the warped one a sample is
+    drawn from; the chosen token need not be among them."""
     logits = torch.tensor([0.5, 4.0, -1.0, 3.0, 2.5])
     logprobs = logits.log_softmax(-1)
     token, logprob, top = sample(logits, row(top_n=3))
@@ -67,6 +68,9 @@ def test_top_n_gives_the_most_likely_tokens_after_the_penalty_whatever_is_chosen
     penalized = logits.clone()
     penalized[1:4] = torch.tensor([2.0, -2.0, 1.5])                     # the prompt 1, 2, 3 penalized by 2
     token, logprob, top = sample(logits, row(top_n=2, repetition_penalty=2.0))
+    assert token == 4 and [t for t, _ in top] == [1, 3] and logprob == pytest.approx(float(logprobs[4]))
+    assert [lp for _, lp in top] == pytest.approx(logprobs[[1, 3]].tolist())
+    token, logprob, top = sample(logits, row(top_n=2, repetition_penalty=2.0, tgi=True))
     assert token == 4 and [t for t, _ in top] == [4, 1]
     assert [lp for _, lp in top] == pytest.approx(penalized.log_softmax(-1)[[4, 1]].tolist())
     drawn = {sample(logits, row(top_n=1, do_sample=True, temperature=5.0, seed=s))[0] for s in range(40)}
@@ -154,28 +158,32 @@ def test_any_accepted_parameters_pick_a_token_with_a_finite_logprob() -> None:
 def test_openai_bias_and_penalties_shape_the_logits_of_generated_tokens_only() -> None:
     """logit_bias adds to a token's logit; presence and frequency penalties subtract, for the
     tokens generated so far (c[j] their count), not the prompt's; the log-probabilities given are
-    the shaped distribution's, and such a row is not plain greedy."""
+    the model's before them (vLLM's raw_logprobs: they were the shaped distribution's), and such
+    a row is not plain greedy."""
     logits = torch.tensor([0.5, 4.0, -1.0, 3.0, 2.5])
-    r = row(logit_bias=((0, 10.0), (1, -100.0)))
+    raw = logits.log_softmax(-1)
+    r = row(logit_bias=((0, 10.0), (1, -100.0)), top_n=2)
     assert not r.greedy and row().greedy
-    token, logprob, _ = sample(logits, r)
-    shaped = logits + torch.tensor([10.0, -100.0, 0, 0, 0])
-    assert token == 0 and logprob == pytest.approx(float(shaped.log_softmax(-1)[0]))
+    token, logprob, top = sample(logits, r)
+    assert token == 0 and logprob == pytest.approx(float(raw[0])) and logprob < -3
+    assert [t for t, _ in top] == [1, 3] and [v for _, v in top] == pytest.approx(raw[[1, 3]].tolist())
     r = row(presence_penalty=0.5, frequency_penalty=1.0)                   # prompt 1, 2, 3: no effect
     assert sample(logits, r)[0] == 1
     for t in (1, 1, 3):
         r.push(t, 0.0)
     counts = torch.tensor([0.0, 2, 0, 1, 0])
     shaped = logits - counts * 1.0 - (counts > 0).float() * 0.5            # 4.0 -> 1.5, 3.0 -> 1.5
+    assert int(shaped.argmax()) == 4
     token, logprob, _ = sample(logits, r)
-    assert token == 4 and logprob == pytest.approx(float(shaped.log_softmax(-1)[4]))
+    assert token == 4 and logprob == pytest.approx(float(raw[4]))
 
 
 def test_tgi_frequency_penalty_subtracts_each_tokens_share_of_prompt_and_generated() -> None:
     """TGI's frequency_penalty: mu[j] - share[j] * penalty, share[j] token j's count among the
-    prompt's and the generated tokens over their number; a negative penalty favours repeats."""
+    prompt's and the generated tokens over their number (TGI's routes: log-probabilities after
+    it); a negative penalty favours repeats."""
     logits = torch.tensor([0.5, 4.0, -1.0, 3.0, 2.5])
-    r = row(share_penalty=2.0)                                            # prompt 1, 2, 3
+    r = row(share_penalty=2.0, tgi=True)                                  # prompt 1, 2, 3
     assert not r.greedy
     for t in (1, 1, 1, 1):
         r.push(t, 0.0)
@@ -223,7 +231,7 @@ def test_watermark_favours_the_green_list_of_the_previous_token() -> None:
     red = next(i for i in range(v) if i not in set(green.tolist()))
     logits = torch.zeros(v)
     logits[red], logits[int(green[7])] = 1.5, 0.5                     # red leads by 1.0 < DELTA
-    token, logprob, _ = sample(logits, row(watermark=True))
+    token, logprob, _ = sample(logits, row(watermark=True, tgi=True))             # TGI's: reported after it
     assert token == int(green[7]) and not row(watermark=True).greedy
     marked = logits.clone()
     marked[green] += WATERMARK_DELTA
