@@ -52,7 +52,7 @@ def defaulted(req: OpenAIRequest, settings: Settings, max_tokens: int | None, to
               stops: tuple[str, ...], served: ServedModel) -> SamplingParams:
     """vLLM's to_sampling_params: a field the request leaves out takes the model's default
     (`served.sampling_defaults`), else vLLM's neutral one: temperature 1 (OpenAI samples by
-    default), no top-p, top-k or repetition penalty; max_tokens the model's max_new_tokens, else
+    default), no top-p, top-k, min-p or repetition penalty; max_tokens the model's max_new_tokens, else
     WCODEC_DEFAULT_MAX_NEW_TOKENS, cut to what the context leaves. Temperature 0: greedy, whatever
     top_p and top_k say, as OpenAI and vLLM (clients send it beside their default top_p)."""
     model = served.sampling_defaults
@@ -63,7 +63,7 @@ def defaulted(req: OpenAIRequest, settings: Settings, max_tokens: int | None, to
     temperature = given("temperature")
     temperature = 1.0 if temperature is None else temperature
     greedy = temperature == 0                                  # then no warper either
-    top_p, top_k = (None, None) if greedy else (given("top_p"), given("top_k"))
+    top_p, top_k, min_p = (None, None, None) if greedy else (given("top_p"), given("top_k"), given("min_p"))
     penalty = given("repetition_penalty")
     bias = tuple((int(token), value) for token, value in (req.logit_bias or {}).items())
     limit = model.get("max_new_tokens", settings.default_max_new_tokens) if max_tokens is None else max_tokens
@@ -71,7 +71,7 @@ def defaulted(req: OpenAIRequest, settings: Settings, max_tokens: int | None, to
     return SamplingParams(int(limit), None if greedy else temperature, top_p, top_k if (top_k or 0) > 0 else None,
                           not greedy, seed, None if penalty in (None, 1.0) else penalty, stops, top_n, bias,
                           req.presence_penalty or 0.0, req.frequency_penalty or 0.0,
-                          prompt_logprobs=prompt_logprobs, default_length=max_tokens is None)
+                          min_p=min_p or None, prompt_logprobs=prompt_logprobs, default_length=max_tokens is None)
 
 
 def envelope(cls: type[BaseModel], prefix: str, started: list[inference.Started]) -> Callable[..., BaseModel]:

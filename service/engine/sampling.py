@@ -40,6 +40,7 @@ class SamplingParams:
     presence_penalty: float = 0.0      # OpenAI's: subtracted from a generated token's logit
     frequency_penalty: float = 0.0     # OpenAI's: times its count among the generated tokens, subtracted
     typical_p: float | None = None     # TGI's typical decoding: the most typical tokens of this mass
+    min_p: float | None = None         # vLLM's: tokens under min_p x the top one's probability dropped
     share_penalty: float = 0.0         # TGI's frequency_penalty: times its share of all the row's tokens, subtracted
     watermark: bool = False            # TGI's: the green list after the previous token favoured (`_watermark`)
     grammar: object = None             # a compiled index (grammar.py: TGI's grammar, OpenAI's response_format)
@@ -288,6 +289,9 @@ def _watermark(logits: torch.Tensor, row: Row) -> torch.Tensor:
 
 def _warp(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     logits = logits / max(p.temperature, MIN_TEMPERATURE) if p.temperature else logits
+    if p.min_p:                                         # vLLM's order: after temperature, before top-k/p
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
     if p.top_k:
         kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

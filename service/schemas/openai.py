@@ -58,7 +58,9 @@ class OpenAIRequest(BaseModel):
                                              "prompt's and generated tokens divided (positive) or multiplied "
                                              "(negative) by it; 1: none; None: the model's generation_config "
                                              "value).")
-    min_p: float | None = Field(None, ge=0, le=1, description="vLLM's; not supported (0 only).")
+    min_p: float | None = Field(None, ge=0, le=1, description="vLLM's: drop the tokens whose probability (after "
+                                "temperature) is under min_p times the most likely one's; 0: none; None: the "
+                                "model's generation_config value.")
     min_tokens: int | None = Field(None, ge=0, description="vLLM's; not supported (0 only).")
     ignore_eos: bool | None = Field(None, description="vLLM's; not supported (false only).")
     use_beam_search: bool | None = Field(None, description="vLLM's; not supported (false only).")
@@ -82,7 +84,7 @@ class OpenAIRequest(BaseModel):
 
     def unsupported(self) -> dict[str, str]:
         """field -> why, for the fields set to something this server cannot do (400 naming the first)."""
-        return {f: "not supported by this server" for f in ("min_p", "min_tokens", "ignore_eos", "use_beam_search")
+        return {f: "not supported by this server" for f in ("min_tokens", "ignore_eos", "use_beam_search")
                 if getattr(self, f)}
 
     def choices(self) -> int:

@@ -362,7 +362,7 @@ def test_temperature_zero_is_greedy_whatever_top_p_and_top_k_say(client) -> None
                                      extra_body={"repetition_penalty": 1.0}).choices[0].text == greedy
 
 
-@pytest.mark.parametrize(("param", "value"), [("min_p", 0.5), ("min_tokens", 3), ("ignore_eos", True),
+@pytest.mark.parametrize(("param", "value"), [("min_tokens", 3), ("ignore_eos", True),
                                               ("use_beam_search", True)])
 def test_vllms_extras_this_engine_lacks_are_refused_not_ignored(client, param, value) -> None:
     with pytest.raises(openai.BadRequestError) as e:

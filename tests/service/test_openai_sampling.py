@@ -89,3 +89,16 @@ async def test_logprobs_are_the_models_before_the_bias_and_penalties(serve, stor
         assert out["token_logprobs"] == pytest.approx(scored["token_logprobs"][len(ids):], abs=0.3), (out, scored)
         for top, (token, logprob) in zip(out["top_logprobs"], zip(out["tokens"], out["token_logprobs"])):
             assert top[token] == logprob and max(top.values()) > logprob, top      # the model's top one is not it
+
+
+async def test_min_p_keeps_the_tokens_near_the_top_ones(serve, store) -> None:
+    """vLLM's min_p (refused with a 400 before): min_p 1 keeps only the most likely token, so a
+    hot sample is the greedy answer whatever the seed; a value outside [0, 1] is a 400 naming it."""
+    async with serve(store(), preload=[DEMO]) as server:
+        await server.wait_state(DEMO, ModelState.READY)
+        body = {"prompt": PROMPT, "max_tokens": 6}
+        greedy = await _texts(server.client, "completions", {**body, "temperature": 0}, [0])
+        assert await _texts(server.client, "completions", {**body, "temperature": 1.5, "min_p": 1.0},
+                            range(3)) == greedy * 3
+        r = await server.client.post("/v1/completions", json={**body, "min_p": 1.5})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "min_p", r.text

@@ -199,6 +199,21 @@ def test_tgi_frequency_penalty_subtracts_each_tokens_share_of_prompt_and_generat
     assert sample(logits, r)[0] == 4                                      # 2.5 + 2 * 3/6 = 3.5 > 2.8
 
 
+def test_min_p_drops_what_is_under_min_p_times_the_top_probability_after_temperature() -> None:
+    """vLLM's min_p: after temperature, a token whose probability is under min_p x the most likely
+    one's is dropped (before top-k/p); a sampled token is always one of those kept; 0: none."""
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, 3.0])
+    for temperature, min_p in ((1.0, 0.3), (0.5, 0.3), (2.0, 0.5), (1.0, 1.0)):
+        probs = (logits / temperature).softmax(-1)
+        keep = probs >= min_p * probs.max()
+        warped = _warp(logits, SamplingParams(5, temperature=temperature, min_p=min_p))
+        assert torch.equal(warped.isfinite(), keep), (temperature, min_p)
+        drawn = {sample(logits, row(temperature=temperature, min_p=min_p, do_sample=True, seed=s))[0]
+                 for s in range(30)}
+        assert drawn <= set(keep.nonzero()[:, 0].tolist()), (temperature, min_p, drawn)
+    assert torch.equal(_warp(logits, SamplingParams(5, min_p=0.0)), logits)
+
+
 @pytest.mark.parametrize("mass", [0.2, 0.5, 0.9, 0.99])
 def test_typical_p_keeps_what_transformers_typical_warper_keeps(mass) -> None:
     """typical_p (TGI's, through transformers' TypicalLogitsWarper): the same tokens kept, on
