@@ -71,7 +71,7 @@ def _logprobs(served: ServedModel, log: openai_api.TokenLog, text_end: int, as_i
 
 
 def _choice(index: int, s: inference.Started, fin: Finished, req: ChatRequest) -> ChatChoice:
-    text = openai_api.cut(fin.generated_text, req)
+    text = openai_api.cut(fin, req)
     as_id = req.return_tokens_as_token_ids
     logprobs = _logprobs(s.served, openai_api.TokenLog(fin.tokens), len(text), as_id) if req.logprobs else None
     return ChatChoice(index=index, message=ChatMessage(content=text), finish_reason=openai_api.finish_reason(fin),
@@ -110,5 +110,5 @@ async def _choice_chunks(index: int, s: inference.Started, first: TokenEvent | F
         else:
             if log is not None:
                 log.add(item)
-            if not item.special and (text := stop.feed(item.text)):
+            if text := stop.feed(item.text, item.special):
                 yield delta(text)

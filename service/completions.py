@@ -64,7 +64,7 @@ def _prompt_logprobs(served: ServedModel, name: Name, prefill: tuple[PromptToken
 
 
 def _choice(index: int, s: inference.Started, fin: Finished, req: CompletionRequest) -> CompletionChoice:
-    completion = openai_api.cut(fin.generated_text, req)
+    completion = openai_api.cut(fin, req)
     at = len(s.prompt) if req.echo else 0
     logprobs = None
     if req.logprobs is not None:
@@ -106,7 +106,7 @@ async def _prompt_chunks(index: int, s: inference.Started, first: TokenEvent | F
         done = isinstance(item, Finished)
         if not done and log is not None:
             log.add(item)
-        text = stop.finish(item.generated_text) if done else ("" if item.special else stop.feed(item.text))
+        text = stop.finish(item.generated_text) if done else stop.feed(item.text, item.special)
         sent += len(text)
         if text or done:
             yield CompletionChoice(text=text, index=index,

@@ -15,7 +15,7 @@ from pydantic import BaseModel
 
 from . import inference
 from .engine.sampling import Finished, SamplingParams, TokenEvent
-from .errors import ModelNotFound, ServiceError, UnsupportedParameter, internal, openai_error_event
+from .errors import ModelNotFound, ServiceError, UnsupportedParameter, ValidationFailed, internal, openai_error_event
 from .model.build import ServedModel
 from .registry import ModelRegistry
 from .schemas.openai import OpenAIRequest, Usage
@@ -44,6 +44,9 @@ def sampling(req: OpenAIRequest, settings: Settings, max_tokens: int | None, top
     each token's log-probabilities list (chat's top_logprobs, completions' logprobs)."""
     if bad := req.unsupported():
         raise UnsupportedParameter(*next(iter(bad.items())))
+    if max_tokens is not None and (req.min_tokens or 0) > max_tokens:
+        raise ValidationFailed(f"`min_tokens` ({req.min_tokens}) must be at most max_tokens ({max_tokens})",
+                               param="min_tokens")
     stops = tuple(s for s in (inference.unicode_text(stop, "stop") for stop in req.stops()) if s)
     return functools.partial(defaulted, req, settings, max_tokens, top_n, prompt_logprobs, stops)
 
@@ -67,11 +70,13 @@ def defaulted(req: OpenAIRequest, settings: Settings, max_tokens: int | None, to
     penalty = given("repetition_penalty")
     bias = tuple((int(token), value) for token, value in (req.logit_bias or {}).items())
     limit = model.get("max_new_tokens", settings.default_max_new_tokens) if max_tokens is None else max_tokens
+    limit = max(limit, req.min_tokens or 0)                    # an omitted max_tokens: at least min_tokens
     seed = None if req.seed is None else req.seed % 2**64                  # int64's negatives: two's complement
     return SamplingParams(int(limit), None if greedy else temperature, top_p, top_k if (top_k or 0) > 0 else None,
                           not greedy, seed, None if penalty in (None, 1.0) else penalty, stops, top_n, bias,
                           req.presence_penalty or 0.0, req.frequency_penalty or 0.0,
-                          min_p=min_p or None, prompt_logprobs=prompt_logprobs, default_length=max_tokens is None)
+                          min_p=min_p or None, min_tokens=req.min_tokens or 0, ignore_eos=bool(req.ignore_eos),
+                          prompt_logprobs=prompt_logprobs, default_length=max_tokens is None)
 
 
 def envelope(cls: type[BaseModel], prefix: str, started: list[inference.Started]) -> Callable[..., BaseModel]:
@@ -119,20 +124,25 @@ async def stream(started: list[inference.Started], firsts: list[TokenEvent | Fin
 class StopCut:
     """The text before the first stop sequence (through it with `keep`: vLLM's
     include_stop_str_in_output). Streamed pieces are held back while the text's end could still be
-    the start of a stop sequence."""
+    the start of a stop sequence. `after` tokens (vLLM's min_tokens - 1): a stop that ends within
+    their text does not count, as vLLM checks no stop before min_tokens (sampling.Row._stop)."""
 
-    def __init__(self, stops: list[str], keep: bool = False):
+    def __init__(self, stops: list[str], keep: bool = False, after: int = 0):
         self.stops, self.held, self.stopped, self.fed = [s for s in stops if s], "", False, ""
-        self.keep = keep
+        self.keep, self.after, self.floor = keep, after, 0       # floor: the characters of those tokens
 
-    def feed(self, piece: str) -> str:
-        """The part of the text so far that is now sure to be returned."""
+    def feed(self, piece: str, special: bool = False) -> str:
+        """The part of the text so far that is now sure to be returned (a token's piece; a special
+        token's counts toward `after` and adds no text)."""
         if self.stopped:
             return ""
-        self.fed += piece
-        self.held += piece
-        found = [(i, i + len(s) if self.keep else i) for i, s in ((self.held.find(s), s) for s in self.stops)
-                 if i >= 0]
+        self.fed += "" if special else piece
+        self.held += "" if special else piece
+        if self.after > 0:                                       # one of the tokens whose stops do not count
+            self.after, self.floor = self.after - 1, len(self.fed)
+        start = len(self.fed) - len(self.held)                   # where `held` starts in the text
+        found = [(i, i + len(s) if self.keep else i) for i, s in
+                 ((self.held.find(s, max(0, self.floor - start - len(s) + 1)), s) for s in self.stops) if i >= 0]
         if found:
             out, self.held, self.stopped = self.held[:min(found)[1]], "", True
             return out
@@ -196,12 +206,17 @@ def token_of(served: ServedModel, token: int, as_id: bool | None = False) -> tup
 
 
 def stop_cut(req: OpenAIRequest) -> StopCut:
-    return StopCut(req.stops(), keep=bool(req.include_stop_str_in_output))
+    return StopCut(req.stops(), keep=bool(req.include_stop_str_in_output), after=max(0, (req.min_tokens or 0) - 1))
 
 
-def cut(text: str, req: OpenAIRequest) -> str:
+def cut(fin: Finished, req: OpenAIRequest) -> str:
+    """The returned text of a whole (not streamed) choice: its tokens' pieces through the stream's
+    StopCut, so that both agree where min_tokens holds the stops off."""
     c = stop_cut(req)
-    return c.feed(text) + c.flush()
+    if not c.after:
+        return c.feed(fin.generated_text) + c.flush()
+    head = "".join(c.feed(t.text, t.special) for t in fin.tokens)
+    return head + c.finish(fin.generated_text)
 
 
 def finish_reason(fin: Finished) -> str:

@@ -41,6 +41,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0     # OpenAI's: times its count among the generated tokens, subtracted
     typical_p: float | None = None     # TGI's typical decoding: the most typical tokens of this mass
     min_p: float | None = None         # vLLM's: tokens under min_p x the top one's probability dropped
+    min_tokens: int = 0                # vLLM's: no EOS and no stop string before this many tokens
+    ignore_eos: bool = False           # vLLM's: an EOS does not end the row
     share_penalty: float = 0.0         # TGI's frequency_penalty: times its share of all the row's tokens, subtracted
     watermark: bool = False            # TGI's: the green list after the previous token favoured (`_watermark`)
     grammar: object = None             # a compiled index (grammar.py: TGI's grammar, OpenAI's response_format)
@@ -139,6 +141,8 @@ class Row:
         self.history = torch.tensor(prompt_ids, device=served.device) \
             if params.counts_tokens else None                                   # [T]: prompt and generated
         self.constraint = Constraint(params.grammar) if params.grammar is not None else None
+        self.eos = torch.tensor(sorted(served.eos_ids), dtype=torch.long, device=served.device) \
+            if params.min_tokens and served.eos_ids else None                   # masked before min_tokens
         self.bias = None                        # logit_bias as (ids, values) on the device, made once
         if params.logit_bias:
             ids, values = zip(*params.logit_bias)
@@ -155,7 +159,12 @@ class Row:
         bias), and nothing else is read from them (no top_n)."""
         p = self.params
         return self.history is None and not p.sampling and not p.top_n and not p.shaped and not p.watermark \
-            and self.constraint is None
+            and self.constraint is None and not self.holds_eos
+
+    @property
+    def holds_eos(self) -> bool:
+        """Whether its EOS tokens are masked now: fewer than min_tokens generated (vLLM's)."""
+        return self.eos is not None and len(self.ids) < self.params.min_tokens
 
     @property
     def done(self) -> bool:
@@ -214,13 +223,13 @@ class Row:
         the length ("stop" both, on OpenAI's routes)."""
         p = self.params
         length = "length" if len(self.ids) >= p.max_new_tokens else None
-        if p.tgi and length:
+        if p.tgi and length or len(self.ids) < p.min_tokens:       # vLLM checks no stop before min_tokens
             return length
-        if token in self.served.eos_ids:
+        if token in self.served.eos_ids and not p.ignore_eos:
             return "eos_token"
         longest = max((len(s) for s in p.stop), default=0)
-        window = self.text[-(len(piece) + longest):] if longest else ""
-        if longest and any(s in window for s in p.stop):
+        window = self.text[max(0, len(self.text) - len(piece) - longest + 1):]   # a stop ending in `piece`
+        if any(s in window for s in p.stop):
             return "stop_sequence"
         return length
 
@@ -359,6 +368,9 @@ def _processed(logits: torch.Tensor, row: Row) -> tuple[torch.Tensor, torch.Tens
     if not p.tgi and row.constraint is not None:
         logits = row.constraint.mask(logits)
     scored = logits
+    if row.holds_eos:                  # vLLM's min_tokens, unless the EOS is all a grammar leaves (no sync)
+        held = logits.index_fill(0, row.eos, float("-inf"))
+        logits = torch.where(held.isfinite().any(), held, logits)
     if p.watermark:
         logits = _watermark(logits, row)
     if row.history is not None:

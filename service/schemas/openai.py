@@ -61,8 +61,10 @@ class OpenAIRequest(BaseModel):
     min_p: float | None = Field(None, ge=0, le=1, description="vLLM's: drop the tokens whose probability (after "
                                 "temperature) is under min_p times the most likely one's; 0: none; None: the "
                                 "model's generation_config value.")
-    min_tokens: int | None = Field(None, ge=0, description="vLLM's; not supported (0 only).")
-    ignore_eos: bool | None = Field(None, description="vLLM's; not supported (false only).")
+    min_tokens: int | None = Field(None, ge=0, description="vLLM's: no EOS and no stop string ends the choice "
+                                   "before this many tokens (EOS masked until then); at most max_tokens.")
+    ignore_eos: bool | None = Field(None, description="vLLM's: an EOS token does not end the choice (benchmarks' "
+                                    "fixed output lengths).")
     use_beam_search: bool | None = Field(None, description="vLLM's; not supported (false only).")
 
     @field_validator("stream_options")
@@ -84,8 +86,7 @@ class OpenAIRequest(BaseModel):
 
     def unsupported(self) -> dict[str, str]:
         """field -> why, for the fields set to something this server cannot do (400 naming the first)."""
-        return {f: "not supported by this server" for f in ("min_tokens", "ignore_eos", "use_beam_search")
-                if getattr(self, f)}
+        return {f: "not supported by this server" for f in ("use_beam_search",) if getattr(self, f)}
 
     def choices(self) -> int:
         return self.n or 1

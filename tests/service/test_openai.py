@@ -362,12 +362,42 @@ def test_temperature_zero_is_greedy_whatever_top_p_and_top_k_say(client) -> None
                                      extra_body={"repetition_penalty": 1.0}).choices[0].text == greedy
 
 
-@pytest.mark.parametrize(("param", "value"), [("min_tokens", 3), ("ignore_eos", True),
-                                              ("use_beam_search", True)])
-def test_vllms_extras_this_engine_lacks_are_refused_not_ignored(client, param, value) -> None:
+def test_vllms_beam_search_is_refused_not_ignored(client) -> None:
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=DEMO, prompt=PROMPT, max_tokens=2, extra_body={param: value})
-    assert e.value.body["param"] == param and e.value.body["code"] == "unsupported_parameter"
+        client.completions.create(model=DEMO, prompt=PROMPT, max_tokens=2, extra_body={"use_beam_search": True})
+    assert e.value.body["param"] == "use_beam_search" and e.value.body["code"] == "unsupported_parameter"
+
+
+def test_ignore_eos_generates_past_the_eos_as_vllms_benchmarks_ask(client) -> None:
+    """vLLM's ignore_eos (refused with a 400 before): the greedy answer ends at its EOS; with it the
+    choice goes on to max_tokens, its first tokens the same answer."""
+    plain = client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=30, temperature=0)
+    assert plain.choices[0].finish_reason == "stop" and plain.usage.completion_tokens < 30
+    long = client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=30, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    assert long.choices[0].finish_reason == "length" and long.usage.completion_tokens == 30
+    assert long.choices[0].message.content.startswith(plain.choices[0].message.content)
+
+
+def test_min_tokens_masks_the_eos_and_the_stops_until_reached(client) -> None:
+    """vLLM's min_tokens (refused before): no EOS and no stop string ends the choice before that
+    many tokens; the greedy tokens before it are the plain answer's; more than max_tokens is a 400."""
+    plain = client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=30, temperature=0)
+    n = plain.usage.completion_tokens
+    held = client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=30, temperature=0,
+                                          extra_body={"min_tokens": n + 4})
+    assert held.usage.completion_tokens >= n + 4
+    assert held.choices[0].message.content.startswith(plain.choices[0].message.content)
+    stopped = client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=30, temperature=0,
+                                             stop=["France"], extra_body={"min_tokens": n})
+    assert stopped.usage.completion_tokens >= n and "France" in stopped.choices[0].message.content
+    streamed = client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=30, temperature=0,
+                                              stop=["France"], extra_body={"min_tokens": n}, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == \
+        stopped.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=DEMO, prompt=PROMPT, max_tokens=2, extra_body={"min_tokens": 3})
+    assert e.value.body["param"] == "min_tokens", e.value.body
 
 
 def test_a_stream_that_fails_midway_ends_with_an_error_event(client, live, monkeypatch) -> None:
