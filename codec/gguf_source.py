@@ -1,13 +1,15 @@
-"""GGUF checkpoints (llama architecture) for the .wcodec encoder: tensors dequantized one at a
-time through the memory-mapped `gguf.GGUFReader`, config and tokenizer (chat template included)
-rebuilt through transformers' GGUF support.
+"""GGUF checkpoints (architectures llama and qwen2) for the .wcodec encoder: tensors dequantized
+one at a time through the memory-mapped `gguf.GGUFReader`, config and tokenizer (chat template
+included) rebuilt through transformers' GGUF support.
 
 Read me first -- the traps:
 - GGUF lists dimensions fastest-first (ggml `ne`), i.e. reversed relative to torch: a q_proj of
   torch shape [out, in] is stored with `tensor.shape == [in, out]`. `dequantize` already returns the
   torch (row-major) layout; `TensorInfo.shape` is `reversed(tensor.shape)`.
-- llama.cpp's converter permutes the rows of q and k (its rope pairs adjacent dims, HF pairs halves);
-  `_unpermute_rows` undoes it exactly as transformers' `LlamaTensorProcessor` does.
+- llama.cpp's converter permutes the rows of q and k of a llama file (its rope pairs adjacent dims,
+  HF pairs halves); `_unpermute_rows` undoes it exactly as transformers' `LlamaTensorProcessor`
+  does. A qwen2 file's rows are HF's (convert_hf_to_gguf.py's Qwen2Model permutes nothing):
+  GGUF_ARCHITECTURES says which architecture is which. Its q/k/v biases are F32 tensors, dense.
 - A GGUF without `output.weight` has a tied head: no `lm_head.weight` is listed and the generated
   config.json says `tie_word_embeddings: true`.
 - Kept blocks (`keep_blocks`): `load_blocks` hands over a quantized tensor's blocks with the q/k
@@ -33,7 +35,9 @@ from .errors import SourceError
 from .gguf_blocks import BLOCK_TYPES, Blocks, shape_fits
 from .checkpoint import CheckpointSource, TensorInfo
 
-GGUF_ARCHITECTURES = frozenset({"llama"})
+# The architectures served, each with whether llama.cpp permuted its q/k rows. Mistral's files say
+# "llama"; Qwen2's and Qwen2.5's "qwen2" (q/k/v biases). Not qwen3 (q/k norms): llama.py has none.
+GGUF_ARCHITECTURES = {"llama": True, "qwen2": False}
 GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 GGUF_BLOCK_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -55,11 +59,16 @@ GGUF_DERIVED = frozenset({ROPE_FREQS})
 # transformers' GGUF reader knows none of them and splits as GPT-2 alone: "a  1" became a|Ġ|Ġ|1
 # where the model was trained on a|ĠĠ|1, and "\n\n1." Ċ|Ċ|1 where it saw ĊĊ|1.
 GGUF_DIGIT_PRE = frozenset({"starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b"})
+# Pre-tokenizers of vocabularies whose own tokenizer NFC-normalizes text first (Qwen2's and
+# Qwen2.5's tokenizer.json, transformers' Qwen2Tokenizer); transformers' GGUF reader gives the split
+# but no normalizer: "cafe\u0301" became e|\u0301 where the model saw the one token "é".
+GGUF_NFC_PRE = frozenset({"qwen2"})
 GGUF_NAME_RE = re.compile(r"(?:blk\.(?P<layer>\d+)\.)?(?P<stem>\w+)\.(?P<suffix>weight|bias)")
 
 
 class GGUFSource(CheckpointSource):
-    """A llama-architecture GGUF file, dequantized per tensor and renamed to HF names."""
+    """A GGUF file of an architecture GGUF_ARCHITECTURES lists, dequantized per tensor and renamed
+    to HF names."""
 
     def __init__(self, path: Path, dtype: torch.dtype, keep_blocks: bool = False) -> None:
         super().__init__(path)
@@ -70,6 +79,7 @@ class GGUFSource(CheckpointSource):
         arch = self._field("general.architecture")
         if arch not in GGUF_ARCHITECTURES:
             raise self._error(f"unsupported GGUF architecture {arch!r} (supported: {sorted(GGUF_ARCHITECTURES)})")
+        self._permuted = GGUF_ARCHITECTURES[arch]
         self._n_head = int(self._field(f"{arch}.attention.head_count"))
         self._n_kv_head = int(self._field(f"{arch}.attention.head_count_kv", self._n_head))
         self._by_name: dict[str, gguf.ReaderTensor] = {}
@@ -183,7 +193,10 @@ class GGUFSource(CheckpointSource):
         return values.to(self._dtype).contiguous()
 
     def _rope_heads(self, name: str) -> int | None:
-        """Heads whose rows llama.cpp permuted: q uses n_head, k uses n_kv_head (as in transformers)."""
+        """Heads whose rows llama.cpp permuted: q uses n_head, k uses n_kv_head (as in transformers);
+        None for every tensor of an architecture it did not permute."""
+        if not self._permuted:
+            return None
         if ".self_attn.q_proj." in name:
             return self._n_head
         if ".self_attn.k_proj." in name:
@@ -224,7 +237,7 @@ def _gguf_side_files(path: Path, *, tied: bool, pre: str, rope: tuple | None = N
     tokenizer), 11 s for the demo's 49 152-token vocabulary on a 2-core CPU, and a process that
     converts one GGUF again (a second compress of it, the server's demo build beside one) reuses
     the result. The file's size, modification time and inode are part of the key, so a file
-    replaced in place is converted anew. `pre`: the file's `tokenizer.ggml.pre` (_split_as_llama_cpp);
+    replaced in place is converted anew. `pre`: the file's `tokenizer.ggml.pre` (_as_trained);
     `rope`: the llama3 scaling of the file's rope_freqs (sorted items), which transformers' loader
     does not read."""
     return dict(_side_files_of(*_file_key(path), tied, pre, rope))
@@ -256,7 +269,7 @@ def _side_files_of(path: Path, size: int, mtime_ns: int, inode: int, tied: bool,
     except (ValueError, OSError, KeyError) as exc:
         raise SourceError(path, f"transformers cannot build config/tokenizer ({exc})") from exc
     config.tie_word_embeddings = tied  # must match the tensors: no output.weight <=> tied head
-    _split_as_llama_cpp(tokenizer, pre)
+    _as_trained(tokenizer, pre)
     if rope:
         _set_rope(config, dict(rope))
     files = {
@@ -269,12 +282,15 @@ def _side_files_of(path: Path, size: int, mtime_ns: int, inode: int, tied: bool,
     return files
 
 
-def _split_as_llama_cpp(tokenizer: Any, pre: str) -> None:
-    """Number characters split off one by one before the byte-level split, where llama.cpp's
-    pre-tokenizer `pre` does so (GGUF_DIGIT_PRE) and transformers left GPT-2's split alone."""
-    from tokenizers import pre_tokenizers
+def _as_trained(tokenizer: Any, pre: str) -> None:
+    """Text split and normalized as the vocabulary of pre-tokenizer `pre` was trained on, where
+    transformers' reader does not: number characters split off one by one before the byte-level
+    split (GGUF_DIGIT_PRE, as llama.cpp does), NFC first (GGUF_NFC_PRE, as the model's own tokenizer)."""
+    from tokenizers import normalizers, pre_tokenizers
 
     backend = tokenizer.backend_tokenizer
     if pre in GGUF_DIGIT_PRE and isinstance(backend.pre_tokenizer, pre_tokenizers.ByteLevel):
         backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                                          backend.pre_tokenizer])
+    if pre in GGUF_NFC_PRE and backend.normalizer is None:
+        backend.normalizer = normalizers.NFC()

@@ -230,7 +230,7 @@ def _is_safetensors_layout(head: bytes, size: int) -> bool:
 
 def open_source(path: str | os.PathLike[str], *, gguf_dtype: torch.dtype = torch.bfloat16,
                 gguf_keep: bool = False) -> CheckpointSource:
-    """Open an HF folder, a `.safetensors` file or a llama `.gguf` file for streaming reads.
+    """Open an HF folder, a `.safetensors` file or a `.gguf` file (llama, qwen2) for streaming reads.
     A GGUF source loads every tensor dequantized to `gguf_dtype`; with gguf_keep it also hands
     over the blocks of the quantized types that codec gguf keeps (load_blocks)."""
     p = Path(path)
