@@ -82,7 +82,9 @@ def test_config_is_qwen2s(qwen2, tok, files) -> None:
     assert config["use_sliding_window"] is False and config["sliding_window"] is None
     assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == tuple(
         tok.token_to_id(t) for t in ("<|endoftext|>", "<|im_end|>", "<|endoftext|>"))
-    assert json.loads(files["generation_config.json"])["eos_token_id"] == tok.token_to_id("<|im_end|>")
+    # Qwen2.5-Instruct's generation_config.json; llama.cpp ends generation on both (its EOG texts)
+    eos = json.loads(files["generation_config.json"])["eos_token_id"]
+    assert eos == [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")]
     assert AutoConfig.for_model(**config).rope_parameters["rope_theta"] == SIZES["rope_theta"]
 
 

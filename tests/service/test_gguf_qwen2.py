@@ -61,6 +61,8 @@ async def test_a_qwen2_gguf_is_served_as_transformers_computes_it(serve, qwen2, 
     async with serve(store, weights=weights) as server:
         r = await server.client.post("/models/qwen/load")
         assert r.status_code == 200 and r.json()["weights"] == weights, r.text
+        assert server.registry.get("qwen").served.eos_ids == {tok.token_to_id("<|im_end|>"),
+                                                              tok.token_to_id("<|endoftext|>")}
         body = {"inputs": PROMPT, "parameters": {"max_new_tokens": NEW, "details": True, "decoder_input_details": True}}
         r = await server.client.post("/generate", json={**body, "model": "qwen"})
         assert r.status_code == 200, r.text
