@@ -12,6 +12,7 @@ import torch
 
 from codec.constants import CODEC_GGUF
 from codec.decode import Archive
+from service.model import llama, quantized
 from tests.tiny_gguf import qwen2_tokenizer, random_qwen2, reference_model, write_qwen2_gguf
 from wcodec import cli
 
@@ -61,8 +62,11 @@ async def test_a_qwen2_gguf_is_served_as_transformers_computes_it(serve, qwen2, 
     async with serve(store, weights=weights) as server:
         r = await server.client.post("/models/qwen/load")
         assert r.status_code == 200 and r.json()["weights"] == weights, r.text
-        assert server.registry.get("qwen").served.eos_ids == {tok.token_to_id("<|im_end|>"),
-                                                              tok.token_to_id("<|endoftext|>")}
+        served = server.registry.get("qwen").served
+        assert isinstance(served.model, llama.LlamaForCausalLM)                   # the native engine, not transformers'
+        assert served.eos_ids == {tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")}
+        kept = [m for m in served.model.modules() if isinstance(m, quantized.BlockLinear)]
+        assert len(kept) == (15 if weights == "compressed" else 0)                # 7 a layer and the head: blocks
         body = {"inputs": PROMPT, "parameters": {"max_new_tokens": NEW, "details": True, "decoder_input_details": True}}
         r = await server.client.post("/generate", json={**body, "model": "qwen"})
         assert r.status_code == 200, r.text
