@@ -3,7 +3,7 @@ decoded, gpt-fast style.
 
     build.py      ServedModel; prepare (config, tokenizer, skeleton) beside the decode, finish
                   (assign the weights), the start-up warm-up
-    llama.py      Llama-family models (llama, mistral, qwen2) in plain PyTorch; others use
+    llama.py      Llama-family models (llama, mistral, qwen2, qwen3) in plain PyTorch; others use
                   transformers' Auto classes
     kvcache.py    the KV caches llama.py's models write into
     tokenizer.py  fast tokenizers without transformers, chat templates (jinja2)

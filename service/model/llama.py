@@ -1,4 +1,4 @@
-"""Llama-family causal LMs (llama, mistral, qwen2) in plain PyTorch, gpt-fast style: the forward
+"""Llama-family causal LMs (llama, mistral, qwen2, qwen3) in plain PyTorch, gpt-fast style: the forward
 pass and nothing else. Serving such a model imports torch and this file, not transformers, whose
 model modules pull in torch._dynamo, sympy and scipy: seconds on the start-up's critical path.
 
@@ -14,7 +14,8 @@ model modules pull in torch._dynamo, sympy and scipy: seconds on the start-up's 
   exactly (another activation, a rope type other than default/linear/llama3, a sliding window
   on some layers only): such models are served by transformers' own classes (build.py). A
   window on every layer is `sliding_window` (`visible`), None where no sequence served
-  (WCODEC_MAX_TOTAL_TOKENS, the positions) outgrows it.
+  (WCODEC_MAX_TOTAL_TOKENS, the positions) outgrows it. Qwen3 is Llama with an RMSNorm over
+  each head's q and k (`q_norm`, `k_norm`) before rotary (`Attention.head_norms`).
 
     ids [B, S]   x [B, S, E]   q [B, H, S, D]   k, v [B, KV, T, D]   mask [B, 1, S, T] (True: attend)
 """
@@ -29,11 +30,14 @@ from torch import nn
 
 from .kvcache import KVCache
 
-MODEL_TYPES = ("llama", "mistral", "qwen2")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # transformers' class defaults, for a config.json that omits the field (transformers' AutoConfig reads it so)
 TYPE_DEFAULTS = {"llama": {"max_position_embeddings": 2048},
                  "mistral": {"max_position_embeddings": 131072, "sliding_window": 4096},
-                 "qwen2": {"max_position_embeddings": 32768, "sliding_window": 4096, "max_window_layers": 28}}
+                 "qwen2": {"max_position_embeddings": 32768, "sliding_window": 4096, "max_window_layers": 28},
+                 "qwen3": {"max_position_embeddings": 32768, "sliding_window": 4096, "max_window_layers": 28,
+                           "head_dim": 128, "num_key_value_heads": 32}}
+QK_NORM = ("qwen3",)                           # RMSNorm of each head's q and k (q_norm, k_norm) before rotary
 
 
 def _rope(d: dict) -> tuple[float, dict] | None:
@@ -49,11 +53,12 @@ INVALID_CONFIG = (ValueError, KeyError, TypeError, ArithmeticError)   # what Lla
 
 def sliding_window(d: dict) -> tuple[int | None, int]:
     """(the window, how many layers it windows) of config.json's `d` (TYPE_DEFAULTS applied), as
-    transformers applies it: Mistral every layer (`layer_types` ignored); Qwen2 with
+    transformers applies it: Mistral every layer (`layer_types` ignored); Qwen2 and Qwen3 with
     `use_sliding_window` the layers `layer_types` marks "sliding_attention", else those from
     `max_window_layers` on; Llama none."""
     kind, window = d.get("model_type"), d.get("sliding_window")
-    if window is None or kind not in ("mistral", "qwen2") or (kind == "qwen2" and not d.get("use_sliding_window")):
+    switched_on = kind == "mistral" or (kind in ("qwen2", "qwen3") and d.get("use_sliding_window"))
+    if window is None or not switched_on:
         return None, 0
     if not isinstance(window, int) or window < 1:
         raise ValueError(f"sliding_window must be a positive integer or null, not {window!r}")
@@ -87,6 +92,7 @@ class LlamaConfig:
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     sliding_window: int | None = None           # every layer's window, where one hides keys of a sequence served
+    qk_norm: bool = False                       # Attention's q_norm, k_norm (QK_NORM)
 
     @classmethod
     def parse(cls, d: dict, context: int | None = None) -> LlamaConfig | None:
@@ -112,7 +118,7 @@ class LlamaConfig:
                    d.get("rms_norm_eps", 1e-6), rope[0], rope[1], d["max_position_embeddings"],
                    bool(d.get("tie_word_embeddings", False)), bias or kind == "qwen2",
                    bias, bool(d.get("mlp_bias", False)), d.get("eos_token_id"), d.get("pad_token_id"),
-                   d.get("bos_token_id"), window)
+                   d.get("bos_token_id"), window, kind in QK_NORM)
 
 
 def native_config(d: dict | None, context: int | None = None) -> LlamaConfig | None:
@@ -226,6 +232,13 @@ class Attention(nn.Module):
         self.k_proj = Linear(e, kv, bias=c.qkv_bias, device=device)
         self.v_proj = Linear(e, kv, bias=c.qkv_bias, device=device)
         self.o_proj = Linear(q, e, bias=c.o_bias, device=device)
+        if c.qk_norm:                                                            # over each head's D
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, device)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, device)
+
+    def head_norms(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [..., H, D], k [..., KV, D] normed by q_norm, k_norm where the model has them (Qwen3)."""
+        return (self.q_norm(q), self.k_norm(k)) if hasattr(self, "q_norm") else (q, k)
 
     def forward(self, x: torch.Tensor, parts: list[Part]) -> torch.Tensor:
         """x [N, E]: the tokens of every part, one after another; the projections run on all of
@@ -240,8 +253,8 @@ class Attention(nn.Module):
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: Part) -> torch.Tensor:
         b, s = p.shape
-        q = q.view(b, s, -1, self.head_dim).transpose(1, 2)                      # [B, H, S, D]
-        k = k.view(b, s, -1, self.head_dim).transpose(1, 2)                      # [B, KV, S, D]
+        q, k = self.head_norms(q.view(b, s, -1, self.head_dim), k.view(b, s, -1, self.head_dim))
+        q, k = q.transpose(1, 2), k.transpose(1, 2)                              # [B, H, S, D], [B, KV, S, D]
         v = v.view(b, s, -1, self.head_dim).transpose(1, 2)
         half = self.head_dim // 2
         q, k = q * p.cos + q.roll(half, -1) * p.sin, k * p.cos + k.roll(half, -1) * p.sin   # p.sin: signed

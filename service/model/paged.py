@@ -14,7 +14,8 @@ Read me first.
   hooks fire as they do there), the maths of Layer.forward token for token (the same rotary
   products, RMSNorm, SDPA); `Fused` (CUDA) runs the small ops as Triton kernels
   (cuda_ext/step_triton.py: add + RMSNorm, rotary + cache write, paged decode attention,
-  SiLU * up), equal to those up to float32 summation order; the projections stay the modules'.
+  SiLU * up; Qwen3's q_norm and k_norm as the add + RMSNorm kernel over rows of head_dim, before the
+  fused rotary), equal to those up to float32 summation order; the projections stay the modules'.
   On the CPU `Fused` runs the extension's twins (cuda_ext/csrc/step_cpu.cpp: add + RMSNorm, rotary
   + cache write, the decode rows' gather and SDPA in one call each), equal to the modules' bit for bit.
 
@@ -125,6 +126,10 @@ class Modules:
     def projections(attn: llama.Attention, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return _joined(attn, "qkv", (attn.q_proj, attn.k_proj, attn.v_proj), x)
 
+    @staticmethod
+    def head_norms(attn: llama.Attention, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return attn.head_norms(q, k)                                               # Qwen3's q_norm, k_norm
+
     def mlp(self, mlp: llama.MLP, x: torch.Tensor) -> torch.Tensor:
         gate, up = _joined(mlp, "gate_up", (mlp.gate_proj, mlp.up_proj), x)
         return mlp.down_proj(self.silu_mul(gate, up))                             # MLP.forward's maths
@@ -154,6 +159,14 @@ class Fused(Modules):
             return self.k.add_rms_norm(x, h, norm.weight, norm.eps)
         total, out = self.k.add_rms_norm(x, h, norm.weight, norm.eps, rows, width)
         return total, fixedrate.PermutedX(out, *x.shape)
+
+    def head_norms(self, attn: llama.Attention, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Qwen3's q_norm, k_norm by the kernels' RMSNorm over rows of D (a token's head each), before
+        the fused rotary reads q and k: two launches a layer more (and q, k copied dense), not fused."""
+        if not hasattr(attn, "q_norm"):
+            return q, k
+        return tuple(self.k.add_rms_norm(x.reshape(-1, x.shape[-1]).contiguous(), None, norm.weight, norm.eps)[1]
+                     .view(x.shape) for x, norm in ((q, attn.q_norm), (k, attn.k_norm)))
 
     def mlp(self, mlp: llama.MLP, x) -> torch.Tensor:
         gate, up = _joined(mlp, "gate_up", (mlp.gate_proj, mlp.up_proj), x)
@@ -270,6 +283,7 @@ def attention(attn: llama.Attention, x: torch.Tensor, cos: torch.Tensor, sin: to
     before a row's window stay allocated (and are gathered by the modules' decode, masked)."""
     (k_cache, v_cache), n, d = kv, x.shape[0], attn.head_dim
     q, k, v = (t.view(n, -1, d) for t in ops.projections(attn, x))                 # [N, H, D], [N, KV, D]
+    q, k = ops.head_norms(attn, q, k)                                              # Qwen3: before rotary
     q = ops.rope_store(q, k, v, cos, sin, k_cache, v_cache, ctx.slots)             # sin: signed
     scale, outs = d ** -0.5, []
     if ctx.decode:

@@ -3,11 +3,13 @@ model of transformers' own config class, saved as an HF folder, compressed (`cod
 loaded through the server's path (build.prepare, the load pipeline, build.finish) and run as the
 engine runs it (the padded batcher's KV cache, service/engine/kv.py; llama.py's models also through
 the paged engine, batched rows and chunked prompts). fp32 on the CPU: logits within 1e-5, the same
-greedy tokens. llama.py serves llama, mistral and qwen2 (LlamaConfig.parse), sliding windows on
+greedy tokens. llama.py serves llama, mistral, qwen2 and qwen3 (LlamaConfig.parse), sliding windows on
 every layer (prompts of 40 tokens and the paged engine's 46: past windows of 8 and 16, in prefill
 and decode) and windows that never hide a key (as long as the positions, or on no layer); the
-others and Qwen2's windows on some layers go to transformers' classes, and must compute what
-transformers computes."""
+others and Qwen2's and Qwen3's windows on some layers go to transformers' classes, and must compute
+what transformers computes. Qwen3's per-head q_norm and k_norm are perturbed off their 1 init, as
+the other norms are, in models of head_dim 32 and 24 (not hidden / heads = 16, as Qwen3-0.6B's 128
+is not 1024 / 16)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -39,14 +41,18 @@ CASES = {
     "qwen2-window-on-no-layer": ("Qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=2)),
     "qwen2-window-past-the-positions": ("Qwen2", dict(use_sliding_window=True, sliding_window=300, max_window_layers=0)),
     "qwen2-window-on": ("Qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),
-    "qwen3": ("Qwen3", dict(head_dim=16)),
+    "qwen3-gqa-head-dim-32": ("Qwen3", dict(head_dim=32)),
+    "qwen3-tied-head-dim-24-bias": ("Qwen3", dict(head_dim=24, tie_word_embeddings=True, attention_bias=True)),
+    "qwen3-window-every-layer": ("Qwen3", dict(use_sliding_window=True, sliding_window=8, max_window_layers=0)),
+    "qwen3-window-on": ("Qwen3", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),
     "gemma": ("Gemma", dict(head_dim=16)),
     "gemma2": ("Gemma2", dict(head_dim=16, sliding_window=8)),
     "phi3": ("Phi3", dict(num_key_value_heads=4)),
 }
 NATIVE = {"llama-gqa-tied", "llama-head-dim-24-biases", "llama-linear-theta", "llama-llama3-long",
           "mistral-no-window", "qwen2-window-off-tied", "mistral-window-of-the-positions", "qwen2-window-on-no-layer",
-          "qwen2-window-past-the-positions", "mistral-window-8", "mistral-window-16", "qwen2-window-every-layer"}
+          "qwen2-window-past-the-positions", "mistral-window-8", "mistral-window-16", "qwen2-window-every-layer",
+          "qwen3-gqa-head-dim-32", "qwen3-tied-head-dim-24-bias", "qwen3-window-every-layer"}
 
 
 def served_pair(tmp_path: Path, kind: str, **config):

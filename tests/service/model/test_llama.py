@@ -234,12 +234,14 @@ def test_a_config_that_is_not_valid_fails_the_load_typed(change: dict) -> None:
                                    {"model_type": "qwen2", "use_sliding_window": True,
                                     "layer_types": ["sliding_attention"]},
                                    {"model_type": "mistral", "sliding_window": None},
-                                   {"model_type": "llama", "sliding_window": 16}])
+                                   {"model_type": "llama", "sliding_window": 16}, {"model_type": "qwen3"},
+                                   {"model_type": "qwen3", "use_sliding_window": True, "max_window_layers": 0}])
 def test_a_field_config_json_omits_is_read_as_transformers_reads_it(tmp_path: Path, extra: dict) -> None:
     """A config.json without `sliding_window` or `max_position_embeddings` (hand-written, or cut to
     what differs): transformers' class defaults apply (Mistral: a 4096-token window, 131072
     positions; Qwen2: 32768, a 4096 window once switched on, on the layers from max_window_layers
-    (28) on, so on none of 1 layer). llama.py served such a Mistral with full attention, as no
+    (28) on, so on none of 1 layer; Qwen3 as Qwen2, and a head_dim of 128 whatever hidden_size and
+    the heads are, Qwen3-0.6B's). llama.py served such a Mistral with full attention, as no
     window, and every type with 2048 positions."""
     from transformers import AutoConfig
     d = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
@@ -251,3 +253,4 @@ def test_a_field_config_json_omits_is_read_as_transformers_reads_it(tmp_path: Pa
         and "sliding_attention" in layers                                   # LlamaAttention reads no window
     assert ours.sliding_window == (theirs.sliding_window if windowed else None)
     assert ours.max_position_embeddings == theirs.max_position_embeddings
+    assert ours.head_dim == (getattr(theirs, "head_dim", None) or theirs.hidden_size // theirs.num_attention_heads)
