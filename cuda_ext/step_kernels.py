@@ -143,7 +143,7 @@ def _step_triton():
 
 
 def warm_up(device: torch.device, dtype: torch.dtype, hidden: int, intermediate: int, heads: int, kv_heads: int,
-            head_dim: int, block_size: int, permuted: bool = False) -> bool:
+            head_dim: int, block_size: int, permuted: bool = False, qk_norm: bool = False) -> bool:
     """Compile (or load from Triton's cache) every variant of the kernels a model's steps take, at
     toy sizes with the model's dimensions, so that no step waits for it: Triton specializes each
     integer argument that is 1 or a multiple of 16, so the block tables come in widths 1, 2, 16
@@ -151,8 +151,9 @@ def warm_up(device: torch.device, dtype: torch.dtype, hidden: int, intermediate:
     process this takes seconds even from Triton's disk cache (H100 box: the first token came
     2.9 s after ready when the first request paid it; the runner now runs it beside serving,
     service/engine/runner.py). `permuted`: also the variants that write x in the fused fixed-rate
-    linears' layouts (a model of FixedLinears: one m16 tile, and 3 to 8 n8 tiles). False where no
-    Triton kernels run."""
+    linears' layouts (a model of FixedLinears: one m16 tile, and 3 to 8 n8 tiles). `qk_norm`: also
+    RMSNorm over rows of head_dim (a Qwen3's q_norm and k_norm, service/model/paged.py). False where
+    no Triton kernels run."""
     kernels = triton_kernels(device)
     if kernels is None:
         return False
@@ -160,6 +161,8 @@ def warm_up(device: torch.device, dtype: torch.dtype, hidden: int, intermediate:
     x, w = make(2, hidden), make(hidden)
     kernels.add_rms_norm(x, None, w, 1e-5)
     kernels.add_rms_norm(x, x, w, 1e-5)
+    if qk_norm:
+        kernels.add_rms_norm(make(2 * heads, head_dim), None, make(head_dim), 1e-5)
     q, k, v = make(2, (heads + 2 * kv_heads) * head_dim).split([heads * head_dim, kv_heads * head_dim,
                                                                  kv_heads * head_dim], 1)
     k_cache, v_cache = make(16 * block_size, kv_heads, head_dim), make(16 * block_size, kv_heads, head_dim)

@@ -75,6 +75,6 @@ def scheduler(served: ServedModel, max_rows: int, max_tokens: int, s: CacheSetti
         runner.warm_later(fused, lambda: step_kernels.warm_up(served.device, cache_dtype(served), c.hidden_size,
                                                               c.intermediate_size, c.num_attention_heads,
                                                               c.num_key_value_heads, c.head_dim, s.block_size,
-                                                              permuted))
+                                                              permuted, c.qk_norm))
     return Scheduler(runner, blocks, max_rows=max_rows, max_tokens=max_tokens, on_token=on_token,
                      on_finish=on_finish, prefill_wait_s=s.prefill_wait_s)

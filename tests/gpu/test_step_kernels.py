@@ -4,8 +4,9 @@ residual sum exact and RMSNorm within one bf16 place (a float32 mean summed in a
 paged decode attention within bf16 rounding of a float32 softmax; fixed and fuzzed shapes (MHA
 and grouped KV heads, one key, keys across blocks and chunks, rows of other lengths), the same
 output for a row alone as in any batch, and GQA's grouped kernel within a place of the per-head
-one; then a whole paged
-forward of a Llama with both step kinds, a CUDA-graph replay of the Triton step, and short
+one; Qwen3's q_norm and k_norm as the Fused step runs them (add + RMSNorm over rows of head_dim)
+against the modules' RMSNorm; then a whole paged
+forward of a Llama (and a Qwen3) with both step kinds, a CUDA-graph replay of the Triton step, and short
 prompts' steps replaying the graphs of their rows."""
 from __future__ import annotations
 
@@ -45,6 +46,27 @@ def test_add_rms_norm_float32_weight() -> None:
     (_, a), (_, b) = triton_ops.add_rms_norm(x, None, w, 1e-5), ref.add_rms_norm_reference(x, None, w, 1e-5)
     assert a.dtype == b.dtype == torch.float32
     torch.testing.assert_close(a, b, rtol=8e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("n,h,kv,d", [(1, 16, 8, 128), (40, 32, 8, 128), (7, 9, 3, 64)])
+def test_qwen3_head_norms_are_the_modules_rms_norm(n, h, kv, d) -> None:
+    """paged.Fused.head_norms (Triton's add_rms_norm over [N*H, D]) on q and k as views of one
+    joined projection: the modules' q_norm / k_norm (llama.RMSNorm over each head) within one bf16
+    place, each norm's sum of squares in another order."""
+    from service.model import llama, paged
+    config = llama.LlamaConfig.parse({"model_type": "qwen3", "vocab_size": 8, "hidden_size": 64, "head_dim": d,
+                                      "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": h,
+                                      "num_key_value_heads": kv})
+    attn = llama.Attention(config, 0, "cuda").to(BF16)
+    g = torch.Generator(device="cuda").manual_seed(n * h)
+    with torch.no_grad():
+        attn.q_norm.weight.copy_(1 + 0.1 * torch.randn(d, device="cuda", generator=g))
+        attn.k_norm.weight.copy_(1 + 0.1 * torch.randn(d, device="cuda", generator=g))
+    qkv = torch.randn(n, (h + 2 * kv) * d, device="cuda", generator=g).to(BF16) * 3        # one projection's views
+    q, k, _ = (t.view(n, heads, d) for t, heads in zip(qkv.split([h * d, kv * d, kv * d], 1), (h, kv, kv)))
+    for got, want in zip(paged.Fused(triton_ops).head_norms(attn, q, k), paged.MODULES.head_norms(attn, q, k)):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        assert ulps(got, want).max() <= 1.0 and (got != want).float().mean() < 0.02
 
 
 def rotary(n: int, d: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,13 +223,15 @@ def small_llama(seed: int, **extra):
     return m
 
 
-@pytest.mark.parametrize("extra", [{}, {"model_type": "mistral", "sliding_window": 16}], ids=["llama", "window-16"])
+@pytest.mark.parametrize("extra", [{}, {"model_type": "mistral", "sliding_window": 16},
+                                   {"model_type": "qwen3", "head_dim": 128}], ids=["llama", "window-16", "qwen3"])
 @torch.inference_mode()
 def test_the_triton_step_equals_the_modules_step(extra) -> None:
     """A small Llama's paged forward (prompt chunks, then decode rows replayed as a CUDA graph)
     with Triton's kernels and with the modules: logits within four bf16 places of the largest,
     greedy picks equal or tied to a place. With a window of 16 (a Mistral), the prompts of 25
-    to 27 tokens and their decode rows see past it."""
+    to 27 tokens and their decode rows see past it; a Qwen3 of head_dim 128 (not 512 / 8) normalises
+    each head's q and k before rotary (its q_norm and k_norm are the norms small_llama perturbs)."""
     from service.engine.runner import Chunk, Decode, Runner
     from service.model import paged
     m = small_llama(seed=0, **extra)
@@ -311,4 +335,17 @@ def test_warm_up_compiles_the_variants_a_step_takes() -> None:
     for lengths in ([40, 17, 1], [300, 17, 1], [256], [1]):           # widths 3, 19, 16, 1: one chunk, several
         q, kc, vc, tables, lens = paged_case(len(lengths), 9, 3, 64, lengths, 16, 5)
         triton_ops.decode_attention(q, kc, vc, tables, lens, 16, 0.125)
+    assert variants() == before
+
+
+def test_warm_up_compiles_a_qwen3s_head_norms() -> None:
+    """With `qk_norm` (a Qwen3's config), warm_up also compiles add + RMSNorm over rows of
+    head_dim: the q_norm and k_norm of a step's tokens then compile nothing new."""
+    from cuda_ext import step_triton
+    variants = lambda: sum(len(entry[0]) for entry in step_triton._add_rms_norm_kernel.device_caches.values())
+    assert ref.warm_up(torch.device("cuda"), BF16, 576, 1536, 9, 3, 128, 16, qk_norm=True)
+    before = variants()
+    for rows in (1 * 9, 7 * 3, 40 * 9):                                 # a step's tokens times query or KV heads
+        triton_ops.add_rms_norm(torch.randn(rows, 128, device="cuda").to(BF16), None,
+                                torch.ones(128, device="cuda", dtype=BF16), 1e-6)
     assert variants() == before

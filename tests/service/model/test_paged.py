@@ -56,6 +56,24 @@ def test_the_fused_step_over_joined_weights_equals_the_modules_step(extra) -> No
     assert torch.equal(torch.cat(steps(m, None)), torch.cat(want))              # the modules still compute alone
 
 
+@pytest.mark.parametrize("kernels", ["references", "cpu-step"])
+def test_the_fused_steps_head_norms_are_the_modules_bit_for_bit(kernels) -> None:
+    """A Qwen3's q_norm and k_norm as the Fused step runs them (the kernel set's add_rms_norm over
+    [N*H, D]) on q and k as views of one joined projection: the modules' RMSNorm over each head,
+    bit for bit on the CPU (the C++ twin sums each row of D as ATen does)."""
+    fused = REFERENCES if kernels == "references" else step_kernels.cpu_kernels(torch.device("cpu"))
+    if fused is None:
+        pytest.skip("the extension's CPU step ops are not built")
+    m, n = model(model_type="qwen3", head_dim=64), 7
+    attn, h, kv = m.model.layers[0].self_attn, 4, 2
+    qkv = 3 * torch.randn(n, (h + 2 * kv) * 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    q, k, _ = (t.view(n, heads, 64) for t, heads in zip(qkv.split([h * 64, kv * 64, kv * 64], 1), (h, kv, kv)))
+    with torch.inference_mode():
+        got, want = paged.Fused(fused).head_norms(attn, q, k), paged.MODULES.head_norms(attn, q, k)
+    assert all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(got, want))
+    assert not torch.equal(want[0], q) and not torch.equal(want[1], k)                  # normed
+
+
 def test_joining_holds_no_byte_twice_and_happens_once() -> None:
     m = model()
     storages = lambda: {p.untyped_storage().data_ptr() for p in m.parameters()} | \
