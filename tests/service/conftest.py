@@ -91,27 +91,31 @@ def _tiny_tokenizer(folder: Path):
     return fast
 
 
-def _tiny_state(folder: Path, tied: bool, dtype: str = "bfloat16") -> tuple[dict, dict[str, bytes]]:
-    """A random 2-layer Llama's tensors (seed 0) and its embedded files (config and tokenizer)."""
+def _tiny_state(folder: Path, tied: bool, dtype: str = "bfloat16", kind: str = "Llama",
+                **extra) -> tuple[dict, dict[str, bytes]]:
+    """A random 2-layer Llama's (or another `kind` of transformers', `extra` in its config) tensors
+    (seed 0) and its embedded files (config and tokenizer)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
     tok = _tiny_tokenizer(folder)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         tie_word_embeddings=tied, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    config = getattr(transformers, f"{kind}Config")(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=tied, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id, **extra)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(getattr(torch, dtype))
+    model = getattr(transformers, f"{kind}ForCausalLM")(config).to(getattr(torch, dtype))
     state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight" or not tied}
     files = {p.name: p.read_bytes() for p in folder.iterdir()} | {"config.json": config.to_json_string().encode()}
     return state, files
 
 
-def _tiny_llama(folder: Path, tied: bool, dtype: str = "bfloat16", generation: dict | None = None) -> Path:
+def _tiny_llama(folder: Path, tied: bool, dtype: str = "bfloat16", generation: dict | None = None,
+                kind: str = "Llama", **extra) -> Path:
     """`generation`: the archive's generation_config.json (none without)."""
     from codec.encode import compress_state_dict
 
-    state, files = _tiny_state(folder, tied, dtype)
+    state, files = _tiny_state(folder, tied, dtype, kind, **extra)
     if generation is not None:
         files["generation_config.json"] = json.dumps(generation).encode()
     path = folder / "tiny.wcodec"
@@ -198,6 +202,13 @@ def tiny_archive(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def untied_tiny_archive(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """tiny_archive with a head of its own (as Llama-2 and -3 have)."""
     return _tiny_llama(tmp_path_factory.mktemp("untied"), tied=False)
+
+
+@pytest.fixture(scope="session")
+def qwen3_tiny_archive(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny_archive as a Qwen3 (each layer's q_norm and k_norm, head_dim 32: not 64 / 4), tied as
+    Qwen3-0.6B to 4B are."""
+    return _tiny_llama(tmp_path_factory.mktemp("qwen3"), tied=True, kind="Qwen3", head_dim=32)
 
 
 @pytest.fixture(scope="session")

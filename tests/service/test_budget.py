@@ -1,7 +1,8 @@
 """The memory budget charges a load its whole need before it starts (registry.py, Loader.estimate_bytes):
 every buffer the load makes, the CPU compute setting's included (linear16's packed copy of a tied
 head, the mixed matmul's float32 scratch, the float32 cast), so that a budget one byte short
-refuses the load with nothing read, and the load's own figure is checked against the charge."""
+refuses the load with nothing read, and the load's own figure is checked against the charge. Every
+archive here is served by llama.py (a Qwen3's q_norm and k_norm are 1-D, held decoded in both modes)."""
 from __future__ import annotations
 
 import logging
@@ -10,6 +11,7 @@ import os
 import pytest
 from service_helpers import DEMO, FileReads
 
+from service.model import llama
 from service.registry import ModelState
 
 pytestmark = pytest.mark.anyio
@@ -24,6 +26,8 @@ CASES = [
     ("tiny", "decoded", "auto", "0"), ("tiny", "compressed", "auto", "0"),
     ("untied", "compressed", "float32", "0"), ("fp16", "decoded", "auto", "1"),
     ("fp8", "decoded", "auto", "0"), ("fp8", "compressed", "float32", "1"),     # held dequantized (fp8.py)
+    ("qwen3", "decoded", "auto", "1"), ("qwen3", "compressed", "auto", "1"),      # q_norm, k_norm: 1-D, decoded
+    ("qwen3", "decoded", "auto", "0"), ("qwen3", "compressed", "float32", "0"),
 ]
 
 
@@ -33,7 +37,7 @@ def one_model(tmp_path, request):
     def make(which: str):
         archive = request.getfixturevalue("fp8_archives")("fp8")[0] if which == "fp8" else request.getfixturevalue(
             {"demo": "demo_archive", "tiny": "tiny_archive", "untied": "untied_tiny_archive",
-             "fp16": "fp16_tiny_archive"}[which])
+             "fp16": "fp16_tiny_archive", "qwen3": "qwen3_tiny_archive"}[which])
         root = tmp_path / "store"
         root.mkdir()
         name = DEMO if which == "demo" else which
@@ -84,6 +88,7 @@ async def test_a_budget_one_byte_short_refuses_the_load_before_reading_it(
         assert server.registry.used_bytes() == need == await server.metric(
             "wcodec_model_weight_bytes", model=name, weights=r.json()["weights"])
         assert loads == [name]
+        assert isinstance(server.registry.get(name).served.model, llama.LlamaForCausalLM)    # linear_weights' estimate
 
 
 async def test_a_load_over_its_estimate_is_logged_and_kept_where_the_budget_holds_it(

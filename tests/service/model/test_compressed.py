@@ -11,7 +11,7 @@ from service_helpers import DEMO, generate_body
 
 from codec.constants import SEGMENT_STEPS
 from service.load import pipeline
-from service.model import build
+from service.model import build, llama, paged
 from service.model import compressed
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about rivers.", "2 + 2 =",
@@ -113,6 +113,30 @@ def test_a_forward_that_raises_fails_that_step_alone(dense_demo_archive, device)
         greedy(model, enc, steps=1)
     got, _ = greedy(model, enc, steps=4)
     assert torch.equal(got, want)
+
+
+def test_a_qwen3_compressed_gives_decoded_modes_tokens_and_logits(qwen3_tiny_archive) -> None:
+    """A tiny Qwen3 served by llama.py in compressed mode: its 7 matrices a layer kept compressed,
+    q_norm and k_norm (1-D) decoded as the other norms; the same greedy tokens and bit-identical
+    logits as decoded mode, in the padded forward and in the paged engine's step (a prompt's
+    chunk, then decode rows)."""
+    from service.engine.runner import Chunk, Decode, Runner
+    decoded, packed = served(qwen3_tiny_archive, False), served(qwen3_tiny_archive, True)
+    assert isinstance(packed.model, llama.LlamaForCausalLM) and packed.model.config.qk_norm
+    assert packed.weights == "compressed" and len(packed.schedule.units) == 7 * 2
+    assert not any("norm" in e.name for c in packed.schedule.layers for e in c.float_entries)
+    assert_same_greedy(decoded, packed, batch=2, steps=8, prompts=PROMPTS[:2])
+    runs = []
+    for model in (decoded, packed):
+        prompt, table = encode(model, PROMPTS[:1])[0], [0, 1, 2]
+        cache = paged.PagedCache(model.model.config, 4, 16, model.dtype, torch.device("cpu"))
+        runner, logits = Runner(model.model, cache, 4, 4, False, None), []
+        with torch.inference_mode():
+            logits.append(runner.run([], [Chunk(prompt, 0, table)])[0])
+            for i in range(6):
+                logits.append(runner.run([Decode(int(logits[-1].argmax()), len(prompt) + i, table)], [])[0])
+        runs.append(torch.stack(logits))
+    assert torch.equal(*runs)
 
 
 def test_piece_size_per_module(both_modes, dense_demo_archive, monkeypatch) -> None:

@@ -40,7 +40,7 @@ def steps(m: llama.LlamaForCausalLM, fused) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("extra", [{}, {"model_type": "qwen2"}, {"model_type": "mistral", "sliding_window": 8},
                                    {"model_type": "qwen3", "head_dim": 64}],  # q_norm, k_norm; not 128 / 4 wide
-                         ids=["llama", "qwen2-bias", "mistral-window-8", "qwen3-head-dim-64"])   # 30 keys: past the window
+                         ids=["llama", "qwen2-bias", "mistral-window-8", "qwen3-head-dim-64"])   # 30 keys: past windows
 def test_the_fused_step_over_joined_weights_equals_the_modules_step(extra) -> None:
     m = model(**extra)
     want = steps(m, None)
