@@ -4,6 +4,7 @@ page-locked memory without the ring, and a load, a generate and an unload leave 
 where it started. Skipped without a GPU."""
 from __future__ import annotations
 
+import asyncio
 import gc
 import os
 import time
@@ -212,6 +213,35 @@ async def test_the_idle_engine_captures_a_graph_of_every_step_shape(serve, tmp_p
         assert (await server.client.post("/models/tiny/unload")).json()["state"] == "available"
         for name in ("wcodec_engine_cuda_graphs", "wcodec_engine_cuda_graph_shapes"):
             assert await server.metric(name, model="tiny") == 0
+
+
+@pytest.mark.anyio
+async def test_two_models_capture_and_serve_side_by_side(serve, tmp_path: Path, tiny_archive: Path,
+                                                         untied_tiny_archive: Path, caplog) -> None:
+    """Two models on one GPU: each engine captures its step shapes on its own stream while the
+    other serves (they shared torch.cuda.graph's one default stream: a capture began on a stream
+    already capturing, one model's request failed and the other's graphs were dropped). Every
+    answer is 200 and each model's is the one it gives alone; both capture every shape."""
+    import anyio
+    (tmp_path / "store").mkdir()
+    os.link(tiny_archive, tmp_path / "store" / "a.wcodec")
+    os.link(untied_tiny_archive, tmp_path / "store" / "b.wcodec")
+    body = {"inputs": TINY_PROMPT, "parameters": {"max_new_tokens": 12, "details": True}}
+    async with serve(tmp_path / "store") as server:
+        alone = {}
+        for name in ("a", "b"):
+            assert (await server.client.post(f"/models/{name}/load")).status_code == 200
+            alone[name] = (await server.client.post("/generate", json={**body, "model": name})).json()
+        for _ in range(6):                       # while both capture their shapes, idle between requests
+            rs = await asyncio.gather(*(server.client.post("/generate", json={**body, "model": n}) for n in "abab"))
+            assert [r.status_code for r in rs] == [200] * 4, [r.text for r in rs]
+            assert all(same_answer(r.json(), alone[n]) for r, n in zip(rs, "abab"))
+        with anyio.fail_after(120):
+            for name in ("a", "b"):
+                shapes = await server.metric("wcodec_engine_cuda_graph_shapes", model=name)
+                while await server.metric("wcodec_engine_cuda_graphs", model=name) < shapes:
+                    await anyio.sleep(0.2)
+        assert not [r for r in caplog.records if "capturing a decode step failed" in r.getMessage()]
 
 
 @pytest.mark.anyio
