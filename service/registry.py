@@ -2,18 +2,19 @@
 
     available --load--> loading --ok--> ready --unload--> unloading --ok--> available
                            \\--error--> failed <--------------------/ engine.close failed
-    failed --load--> loading;  ready --load, its archive changed--> unloading --> loading (a reload)
+    failed --load--> loading;  ready --load, its archive changed--> ready (a reload: reload.py)
 
-* One job per model at a time (`entry.job`): concurrent loads of a model share it; an unload
-  waits for a load in progress (from the moment it is budgeted: `loading`, phase "making room",
-  while the idle models it evicts unload), then for the model's in-flight requests (leases),
-  then frees. A model `loading` or later holds its entry: a refresh never drops it.
+* One job per model at a time (`entry.job`: a load, a reload, an unload): concurrent loads of a
+  model share it; an unload waits for a load or reload in progress (from the moment it is
+  budgeted: `loading`, phase "making room", while the idle models it evicts unload), then for
+  the model's in-flight requests (leases, a replaced version's too), then frees. A model
+  `loading` or later holds its entry: a refresh never drops it.
 * Memory budget: budget.py (which idle models a load evicts; the load's charge checked against
   its estimate). A load's evictions are waited for with the lock held (the next load budgets
   after them); unloads take no lock.
 * A load that fails anywhere, its engine's start (the KV cache) included, fails that load alone:
   the model ends `failed` with its error (507 for out of memory, else 500), and what the load had
-  made is freed before the error is answered.
+  made is freed before the error is answered; a reload's leaves the loaded version `ready`.
 The load itself (early loads, the host cache, the decode, the model's build) is service/load/'s
 (`Loader`), run in a worker thread; this file only moves states. Every method runs on the event
 loop."""
@@ -21,8 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
+from collections.abc import Callable, Coroutine
 
 import torch
 
@@ -38,6 +41,8 @@ from .load.early_load import EarlyLoad
 from .load.job import Loaded, Loader, Progress
 from .load.store import ModelFile, ModelStore, check_name
 from .metrics import Metrics
+from .model.build import ServedModel
+from .reload import Reloads
 from .settings import Settings
 from .timeline import Timeline
 
@@ -49,7 +54,7 @@ def _retrieve(task: asyncio.Task) -> None:
         task.exception()           # a job nobody awaited (load ?wait=false) must not warn
 
 
-class ModelRegistry:
+class ModelRegistry(Reloads):
     def __init__(self, settings: Settings, metrics: Metrics, *, timeline: Timeline | None = None,
                  early: dict[str, EarlyLoad] | None = None):
         self.settings, self.metrics = settings, metrics
@@ -137,8 +142,10 @@ class ModelRegistry:
         self.metrics.set_state(entry.name, state.value)
 
     def charged_bytes(self, exclude: ModelEntry | None = None) -> int:
-        """The weight bytes the budget charges the models that hold memory (but `exclude`)."""
-        return sum(e.weight_bytes for e in self._entries.values() if e.state in HOLDS_MEMORY and e is not exclude)
+        """The weight bytes the budget charges the models that hold memory (but `exclude`), a
+        reload's other version included (reload.py)."""
+        return sum(e.weight_bytes + e.overlap_bytes for e in self._entries.values()
+                   if e.state in HOLDS_MEMORY and e is not exclude)
 
     def used_bytes(self, exclude: ModelEntry | None = None) -> int:
         held = self.charged_bytes(exclude)
@@ -149,10 +156,10 @@ class ModelRegistry:
     # --- load -----------------------------------------------------------------------------------
 
     async def load(self, name: str, wait: bool = True, weights: str | None = None) -> ModelEntry:
-        """Load a model (shared with a load in progress). `weights`: "decoded" or "compressed"
-        (default: the settings'); a ready model is returned as it is, held as it is, unless its
-        archive changed since (`_begin_reload`). A load of a model being unloaded waits for the
-        unload outside the lock, so other models' loads go on."""
+        """Load a model (shared with a load or reload in progress). `weights`: "decoded" or
+        "compressed" (default: the settings'); a ready model is returned as it is, held as it is,
+        unless its archive changed since: then it reloads (reload.py), serving meanwhile. A load of
+        a model being unloaded waits for the unload outside the lock, so other models' loads go on."""
         while True:
             entry = self.get(name)                 # the tracked entry (a refresh may have dropped one)
             while entry.busy and entry.state is ModelState.UNLOADING:
@@ -161,13 +168,10 @@ class ModelRegistry:
             async with self._lock:
                 if self.get(name) is not entry or entry.busy and entry.state is ModelState.UNLOADING:
                     continue                       # dropped, or an unload began meanwhile; else its file as now
-                if entry.state is ModelState.READY:
-                    if self._begin_reload(entry, weights):
-                        weights = weights or entry.weights     # the new version held as the old one
-                        continue
+                if entry.state is ModelState.READY and not entry.busy and not await self._start_reload(entry, weights):
                     entry.last_used = time.monotonic()
-                    return entry
-                if entry.state is not ModelState.LOADING:
+                    return entry                   # unchanged
+                if entry.state not in (ModelState.LOADING, ModelState.READY):
                     await self._start_load(entry, weights)
             break
         if wait:
@@ -182,70 +186,67 @@ class ModelRegistry:
             entry.weight_bytes = self.loader.estimate_bytes(entry.file.path, entry.weights)
         except CodecError as e:
             raise self._failed(entry, LoadFailed(f"cannot load {entry.name!r}: {e}"), "failed") from None
-        victims = self._evict_for(entry, entry.weight_bytes)
-        for other in victims:                       # all UNLOADING before the first await: none
-            log.info("unloading idle model %s to make room for %s", other.name, entry.name)
-            self._begin_unload(other)               # takes a new request meanwhile (503 instead)
+        victims = self._evict_for(entry, entry.weight_bytes, self.used_bytes(entry))
         phase = "making room" if victims else "queued"
         entry.progress = Progress(phase, 0, entry.file.decoded_bytes)
         self._set_state(entry, ModelState.LOADING, phase)
+        await self._spawn(entry, victims, functools.partial(self._load_job, entry), "load")
+
+    async def _spawn(self, entry: ModelEntry, victims: list[ModelEntry],
+                     job: Callable[[asyncio.Future], Coroutine], what: str) -> None:
+        """Start `entry`'s job once the idle `victims` are unloaded (lock held: the next load budgets
+        after them); every victim is UNLOADING before the first await (a new request gets 503)."""
+        for other in victims:
+            log.info("unloading idle model %s to make room for %s", other.name, entry.name)
+            self._begin_unload(other)
         evicted = asyncio.gather(*(asyncio.shield(v.job) for v in victims), return_exceptions=True)
-        entry.job = asyncio.create_task(self._load_job(entry, evicted), name=f"load {entry.name}")
+        entry.job = asyncio.create_task(job(evicted), name=f"{what} {entry.name}")
         entry.job.add_done_callback(_retrieve)
         await asyncio.shield(evicted)               # a victim whose engine failed to close is freed too
 
-    def _evict_for(self, entry: ModelEntry, need: int) -> list[ModelEntry]:
-        """The idle ready models (not `entry`) to unload for `need` bytes; 507 if they cannot make room."""
+    def _evict_for(self, entry: ModelEntry, need: int, used: int) -> list[ModelEntry]:
+        """The idle ready models (not `entry`; none reloading or draining a replaced version) to
+        unload for `need` bytes beside `used`; 507 if they cannot make room."""
         idle = [e for e in self._entries.values() if e.state is ModelState.READY and e.in_flight == 0
-                and e is not entry]
+                and not e.busy and not e.retiring and e is not entry]
         try:
-            return evictions(entry.name, need, self.used_bytes(entry), self.settings.gpu_memory_budget, idle)
+            return evictions(entry.name, need, used, self.settings.gpu_memory_budget, idle)
         except InsufficientMemory:
             self.metrics.loads.labels(entry.name, "rejected").inc()
             raise
 
-    def _begin_reload(self, entry: ModelEntry, weights: str | None) -> bool:
-        """A ready model whose archive changed (another inode, size or mtime): unload it, so that the
-        load loads the new one (README: unavailable meanwhile). True: the unload began. First the new
-        header is read and budgeted, so that a reload refused there keeps the loaded version."""
-        f = self.store.find(entry.name)
-        if f is None or f.version == entry.file.version:
-            return False                            # unchanged, or deleted: the loaded version stays
-        try:
-            need, error = self.loader.estimate_bytes(f.path, weights or entry.weights), f.error
-        except CodecError as e:
-            need, error = 0, str(e)
-        if error:                                   # the store could not read its header either
-            raise LoadFailed(f"cannot reload {entry.name!r} (the loaded version stays): {error}")
-        self._evict_for(entry, need)                # 507 here: the loaded version stays
-        log.info("reloading %s: its archive changed", entry.name)
-        self._begin_unload(entry)
-        return True
-
     async def _load_job(self, entry: ModelEntry, evicted: asyncio.Future) -> None:
+        await evicted
+        entry.progress.phase = "queued"
+        try:
+            loaded, engine = await self._make(entry.name, entry.file.path, entry.weights, entry.progress,
+                                              entry.weight_bytes, functools.partial(self.charged_bytes, entry))
+        except failure.Failed as failed:
+            await asyncio.to_thread(self.loader.unloaded, entry.name)     # memory back before the answer
+            raise self._failed(entry, failed.error, failed.result) from None
+        self._ready(entry, loaded, engine)
+
+    async def _make(self, name: str, path, weights: str, progress: Progress, estimate: int,
+                    others: Callable[[], int]) -> tuple[Loaded, Engine]:
+        """Load a version and start its engine, its charge checked against `estimate` beside the
+        `others()` bytes charged once it is loaded. A failure anywhere, the engine's start (the KV
+        cache) included, releases what it had made and raises failure.Failed with the typed error."""
         loaded = None
         try:
-            await evicted
-            entry.progress.phase = "queued"
-            loaded = await asyncio.to_thread(self.loader.load, entry.name, entry.file.path, entry.weights,
-                                             entry.progress)
-            self.timeline.mark(f"load {entry.name}: back on the event loop")
-            check_charge(entry.name, entry.weight_bytes, loaded.served.weight_bytes, self.charged_bytes(entry),
-                         self.settings.gpu_memory_budget)
+            loaded = await asyncio.to_thread(self.loader.load, name, path, weights, progress)
+            self.timeline.mark(f"load {name}: back on the event loop")
+            check_charge(name, estimate, loaded.served.weight_bytes, others(), self.settings.gpu_memory_budget)
             engine = await asyncio.to_thread(Engine, loaded.served, self.metrics, limits(self.settings),
                                              self.timeline)    # its KV cache and joins: off the loop
             engine.start()                                    # its own thread captures the graphs
+            return loaded, engine
         except Exception as e:
-            error, result = failure.load_error(entry.name, e)
+            failed = failure.Failed(*failure.load_error(name, e))
             failure.forget_frames(e)               # their locals hold what the load had decoded
-        else:
-            self._ready(entry, loaded, engine)
-            return
         if loaded is not None:                     # built, then refused (its charge) or its engine did not start
             loaded.served.release()
         del loaded
-        await asyncio.to_thread(self.loader.unloaded, entry.name)     # memory back before the answer
-        raise self._failed(entry, error, result)
+        raise failed
 
     def _ready(self, entry: ModelEntry, loaded: Loaded, engine: Engine) -> None:
         entry.served, entry.stats, entry.reserved_bytes = loaded.served, loaded.stats, loaded.reserved_bytes
@@ -289,20 +290,13 @@ class ModelRegistry:
 
     async def _unload_job(self, entry: ModelEntry) -> None:
         """Frees the weights whether or not the engine closes; one that fails to close leaves the
-        model `failed` with the error (500 unload_failed), charged nothing: its weights are gone."""
+        model `failed` with the error (500 unload_failed), charged nothing: its weights are gone.
+        A version a reload replaced is waited for too: the answer comes once all is freed."""
         await entry.idle.wait()                    # in-flight requests finish first
         engine, served, entry.engine, entry.served = entry.engine, entry.served, None, None
-        error = None
-        try:
-            if engine is not None:
-                await asyncio.to_thread(engine.close)
-        except Exception as e:
-            log.exception("closing the engine of %s failed", entry.name)
-            error = UnloadFailed(f"unloading {entry.name!r}: its engine failed to close: {type(e).__name__}: {e}")
-            failure.forget_frames(e)               # their locals hold the engine and its cache
-        if served is not None:                     # a request still unwinding may hold `served`
-            served.release()
+        error = await self._close(entry.name, engine, served)
         del engine, served
+        await asyncio.gather(*entry.retiring, return_exceptions=True)
         await asyncio.to_thread(self.loader.unloaded, entry.name)
         entry.progress = Progress()
         if error is not None:
@@ -310,6 +304,21 @@ class ModelRegistry:
             self._set_state(entry, ModelState.FAILED)
             raise error
         self._set_state(entry, ModelState.AVAILABLE)
+
+    async def _close(self, name: str, engine: Engine | None, served: ServedModel | None,
+                     untrack: bool = True) -> UnloadFailed | None:
+        """Close a version's engine, then release its weights whether or not it closed."""
+        error = None
+        try:
+            if engine is not None:
+                await asyncio.to_thread(engine.close, untrack)
+        except Exception as e:
+            log.exception("closing the engine of %s failed", name)
+            error = UnloadFailed(f"unloading {name!r}: its engine failed to close: {type(e).__name__}: {e}")
+            failure.forget_frames(e)               # their locals hold the engine and its cache
+        if served is not None:                     # a request still unwinding may hold `served`
+            served.release()
+        return error
 
     # --- start-up and shutdown ------------------------------------------------------------------
 
@@ -357,6 +366,7 @@ class ModelRegistry:
             while entry.busy:
                 with contextlib.suppress(Exception):
                     await asyncio.shield(entry.job)
+            await asyncio.gather(*entry.retiring, return_exceptions=True)
             if entry.engine is not None:
                 await asyncio.to_thread(entry.engine.close)
             entry.engine = entry.served = None

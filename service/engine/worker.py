@@ -154,9 +154,10 @@ class Engine:
         """Count a request refused with 429 before it was queued (the queue full, no grammar slot)."""
         self.metrics.requests.labels(self.served.name, "overloaded").inc()
 
-    def close(self) -> None:
+    def close(self, untrack: bool = True) -> None:
         """No new requests; those still waiting fail with 503; the running ones finish; then the
-        worker stops."""
+        worker stops. `untrack=False`: the model's cache metrics are left alone (a version a reload
+        replaced closes while the new version's engine reports under the same name)."""
         with self._lock:
             self._closed = True
         self._wake.set()
@@ -164,7 +165,8 @@ class Engine:
         runner = self._runner
         if runner is not None:
             runner.close()
-            self.metrics.untrack_cache(self.served.name)
+            if untrack:
+                self.metrics.untrack_cache(self.served.name)
 
     def _run(self) -> None:
         while True:

@@ -1,6 +1,6 @@
-"""A load that failed: its typed error (`load_error`) and what it must not keep alive
-(`forget_frames`). The registry ends the model `failed` with that error and frees what the load
-had made before the error is answered."""
+"""A load that failed: its typed error (`load_error`, carried by `Failed`) and what it must not
+keep alive (`forget_frames`). The registry ends the model `failed` with that error (a reload's:
+the loaded version serves on) and frees what the load had made before the error is answered."""
 from __future__ import annotations
 
 import logging
@@ -37,3 +37,12 @@ def forget_frames(error: BaseException | None) -> None:
     while error is not None:
         traceback.clear_frames(error.__traceback__)
         error = error.__context__
+
+
+class Failed(Exception):
+    """A load that failed, what it had made already freed: its typed error and its
+    wcodec_model_loads_total result (`load_error`), for the registry to answer."""
+
+    def __init__(self, error: ServiceError, result: str):
+        super().__init__(error.message)
+        self.error, self.result = error, result

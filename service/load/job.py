@@ -171,9 +171,14 @@ class Loader:
         for phase, seconds in stats.phases().items():
             self.metrics.load_seconds.labels(name, phase).observe(seconds)
         self.metrics.load_throughput.labels(name).set(stats.decoded_bytes / max(stats.total_s, 1e-9))
-        self.metrics.set_memory(name, self.device.type, served.weight_bytes, max(loaded.reserved_bytes, 0))
-        self.metrics.set_weight_bytes(name, served.weights, served.weight_bytes, served.host_bytes)
+        self.show_memory(name, served, loaded.reserved_bytes)
         progress.bytes_done = progress.bytes_total
+
+    def show_memory(self, name: str, served: build.ServedModel, reserved_bytes: int) -> None:
+        """The memory metrics of the version that serves `name` (a failed reload's load had
+        replaced the loaded version's)."""
+        self.metrics.set_memory(name, self.device.type, served.weight_bytes, max(reserved_bytes, 0))
+        self.metrics.set_weight_bytes(name, served.weights, served.weight_bytes, served.host_bytes)
 
     def _reserved(self) -> int:
         return torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0

@@ -48,7 +48,7 @@ async def load_model(name: ModelName, registry: RegistryDep, response: Response,
                      resident: Weights | None = Query(None, deprecated=True,
                                                       description="the old name of `weights`")) -> ModelInfo:
     entry = await registry.load(name, wait=wait, weights=weights or resident)
-    if entry.state is not ModelState.READY:
+    if entry.state is not ModelState.READY or entry.busy:     # loading, or reloading beside the loaded version
         response.status_code = status.HTTP_202_ACCEPTED
     return model_info(entry, registry.device.type)
 

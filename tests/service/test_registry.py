@@ -191,8 +191,8 @@ async def test_an_engine_that_fails_to_close_ends_the_unload_failed_and_freed(se
     the unload answered an untyped 500."""
     real = worker.Engine.close
 
-    def failing(engine) -> None:
-        real(engine)
+    def failing(engine, untrack: bool = True) -> None:
+        real(engine, untrack)
         raise RuntimeError("the worker did not stop")
 
     async with serve(store(), preload=[DEMO]) as server:
