@@ -15,7 +15,7 @@ import torch
 
 from cuda_ext import step_kernels
 
-from ..model import cpu_dtype, fixed, paged
+from ..model import cpu_dtype, device_wide, fixed, paged
 from ..model.build import ServedModel
 from .blocks import BlockManager
 from .runner import Runner
@@ -72,9 +72,11 @@ def scheduler(served: ServedModel, max_rows: int, max_tokens: int, s: CacheSetti
     if fused is not None:                            # Triton's step once compiled (runner.py), the modules till then
         c = served.model.config
         permuted = fixed.fused_on_cuda(served.model)               # x written in the fused kernels' layouts
-        runner.warm_later(fused, lambda: step_kernels.warm_up(served.device, cache_dtype(served), c.hidden_size,
-                                                              c.intermediate_size, c.num_attention_heads,
-                                                              c.num_key_value_heads, c.head_dim, s.block_size,
-                                                              permuted, c.qk_norm))
+        def warm() -> bool:                          # it ends with a device-wide sync (device_wide.py)
+            with device_wide.LOCK:
+                return step_kernels.warm_up(served.device, cache_dtype(served), c.hidden_size, c.intermediate_size,
+                                            c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                                            s.block_size, permuted, c.qk_norm)
+        runner.warm_later(fused, warm)
     return Scheduler(runner, blocks, max_rows=max_rows, max_tokens=max_tokens, on_token=on_token,
                      on_finish=on_finish, prefill_wait_s=s.prefill_wait_s)

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model import fixed, paged
+from ..model import device_wide, fixed, paged
 from ..model.llama import LlamaForCausalLM
 from .sampling import greedy
 
@@ -130,10 +130,6 @@ class Runner:
         self.graphs: dict[tuple[int, int, bool], Graph] = {}  # (rows, width, fused)
         self.wide = fixed.decode_only_rows(model) if self.use_graphs else range(0)
         self.pool = None
-        # its own capture stream: torch.cuda.graph's default is one stream for the process, so two
-        # models' engines capturing at once (an idle one captures its shapes while another serves)
-        # began a capture on a stream already capturing, and one failed (H200, 2026-12-01)
-        self.capture_stream = torch.cuda.Stream(self.device) if self.use_graphs else None
         self.logits: torch.Tensor | None = None  # [prompt_rows, V] float32: every graph's logits (`_capture`)
         self.capture_seconds = 0.0
         self.turn = 0                            # which pinned buffers a step uses (they alternate)
@@ -375,13 +371,14 @@ class Runner:
         if self.logits is None:                  # every graph's logits, outside their pool (each graph's own
             self.logits = logits.new_empty(self.prompt_rows, logits.shape[1])   # were a 7B's 1.5 GB)
         del logits
-        torch.cuda.synchronize(self.device)
-        g.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g.graph, pool=self.pool, stream=self.capture_stream, capture_error_mode="thread_local"):
-            g.logits = self._step_of_graph(g, fused)
-        if self.pool is None:
-            self.pool = g.graph.pool()
-        torch.cuda.synchronize(self.device)
+        with device_wide.LOCK:                   # no other capture, and no device-wide sync, beside it
+            torch.cuda.synchronize(self.device)
+            g.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g.graph, pool=self.pool, capture_error_mode="thread_local"):
+                g.logits = self._step_of_graph(g, fused)
+            if self.pool is None:
+                self.pool = g.graph.pool()
+            torch.cuda.synchronize(self.device)
         self.graphs[(rows, width, fused)] = g
         self.capture_seconds += time.perf_counter() - t0
         return g

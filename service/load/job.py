@@ -29,7 +29,7 @@ from codec.errors import CodecError
 
 from ..errors import LoadFailed
 from ..metrics import Metrics
-from ..model import build, compressed, cpu_dtype, fixed, fp8, llama
+from ..model import build, compressed, cpu_dtype, device_wide, fixed, fp8, llama
 from ..settings import Settings
 from ..timeline import Timeline
 from . import devicecheck, memory, pipeline
@@ -193,10 +193,11 @@ class Loader:
     def free_memory(self) -> None:
         gc.collect()
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):      # the engine thread's matmul workspace
-                torch._C._cuda_clearCublasWorkspaces()
-            torch.cuda.empty_cache()
+            with device_wide.LOCK:                                     # never beside an engine's capture
+                torch.cuda.synchronize(self.device)
+                if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):  # the engine thread's matmul workspace
+                    torch._C._cuda_clearCublasWorkspaces()
+                torch.cuda.empty_cache()
         memory.release()
 
     def release_early(self) -> None:

@@ -281,7 +281,7 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     if s > 1 and g > 1:
         mask = mask[:, :, None].expand(b, 1, g, s, t).reshape(b, 1, g * s, t)  # row g*S + s: mask row s
     out = F.scaled_dot_product_attention(q.reshape(b, kv, g * s, d), k, v, attn_mask=mask, scale=scale)
-    return out.view(b, h, s, d)                                                 # [B, KV, G*S, D] -> heads
+    return out.reshape(b, h, s, d)             # [B, KV, G*S, D] -> heads (CUDA's SDPA may return it strided)
 
 
 class MLP(nn.Module):

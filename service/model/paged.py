@@ -30,7 +30,7 @@ import torch
 
 from cuda_ext import fixedrate, step_kernels
 
-from . import fixed, llama
+from . import device_wide, fixed, llama
 
 
 @dataclass
@@ -210,7 +210,7 @@ def warm_up(device: torch.device, dtype: torch.dtype) -> None:
         step = Context(five, five, 1, torch.zeros(1, 1, dtype=torch.long, device=device), five + 1, keys=6)
         forward(model, ids[:1], step, cache).log_softmax(-1).max(-1)
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        device_wide.synchronize(device)
 
 
 def fuse_projections(model: llama.LlamaForCausalLM) -> None:

@@ -65,7 +65,12 @@ async def test_an_fp8_model_generates_what_its_bf16_twin_does(serve, fp8_archive
         held = [r.json()["weight_bytes"] for r in loads]
         assert held[0] == held[1] or weights == "compressed"  # as bf16; the twin's compressed form is smaller
         for prompt in ("What is the capital of France?", "The capital"):
-            assert await _greedy(server.client, "fp8", prompt) == await _greedy(server.client, "twin", prompt)
+            got, twin_got = await _greedy(server.client, "fp8", prompt), await _greedy(server.client, "twin", prompt)
+            assert [t for t, _ in got] == [t for t, _ in twin_got]
+            # the same weights: the same logprobs, bit for bit on the CPU; on CUDA a request's first steps
+            # run the modules' kernels or Triton's as each engine's warm-up allows (test_gpu.same_answer)
+            tolerance = 0.0 if server.registry.get("fp8").served.device.type == "cpu" else 1e-3
+            assert all(abs(a - b) <= tolerance for (_, a), (_, b) in zip(got, twin_got)), (got, twin_got)
 
 
 async def test_the_budget_charges_an_fp8_model_its_dequantized_bytes(serve, fp8_archives, tmp_path) -> None:
