@@ -192,6 +192,12 @@ def fp8_archives(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tu
 
 
 @pytest.fixture(scope="session")
+def tiny_state() -> Callable[[Path], tuple[dict, dict[str, bytes]]]:
+    """folder -> _tiny_state(folder, tied=True): a test's own variant of the tiny model's archive."""
+    return lambda folder: _tiny_state(folder, tied=True)
+
+
+@pytest.fixture(scope="session")
 def tiny_archive(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random 2-layer Llama (bf16, float-coded tensors, its head tied to the embedding) with its
     own tokenizer: needs no download and no demo package, so it runs anywhere (the GPU tests use it)."""
