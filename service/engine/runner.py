@@ -374,7 +374,8 @@ class Runner:
         with device_wide.LOCK:                   # no other capture, and no device-wide sync, beside it
             torch.cuda.synchronize(self.device)
             g.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g.graph, pool=self.pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(g.graph, pool=self.pool, stream=device_wide.capture_stream(self.device),
+                                  capture_error_mode="thread_local"):
                 g.logits = self._step_of_graph(g, fused)
             if self.pool is None:
                 self.pool = g.graph.pool()

@@ -12,6 +12,19 @@ import threading
 import torch
 
 LOCK = threading.RLock()
+_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The one stream every capture on `device` runs on (they hold LOCK), from CUDA's
+    high-priority pool. torch.cuda.graph's own default comes from the default-priority pool,
+    which the loader's copy and decode streams rotate through too: a load beside an engine's
+    capture (a reload, or another model's load) got that very stream and waited on its events
+    ("dependency created on uncaptured work in another stream", H200, 2026-12-01)."""
+    with LOCK:
+        if device not in _STREAMS:
+            _STREAMS[device] = torch.cuda.Stream(device, priority=-1)
+        return _STREAMS[device]
 
 
 def synchronize(device: torch.device) -> None:

@@ -81,7 +81,7 @@ async def test_a_reload_serves_the_loaded_version_until_the_new_one_is_ready(ser
         assert (await c.post("/generate", json=generate_body(4))).status_code == 200
         await _retired(entry)
         assert old_weight() is None and entry.served.model.lm_head.weight is not None
-        assert entry.overlap_bytes == 0 and registry.used_bytes() == entry.weight_bytes
+        assert entry.overlap_bytes == 0 and registry.charged_bytes() == entry.weight_bytes
         assert await server.metric("wcodec_model_loads_total", model=DEMO, result="ok") == 2
 
 
@@ -152,7 +152,7 @@ async def test_a_reload_that_fails_leaves_the_loaded_version_serving(serve, stor
         assert "reload failed" in info["last_error"] and "checksum" in info["last_error"]
         assert await _index_state(c) == ("READY", "")
         assert (await c.post("/generate", json=generate_body(4))).status_code == 200
-        assert registry.used_bytes() == entry.weight_bytes and entry.overlap_bytes == 0
+        assert registry.charged_bytes() == entry.weight_bytes and entry.overlap_bytes == 0
         assert await server.metric("wcodec_model_weight_bytes", model=DEMO, weights=entry.weights) == entry.weight_bytes
         assert await server.metric("wcodec_model_loads_total", model=DEMO, result="failed") == 1
         _rewrite(registry, source=demo_archive)                # fixed: the reload goes through
@@ -194,4 +194,4 @@ async def test_an_unload_during_a_reload_waits_for_it_then_frees_both_versions(s
         assert (await unload).json()["state"] == "available"
         gc.collect()
         assert old_weight() is None and entry.served is None and not entry.retiring
-        assert registry.used_bytes() == 0 and entry.overlap_bytes == 0
+        assert registry.charged_bytes() == 0 and entry.overlap_bytes == 0
