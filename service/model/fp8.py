@@ -174,11 +174,12 @@ def _dequantized(name: str, w: torch.Tensor, scale: torch.Tensor | None, s: Sche
         raise LoadFailed(f"fp8 scale of {name!r} has shape {list(scale.shape)}")
     bo, bi = _blocks(name, (rows, cols), tuple(grid.shape), s.block)
     out = torch.empty(rows, cols, dtype=s.dtype, device=w.device)
-    step = max(bo, CHUNK // max(cols, 1) // bo * bo)                # whole blocks of rows
+    step = max(1, CHUNK // max(cols, 1))
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
-        g = grid[r0 // bo:-(-r1 // bo)].repeat_interleave(bo, 0)[:r1 - r0] if bo > 1 else grid[r0:r1]
-        g = g.repeat_interleave(bi, 1)[:, :cols] if bi > 1 or g.shape[1] != cols else g
+        first = r0 // bo                                            # the grid rows of rows r0 .. r1 - 1
+        g = grid[first:(r1 - 1) // bo + 1].repeat_interleave(bo, 0)[r0 - first * bo:r1 - first * bo]
+        g = g if g.shape[1] == 1 else g.repeat_interleave(bi, 1)[:, :cols]     # [r1 - r0, 1 or cols]
         out[r0:r1] = (w[r0:r1].float() * g).to(s.dtype)
     return out
 

@@ -104,3 +104,19 @@ async def test_a_quantization_it_cannot_serve_is_refused_by_name_before_reading_
         assert r.status_code == 500 and r.json()["error_type"] == "load_failed", r.text
         assert named in r.json()["error"] and "not supported" in r.json()["error"]
         assert reads.bytes == 0
+
+
+@pytest.mark.parametrize(("rows", "cols", "grid", "block"), [
+    (300, 200, (3, 2), (128, 128)), (70, 50, (10, 5), (7, 10)), (64, 64, (64, 1), None), (64, 64, (1, 1), None)])
+@pytest.mark.parametrize("chunk_rows", [1, 37, 1 << 16])
+def test_chunks_that_cut_a_block_of_rows_dequantize_as_the_whole(monkeypatch, rows, cols, grid, block,
+                                                                 chunk_rows) -> None:
+    """CHUNK weights at a time, wherever a chunk's rows start in a block of scales (ragged blocks too):
+    the result is the whole matrix times its scales, rounded once."""
+    torch.manual_seed(0)
+    w, scale = torch.randn(rows, cols).to(torch.float8_e4m3fn), torch.rand(grid) + 0.5
+    bo, bi = block or (-(-rows // grid[0]), -(-cols // grid[1]))
+    meant = (w.float() * torch.kron(scale, torch.ones(bo, bi))[:rows, :cols]).to(torch.bfloat16)
+    monkeypatch.setattr(fp8, "CHUNK", chunk_rows * cols)
+    assert torch.equal(fp8.dequantize({"m.weight": w, "m.weight_scale_inv": scale},
+                                      fp8.Scheme("fp8", torch.bfloat16, block))["m.weight"], meant)
