@@ -27,9 +27,14 @@ FINGERPRINT = f"wcodec-{codec.__version__}"          # every response's system_f
 PLACEHOLDERS = ("tgi", "dummy")
 
 
+def named(model: str | None) -> str | None:
+    """The model a request's `model` names: None (the default model) for none or a placeholder."""
+    return None if not model or model in PLACEHOLDERS else model
+
+
 def model_of(req: OpenAIRequest, registry: ModelRegistry) -> str | None:
     """The store's model the request names; None (the default model) for none or a placeholder; else 404."""
-    if not req.model or req.model in PLACEHOLDERS:
+    if named(req.model) is None:
         return None
     if not registry.has(req.model):
         raise ModelNotFound(f"the model {req.model!r} does not exist (GET /v1/models lists them)", param="model")

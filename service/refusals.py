@@ -9,7 +9,7 @@ from __future__ import annotations
 from starlette.requests import Request
 
 from .errors import ServiceError, is_openai
-from .openai_api import PLACEHOLDERS
+from .openai_api import named
 
 GENERATION_ROUTES = frozenset({"/generate", "/generate_stream", "/", "/v1/completions", "/v1/chat/completions"})
 
@@ -26,8 +26,7 @@ async def count_invalid(request: Request) -> None:
     name = body.get("model") if isinstance(body, dict) else 0
     if not isinstance(name, str | None):         # no object, or no name in it
         return
-    if not name or (name in PLACEHOLDERS and is_openai(route)):     # as the routes take them
-        name = None
+    name = named(name) if is_openai(route) else name or None         # as the routes take them
     try:
         name = registry.resolve(name)
     except ServiceError:                         # several ready, or none

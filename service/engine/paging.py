@@ -72,7 +72,7 @@ def scheduler(served: ServedModel, max_rows: int, max_tokens: int, s: CacheSetti
     if fused is not None:                            # Triton's step once compiled (runner.py), the modules till then
         c = served.model.config
         permuted = fixed.fused_on_cuda(served.model)               # x written in the fused kernels' layouts
-        def warm() -> bool:                          # it ends with a device-wide sync (device_wide.py)
+        def warm() -> bool:                          # it ends with a device-wide sync: never beside a capture
             with device_wide.LOCK:
                 return step_kernels.warm_up(served.device, cache_dtype(served), c.hidden_size, c.intermediate_size,
                                             c.num_attention_heads, c.num_key_value_heads, c.head_dim,

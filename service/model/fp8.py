@@ -109,21 +109,23 @@ def scheme(config: dict | None, entries, name: str = "") -> Scheme | None:
 def scheme_of(entries, files: dict[str, bytes], name: str = "") -> Scheme | None:
     """`scheme` of an archive's header entries and embedded files (config.json's, if it is a JSON
     object: the load says what else is wrong with it)."""
+    return scheme(_config(files), entries, name)
+
+
+def _config(files: dict[str, bytes]) -> dict | None:
+    """The embedded config.json, None if there is none or it is not a JSON object."""
     try:
         config = json.loads(files.get("config.json") or b"{}")
     except ValueError:
-        config = None
-    return scheme(config if isinstance(config, dict) else None, entries, name)
+        return None
+    return config if isinstance(config, dict) else None
 
 
 def unquantized_files(files: dict[str, bytes]) -> dict[str, bytes]:
     """The embedded files with config.json's fp8 quantization_config taken out: the served model
     holds its weights dequantized, and transformers' classes must not build fp8 modules for it."""
-    try:
-        config = json.loads(files.get("config.json") or b"{}")
-    except ValueError:
-        return files
-    if not isinstance(config, dict) or _quantization(config).get("quant_method") not in METHODS:
+    config = _config(files)
+    if config is None or _quantization(config).get("quant_method") not in METHODS:
         return files
     config.pop("quantization_config")
     return {**files, "config.json": json.dumps(config).encode()}
