@@ -11,6 +11,7 @@ from codec import floatcodec, gguf_blocks, int8, planes, resident
 from codec.constants import SEGMENT_SYMBOLS
 from codec.floatcodec import FloatParams
 
+from . import fp8
 from .plan import BYTES_CODE, DESC_FIELDS, DTYPE_CODES
 
 _LAYOUT_BY_CODE = {code: planes.FLOAT_LAYOUTS[name] for name, code in DTYPE_CODES.items()}
@@ -254,6 +255,8 @@ def register_fakes() -> None:
 
     if has_ops(FIXEDRATE_OPS):
         _register_fixedrate_fakes()
+    if has_ops(fp8.FP8_OPS):
+        fp8.register_fakes()
     if has_ops(LINEAR16_OPS):
         torch.library.register_fake("wcodec::linear16")(
             lambda x, weight, bias=None: x.new_empty(*x.shape[:-1], weight.shape[0]))

@@ -29,7 +29,7 @@ from codec.errors import CodecError
 
 from ..errors import LoadFailed
 from ..metrics import Metrics
-from ..model import build, compressed, cpu_dtype, device_wide, fixed, fp8, llama
+from ..model import build, compressed, cpu_dtype, device_wide, fixed, fp8, fp8_linear, llama
 from ..settings import Settings
 from ..timeline import Timeline
 from . import devicecheck, memory, pipeline
@@ -73,10 +73,13 @@ class Loader:
         charges it before the load and checks the load's own figure against it after."""
         with Archive.open(path) as archive:
             entries, config = archive.entries, _config(archive)
-        entries = fp8.served_entries(entries, _fp8_scheme(config, entries))     # fp8 weights held dequantized
+        form, native = self._form(), llama.native_config(config, self.settings.max_total_tokens)
+        scheme = _fp8_scheme(config, entries)              # fp8 weights held dequantized, or kept (fp8_linear.py)
+        keeps_fp8 = weights == "compressed" and native is not None and scheme is not None \
+            and fp8_linear.available(self.device)
+        entries = fp8.served_entries(entries, scheme, fp8_linear.served_bytes(entries, scheme) if keeps_fp8 else None)
         if weights == "decoded" and self.device.type != "cpu":
             return sum(e.nbytes for e in entries)
-        form, native = self._form(), llama.native_config(config, self.settings.max_total_tokens)
         blocks, floats = compressed.kept_entries(entries, form, native is not None)
         held = "compressed" if weights == "compressed" and blocks + floats else "decoded"
         if held == "decoded":
@@ -126,7 +129,7 @@ class Loader:
         t0 = time.perf_counter()
         on_forward = self.metrics.forward_decode_seconds.labels(name, weights).observe
         served = build.finish(name, ready, decoded.tensors, decoded.layers, self.device,
-                              self.settings.compressed_scratch, on_forward, decoded.blocks, decoded.fixed)
+                              self.settings.compressed_scratch, on_forward, decoded.blocks, decoded.fixed, decoded.fp8)
         decoded.stats.build_s = ready.seconds + time.perf_counter() - t0
         return served
 

@@ -38,7 +38,7 @@ from codec.errors import ChecksumError
 from codec.entries import TensorEntry
 from cuda_ext import fixedrate, plans, quant
 
-from ..model import compressed, fixed, fp8, quantized
+from ..model import compressed, fixed, fp8, fp8_linear, quantized
 from . import devicecheck
 from .early_read import EarlyRead
 from .reading import ArchiveFile
@@ -72,6 +72,7 @@ class Decoded:
     layers: list[compressed.CompressedLayer] = field(default_factory=list)   # compressed-resident mode
     blocks: dict[str, quant.QuantBlocks] = field(default_factory=dict)       # its GGUF tensors (quantized.py)
     fixed: dict[str, fixedrate.FixedRateWeight] = field(default_factory=dict)   # or its fixed-rate form (fixed.py)
+    fp8: dict[str, fp8_linear.Fp8Weight] = field(default_factory=dict)     # its e4m3 matrices (fp8_linear.py)
 
 
 OnBatch = Callable[[Batch, float], None]
@@ -211,7 +212,8 @@ def decode_archive(path: str | Path, device: torch.device, *, ring: int = 4, ver
     (Decoded.layers; service/model/compressed.py) or, with `form` "fixed", in the fixed-rate form
     (Decoded.fixed; service/model/fixed.py), and GGUF matrices as their blocks (Decoded.blocks;
     service/model/quantized.py). `fp8_scheme`: float8 weights come out dequantized, each layer's
-    as it is decoded (service/model/fp8.py)."""
+    as it is decoded (service/model/fp8.py), but for those compressed mode keeps as they are on
+    CUDA (Decoded.fp8; service/model/fp8_linear.py)."""
     t0 = time.perf_counter()
     path = os.fspath(path)
     if device.type == "cuda":
@@ -243,6 +245,9 @@ def decode_archive(path: str | Path, device: torch.device, *, ring: int = 4, ver
                     Path(path).name, len(left), "/".join(sorted({e.dtype for e in left})),
                     sum(e.nbytes for e in left) / 1e9)
     decode = _keeping(layers, blocks, fixed_form) if compressed else _decode
+    fp8_kept: dict[str, fp8_linear.Fp8Weight] = {}
+    if fp8_scheme is not None and compressed and fp8_linear.available(device):
+        decode = fp8_linear.keeping(decode, fp8_scheme, fp8_kept)
     decode = fp8.dequantizing(decode, fp8_scheme) if fp8_scheme is not None else decode
     file = ArchiveFile(path, direct) if early is None else None
     try:
@@ -262,7 +267,7 @@ def decode_archive(path: str | Path, device: torch.device, *, ring: int = 4, ver
         tensors = fp8.dequantize(tensors, fp8_scheme)
     stats.read_s, stats.total_s = reader.read_s, time.perf_counter() - t0
     mark(f"{len(batches)} batches decoded")
-    return Decoded(tensors, files, stats, layers, blocks, fixed_form or {})
+    return Decoded(tensors, files, stats, layers, blocks, fixed_form or {}, fp8_kept)
 
 
 def load_archive(path: str | os.PathLike, device: str | torch.device = "cpu", *, verify: bool = True,

@@ -26,7 +26,7 @@ from cuda_ext import fixedrate, quant
 
 from ..errors import LoadFailed
 from ..timeline import Timeline
-from . import compressed, fixed, fp8, llama, quantized
+from . import compressed, fixed, fp8, fp8_linear, llama, quantized
 from .defaults import sampling_defaults
 from .token_bytes import TokenBytes
 from .tokenizer import Tokenizer
@@ -215,11 +215,14 @@ def prepare(name: str, files: dict[str, bytes], context: int | None = None) -> P
 def finish(name: str, prepared: Prepared, decoded: dict[str, torch.Tensor], kept: list[compressed.CompressedLayer],
            device: torch.device, scratch: int = 2, on_forward=None,
            blocks: dict[str, quant.QuantBlocks] | None = None,
-           fixed_form: dict[str, fixedrate.FixedRateWeight] | None = None) -> ServedModel:
+           fixed_form: dict[str, fixedrate.FixedRateWeight] | None = None,
+           fp8_kept: dict[str, fp8_linear.Fp8Weight] | None = None) -> ServedModel:
     """Assign the `decoded` tensors. Layers the loader `kept` compressed get a decode schedule
     (`scratch` buffers on CUDA); GGUF tensors kept as `blocks`, block modules (quantized.py; a
     model that is not llama.py's gets them dequantized instead, held and counted as decoded
-    tensors); matrices in the fixed-rate form (`fixed_form`), FixedLinears (fixed.py)."""
+    tensors); matrices in the fixed-rate form (`fixed_form`), FixedLinears (fixed.py); fp8 matrices
+    kept as their e4m3 bytes (`fp8_kept`), Fp8Linears (fp8_linear.py; dequantized where no
+    llama.py Linear takes them)."""
     config, tokenizer = prepared.config, prepared.tokenizer
     tensors, schedule, held, host = decoded, None, 0, 0
     if blocks and not isinstance(prepared.model, llama.LlamaForCausalLM):
@@ -230,6 +233,9 @@ def finish(name: str, prepared: Prepared, decoded: dict[str, torch.Tensor], kept
     if fixed_form:
         held_fixed, host, back = fixed.attach(prepared.model, fixed_form)
         tensors, decoded, held = {**tensors, **back}, {**decoded, **back}, held + held_fixed
+    if fp8_kept:
+        held_fp8, back = fp8_linear.attach(prepared.model, fp8_kept)
+        tensors, decoded, held = {**tensors, **back}, {**decoded, **back}, held + held_fp8
     if kept:
         schedule = compressed.attach(prepared.model, kept, device, scratch, on_forward)
         tensors = {**tensors, **schedule.placeholders()}
@@ -243,7 +249,7 @@ def finish(name: str, prepared: Prepared, decoded: dict[str, torch.Tensor], kept
     dtype = next(iter(blocks.values())).dtype if blocks else next(model.parameters()).dtype
     return ServedModel(name, model, tokenizer, device, dtype, eos, pad,
                        getattr(config, "max_position_embeddings", 2048), weight_bytes,
-                       "compressed" if schedule is not None or blocks or fixed_form else "decoded", schedule, host,
+                       "compressed" if schedule is not None or blocks or fixed_form or fp8_kept else "decoded", schedule, host,
                        prepared.defaults)
 
 

@@ -131,14 +131,17 @@ def unquantized_files(files: dict[str, bytes]) -> dict[str, bytes]:
     return {**files, "config.json": json.dumps(config).encode()}
 
 
-def served_entries(entries, s: Scheme | None) -> list:
+def served_entries(entries, s: Scheme | None, kept: dict[str, int] | None = None) -> list:
     """The header's entries as the served model holds them (for the memory budget's estimate):
-    float8 matrices decoded in the model's dtype (codec raw: no mode keeps them compressed),
-    scales and dropped tensors gone."""
+    float8 matrices decoded in the model's dtype (codec raw), scales and dropped tensors gone, but
+    for the weights and scales compressed mode keeps as they are (`kept`: name -> bytes held,
+    fp8_linear.served_bytes)."""
     if s is None:
         return list(entries)
-    return [dataclasses.replace(e, dtype=_name(s.dtype), nbytes=e.numel * s.dtype.itemsize, codec=CODEC_RAW)
-            if e.torch_dtype in FP8 else e for e in entries if not s.dropped(e.name)]
+    kept = kept or {}
+    return [dataclasses.replace(e, nbytes=kept[e.name]) if e.name in kept else
+            dataclasses.replace(e, dtype=_name(s.dtype), nbytes=e.numel * s.dtype.itemsize, codec=CODEC_RAW)
+            if e.torch_dtype in FP8 else e for e in entries if e.name in kept or not s.dropped(e.name)]
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -165,28 +168,43 @@ def dequantize(tensors: dict[str, torch.Tensor], s: Scheme, final: bool = True) 
 
 def _dequantized(name: str, w: torch.Tensor, scale: torch.Tensor | None, s: Scheme) -> torch.Tensor:
     """w [out, in] (or any shape with no scale) in s.dtype, times `scale` by blocks of rows and
-    columns, CHUNK weights at a time."""
+    columns."""
     if scale is None:
         return w.to(s.dtype)
     if w.dim() != 2:
         raise LoadFailed(f"fp8 weight {name!r} of shape {list(w.shape)} is not a matrix")
+    grid = scale.float().reshape(grid_shape(name, tuple(w.shape), tuple(scale.shape)))
+    return dequantized_grid(w, grid, blocks(name, tuple(w.shape), tuple(grid.shape), s.block), s.dtype)
+
+
+def grid_shape(name: str, shape: tuple[int, int], scale_shape: tuple[int, ...]) -> tuple[int, int]:
+    """The scale tensor's shape as a grid over the weight's rows and columns: a scalar or [1] is
+    [1, 1] (the tensor's), a vector of a scale a row [out, 1]."""
+    numel = int(torch.Size(scale_shape).numel())
+    if len(scale_shape) < 2 and numel in (1, shape[0]):
+        return numel, 1
+    if len(scale_shape) != 2:
+        raise LoadFailed(f"fp8 scale of {name!r} has shape {list(scale_shape)}")
+    return scale_shape
+
+
+def dequantized_grid(w: torch.Tensor, grid: torch.Tensor, block: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """w [out, in] (float8) times its float32 `grid` of scales, each covering `block` rows and
+    columns, rounded once to `dtype`, CHUNK weights at a time."""
     rows, cols = w.shape
-    grid = scale.float().reshape(-1, 1) if scale.numel() in (1, rows) and scale.dim() < 2 else scale.float()
-    if grid.dim() != 2:
-        raise LoadFailed(f"fp8 scale of {name!r} has shape {list(scale.shape)}")
-    bo, bi = _blocks(name, (rows, cols), tuple(grid.shape), s.block)
-    out = torch.empty(rows, cols, dtype=s.dtype, device=w.device)
+    bo, bi = block
+    out = torch.empty(rows, cols, dtype=dtype, device=w.device)
     step = max(1, CHUNK // max(cols, 1))
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
         first = r0 // bo                                            # the grid rows of rows r0 .. r1 - 1
         g = grid[first:(r1 - 1) // bo + 1].repeat_interleave(bo, 0)[r0 - first * bo:r1 - first * bo]
         g = g if g.shape[1] == 1 else g.repeat_interleave(bi, 1)[:, :cols]     # [r1 - r0, 1 or cols]
-        out[r0:r1] = (w[r0:r1].float() * g).to(s.dtype)
+        out[r0:r1] = (w[r0:r1].float() * g).to(dtype)
     return out
 
 
-def _blocks(name: str, shape: tuple[int, int], grid: tuple[int, int], block: tuple[int, int] | None) -> tuple[int, int]:
+def blocks(name: str, shape: tuple[int, int], grid: tuple[int, int], block: tuple[int, int] | None) -> tuple[int, int]:
     """Rows and columns of the weight each scale covers: the config's block where the grid is
     its, else what the grid's shape implies ([1, 1]: the tensor; [out, 1]: a row)."""
     rows, cols = shape
