@@ -39,6 +39,8 @@
 #   quick        bench/quick_cuda.py: our decoder alone at 256/128/64-step pieces
 #   quant-bench  bench/quant_gpu.py on 8B layer shapes (QUANT_ARGS: more arguments)
 #   fixedrate-bench  bench/fixedrate_gpu.py: the fused fixed-rate matmuls against cuBLAS, one 8B layer
+#   fp8          the W8A16 ops (tests/gpu/test_fp8_cuda.py), compute-sanitizer memcheck and racecheck over
+#                them (scripts/gpu/sanitize_fp8.py), then bench/fp8_gpu.py: an 8B layer in fp8 against bf16
 #   weights-bench  bench/resident_gpu.py: a 7B-shaped model through the server, both weights modes
 #   generation   bench/generation_gpu.py: tokens/s through HTTP at 1 and many clients (carry `load`)
 #   cold-start   bench/cold_start.py: process start -> first token against transformers
@@ -119,6 +121,13 @@ for s in ${STAGES:-build tests}; do
     decode-bench) stage decode-bench timeout "$(left 500)" python3 bench/fine_decode.py --layers 6 --model-layers 32 \
                     --json "$OUT/fine_decode.json" ;;
     quick) stage quick timeout "$(left 240)" python3 bench/quick_cuda.py ${ENTRY_STEPS:-256 128 64} ;;
+    fp8) pytest_stage fp8-tests fp8_tests.log 200 tests/gpu/test_fp8_cuda.py
+         for tool in memcheck racecheck; do
+           stage "sanitize-fp8-$tool" timeout "$(left 120)" compute-sanitizer --tool "$tool" --error-exitcode 1 \
+             python3 scripts/gpu/sanitize_fp8.py > "$OUT/sanitizer_fp8_$tool.log" 2>&1
+           grep -E "ERROR SUMMARY|RACECHECK SUMMARY|fp8 sanitizer|mismatch" "$OUT/sanitizer_fp8_$tool.log"
+         done
+         stage fp8-bench timeout "$(left 150)" python3 bench/fp8_gpu.py --json "$OUT/fp8_gpu.json" ;;
     fixedrate-bench) stage fixedrate-bench timeout "$(left 120)" python3 bench/fixedrate_gpu.py \
                        --json "$OUT/fixedrate_gpu.json" ;;
     quant-bench) stage quant-bench timeout "$(left 240)" python3 bench/quant_gpu.py ${QUANT_ARGS:-} --json "$OUT/quant_gpu.json" ;;
