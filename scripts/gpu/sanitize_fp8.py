@@ -2,7 +2,8 @@
 through shared memory): fp8_to_bf16 on ragged lengths (the tail byte by byte), fp8_linear at every
 row count 1..16 on ragged shapes with a scale a row, a tensor and a 128 x 128 block, K cut across
 CTAs (few rows of W) and not, and chained (each product read by the next). Exits non-zero if a
-decode differs from the C++ twin's or a product from the twin's by more than two roundings."""
+decode differs from the C++ twin's or a product from the twin's by more than two roundings (of the
+element, or of its row's largest where the sum cancels)."""
 import sys
 
 import torch
@@ -28,7 +29,8 @@ def main() -> int:
         for m in range(1, 17):
             x = torch.randn(m, k).to(torch.bfloat16)
             got, want = fp8.linear(x.cuda(), wc, sc, block).cpu().float(), fp8.linear(x, w, scale, block).float()
-            if not bool(((got - want).abs() <= want.abs() * 2.0 ** -7 + 1e-6).all()):
+            room = want.abs() * 2.0 ** -7 + want.abs().amax(1, keepdim=True) * 2.0 ** -10   # cancellation: a row's scale
+            if not bool(((got - want).abs() <= room).all()):
                 print("  mismatch:", n, k, block, m)
                 bad += 1
     x = torch.randn(4, 4096, device="cuda").bfloat16()
