@@ -70,17 +70,42 @@ def state(config: dict, device: str, seed: int = 7) -> dict[str, torch.Tensor]:
             .bfloat16().cpu() for n, s in shapes.items()}
 
 
-def build(store: Path, tokenizer: Path, config: dict, device: str) -> Path:
-    """STORE/llama7b.wcodec and the same weights as a transformers folder STORE/../hf-gen (kept)."""
+FP8 = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+       "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+           "num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False}}}}
+
+
+def fp8_state(weights: dict, device: str) -> dict[str, torch.Tensor]:
+    """`weights` as llm-compressor's FP8 (per-channel) checkpoint: each decoder Linear's weight in
+    e4m3, times a bf16 scale a row (its largest magnitude / 448)."""
+    out = {}
+    for name, w in weights.items():
+        if not name.endswith("proj.weight"):
+            out[name] = w
+            continue
+        w = w.to(device).float()
+        scale = (w.abs().amax(1, keepdim=True) / 448).bfloat16()
+        out[name] = (w / scale.float()).to(torch.float8_e4m3fn).cpu()
+        out[name.replace("weight", "weight_scale")] = scale.cpu()
+    return out
+
+
+def build(store: Path, tokenizer: Path, config: dict, device: str, fp8: bool = False) -> Path | None:
+    """STORE/llama7b.wcodec and the same weights as a transformers folder STORE/../hf-gen (kept;
+    none for `fp8`: the archive holds them as an fp8 checkpoint)."""
     path, folder = store / f"{NAME}.wcodec", store.parent / (store.name + "-hf")
-    if path.exists() and (folder / "model.safetensors").exists():
-        return folder
+    if path.exists() and (fp8 or (folder / "model.safetensors").exists()):
+        return None if fp8 else folder
     from safetensors.torch import save_file
     store.mkdir(parents=True, exist_ok=True)
     folder.mkdir(parents=True, exist_ok=True)
     files = {p.name: p.read_bytes() for p in tokenizer.iterdir() if p.is_file()}
-    files["config.json"] = json.dumps(config).encode()
+    files["config.json"] = json.dumps({**config, "quantization_config": FP8} if fp8 else config).encode()
     weights = state(config, device)
+    if fp8:
+        weights = fp8_state(weights, device)
+        compress_state_dict(weights, path, workers=os.cpu_count(), files=files)
+        return None
     if not path.exists():
         compress_state_dict(weights, path.with_suffix(".tmp"), workers=os.cpu_count(), files=files)
         path.with_suffix(".tmp").rename(path)
@@ -207,6 +232,9 @@ def parse() -> argparse.Namespace:
                     help="resident modes, one server each, in this order (the first is against the limit); "
                          "compressed: CUDA's default form (fixed-rate), compressed-indexed: the rANS streams")
     ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--fp8", action="store_true", help="the 7B-shaped model as an fp8 checkpoint (per-channel "
+                    "scales, compressed-tensors' format): decoded mode dequantizes it, compressed mode keeps its "
+                    "e4m3 bytes (W8A16); no transformers run")
     ap.add_argument("--smoke", action="store_true", help="a 2-layer model on the CPU: checks the path, no figures")
     return ap.parse_args()
 
@@ -225,7 +253,9 @@ def prepare(args: argparse.Namespace) -> tuple[str, Path | None]:
         args.store = store
         return args.device, store / "hf"
     config, device = ({**CONFIG, **SMOKE}, "cpu") if args.smoke else (CONFIG, args.device)
-    return device, build(args.store, args.tokenizer, config, device)
+    if args.fp8:
+        args.store = args.store.with_name(args.store.name + "-fp8")
+    return device, build(args.store, args.tokenizer, config, device, args.fp8)
 
 
 def served_runs(args: argparse.Namespace, device: str, env: dict[str, str], out: Path) -> dict:
