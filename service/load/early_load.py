@@ -138,10 +138,12 @@ class EarlyLoad:
 
 
 def _dtype(entries) -> torch.dtype:
-    """The dtype of most of an archive's decoded bytes (its forward's matmuls)."""
+    """The dtype of most of an archive's decoded bytes (its forward's matmuls); float8 weights are
+    left out: they are served in the model's dtype (fp8.py), and no forward runs in float8."""
     weight: collections.Counter[torch.dtype] = collections.Counter()
     for e in entries:
-        weight[e.torch_dtype] += e.nbytes
+        if e.torch_dtype.itemsize > 1:
+            weight[e.torch_dtype] += e.nbytes
     found = weight.most_common(1)[0][0] if weight else torch.bfloat16
     return found if found.is_floating_point else torch.bfloat16
 

@@ -70,16 +70,19 @@ def fused_prompt(tokens: int) -> bool:
 
 
 def keeps(e) -> bool:
-    """Whether the fixed form holds a tensor: a float-coded bf16 matrix. An fp16 matrix stays
+    """Whether the fixed form holds a tensor: a float-coded bf16 matrix that is a weight (not, say,
+    an fp8 checkpoint's [out, 1] scale, which its weight's dequantization reads). An fp16 matrix stays
     decoded: its 5-bit exponent leaves 3 mantissa bits in the form's 8-bit field, so a tile's
     window of 8 fields spans one binade and most weights escape (a trained-like fp16 matrix: 65 %
     escaped, 1.35 of fp16's bytes; FORMAT.md §6): more memory than fp16, and a matmul patching most weights."""
-    return _float_matrix(e) and e.torch_dtype == torch.bfloat16
+    return _float_matrix(e) and e.torch_dtype == torch.bfloat16 and e.name.endswith(".weight")
 
 
 def passed_over(entries) -> list:
-    """The decoder layers' float-coded matrices this form leaves decoded (`keeps`): fp16 and fp32."""
-    return [e for e in entries if e.layer is not None and _float_matrix(e) and not keeps(e)]
+    """The decoder layers' float-coded weight matrices this form leaves decoded (`keeps`): fp16 and
+    fp32 (float8 ones are an fp8 checkpoint's: fp8.py and fp8_linear.py serve them)."""
+    return [e for e in entries if e.layer is not None and _float_matrix(e) and not keeps(e)
+            and e.name.endswith(".weight") and e.torch_dtype.itemsize > 1]
 
 
 def _float_matrix(e) -> bool:

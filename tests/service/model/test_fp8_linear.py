@@ -83,3 +83,35 @@ def test_block_grids_of_other_blocks_are_not_joined():
     parent = torch.nn.Module()
     fp8_linear.Fp8Linear.join(parent, "qkv", tuple(parts))
     assert not hasattr(parent, "qkv_linear")
+
+
+def test_the_fixed_form_leaves_an_fp8_checkpoints_row_scales_to_its_weights(tmp_path):
+    """A per-channel scale of 4096 rows is a float-coded bf16 [4096, 1] matrix: the fixed-rate form
+    took it away from its weight, and the load failed ("has no 'weight_scale' tensor beside it")."""
+    import json
+
+    from codec.encode import compress_state_dict
+    from service.load import pipeline
+
+    w = fp8_ops.sample_weight(4096, 64, seed=1).view(torch.float8_e4m3fn)
+    scale = (torch.rand(4096, 1) / 64).to(torch.bfloat16)
+    state = {"model.layers.0.mlp.up_proj.weight": w, "model.layers.0.mlp.up_proj.weight_scale": scale,
+             "model.layers.0.mlp.down_proj.weight": (torch.randn(64, 4096) / 50).to(torch.bfloat16)}
+    config = {"quantization_config": {"quant_method": "fbgemm_fp8"}, "torch_dtype": "bfloat16"}
+    compress_state_dict(state, tmp_path / "m.wcodec", files={"config.json": json.dumps(config).encode()}, workers=1)
+    from codec.decode import Archive
+    with Archive.open(tmp_path / "m.wcodec") as archive:
+        entries, files = archive.entries, archive.reader.files(True)
+    s = fp8.scheme_of(entries, files)
+    got = pipeline.decode_archive(tmp_path / "m.wcodec", torch.device("cpu"), compressed=True, form="fixed", fp8_scheme=s)
+    assert list(got.fixed) == ["model.layers.0.mlp.down_proj.weight"]
+    want = fp8.dequantized_grid(w, scale.float(), (1, 64), torch.bfloat16)
+    assert torch.equal(got.tensors["model.layers.0.mlp.up_proj.weight"], want)
+
+
+def test_an_fp8_models_first_kernels_warm_its_served_dtype():
+    from types import SimpleNamespace
+
+    from service.load.early_load import _dtype
+    entries = [SimpleNamespace(torch_dtype=torch.float8_e4m3fn, nbytes=1000), SimpleNamespace(torch_dtype=torch.bfloat16, nbytes=10)]
+    assert _dtype(entries) == torch.bfloat16
