@@ -24,7 +24,7 @@ from gpu_bench import weights
 import cuda_ext
 from cuda_ext import fp8
 
-ROWS = (1, 2, 4, 8, 16)
+ROWS = (1, 2, 4, 8, 16, 32, 64)
 
 
 def quantized(w: torch.Tensor, block: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:

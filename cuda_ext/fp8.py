@@ -10,14 +10,15 @@ for a grid of one column) and rounds once:
 That is the checkpoint's own product, where decoded mode multiplies by weights rounded to bf16
 first (fp8 scale * e4m3 value, service/model/fp8.py), so the two modes' sums differ in their last
 bits. On CUDA the op takes 1..MAX_ROWS rows of bf16 x (K a multiple of 16); on the CPU it is the
-reference (the same blocks, ATen's float32 matmul inside each).
+reference (the same blocks, ATen's float32 matmul inside each). `dequantize` gives decoded mode's
+weights (each e4m3 value times its scale, rounded once), for a prompt's cuBLAS matmul.
 """
 from __future__ import annotations
 
 import torch
 
-FP8_OPS = ("wcodec::fp8_to_bf16", "wcodec::fp8_linear")
-MAX_ROWS = 16                    # fp8.h kFp8MaxRows
+FP8_OPS = ("wcodec::fp8_to_bf16", "wcodec::fp8_linear", "wcodec::fp8_dequantize")
+MAX_ROWS = 64                    # fp8.h kFp8MaxRows (a launch takes 32)
 STEP = 128                       # fp8.h kFp8Step: columns a block scale covers
 NAN_BYTES = (0x7F, 0xFF)         # e4m3fn's NaN, which fp8.h's steps do not decode
 
@@ -33,6 +34,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[i
     ceil(K / bi)] with block = (bo, bi) (bi STEP or >= K). On CUDA x has 1..MAX_ROWS rows."""
     y = torch.ops.wcodec.fp8_linear.default(x.reshape(-1, x.shape[-1]), w, scale, block[0], block[1])
     return y.view(*x.shape[:-1], w.shape[0])
+
+
+def dequantize(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """W in bf16: float32(e4m3) * scale, rounded once (service/model/fp8.py's, bit for bit)."""
+    return torch.ops.wcodec.fp8_dequantize.default(w, scale, block[0], block[1])
 
 
 def fits(x_rows: int, w: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -53,6 +59,8 @@ def register_fakes() -> None:
     torch.library.register_fake("wcodec::fp8_to_bf16")(lambda w: w.new_empty(w.shape, dtype=torch.bfloat16))
     torch.library.register_fake("wcodec::fp8_linear")(
         lambda x, w, scale, block_rows, block_cols: x.new_empty(x.shape[0], w.shape[0]))
+    torch.library.register_fake("wcodec::fp8_dequantize")(
+        lambda w, scale, block_rows, block_cols: w.new_empty(w.shape, dtype=torch.bfloat16))
 
 
 def sample_weight(rows: int, cols: int, seed: int, outliers: bool = True) -> torch.Tensor:
@@ -65,14 +73,15 @@ def sample_weight(rows: int, cols: int, seed: int, outliers: bool = True) -> tor
 
 
 def sample_inputs(device: str | torch.device) -> list[tuple[str, tuple]]:
-    """(op name, args) for opcheck: per-row, per-tensor and 128x128 block scales, 1, 9 and 16 rows,
-    ragged N and K."""
+    """(op name, args) for opcheck: per-row, per-tensor and 128x128 block scales, 1, 9, 16 and 40
+    rows, ragged N and K."""
     out = [("fp8_to_bf16", (torch.arange(256, dtype=torch.uint8).view(16, 16).to(device),))]
     for n, k, block, seed in ((40, 336, (1, 336), 0), (130, 272, (130, 272), 1), (256, 400, (128, STEP), 2)):
         g = torch.Generator().manual_seed(seed)
         grid = (-(-n // block[0]), -(-k // block[1]))
         w, scale = sample_weight(n, k, seed).to(device), (torch.rand(grid, generator=g) / 64).to(device)
-        for m in (1, 9, 16):
+        out.append(("fp8_dequantize", (w, scale, *block)))
+        for m in (1, 9, 16, 40):
             x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(device)
             out.append(("fp8_linear", (x, w, scale, *block)))
     return out

@@ -18,7 +18,8 @@
 namespace wcodec {
 
 constexpr int kFp8Step = 128;                  // W's columns a warp takes a step; block scales' width
-constexpr int kFp8MaxRows = 16;                // rows of x the fused kernel takes (two n8 tiles)
+constexpr int kFp8MaxRows = 64;                // rows of x the fused op takes
+constexpr int kFp8LaunchRows = 32;             // rows of x a launch takes (four n8 tiles)
 constexpr uint16_t kBf16Two120 = 0x7B80;       // 2^120 in bf16: exponent 127 + 120
 
 // Two e4m3 bytes placed by prmt (fp8_linear.cu) as the 32-bit word
@@ -37,8 +38,9 @@ WC_FP8_HD uint16_t fp8_scaled_word(uint8_t b) {             // the host's step, 
   return static_cast<uint16_t>((b & 0x80) << 8 | (b & 0x7F) << 4);
 }
 
-// x [M, K] bf16 and W [N, K] e4m3 bytes of one device, and the scale grid [ceil(N / bo), ceil(K / bi)]
-// of float32 (fp8_linear.cpp): TORCH_CHECKs a caller's mistakes.
+// W [N, K] e4m3 bytes and its scale grid [ceil(N / bo), ceil(K / bi)] of float32 on one device; with
+// x [M, K] bf16 there too (fp8_linear.cpp): TORCH_CHECKs a caller's mistakes.
+void fp8_check_grid(const at::Tensor& w, const at::Tensor& scale, int64_t bo, int64_t bi);
 void fp8_check_args(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, int64_t bo, int64_t bi);
 
 }  // namespace wcodec

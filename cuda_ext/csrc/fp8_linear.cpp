@@ -1,6 +1,7 @@
 // The W8A16 matmul's CPU twin and schemas (fp8.h; the kernel is fp8_linear.cu):
 //   - fp8_to_bf16: e4m3 bytes -> their bf16 words by fp8.h's steps (the kernel's decode, written out:
 //     the bit-exact test's entry point);
+//   - fp8_dequantize: W times its scales, rounded once to bf16 (a prompt's matmul is cuBLAS's on it);
 //   - fp8_linear: y = x W^T with W's e4m3 bytes and a float32 grid of scales, float32 sums by blocks
 //     of kFp8Step columns, each block's sum times its scale, rounded once. Only the order of the
 //     float32 sums inside a block differs from the kernel's.
@@ -54,20 +55,33 @@ at::Tensor fp8_linear_cpu(const at::Tensor& x, const at::Tensor& w, const at::Te
   return acc.to(at::kBFloat16);
 }
 
+// W times its scales rounded once to bf16 (service/model/fp8.py's dequantization): float32(w) * scale.
+at::Tensor fp8_dequantize_cpu(const at::Tensor& w, const at::Tensor& scale, int64_t block_rows, int64_t block_cols) {
+  fp8_check_grid(w, scale, block_rows, block_cols);
+  const int64_t n = w.size(0), k = w.size(1);
+  at::Tensor cols = scale.repeat_interleave(block_rows, 0).narrow(0, 0, n);                     // [N, blocks]
+  if (scale.size(1) > 1) cols = cols.repeat_interleave(block_cols, 1).narrow(1, 0, k);           // [N, K]
+  return (fp8_to_bf16_cpu(w.contiguous()).to(at::kFloat) * cols).to(at::kBFloat16);
+}
+
 }  // namespace
 
-void fp8_check_args(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, int64_t bo, int64_t bi) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "fp8_linear: x [M, K] and W [N, K], got ",
-              x.sizes(), " and ", w.sizes());
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kByte,
-              "fp8_linear: x must be bfloat16 and W uint8 (its e4m3 bytes)");
-  TORCH_CHECK(x.device() == w.device() && scale.device() == w.device(), "fp8_linear: x, W and scale on one device");
+void fp8_check_grid(const at::Tensor& w, const at::Tensor& scale, int64_t bo, int64_t bi) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte, "fp8: W must be uint8 [N, K] (its e4m3 bytes)");
+  TORCH_CHECK(scale.device() == w.device(), "fp8: W and its scale on one device");
   const int64_t n = w.size(0), k = w.size(1);
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 2 && scale.is_contiguous(),
-              "fp8_linear: scale must be a contiguous float32 grid [ceil(N / block_rows), ceil(K / block_cols)]");
+              "fp8: scale must be a contiguous float32 grid [ceil(N / block_rows), ceil(K / block_cols)]");
   TORCH_CHECK(bo >= 1 && bi >= 1 && scale.size(0) == (n + bo - 1) / bo && scale.size(1) == (k + bi - 1) / bi,
-              "fp8_linear: scale grid ", scale.sizes(), " does not cut W [", n, ", ", k, "] into blocks of [", bo,
-              ", ", bi, "]");
+              "fp8: scale grid ", scale.sizes(), " does not cut W [", n, ", ", k, "] into blocks of [", bo, ", ", bi, "]");
+}
+
+void fp8_check_args(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, int64_t bo, int64_t bi) {
+  fp8_check_grid(w, scale, bo, bi);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.size(1), "fp8_linear: x [M, K] and W [N, K], got ", x.sizes(), " and ",
+              w.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "fp8_linear: x must be bfloat16");
+  TORCH_CHECK(x.device() == w.device(), "fp8_linear: x and W on one device");
   TORCH_CHECK(scale.size(1) == 1 || bi == kFp8Step, "fp8_linear: blocks of ", bi, " columns (", kFp8Step,
               " or the whole row)");
 }
@@ -75,11 +89,13 @@ void fp8_check_args(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
 TORCH_LIBRARY_FRAGMENT(wcodec, m) {
   m.def("fp8_to_bf16(Tensor w) -> Tensor");
   m.def("fp8_linear(Tensor x, Tensor w, Tensor scale, int block_rows, int block_cols) -> Tensor");
+  m.def("fp8_dequantize(Tensor w, Tensor scale, int block_rows, int block_cols) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(wcodec, CPU, m) {
   m.impl("fp8_to_bf16", &fp8_to_bf16_cpu);
   m.impl("fp8_linear", &fp8_linear_cpu);
+  m.impl("fp8_dequantize", &fp8_dequantize_cpu);
 }
 
 }  // namespace wcodec

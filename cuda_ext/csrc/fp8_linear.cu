@@ -1,6 +1,7 @@
 // The W8A16 matmul on tensor cores (fp8.h; the CPU twin and schemas are fp8_linear.cpp): y = x W^T
-// for x of 1..16 bf16 rows and W's float8_e4m3fn bytes, each weight decoded to bf16 in registers
-// (nothing written back), mma.sync.m16n8k16 with float32 sums, one rounding.
+// for x of 1..64 bf16 rows (32 a launch: 1, 2 or 4 n8 tiles of x) and W's float8_e4m3fn bytes, each
+// weight decoded to bf16 in registers (nothing written back), mma.sync.m16n8k16 with float32 sums,
+// one rounding; and fp8_dequantize, W times its scales rounded to bf16 (a prompt's matmul: cuBLAS).
 // * A CTA takes 16 rows of W (the mma's A: lane (g, t) = (lane / 4, lane % 4) rows g and g + 8) and
 //   a range of K's steps of kFp8Step columns; its kWarps warps take the range's steps in turn (warp
 //   w steps w, w + kWarps, ...), so neighbouring warps read neighbouring bytes of a row.
@@ -65,7 +66,7 @@ __device__ __forceinline__ uint32_t word(const uint4& v, int i) {  // i known at
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
-template <int kNt>                                                  // n8 tiles of x: 1 (1..8 rows) or 2
+template <int kNt>                                                  // n8 tiles of x: 1 (1..8 rows), 2, 4
 struct Step {
   uint4 w[4];                                                       // rows g, g + 8 at columns 16t, then 64 + 16t
   uint4 x[kNt][4];                                                  // x rows g (+ 8): columns 16t .. 16t + 15, 64 + ..
@@ -131,15 +132,20 @@ __global__ void __launch_bounds__(32 * kWarps) fp8_linear_kernel(Fp8Args a) {
   const uint8_t* row_h = a.w + std::min(n0 + g + 8, a.n - 1) * a.k;
   const bool block = a.scale_cols > 1;
   const float* block_scale = a.scale + (n0 / a.bo) * a.scale_cols;  // bo % 16 == 0 where block: one grid row
+  constexpr bool kXAhead = kNt <= 2;                                // x a step ahead too (4 tiles: 64 registers more)
   float acc[kNt][4] = {};
   int s = s0 + warp;
   Step<kNt> cur;
   if (s < s1) load_w(a, row_g, row_h, s, cur);
   pdl_wait();
-  if (s < s1) load_x(a, s, cur);
+  if (kXAhead && s < s1) load_x(a, s, cur);
   for (; s < s1; s += kWarps) {
     Step<kNt> next;
-    if (s + kWarps < s1) load_w(a, row_g, row_h, s + kWarps, next), load_x(a, s + kWarps, next);
+    if (s + kWarps < s1) {
+      load_w(a, row_g, row_h, s + kWarps, next);
+      if constexpr (kXAhead) load_x(a, s + kWarps, next);
+    }
+    if constexpr (!kXAhead) load_x(a, s, cur);
     if (block) {
       float c[kNt][4] = {};
       step_mma(cur, c);
@@ -200,6 +206,7 @@ at::Tensor fp8_linear_cuda(const at::Tensor& x, const at::Tensor& w, const at::T
   fp8_check_args(x, w, scale, block_rows, block_cols);
   const int64_t n = w.size(0), k = w.size(1), nx = x.size(0);
   TORCH_CHECK(nx >= 1 && nx <= kFp8MaxRows, "fp8_linear on CUDA takes 1..", kFp8MaxRows, " rows of x, got ", nx);
+  // nx > kFp8LaunchRows: a launch per kFp8LaunchRows rows (a row's sums are the same in any of them)
   TORCH_CHECK(k % 16 == 0 && n >= 1, "fp8_linear on CUDA: K must be a multiple of 16 (got ", k, ")");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 &&
                   reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0,
@@ -210,20 +217,58 @@ at::Tensor fp8_linear_cuda(const at::Tensor& x, const at::Tensor& w, const at::T
   at::Tensor y = at::empty({nx, n}, x.options());
   const int64_t ctas = (n + 15) / 16;
   const int steps = static_cast<int>((k + kFp8Step - 1) / kFp8Step);
-  Fp8Args a{w.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(x.data_ptr()), scale.data_ptr<float>(), nullptr,
-            reinterpret_cast<uint16_t*>(y.data_ptr()), n, k, static_cast<int>(nx), steps, splits_for(ctas, steps),
-            static_cast<int>(std::min<int64_t>(block_rows, n)), static_cast<int>(scale.size(1))};
+  const int splits = splits_for(ctas, steps);
   at::Tensor part;
-  if (a.splits > 1) {
-    part = at::empty({a.splits, nx, n}, x.options().dtype(at::kFloat));
-    a.part = part.data_ptr<float>();
-  }
+  if (splits > 1) part = at::empty({splits, std::min<int64_t>(nx, kFp8LaunchRows), n}, x.options().dtype(at::kFloat));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const dim3 grid(static_cast<unsigned>(ctas), static_cast<unsigned>(a.splits));
-  launch_pdl(nx > 8 ? fp8_linear_kernel<2> : fp8_linear_kernel<1>, grid, dim3(32 * kWarps), stream, a);
-  if (a.splits > 1)
-    launch_pdl(sum_kernel, dim3(static_cast<unsigned>((nx * n + 255) / 256)), dim3(256), stream, a);
+  for (int64_t r0 = 0; r0 < nx; r0 += kFp8LaunchRows) {
+    const int rows = static_cast<int>(std::min<int64_t>(kFp8LaunchRows, nx - r0));
+    Fp8Args a{w.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(x.data_ptr()) + r0 * k, scale.data_ptr<float>(),
+              splits > 1 ? part.data_ptr<float>() : nullptr, reinterpret_cast<uint16_t*>(y.data_ptr()) + r0 * n, n, k,
+              rows, steps, splits, static_cast<int>(std::min<int64_t>(block_rows, n)), static_cast<int>(scale.size(1))};
+    const dim3 grid(static_cast<unsigned>(ctas), static_cast<unsigned>(splits));
+    launch_pdl(rows > 16 ? fp8_linear_kernel<4> : rows > 8 ? fp8_linear_kernel<2> : fp8_linear_kernel<1>, grid,
+               dim3(32 * kWarps), stream, a);
+    if (splits > 1)
+      launch_pdl(sum_kernel, dim3(static_cast<unsigned>((rows * n + 255) / 256)), dim3(256), stream, a);
+  }
   return y;
+}
+
+// fp8_dequantize: W [n, k] times its scales, rounded once to bf16 (fp8.h; service/model/fp8.py's
+// dequantization, bit for bit): a thread 4 weights.
+__global__ void dequantize_kernel(const uint8_t* w, const float* scale, int64_t n, int64_t k, int bo, int bi,
+                                  int scale_cols, uint32_t* out) {
+  const int64_t i = pdl_element(), quads = n * (k / 4);
+  if (i >= quads) return;
+  const int64_t row = i / (k / 4), col = i % (k / 4) * 4;
+  const uint32_t v = *reinterpret_cast<const uint32_t*>(w + row * k + col);
+  const float sc = __ldg(scale + (row / bo) * scale_cols + col / bi);   // bi % 4 == 0: one scale for the 4
+  const uint32_t pairs[2] = {fp8_pair<false>(v), fp8_pair<true>(v)};
+  uint32_t o[2];
+#pragma unroll
+  for (int p = 0; p < 2; ++p) {
+    const float lo = __uint_as_float(pairs[p] << 16) * sc, hi = __uint_as_float(pairs[p] & 0xFFFF0000u) * sc;
+    o[p] = static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(lo))) |
+           static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(hi))) << 16;
+  }
+  reinterpret_cast<uint2*>(out)[i] = make_uint2(o[0], o[1]);
+}
+
+at::Tensor fp8_dequantize_cuda(const at::Tensor& w, const at::Tensor& scale, int64_t block_rows, int64_t block_cols) {
+  fp8_check_grid(w, scale, block_rows, block_cols);
+  TORCH_CHECK(w.is_contiguous() && w.size(1) % 4 == 0 && (scale.size(1) == 1 || block_cols % 4 == 0),
+              "fp8_dequantize on CUDA: W contiguous, K and the block's columns multiples of 4");
+  const c10::cuda::CUDAGuard guard(w.device());
+  at::Tensor out = at::empty(w.sizes(), w.options().dtype(at::kBFloat16));
+  const int64_t quads = w.numel() / 4;
+  if (quads)
+    launch_pdl(dequantize_kernel, dim3(static_cast<unsigned>((quads + 255) / 256)), dim3(256),
+               c10::cuda::getCurrentCUDAStream(), w.data_ptr<uint8_t>(), scale.data_ptr<float>(), w.size(0), w.size(1),
+               static_cast<int>(std::min<int64_t>(block_rows, w.size(0))),
+               static_cast<int>(std::min<int64_t>(block_cols, w.size(1))), static_cast<int>(scale.size(1)),
+               reinterpret_cast<uint32_t*>(out.data_ptr()));
+  return out;
 }
 
 // fp8_to_bf16: a thread a 4-byte word (fp8_pair's steps), the tail byte by byte.
@@ -258,6 +303,7 @@ at::Tensor fp8_to_bf16_cuda(const at::Tensor& w) {
 TORCH_LIBRARY_IMPL(wcodec, CUDA, m) {
   m.impl("fp8_to_bf16", &fp8_to_bf16_cuda);
   m.impl("fp8_linear", &fp8_linear_cuda);
+  m.impl("fp8_dequantize", &fp8_dequantize_cuda);
 }
 
 }  // namespace wcodec

@@ -5,10 +5,10 @@ as vLLM serves them: half of bf16's memory, and a decode step reads half the byt
   where the fused op takes it (`block_of`: K a multiple of 16; a scale per tensor, per row, or
   per block of 128 columns and a multiple of 16 rows; no NaN byte); any other fp8 weight is
   dequantized as in decoded mode (fp8.py).
-* `Fp8Linear` multiplies 1..16 rows of x with the fused op (cuda_ext.fp8: each weight decoded in
+* `Fp8Linear` multiplies 1..64 rows of x with the fused op (cuda_ext.fp8: each weight decoded in
   registers, each block's float32 sum times its scale, one rounding: the checkpoint's own
-  product); more rows (a prompt) dequantize the weight as decoded mode does (fp8.py: the rounded
-  bf16 weights) into a temporary and call cuBLAS. So a model's prompt steps give decoded mode's
+  product); more rows (a prompt) dequantize the weight as decoded mode does (fp8.py's rounded
+  bf16 weights, one launch) into a temporary and call cuBLAS. So a model's prompt steps give decoded mode's
   sums and its decode steps the fp8 product: the two modes' logits differ in their last bits.
 * The op launches on the current stream with no host sync, so the engine's decode steps capture
   it in their CUDA graphs.
@@ -128,7 +128,9 @@ class Fp8Linear(torch.nn.Module):
             p.weight8, p.scale, p.block = w, s, block
 
     def dequantized(self) -> torch.Tensor:
-        """W in the model's dtype, as decoded mode holds it (fp8.py's rounding)."""
+        """W in the model's dtype, as decoded mode holds it (fp8.py's rounding; on CUDA one launch)."""
+        if self.weight8.is_cuda:
+            return fp8_ops.dequantize(self.weight8, self.scale, self.block)
         return fp8.dequantized_grid(self.weight8.view(torch.float8_e4m3fn), self.scale, self.block, self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:                            # [..., in] -> [..., out]

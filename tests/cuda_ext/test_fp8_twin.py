@@ -43,6 +43,15 @@ def test_the_product_is_the_checkpoints_within_bf16s_rounding(n, k, block, m):
     assert bool((err <= want.abs() * 2.0 ** -8 + 1e-6 * want.abs().max()).all()), err.max()   # one rounding
 
 
+@pytest.mark.parametrize(("n", "k", "block"), GRIDS + [(64, 96, (32, 48))])
+def test_dequantize_is_decoded_modes_weights_bit_for_bit(n, k, block):
+    from service.model import fp8 as served
+    w = fp8.sample_weight(n, k, seed=n)
+    scale = torch.rand(-(-n // block[0]), -(-k // block[1]), generator=torch.Generator().manual_seed(n)) / 64
+    want = served.dequantized_grid(w.view(torch.float8_e4m3fn), scale, block, torch.bfloat16)
+    assert torch.equal(fp8.dequantize(w, scale, block).view(torch.int16), want.view(torch.int16))
+
+
 def test_block_scales_multiply_their_own_columns():
     """A grid whose blocks differ: each block's sum times its own scale (a mix-up of blocks, rows
     or columns gives another product)."""

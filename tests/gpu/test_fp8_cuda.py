@@ -40,7 +40,7 @@ def _dequantized(w, scale, block):
 
 
 @pytest.mark.parametrize(("n", "k", "block"), GRIDS)
-@pytest.mark.parametrize("m", [1, 2, 4, 8, 9, 16])
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 9, 16, 17, 32, 33, 64])
 def test_the_product_errs_no_more_than_cublas_on_decoded_weights(n, k, block, m):
     x, w, scale = _case(n, k, block, m, seed=n + k + m)
     want = fp8.reference(x, w, scale, block)                                     # float64 [m, n]
@@ -53,12 +53,22 @@ def test_the_product_errs_no_more_than_cublas_on_decoded_weights(n, k, block, m)
 
 
 def test_a_rows_bits_do_not_depend_on_its_batch():
-    x, w, scale = _case(4096, 4096, (128, 128), 16, seed=5)
+    x, w, scale = _case(4096, 4096, (128, 128), 64, seed=5)
     x, w, scale = x.cuda(), w.cuda(), scale.cuda()
     whole = fp8.linear(x, w, scale, (128, 128))
-    for m in (1, 3, 8, 9, 15):
+    for m in (1, 3, 8, 9, 15, 16, 17, 31, 32, 33, 50):
         assert torch.equal(fp8.linear(x[:m].contiguous(), w, scale, (128, 128)), whole[:m]), m
-    assert torch.equal(fp8.linear(x[5:6].contiguous(), w, scale, (128, 128)), whole[5:6])
+    for r in (5, 41, 63):
+        assert torch.equal(fp8.linear(x[r:r + 1].contiguous(), w, scale, (128, 128)), whole[r:r + 1]), r
+
+
+@pytest.mark.parametrize(("n", "k", "block"), GRIDS + [(64, 96, (32, 48))])
+def test_dequantize_is_the_twins_and_decoded_modes_bit_for_bit(n, k, block):
+    w, scale = fp8.sample_weight(n, k, seed=n), torch.rand(-(-n // block[0]), -(-k // block[1])) / 64
+    w[w & 0x7F == 0x7F] = 0                                                     # NaN bytes are never kept
+    got = fp8.dequantize(w.cuda(), scale.cuda(), block).cpu()
+    assert torch.equal(got.view(torch.int16), fp8.dequantize(w, scale, block).view(torch.int16))
+    assert torch.equal(got.view(torch.int16), _dequantized(w, scale, block).view(torch.int16))
 
 
 def test_usable_in_a_cuda_graph():
@@ -79,8 +89,8 @@ def test_usable_in_a_cuda_graph():
 
 def test_cuda_refuses_what_it_does_not_take():
     w, scale = torch.zeros(32, 64, dtype=torch.uint8, device="cuda"), torch.ones(32, 1, device="cuda")
-    with pytest.raises(RuntimeError, match="1..16 rows"):
-        fp8.linear(torch.zeros(17, 64, dtype=torch.bfloat16, device="cuda"), w, scale, (1, 64))
+    with pytest.raises(RuntimeError, match="1..64 rows"):
+        fp8.linear(torch.zeros(65, 64, dtype=torch.bfloat16, device="cuda"), w, scale, (1, 64))
     with pytest.raises(RuntimeError, match="multiple of 16"):
         fp8.linear(torch.zeros(1, 40, dtype=torch.bfloat16, device="cuda"), w[:, :40].contiguous(), scale, (1, 40))
 
