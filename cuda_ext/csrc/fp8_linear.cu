@@ -1,20 +1,32 @@
 // The W8A16 matmul on tensor cores (fp8.h; the CPU twin and schemas are fp8_linear.cpp): y = x W^T
-// for x of 1..64 bf16 rows (32 a launch: 1, 2 or 4 n8 tiles of x) and W's float8_e4m3fn bytes, each
-// weight decoded to bf16 in registers (nothing written back), mma.sync.m16n8k16 with float32 sums,
-// one rounding; and fp8_dequantize, W times its scales rounded to bf16 (a prompt's matmul: cuBLAS).
-// * A CTA takes 16 rows of W (the mma's A: lane (g, t) = (lane / 4, lane % 4) rows g and g + 8) and
-//   a range of K's steps of kFp8Step columns; its kWarps warps take the range's steps in turn (warp
-//   w steps w, w + kWarps, ...), so neighbouring warps read neighbouring bytes of a row.
+// for x of 1..64 bf16 rows (32 a launch) and W's float8_e4m3fn bytes, each weight decoded to bf16 in registers
+// (nothing written back), mma.sync.m16n8k16 with float32 sums, one rounding; and fp8_dequantize, W
+// times its scales rounded to bf16 (a prompt's matmul: cuBLAS).
+// * W is the mma's A: a warp takes 16 rows of W (lane (g, t) = (lane / 4, lane % 4): rows g and
+//   g + 8) over steps of kFp8Step columns of K; x is B in n8 tiles (x row 8m + g: the tile's column g).
 // * In a step, lane t loads 16 bytes of each of its rows at columns 16t and 64 + 16t: word j (0..3)
 //   of a load holds k = 16t + 4j .. + 3, which mma j takes as its k slots 2t, 2t + 1 (bytes 0, 1)
-//   and 2t + 8, 2t + 9 (bytes 2, 3): a permutation of k inside the step that x (B: x row g, the n8
-//   tile's column g) follows, so that x's words go to the mma as loaded (words 2j and 2j + 1 of its
-//   16 columns 16t ..).
-// * A block scale (bi = kFp8Step) multiplies each step's sums; a grid of one column multiplies
-//   the final sum. The warps' sums are added in warp order through shared memory; where K is cut
-//   across CTAs (few rows of W), each range's float32 sums go to a buffer that sum_kernel adds in
-//   range order. The cut depends on W's shape and the device alone, so a row of x gets the same
-//   bits in any batch.
+//   and 2t + 8, 2t + 9 (bytes 2, 3): a permutation of k inside the step that x follows, so that x's
+//   words go to the mma as loaded (words 2j and 2j + 1 of its 16 columns 16t ..).
+// * Two kernels, by rows of x:
+//   - 1..16 (cols_kernel): a CTA's 8 warps share 16 rows of W and take a range of K's steps in turn
+//     (warp w steps w, w + 8, ...; neighbouring warps read neighbouring bytes of a row), each warp
+//     loading its x from L2; their sums are added in warp order through shared memory.
+//   - 17..64 (rows_kernel, four n8 tiles a launch): each of a CTA's 8 warps owns 16 rows of W for
+//     the range, and the CTA stages each step of x once in shared memory, where cols_kernel's warps
+//     read 4 bytes of x from L2 for each byte of W at 32 rows; W's steps come through shared memory
+//     too (cp.async, kStages steps of both in flight, each lane reading back its own 16-byte chunks).
+//     An 8B layer's seven matmuls at 32 rows: 1.25 (cols_kernel) -> 0.99 of cuBLAS's time, where
+//     holding W's next step in registers instead gave 1.02. At 1-16 rows it took 0.77-0.86 against
+//     cols_kernel's 0.67-0.77 (its CTAs of 128 rows need K cut for every matrix). 64 rows take two
+//     launches, 1.93-1.96 of cuBLAS (W read twice; eight tiles in one launch spilled registers and
+//     took 2.03) (H200, 2026-12-01/02).
+//   A row of x gets the same bits in any batch of 1..16 rows and in any batch of 17..64 (the two
+//   sum in different orders, as cuBLAS's kernels chosen by M do).
+// * A block scale (bi = kFp8Step) multiplies each step's sums; a grid of one column multiplies the
+//   final sum. Where K is cut across CTAs (few CTAs for the SMs), each range's float32 sums go to a
+//   buffer that sum_kernel adds in range order. The cut depends on W's shape, the kernel and the
+//   device alone.
 // * Programmatic dependent launch (launch.cuh): a warp requests its first step of W before it
 //   waits for the grid ahead; W is written only at load.
 #include <ATen/ATen.h>
@@ -24,6 +36,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 
 #include "fp8.h"
 #include "launch.cuh"
@@ -31,7 +44,10 @@
 namespace wcodec {
 namespace {
 
-constexpr int kWarps = 8;
+constexpr int kWarps = 8;                                           // a CTA's warps, both kernels
+constexpr int kFewRows = 16;                                        // cols_kernel's rows of x at most
+constexpr int kStages = 4;                                          // rows_kernel: steps of W and x in flight
+constexpr int kXPitch = kFp8Step + 8;                               // a staged row of x: 272 B, 17 chunks of 16 B
 
 struct Fp8Args {
   const uint8_t* w;
@@ -66,26 +82,83 @@ __device__ __forceinline__ uint32_t word(const uint4& v, int i) {  // i known at
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
-template <int kNt>                                                  // n8 tiles of x: 1 (1..8 rows), 2, 4
-struct Step {
-  uint4 w[4];                                                       // rows g, g + 8 at columns 16t, then 64 + 16t
-  uint4 x[kNt][4];                                                  // x rows g (+ 8): columns 16t .. 16t + 15, 64 + ..
+// A warp's rows of W (lane (g, t): rows g, g + 8 from n0) and its CTA's range of K's steps [s0, s1).
+struct Strip {
+  const uint8_t* row_g;
+  const uint8_t* row_h;
+  const float* block_scale;                                         // its grid row (block scales)
+  int s0, s1;
 };
 
-template <int kNt>
-__device__ __forceinline__ void load_w(const Fp8Args& a, const uint8_t* row_g, const uint8_t* row_h, int s, Step<kNt>& st) {
+__device__ __forceinline__ Strip strip(const Fp8Args& a, int64_t n0) {
+  const int g = (threadIdx.x & 31) >> 2, split = blockIdx.y;
+  const int64_t last = a.n - 1;                                     // rows past n: row n - 1, never written
+  return {a.w + std::min(n0 + g, last) * a.k, a.w + std::min(n0 + g + 8, last) * a.k,
+          a.scale + (std::min(n0, last) / a.bo) * a.scale_cols,     // bo % 16 == 0 where block: one grid row
+          static_cast<int>(static_cast<int64_t>(split) * a.steps / a.splits),
+          static_cast<int>(static_cast<int64_t>(split + 1) * a.steps / a.splits)};
+}
+
+// Step s of the strip's W: rows g, g + 8 at columns 16t, then 64 + 16t.
+__device__ __forceinline__ void load_w(const Fp8Args& a, const Strip& st, int s, uint4 (&w)[4]) {
   const int t = threadIdx.x & 3;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int64_t c = static_cast<int64_t>(s) * kFp8Step + 64 * h + 16 * t;
     const bool in = c < a.k;                                        // K % 16 == 0: a lane's 16 bytes are in or out
-    st.w[2 * h] = in ? ld_stream(row_g + c) : make_uint4(0, 0, 0, 0);
-    st.w[2 * h + 1] = in ? ld_stream(row_h + c) : make_uint4(0, 0, 0, 0);
+    w[2 * h] = in ? ld_stream(st.row_g + c) : make_uint4(0, 0, 0, 0);
+    w[2 * h + 1] = in ? ld_stream(st.row_h + c) : make_uint4(0, 0, 0, 0);
   }
 }
 
+// Half h of a step's W, decoded: the A operands of its four mma (j = 0..3).
+__device__ __forceinline__ void decode_half(const uint4 (&w)[4], int h, uint32_t (&a)[4][4]) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t wg = word(w[2 * h], j), wh = word(w[2 * h + 1], j);
+    a[j][0] = fp8_pair<false>(wg), a[j][1] = fp8_pair<false>(wh);
+    a[j][2] = fp8_pair<true>(wg), a[j][3] = fp8_pair<true>(wh);
+  }
+}
+
+// c += the half's A times a tile of x as B: x's columns 64h + 16t .. as lo (8) and hi (8) bf16.
+__device__ __forceinline__ void half_tile(const uint32_t (&a)[4][4], const uint4& lo, const uint4& hi, float (&c)[4]) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t b0 = j < 2 ? word(lo, 2 * j) : word(hi, 2 * j - 4);
+    const uint32_t b1 = j < 2 ? word(lo, 2 * j + 1) : word(hi, 2 * j - 3);
+    mma16816<true>(c, a[j][0], a[j][1], a[j][2], a[j][3], b0, b1);
+  }
+}
+
+// A step's sums (c) into acc: added, or (block scales) times the step's scale.
 template <int kNt>
-__device__ __forceinline__ void load_x(const Fp8Args& a, int s, Step<kNt>& st) {
+__device__ __forceinline__ void add_step(const Fp8Args& a, const Strip& st, int s, const float (&c)[kNt][4],
+                                         float (&acc)[kNt][4]) {
+  const float sc = __ldg(st.block_scale + s);
+#pragma unroll
+  for (int m = 0; m < kNt; ++m)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[m][e] += sc * c[m][e];
+}
+
+// One sum of C (tile m: c0, c1 at W row g, x rows 8m + 2t, + 1; c2, c3 at W row g + 8): y (times the
+// row's scale for a one-column grid, rounded) or the range's part.
+__device__ __forceinline__ void put(const Fp8Args& a, int64_t n0, int lane, int m, int e, float sum) {
+  const int64_t row = n0 + (lane >> 2) + (e >= 2 ? 8 : 0);
+  const int xr = 8 * m + 2 * (lane & 3) + (e & 1);
+  if (row >= a.n || xr >= a.nx) return;
+  if (a.splits > 1) {
+    a.part[(static_cast<int64_t>(blockIdx.y) * a.nx + xr) * a.n + row] = sum;
+  } else {
+    if (a.scale_cols == 1) sum *= __ldg(a.scale + row / a.bo);
+    a.y[xr * a.n + row] = __bfloat16_as_ushort(__float2bfloat16_rn(sum));
+  }
+}
+
+// cols_kernel's step s of x: rows g + 8m, columns 16t .., then 64 + 16t .. (x[m][2h], x[m][2h + 1]).
+template <int kNt>
+__device__ __forceinline__ void load_x(const Fp8Args& a, int s, uint4 (&x)[kNt][4]) {
   const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
 #pragma unroll
   for (int m = 0; m < kNt; ++m)
@@ -95,69 +168,49 @@ __device__ __forceinline__ void load_x(const Fp8Args& a, int s, Step<kNt>& st) {
       const int r = g + 8 * m;
       const bool in = r < a.nx && c < a.k;
       const uint4* p = reinterpret_cast<const uint4*>(a.x + r * a.k + c);
-      st.x[m][2 * h] = in ? __ldg(p) : make_uint4(0, 0, 0, 0);
-      st.x[m][2 * h + 1] = in ? __ldg(p + 1) : make_uint4(0, 0, 0, 0);
-    }
-}
-
-// A step's 8 mma a tile of x: W's words decoded as A, x's as B.
-template <int kNt>
-__device__ __forceinline__ void step_mma(const Step<kNt>& st, float (&c)[kNt][4]) {
-#pragma unroll
-  for (int h = 0; h < 2; ++h)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const uint32_t wg = word(st.w[2 * h], j), wh = word(st.w[2 * h + 1], j);
-      const uint32_t a0 = fp8_pair<false>(wg), a2 = fp8_pair<true>(wg);
-      const uint32_t a1 = fp8_pair<false>(wh), a3 = fp8_pair<true>(wh);
-#pragma unroll
-      for (int m = 0; m < kNt; ++m) {
-        const uint4& lo = st.x[m][2 * h];
-        const uint4& hi = st.x[m][2 * h + 1];
-        const uint32_t b0 = j < 2 ? word(lo, 2 * j) : word(hi, 2 * j - 4);
-        const uint32_t b1 = j < 2 ? word(lo, 2 * j + 1) : word(hi, 2 * j - 3);
-        mma16816<true>(c[m], a0, a1, a2, a3, b0, b1);
-      }
+      x[m][2 * h] = in ? __ldg(p) : make_uint4(0, 0, 0, 0);
+      x[m][2 * h + 1] = in ? __ldg(p + 1) : make_uint4(0, 0, 0, 0);
     }
 }
 
 template <int kNt>
-__global__ void __launch_bounds__(32 * kWarps) fp8_linear_kernel(Fp8Args a) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2;
+__device__ __forceinline__ void cols_step(const uint4 (&w)[4], const uint4 (&x)[kNt][4], float (&c)[kNt][4]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    uint32_t a[4][4];
+    decode_half(w, h, a);
+#pragma unroll
+    for (int m = 0; m < kNt; ++m) half_tile(a, x[m][2 * h], x[m][2 * h + 1], c[m]);
+  }
+}
+
+template <int kNt>                                                  // n8 tiles of x: 1 (1..8 rows), 2 (9..16)
+__global__ void __launch_bounds__(32 * kWarps) cols_kernel(Fp8Args a) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   const int64_t n0 = static_cast<int64_t>(blockIdx.x) * 16;
-  const int split = blockIdx.y;
-  const int s0 = static_cast<int>(static_cast<int64_t>(split) * a.steps / a.splits);
-  const int s1 = static_cast<int>(static_cast<int64_t>(split + 1) * a.steps / a.splits);
-  const uint8_t* row_g = a.w + std::min(n0 + g, a.n - 1) * a.k;    // rows past n: row n - 1, never written
-  const uint8_t* row_h = a.w + std::min(n0 + g + 8, a.n - 1) * a.k;
-  const bool block = a.scale_cols > 1;
-  const float* block_scale = a.scale + (n0 / a.bo) * a.scale_cols;  // bo % 16 == 0 where block: one grid row
-  constexpr bool kXAhead = kNt <= 2;                                // x a step ahead too (4 tiles: 64 registers more)
+  const Strip st = strip(a, n0);
   float acc[kNt][4] = {};
-  int s = s0 + warp;
-  Step<kNt> cur;
-  if (s < s1) load_w(a, row_g, row_h, s, cur);
+  uint4 w[4], x[kNt][4];                                            // step s: W, then x (requested a step ahead)
+  int s = st.s0 + warp;
+  if (s < st.s1) load_w(a, st, s, w);
   pdl_wait();
-  if (kXAhead && s < s1) load_x(a, s, cur);
-  for (; s < s1; s += kWarps) {
-    Step<kNt> next;
-    if (s + kWarps < s1) {
-      load_w(a, row_g, row_h, s + kWarps, next);
-      if constexpr (kXAhead) load_x(a, s + kWarps, next);
-    }
-    if constexpr (!kXAhead) load_x(a, s, cur);
-    if (block) {
+  if (s < st.s1) load_x<kNt>(a, s, x);
+  for (; s < st.s1; s += kWarps) {
+    uint4 w_next[4], x_next[kNt][4];
+    if (s + kWarps < st.s1) load_w(a, st, s + kWarps, w_next), load_x<kNt>(a, s + kWarps, x_next);
+    if (a.scale_cols > 1) {
       float c[kNt][4] = {};
-      step_mma(cur, c);
-      const float sc = __ldg(block_scale + s);
-#pragma unroll
-      for (int m = 0; m < kNt; ++m)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[m][e] += sc * c[m][e];
+      cols_step<kNt>(w, x, c);
+      add_step<kNt>(a, st, s, c, acc);
     } else {
-      step_mma(cur, acc);
+      cols_step<kNt>(w, x, acc);
     }
-    cur = next;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      w[q] = w_next[q];
+#pragma unroll
+      for (int m = 0; m < kNt; ++m) x[m][q] = x_next[m][q];
+    }
   }
   pdl_trigger();
   __shared__ float red[kWarps][kNt * 4][32];
@@ -170,18 +223,112 @@ __global__ void __launch_bounds__(32 * kWarps) fp8_linear_kernel(Fp8Args a) {
     const int e = i / 32, l = i % 32;
     float sum = 0.f;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) sum += red[w][e][l];
-    // C of tile m: c0, c1 (W row l / 4, x rows 2t, 2t + 1), c2, c3 (W row l / 4 + 8)
-    const int64_t row = n0 + (l >> 2) + (e % 4 >= 2 ? 8 : 0);
-    const int xr = 8 * (e / 4) + 2 * (l & 3) + (e & 1);
-    if (row >= a.n || xr >= a.nx) continue;
-    if (a.splits > 1) {
-      a.part[(static_cast<int64_t>(split) * a.nx + xr) * a.n + row] = sum;
-    } else {
-      if (!block) sum *= __ldg(a.scale + row / a.bo);
-      a.y[xr * a.n + row] = __bfloat16_as_ushort(__float2bfloat16_rn(sum));
+    for (int v = 0; v < kWarps; ++v) sum += red[v][e][l];
+    put(a, n0, l, e / 4, e % 4, sum);
+  }
+}
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool in) {   // !in: 16 zero bytes
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(in ? 16 : 0) : "memory");
+}
+
+// rows_kernel: the CTA stages step s of x (its 8 kNt rows, zeros past nx and K) in xs, a group a
+// step (empty past the range).
+template <int kNt>
+__device__ __forceinline__ void stage_x(const Fp8Args& a, int s, int s1, uint16_t (*xs)[kXPitch]) {
+  constexpr int kChunks = 8 * kNt * (kFp8Step / 8);                 // 16-byte chunks of the step's rows of x
+  for (int i = threadIdx.x; s < s1 && i < kChunks; i += 32 * kWarps) {
+    const int r = i / (kFp8Step / 8), c = i % (kFp8Step / 8) * 8;
+    const int64_t col = static_cast<int64_t>(s) * kFp8Step + c;
+    const bool in = r < a.nx && col < a.k;
+    cp_async16(&xs[r][c], a.x + (in ? r * a.k + col : 0), in);
+  }
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+// x's tiles from shared memory: row 8m + g at columns 64h + 16t (17 chunks a row: a warp's 16-byte
+// reads fall in distinct banks).
+template <int kNt>
+__device__ __forceinline__ void rows_step(const uint4 (&w)[4], const uint16_t (*x)[kXPitch], float (&c)[kNt][4]) {
+  const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    uint32_t a[4][4];
+    decode_half(w, h, a);
+#pragma unroll
+    for (int m = 0; m < kNt; ++m) {
+      const uint4* p = reinterpret_cast<const uint4*>(&x[8 * m + g][64 * h + 16 * t]);
+      half_tile(a, p[0], p[1], c[m]);
     }
   }
+}
+
+// rows_kernel's step s of a warp's W into shared memory by cp.async, each lane its own 4 chunks
+// (rows g, g + 8 at columns 16t, then 64 + 16t) at ws[q][lane]: a lane reads back only what it
+// copied, and a warp's 16-byte reads fall in distinct banks. Not committed: the step's x commits.
+__device__ __forceinline__ void stage_w(const Fp8Args& a, const Strip& st, int s, uint4 (*ws)[32]) {
+  const int t = threadIdx.x & 3, lane = threadIdx.x & 31;
+  if (s >= st.s1) return;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t c = static_cast<int64_t>(s) * kFp8Step + 64 * h + 16 * t;
+    const bool in = c < a.k;
+    cp_async16(&ws[2 * h][lane], in ? st.row_g + c : a.w, in);
+    cp_async16(&ws[2 * h + 1][lane], in ? st.row_h + c : a.w, in);
+  }
+}
+
+template <int kNt>                                                  // n8 tiles of x: 4 (up to 32 rows a launch)
+__global__ void __launch_bounds__(32 * kWarps, 2) rows_kernel(Fp8Args a) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  const int64_t n0 = (static_cast<int64_t>(blockIdx.x) * kWarps + warp) * 16;
+  const Strip st = strip(a, n0);
+  extern __shared__ __align__(16) uint4 smem[];
+  auto xs = reinterpret_cast<uint16_t (*)[8 * kNt][kXPitch]>(smem);                        // [kStages][8 kNt][kXPitch]
+  auto ws = reinterpret_cast<uint4 (*)[kWarps][4][32]>(smem + kStages * 8 * kNt * kXPitch / 8);   // [kStages][warp][q][lane]
+#pragma unroll
+  for (int p = 0; p < kStages - 1; ++p) stage_w(a, st, st.s0 + p, ws[p][warp]);
+  pdl_wait();
+#pragma unroll
+  for (int p = 0; p < kStages - 1; ++p) stage_x<kNt>(a, st.s0 + p, st.s1, xs[p]);
+  float acc[kNt][4] = {};
+  for (int s = st.s0; s < st.s1; ++s) {
+    const int i = s - st.s0;
+    asm volatile("cp.async.wait_group %0;" ::"n"(kStages - 2) : "memory");   // step s's W and x are in
+    __syncthreads();                                                // and step s - 1's buffers read
+    stage_w(a, st, s + kStages - 1, ws[(i + kStages - 1) % kStages][warp]);
+    stage_x<kNt>(a, s + kStages - 1, st.s1, xs[(i + kStages - 1) % kStages]);
+    uint4 w[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) w[q] = ws[i % kStages][warp][q][lane];
+    if (a.scale_cols > 1) {
+      float c[kNt][4] = {};
+      rows_step<kNt>(w, xs[i % kStages], c);
+      add_step<kNt>(a, st, s, c, acc);
+    } else {
+      rows_step<kNt>(w, xs[i % kStages], acc);
+    }
+  }
+  asm volatile("cp.async.wait_all;" ::: "memory");
+  pdl_trigger();
+#pragma unroll
+  for (int m = 0; m < kNt; ++m)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) put(a, n0, lane, m, e, acc[m][e]);
+}
+
+template <int kNt>                                                  // dynamic: over the 48 KB of a static array
+constexpr int rows_smem() { return kStages * (8 * kNt * kXPitch * 2 + kWarps * 4 * 32 * 16); }
+
+template <int kNt>
+void launch_rows(dim3 grid, cudaStream_t stream, const Fp8Args& a) {
+  static std::atomic<int32_t> known[64] = {};                       // the attribute set, once a device
+  per_device(known, [](int) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(rows_kernel<kNt>, cudaFuncAttributeMaxDynamicSharedMemorySize, rows_smem<kNt>()));
+    return 1;
+  });
+  launch_pdl_smem(rows_kernel<kNt>, grid, dim3(32 * kWarps), rows_smem<kNt>(), stream, a);
 }
 
 // y = the ranges' sums added in range order (times the row's scale for a one-column grid), rounded once.
@@ -195,10 +342,11 @@ __global__ void sum_kernel(Fp8Args a) {
   a.y[i] = __bfloat16_as_ushort(__float2bfloat16_rn(sum));
 }
 
-// K's ranges: enough CTAs for two an SM where W's rows alone give fewer, each range at least a step a warp.
-int splits_for(int64_t ctas, int steps) {
+// K's ranges: enough CTAs for two an SM where W's rows alone give fewer, each range at least
+// `least` steps (cols_kernel: a step a warp; rows_kernel: the staged steps).
+int splits_for(int64_t ctas, int steps, int least) {
   const int64_t want = 2 * static_cast<int64_t>(sm_count()) / std::max<int64_t>(ctas, 1);
-  return static_cast<int>(std::clamp<int64_t>(want, 1, std::max(1, steps / kWarps)));
+  return static_cast<int>(std::clamp<int64_t>(want, 1, std::max(1, steps / least)));
 }
 
 at::Tensor fp8_linear_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, int64_t block_rows,
@@ -206,7 +354,6 @@ at::Tensor fp8_linear_cuda(const at::Tensor& x, const at::Tensor& w, const at::T
   fp8_check_args(x, w, scale, block_rows, block_cols);
   const int64_t n = w.size(0), k = w.size(1), nx = x.size(0);
   TORCH_CHECK(nx >= 1 && nx <= kFp8MaxRows, "fp8_linear on CUDA takes 1..", kFp8MaxRows, " rows of x, got ", nx);
-  // nx > kFp8LaunchRows: a launch per kFp8LaunchRows rows (a row's sums are the same in any of them)
   TORCH_CHECK(k % 16 == 0 && n >= 1, "fp8_linear on CUDA: K must be a multiple of 16 (got ", k, ")");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 &&
                   reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0,
@@ -215,20 +362,23 @@ at::Tensor fp8_linear_cuda(const at::Tensor& x, const at::Tensor& w, const at::T
   TORCH_CHECK(n < (int64_t{1} << 31) / 16 && k < (int64_t{1} << 31) / 2, "fp8_linear: W too large");
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor y = at::empty({nx, n}, x.options());
-  const int64_t ctas = (n + 15) / 16;
+  const bool few = nx <= kFewRows;
+  const int64_t ctas = few ? (n + 15) / 16 : (n + 16 * kWarps - 1) / (16 * kWarps);
   const int steps = static_cast<int>((k + kFp8Step - 1) / kFp8Step);
-  const int splits = splits_for(ctas, steps);
+  const int splits = splits_for(ctas, steps, few ? kWarps : kStages);
   at::Tensor part;
   if (splits > 1) part = at::empty({splits, std::min<int64_t>(nx, kFp8LaunchRows), n}, x.options().dtype(at::kFloat));
+  const dim3 grid(static_cast<unsigned>(ctas), static_cast<unsigned>(splits));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  for (int64_t r0 = 0; r0 < nx; r0 += kFp8LaunchRows) {
+  for (int64_t r0 = 0; r0 < nx; r0 += kFp8LaunchRows) {             // a row's sums are the same in any launch
     const int rows = static_cast<int>(std::min<int64_t>(kFp8LaunchRows, nx - r0));
     Fp8Args a{w.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(x.data_ptr()) + r0 * k, scale.data_ptr<float>(),
               splits > 1 ? part.data_ptr<float>() : nullptr, reinterpret_cast<uint16_t*>(y.data_ptr()) + r0 * n, n, k,
               rows, steps, splits, static_cast<int>(std::min<int64_t>(block_rows, n)), static_cast<int>(scale.size(1))};
-    const dim3 grid(static_cast<unsigned>(ctas), static_cast<unsigned>(splits));
-    launch_pdl(rows > 16 ? fp8_linear_kernel<4> : rows > 8 ? fp8_linear_kernel<2> : fp8_linear_kernel<1>, grid,
-               dim3(32 * kWarps), stream, a);
+    if (few)
+      launch_pdl(nx > 8 ? cols_kernel<2> : cols_kernel<1>, grid, dim3(32 * kWarps), stream, a);
+    else
+      launch_rows<4>(grid, stream, a);
     if (splits > 1)
       launch_pdl(sum_kernel, dim3(static_cast<unsigned>((rows * n + 255) / 256)), dim3(256), stream, a);
   }

