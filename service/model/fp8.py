@@ -2,7 +2,8 @@
 
 The archive keeps an fp8 checkpoint as it is (the float codec codes the float8 bytes whole,
 losslessly); a load turns each float8 matrix into the model's dtype and drops the scale tensors,
-so the model is served as its bf16 twin would be. Formats, by config.json's
+so the model is served as its bf16 twin would be (decoded mode; compressed mode on CUDA keeps the
+e4m3 matrices it can multiply as they are: fp8_linear.py). Formats, by config.json's
 `quantization_config.quant_method`:
 
     method              weight            its scale tensor            scale shape
