@@ -112,13 +112,19 @@ def clocks() -> str:
     return f"SM clock, max, power, limit: {out}"
 
 
-def main() -> None:
+def layer_bench() -> tuple[argparse.Namespace, dict[str, torch.Tensor]]:
+    """A layer bench's flags (--reps, --json) and one Llama-3-8B layer's trained-like weights on CUDA
+    (this bench's and fp8_gpu.py's)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json")
     args = ap.parse_args()
     assert cuda_ext.available().cuda, cuda_ext.available().reason
-    layer = {k: w.cuda() for k, w in weights(LAYER_8B, seed=1).items()}
+    return args, {k: w.cuda() for k, w in weights(LAYER_8B, seed=1).items()}
+
+
+def main() -> None:
+    args, layer = layer_bench()
     fr_ops.encode(layer["k"])                                            # warm-up (module load)
     frs, seconds = transcode(layer)
     decoded = {k: fr_ops.decode(fr) for k, fr in frs.items()}

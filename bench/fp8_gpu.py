@@ -11,17 +11,13 @@ graph of `reps` calls of its seven, replayed.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import time
 
 import torch
 import torch.nn.functional as F
-from fine_decode import LAYER_8B
-from fixedrate_gpu import SERVED, clocks, graph_ms
-from gpu_bench import weights
+from fixedrate_gpu import SERVED, clocks, graph_ms, layer_bench
 
-import cuda_ext
 from cuda_ext import fp8
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
@@ -78,12 +74,7 @@ def joined(qs: dict) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--json")
-    args = ap.parse_args()
-    assert cuda_ext.available().cuda, cuda_ext.available().reason
-    layer = {k: w.cuda() for k, w in weights(LAYER_8B, seed=1).items()}
+    args, layer = layer_bench()
     report = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "clocks": clocks(), "scales": {}}
     for label, block in (("row", None), ("block128", (128, 128))):
