@@ -1,9 +1,10 @@
 """The W8A16 ops under `compute-sanitizer` (memcheck, then racecheck: cols_kernel's warps add their
-sums through shared memory, rows_kernel's CTA stages x there by cp.async): fp8_to_bf16 on ragged
-lengths (the tail byte by byte), fp8_linear at every row count 1..16 and at 17..64's edges on ragged shapes with a scale a row, a tensor and a 128 x 128 block, K cut across
-CTAs (few rows of W) and not, and chained at 4 and 40 rows (each product read by the next). Exits non-zero if a
-decode differs from the C++ twin's or a product from the twin's by more than two roundings (of the
-element, or of its row's largest where the sum cancels)."""
+sums through shared memory, rows_kernel's CTA stages x's and W's steps there by cp.async):
+fp8_to_bf16 on ragged lengths (the tail byte by byte), fp8_linear at every row count 1..16 and at
+17..64's edges on ragged shapes with a scale a row, a tensor and a 128 x 128 block, K cut across
+CTAs (few rows of W) and not, and chained at 4 and 40 rows (each product read by the next). Exits
+non-zero if a decode differs from the C++ twin's or a product from the twin's by more than two
+roundings (of the element, or of its row's largest where the sum cancels)."""
 import sys
 
 import torch
