@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 FP8_OPS = ("wcodec::fp8_to_bf16", "wcodec::fp8_linear", "wcodec::fp8_dequantize")
-MAX_ROWS = 64                    # fp8.h kFp8MaxRows (a launch takes 32)
+MAX_ROWS = 64                    # fp8.h kFp8MaxRows
 STEP = 128                       # fp8.h kFp8Step: columns a block scale covers
 NAN_BYTES = (0x7F, 0xFF)         # e4m3fn's NaN, which fp8.h's steps do not decode
 

@@ -19,7 +19,6 @@ namespace wcodec {
 
 constexpr int kFp8Step = 128;                  // W's columns a warp takes a step; block scales' width
 constexpr int kFp8MaxRows = 64;                // rows of x the fused op takes
-constexpr int kFp8LaunchRows = 32;             // rows of x a launch takes (four n8 tiles)
 constexpr uint16_t kBf16Two120 = 0x7B80;       // 2^120 in bf16: exponent 127 + 120
 
 // Two e4m3 bytes placed by prmt (fp8_linear.cu) as the 32-bit word

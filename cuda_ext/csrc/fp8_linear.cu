@@ -1,5 +1,5 @@
 // The W8A16 matmul on tensor cores (fp8.h; the CPU twin and schemas are fp8_linear.cpp): y = x W^T
-// for x of 1..64 bf16 rows (32 a launch) and W's float8_e4m3fn bytes, each weight decoded to bf16 in registers
+// for x of 1..64 bf16 rows and W's float8_e4m3fn bytes, each weight decoded to bf16 in registers
 // (nothing written back), mma.sync.m16n8k16 with float32 sums, one rounding; and fp8_dequantize, W
 // times its scales rounded to bf16 (a prompt's matmul: cuBLAS).
 // * W is the mma's A: a warp takes 16 rows of W (lane (g, t) = (lane / 4, lane % 4): rows g and
@@ -12,15 +12,16 @@
 //   - 1..16 (cols_kernel): a CTA's 8 warps share 16 rows of W and take a range of K's steps in turn
 //     (warp w steps w, w + 8, ...; neighbouring warps read neighbouring bytes of a row), each warp
 //     loading its x from L2; their sums are added in warp order through shared memory.
-//   - 17..64 (rows_kernel, four n8 tiles a launch): each of a CTA's 8 warps owns 16 rows of W for
-//     the range, and the CTA stages each step of x once in shared memory, where cols_kernel's warps
-//     read 4 bytes of x from L2 for each byte of W at 32 rows; W's steps come through shared memory
-//     too (cp.async, kStages steps of both in flight, each lane reading back its own 16-byte chunks).
-//     An 8B layer's seven matmuls at 32 rows: 1.25 (cols_kernel) -> 0.99 of cuBLAS's time, where
-//     holding W's next step in registers instead gave 1.02. At 1-16 rows it took 0.77-0.86 against
-//     cols_kernel's 0.67-0.77 (its CTAs of 128 rows need K cut for every matrix). 64 rows take two
-//     launches, 1.93-1.96 of cuBLAS (W read twice; eight tiles in one launch spilled registers and
-//     took 2.03) (H200, 2026-12-01/02).
+//   - 17..64 (rows_kernel, four n8 tiles to 32 rows, eight above): each of a CTA's 8 warps owns 16
+//     rows of W for the range, and the CTA stages each step of x once in shared memory, where
+//     cols_kernel's warps read 4 bytes of x from L2 for each byte of W at 32 rows; W's steps come
+//     through shared memory too (cp.async, 4 steps of both in flight, 3 at eight tiles so that two
+//     CTAs fit an SM; each lane reads back its own 16-byte chunks). An 8B layer's seven matmuls at
+//     32 rows: 1.25 (cols_kernel) -> 0.99 of cuBLAS's time, where holding W's next step in
+//     registers instead gave 1.02; at 64 rows 1.40 (two launches of four tiles, reading W twice:
+//     1.94; eight tiles with W in registers spilled: 2.03; with W staged 12 bytes spill, at 128
+//     registers for two CTAs an SM). At 1-16 rows it took 0.77-0.86 against
+//     cols_kernel's 0.67-0.77 (its CTAs of 128 rows need K cut for every matrix) (H200, 2026-12-01/02).
 //   A row of x gets the same bits in any batch of 1..16 rows and in any batch of 17..64 (the two
 //   sum in different orders, as cuBLAS's kernels chosen by M do).
 // * A block scale (bi = kFp8Step) multiplies each step's sums; a grid of one column multiplies the
@@ -47,6 +48,8 @@ namespace {
 constexpr int kWarps = 8;                                           // a CTA's warps, both kernels
 constexpr int kFewRows = 16;                                        // cols_kernel's rows of x at most
 constexpr int kStages = 4;                                          // rows_kernel: steps of W and x in flight
+template <int kNt>                                                  // (3 at 8 tiles: two CTAs an SM)
+constexpr int stages() { return kNt > 4 ? 3 : kStages; }
 constexpr int kXPitch = kFp8Step + 8;                               // a staged row of x: 272 B, 17 chunks of 16 B
 
 struct Fp8Args {
@@ -285,29 +288,30 @@ __global__ void __launch_bounds__(32 * kWarps, 2) rows_kernel(Fp8Args a) {
   const int64_t n0 = (static_cast<int64_t>(blockIdx.x) * kWarps + warp) * 16;
   const Strip st = strip(a, n0);
   extern __shared__ __align__(16) uint4 smem[];
-  auto xs = reinterpret_cast<uint16_t (*)[8 * kNt][kXPitch]>(smem);                        // [kStages][8 kNt][kXPitch]
-  auto ws = reinterpret_cast<uint4 (*)[kWarps][4][32]>(smem + kStages * 8 * kNt * kXPitch / 8);   // [kStages][warp][q][lane]
+  constexpr int kS = stages<kNt>();
+  auto xs = reinterpret_cast<uint16_t (*)[8 * kNt][kXPitch]>(smem);                        // [kS][8 kNt][kXPitch]
+  auto ws = reinterpret_cast<uint4 (*)[kWarps][4][32]>(smem + kS * 8 * kNt * kXPitch / 8);  // [kS][warp][q][lane]
 #pragma unroll
-  for (int p = 0; p < kStages - 1; ++p) stage_w(a, st, st.s0 + p, ws[p][warp]);
+  for (int p = 0; p < kS - 1; ++p) stage_w(a, st, st.s0 + p, ws[p][warp]);
   pdl_wait();
 #pragma unroll
-  for (int p = 0; p < kStages - 1; ++p) stage_x<kNt>(a, st.s0 + p, st.s1, xs[p]);
+  for (int p = 0; p < kS - 1; ++p) stage_x<kNt>(a, st.s0 + p, st.s1, xs[p]);
   float acc[kNt][4] = {};
   for (int s = st.s0; s < st.s1; ++s) {
     const int i = s - st.s0;
-    asm volatile("cp.async.wait_group %0;" ::"n"(kStages - 2) : "memory");   // step s's W and x are in
+    asm volatile("cp.async.wait_group %0;" ::"n"(kS - 2) : "memory");   // step s's W and x are in
     __syncthreads();                                                // and step s - 1's buffers read
-    stage_w(a, st, s + kStages - 1, ws[(i + kStages - 1) % kStages][warp]);
-    stage_x<kNt>(a, s + kStages - 1, st.s1, xs[(i + kStages - 1) % kStages]);
+    stage_w(a, st, s + kS - 1, ws[(i + kS - 1) % kS][warp]);
+    stage_x<kNt>(a, s + kS - 1, st.s1, xs[(i + kS - 1) % kS]);
     uint4 w[4];
 #pragma unroll
-    for (int q = 0; q < 4; ++q) w[q] = ws[i % kStages][warp][q][lane];
+    for (int q = 0; q < 4; ++q) w[q] = ws[i % kS][warp][q][lane];
     if (a.scale_cols > 1) {
       float c[kNt][4] = {};
-      rows_step<kNt>(w, xs[i % kStages], c);
+      rows_step<kNt>(w, xs[i % kS], c);
       add_step<kNt>(a, st, s, c, acc);
     } else {
-      rows_step<kNt>(w, xs[i % kStages], acc);
+      rows_step<kNt>(w, xs[i % kS], acc);
     }
   }
   asm volatile("cp.async.wait_all;" ::: "memory");
@@ -319,7 +323,7 @@ __global__ void __launch_bounds__(32 * kWarps, 2) rows_kernel(Fp8Args a) {
 }
 
 template <int kNt>                                                  // dynamic: over the 48 KB of a static array
-constexpr int rows_smem() { return kStages * (8 * kNt * kXPitch * 2 + kWarps * 4 * 32 * 16); }
+constexpr int rows_smem() { return stages<kNt>() * (8 * kNt * kXPitch * 2 + kWarps * 4 * 32 * 16); }
 
 template <int kNt>
 void launch_rows(dim3 grid, cudaStream_t stream, const Fp8Args& a) {
@@ -367,21 +371,20 @@ at::Tensor fp8_linear_cuda(const at::Tensor& x, const at::Tensor& w, const at::T
   const int steps = static_cast<int>((k + kFp8Step - 1) / kFp8Step);
   const int splits = splits_for(ctas, steps, few ? kWarps : kStages);
   at::Tensor part;
-  if (splits > 1) part = at::empty({splits, std::min<int64_t>(nx, kFp8LaunchRows), n}, x.options().dtype(at::kFloat));
+  if (splits > 1) part = at::empty({splits, nx, n}, x.options().dtype(at::kFloat));
   const dim3 grid(static_cast<unsigned>(ctas), static_cast<unsigned>(splits));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  for (int64_t r0 = 0; r0 < nx; r0 += kFp8LaunchRows) {             // a row's sums are the same in any launch
-    const int rows = static_cast<int>(std::min<int64_t>(kFp8LaunchRows, nx - r0));
-    Fp8Args a{w.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(x.data_ptr()) + r0 * k, scale.data_ptr<float>(),
-              splits > 1 ? part.data_ptr<float>() : nullptr, reinterpret_cast<uint16_t*>(y.data_ptr()) + r0 * n, n, k,
-              rows, steps, splits, static_cast<int>(std::min<int64_t>(block_rows, n)), static_cast<int>(scale.size(1))};
-    if (few)
-      launch_pdl(nx > 8 ? cols_kernel<2> : cols_kernel<1>, grid, dim3(32 * kWarps), stream, a);
-    else
-      launch_rows<4>(grid, stream, a);
-    if (splits > 1)
-      launch_pdl(sum_kernel, dim3(static_cast<unsigned>((rows * n + 255) / 256)), dim3(256), stream, a);
-  }
+  const Fp8Args a{w.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(x.data_ptr()), scale.data_ptr<float>(),
+                  splits > 1 ? part.data_ptr<float>() : nullptr, reinterpret_cast<uint16_t*>(y.data_ptr()), n, k,
+                  static_cast<int>(nx), steps, splits, static_cast<int>(std::min<int64_t>(block_rows, n)),
+                  static_cast<int>(scale.size(1))};
+  if (few)
+    launch_pdl(nx > 8 ? cols_kernel<2> : cols_kernel<1>, grid, dim3(32 * kWarps), stream, a);
+  else if (nx > 32)
+    launch_rows<8>(grid, stream, a);
+  else
+    launch_rows<4>(grid, stream, a);
+  if (splits > 1) launch_pdl(sum_kernel, dim3(static_cast<unsigned>((nx * n + 255) / 256)), dim3(256), stream, a);
   return y;
 }
 
