@@ -63,10 +63,13 @@ GGUF_DIGIT_PRE = frozenset({"starcoder", "refact", "command-r", "smollm", "codes
 # Qwen2.5's tokenizer.json, transformers' Qwen2Tokenizer); transformers' GGUF reader gives the split
 # but no normalizer: "cafe\u0301" became e|\u0301 where the model saw the one token "é".
 GGUF_NFC_PRE = frozenset({"qwen2"})
-# Tokens that end generation besides the file's eos, where the model's own generation_config.json
-# says so: Qwen2.5-Instruct's is [<|im_end|>, <|endoftext|>] where its GGUF holds <|im_end|> alone
-# (llama.cpp ends on both: every control token of its end-of-generation texts).
-GGUF_END_OF_TEXT = {"qwen2": ("<|endoftext|>",)}
+# Tokens that end generation besides the file's eos, as llama.cpp's vocabulary loader marks them
+# (llama-vocab.cpp: the file's eot and eom ids, and the special tokens of its end-of-generation
+# texts): Llama-3-Instruct's <|eot_id|> where a conversion's eos is <|end_of_text|> (generation ran
+# on past the turn's end), Qwen2.5-Instruct's <|endoftext|> beside its <|im_end|> (its own
+# generation_config.json lists both), Gemma's <end_of_turn>.
+GGUF_END_OF_GENERATION = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+                          "<EOT>", "_<EOT>", "<\uff5cend\u2581of\u2581sentence\uff5c>")
 GGUF_NAME_RE = re.compile(r"(?:blk\.(?P<layer>\d+)\.)?(?P<stem>\w+)\.(?P<suffix>weight|bias)")
 
 
@@ -83,7 +86,7 @@ class GGUFSource(CheckpointSource):
         arch = self._field("general.architecture")
         if arch not in GGUF_ARCHITECTURES:
             raise self._error(f"unsupported GGUF architecture {arch!r} (supported: {sorted(GGUF_ARCHITECTURES)})")
-        self._arch, self._permuted = arch, GGUF_ARCHITECTURES[arch]
+        self._permuted = GGUF_ARCHITECTURES[arch]
         self._n_head = int(self._field(f"{arch}.attention.head_count"))
         self._n_kv_head = int(self._field(f"{arch}.attention.head_count_kv", self._n_head))
         self._by_name: dict[str, gguf.ReaderTensor] = {}
@@ -148,7 +151,9 @@ class GGUFSource(CheckpointSource):
     def files(self) -> dict[str, bytes]:
         if self._files is None:
             pre = str(self._field("tokenizer.ggml.pre", ""))
-            self._files = _gguf_side_files(self.path, tied=self._tied, rope=self._rope, pre=pre, arch=self._arch)
+            ids = (int(self._field(f"tokenizer.ggml.{k}_token_id", -1)) for k in ("eot", "eom"))
+            ends = tuple(i for i in ids if i >= 0)
+            self._files = _gguf_side_files(self.path, tied=self._tied, rope=self._rope, pre=pre, ends=ends)
         return dict(self._files)
 
     def tensors(self) -> list[TensorInfo]:
@@ -236,7 +241,7 @@ def _unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def _gguf_side_files(path: Path, *, tied: bool, pre: str, rope: tuple | None = None,
-                     arch: str = "llama") -> dict[str, bytes]:
+                     ends: tuple[int, ...] = ()) -> dict[str, bytes]:
     """config.json, generation_config.json and tokenizer files, built by transformers from metadata.
     Once a process for a given file: transformers parses the whole metadata twice (config, then
     tokenizer), 11 s for the demo's 49 152-token vocabulary on a 2-core CPU, and a process that
@@ -244,8 +249,8 @@ def _gguf_side_files(path: Path, *, tied: bool, pre: str, rope: tuple | None = N
     the result. The file's size, modification time and inode are part of the key, so a file
     replaced in place is converted anew. `pre`: the file's `tokenizer.ggml.pre` (_as_trained);
     `rope`: the llama3 scaling of the file's rope_freqs (sorted items), which transformers' loader
-    does not read; `arch`: the file's architecture (GGUF_END_OF_TEXT)."""
-    return dict(_side_files_of(*_file_key(path), tied, pre, rope, arch))
+    does not read; `ends`: the file's eot and eom token ids (GGUF_END_OF_GENERATION)."""
+    return dict(_side_files_of(*_file_key(path), tied, pre, rope, ends))
 
 
 def _set_rope(config, scaling: dict) -> None:
@@ -264,7 +269,7 @@ def _file_key(path: Path) -> tuple[Path, int, int, int]:
 
 @functools.lru_cache(maxsize=4)
 def _side_files_of(path: Path, size: int, mtime_ns: int, inode: int, tied: bool, pre: str,
-                   rope: tuple | None, arch: str) -> dict[str, bytes]:
+                   rope: tuple | None, ends: tuple[int, ...]) -> dict[str, bytes]:
     from transformers import AutoConfig, AutoTokenizer
 
     kwargs = {"gguf_file": path.name, "local_files_only": True}
@@ -279,7 +284,7 @@ def _side_files_of(path: Path, size: int, mtime_ns: int, inode: int, tied: bool,
         _set_rope(config, dict(rope))
     files = {
         "config.json": config.to_json_string().encode(),
-        "generation_config.json": _generation(config, tokenizer, arch).to_json_string().encode(),
+        "generation_config.json": _generation(config, tokenizer, ends).to_json_string().encode(),
     }
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer.save_pretrained(tmp)
@@ -287,13 +292,15 @@ def _side_files_of(path: Path, size: int, mtime_ns: int, inode: int, tied: bool,
     return files
 
 
-def _generation(config: Any, tokenizer: Any, arch: str) -> Any:
-    """The generation config of `config`, ending also on the tokens GGUF_END_OF_TEXT names for `arch`."""
+def _generation(config: Any, tokenizer: Any, ends: tuple[int, ...]) -> Any:
+    """The generation config of `config`, ending also on `ends` (the file's eot and eom ids) and on
+    the special tokens of GGUF_END_OF_GENERATION's texts, the eos first."""
     from transformers import GenerationConfig
 
     generation = GenerationConfig.from_model_config(config)
-    vocab = tokenizer.get_vocab()
-    extra = [vocab[t] for t in GGUF_END_OF_TEXT.get(arch, ()) if t in vocab and vocab[t] != config.eos_token_id]
+    special = {t.content: i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    ids = [*ends, *(special[t] for t in GGUF_END_OF_GENERATION if t in special)]
+    extra = list(dict.fromkeys(i for i in ids if i != config.eos_token_id))
     if extra and config.eos_token_id is not None:
         generation.eos_token_id = [config.eos_token_id, *extra]
     return generation

@@ -101,7 +101,7 @@ def _quantized(name: str, w: np.ndarray) -> tuple[np.ndarray, gguf.GGMLQuantizat
     return quantize_q4_k(w), gguf.GGMLQuantizationType.Q4_K
 
 
-def _write_tokenizer(writer: gguf.GGUFWriter, tok, rows: int) -> None:
+def _write_tokenizer(writer: gguf.GGUFWriter, tok, rows: int, eot: str | None) -> None:
     import json
     model = json.loads(tok.to_str())["model"]
     tokens = [tok.id_to_token(i) for i in range(tok.get_vocab_size())]
@@ -116,13 +116,16 @@ def _write_tokenizer(writer: gguf.GGUFWriter, tok, rows: int) -> None:
     writer.add_bos_token_id(tok.token_to_id("<|endoftext|>"))
     writer.add_eos_token_id(tok.token_to_id("<|im_end|>"))
     writer.add_pad_token_id(tok.token_to_id("<|endoftext|>"))
+    if eot is not None:
+        writer.add_eot_token_id(tok.token_to_id(eot))
     writer.add_add_bos_token(False)
     writer.add_chat_template(TEMPLATE)
 
 
-def write_qwen2_gguf(path: Path, model, tok, arch: str = "qwen2") -> Path:
+def write_qwen2_gguf(path: Path, model, tok, arch: str = "qwen2", eot: str | None = None) -> Path:
     """`model` (a Qwen2ForCausalLM) and `tok` as llama.cpp writes them (`arch` other than qwen2:
-    the same file under another name, for the refusals)."""
+    the same file under another name, for the refusals; `eot`: a token named by
+    `tokenizer.ggml.eot_token_id`)."""
     c = model.config
     writer = gguf.GGUFWriter(path, arch)
     writer.add_name("tiny-qwen2")
@@ -135,7 +138,7 @@ def write_qwen2_gguf(path: Path, model, tok, arch: str = "qwen2") -> Path:
     writer.add_rope_freq_base(SIZES["rope_theta"])
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
-    _write_tokenizer(writer, tok, c.vocab_size)
+    _write_tokenizer(writer, tok, c.vocab_size, eot)
     for hf, t in model.state_dict().items():
         if hf == "lm_head.weight" and c.tie_word_embeddings:
             continue                                                   # a tied head is not written

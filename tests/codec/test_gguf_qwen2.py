@@ -88,6 +88,14 @@ def test_config_is_qwen2s(qwen2, tok, files) -> None:
     assert AutoConfig.for_model(**config).rope_parameters["rope_theta"] == SIZES["rope_theta"]
 
 
+def test_generation_also_ends_on_the_files_eot_token(tok, tmp_path: Path) -> None:
+    """llama.cpp ends generation on the file's eot (and eom) id too, whatever its text."""
+    path = write_qwen2_gguf(tmp_path / "eot.gguf", random_qwen2(VOCAB, tied=True), tok, eot="<|im_start|>")
+    with open_source(path) as src:
+        eos = json.loads(src.files["generation_config.json"])["eos_token_id"]
+    assert eos == [tok.token_to_id(t) for t in ("<|im_end|>", "<|im_start|>", "<|endoftext|>")]
+
+
 def test_tokenizer_splits_and_normalizes_as_qwen2s(tok, files, tmp_path: Path) -> None:
     from tokenizers import Tokenizer
     from transformers import AutoTokenizer

@@ -216,7 +216,8 @@ def test_gguf_config_and_tokenizer(gguf_files: Path) -> None:
     assert config.num_hidden_layers == 30
     assert config.num_attention_heads == 9 and config.num_key_value_heads == 3
     assert config.tie_word_embeddings is True
-    assert GenerationConfig.from_pretrained(gguf_files).eos_token_id == 2
+    # <|im_end|>, the file's eos, then <|endoftext|>: llama.cpp ends generation on both
+    assert GenerationConfig.from_pretrained(gguf_files).eos_token_id == [2, 0]
     tok = AutoTokenizer.from_pretrained(gguf_files)
     text = tok.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=False)
     assert text.endswith("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
