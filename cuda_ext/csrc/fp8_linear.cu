@@ -8,7 +8,7 @@
 //   of a load holds k = 16t + 4j .. + 3, which mma j takes as its k slots 2t, 2t + 1 (bytes 0, 1)
 //   and 2t + 8, 2t + 9 (bytes 2, 3): a permutation of k inside the step that x follows, so that x's
 //   words go to the mma as loaded (words 2j and 2j + 1 of its 16 columns 16t ..).
-// * Two kernels, by rows of x:
+// * Two kernels, by rows of x (fp8_mma.cuh holds what they share; rows_kernel is in fp8_rows.cu):
 //   - 1..16 (cols_kernel): a CTA's 8 warps share 16 rows of W and take a range of K's steps in turn
 //     (warp w steps w, w + 8, ...; neighbouring warps read neighbouring bytes of a row), each warp
 //     loading its x from L2; their sums are added in warp order through shared memory.
@@ -33,131 +33,14 @@
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <cuda_bf16.h>
 #include <torch/library.h>
 
-#include <algorithm>
-#include <atomic>
-
-#include "fp8.h"
-#include "launch.cuh"
+#include "fp8_mma.cuh"
 
 namespace wcodec {
 namespace {
 
-constexpr int kWarps = 8;                                           // a CTA's warps, both kernels
 constexpr int kFewRows = 16;                                        // cols_kernel's rows of x at most
-constexpr int kStages = 4;                                          // rows_kernel: steps of W and x in flight
-template <int kNt>                                                  // (3 at 8 tiles: two CTAs an SM)
-constexpr int stages() { return kNt > 4 ? 3 : kStages; }
-constexpr int kXPitch = kFp8Step + 8;                               // a staged row of x: 272 B, 17 chunks of 16 B
-
-struct Fp8Args {
-  const uint8_t* w;
-  const uint16_t* x;
-  const float* scale;
-  float* part;                                                      // [splits, nx, n] where splits > 1
-  uint16_t* y;                                                      // [nx, n]
-  int64_t n, k;
-  int nx, steps, splits, bo, scale_cols;                             // scale_cols 1: applied after the sum
-};
-
-// Bytes 0, 1 (kHigh: 2, 3) of v -> the bf16 pair of their e4m3 values (fp8.h): a permute, a rotate,
-// a mask, a multiply.
-template <bool kHigh>
-__device__ __forceinline__ uint32_t fp8_pair(uint32_t v) {
-  uint32_t p;
-  asm("prmt.b32 %0, %1, 0, %2;" : "=r"(p) : "r"(v), "n"(kHigh ? 0x3A2B : 0x1809));   // sign-replicate bytes 9, B
-  p = __funnelshift_r(p, p, 4) & 0x87F087F0u;                       // s << 15 | mag << 4: the value * 2^-120
-  uint32_t out;
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(out) : "r"(p), "r"(kBf16Two120 * 0x10001u), "r"(0x80008000u));
-  return out;                                                        // * 2^120 + (-0): exact
-}
-
-__device__ __forceinline__ uint4 ld_stream(const void* p) {        // W: read once, not kept in L1
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
-
-__device__ __forceinline__ uint32_t word(const uint4& v, int i) {  // i known at compile time
-  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
-}
-
-// A warp's rows of W (lane (g, t): rows g, g + 8 from n0) and its CTA's range of K's steps [s0, s1).
-struct Strip {
-  const uint8_t* row_g;
-  const uint8_t* row_h;
-  const float* block_scale;                                         // its grid row (block scales)
-  int s0, s1;
-};
-
-__device__ __forceinline__ Strip strip(const Fp8Args& a, int64_t n0) {
-  const int g = (threadIdx.x & 31) >> 2, split = blockIdx.y;
-  const int64_t last = a.n - 1;                                     // rows past n: row n - 1, never written
-  return {a.w + std::min(n0 + g, last) * a.k, a.w + std::min(n0 + g + 8, last) * a.k,
-          a.scale + (std::min(n0, last) / a.bo) * a.scale_cols,     // bo % 16 == 0 where block: one grid row
-          static_cast<int>(static_cast<int64_t>(split) * a.steps / a.splits),
-          static_cast<int>(static_cast<int64_t>(split + 1) * a.steps / a.splits)};
-}
-
-// Step s of the strip's W: rows g, g + 8 at columns 16t, then 64 + 16t.
-__device__ __forceinline__ void load_w(const Fp8Args& a, const Strip& st, int s, uint4 (&w)[4]) {
-  const int t = threadIdx.x & 3;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int64_t c = static_cast<int64_t>(s) * kFp8Step + 64 * h + 16 * t;
-    const bool in = c < a.k;                                        // K % 16 == 0: a lane's 16 bytes are in or out
-    w[2 * h] = in ? ld_stream(st.row_g + c) : make_uint4(0, 0, 0, 0);
-    w[2 * h + 1] = in ? ld_stream(st.row_h + c) : make_uint4(0, 0, 0, 0);
-  }
-}
-
-// Half h of a step's W, decoded: the A operands of its four mma (j = 0..3).
-__device__ __forceinline__ void decode_half(const uint4 (&w)[4], int h, uint32_t (&a)[4][4]) {
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const uint32_t wg = word(w[2 * h], j), wh = word(w[2 * h + 1], j);
-    a[j][0] = fp8_pair<false>(wg), a[j][1] = fp8_pair<false>(wh);
-    a[j][2] = fp8_pair<true>(wg), a[j][3] = fp8_pair<true>(wh);
-  }
-}
-
-// c += the half's A times a tile of x as B: x's columns 64h + 16t .. as lo (8) and hi (8) bf16.
-__device__ __forceinline__ void half_tile(const uint32_t (&a)[4][4], const uint4& lo, const uint4& hi, float (&c)[4]) {
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const uint32_t b0 = j < 2 ? word(lo, 2 * j) : word(hi, 2 * j - 4);
-    const uint32_t b1 = j < 2 ? word(lo, 2 * j + 1) : word(hi, 2 * j - 3);
-    mma16816<true>(c, a[j][0], a[j][1], a[j][2], a[j][3], b0, b1);
-  }
-}
-
-// A step's sums (c) into acc: added, or (block scales) times the step's scale.
-template <int kNt>
-__device__ __forceinline__ void add_step(const Fp8Args& a, const Strip& st, int s, const float (&c)[kNt][4],
-                                         float (&acc)[kNt][4]) {
-  const float sc = __ldg(st.block_scale + s);
-#pragma unroll
-  for (int m = 0; m < kNt; ++m)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[m][e] += sc * c[m][e];
-}
-
-// One sum of C (tile m: c0, c1 at W row g, x rows 8m + 2t, + 1; c2, c3 at W row g + 8): y (times the
-// row's scale for a one-column grid, rounded) or the range's part.
-__device__ __forceinline__ void put(const Fp8Args& a, int64_t n0, int lane, int m, int e, float sum) {
-  const int64_t row = n0 + (lane >> 2) + (e >= 2 ? 8 : 0);
-  const int xr = 8 * m + 2 * (lane & 3) + (e & 1);
-  if (row >= a.n || xr >= a.nx) return;
-  if (a.splits > 1) {
-    a.part[(static_cast<int64_t>(blockIdx.y) * a.nx + xr) * a.n + row] = sum;
-  } else {
-    if (a.scale_cols == 1) sum *= __ldg(a.scale + row / a.bo);
-    a.y[xr * a.n + row] = __bfloat16_as_ushort(__float2bfloat16_rn(sum));
-  }
-}
 
 // cols_kernel's step s of x: rows g + 8m, columns 16t .., then 64 + 16t .. (x[m][2h], x[m][2h + 1]).
 template <int kNt>
@@ -231,110 +114,6 @@ __global__ void __launch_bounds__(32 * kWarps) cols_kernel(Fp8Args a) {
   }
 }
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool in) {   // !in: 16 zero bytes
-  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(in ? 16 : 0) : "memory");
-}
-
-// rows_kernel: the CTA stages step s of x (its 8 kNt rows, zeros past nx and K) in xs, a group a
-// step (empty past the range).
-template <int kNt>
-__device__ __forceinline__ void stage_x(const Fp8Args& a, int s, int s1, uint16_t (*xs)[kXPitch]) {
-  constexpr int kChunks = 8 * kNt * (kFp8Step / 8);                 // 16-byte chunks of the step's rows of x
-  for (int i = threadIdx.x; s < s1 && i < kChunks; i += 32 * kWarps) {
-    const int r = i / (kFp8Step / 8), c = i % (kFp8Step / 8) * 8;
-    const int64_t col = static_cast<int64_t>(s) * kFp8Step + c;
-    const bool in = r < a.nx && col < a.k;
-    cp_async16(&xs[r][c], a.x + (in ? r * a.k + col : 0), in);
-  }
-  asm volatile("cp.async.commit_group;" ::: "memory");
-}
-
-// x's tiles from shared memory: row 8m + g at columns 64h + 16t (17 chunks a row: a warp's 16-byte
-// reads fall in distinct banks).
-template <int kNt>
-__device__ __forceinline__ void rows_step(const uint4 (&w)[4], const uint16_t (*x)[kXPitch], float (&c)[kNt][4]) {
-  const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    uint32_t a[4][4];
-    decode_half(w, h, a);
-#pragma unroll
-    for (int m = 0; m < kNt; ++m) {
-      const uint4* p = reinterpret_cast<const uint4*>(&x[8 * m + g][64 * h + 16 * t]);
-      half_tile(a, p[0], p[1], c[m]);
-    }
-  }
-}
-
-// rows_kernel's step s of a warp's W into shared memory by cp.async, each lane its own 4 chunks
-// (rows g, g + 8 at columns 16t, then 64 + 16t) at ws[q][lane]: a lane reads back only what it
-// copied, and a warp's 16-byte reads fall in distinct banks. Not committed: the step's x commits.
-__device__ __forceinline__ void stage_w(const Fp8Args& a, const Strip& st, int s, uint4 (*ws)[32]) {
-  const int t = threadIdx.x & 3, lane = threadIdx.x & 31;
-  if (s >= st.s1) return;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int64_t c = static_cast<int64_t>(s) * kFp8Step + 64 * h + 16 * t;
-    const bool in = c < a.k;
-    cp_async16(&ws[2 * h][lane], in ? st.row_g + c : a.w, in);
-    cp_async16(&ws[2 * h + 1][lane], in ? st.row_h + c : a.w, in);
-  }
-}
-
-template <int kNt>                                                  // n8 tiles of x: 4 (up to 32 rows a launch)
-__global__ void __launch_bounds__(32 * kWarps, 2) rows_kernel(Fp8Args a) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-  const int64_t n0 = (static_cast<int64_t>(blockIdx.x) * kWarps + warp) * 16;
-  const Strip st = strip(a, n0);
-  extern __shared__ __align__(16) uint4 smem[];
-  constexpr int kS = stages<kNt>();
-  auto xs = reinterpret_cast<uint16_t (*)[8 * kNt][kXPitch]>(smem);                        // [kS][8 kNt][kXPitch]
-  auto ws = reinterpret_cast<uint4 (*)[kWarps][4][32]>(smem + kS * 8 * kNt * kXPitch / 8);  // [kS][warp][q][lane]
-#pragma unroll
-  for (int p = 0; p < kS - 1; ++p) stage_w(a, st, st.s0 + p, ws[p][warp]);
-  pdl_wait();
-#pragma unroll
-  for (int p = 0; p < kS - 1; ++p) stage_x<kNt>(a, st.s0 + p, st.s1, xs[p]);
-  float acc[kNt][4] = {};
-  for (int s = st.s0; s < st.s1; ++s) {
-    const int i = s - st.s0;
-    asm volatile("cp.async.wait_group %0;" ::"n"(kS - 2) : "memory");   // step s's W and x are in
-    __syncthreads();                                                // and step s - 1's buffers read
-    stage_w(a, st, s + kS - 1, ws[(i + kS - 1) % kS][warp]);
-    stage_x<kNt>(a, s + kS - 1, st.s1, xs[(i + kS - 1) % kS]);
-    uint4 w[4];
-#pragma unroll
-    for (int q = 0; q < 4; ++q) w[q] = ws[i % kS][warp][q][lane];
-    if (a.scale_cols > 1) {
-      float c[kNt][4] = {};
-      rows_step<kNt>(w, xs[i % kS], c);
-      add_step<kNt>(a, st, s, c, acc);
-    } else {
-      rows_step<kNt>(w, xs[i % kS], acc);
-    }
-  }
-  asm volatile("cp.async.wait_all;" ::: "memory");
-  pdl_trigger();
-#pragma unroll
-  for (int m = 0; m < kNt; ++m)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) put(a, n0, lane, m, e, acc[m][e]);
-}
-
-template <int kNt>                                                  // dynamic: over the 48 KB of a static array
-constexpr int rows_smem() { return stages<kNt>() * (8 * kNt * kXPitch * 2 + kWarps * 4 * 32 * 16); }
-
-template <int kNt>
-void launch_rows(dim3 grid, cudaStream_t stream, const Fp8Args& a) {
-  static std::atomic<int32_t> known[64] = {};                       // the attribute set, once a device
-  per_device(known, [](int) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(rows_kernel<kNt>, cudaFuncAttributeMaxDynamicSharedMemorySize, rows_smem<kNt>()));
-    return 1;
-  });
-  launch_pdl_smem(rows_kernel<kNt>, grid, dim3(32 * kWarps), rows_smem<kNt>(), stream, a);
-}
-
 // y = the ranges' sums added in range order (times the row's scale for a one-column grid), rounded once.
 __global__ void sum_kernel(Fp8Args a) {
   const int64_t i = pdl_element();
@@ -380,10 +159,8 @@ at::Tensor fp8_linear_cuda(const at::Tensor& x, const at::Tensor& w, const at::T
                   static_cast<int>(scale.size(1))};
   if (few)
     launch_pdl(nx > 8 ? cols_kernel<2> : cols_kernel<1>, grid, dim3(32 * kWarps), stream, a);
-  else if (nx > 32)
-    launch_rows<8>(grid, stream, a);
   else
-    launch_rows<4>(grid, stream, a);
+    launch_fp8_rows(a, grid, stream);
   if (splits > 1) launch_pdl(sum_kernel, dim3(static_cast<unsigned>((nx * n + 255) / 256)), dim3(256), stream, a);
   return y;
 }
