@@ -16,6 +16,7 @@
 #include <cuda_runtime.h>
 
 #include "fixedrate.h"
+#include "launch.cuh"
 
 namespace wcodec {
 
@@ -38,32 +39,6 @@ struct FrGroup {               // one group's bits: 32 plane bytes, 2 + 1 code w
   uint2 lo;
   uint32_t hi, tile;           // base | the tile's escapes << 8
 };
-
-__device__ __forceinline__ uint4 ld_stream(const void* p) {        // 16 bytes, not kept in L1
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
-
-// W's code and tile words, for a user that keeps them out of L1 too (load_group's kStream).
-__device__ __forceinline__ uint2 ld_stream(const uint2* p) {
-  uint2 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
-  return v;
-}
-
-__device__ __forceinline__ uint32_t ld_stream(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
-  return v;
-}
-
-__device__ __forceinline__ uint32_t ld_stream(const uint16_t* p) {
-  uint16_t v;
-  asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(v) : "l"(p));
-  return v;
-}
 
 // W's code and tile words through L1, or past it as the plane (kStream; load_group's below).
 template <bool kStream, typename T>

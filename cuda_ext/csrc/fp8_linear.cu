@@ -42,6 +42,18 @@ namespace {
 
 constexpr int kFewRows = 16;                                        // cols_kernel's rows of x at most
 
+// cols_kernel's step s of the strip's W (read once: ld_stream): rows g, g + 8 at columns 16t, then 64 + 16t.
+__device__ __forceinline__ void load_w(const Fp8Args& a, const Strip& st, int s, uint4 (&w)[4]) {
+  const int t = threadIdx.x & 3;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t c = static_cast<int64_t>(s) * kFp8Step + 64 * h + 16 * t;
+    const bool in = c < a.k;                                        // K % 16 == 0: a lane's 16 bytes are in or out
+    w[2 * h] = in ? ld_stream(st.row_g + c) : make_uint4(0, 0, 0, 0);
+    w[2 * h + 1] = in ? ld_stream(st.row_h + c) : make_uint4(0, 0, 0, 0);
+  }
+}
+
 // cols_kernel's step s of x: rows g + 8m, columns 16t .., then 64 + 16t .. (x[m][2h], x[m][2h + 1]).
 template <int kNt>
 __device__ __forceinline__ void load_x(const Fp8Args& a, int s, uint4 (&x)[kNt][4]) {

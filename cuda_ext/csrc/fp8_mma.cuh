@@ -1,6 +1,6 @@
 // What the W8A16 matmul's two kernels share (fp8_linear.cu: the layout of the mma's fragments, 1..16
 // rows of x in cols_kernel, the host side; fp8_rows.cu: 17..64 rows in rows_kernel): the arguments,
-// the decode of e4m3 pairs to bf16, a warp's strip of W and its steps, the mma of a half step, and
+// the decode of e4m3 pairs to bf16, a warp's strip of W, the mma of a half step, and
 // where a sum goes. Internal linkage (an unnamed namespace), as fixedrate_mma.cuh: each kernel file
 // compiles its own copy.
 #pragma once
@@ -45,13 +45,6 @@ __device__ __forceinline__ uint32_t fp8_pair(uint32_t v) {
   return out;                                                        // * 2^120 + (-0): exact
 }
 
-__device__ __forceinline__ uint4 ld_stream(const void* p) {        // W: read once, not kept in L1
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
-
 __device__ __forceinline__ uint32_t word(const uint4& v, int i) {  // i known at compile time
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
@@ -71,18 +64,6 @@ __device__ __forceinline__ Strip strip(const Fp8Args& a, int64_t n0) {
           a.scale + (std::min(n0, last) / a.bo) * a.scale_cols,     // bo % 16 == 0 where block: one grid row
           static_cast<int>(static_cast<int64_t>(split) * a.steps / a.splits),
           static_cast<int>(static_cast<int64_t>(split + 1) * a.steps / a.splits)};
-}
-
-// Step s of the strip's W: rows g, g + 8 at columns 16t, then 64 + 16t.
-__device__ __forceinline__ void load_w(const Fp8Args& a, const Strip& st, int s, uint4 (&w)[4]) {
-  const int t = threadIdx.x & 3;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int64_t c = static_cast<int64_t>(s) * kFp8Step + 64 * h + 16 * t;
-    const bool in = c < a.k;                                        // K % 16 == 0: a lane's 16 bytes are in or out
-    w[2 * h] = in ? ld_stream(st.row_g + c) : make_uint4(0, 0, 0, 0);
-    w[2 * h + 1] = in ? ld_stream(st.row_h + c) : make_uint4(0, 0, 0, 0);
-  }
 }
 
 // Half h of a step's W, decoded: the A operands of its four mma (j = 0..3).

@@ -65,7 +65,7 @@ __device__ __forceinline__ void stage_w(const Fp8Args& a, const Strip& st, int s
   }
 }
 
-template <int kNt>                                                  // n8 tiles of x: 4 (up to 32 rows a launch)
+template <int kNt>                                                  // n8 tiles of x: 4 (17..32 rows), 8 (33..64)
 __global__ void __launch_bounds__(32 * kWarps, 2) rows_kernel(Fp8Args a) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   const int64_t n0 = (static_cast<int64_t>(blockIdx.x) * kWarps + warp) * 16;

@@ -1,6 +1,7 @@
-// What the extension's matmul kernels share (fixedrate_mma.cu, fixedrate_wide.cu, fp8_linear.cu):
-// programmatic dependent launch, the launch's per-device answers (asked once a device), and the
-// tensor cores' mma.m16n8k16. Internal linkage (an unnamed namespace): each kernel file compiles its own copy.
+// What the extension's matmul kernels share (fixedrate*.cu, fp8_linear.cu, fp8_rows.cu):
+// programmatic dependent launch, the launch's per-device answers (asked once a device), loads of W
+// that bypass L1 (ld_stream), and the tensor cores' mma.m16n8k16. Internal linkage (an unnamed
+// namespace): each kernel file compiles its own copy.
 #pragma once
 #include <c10/cuda/CUDAException.h>
 #include <cuda_runtime.h>
@@ -95,6 +96,32 @@ void launch_pdl_smem(void (*kernel)(Params...), dim3 grid, dim3 block, size_t sm
 template <typename... Params, typename... Args>
 void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream, Args... args) {
   launch_pdl_smem(kernel, grid, block, 0, stream, args...);
+}
+
+__device__ __forceinline__ uint4 ld_stream(const void* p) {        // 16 bytes, not kept in L1
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+// W's code and tile words, for a user that keeps them out of L1 too (load_group's kStream).
+__device__ __forceinline__ uint2 ld_stream(const uint2* p) {
+  uint2 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ uint32_t ld_stream(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ uint32_t ld_stream(const uint16_t* p) {
+  uint16_t v;
+  asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(v) : "l"(p));
+  return v;
 }
 
 template <bool kBf16>
