@@ -3,9 +3,12 @@ STAMP := .setup-done
 
 .PHONY: setup test serve clean image image-smoke image-rebuild-check compose-smoke
 
-# `make test` does all set-up on a fresh machine, then runs every test (GPU tests skip without a GPU).
+# `make test` does all set-up on a fresh machine, then runs every test (GPU tests skip without a GPU),
+# in TEST_WORKERS pytest-xdist processes (CI's 2 cores), a test file each at a time (its module
+# fixtures built once). TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # `make serve` starts the HTTP server; an empty store (./models) gets the demo model first.
 serve: $(STAMP)

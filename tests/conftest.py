@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -32,6 +33,14 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 settings.load_profile("codec")
+
+# `make test` runs two pytest-xdist workers (CI has 2 cores): each computes on one thread, and so do
+# the server processes its tests start (they inherit OMP_NUM_THREADS). At torch's default, a thread
+# a core in each worker, the torch-heavy tests ran 3-5x slower than alone (test_quantized.py's
+# decoded-mode comparison 22 -> 119 s, 2026-12-02).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 # --- comparisons -------------------------------------------------------------------------------

@@ -193,10 +193,8 @@ def test_client_gone_mid_stream_cancels_and_releases(live, route, extra) -> None
     entry = app.state.registry.get(DEMO)
     scheduler = entry.engine.batcher
     with httpx.stream("POST", f"{url}{route}", json=body, timeout=60) as r:
-        for line in r.iter_lines():
-            if line.startswith("data:"):
-                break                                       # leave after the first token
-        assert scheduler.active and scheduler.blocks.used > 0          # it was generating
+        first = next(line for line in r.iter_lines() if line.startswith("data:"))   # leave after the first token
+        assert scheduler.active and scheduler.blocks.used > 0, (r.status_code, first)   # it was generating
     deadline = time.monotonic() + 30
     while (entry.in_flight or scheduler.active or scheduler.blocks.used) and time.monotonic() < deadline:
         time.sleep(0.02)
