@@ -4,6 +4,8 @@ Meta's and other parameters, refused when no llama3 scaling makes them, and, on 
 such a tensor added, the scaling with which transformers computes llama.cpp's frequencies."""
 from __future__ import annotations
 
+import copy
+import functools
 import importlib.util
 import json
 from pathlib import Path
@@ -60,10 +62,20 @@ def _demo() -> Path:
     return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+@functools.cache
+def _demo_parsed() -> gguf.GGUFReader:
+    return gguf.GGUFReader(_demo())                       # 3-5 s: once for the module's four files
+
+
+def _demo_reader() -> gguf.GGUFReader:
+    """The demo's reader, its tensor list the caller's to cut."""
+    return copy.copy(_demo_parsed())
+
+
 def _with_rope_freqs(dst: Path, factors: np.ndarray) -> Path:
     """The demo cut to its first layer, with a rope_freqs.weight tensor, as llama.cpp writes one."""
     from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
-    reader = gguf.GGUFReader(_demo())
+    reader = _demo_reader()
     reader.tensors = [t for t in reader.tensors if not t.name.startswith("blk.") or t.name.startswith("blk.0.")]
     reader.tensors.append(SimpleNamespace(name="rope_freqs.weight", data=factors, n_bytes=factors.nbytes,
                                           tensor_type=gguf.GGMLQuantizationType.F32))
@@ -98,7 +110,7 @@ def _with_metadata(dst: Path, fields: dict,
     """The demo cut to its first layer (the tensors `keep` names), with `fields` added
     ({key: (GGUFValueType, value)})."""
     from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
-    reader = gguf.GGUFReader(_demo())
+    reader = _demo_reader()
     reader.tensors = [t for t in reader.tensors if keep(t.name)]
     writer = gguf.GGUFWriter(dst, arch="llama")
     extra = {k: MetadataDetails(kind, value) for k, (kind, value) in fields.items()}
