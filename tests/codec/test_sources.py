@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 from pathlib import Path
 
 
@@ -296,6 +297,34 @@ def test_gguf_unknown_architecture_or_name(tmp_path: Path, arch: str, name: str)
     with pytest.raises(SourceError, match="unsupported GGUF architecture|unknown GGUF tensor name") as err:
         open_source(path)
     assert str(err.value).startswith(str(path))
+
+
+def test_a_gguf_is_parsed_once_and_read_as_gguf_py_reads_it(smollm_gguf: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The source's reader (over a plain view of the map) reads every field and tensor as gguf-py's
+    own, and it serves transformers' two loads (config, tokenizer), which each parsed the file again
+    (they read its fields, shown equal here): one parse where there were three."""
+    from codec import gguf_source as module
+    ours, theirs = module._gguf_reader(smollm_gguf), gguf.GGUFReader(smollm_gguf)
+    assert type(ours.data) is np.ndarray and isinstance(theirs.data, np.memmap)
+    assert list(ours.fields) == list(theirs.fields)
+    assert all(ours.fields[k].contents() == theirs.fields[k].contents() for k in theirs.fields)
+    for a, b in zip(ours.tensors, theirs.tensors, strict=True):
+        assert (a.name, a.tensor_type, list(a.shape), a.data_offset) == (b.name, b.tensor_type, list(b.shape), b.data_offset)
+        assert a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data), a.name
+
+    copy = tmp_path / smollm_gguf.name                              # another file key: converted anew
+    shutil.copyfile(smollm_gguf, copy)
+    parses = []
+    init = gguf.GGUFReader.__init__
+    monkeypatch.setattr(gguf.GGUFReader, "__init__", lambda self, path, *a, **k: (parses.append(path), init(self, path, *a, **k))[1])
+    src = open_source(copy)
+    try:
+        files = src.files
+    finally:
+        src.close()
+    assert len(parses) == 1 and {"config.json", "tokenizer.json"} <= files.keys(), parses
+    assert json.loads(files["config.json"])["vocab_size"] == len(theirs.fields["tokenizer.ggml.tokens"].data)
 
 
 def test_gguf_side_files_are_converted_once_a_file(smollm_gguf: Path, gguf_source: CheckpointSource,
