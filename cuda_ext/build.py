@@ -19,8 +19,11 @@ CSRC = Path(__file__).parent / "csrc"
 CPU_SOURCES = tuple(sorted(p.name for p in CSRC.glob("*.cpp")))    # every .cpp and .cu of csrc/, as setup.py
 CUDA_SOURCES = tuple(sorted(p.name for p in CSRC.glob("*.cu")))
 DEFAULT_ARCH_LIST = "8.0;8.6;8.9;9.0;10.0;12.0"     # A100, RTX 30xx, RTX 40xx/L4, Hopper, B200, RTX 5090
+# torch's std::string ABI whatever the compiler's default (torch 2.11's cpp_extension passes none).
+ABI_FLAG = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
 CXX_FLAGS = ["-O3", "-fopenmp",                       # at::parallel_for is OpenMP: without it, serial
-             "-ffp-contract=off"]                     # no FMA: gguf_blocks.h repeats gguf's float32 steps
+             "-ffp-contract=off",                     # no FMA: gguf_blocks.h repeats gguf's float32 steps
+             ABI_FLAG]
 
 
 @dataclass(frozen=True)
@@ -36,7 +39,7 @@ def cuda_buildable() -> bool:
         and bool(CUDA_SOURCES)
 
 
-NVCC_FLAGS = ["-O3", "--use_fast_math", "-lineinfo"]
+NVCC_FLAGS = ["-O3", "--use_fast_math", "-lineinfo", ABI_FLAG]
 
 
 def _cache_dir(with_cuda: bool) -> Path:
@@ -64,13 +67,37 @@ def _jit(with_cuda: bool) -> None:
             return
         except OSError:                      # half written (a build interrupted): build it again
             log.warning("the JIT build in %s does not load; building it again", build_dir)
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import get_cxx_compiler, load
+    _check_shared_runtime(get_cxx_compiler())
     sources = [str(CSRC / s) for s in CPU_SOURCES + (CUDA_SOURCES if with_cuda else ())]
     build_dir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
     load(name=name, sources=sources, build_directory=str(build_dir), extra_cflags=CXX_FLAGS + ["-march=native"],
          extra_ldflags=["-fopenmp"], extra_include_paths=[str(CSRC)], extra_cuda_cflags=NVCC_FLAGS,
          with_cuda=with_cuda, is_python_module=False, verbose=False)
+
+
+def _check_shared_runtime(cxx: str) -> None:
+    """Refuse a C++ compiler that links libstdc++ into the library statically: the library then
+    throws through a C++ runtime of its own, and every TORCH_CHECK with a formatted message (a
+    std::string handed to torch's c10::Error) crashed the process (SIGSEGV) instead of raising. The
+    lent H200s' `c++` (/opt/gcc's wrapper) does so; their /usr/bin/g++ does not (2026-12-02)."""
+    import subprocess
+    import tempfile
+    if shutil.which("ldd") is None:
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        probe = Path(tmp) / "probe.so"
+        try:
+            subprocess.run([cxx, "-shared", "-fPIC", "-x", "c++", "-", "-o", str(probe)], check=True, capture_output=True,
+                           input=b"#include <string>\nstd::string wcodec_probe(int n) { return std::to_string(n); }\n",
+                           timeout=60)
+            needed = subprocess.run(["ldd", str(probe)], capture_output=True, text=True, timeout=60).stdout
+        except (OSError, subprocess.SubprocessError):
+            return                                       # the build itself will say what is wrong
+    if "libstdc++" not in needed:
+        raise RuntimeError(f"the C++ compiler {cxx!r} links libstdc++ statically, so the extension's errors would "
+                           "crash the process; set CXX to one that links it as a shared library (e.g. /usr/bin/g++)")
 
 
 def _has_cuda_kernel() -> bool:

@@ -3,6 +3,9 @@ directly, without torch's build tools; one that does not load is built again; th
 name follows the sources' flags, so a changed flag never loads an old build."""
 from __future__ import annotations
 
+import shutil
+
+import pytest
 import torch.utils.cpp_extension
 
 from cuda_ext import build
@@ -39,3 +42,15 @@ def test_the_directory_follows_the_flags(tmp_path, monkeypatch) -> None:
     assert build._cache_dir(True) != before
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
     assert len({before, build._cache_dir(True), build._cache_dir(False)}) == 3
+
+
+@pytest.mark.skipif(shutil.which("c++") is None or shutil.which("ldd") is None, reason="needs c++ and ldd")
+def test_a_compiler_that_links_libstdcxx_statically_is_refused(tmp_path) -> None:
+    """Such a build's formatted TORCH_CHECKs crashed the process (SIGSEGV) instead of raising: the
+    JIT build refuses the compiler, and cuda_ext falls back with that reason."""
+    build._check_shared_runtime("c++")                                  # links it as a shared library
+    static = tmp_path / "c++"
+    static.write_text('#!/bin/sh\nexec c++ -static-libstdc++ "$@"\n')
+    static.chmod(0o755)
+    with pytest.raises(RuntimeError, match=r"links libstdc\+\+ statically"):
+        build._check_shared_runtime(str(static))
