@@ -21,14 +21,13 @@ def extensions():
     except ImportError:
         return {}
     cpu = sources(".cpp")
-    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"   # as cuda_ext/build.py's ABI_FLAG
     common = dict(include_dirs=[os.path.abspath(CSRC)], extra_link_args=["-fopenmp"])
     if torch.version.cuda and shutil.which("nvcc"):
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
         ext = CUDAExtension("cuda_ext._C", cpu + sources(".cu"),
-                            extra_compile_args={"cxx": CXX + [abi], "nvcc": NVCC + [abi]}, **common)
+                            extra_compile_args={"cxx": CXX, "nvcc": NVCC}, **common)
     else:
-        ext = CppExtension("cuda_ext._C", cpu, extra_compile_args={"cxx": CXX + [abi]}, **common)
+        ext = CppExtension("cuda_ext._C", cpu, extra_compile_args={"cxx": CXX}, **common)
     # ninja (scripts/setup.sh installs it) compiles the sources in parallel: the C++ twin on 2 cores
     # 2 min 36 s -> 1 min 52 s (AMD EPYC, 2026-11-30); without it setuptools compiles them one by one.
     build = twin_objects(BuildExtension).with_options(use_ninja=is_ninja_available())

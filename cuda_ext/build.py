@@ -19,11 +19,8 @@ CSRC = Path(__file__).parent / "csrc"
 CPU_SOURCES = tuple(sorted(p.name for p in CSRC.glob("*.cpp")))    # every .cpp and .cu of csrc/, as setup.py
 CUDA_SOURCES = tuple(sorted(p.name for p in CSRC.glob("*.cu")))
 DEFAULT_ARCH_LIST = "8.0;8.6;8.9;9.0;10.0;12.0"     # A100, RTX 30xx, RTX 40xx/L4, Hopper, B200, RTX 5090
-# torch's std::string ABI whatever the compiler's default (torch 2.11's cpp_extension passes none).
-ABI_FLAG = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
 CXX_FLAGS = ["-O3", "-fopenmp",                       # at::parallel_for is OpenMP: without it, serial
-             "-ffp-contract=off",                     # no FMA: gguf_blocks.h repeats gguf's float32 steps
-             ABI_FLAG]
+             "-ffp-contract=off"]                     # no FMA: gguf_blocks.h repeats gguf's float32 steps
 
 
 @dataclass(frozen=True)
@@ -39,7 +36,7 @@ def cuda_buildable() -> bool:
         and bool(CUDA_SOURCES)
 
 
-NVCC_FLAGS = ["-O3", "--use_fast_math", "-lineinfo", ABI_FLAG]
+NVCC_FLAGS = ["-O3", "--use_fast_math", "-lineinfo"]
 
 
 def _cache_dir(with_cuda: bool) -> Path:
@@ -49,7 +46,9 @@ def _cache_dir(with_cuda: bool) -> Path:
     for name in sorted(p.name for p in CSRC.iterdir()):
         digest.update(name.encode() + (CSRC / name).read_bytes())
     arch = os.environ.get("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
-    digest.update(f"{torch.__version__}|{with_cuda}|{CXX_FLAGS}|{NVCC_FLAGS}|{arch}".encode())
+    # "checked": a build from before _check_shared_runtime (2026-12-02) may carry its own libstdc++,
+    # so it is not loaded again
+    digest.update(f"{torch.__version__}|{with_cuda}|{CXX_FLAGS}|{NVCC_FLAGS}|{arch}|checked".encode())
     root = Path(os.environ.get("WCODEC_EXT_CACHE", Path.home() / ".cache" / "wcodec"))
     return root / f"ext-{digest.hexdigest()[:16]}"
 

@@ -2,9 +2,9 @@
 # folders, installed to /tmp/site once per machine), $OUT, and `stage NAME CMD...` (timed, with its rc).
 [ -f .extbuild/arch ] && : "${TORCH_CUDA_ARCH_LIST:=$(cat .extbuild/arch)}"   # the carried build's arch: its directory's name holds it
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} WCODEC_EXT_CACHE=${WCODEC_EXT_CACHE:-/tmp/wcodec-ext}
-# The lent boxes' `c++` (/opt/gcc's wrapper) links libstdc++ statically, which cuda_ext/build.py refuses
-# (the library's errors crashed the process); their /usr/bin/g++ links it as a shared library.
-[ -x /usr/bin/g++ ] && export CXX=/usr/bin/g++            # the boxes set CXX to /opt/gcc/bin/g++
+# The lent boxes set CXX to /opt/gcc/bin/g++, which links libstdc++ statically: cuda_ext/build.py refuses
+# it (the library's errors crashed the process). Their /usr/bin/g++ links it as a shared library.
+[ -x /usr/bin/g++ ] && export CXX=/usr/bin/g++
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD
 if ls .whl*/*.whl >/dev/null 2>&1; then

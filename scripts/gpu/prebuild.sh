@@ -23,7 +23,7 @@ print(j(b.CXX_FLAGS), j(b.NVCC_FLAGS), j(b.CPU_SOURCES), j(b.CUDA_SOURCES), b._c
 EOF
 )
 INC="-Icuda_ext/csrc -isystem $T/include -isystem $T/include/torch/csrc/api/include -isystem $CUDA/include"
-DEFS="-DTORCH_EXTENSION_NAME=$NAME -DTORCH_API_INCLUDE_EXTENSION_H"   # the ABI: in CXX_FLAGS, NVCC_FLAGS
+DEFS="-DTORCH_EXTENSION_NAME=$NAME -DTORCH_API_INCLUDE_EXTENSION_H -D_GLIBCXX_USE_CXX11_ABI=1"
 SM=${ARCH/./}
 jobs=()
 deps() { local f=$1 h; echo "$f"; for h in $(sed -n 's/^#include "\(.*\)"/\1/p' "$f"); do deps "cuda_ext/csrc/$h"; done; }
