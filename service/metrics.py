@@ -94,8 +94,10 @@ _SLOW = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 # a whole request: 4096 tokens at a CPU's 20-100 ms a step is 80-410 s; doubling to 32 min as
 # vLLM's e2e latency does (TGI's durations stop near 145 s), 4 series a label set more than _SLOW
 _LONG = (*_SLOW, 240.0, 480.0, 960.0, 1920.0)
-# a request's phases: a GPU's queue and prefill take 2-50 ms, its first token 7 ms alone
-_REQUEST = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# a request's phases: a GPU's queue and prefill take 2-50 ms, its first token 7 ms alone; a queue
+# behind long requests on a CPU waits minutes, so the top buckets are _LONG's (vLLM's TTFT: 2 560 s)
+_REQUEST = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+            *_LONG[len(_SLOW):])
 # between tokens: 4-7 ms a step on an H200 (docs/BENCHMARKS.md), 20-100 ms on a CPU
 _TOKEN = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PATCH"})   # others: "OTHER"

@@ -82,6 +82,18 @@ def test_a_long_generation_lands_in_a_finite_bucket() -> None:
         assert m.registry.get_sample_value(f"{name}_bucket", {**labels, "le": "480.0"}) == 1, name
 
 
+def test_a_long_wait_for_the_first_token_lands_in_a_finite_bucket() -> None:
+    """A request queued behind long ones on a CPU waits minutes for its first token: the queue,
+    prefill and TTFT buckets stopped at 120 s, where histogram_quantile can say no more."""
+    m = Metrics()
+    for h in (m.queue_seconds, m.prefill_seconds, m.ttft):
+        h.labels(DEMO).observe(300.0)
+    for name in ("queue_duration", "prefill_duration", "time_to_first_token"):
+        sample = f"wcodec_generate_{name}_seconds_bucket"
+        assert m.registry.get_sample_value(sample, {"model": DEMO, "le": "240.0"}) == 0, name
+        assert m.registry.get_sample_value(sample, {"model": DEMO, "le": "480.0"}) == 1, name
+
+
 async def test_a_step_is_counted_before_the_rows_it_finished_are_answered(serve, store, monkeypatch) -> None:
     """The step that makes a request's last token is in /metrics before the request is answered:
     the worker's answer (GenRequest.put of the outcome) sees every step already observed."""
