@@ -336,8 +336,8 @@ constexpr int kCursorRows = 2;
 // rows (1024: 128 groups of 8, one CTA an SM) is cut further, gridDim.y CTAs a group of rows, each
 // writing float32 partial sums to `part` [gridDim.y][nx][rows], which sum_parts adds in order.
 // The cut depends on the matrix alone, not on nx: a row of x gets the same sums in any batch.
-template <bool kBf16, int kSlots, bool kWA, bool kCursor, int kCtas = kMmaCtas<kSlots, kWA>>
-__global__ void __launch_bounds__(32 * kMmaWarps, kCtas) mma_kernel(FrArrays a, const uint4* __restrict__ x,
+template <bool kBf16, int kSlots, bool kWA, bool kCursor, int kCtas = kMmaCtas<kSlots, kWA>, int kWarps = kMmaWarps>
+__global__ void __launch_bounds__(32 * kWarps, kCtas) mma_kernel(FrArrays a, const uint4* __restrict__ x,
                                                                                     int nx, int splits_cta,
                                                                                     uint16_t* __restrict__ y,
                                                                                     float* __restrict__ part) {
@@ -345,9 +345,9 @@ __global__ void __launch_bounds__(32 * kMmaWarps, kCtas) mma_kernel(FrArrays a, 
   static_assert(!kCursor || !kWA, "cursors in walk_block (walk_block_w16 has its own)");
   constexpr int kM = (kSlots + 1) / 2;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t row0 = (blockIdx.x * static_cast<int64_t>(kMmaWarps / splits_cta) + warp / splits_cta) * (kWA ? 16 : 8);
+  const int64_t row0 = (blockIdx.x * static_cast<int64_t>(kWarps / splits_cta) + warp / splits_cta) * (kWA ? 16 : 8);
   const int64_t row = min(row0 + (lane >> 2), a.rows - 1);
-  __shared__ uint4 stage[kWA ? 2 : 1][32 * kMmaWarps][2];
+  __shared__ uint4 stage[kWA ? 2 : 1][32 * kWarps][2];
   float c[kM][4] = {};
   bool wait = true;                                                 // pdl_wait still to come
   const int k = blockIdx.y * splits_cta + warp % splits_cta;
@@ -366,7 +366,7 @@ __global__ void __launch_bounds__(32 * kMmaWarps, kCtas) mma_kernel(FrArrays a, 
   });
   if (wait) pdl_wait();                                             // a warp with no tiles
   pdl_trigger();
-  __shared__ float red[kMmaWarps][32][4 * kM];
+  __shared__ float red[kWarps][32][4 * kM];
 #pragma unroll
   for (int i = 0; i < 4 * kM; ++i) red[warp][lane][i] = c[i / 4][i % 4];
   __syncthreads();
@@ -387,26 +387,34 @@ __global__ void __launch_bounds__(32 * kMmaWarps, kCtas) mma_kernel(FrArrays a, 
   }
 }
 
+// mma_kernel's CTAs an SM in CTAs of kMmaWarpsWide (cut_k): W as A 2 (126 registers), else
+// kMmaCtasWide (80 registers, as the 1-row kernel's 6 CTAs of 4; from 7 rows the build of the rule
+// below that spills 64 bytes).
+template <int kSlots, bool kWA>
+constexpr int kMmaCtasW6 = kWA ? 2 : kMmaCtasWide;
+
 template <bool kBf16, int kSlots, bool kWA = false, bool kCursor = false>
 void launch(const FrArrays& a, const uint4* x, int nx, uint16_t* y, const at::Tensor& like, cudaStream_t stream) {
   const CutK cut = cut_k(a);
   const int64_t row_units = kWA ? (a.rows + 15) / 16 : (a.rows + 7) / 8;   // a warp's rows each
-  const int64_t ctas = (row_units + kMmaWarps / cut.per_cta - 1) / (kMmaWarps / cut.per_cta);
+  const int64_t ctas = (row_units + cut.warps / cut.per_cta - 1) / (cut.warps / cut.per_cta);
   at::Tensor part;
   float* pp = part_sums(part, cut.parts, nx, a.rows, like);
   auto kernel = mma_kernel<kBf16, kSlots, kWA, kCursor>;
   int per_sm = kMmaCtas<kSlots, kWA>;
-  if constexpr (!kWA) {                                              // one CTA an SM more where that saves a wave
+  if (cut.warps == kMmaWarpsWide) {
+    kernel = mma_kernel<kBf16, kSlots, kWA, kCursor, kMmaCtasW6<kSlots, kWA>, kMmaWarpsWide>, per_sm = 0;
+  } else if constexpr (!kWA) {                                       // one CTA an SM more where that saves a wave
     constexpr int kMore = kMmaCtas<kSlots, kWA> + 1;
     const int64_t grid = ctas * cut.parts;
     if (waves(grid, kMore) < waves(grid, kMmaCtas<kSlots, kWA>))
       kernel = mma_kernel<kBf16, kSlots, kWA, kCursor, kMore>, per_sm = kMore;
   }
-  static std::atomic<int32_t> carved[2][64] = {};                   // by the kernel taken (CTAs an SM more or not)
-  per_device(carved[per_sm - kMmaCtas<kSlots, kWA>], [&](int dev) {
-    return set_carveout(reinterpret_cast<const void*>(kernel), per_sm, dev);
+  static std::atomic<int32_t> carved[3][64] = {};                   // by the kernel taken (CTAs of 6; an SM more or not)
+  per_device(carved[per_sm ? 1 + per_sm - kMmaCtas<kSlots, kWA> : 0], [&](int dev) {
+    return set_carveout(reinterpret_cast<const void*>(kernel), per_sm ? per_sm : kMmaCtasW6<kSlots, kWA>, dev);
   });
-  launch_pdl(kernel, dim3(static_cast<unsigned>(ctas), cut.parts), dim3(32 * kMmaWarps), stream, a, x, nx, cut.per_cta, y, pp);
+  launch_pdl(kernel, dim3(static_cast<unsigned>(ctas), cut.parts), dim3(32 * cut.warps), stream, a, x, nx, cut.per_cta, y, pp);
   if (cut.parts > 1) launch_sum(kBf16, pp, nx * a.rows, 1, cut.parts, y, stream);
 }
 

@@ -158,17 +158,36 @@ __global__ void sum_parts_kernel(const float* __restrict__ part, int64_t n, int 
   y[i] = from_float<kBf16>(s);
 }
 
-// Splits of K (powers of two, at least kMinSplitTiles tiles each): in a CTA up to kMmaWarps while
+// Splits of K (powers of two, or 6 below; at least kMinSplitTiles tiles each): in a CTA up to kMmaWarps while
 // the warps are below kTargetWarps; across CTAs only while below kFewWarps, where the second
 // launch (sum_parts, ~2 us) costs less than the idle SMs: k and v of an 8B layer at 16 rows
 // 0.0167 -> 0.0112 ms each, but q and o (512 groups of rows) 0.019 -> 0.024 (H100, 2026-11-28).
 constexpr int kMinSplitTiles = 2;
 constexpr int kFewWarps = 2048;
 
+// mma_kernel's CTA where a matrix's groups of 8 rows, one CTA of kMmaWarps ranges each, leave a
+// third of the 1-row kernel's wave empty (kMmaCtas: 6 CTAs an SM) and fit that wave in CTAs of
+// kMmaWarpsWide ranges (kMmaCtasWide an SM at the same 80 registers): a 4 096-row matrix on 132 SMs,
+// 512 CTAs of 4 warps where 792 fit, 15.5 warps an SM; in CTAs of 6, 23.3 warps an SM, each walking
+// two thirds of the tiles. The 8B's down at 1 / 4 / 16 rows 1.039 / 1.192 / 1.268 of cuBLAS's time ->
+// 0.888 / 1.040 / 1.152, its q 0.882 / 0.924 / 1.014 -> 0.777 / 0.855 / 1.010; its layer's seven at
+// 1 / 4 / 8 / 16 / 32 rows 0.966-0.969 / 1.042-1.045 / 1.136-1.139 / 1.126-1.129 / 1.275-1.278 ->
+// 0.903-0.906 / 0.983-0.986 / 1.102 / 1.096 / 1.271-1.274, the 7B's 0.948-0.952 / 1.027-1.033 /
+// 1.128-1.130 / 1.113-1.124 / 1.249-1.259 -> 0.875 / 0.966-0.970 / 1.115-1.116 / 1.116-1.118 /
+// 1.259-1.264 (H200, 2026-12-02, bench/experiments/fixedrate_ab.py and fixedrate_permatrix.py, the
+// two builds alternated twice; bench/fixedrate_gpu.py, one run each on one box: 0.943 / 1.063 / 1.135
+// / 1.278 -> 0.881 / 0.998 / 1.104 / 1.270 at 1 / 4 / 16 / 32 rows). From 17 rows wide_kernel takes
+// the same 6 ranges (its rule gives these rows CTAs of 6 warps). The cut depends on the device's SMs
+// as well as the matrix, never on nx. Tried for the gate-sized matrices too (14 336 and 11 008 rows:
+// 2, 3 or 6 ranges in CTAs of 4 or 6): none better at every row count.
+constexpr int kMmaWarpsWide = 6;
+constexpr int kMmaCtasWide = 4;
+
 // The matrix's cut of K (not nx's: a row of x gets the same sums in any batch): `splits` ranges,
-// `per_cta` of them summed in one of mma_kernel's CTAs, `parts` such groups summed by sum_parts.
+// `per_cta` of them summed in one of mma_kernel's CTAs of `warps` warps, `parts` such groups summed
+// by sum_parts. Where the device has few SMs for the matrix's rows, 6 ranges in CTAs of 6.
 struct CutK {
-  int splits, per_cta, parts;
+  int splits, per_cta, parts, warps;
 };
 
 CutK cut_k(const FrArrays& a) {
@@ -176,9 +195,12 @@ CutK cut_k(const FrArrays& a) {
   auto fits = [&](int64_t s) { return s * 2 * kMinSplitTiles <= a.tiles; };
   int64_t splits = 1;
   while (splits < kMmaWarps && row_groups * splits < kTargetWarps && fits(splits)) splits *= 2;
+  if (splits == kMmaWarps && row_groups * splits >= kFewWarps && fits(kMmaWarpsWide) &&
+      row_groups <= kMmaCtasWide * static_cast<int64_t>(sm_count()))
+    return {kMmaWarpsWide, kMmaWarpsWide, 1, kMmaWarpsWide};
   while (row_groups * splits < kFewWarps && fits(splits)) splits *= 2;
   const int per_cta = static_cast<int>(std::min<int64_t>(splits, kMmaWarps));
-  return {static_cast<int>(splits), per_cta, static_cast<int>(splits / per_cta)};
+  return {static_cast<int>(splits), per_cta, static_cast<int>(splits / per_cta), kMmaWarps};
 }
 
 // The float32 buffer [ranges, nx, rows] that a launch cut into `ranges` writes its sums to (null for one).

@@ -1,6 +1,7 @@
 """The fixed-rate ops under `compute-sanitizer --tool memcheck`: the GPU transcoder, the decode and
 the fused matmul (every row count 1..16 on both kernels, 24..64 on tensor cores, then 80 rows through
-decode + cuBLAS; 6100 rows take the wide kernel in CTAs of 6 warps, 16400 in CTAs of 5; from 7 rows
+decode + cuBLAS; 6100 rows take the wide kernel in CTAs of 6 warps, 16400 in CTAs of 5, 4100 x 3077 K
+in 6 ranges (mma_kernel's CTAs of 6 warps); from 7 rows
 also x handed over in the kernel's layout) on ragged
 shapes with escapes and every bit pattern, with most weights escaping at other offsets of the
 escapes, and chained (each linear reading the one before's output). Exits non-zero if a result
@@ -29,6 +30,7 @@ EVERY = [(n, k) for n in range(1, 17) for k in (0, 1)] + [(n, 0) for n in (24, 4
 WIDE = [(24, 0), (40, 0)]
 MATRICES = (((3, 31), ()), ((37, 1000), EVERY), ((130, 2049), EVERY), ((256, 256), ()), ((4100, 2048), EVERY),
             ((6100, 2048), EVERY),                               # 7-16 rows 6 CTAs an SM; from 17 CTAs of 6 warps
+            ((4100, 3077), EVERY),                               # K in 6 ranges: CTAs of 6 warps (128+ SMs)
             ((16400, 1024), WIDE))                               # CTAs of 5 (132 SMs)
 
 

@@ -55,7 +55,8 @@ WEIGHTS = {"random": lambda r, c, s: fr_ops.sample_weight(torch.bfloat16, r, c, 
 
 @pytest.mark.parametrize("kernel", [0, 1])                   # tensor cores, CUDA cores
 @pytest.mark.parametrize("kind", list(WEIGHTS))
-@pytest.mark.parametrize("shape", [(1024, 4096), (96, 1000), (300, 4095), (33, 14336 + 17), (8, 31), (13, 64)])
+@pytest.mark.parametrize("shape", [(1024, 4096), (96, 1000), (300, 4095), (33, 14336 + 17), (8, 31), (13, 64),
+                                   (4100, 3072 + 5)])                # K in 6 ranges, CTAs of 6 warps (128+ SMs)
 def test_fused_error_within_twice_cublas(kernel, kind, shape):
     w = WEIGHTS[kind](*shape, sum(shape))
     fr = fr_ops.encode(w)
@@ -111,7 +112,7 @@ def test_row_views_of_a_joined_weight_multiply_as_their_parts():
 
 
 @pytest.mark.parametrize("shape", [(1024, 4096), (64, 4096 + 160), (37, 1000), (4096, 1024), (6000, 4096 + 160),
-                                   (16400, 1024), (6100, 2048)])
+                                   (16400, 1024), (6100, 2048), (4096, 4096 + 160)])
 def test_tensor_core_rows_same_alone_as_in_a_batch(shape):
     """K is cut by the matrix's shape alone (into tiles' ranges, some starting inside an escape
     block, summed across CTAs where a matrix has few rows): a row of x gets the same bits in a batch
@@ -119,7 +120,8 @@ def test_tensor_core_rows_same_alone_as_in_a_batch(shape):
     wide_kernel (17-64). From 17 to 40 rows, 6000 rows take CTAs of 6 warps on a GPU of up to 187
     SMs (47 · 4 CTAs of 8 warps would not fit at once), 16 400 rows (2 ranges) CTAs of 5 on 132 SMs
     (2 waves of 5 as of 6), the others CTAs of 8. From 7 to 16 rows, 6100 rows take 6 CTAs an SM on
-    132 SMs (763 CTAs: 2 waves at 5, 1 at 6)."""
+    132 SMs (763 CTAs: 2 waves at 5, 1 at 6). 4 096 rows of 34 tiles take 6 ranges of K on a GPU of
+    128 SMs or more, in CTAs of 6 warps up to 16 rows and from 17 (wide_kernel's rule)."""
     w = trained_like(*shape, sum(shape))
     fr = fr_ops.encode(w)
     x = torch.randn(64, shape[1], device="cuda", generator=torch.Generator(device="cuda").manual_seed(5)).bfloat16()
