@@ -176,9 +176,10 @@ constexpr int kFewWarps = 2048;
 // 1.128-1.130 / 1.113-1.124 / 1.249-1.259 -> 0.875 / 0.966-0.970 / 1.115-1.116 / 1.116-1.118 /
 // 1.259-1.264 (H200, 2026-12-02, bench/experiments/fixedrate_ab.py and fixedrate_permatrix.py, the
 // two builds alternated twice; bench/fixedrate_gpu.py, one run each on one box: 0.943 / 1.063 / 1.135
-// / 1.278 -> 0.881 / 0.998 / 1.104 / 1.270 at 1 / 4 / 16 / 32 rows). From 17 rows wide_kernel takes
-// the same 6 ranges (its rule gives these rows CTAs of 6 warps). The cut depends on the device's SMs
-// as well as the matrix, never on nx. Tried for the gate-sized matrices too (14 336 and 11 008 rows:
+// / 1.278 -> 0.881 / 0.998 / 1.104 / 1.270 at 1 / 4 / 16 / 32 rows). From 17 to 40 rows wide_kernel
+// takes the same 6 ranges (its rule gives these rows CTAs of 6 warps); from 41, 4 where 6 would
+// take more waves (launch_wide). The cut depends on the device's SMs as well as the matrix; on nx
+// only across 40 | 41 rows, for such a matrix. Tried for the gate-sized matrices too (14 336 and 11 008 rows:
 // 2, 3 or 6 ranges in CTAs of 4 or 6): none better at every row count.
 constexpr int kMmaWarpsWide = 6;
 constexpr int kMmaCtasWide = 4;
@@ -190,12 +191,12 @@ struct CutK {
   int splits, per_cta, parts, warps;
 };
 
-CutK cut_k(const FrArrays& a) {
+CutK cut_k(const FrArrays& a, bool wide = true) {                   // wide: 6 ranges where they fill the wave
   const int64_t row_groups = (a.rows + 7) / 8;
   auto fits = [&](int64_t s) { return s * 2 * kMinSplitTiles <= a.tiles; };
   int64_t splits = 1;
   while (splits < kMmaWarps && row_groups * splits < kTargetWarps && fits(splits)) splits *= 2;
-  if (splits == kMmaWarps && row_groups * splits >= kFewWarps && fits(kMmaWarpsWide) &&
+  if (wide && splits == kMmaWarps && row_groups * splits >= kFewWarps && fits(kMmaWarpsWide) &&
       row_groups <= kMmaCtasWide * static_cast<int64_t>(sm_count()))
     return {kMmaWarpsWide, kMmaWarpsWide, 1, kMmaWarpsWide};
   while (row_groups * splits < kFewWarps && fits(splits)) splits *= 2;

@@ -25,7 +25,7 @@ namespace {
 // flight (1.80), x's next tiles or W's plane lines prefetched to L1 or L2 (level or 1.78).
 // Up to 40 rows (up to 5 n8 tiles) at most 168 registers (4 bytes spilled at 4 n8 tiles), so that
 // 12 warps fit an SM: a matrix whose CTAs of 8 warps fill more than one wave takes CTAs of 6 (or 5),
-// two an SM (wide_warps). 6 and 7 n8 tiles fit 168 registers without spilling too, but their layers ran
+// two an SM (wide_launch). 6 and 7 n8 tiles fit 168 registers without spilling too, but their layers ran
 // 1.54 -> 1.56 of cuBLAS's time at 48 rows; 8 spilled 88 bytes (1.73 -> 2.00 at 64); at 40 rows
 // 1.47 -> 1.44 (the 8B layer) and 1.42 -> 1.39 (the 7B's). At 128 registers (16 warps an SM, 16-36
 // bytes spilled) 17-32 rows ran 1.30-1.37 -> 1.65-1.93 (H200, 2026-11-30).
@@ -101,7 +101,7 @@ __device__ __forceinline__ void walk_block_wide(const FrArrays& a, const uint2* 
   }
 }
 
-// A CTA: 8 warps (or wide_warps' 6 or 5) of 16 rows of W on range blockIdx.y of K, whose float32
+// A CTA: 8 warps (or wide_launch's 6 or 5) of 16 rows of W on range blockIdx.y of K, whose float32
 // sums go to `part` [ranges][nx][rows] when K is cut (else y, as mma_kernel rounds them).
 template <bool kBf16, int kNT>
 __global__ void __launch_bounds__(32 * kWideWarps) __maxnreg__(kNT <= 5 ? 168 : 255)
@@ -140,8 +140,8 @@ __global__ void __launch_bounds__(32 * kWideWarps) __maxnreg__(kNT <= 5 ? 168 : 
   }
 }
 
-// wide_kernel's warps a CTA for a matrix of `rows` cut into `splits` ranges of K: 8 (128 rows of W
-// sharing each x word through L1) while the launch's CTAs of 8 warps all fit the device at once;
+// wide_kernel's warps a CTA (and the waves they take) for a matrix of `rows` cut into `splits`
+// ranges of K: 8 (128 rows of W sharing each x word through L1) while the launch's CTAs of 8 warps all fit the device at once;
 // past that, kWideWarpsMany where more of its warps fit an SM (two CTAs of 6 warps, 12 warps an SM,
 // where the kernel needs at most 168 registers), so that the launch runs in fewer, fuller waves.
 // Each warp's sums are the same bits either way. The 7B's served matrices at 17 / 25 / 32 rows,
@@ -162,8 +162,13 @@ constexpr int kWideWarpsFew = 5;
 // wide_kernel's CTAs along the rows of W in CTAs of `warps` warps (16 rows of W each).
 int64_t wide_ctas(int64_t rows, int warps) { return (rows + 16 * warps - 1) / (16 * warps); }
 
+struct WideLaunch {
+  int warps;                                                         // a CTA's
+  int64_t waves;
+};
+
 template <bool kBf16, int kNT>
-int wide_warps(int64_t rows, int splits) {
+WideLaunch wide_launch(int64_t rows, int splits) {
   static std::atomic<int32_t> known[64] = {};                       // CTAs an SM of 8 << 16 | of 6 << 8 | of 5
   const int32_t k = per_device(known, [](int dev) {
     int per8 = 0, per6 = 0, per5 = 0;
@@ -176,9 +181,20 @@ int wide_warps(int64_t rows, int splits) {
   });
   auto in = [&](int warps, int per) { return waves(wide_ctas(rows, warps) * splits, per); };   // in CTAs of `warps`
   const int per8 = k >> 16, per6 = k >> 8 & 0xFF, per5 = k & 0xFF;
-  if (in(kWideWarps, per8) == 1 || per6 * kWideWarpsMany <= per8 * kWideWarps) return kWideWarps;
-  return per5 && in(kWideWarpsFew, per5) == in(kWideWarpsMany, per6) ? kWideWarpsFew : kWideWarpsMany;
+  if (in(kWideWarps, per8) == 1 || per6 * kWideWarpsMany <= per8 * kWideWarps) return {kWideWarps, in(kWideWarps, per8)};
+  if (per5 && in(kWideWarpsFew, per5) == in(kWideWarpsMany, per6)) return {kWideWarpsFew, in(kWideWarpsFew, per5)};
+  return {kWideWarpsMany, in(kWideWarpsMany, per6)};
 }
+
+// From 41 rows of x (6-8 n8 tiles: 255 registers, one CTA of 8 warps an SM) the 6 ranges of K that
+// cut_k gives a 4 096-row matrix on 132 SMs take two waves where 4 take one: the 8B layer's seven at
+// 64 rows 1.763 -> 1.995 of cuBLAS's time (H200, 2026-12-02, bench/fixedrate_gpu.py). There K keeps
+// its 4 ranges where 6 take more waves at 64 rows (decided by the 64-row build for all of 41-64):
+// at 48 / 64 rows 1.476-1.478 / 1.686-1.691 against main's 1.479-1.486 / 1.687-1.696, the 7B's
+// 1.444-1.451 / 1.702 against 1.446-1.452 / 1.701-1.703 (bench/experiments/fixedrate_ab.py, two
+// rounds). So such a matrix gives a row of x the same bits in any batch of 1-40 rows and in any of
+// 41-64, not across the two.
+constexpr int kFewRangesNT = 6;
 
 // kFrWideRows..64 rows: x permuted for wide_kernel, its ranges' sums added in mma_kernel's order.
 // The second launch (sum_parts) stays. Taken off the step with the same bits, the step was level:
@@ -194,7 +210,12 @@ int wide_warps(int64_t rows, int splits) {
 // `permuted`: x is already in permute_xb_kernel's layout (fixedrate_linear_permuted), so no permute launch.
 template <bool kBf16, int kNT>
 void launch_wide(const FrArrays& a, const at::Tensor& x, bool permuted, int nx, uint16_t* y, cudaStream_t stream) {
-  const CutK cut = cut_k(a);
+  CutK cut = cut_k(a);
+  if (kNT >= kFewRangesNT && cut.warps == kMmaWarpsWide) {           // 6 ranges: 4 where 6 take more waves
+    const CutK four = cut_k(a, false);
+    if (wide_launch<kBf16, 8>(a.rows, cut.splits).waves > wide_launch<kBf16, 8>(a.rows, four.splits).waves) cut = four;
+  }
+  const WideLaunch wl = wide_launch<kBf16, kNT>(a.rows, cut.splits);
   const int64_t units = a.tiles * 8 * kNT * 32;
   at::Tensor xq = x;
   if (!permuted) {
@@ -204,7 +225,7 @@ void launch_wide(const FrArrays& a, const at::Tensor& x, bool permuted, int nx, 
   }
   at::Tensor part;
   float* pp = part_sums(part, cut.splits, nx, a.rows, x);
-  const int w = wide_warps<kBf16, kNT>(a.rows, cut.splits);
+  const int w = wl.warps;
   const int64_t ctas = wide_ctas(a.rows, w);
   launch_pdl(wide_kernel<kBf16, kNT>, dim3(static_cast<unsigned>(ctas), static_cast<unsigned>(cut.splits)),
              dim3(32 * w), stream, a, reinterpret_cast<const uint2*>(xq.data_ptr()), nx, y, pp);

@@ -121,13 +121,19 @@ def test_tensor_core_rows_same_alone_as_in_a_batch(shape):
     SMs (47 · 4 CTAs of 8 warps would not fit at once), 16 400 rows (2 ranges) CTAs of 5 on 132 SMs
     (2 waves of 5 as of 6), the others CTAs of 8. From 7 to 16 rows, 6100 rows take 6 CTAs an SM on
     132 SMs (763 CTAs: 2 waves at 5, 1 at 6). 4 096 rows of 34 tiles take 6 ranges of K on a GPU of
-    128 SMs or more, in CTAs of 6 warps up to 16 rows and from 17 (wide_kernel's rule)."""
+    128 SMs or more, in CTAs of 6 warps up to 16 rows and from 17 (wide_kernel's rule), and from 41
+    rows 4 where 6 would take more waves (two on 132 SMs): the same bits in any batch of 1-40 rows
+    and in any of 41-64, each against its class's first batch."""
     w = trained_like(*shape, sum(shape))
     fr = fr_ops.encode(w)
     x = torch.randn(64, shape[1], device="cuda", generator=torch.Generator(device="cuda").manual_seed(5)).bfloat16()
     alone = torch.cat([fr_ops.linear(x[i:i + 1], fr, 0) for i in range(64)])
-    for n in (2, 5, 6, 7, 8, 9, 16, 17, 24, 32, 33, 40, 48, 56, 64):    # from 17: wide_kernel, 3-8 n8 tiles
-        assert torch.equal(fr_ops.linear(x[:n], fr, 0).view(torch.int16), alone[:n].view(torch.int16)), n
+    wide = fr_ops.linear(x, fr, 0)                                      # 41-64 rows: one cut of K
+    for n in (2, 5, 6, 7, 8, 9, 16, 17, 24, 32, 33, 40, 41, 48, 56, 63):   # from 17: wide_kernel, 3-8 n8 tiles
+        first = alone if n <= 40 else wide
+        assert torch.equal(fr_ops.linear(x[:n], fr, 0).view(torch.int16), first[:n].view(torch.int16)), n
+    if shape[0] != 4096:                                                # the others: one cut at every row count
+        assert torch.equal(wide.view(torch.int16), alone.view(torch.int16))
 
 
 @pytest.mark.parametrize("shape", [(1024, 4096), (300, 4095), (37, 1000), (6100, 2048)])
