@@ -331,11 +331,12 @@ constexpr int kWARows = 5;
 constexpr int kCursorRows = 2;
 
 // K is cut into `splits` ranges of whole tiles (a range may start inside an escape block: its
-// running count then starts past the block's earlier escapes). A CTA's 4 warps take `splits_cta` of
-// them for kMmaWarps / splits_cta groups of 8 rows and sum through shared memory. A matrix with few
-// rows (1024: 128 groups of 8, one CTA an SM) is cut further, gridDim.y CTAs a group of rows, each
-// writing float32 partial sums to `part` [gridDim.y][nx][rows], which sum_parts adds in order.
-// The cut depends on the matrix alone, not on nx: a row of x gets the same sums in any batch.
+// running count then starts past the block's earlier escapes). A CTA's kWarps warps (4, or 6 for 6
+// ranges: cut_k) take `splits_cta` of them for kWarps / splits_cta groups of 8 rows and sum through
+// shared memory. A matrix with few rows (1024: 128 groups of 8, one CTA an SM) is cut further,
+// gridDim.y CTAs a group of rows, each writing float32 partial sums to `part` [gridDim.y][nx][rows],
+// which sum_parts adds in order. The cut depends on the matrix (and the device's SMs), not on nx: a
+// row of x gets the same sums in any batch of 1-16 rows (and of 17-40 from wide_kernel; cut_k).
 template <bool kBf16, int kSlots, bool kWA, bool kCursor, int kCtas = kMmaCtas<kSlots, kWA>, int kWarps = kMmaWarps>
 __global__ void __launch_bounds__(32 * kWarps, kCtas) mma_kernel(FrArrays a, const uint4* __restrict__ x,
                                                                                     int nx, int splits_cta,

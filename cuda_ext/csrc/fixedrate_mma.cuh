@@ -158,8 +158,8 @@ __global__ void sum_parts_kernel(const float* __restrict__ part, int64_t n, int 
   y[i] = from_float<kBf16>(s);
 }
 
-// Splits of K (powers of two, or 6 below; at least kMinSplitTiles tiles each): in a CTA up to kMmaWarps while
-// the warps are below kTargetWarps; across CTAs only while below kFewWarps, where the second
+// Splits of K (powers of two, or 6 below; at least kMinSplitTiles tiles each): in a CTA up to
+// kMmaWarps while the warps are below kTargetWarps; across CTAs only while below kFewWarps, where the second
 // launch (sum_parts, ~2 us) costs less than the idle SMs: k and v of an 8B layer at 16 rows
 // 0.0167 -> 0.0112 ms each, but q and o (512 groups of rows) 0.019 -> 0.024 (H100, 2026-11-28).
 constexpr int kMinSplitTiles = 2;
@@ -179,8 +179,8 @@ constexpr int kFewWarps = 2048;
 // / 1.278 -> 0.881 / 0.998 / 1.104 / 1.270 at 1 / 4 / 16 / 32 rows). From 17 to 40 rows wide_kernel
 // takes the same 6 ranges (its rule gives these rows CTAs of 6 warps); from 41, 4 where 6 would
 // take more waves (launch_wide). The cut depends on the device's SMs as well as the matrix; on nx
-// only across 40 | 41 rows, for such a matrix. Tried for the gate-sized matrices too (14 336 and 11 008 rows:
-// 2, 3 or 6 ranges in CTAs of 4 or 6): none better at every row count.
+// only across 40 | 41 rows, for such a matrix. Tried for the gate-sized matrices too (14 336 and
+// 11 008 rows: 2, 3 or 6 ranges in CTAs of 4 or 6): none better at every row count.
 constexpr int kMmaWarpsWide = 6;
 constexpr int kMmaCtasWide = 4;
 

@@ -141,8 +141,8 @@ __global__ void __launch_bounds__(32 * kWideWarps) __maxnreg__(kNT <= 5 ? 168 : 
 }
 
 // wide_kernel's warps a CTA (and the waves they take) for a matrix of `rows` cut into `splits`
-// ranges of K: 8 (128 rows of W sharing each x word through L1) while the launch's CTAs of 8 warps all fit the device at once;
-// past that, kWideWarpsMany where more of its warps fit an SM (two CTAs of 6 warps, 12 warps an SM,
+// ranges of K: 8 (128 rows of W sharing each x word through L1) while the launch's CTAs of 8 warps
+// all fit the device at once; past that, kWideWarpsMany where more of its warps fit an SM (two CTAs of 6 warps, 12 warps an SM,
 // where the kernel needs at most 168 registers), so that the launch runs in fewer, fuller waves.
 // Each warp's sums are the same bits either way. The 7B's served matrices at 17 / 25 / 32 rows,
 // 8 -> 6 warps a CTA: qkv (12 288 rows) 1.35 / 1.44 / 1.48 -> 1.16 / 1.30 / 1.33 of cuBLAS's time,
