@@ -402,19 +402,18 @@ void launch(const FrArrays& a, const uint4* x, int nx, uint16_t* y, const at::Te
   at::Tensor part;
   float* pp = part_sums(part, cut.parts, nx, a.rows, like);
   auto kernel = mma_kernel<kBf16, kSlots, kWA, kCursor>;
-  int per_sm = kMmaCtas<kSlots, kWA>;
+  int per_sm = kMmaCtas<kSlots, kWA>, build = 0;                    // build: the carveout's (base, an SM more, CTAs of 6)
   if (cut.warps == kMmaWarpsWide) {
-    kernel = mma_kernel<kBf16, kSlots, kWA, kCursor, kMmaCtasW6<kSlots, kWA>, kMmaWarpsWide>, per_sm = 0;
+    per_sm = kMmaCtasW6<kSlots, kWA>, build = 2;
+    kernel = mma_kernel<kBf16, kSlots, kWA, kCursor, kMmaCtasW6<kSlots, kWA>, kMmaWarpsWide>;
   } else if constexpr (!kWA) {                                       // one CTA an SM more where that saves a wave
     constexpr int kMore = kMmaCtas<kSlots, kWA> + 1;
     const int64_t grid = ctas * cut.parts;
     if (waves(grid, kMore) < waves(grid, kMmaCtas<kSlots, kWA>))
-      kernel = mma_kernel<kBf16, kSlots, kWA, kCursor, kMore>, per_sm = kMore;
+      kernel = mma_kernel<kBf16, kSlots, kWA, kCursor, kMore>, per_sm = kMore, build = 1;
   }
-  static std::atomic<int32_t> carved[3][64] = {};                   // by the kernel taken (CTAs of 6; an SM more or not)
-  per_device(carved[per_sm ? 1 + per_sm - kMmaCtas<kSlots, kWA> : 0], [&](int dev) {
-    return set_carveout(reinterpret_cast<const void*>(kernel), per_sm ? per_sm : kMmaCtasW6<kSlots, kWA>, dev);
-  });
+  static std::atomic<int32_t> carved[3][64] = {};
+  per_device(carved[build], [&](int dev) { return set_carveout(reinterpret_cast<const void*>(kernel), per_sm, dev); });
   launch_pdl(kernel, dim3(static_cast<unsigned>(ctas), cut.parts), dim3(32 * cut.warps), stream, a, x, nx, cut.per_cta, y, pp);
   if (cut.parts > 1) launch_sum(kBf16, pp, nx * a.rows, 1, cut.parts, y, stream);
 }

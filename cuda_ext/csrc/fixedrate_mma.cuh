@@ -191,12 +191,12 @@ struct CutK {
   int splits, per_cta, parts, warps;
 };
 
-CutK cut_k(const FrArrays& a, bool wide = true) {                   // wide: 6 ranges where they fill the wave
+CutK cut_k(const FrArrays& a, bool six = true) {                    // six: 6 ranges where they fill the wave
   const int64_t row_groups = (a.rows + 7) / 8;
   auto fits = [&](int64_t s) { return s * 2 * kMinSplitTiles <= a.tiles; };
   int64_t splits = 1;
   while (splits < kMmaWarps && row_groups * splits < kTargetWarps && fits(splits)) splits *= 2;
-  if (wide && splits == kMmaWarps && row_groups * splits >= kFewWarps && fits(kMmaWarpsWide) &&
+  if (six && splits == kMmaWarps && row_groups * splits >= kFewWarps && fits(kMmaWarpsWide) &&
       row_groups <= kMmaCtasWide * static_cast<int64_t>(sm_count()))
     return {kMmaWarpsWide, kMmaWarpsWide, 1, kMmaWarpsWide};
   while (row_groups * splits < kFewWarps && fits(splits)) splits *= 2;

@@ -142,8 +142,9 @@ __global__ void __launch_bounds__(32 * kWideWarps) __maxnreg__(kNT <= 5 ? 168 : 
 
 // wide_kernel's warps a CTA (and the waves they take) for a matrix of `rows` cut into `splits`
 // ranges of K: 8 (128 rows of W sharing each x word through L1) while the launch's CTAs of 8 warps
-// all fit the device at once; past that, kWideWarpsMany where more of its warps fit an SM (two CTAs of 6 warps, 12 warps an SM,
-// where the kernel needs at most 168 registers), so that the launch runs in fewer, fuller waves.
+// all fit the device at once; past that, kWideWarpsMany where more of its warps fit an SM (two CTAs
+// of 6 warps, 12 warps an SM, where the kernel needs at most 168 registers), so that the launch runs
+// in fewer, fuller waves.
 // Each warp's sums are the same bits either way. The 7B's served matrices at 17 / 25 / 32 rows,
 // 8 -> 6 warps a CTA: qkv (12 288 rows) 1.35 / 1.44 / 1.48 -> 1.16 / 1.30 / 1.33 of cuBLAS's time,
 // gate_up (22 016) 1.46 / 1.57 / 1.63 -> 1.29 / 1.40 / 1.47, but o (4 096 rows, one wave of 8)
@@ -196,6 +197,15 @@ WideLaunch wide_launch(int64_t rows, int splits) {
 // 41-64, not across the two.
 constexpr int kFewRangesNT = 6;
 
+// The cut of K wide_kernel takes at kNT n8 tiles: cut_k's, but for the exception above.
+template <bool kBf16, int kNT>
+CutK wide_cut(const FrArrays& a) {
+  const CutK cut = cut_k(a);
+  if (kNT < kFewRangesNT || cut.warps != kMmaWarpsWide) return cut;
+  const CutK four = cut_k(a, false);
+  return wide_launch<kBf16, 8>(a.rows, cut.splits).waves > wide_launch<kBf16, 8>(a.rows, four.splits).waves ? four : cut;
+}
+
 // kFrWideRows..64 rows: x permuted for wide_kernel, its ranges' sums added in mma_kernel's order.
 // The second launch (sum_parts) stays. Taken off the step with the same bits, the step was level:
 // the step's Triton kernels added the ranges where they read y (the served step at 17-32 rows within
@@ -210,11 +220,7 @@ constexpr int kFewRangesNT = 6;
 // `permuted`: x is already in permute_xb_kernel's layout (fixedrate_linear_permuted), so no permute launch.
 template <bool kBf16, int kNT>
 void launch_wide(const FrArrays& a, const at::Tensor& x, bool permuted, int nx, uint16_t* y, cudaStream_t stream) {
-  CutK cut = cut_k(a);
-  if (kNT >= kFewRangesNT && cut.warps == kMmaWarpsWide) {           // 6 ranges: 4 where 6 take more waves
-    const CutK four = cut_k(a, false);
-    if (wide_launch<kBf16, 8>(a.rows, cut.splits).waves > wide_launch<kBf16, 8>(a.rows, four.splits).waves) cut = four;
-  }
+  const CutK cut = wide_cut<kBf16, kNT>(a);
   const WideLaunch wl = wide_launch<kBf16, kNT>(a.rows, cut.splits);
   const int64_t units = a.tiles * 8 * kNT * 32;
   at::Tensor xq = x;
@@ -225,10 +231,9 @@ void launch_wide(const FrArrays& a, const at::Tensor& x, bool permuted, int nx, 
   }
   at::Tensor part;
   float* pp = part_sums(part, cut.splits, nx, a.rows, x);
-  const int w = wl.warps;
-  const int64_t ctas = wide_ctas(a.rows, w);
+  const int64_t ctas = wide_ctas(a.rows, wl.warps);
   launch_pdl(wide_kernel<kBf16, kNT>, dim3(static_cast<unsigned>(ctas), static_cast<unsigned>(cut.splits)),
-             dim3(32 * w), stream, a, reinterpret_cast<const uint2*>(xq.data_ptr()), nx, y, pp);
+             dim3(32 * wl.warps), stream, a, reinterpret_cast<const uint2*>(xq.data_ptr()), nx, y, pp);
   if (cut.splits > 1) launch_sum(kBf16, pp, nx * a.rows, cut.per_cta, cut.parts, y, stream);
 }
 
