@@ -184,7 +184,11 @@ def test_client_gone_mid_stream_cancels_and_releases(live, route, extra) -> None
     """A client that leaves a TGI stream after its first event: the generation is cancelled, its
     row leaves the engine's batch and its KV blocks go back, as TGI's router drops a stream whose
     receiver is gone. The live server is the module's: the counters are read before and after, so
-    the other tests' requests do not count."""
+    the other tests' requests do not count.
+    The client leaves when the `with` ends, after the check that its row was generating: the line
+    iterator is held till then. Dropped (`next(l for l in r.iter_lines() ...)`), CPython closed it
+    at once and httpcore the connection with it, so the client had left before the check, which
+    failed when a busy machine let the server cancel the row first."""
     url, app = live
     cancelled = f'wcodec_generate_requests_total{{model="{DEMO}",status="cancelled"}}'
     generated = f'wcodec_generate_generated_tokens_total{{model="{DEMO}"}}'
@@ -193,7 +197,8 @@ def test_client_gone_mid_stream_cancels_and_releases(live, route, extra) -> None
     entry = app.state.registry.get(DEMO)
     scheduler = entry.engine.batcher
     with httpx.stream("POST", f"{url}{route}", json=body, timeout=60) as r:
-        first = next(line for line in r.iter_lines() if line.startswith("data:"))   # leave after the first token
+        lines = r.iter_lines()                                          # held: the connection stays open
+        first = next(line for line in lines if line.startswith("data:"))
         assert scheduler.active and scheduler.blocks.used > 0, (r.status_code, first)   # it was generating
     deadline = time.monotonic() + 30
     while (entry.in_flight or scheduler.active or scheduler.blocks.used) and time.monotonic() < deadline:
