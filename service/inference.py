@@ -127,7 +127,9 @@ def _within_context(served: ServedModel, ids: list[int], params: SamplingParams,
                     fields: tuple[str, str]) -> SamplingParams:
     """`params` whose prompt + max_new_tokens fit the context (WCODEC_MAX_TOTAL_TOKENS, the
     model's positions): the server's default length cut to what the prompt leaves (at least one
-    token), as TGI's router does; a length the request gave that does not fit is its error."""
+    token), as TGI's router does; a length the request gave that does not fit is its error, and so
+    is a `min_tokens` over the length (vLLM's rule; with no max_tokens, over what the context leaves:
+    its EOS masked to the end of the context, which took minutes, where vLLM answers 400)."""
     inputs, new = fields
     limit = min(settings.max_total_tokens, served.max_positions)
     if params.default_length:
@@ -135,6 +137,9 @@ def _within_context(served: ServedModel, ids: list[int], params: SamplingParams,
     if len(ids) + params.max_new_tokens > limit:
         raise ValidationFailed(f"`{inputs}` tokens + `{new}` must be <= {limit}. Given: {len(ids)} "
                                f"`{inputs}` tokens and {params.max_new_tokens} `{new}`", param=new)
+    if params.min_tokens > params.max_new_tokens:
+        raise ValidationFailed(f"`min_tokens` ({params.min_tokens}) must be at most the {params.max_new_tokens} "
+                               f"tokens the context ({limit}) leaves {len(ids)} `{inputs}` tokens", param="min_tokens")
     return params
 
 
@@ -276,6 +281,15 @@ async def finish_all(started: list[Started], request: Request | None = None) -> 
         for task in (results, hung_up):
             if task is not None and not task.done():
                 task.cancel()
+                task.add_done_callback(_read_outcome)
+
+
+def _read_outcome(task: asyncio.Future) -> None:
+    """Marks a cancelled future's outcome read: a gather cancelled midway ends with CancelledError
+    as its exception (not cancelled), which asyncio logged at every client hang-up as an ERROR
+    with a traceback ("exception was never retrieved")."""
+    if not task.cancelled():
+        task.exception()
 
 
 async def _hung_up(request: Request) -> None:

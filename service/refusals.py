@@ -21,7 +21,7 @@ async def count_invalid(request: Request) -> None:
         return
     try:
         body = await request.json()              # read and kept by the route before it refused it
-    except ValueError:                           # not JSON (nor UTF-8)
+    except (ValueError, RecursionError):         # not JSON (nor UTF-8), or nested past json's stack
         return
     name = body.get("model") if isinstance(body, dict) else 0
     if not isinstance(name, str | None):         # no object, or no name in it

@@ -35,7 +35,7 @@ import torch
 
 from ..model.token_bytes import BYTE_LEVEL, decoder_steps, piece_bytes, vocabulary_kind
 from .index_child import DOES_NOT_COMPILE
-from .json_schema import prepared, refusal
+from .json_schema import TOO_DEEP, prepared, refusal
 from .regex_syntax import ascii_classes
 
 KEPT = 32                                       # compiled indexes kept per process (by model and pattern)
@@ -96,6 +96,8 @@ def schema_regex(schema: dict | str, limits: CompileLimits | None = None, deadli
         parsed = json.loads(schema) if isinstance(schema, str) else schema
     except ValueError:                                     # not JSON: outlines-core says so below
         parsed = None
+    except RecursionError:                                 # nested past what Python's json reads
+        raise GrammarError(f"unsupported JSON schema: {TOO_DEEP}") from None
     if why := refusal(parsed):
         raise GrammarError(f"unsupported JSON schema: {why}")
     try:

@@ -19,6 +19,8 @@ generates from each and validates with `jsonschema`):
     format email, time, uri                                   the same, from outlines-core's own
                                                               regex of the format
     two of minLength/maxLength, pattern, format               all but the first dropped
+    objects and arrays nested over DEEPEST levels             no regex: its JSON parser reads
+                                                              none ("Expected a valid JSON string")
 
 A pattern is read as outlines-core reads it (regex_syntax.py): a Unicode property (`\\p{L}`) as the
 characters outlines-core's engine puts in it; syntax that Rust's regex and JSON Schema's read
@@ -57,10 +59,14 @@ SCALARS = ({"type": "boolean"}, {"type": "null"}, {"type": "number"}, {"type": "
 MAPS = ("properties", "$defs", "definitions")              # keywords whose values map names to schemas
 ONE = ("items", "additionalProperties")                    # a schema
 LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")          # a list of schemas
+DEEPEST = 127               # levels of objects and arrays outlines-core's JSON parser (serde_json's) reads
+TOO_DEEP = f"objects and arrays nested over {DEEPEST} levels deep, which outlines-core does not read"
 
 
 def refusal(schema: object) -> str | None:
     """Why the regex of `schema` would not hold text to it, or None."""
+    if _deeper_than(schema, DEEPEST):                      # first: the walks below recurse a level a frame
+        return TOO_DEEP
     for pointer, node in _nodes(schema, ""):
         if why := _why(node):
             return f"{why} (at {pointer or '/'})"
@@ -85,6 +91,19 @@ def prepared(schema: object) -> object:
         if isinstance(node.get("pattern"), str):
             node["pattern"] = anchored(node["pattern"])
     return schema
+
+
+def _deeper_than(value: object, levels: int) -> bool:
+    """Whether `value` nests objects and arrays over `levels` deep, walked without recursion (a
+    schema nested past Python's recursion limit raised RecursionError in `_nodes`: a 500)."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict | list):
+            if depth > levels:
+                return True
+            stack.extend((sub, depth + 1) for sub in (node.values() if isinstance(node, dict) else node))
+    return False
 
 
 def _nodes(node: object, pointer: str) -> Iterator[tuple[str, dict]]:

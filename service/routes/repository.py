@@ -29,7 +29,7 @@ async def repository_request(request: Request) -> RepositoryRequest:
     raw = await request.body()
     try:
         return RepositoryRequest.model_validate(json.loads(raw) if raw.strip() else {})
-    except (ValueError, ValidationError) as e:          # JSONDecodeError is a ValueError
+    except (ValueError, RecursionError, ValidationError) as e:     # not JSON, or nested past json's stack
         raise ValidationFailed(f"the body is not a repository request: {e}") from None
 
 

@@ -11,6 +11,7 @@ from .tgi import MAX_SEED
 
 MAX_STOP = 4
 MAX_BIAS = 100                                  # OpenAI's bound on a logit_bias value
+MAX_ID_DIGITS = 19                              # a logit_bias key: a token id, an int64 as vLLM reads it
 MAX_N = 16                                      # choices a prompt
 Stops = Annotated[list[str], Field(max_length=MAX_STOP)]
 
@@ -80,6 +81,9 @@ class OpenAIRequest(BaseModel):
         for key, bias in (v or {}).items():
             if not (key.isascii() and key.isdecimal()):                  # int() also reads '\u0663' as 3
                 raise ValueError(f"keys are token ids (strings of the digits 0-9), not {key!r}")
+            if len(key) > MAX_ID_DIGITS:                                  # int() refuses over 4300 digits: a 500
+                raise ValueError(f"keys are token ids of at most {MAX_ID_DIGITS} digits, not one of {len(key)} digits "
+                                 f"({key[:MAX_ID_DIGITS]}...)")
             if not -MAX_BIAS <= bias <= MAX_BIAS:
                 raise ValueError(f"biases lie in [-{MAX_BIAS}, {MAX_BIAS}], not {bias} (token {key})")
         return v

@@ -358,3 +358,18 @@ async def test_a_lone_surrogate_in_a_stop_sequence_is_refused(serve, store) -> N
         r = await server.client.post("/v1/completions", headers=headers,
                                      content=b'{"prompt": "hi", "max_tokens": 2, "stop": "\\udc00"}')
         assert r.status_code == 400 and r.json()["error"]["param"] == "stop", r.text
+
+
+async def test_a_body_nested_past_pythons_json_is_a_validation_error(serve, store) -> None:
+    """A body of arrays nested 100 000 deep (200 KB) sent without a JSON content type: the route
+    refuses it (422; 400 on /v1), and counting that refusal parsed it (refusals.py), whose
+    RecursionError was a 500."""
+    deep = b"[" * 100_000 + b"]" * 100_000
+    async with serve(store()) as server:
+        for headers in ({"content-type": "text/plain"}, {}):
+            for route in ("/generate", "/generate_stream", "/"):
+                r = await server.client.post(route, content=deep, headers=headers)
+                assert_error(r, 422, "validation")
+            for route in ("/v1/chat/completions", "/v1/completions"):
+                r = await server.client.post(route, content=deep, headers=headers)
+                assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text

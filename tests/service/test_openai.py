@@ -295,6 +295,18 @@ def test_logit_bias_bans_and_forces_tokens_and_penalties_curb_repeats(client, li
         assert e.value.body["param"] == "logit_bias", bias
 
 
+def test_a_logit_bias_key_of_thousands_of_digits_is_a_400(client) -> None:
+    """int() refuses a string of over 4300 digits: such a key passed the schema and was a 500 as the
+    sampling parameters were made; a key is a token id of at most 19 digits (an int64) now."""
+    for create in (lambda bias: client.chat.completions.create(model=DEMO, messages=QUESTION, max_tokens=2,
+                                                               logit_bias=bias),
+                   lambda bias: client.completions.create(model=DEMO, prompt=PROMPT, max_tokens=2, logit_bias=bias)):
+        for bias in ({"9" * 5000: 1}, {"1" * 20: 1}):
+            with pytest.raises(openai.BadRequestError) as e:
+                create(bias)
+            assert e.value.body["param"] == "logit_bias", e.value.body
+
+
 def test_n_choices_each_their_own_generation(client) -> None:
     """n: that many choices a prompt, each its own engine request (choice j sampling with seed + j,
     so choice 0 is the n=1 sample and the set repeats); greedy choices are alike; usage counts a
@@ -398,6 +410,20 @@ def test_min_tokens_masks_the_eos_and_the_stops_until_reached(client) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=DEMO, prompt=PROMPT, max_tokens=2, extra_body={"min_tokens": 3})
     assert e.value.body["param"] == "min_tokens", e.value.body
+
+
+def test_min_tokens_over_what_the_context_leaves_is_a_400(client) -> None:
+    """With no max_tokens, a min_tokens over what the context leaves the prompt was taken, its EOS
+    masked to the end of the context (minutes of tokens on a CPU, the client's wait a hang); vLLM,
+    whose max_tokens is then that room, refuses it (min_tokens <= max_tokens), as this server now."""
+    quick = client.with_options(timeout=30)
+    for huge in (10**9, 2**63):
+        with pytest.raises(openai.BadRequestError) as e:
+            quick.chat.completions.create(model=DEMO, messages=QUESTION, extra_body={"min_tokens": huge})
+        assert e.value.body["param"] == "min_tokens", e.value.body
+        with pytest.raises(openai.BadRequestError) as e:
+            quick.completions.create(model=DEMO, prompt=PROMPT, stream=True, extra_body={"min_tokens": huge})
+        assert e.value.body["param"] == "min_tokens", e.value.body
 
 
 def test_a_stream_that_fails_midway_ends_with_an_error_event(client, live, monkeypatch) -> None:

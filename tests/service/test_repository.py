@@ -94,3 +94,14 @@ async def test_kserve_health_routes_follow_the_preload(serve, store, monkeypatch
         for path in ("/v2/health/ready", f"/v2/models/{DEMO}/ready"):
             assert ((r := await c.get(path)).status_code, r.content) == (200, b"")
         assert_error(await c.get("/v2/models/broken/ready"), 503, "model_not_ready")
+
+
+async def test_a_body_nested_past_pythons_json_is_a_422(serve, store) -> None:
+    """The repository's optional body is parsed by the route itself: one nested past json's
+    recursion limit raised RecursionError, which its ValueError clause let through (a 500)."""
+    deep = b"[" * 100_000 + b"]" * 100_000
+    async with serve(store()) as server:
+        for path in ("/v2/repository/index", f"/v2/repository/models/{DEMO}/load",
+                     f"/v2/repository/models/{DEMO}/unload"):
+            assert "recursion" in assert_error(await post(server, path, deep), 422, "validation")["error"]
+        assert server.registry.get(DEMO).state is ModelState.AVAILABLE

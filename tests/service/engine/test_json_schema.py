@@ -210,3 +210,25 @@ def test_a_schema_whose_regex_explodes_fails_within_the_limits() -> None:
     with pytest.raises(grammar.GrammarError, match=str(1 << 28)):
         grammar.schema_regex(_arrays(50), grammar.CompileLimits(60, 1 << 28))
     assert time.monotonic() - start < 60
+
+
+def test_a_schema_nested_deeper_than_outlines_core_reads_is_refused() -> None:
+    """A schema nested past Python's recursion limit (300 `anyOf`s: a 6 KB request) raised
+    RecursionError in the refusal's walk, and one given as JSON text nested past json's in its
+    parse: a 500 either way. Each is a GrammarError (422) naming the depth now, as is any schema
+    nested over the 127 levels outlines-core's JSON parser reads (it answered "Expected a valid
+    JSON string"); 127 levels still build."""
+    deep = {"type": "integer"}
+    for _ in range(300):
+        deep = {"anyOf": [deep]}
+    for schema in (deep, "[" * 100_000 + "]" * 100_000, {"const": _lists(127)}):
+        with pytest.raises(grammar.GrammarError, match="nested over 127 levels"):
+            grammar.schema_regex(schema)
+    assert grammar.schema_regex({"const": _lists(126)}).count("[") >= 126
+
+
+def _lists(depth: int) -> list:
+    value: list = []
+    for _ in range(depth - 1):
+        value = [value]
+    return value
