@@ -30,8 +30,15 @@ TGI_BOUNDS = {
 CHAT_EXAMPLE = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
 
 
+# TGI's router reads a request with serde: a field of the wrong JSON type is refused ("20" for
+# max_new_tokens, true for an integer, "yes" for a boolean, 20.0 for an integer), where pydantic's
+# default would coerce it; a JSON integer for a float is taken, as serde takes it.
+STRICT = ConfigDict(strict=True)
+
+
 class Grammar(BaseModel):
     """TGI's grammar: the generated text follows a JSON schema or a regex."""
+    model_config = STRICT
     type: Literal["json", "json_object", "regex", "json_schema"] = Field(description="'json' (or 'json_object'): "
                                                                          "`value` is a JSON schema; 'regex': a "
                                                                          "regex; 'json_schema': {name, schema}.")
@@ -55,7 +62,7 @@ class Grammar(BaseModel):
 class GenerateParameters(BaseModel):
     # JSON's 1e309 parses to inf (and Python's parser takes NaN): no sampling number is one (TGI's
     # router cannot parse them); inf as a temperature turned a grammar's -inf to nan, failing a step
-    model_config = ConfigDict(allow_inf_nan=False)
+    model_config = ConfigDict(allow_inf_nan=False, strict=True)
     max_new_tokens: int | None = Field(None, ge=1, description="Maximum number of tokens to generate "
                                        "(default: WCODEC_DEFAULT_MAX_NEW_TOKENS).", examples=[20])
     temperature: float | None = Field(None, gt=0, description="The value used to modulate the logits.")
@@ -133,7 +140,7 @@ class GenerateParameters(BaseModel):
 
 
 class GenerateRequest(BaseModel):
-    model_config = ConfigDict(protected_namespaces=())
+    model_config = ConfigDict(protected_namespaces=(), strict=True)
     inputs: str = Field(min_length=1, examples=[CHAT_EXAMPLE])
     parameters: GenerateParameters = Field(default_factory=GenerateParameters)
     model: str | None = Field(None, description="Model name (a file stem in the store). Default: "

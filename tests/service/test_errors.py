@@ -373,3 +373,21 @@ async def test_a_body_nested_past_pythons_json_is_a_validation_error(serve, stor
             for route in ("/v1/chat/completions", "/v1/completions"):
                 r = await server.client.post(route, content=deep, headers=headers)
                 assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+
+
+async def test_a_field_of_the_wrong_json_type_is_refused_as_tgis_serde_refuses_it(serve, store) -> None:
+    """TGI's router reads a request with serde: "20" or 2.0 or true for max_new_tokens, "yes" for a
+    boolean, are 422s (pydantic's default coerced them, and "yes" started a stream); a JSON
+    integer for a float parameter is taken, as serde takes it."""
+    wrong = [{"max_new_tokens": "20"}, {"max_new_tokens": 2.0}, {"max_new_tokens": True}, {"do_sample": "yes"},
+             {"details": 1}, {"seed": "7"}, {"top_k": 1.0}]
+    async with serve(store(), preload=[DEMO]) as server:
+        await server.wait_state(DEMO, ModelState.READY)
+        for params in wrong:
+            for route in ("/generate", "/generate_stream", "/"):
+                r = await server.client.post(route, json={"inputs": "hi", "parameters": params})
+                assert_error(r, 422, "validation")
+        assert_error(await server.client.post("/", json={"inputs": "hi", "stream": "yes"}), 422, "validation")
+        ok = await server.client.post("/generate", json={"inputs": "hi", "parameters": {
+            "max_new_tokens": 2, "temperature": 1, "do_sample": True, "seed": 3}})
+        assert ok.status_code == 200 and ok.json()["generated_text"], ok.text
