@@ -1,13 +1,13 @@
 """Between the generation routes and the engine: pick the model, hold a lease on it for the
 request's whole life (released by the engine when the request ends), validate and tokenize the
-prompt, and shape the engine's events into TGI's (and OpenAI's) responses and SSE streams."""
+prompt, wait for the engine's events and stream them (TGI's response shapes: tgi.py; OpenAI's:
+openai_api.py, chat.py, completions.py)."""
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import functools
 import json
-import logging
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -17,25 +17,13 @@ from starlette.requests import Request
 
 from .engine import GenRequest, RequestGroup
 from .engine import grammar as constraints
-from .errors import ClientClosed, QueueFull, ServiceError, ValidationFailed, error_event, incomplete
-from .engine.sampling import Finished, PromptToken, SamplingParams, TokenEvent
+from .errors import ClientClosed, QueueFull, ValidationFailed
+from .engine.sampling import Finished, SamplingParams, TokenEvent
 from .model.build import ServedModel
 from .registry import ModelRegistry
-from .schemas.tgi import (
-    BestOfSequence,
-    Details,
-    GenerateParameters,
-    GenerateResponse,
-    PrefillToken,
-    SequenceDetails,
-    SimpleToken,
-    StreamDetails,
-    StreamResponse,
-    Token,
-)
+from .schemas.tgi import GenerateParameters, SimpleToken
 from .settings import Settings
 
-log = logging.getLogger(__name__)
 # the thread that tokenizes prompts and renders chat templates (TGI's validation worker, one as
 # /info's validation_workers says): seconds for a prompt of megabytes, which on the event loop
 # stalled every other request and /health with it
@@ -308,54 +296,10 @@ async def first_events(started: list[Started]) -> list[TokenEvent | Finished]:
         raise
 
 
-def _token(e: TokenEvent) -> Token:
-    return Token(id=e.id, text=e.text, logprob=e.logprob, special=e.special)
-
-
-def top_tokens(served: ServedModel, e: TokenEvent | PromptToken) -> list[Token]:
-    """The event's (or prompt token's) most likely tokens, each decoded on its own (as TGI does: a
-    piece of a character reads as U+FFFD)."""
-    return [Token(id=i, text=token_text(served, i), logprob=lp, special=i in served.special_ids) for i, lp in e.top]
-
-
-def token_text(served: ServedModel, token: int) -> str:
-    return served.tokenizer.decode([token], skip_special_tokens=False)
-
-
-def prefill_tokens(served: ServedModel, fin: Finished) -> list[PrefillToken]:
-    """TGI's details.prefill: each prompt token decoded on its own, with its log-probability."""
-    return [PrefillToken(id=t.id, text=token_text(served, t.id), logprob=t.logprob) for t in fin.prefill]
-
-
-def _text(started: Started, fin: Finished, full: bool | None) -> str:
-    return started.prompt + fin.generated_text if full else fin.generated_text
-
-
-def _details(cls: type[SequenceDetails], started: Started, fin: Finished, p: GenerateParameters,
-             **extra) -> SequenceDetails:
-    top = [top_tokens(started.served, t) for t in fin.tokens] if p.top_n_tokens else []
-    return cls(finish_reason=fin.finish_reason, generated_tokens=len(fin.tokens), seed=fin.seed,
-               prefill=prefill_tokens(started.served, fin), tokens=[_token(t) for t in fin.tokens], top_tokens=top,
-               **extra)
-
-
 def mean_logprob(fin: Finished) -> float:
     """A sequence's mean log-probability a token: how TGI's best_of and OpenAI's pick the best
     (a sum would favour the shortest); -inf for none."""
     return sum(t.logprob for t in fin.tokens) / len(fin.tokens) if fin.tokens else float("-inf")
-
-
-def tgi_response(started: list[Started], fins: list[Finished], p: GenerateParameters) -> GenerateResponse:
-    """The response to a request of len(started) sequences (best_of): the one of highest mean
-    log-probability a token, as TGI's router picks it (the first of equals); with details (or
-    decoder_input_details), the others in best_of_sequences."""
-    best = max(range(len(fins)), key=lambda i: mean_logprob(fins[i]))
-    details = None
-    if p.details or p.decoder_input_details:     # TGI's rule: either asks for details
-        others = [_details(BestOfSequence, s, f, p, generated_text=_text(s, f, p.return_full_text))
-                  for i, (s, f) in enumerate(zip(started, fins)) if i != best]
-        details = _details(Details, started[best], fins[best], p, best_of_sequences=others or None)
-    return GenerateResponse(generated_text=_text(started[best], fins[best], p.return_full_text), details=details)
 
 
 def sse(payload: BaseModel | dict | str) -> bytes:
@@ -384,34 +328,5 @@ async def events(started: Started, first: TokenEvent | Finished) -> AsyncIterato
             if isinstance(item, Finished):
                 return
             item = await started.request.next()
-    finally:
-        started.request.cancel()
-
-
-async def tgi_stream(started: Started, first: TokenEvent | Finished, p: GenerateParameters) -> AsyncIterator[bytes]:
-    """TGI's SSE: one event per token; the last token's event carries generated_text, and details
-    when asked for (`details`), as TGI's generate_stream. A failure after the first event ends
-    the stream with TGI's error event: the service error's, or for any other exception (a bug,
-    logged) an incomplete generation's. Whatever ends it cancels the generation."""
-    pending, index = None, 0
-
-    def event(e: TokenEvent, **last) -> bytes:
-        return sse(StreamResponse(index=index, token=_token(e), top_tokens=top_tokens(started.served, e), **last))
-    try:
-        async for item in events(started, first):
-            if isinstance(item, Finished):
-                if pending is not None:
-                    details = StreamDetails(finish_reason=item.finish_reason, generated_tokens=len(item.tokens),
-                                            seed=item.seed, input_length=item.input_length) if p.details else None
-                    yield event(pending, generated_text=_text(started, item, p.return_full_text), details=details)
-                return
-            if pending is not None:
-                yield event(pending)
-            pending, index = item, index + 1
-    except ServiceError as e:
-        yield sse(error_event(e))
-    except Exception as e:
-        log.exception("a TGI stream failed")
-        yield sse(error_event(incomplete(e)))
     finally:
         started.request.cancel()

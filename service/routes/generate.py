@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from .. import chat, inference
+from .. import chat, inference, tgi
 from ..deps import RegistryDep, SettingsDep
 from ..errors import responses
 from ..openapi import sse_content, sse_response
@@ -34,7 +34,7 @@ async def _generate(req: GenerateRequest, registry: RegistryDep, settings: Setti
     started = await inference.start_many(registry, settings, req.model, [req.inputs], params,
                                          req.parameters.best_of or 1, stream=False, truncate=req.parameters.truncate,
                                          grammar=_grammar(req))
-    return inference.tgi_response(started, await inference.finish_all(started, request), req.parameters)
+    return tgi.tgi_response(started, await inference.finish_all(started, request), req.parameters)
 
 
 async def _stream(req: GenerateRequest, registry: RegistryDep, settings: SettingsDep) -> StreamingResponse:
@@ -42,7 +42,7 @@ async def _stream(req: GenerateRequest, registry: RegistryDep, settings: Setting
     started = await inference.start(registry, settings, req.model, req.inputs, params, stream=True,
                                     truncate=req.parameters.truncate, grammar=_grammar(req))
     first = await inference.first_event(started)
-    return sse_response(inference.tgi_stream(started, first, req.parameters))
+    return sse_response(tgi.tgi_stream(started, first, req.parameters))
 
 
 @router.post("/generate", summary="Generate text (TGI)", responses=ERRORS)

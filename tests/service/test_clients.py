@@ -11,7 +11,7 @@ import httpx
 import pytest
 from service_helpers import CHAT_PROMPT, DEMO
 
-from service import inference
+from service import tgi
 
 
 @pytest.fixture(autouse=True)
@@ -41,9 +41,9 @@ def test_a_stream_that_fails_midway_ends_with_tgis_error_event(live, monkeypatch
     connection was dropped mid-body, the client left with a broken read."""
     def broken(**fields):
         raise RuntimeError("no details")
-    monkeypatch.setattr(inference, "StreamDetails", broken)
+    monkeypatch.setattr(tgi, "StreamDetails", broken)
     client = hub.InferenceClient(base_url=live[0])
-    with caplog.at_level(logging.ERROR, logger="service.inference"), \
+    with caplog.at_level(logging.ERROR, logger="service.tgi"), \
             pytest.raises(hub.errors.IncompleteGenerationError, match="RuntimeError: no details"):
         list(client.text_generation(CHAT_PROMPT, max_new_tokens=4, stream=True, details=True))
     assert any(r.exc_info and "no details" in str(r.exc_info[1]) for r in caplog.records)

@@ -12,7 +12,7 @@ import anyio
 import pytest
 from service_helpers import CHAT_PROMPT, DEMO, assert_error, generate_body
 
-from service import inference
+from service import tgi
 from service.engine import sampling
 from service.engine.sampling import Finished, TokenEvent
 from service.inference import Started
@@ -100,9 +100,9 @@ def test_best_of_returns_the_highest_mean_logprob_as_tgis_router() -> None:
     picked the shortest: one token at -1.0 over four at -0.5 each."""
     short, long = sequence(-1.0), sequence(-0.5, -0.5, -0.5, -0.5)
     started = [Started(DEMO, None, None, "") for _ in range(2)]
-    out = inference.tgi_response(started, [short, long], GenerateParameters(details=False))
+    out = tgi.tgi_response(started, [short, long], GenerateParameters(details=False))
     assert out.generated_text == "xxxx"
-    out = inference.tgi_response(started, [long, short], GenerateParameters(details=False))
+    out = tgi.tgi_response(started, [long, short], GenerateParameters(details=False))
     assert out.generated_text == "xxxx"
 
 
