@@ -13,8 +13,8 @@
                  (blocks.py: blocks and block tables; paging.py: the cache's size); runner.py: the
                  forward of a step, decode-only steps replayed as CUDA graphs
     sampling.py  Row (one request's tokens and stop rules, its prompt's scores when asked),
-                 SamplingParams, greedy / top-k / top-p / typical sampling, penalties, TGI's
-                 watermark, TokenEvent and Finished
+                 SamplingParams, TokenEvent and Finished; logits.py: a row's token from its
+                 logits, greedy / top-k / top-p / typical sampling, penalties, TGI's watermark
     grammar.py   constrained generation (TGI's grammar, OpenAI's response_format): a regex's
                  index over the vocabulary (outlines-core), a row's Constraint; json_schema.py:
                  the schemas whose regex would not hold the text (refused); index_child.py: the

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import PROMPT_LOGITS, Row, TokenEvent, left_pad, sample_rows
+from .logits import sample_rows
+from .sampling import PROMPT_LOGITS, Row, TokenEvent, left_pad
 from ..model.build import ServedModel
 from .kv import PaddedKV, cache_class, forward_all
 

@@ -46,7 +46,7 @@ import torch
 
 from ..model import device_wide, fixed, paged
 from ..model.llama import LlamaForCausalLM
-from .sampling import greedy
+from .logits import greedy
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 WARM_AFTER_S = 1.0                 # an idle engine starts warming its kernels after this long (warm_later)

@@ -37,7 +37,8 @@ from ..errors import ValidationFailed
 from .batcher import Step, drop_cancelled
 from .blocks import BlockManager
 from .runner import Chunk, Decode, Launched, Runner
-from .sampling import PROMPT_LOGITS, Row, TokenEvent, sample_rows
+from .logits import sample_rows
+from .sampling import PROMPT_LOGITS, Row, TokenEvent
 
 
 class Seq:

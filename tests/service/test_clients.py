@@ -105,7 +105,7 @@ def test_inference_client_watermark(live) -> None:
     is far above chance; the same seeded request without it is near chance."""
     import torch
 
-    from service.engine.sampling import greenlist
+    from service.engine.logits import greenlist
 
     client = hub.InferenceClient(base_url=live[0])
     prompt = "<|im_start|>user\nWrite a long story about a dragon and a knight.<|im_end|>\n<|im_start|>assistant\n"

@@ -368,7 +368,8 @@ def test_watermark_on_cuda() -> None:
     a second draw is the same."""
     from types import SimpleNamespace
 
-    from service.engine.sampling import Row, SamplingParams, greenlist, sample
+    from service.engine.logits import greenlist, sample
+    from service.engine.sampling import Row, SamplingParams
     cuda = torch.device("cuda")
     served = SimpleNamespace(device=cuda, tokenizer=SimpleNamespace(decode=lambda ids, **_: "x" * len(ids)),
                              eos_ids=frozenset(), special_ids=frozenset())

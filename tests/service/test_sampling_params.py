@@ -13,7 +13,7 @@ import pytest
 from service_helpers import CHAT_PROMPT, DEMO, assert_error, generate_body
 
 from service import tgi
-from service.engine import sampling
+from service.engine import logits
 from service.engine.sampling import Finished, TokenEvent
 from service.inference import Started
 from service.registry import ModelState
@@ -59,13 +59,13 @@ async def test_a_tiny_repetition_penalty_fails_no_one(serve, store) -> None:
 
 async def test_a_row_whose_sampling_fails_fails_alone(serve, store, monkeypatch) -> None:
     """Whatever a row's parameters do to its sampling, the other rows of the step go on."""
-    real = sampling.sample
+    real = logits.sample
 
     def failing(logits, row):
         if row.params.seed == 666:
             raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
         return real(logits, row)
-    monkeypatch.setattr(sampling, "sample", failing)
+    monkeypatch.setattr(logits, "sample", failing)
     async with serve(store(), preload=[DEMO]) as server:
         await ready(server)
         plain, odd = await together(server.client, generate_body(24), generate_body(4, do_sample=True, seed=666))

@@ -9,17 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from service.engine.sampling import (
-    WATERMARK_DELTA,
-    WATERMARK_KEY,
-    Row,
-    SamplingParams,
-    _penalize,
-    _warp,
-    greenlist,
-    left_pad,
-    sample,
-)
+from service.engine.logits import WATERMARK_DELTA, WATERMARK_KEY, _penalize, _warp, greenlist, sample
+from service.engine.sampling import Row, SamplingParams, left_pad
 
 EOS, SPECIAL = 9, frozenset({9})
 
