@@ -126,8 +126,9 @@ def _within_context(served: ServedModel, ids: list[int], params: SamplingParams,
         raise ValidationFailed(f"`{inputs}` tokens + `{new}` must be <= {limit}. Given: {len(ids)} "
                                f"`{inputs}` tokens and {params.max_new_tokens} `{new}`", param=new)
     if params.min_tokens > params.max_new_tokens:
-        raise ValidationFailed(f"`min_tokens` ({params.min_tokens}) must be at most the {params.max_new_tokens} "
-                               f"tokens the context ({limit}) leaves {len(ids)} `{inputs}` tokens", param="min_tokens")
+        raise ValidationFailed(f"`min_tokens` must be <= the {params.max_new_tokens} new tokens that the context "
+                               f"({limit}) leaves after {len(ids)} `{inputs}` tokens. Given: {params.min_tokens}",
+                               param="min_tokens")
     return params
 
 

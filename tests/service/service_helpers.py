@@ -80,7 +80,8 @@ QUEUE_OF_ONE = {"max_queue": 1, "max_batch_size": 1, "batch_wait_ms": 0}      # 
 
 async def when_queue_full(server: Server, monkeypatch, send: Callable[[], Awaitable], probe: Callable[[], Awaitable]):
     """On a server started with QUEUE_OF_ONE and the demo ready: `send()` twice, the first held in
-    its prefill, the second waiting, then `probe()` while the queue is full; then the held ones go
+    its prefill, the second waiting in the engine's queue (not only leased: its prompt is tokenized
+    off the event loop before it is queued), then `probe()` while the queue is full; then the held ones go
     on (and finish before this returns). Returns what `probe()` returned."""
     entered, release = threading.Event(), threading.Event()
     real = paged.forward                                 # the paged engine's forward (engine/runner.py)
@@ -95,8 +96,9 @@ async def when_queue_full(server: Server, monkeypatch, send: Callable[[], Awaita
         tg.start_soon(send)
         await anyio.to_thread.run_sync(entered.wait, 30)     # the worker holds the first
         tg.start_soon(send)
-        with anyio.fail_after(10):
-            while server.registry.get(DEMO).in_flight < 2:
+        entry = server.registry.get(DEMO)
+        with anyio.fail_after(10):                           # leased, tokenized (off the loop) and queued
+            while entry.in_flight < 2 or not entry.engine.batcher.waiting:
                 await anyio.sleep(0.01)
         try:
             return await probe()
