@@ -62,7 +62,7 @@ class Grammar(BaseModel):
 class GenerateParameters(BaseModel):
     # JSON's 1e309 parses to inf (and Python's parser takes NaN): no sampling number is one (TGI's
     # router cannot parse them); inf as a temperature turned a grammar's -inf to nan, failing a step
-    model_config = ConfigDict(allow_inf_nan=False, strict=True)
+    model_config = STRICT | ConfigDict(allow_inf_nan=False)
     max_new_tokens: int | None = Field(None, ge=1, description="Maximum number of tokens to generate "
                                        "(default: WCODEC_DEFAULT_MAX_NEW_TOKENS).", examples=[20])
     temperature: float | None = Field(None, gt=0, description="The value used to modulate the logits.")
@@ -140,7 +140,7 @@ class GenerateParameters(BaseModel):
 
 
 class GenerateRequest(BaseModel):
-    model_config = ConfigDict(protected_namespaces=(), strict=True)
+    model_config = STRICT | ConfigDict(protected_namespaces=())
     inputs: str = Field(min_length=1, examples=[CHAT_EXAMPLE])
     parameters: GenerateParameters = Field(default_factory=GenerateParameters)
     model: str | None = Field(None, description="Model name (a file stem in the store). Default: "
