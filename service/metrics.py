@@ -45,6 +45,10 @@ Generate wcodec_generate_requests_total{model,status}  status: ok, error, cancel
                                                    once for its n sequences, as the usage),
                                                    each token after the step that made it (as
                                                    vLLM's generation_tokens; not at request end)
+         wcodec_generate_prompt_cached_tokens_total{model}   of the prompt tokens, those whose keys and
+                                                   values the prefix cache held (vLLM's
+                                                   prefix_cache_hits; the hit rate: its rate over
+                                                   the prompt tokens')
          wcodec_generate_inter_token_latency_seconds{model}   one observation per token after the first
          wcodec_generate_queue_depth{model}    requests waiting to join the running batch
          wcodec_generate_queue_capacity{model}
@@ -57,7 +61,8 @@ Generate wcodec_generate_requests_total{model,status}  status: ok, error, cancel
 KV cache wcodec_kv_cache_blocks{model}, wcodec_kv_cache_blocks_used{model}   the paged cache's blocks
                                                    (service/engine/blocks.py), all / held by rows
          wcodec_kv_cache_usage{model}          blocks_used / blocks (a row holds its whole budget,
-                                                   so nothing is preempted: no preemption metric)
+                                                   so nothing is preempted: no preemption metric;
+                                                   cached blocks none holds count as free)
          wcodec_engine_cuda_graphs{model}      decode steps captured (service/engine/runner.py)
          wcodec_engine_cuda_graph_shapes{model}   the step shapes it captures while idle (the graphs
                                                    gauge reaches this once all are)
@@ -185,6 +190,8 @@ class Metrics:
         self.tpot = Histogram("wcodec_generate_time_per_output_token_seconds", "Time per output token "
                               "after the first", m, buckets=_TOKEN, registry=r)
         self.prompt_tokens = Counter("wcodec_generate_prompt_tokens", "Prompt tokens", m, registry=r)
+        self.prompt_cached_tokens = Counter("wcodec_generate_prompt_cached_tokens", "Prompt tokens found in the "
+                                            "prefix cache, not prefilled", m, registry=r)
         self.generated_tokens = Counter("wcodec_generate_generated_tokens", "Generated tokens", m, registry=r)
         self.queue_depth = Gauge("wcodec_generate_queue_depth", "Requests waiting for a batch", m, registry=r)
         self.running = Gauge("wcodec_generate_running_requests", "Requests in the running batch, decoding or "

@@ -18,7 +18,7 @@ from .engine.sampling import Finished, SamplingParams, TokenEvent
 from .errors import ModelNotFound, ServiceError, UnsupportedParameter, ValidationFailed, internal, openai_error_event
 from .model.build import ServedModel
 from .registry import ModelRegistry
-from .schemas.openai import OpenAIRequest, Usage
+from .schemas.openai import OpenAIRequest, PromptTokensDetails, Usage
 from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -229,6 +229,9 @@ def finish_reason(fin: Finished) -> str:
 
 
 def usage(fins: list[Finished], n: int = 1) -> Usage:
-    """`fins` n per prompt (as `start` makes them): a prompt's tokens count once, as OpenAI's."""
+    """`fins` n per prompt (as `start` makes them): a prompt's tokens count once, as OpenAI's, and
+    its cached tokens as its first sequence found them."""
     prompt, completion = sum(f.input_length for f in fins[::n]), sum(len(f.tokens) for f in fins)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    cached = PromptTokensDetails(cached_tokens=sum(f.cached_tokens for f in fins[::n]))
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=cached)

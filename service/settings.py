@@ -90,6 +90,7 @@ class Settings(BaseSettings):
     kv_block_size: int = Field(16, ge=1)         # tokens a KV cache block
     kv_cache_bytes: int | None = Field(None, ge=0)   # the KV cache; None: kv_cache_fraction (CUDA), 1 GiB (CPU)
     kv_cache_fraction: float = Field(0.5, gt=0, le=1)    # of the device memory free after the weights
+    prefix_caching: bool = True                  # a prompt's known prefix read from the KV cache (blocks.py)
     cuda_graphs: bool = True                     # decode steps replayed as CUDA graphs (decoded weights)
     prefill_wait_ms: float = Field(20.0, ge=0)   # with graphs: gather arrivals this long into one prefill
     prompt_graph_rows: int | None = Field(None, ge=0)   # with graphs: steps of short prompts up to this many

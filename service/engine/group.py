@@ -35,16 +35,18 @@ class RequestGroup:
         with self._lock:
             self.created = now if self.created is None else self.created
 
-    def first_token(self, metrics: Metrics, model: str, prompt: int, prompt_tokens: int, admitted_at: float | None,
-                    now: float) -> None:
-        """A sequence's first token: its prompt's tokens (once a prompt), and the request's time to
-        first token, split at `admitted_at` into queue and prefill (the group's first token only)."""
+    def first_token(self, metrics: Metrics, model: str, prompt: int, tokens: tuple[int, int],
+                    admitted_at: float | None, now: float) -> None:
+        """A sequence's first token: its prompt's tokens and, of them, those the prefix cache held
+        (`tokens`; once a prompt, as its first sequence found them), and the request's time to first
+        token, split at `admitted_at` into queue and prefill (the group's first token only)."""
         with self._lock:
             new_prompt, first = prompt not in self._prompts, self.first_token_at is None
             self._prompts.add(prompt)
             self.first_token_at = now if first else self.first_token_at
         if new_prompt:
-            metrics.prompt_tokens.labels(model).inc(prompt_tokens)
+            metrics.prompt_tokens.labels(model).inc(tokens[0])
+            metrics.prompt_cached_tokens.labels(model).inc(tokens[1])
         if first:
             metrics.ttft.labels(model).observe(now - self.created)
             if admitted_at is not None:

@@ -34,6 +34,7 @@ class CacheSettings:
     cuda_graphs: bool = True          # WCODEC_CUDA_GRAPHS
     prefill_wait_s: float = 0.0       # WCODEC_PREFILL_WAIT_MS / 1e3
     prompt_graph_rows: int | None = None   # WCODEC_PROMPT_GRAPH_ROWS (None: the step's token budget)
+    prefix_caching: bool = True       # WCODEC_PREFIX_CACHING
 
 
 def cache_tokens(served: ServedModel, max_rows: int, s: CacheSettings) -> int:
@@ -59,7 +60,7 @@ def scheduler(served: ServedModel, max_rows: int, max_tokens: int, s: CacheSetti
               on_token: Callable[[Row, TokenEvent], None], on_finish: Callable[[Row], None]) -> Scheduler:
     """A paged scheduler for `served` (a llama.py model), its cache allocated now."""
     tokens = cache_tokens(served, max_rows, s)
-    blocks = BlockManager(tokens // s.block_size, s.block_size)
+    blocks = BlockManager(tokens // s.block_size, s.block_size, s.prefix_caching)
     cache = paged.PagedCache(served.model.config, blocks.blocks, s.block_size, cache_dtype(served), served.device)
     plain = served.schedule is None
     steps = plain or served.schedule.linears_only    # compressed mode: its hooks captured in the graphs too

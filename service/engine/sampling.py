@@ -100,6 +100,7 @@ class Finished:
     seed: int | None
     input_length: int
     prefill: tuple[PromptToken, ...] = ()   # with prompt_logprobs
+    cached_tokens: int = 0                  # of the input, found in the prefix cache
 
 
 class Detokenizer:
@@ -132,6 +133,7 @@ class Row:
         self.cancelled = False
         self.error: str | None = None           # why choosing its token failed (`sample_rows`): it ends
         self.admitted_at: float | None = None   # perf_counter when a batch took it (`admit`)
+        self.cached_tokens = 0                  # of its prompt, found in the prefix cache (blocks.py)
         self.detokenizer = Detokenizer(served.tokenizer.decode)
         self.prompt_scores: list[tuple[float, TopN]] = []    # prompt_logprobs: positions 1, 2, ... so far
         self.seed = (params.seed if params.seed is not None else random.getrandbits(63)) \
@@ -234,7 +236,8 @@ class Row:
 
     def finished(self) -> Finished:
         text = self.served.tokenizer.decode(self.ids, skip_special_tokens=True)
-        return Finished(text, self.finish_reason, self.tokens, self.seed, len(self.prompt_ids), self.prefill())
+        return Finished(text, self.finish_reason, self.tokens, self.seed, len(self.prompt_ids), self.prefill(),
+                        self.cached_tokens)
 
 
 def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,7 +5,9 @@ transformers' models), so the worker runs either.
 Each `step()`:
   1. rows that finished or were cancelled leave; their blocks go back (blocks.py);
   2. admit: waiting rows, first come first served, while rows are free and the cache has the
-     blocks of their whole budget (prompt + max_new_tokens); the others wait. With CUDA graphs, while
+     blocks of their whole budget (prompt + max_new_tokens); the others wait. A row takes the
+     cached blocks of its prompt's longest known prefix (blocks.py's prefix cache; not a row that
+     scores its prompt) and prefills only the tokens after them. With CUDA graphs, while
      rows are decoding, admission waits up to `prefill_wait_s` to gather arrivals into one prompt
      step (whole short prompts replay a prompt bucket's graph, runner.py; longer ones run eager);
   3. chunk: the token budget (`max_tokens` less one per decoding row) goes to the prefilling rows'
@@ -21,8 +23,9 @@ instead launches the rows' next step, its tokens read on the device from the las
 then pushes the last launch's tokens while the device computes: the host's work per token
 (sampling's copy, detokenizing, the events) overlaps the step rather than following it.
 
-A row's attention sees only its own blocks, so batching changes no row's tokens beyond
-floating-point reordering. `on_token(row, event)` fires for every token, `on_finish(row)` once per row.
+A row's attention sees only its own blocks (shared ones hold the same tokens at the same
+positions), so batching and the prefix cache change no row's tokens beyond floating-point
+reordering. `on_token(row, event)` fires for every token, `on_finish(row)` once per row.
 """
 from __future__ import annotations
 
@@ -35,18 +38,24 @@ import torch
 
 from ..errors import ValidationFailed
 from .batcher import Step, drop_cancelled
-from .blocks import BlockManager
+from .blocks import BlockManager, names
 from .runner import Chunk, Decode, Launched, Runner
 from .logits import sample_rows
 from .sampling import PROMPT_LOGITS, Row, TokenEvent
 
 
 class Seq:
-    """A row's place in the cache: its blocks, how much of its prompt is in, and whether a
-    launched step's token for it is still on its way (`ahead`: 0 or 1)."""
+    """A row's place in the cache: its blocks, how much of its prompt is in (from the first
+    block past its prefix cache hits), and whether a launched step's token for it is still on its
+    way (`ahead`: 0 or 1). `names`: its prompt's whole blocks' names (blocks.py)."""
 
-    def __init__(self, row: Row, table: list[int]):
-        self.row, self.table, self.prefilled, self.ahead = row, table, 0, 0
+    def __init__(self, row: Row, table: list[int], prompt_names: list[bytes], prefilled: int = 0):
+        self.row, self.table, self.names, self.prefilled, self.ahead = row, table, prompt_names, prefilled, 0
+
+    def written(self) -> list[int]:
+        """The tokens whose keys and values its returned steps wrote: the prompt's prefilled part,
+        then, once it decodes, each generated token but the newest (not fed yet)."""
+        return self.row.prompt_ids[:self.prefilled] + (self.row.ids[:-1] if self.prompt_done else [])
 
     @property
     def prompt_done(self) -> bool:
@@ -74,6 +83,7 @@ class Scheduler:
         self.on_token, self.on_finish = on_token, on_finish
         self.waiting: deque[Row] = deque()      # appended by other threads (deque ops are atomic)
         self.arrived: dict[int, float] = {}
+        self.prompt_names: dict[int, list[bytes]] = {}     # a waiting row's (add: off the engine's thread)
         self.running: list[Seq] = []            # decoding
         self.prefilling: list[Seq] = []
         self.pending: Pending | None = None     # a launched step (pipelined: below)
@@ -83,6 +93,7 @@ class Scheduler:
         if not self.blocks.fits(self._budget(row)):
             raise ValidationFailed(f"{self._budget(row)} tokens (prompt + max_new_tokens) do not fit the KV "
                                    f"cache ({self.blocks.blocks} blocks of {self.blocks.block_size} tokens)")
+        self.prompt_names[id(row)] = names(row.prompt_ids, self.blocks.block_size, [])
         self.arrived[id(row)] = time.perf_counter()
         self.waiting.append(row)
 
@@ -118,6 +129,7 @@ class Scheduler:
             at += c.logit_rows
             if self._advance(s, c):
                 done.append((at - 1, s))
+            self.blocks.name(s.table, s.names[:s.prefilled // self.blocks.block_size])
         if done:
             for _, s in done:
                 s.row.prompt_in()
@@ -147,7 +159,8 @@ class Scheduler:
 
     def _admissible(self) -> bool:
         return bool(self.waiting) and len(self.running) + len(self.prefilling) < self.max_rows \
-            and self.blocks.can_allocate(self._budget(self.waiting[0])) and self._ready_to_admit()
+            and self.blocks.can_allocate(self._budget(self.waiting[0]), self._hits(self.waiting[0])) \
+            and self._ready_to_admit()
 
     def _launch(self) -> Step:
         """Launch a step of the running rows, then push the previous launch's tokens. A row that
@@ -195,6 +208,12 @@ class Scheduler:
     def _budget(self, row: Row) -> int:
         return len(row.prompt_ids) + row.params.max_new_tokens
 
+    def _hits(self, row: Row) -> list[int]:
+        """A waiting row's prefix cache hits: none for a row that scores its prompt (every token's logits)."""
+        if row.params.prompt_logprobs is not None:
+            return []
+        return self.blocks.hits(self.prompt_names.get(id(row), []), len(row.prompt_ids))
+
     def _ready_to_admit(self) -> bool:
         """Now, unless graphs run the decoding rows and the first waiting row arrived under
         `prefill_wait_s` ago while fewer rows wait than are free."""
@@ -210,13 +229,16 @@ class Scheduler:
             if row.cancelled:
                 self._gone(self.waiting.popleft())
                 continue
-            need = self._budget(row)
-            if not self.blocks.can_allocate(need) or not self._ready_to_admit():
+            need, hits = self._budget(row), self._hits(row)
+            if not self.blocks.can_allocate(need, hits) or not self._ready_to_admit():
                 return                                      # waits for blocks (or for company)
-            self.prefilling.append(Seq(self.waiting.popleft().admit(), self.blocks.allocate(need)))
+            self.waiting.popleft().admit().cached_tokens = len(hits) * self.blocks.block_size
+            table = self.blocks.allocate(need, hits)
+            self.prefilling.append(Seq(row, table, self.prompt_names.pop(id(row), []), row.cached_tokens))
 
     def _gone(self, row: Row) -> None:
         self.arrived.pop(id(row), None)
+        self.prompt_names.pop(id(row), None)
         self.on_finish(row)
 
     def _emit(self, rows: list[Row], logits: torch.Tensor) -> None:
@@ -229,6 +251,9 @@ class Scheduler:
             gone = [s for s in seqs if s.row.done]
             for s in gone:
                 seqs.remove(s)
+                written = s.written()
+                self.blocks.name(s.table, names(written, self.blocks.block_size,
+                                                s.names[:len(written) // self.blocks.block_size]))
                 self.blocks.release(s.table)
                 self._gone(s.row)
 

@@ -41,7 +41,7 @@ class Limits:
 def limits(s) -> Limits:
     """The engine's limits from the service's Settings."""
     cache = paging.CacheSettings(s.kv_block_size, s.kv_cache_bytes, s.kv_cache_fraction, s.max_total_tokens,
-                                 s.cuda_graphs, s.prefill_wait_ms / 1e3, s.prompt_graph_rows)
+                                 s.cuda_graphs, s.prefill_wait_ms / 1e3, s.prompt_graph_rows, s.prefix_caching)
     return Limits(s.max_batch_size, s.max_batch_tokens, s.max_queue, s.batch_wait_ms / 1e3, s.engine, cache)
 
 
@@ -250,7 +250,8 @@ class Engine:
         self._made += 1
         if req.first_token_at is None:          # prefilled: its prompt taken in
             req.first_token_at = now
-            req.group.first_token(self.metrics, name, req.prompt, len(req.prompt_ids), row.admitted_at, now)
+            req.group.first_token(self.metrics, name, req.prompt, (len(req.prompt_ids), row.cached_tokens),
+                                  row.admitted_at, now)
         else:
             self.metrics.itl.labels(name).observe(now - req.last_token_at)
         req.last_token_at = now

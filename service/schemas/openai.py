@@ -107,10 +107,15 @@ class OpenAIResponse(BaseModel):
     system_fingerprint: str
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="prompt tokens whose keys and values came from the prefix cache")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class ModelCard(BaseModel):

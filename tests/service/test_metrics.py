@@ -28,7 +28,8 @@ FAMILIES = [
     "wcodec_generate_request_duration_seconds", "wcodec_generate_time_to_first_token_seconds",
     "wcodec_generate_queue_duration_seconds", "wcodec_generate_prefill_duration_seconds",
     "wcodec_generate_time_per_output_token_seconds", "wcodec_generate_prompt_tokens_total",
-    "wcodec_generate_generated_tokens_total", "wcodec_generate_queue_depth", "wcodec_generate_batch_size",
+    "wcodec_generate_generated_tokens_total", "wcodec_generate_prompt_cached_tokens_total",
+    "wcodec_generate_queue_depth", "wcodec_generate_batch_size",
     "wcodec_generate_running_requests",
     "wcodec_generate_batch_tokens", "wcodec_generate_inter_token_latency_seconds",
     "wcodec_http_requests_total", "wcodec_http_request_duration_seconds",
@@ -311,3 +312,22 @@ async def test_a_refused_generation_counts_as_validation(serve, store) -> None:
         assert await server.metric("wcodec_http_requests_total", method="POST", route="/generate",
                                    status="422") == 3
         assert 'model="nope"' not in (await c.get("/metrics")).text
+
+
+async def test_a_repeated_chat_reports_its_cached_prompt_tokens(serve, store) -> None:
+    """The demo's chat template opens every conversation with one system prompt: the second of two
+    chats reads its whole leading blocks from the prefix cache. Its usage says how many tokens
+    (prompt_tokens_details.cached_tokens, OpenAI's), the counter adds the same, and the greedy
+    answer is the same."""
+    chat = {"model": DEMO, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 8, "temperature": 0}
+    async with serve(store(), preload=[DEMO]) as server:
+        await server.wait_state(DEMO, ModelState.READY)
+        first = (await server.client.post("/v1/chat/completions", json=chat)).json()
+        cached = await server.metric("wcodec_generate_prompt_cached_tokens_total", model=DEMO)
+        second = (await server.client.post("/v1/chat/completions", json=chat)).json()
+        hits = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == cached == 0
+        assert hits == (second["usage"]["prompt_tokens"] - 1) // 16 * 16 > 0
+        assert await server.metric("wcodec_generate_prompt_cached_tokens_total", model=DEMO) == hits
+        assert second["choices"][0]["message"] == first["choices"][0]["message"]
