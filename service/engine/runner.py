@@ -65,8 +65,8 @@ class Decode:
 @dataclass
 class Chunk:
     """Prompt tokens start:start + len(tokens) of a sequence; `every`: logits at each of them (its
-    prompt's log-probabilities), not just the last; `whole`: they are the whole prompt, the chunk
-    it would be prefilled as alone."""
+    prompt's log-probabilities), not just the last; `whole`: they are the whole prompt past its
+    prefix cache hits, the chunk it would be prefilled as alone."""
     tokens: list[int]
     start: int
     table: list[int]

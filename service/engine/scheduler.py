@@ -200,7 +200,7 @@ class Scheduler:
             if (budget <= 0 or (every and scored <= 0)) and out:
                 break
             n = max(1, min(len(s.row.prompt_ids) - s.prefilled, budget, scored if every else budget))
-            whole = s.prefilled == 0 and n == len(s.row.prompt_ids)
+            whole = s.prefilled == s.row.cached_tokens and n == len(s.row.prompt_ids) - s.prefilled
             out.append((s, Chunk(s.row.prompt_ids[s.prefilled:s.prefilled + n], s.prefilled, s.table, every, whole)))
             budget, scored = budget - n, scored - (n if every else 0)
         return out

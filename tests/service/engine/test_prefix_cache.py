@@ -103,7 +103,8 @@ def run(engine, rows: list[Row]) -> list[Row]:
 
 def test_a_prompt_after_an_earlier_one_prefills_only_its_tail(tiny) -> None:
     """The second prompt repeats the first's 40 tokens: 32 of them (two blocks of 16) come from the
-    cache, and the step feeds only the rest; with the cache off, every token is fed."""
+    cache, and the step feeds only the rest, as one whole chunk (runner.py: the chunk it is alone);
+    with the cache off, every token is fed."""
     first, second = list(range(3, 43)), list(range(3, 43)) + [7, 8, 9]
     fed = {}
     for on in (True, False):
@@ -113,6 +114,7 @@ def test_a_prompt_after_an_earlier_one_prefills_only_its_tail(tiny) -> None:
         s.runner.run = lambda decodes, cs: chunks.extend(cs) or real(decodes, cs)
         rows = run(s, [Row(first, SamplingParams(6), tiny), Row(second, SamplingParams(6), tiny)])
         fed[on] = [(c.start, len(c.tokens)) for c in chunks], [r.cached_tokens for r in rows], [r.ids for r in rows]
+        assert all(c.whole for c in chunks)         # the tail past the hits is what it is alone
         assert s.blocks.used == 0
     assert fed[True][0] == [(0, 40), (32, 11)] and fed[True][1] == [0, 32]
     assert fed[False][0] == [(0, 40), (0, 43)] and fed[False][1] == [0, 0]
