@@ -4,18 +4,20 @@
                 (48) new tokens, every request a different prompt (docs/BENCHMARKS.md)
     MixUser     /generate, /generate_stream (a third of the streams leave after a few tokens),
                 /v1/chat/completions and model-control reads
+    SharedUser  BenchUser's loop, each prompt a long system prompt that every request shares
+                (WCODEC_LOAD_SHARED words, 600) before its own question: what a prefix cache serves
 
 Headless and bounded (fixed users and duration, summary with p50/p99, TTFT, tokens/s, errors):
 `python -m loadtests.run --help`. With locust's own UI:
 `locust -f loadtests/locustfile.py --host http://127.0.0.1:8000 MixUser`.
 
-Environment: WCODEC_LOAD_MODEL (default: the server's default model), WCODEC_LOAD_TOKENS (48).
+Environment: WCODEC_LOAD_MODEL (default: the server's default model), WCODEC_LOAD_TOKENS (48),
+WCODEC_LOAD_SHARED (600).
 Prompts are ChatML (the demo model's format). Every request is recorded in `RECORDS` (a
 `Record` each) for loadtests/run.py, and reported to locust's own statistics too.
 """
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import random
@@ -26,15 +28,11 @@ from urllib.parse import urlparse
 from locust import HttpUser, constant, events, task
 from locust.exception import StopUser
 
+from loadtests.prompts import prompt, question, shared_prompt
+
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
 MODEL = os.environ.get("WCODEC_LOAD_MODEL")
 MAX_NEW_TOKENS = int(os.environ.get("WCODEC_LOAD_TOKENS", "48"))
-TOPICS = ["the sea", "volcanoes", "a lighthouse keeper", "bread baking", "the moon", "honeybees", "a chess game",
-          "autumn leaves", "a train journey", "glaciers", "an old library", "city traffic", "desert nights",
-          "a violin maker", "rainforests", "a snowstorm"]
-TASKS = ["Write a short story about {}.", "Describe {} in detail.", "Explain to a child how {} works.",
-         "Write a poem about {}.", "Give me a long list of facts about {}."]
-SERIAL = itertools.count()
 
 
 @dataclass
@@ -61,18 +59,8 @@ def localhost_only(environment, **_) -> None:
         raise SystemExit(f"refusing to load-test {environment.host!r}: localhost only")
 
 
-def question() -> str:
-    """A different request every call: a task about a topic, numbered."""
-    n = next(SERIAL)
-    return TASKS[n % len(TASKS)].format(TOPICS[(n // len(TASKS)) % len(TOPICS)]) + f" (request {n})"
-
-
-def prompt() -> str:
-    return f"<|im_start|>user\n{question()}<|im_end|>\n<|im_start|>assistant\n"
-
-
-def body(**parameters) -> dict:
-    out = {"inputs": prompt(), "parameters": {"max_new_tokens": MAX_NEW_TOKENS, **parameters}}
+def body(inputs: str | None = None, **parameters) -> dict:
+    out = {"inputs": inputs or prompt(), "parameters": {"max_new_tokens": MAX_NEW_TOKENS, **parameters}}
     return {**out, "model": MODEL} if MODEL else out
 
 
@@ -138,6 +126,14 @@ class BenchUser(Recorded):
     @task
     def generate_stream(self) -> None:
         self.stream(body(do_sample=False))
+
+
+class SharedUser(Recorded):
+    wait_time = constant(0)
+
+    @task
+    def generate_stream(self) -> None:
+        self.stream(body(shared_prompt(), do_sample=False))
 
 
 class MixUser(Recorded):

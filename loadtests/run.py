@@ -82,7 +82,7 @@ class Server:
 
 def run(host: str, scenario: str, users: int, duration: float, drain: float) -> float:
     """Run the users; returns the start time (perf_counter) of the window."""
-    user = {"bench": locustfile.BenchUser, "mix": locustfile.MixUser}[scenario]
+    user = {"bench": locustfile.BenchUser, "mix": locustfile.MixUser, "shared": locustfile.SharedUser}[scenario]
     env = Environment(user_classes=[user], host=host, events=locustfile.events)
     runner = env.create_local_runner()
     env.events.test_start.fire(environment=env)
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkout", type=Path, default=ROOT, help="the code the started server runs")
     ap.add_argument("--store", type=Path, default=ROOT / "models", help="the started server's model store")
     ap.add_argument("--env", action="append", default=[], metavar="WCODEC_X=V", help="a setting for the server")
-    ap.add_argument("--scenario", choices=["bench", "mix"], default="bench")
+    ap.add_argument("--scenario", choices=["bench", "mix", "shared"], default="bench")
     ap.add_argument("--users", type=int, default=8)
     ap.add_argument("--duration", type=float, default=60.0)
     ap.add_argument("--drain", type=float, default=120.0)

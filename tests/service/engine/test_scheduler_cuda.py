@@ -350,3 +350,24 @@ def test_prompt_logprobs_on_cuda(tiny) -> None:
         assert generate(s, [scoring, plain], together=True)[1] == alone
         check(scoring)
         assert (max(replays, default=0) >= sum(map(len, prompts))) == graphs   # the prompts' step replayed or not
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("n", [40, 300], ids=["short", "long"])
+def test_a_prompt_past_its_prefix_cache_hits(tiny, n) -> None:
+    """A prompt that repeats an earlier one's n tokens takes its whole leading blocks from the
+    prefix cache (blocks.py) and generates; its tail's next-token logits, read against those
+    blocks, equal a fresh prefill's of the whole prompt. 40: the tail goes in as decode rows
+    (a prompt graph); 300: past SHORT_PROMPT, SDPA's prefill reads the shared blocks."""
+    from service.engine.blocks import names
+    first, second = list(range(3, 3 + n)), list(range(3, 3 + n)) + [7, 8, 9]
+    s = paged(tiny)
+    rows = [Row(p, SamplingParams(4, ignore_eos=True), tiny) for p in (first, second)]
+    generate(s, rows, False)
+    hit = (len(second) - 1) // 16 * 16
+    assert [r.cached_tokens for r in rows] == [0, hit] and [len(r.ids) for r in rows] == [4, 4]
+    assert s.blocks.used == 0
+    hits = s.blocks.hits(names(second, 16, []), len(second))
+    tail = s.runner.run([], [Chunk(second[hit:], hit, s.blocks.allocate(len(second), hits), whole=True)]).clone()
+    fresh = s.runner.run([], [Chunk(second, 0, s.blocks.allocate(len(second)), whole=True)])
+    same_step(tail, fresh, atol=2e-2)
