@@ -349,18 +349,19 @@ def test_prompt_logprobs_on_cuda(tiny) -> None:
         plain = Row(prompts[1], SamplingParams(4), tiny)
         assert generate(s, [scoring, plain], together=True)[1] == alone
         check(scoring)
-        assert (max(replays, default=0) >= sum(map(len, prompts))) == graphs   # the prompts' step replayed or not
+        fed = sum(map(len, prompts)) - plain.cached_tokens                    # its first block cached the 2nd time
+        assert (max(replays, default=0) >= fed) == graphs                     # the prompts' step replayed or not
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("n", [40, 300], ids=["short", "long"])
-def test_a_prompt_past_its_prefix_cache_hits(tiny, n) -> None:
-    """A prompt that repeats an earlier one's n tokens takes its whole leading blocks from the
-    prefix cache (blocks.py) and generates; its tail's next-token logits, read against those
-    blocks, equal a fresh prefill's of the whole prompt. 40: the tail goes in as decode rows
-    (a prompt graph); 300: past SHORT_PROMPT, SDPA's prefill reads the shared blocks."""
+def test_a_prompt_past_its_prefix_cache_hits(tiny) -> None:
+    """A prompt that repeats an earlier one's 40 tokens takes its two whole leading blocks from the
+    prefix cache (blocks.py) and generates; its tail's next-token logits, its tokens going in as
+    decode rows against those blocks, equal a fresh prefill's of the whole prompt. (A tail past
+    SHORT_PROMPT keys would go through SDPA's prefill as a chunked prompt's later chunks do; the
+    tiny Llama has 256 positions, so it is not tried here.)"""
     from service.engine.blocks import names
-    first, second = list(range(3, 3 + n)), list(range(3, 3 + n)) + [7, 8, 9]
+    first, second = list(range(3, 43)), list(range(3, 43)) + [7, 8, 9]
     s = paged(tiny)
     rows = [Row(p, SamplingParams(4, ignore_eos=True), tiny) for p in (first, second)]
     generate(s, rows, False)
