@@ -20,8 +20,9 @@ Read me first.
 * A graph is captured the first time its shape is needed, or ahead of need while the engine is
   idle (`capture_next`); `capture_seconds` adds up what captures cost.
 * Steps on the CPU run eagerly: the same forward, not captured. So do steps with a prompt chunk,
-  unless their prompts are short: then each prompt token is a decode row of its sequence, and
-  the step replays the graph of its shape if one is captured.
+  unless their chunks are short (their tokens read no more keys than a 256-token prompt's: a
+  short prompt, or a prompt's tail past its prefix cache hits): then each prompt token is a
+  decode row of its sequence, and the step replays the graph of its shape if one is captured.
   In compressed mode (service/model/compressed.py) the capture runs the modules' hooks once: the
   graph holds each Linear's decode on the side stream, one unit ahead, and the waits.
 * On CUDA every step runs the forward's Triton kernels (`fused`, paged.Fused), captured or not;
@@ -50,7 +51,8 @@ from .logits import greedy
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 WARM_AFTER_S = 1.0                 # an idle engine starts warming its kernels after this long (warm_later)
-SHORT_PROMPT = 256                 # keys of a chunk's context up to which its tokens attend as decode rows
+SHORT_PROMPT = 256                 # a chunk whose tokens, as decode rows, read no more keys than a prompt of
+                                   # this many tokens does (S (S + 1) / 2) attends as decode rows
 WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
 
@@ -76,6 +78,13 @@ class Chunk:
     @property
     def logit_rows(self) -> int:
         return len(self.tokens) if self.every else 1
+
+
+def _reads(c: Chunk) -> int:
+    """Keys a chunk's tokens read as decode rows (token i sees start + i + 1): a prompt's tail past its
+    prefix cache hits reads few, whatever its start."""
+    n = len(c.tokens)
+    return n * c.start + n * (n + 1) // 2
 
 
 def bucket(n: int, sizes: tuple[int, ...], top: int) -> int:
@@ -243,7 +252,7 @@ class Runner:
     def _prompts_as_rows(self, chunks: list[Chunk]) -> bool:
         """Whether the chunks' tokens go in as decode rows (`_as_decode_rows`)."""
         return self.fused is not None and getattr(self.fused, "prompts_as_decode_rows", True) and bool(chunks) \
-            and all(c.start + len(c.tokens) <= SHORT_PROMPT for c in chunks)
+            and all(_reads(c) <= SHORT_PROMPT * (SHORT_PROMPT + 1) // 2 for c in chunks)
 
     def _eager_inputs(self, decodes: list[Decode], chunks: list[Chunk]) -> tuple[torch.Tensor, paged.Context]:
         if self._prompts_as_rows(chunks):

@@ -158,3 +158,16 @@ def test_the_demos_chat_turns_share_their_system_prompt(demo) -> None:
     assert out[True][0].cached_tokens == 0 and out[True][1].cached_tokens >= 16
     assert [r.ids for r in out[True]] == [r.ids for r in out[False]]
     assert tok.decode(out[True][1].ids, skip_special_tokens=True) == "The capital of France is Paris."
+
+
+def test_a_tail_past_its_hits_goes_in_as_decode_rows() -> None:
+    """On CUDA a chunk's tokens go in as decode rows (a prompt graph's replay) when they read no
+    more keys than a 256-token prompt does: so does a long prompt's short tail past its hits, not a
+    prompt of 257 tokens."""
+    from types import SimpleNamespace
+
+    from service.engine.runner import Chunk, Runner
+    as_rows = lambda *chunks: Runner._prompts_as_rows(SimpleNamespace(fused=object()), list(chunks))
+    assert as_rows(Chunk(list(range(256)), 0, [])) and not as_rows(Chunk(list(range(257)), 0, []))
+    assert as_rows(Chunk(list(range(20)), 656, []), Chunk(list(range(40)), 0, []))
+    assert not as_rows(Chunk(list(range(20)), 656, []), Chunk(list(range(120)), 600, []))

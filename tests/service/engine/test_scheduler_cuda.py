@@ -357,9 +357,9 @@ def test_prompt_logprobs_on_cuda(tiny) -> None:
 def test_a_prompt_past_its_prefix_cache_hits(tiny) -> None:
     """A prompt that repeats an earlier one's 40 tokens takes its two whole leading blocks from the
     prefix cache (blocks.py) and generates; its tail's next-token logits, its tokens going in as
-    decode rows against those blocks, equal a fresh prefill's of the whole prompt. (A tail past
-    SHORT_PROMPT keys would go through SDPA's prefill as a chunked prompt's later chunks do; the
-    tiny Llama has 256 positions, so it is not tried here.)"""
+    decode rows against those blocks, equal a fresh prefill's of the whole prompt. (A tail that
+    reads more keys than a 256-token prompt goes through SDPA's prefill, as long prompts do: the
+    tiny Llama's 256 positions cannot make one.)"""
     from service.engine.blocks import names
     first, second = list(range(3, 43)), list(range(3, 43)) + [7, 8, 9]
     s = paged(tiny)
