@@ -61,7 +61,8 @@ def served(args: argparse.Namespace, device: str, caching: str) -> dict:
         proc.wait(60)
     return {"hit_rate": (after[1] - before[1]) / max(after[0] - before[0], 1), **graphs,
             **{u: {"ttft_p50": r["ttft_s"]["p50"], "ttft_p99": r["ttft_s"]["p99"],
-                   "ttft_mean": r["server"]["mean_ttft_s"], "latency_p50": r["latency_s"]["p50"], "tokens_per_s": r["tokens_per_s"], "errors": r["errors"]}
+                   "ttft_mean": r["server"]["mean_ttft_s"], "latency_p50": r["latency_s"]["p50"],
+                   "tokens_per_s": r["tokens_per_s"], "errors": r["errors"]}
                for u, r in runs.items()}}
 
 
