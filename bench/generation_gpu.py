@@ -213,13 +213,19 @@ def transformers_generate(folder: Path, device: str, tokens: int) -> dict:
     return out
 
 
-def parse() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def model_args(doc: str) -> argparse.ArgumentParser:
+    """A parser with the model's and the run's arguments (`prepare` reads them)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokenizer", type=Path, help="the tokenizer files of the 7B-shaped model (GPU)")
     ap.add_argument("--demo", action="store_true", help="the demo model instead of the 7B-shaped one")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/out")))
     ap.add_argument("--store", type=Path, default=Path("/tmp/store-gen"))
+    return ap
+
+
+def parse() -> argparse.Namespace:
+    ap = model_args(__doc__)
     ap.add_argument("--users", type=int, nargs="*", default=[32, 64])
     ap.add_argument("--duration", type=float, default=40.0)
     ap.add_argument("--tokens", type=int, default=128)

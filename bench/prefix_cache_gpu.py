@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -30,12 +29,7 @@ from loadtests.prompts import shared_prompt  # noqa: E402
 
 
 def parse() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokenizer", type=Path, help="the tokenizer files of the 7B-shaped model (GPU)")
-    ap.add_argument("--demo", action="store_true", help="the demo model instead of the 7B-shaped one")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/out")))
-    ap.add_argument("--store", type=Path, default=Path("/tmp/store-gen"))
+    ap = gen.model_args(__doc__)
     ap.add_argument("--users", type=int, nargs="*", default=[16])
     ap.add_argument("--duration", type=float, default=20.0)
     ap.add_argument("--tokens", type=int, default=32)
