@@ -93,7 +93,8 @@ class Scheduler:
         if not self.blocks.fits(self._budget(row)):
             raise ValidationFailed(f"{self._budget(row)} tokens (prompt + max_new_tokens) do not fit the KV "
                                    f"cache ({self.blocks.blocks} blocks of {self.blocks.block_size} tokens)")
-        self.prompt_names[id(row)] = names(row.prompt_ids, self.blocks.block_size, [])
+        if self.blocks.prefix_caching:
+            self.prompt_names[id(row)] = names(row.prompt_ids, self.blocks.block_size, [])
         self.arrived[id(row)] = time.perf_counter()
         self.waiting.append(row)
 
@@ -232,7 +233,8 @@ class Scheduler:
             need, hits = self._budget(row), self._hits(row)
             if not self.blocks.can_allocate(need, hits) or not self._ready_to_admit():
                 return                                      # waits for blocks (or for company)
-            self.waiting.popleft().admit().cached_tokens = len(hits) * self.blocks.block_size
+            self.waiting.popleft()
+            row.admit().cached_tokens = len(hits) * self.blocks.block_size
             table = self.blocks.allocate(need, hits)
             self.prefilling.append(Seq(row, table, self.prompt_names.pop(id(row), []), row.cached_tokens))
 
@@ -251,9 +253,10 @@ class Scheduler:
             gone = [s for s in seqs if s.row.done]
             for s in gone:
                 seqs.remove(s)
-                written = s.written()
-                self.blocks.name(s.table, names(written, self.blocks.block_size,
-                                                s.names[:len(written) // self.blocks.block_size]))
+                if self.blocks.prefix_caching:              # its answer's blocks too: a chat's next turn
+                    written = s.written()
+                    self.blocks.name(s.table, names(written, self.blocks.block_size,
+                                                    s.names[:len(written) // self.blocks.block_size]))
                 self.blocks.release(s.table)
                 self._gone(s.row)
 
