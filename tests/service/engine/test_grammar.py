@@ -5,8 +5,10 @@ text is complete; grammars that cannot be compiled are GrammarError."""
 from __future__ import annotations
 
 import json
+import pickle
 import random
 import subprocess
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -17,6 +19,7 @@ from test_scheduler import generate, paged
 from service_helpers import DEMO
 
 from service.engine import grammar
+from service.engine.index_child import NICE
 from service.engine.sampling import Row, SamplingParams
 from service.model.tokenizer import Tokenizer
 from service.model.token_bytes import piece_bytes
@@ -123,6 +126,26 @@ def test_an_index_too_costly_to_build_is_a_grammar_error_in_time() -> None:
     assert time.monotonic() - started < 5
     with pytest.raises(grammar.GrammarError, match=f"its limit is {1 << 28} bytes"):
         grammar.index_of(served, large, grammar.CompileLimits(seconds=60, bytes=1 << 28))
+
+
+def test_a_compile_runs_at_the_lowest_cpu_priority() -> None:
+    """A pattern may compile for its whole time limit: its process runs at nice 19, so that it
+    takes only the CPU that serving leaves idle (at its default priority it held one of a 2-core
+    CPU's two for 120 s, and other requests slowed to seconds)."""
+    vocabulary = grammar._outlines().Vocabulary(*grammar.token_bytes(byte_level([])))
+    child = subprocess.Popen([sys.executable, str(grammar.CHILD)], stdin=subprocess.PIPE,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        child.stdin.write(pickle.dumps((r"a{100000}", vocabulary, 1 << 32)))
+        child.stdin.close()
+        nice = lambda: int(open(f"/proc/{child.pid}/stat").read().rsplit(")", 1)[1].split()[16])
+        deadline = time.monotonic() + 20
+        while nice() != NICE and time.monotonic() < deadline and child.poll() is None:
+            time.sleep(0.05)
+        assert child.poll() is None and nice() == NICE == 19       # still compiling, at the lowest priority
+    finally:
+        child.kill()
+        child.wait()
 
 
 def in_thread(call, *args) -> tuple[threading.Thread, list]:
