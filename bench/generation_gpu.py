@@ -121,13 +121,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve(store: Path, out: Path, device: str, env: dict[str, str]) -> tuple[subprocess.Popen, str]:
+def serve(store: Path, out: Path, device: str, env: dict[str, str], root: Path = ROOT) -> tuple[subprocess.Popen, str]:
+    """`wcodec serve` of `root` (a checkout) over `store`, NAME preloaded; returns it and its URL once ready."""
     url = f"http://127.0.0.1:{free_port()}"
     env = {**os.environ, "WCODEC_MODEL_STORE": str(store), "WCODEC_DEMO": "false", "WCODEC_DEVICE": device,
            "WCODEC_PRELOAD": json.dumps([NAME]), "WCODEC_LOG_LEVEL": "warning",
            "WCODEC_ENGINE": "paged", **env}          # the engine this bench measures (auto's)
     proc = subprocess.Popen([sys.executable, "-m", "wcodec", "serve", "--host", "127.0.0.1", "--port",
-                             url.rsplit(":", 1)[1]], env=env, cwd=ROOT, stdout=(out / "server.log").open("wb"),
+                             url.rsplit(":", 1)[1]], env=env, cwd=root, stdout=(out / "server.log").open("wb"),
                             stderr=subprocess.STDOUT)
     for _ in range(2400):
         try:

@@ -39,7 +39,8 @@ import torch
 from ..errors import ValidationFailed
 from .batcher import Step, drop_cancelled
 from .blocks import BlockManager, names
-from .runner import Chunk, Decode, Launched, Runner
+from .inputs import Chunk, Decode
+from .runner import Launched, Runner
 from .logits import sample_rows
 from .sampling import PROMPT_LOGITS, Row, TokenEvent
 

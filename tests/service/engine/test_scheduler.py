@@ -19,7 +19,7 @@ from test_batching import Req, drive, fail_the_prompts_step, first_divergence_is
 from cuda_ext import step_kernels
 from service.engine import Batcher, Engine, GenRequest, Limits, paging
 from service.engine.blocks import BlockManager
-from service.engine.runner import Chunk, Decode
+from service.engine.inputs import Chunk, Decode
 from service.engine.sampling import Row, SamplingParams
 from service.engine.worker import paged_engine
 from service.errors import QueueFull, ValidationFailed
@@ -340,7 +340,7 @@ def test_paged_forward_equals_llama_forward(tiny) -> None:
     s = paged(tiny)
     prompt = prompts_of(tiny, 1, random.Random(3))[0]
     table = s.blocks.allocate(len(prompt) + 1)
-    from service.engine.runner import Chunk, Decode
+    from service.engine.inputs import Chunk, Decode
     half = len(prompt) // 2
     a = s.runner.run([], [Chunk(prompt[:half], 0, table)])
     b = s.runner.run([], [Chunk(prompt[half:], half, table)])

@@ -16,7 +16,7 @@ from test_prompt_logprobs import TOP, check
 from test_scheduler import PROMPTS, generate, submit_at_once
 
 from service.engine import Batcher, Engine, Limits, paging
-from service.engine.runner import Chunk, Decode
+from service.engine.inputs import Chunk, Decode
 from service.engine.sampling import Row, SamplingParams
 from service.load import pipeline
 from service.metrics import Metrics

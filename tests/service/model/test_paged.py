@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from cuda_ext import step_kernels
-from service.engine.runner import Chunk, Decode, Runner
+from service.engine.inputs import Chunk, Decode
+from service.engine.runner import Runner
 from service.model import llama, paged
 
 REFERENCES = step_kernels.REFERENCES
