@@ -60,9 +60,11 @@ Generate wcodec_generate_requests_total{model,status}  status: ok, error, cancel
          wcodec_generate_batch_tokens{model}   tokens fed per step: decoded rows + prompt tokens
 KV cache wcodec_kv_cache_blocks{model}, wcodec_kv_cache_blocks_used{model}   the paged cache's blocks
                                                    (service/engine/blocks.py), all / held by rows
-         wcodec_kv_cache_usage{model}          blocks_used / blocks (a row holds its whole budget,
-                                                   so nothing is preempted: no preemption metric;
-                                                   cached blocks none holds count as free)
+         wcodec_kv_cache_usage{model}          blocks_used / blocks (a row takes blocks as it
+                                                   decodes; cached blocks none holds count as free)
+         wcodec_generate_preemptions_total{model}   decoding rows sent back to the queue for lack
+                                                   of a free block, to be prefilled again (vLLM's
+                                                   num_preemptions)
          wcodec_engine_cuda_graphs{model}      decode steps captured (service/engine/runner.py)
          wcodec_engine_cuda_graph_shapes{model}   the step shapes it captures while idle (the graphs
                                                    gauge reaches this once all are)
@@ -210,6 +212,8 @@ class Metrics:
         m = ["model"]
         self.cache_blocks = Gauge("wcodec_kv_cache_blocks", "Blocks of the paged KV cache", m, registry=r)
         self.cache_used = Gauge("wcodec_kv_cache_blocks_used", "KV cache blocks held by rows", m, registry=r)
+        self.preemptions = Counter("wcodec_generate_preemptions", "Decoding rows preempted for lack of a free "
+                                   "KV cache block (prefilled again)", m, registry=r)
         self.cache_usage = Gauge("wcodec_kv_cache_usage", "Fraction of the KV cache's blocks held by rows", m,
                                  registry=r)
         self.graphs = Gauge("wcodec_engine_cuda_graphs", "Decode steps captured as CUDA graphs", m, registry=r)
@@ -223,6 +227,7 @@ class Metrics:
         self.cache_blocks.labels(model).set(blocks.blocks)
         self.cache_used.labels(model).set_function(lambda: blocks.used)
         self.cache_usage.labels(model).set_function(lambda: blocks.usage)
+        self.preemptions.labels(model)                 # at 0 from the start, as rate() needs
         self.set_graphs(model, 0, 0.0, 0)
 
     def untrack_cache(self, model: str) -> None:

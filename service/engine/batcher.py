@@ -36,6 +36,7 @@ from .kv import PaddedKV, cache_class, forward_all
 class Step:
     rows: int           # rows the step ran: decoded, and prefilled (a chunk of their prompts)
     tokens: int         # tokens fed to the model: decoded rows + prompt tokens prefilled
+    preempted: int = 0  # decoding rows sent back to the queue by this step (scheduler.py)
 
 
 def drop_cancelled(waiting: deque[Row], gone: Callable[[Row], None]) -> None:

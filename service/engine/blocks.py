@@ -1,10 +1,10 @@
 """The KV cache's blocks, nano-vllm's `block_manager` with vLLM's automatic prefix caching: plain
 Python over a free list; the tensors are service/model/paged.py's PagedCache.
 
-A sequence is admitted only when the blocks of its whole budget (prompt + max_new_tokens) are
-free, and gets them all at once: a running row never runs out of cache, so nothing is ever
-preempted, and a full cache makes new requests wait in the engine's queue (whose limit answers
-429). The price: a request that stops early (EOS, stop sequence) held blocks it did not use.
+A sequence takes the blocks of its prompt and first token when it is admitted, then one block
+at a time as it decodes (scheduler.py, which preempts the latest arrival when none is free); a
+full cache makes new requests wait in the engine's queue (whose limit answers 429). A sequence
+whose whole budget (prompt + max_new_tokens) is more than the cache is refused (`fits`).
 
     table   list[int]   a sequence's blocks, in order: its token at position p is in slot
                         table[p // block_size] * block_size + p % block_size
@@ -72,9 +72,10 @@ class BlockManager:
             out.append(block)
         return out
 
-    def can_allocate(self, tokens: int, hits: Sequence[int] = ()) -> bool:
+    def can_allocate(self, tokens: int, hits: Sequence[int] = (), spare: int = 0) -> bool:
+        """Whether `tokens` (past `hits`) can be allocated with `spare` blocks still free after."""
         idle_hits = sum(1 for b in hits if not self.refs[b])           # free blocks the hits take
-        return self.blocks_for(tokens) - len(hits) <= len(self.free) - idle_hits
+        return self.blocks_for(tokens) - len(hits) + spare <= len(self.free) - idle_hits
 
     def allocate(self, tokens: int, hits: Sequence[int] = ()) -> list[int]:
         """The blocks of a sequence of up to `tokens` tokens, `hits` (from `hits`) first (can_allocate first)."""

@@ -4,24 +4,29 @@ transformers' models), so the worker runs either.
 
 Each `step()`:
   1. rows that finished or were cancelled leave; their blocks go back (blocks.py);
-  2. admit: waiting rows, first come first served, while rows are free and the cache has the
-     blocks of their whole budget (prompt + max_new_tokens); the others wait. A row takes the
-     cached blocks of its prompt's longest known prefix (blocks.py's prefix cache; not a row that
-     scores its prompt) and prefills only the tokens after them. With CUDA graphs, while
+  2. room: every decoding row gets the block of its next position, oldest arrival first; when
+     none is free, the decoding row that arrived last is preempted (vLLM's recompute): its blocks
+     go back, named for the prefix cache, and it waits at the head of the line to prefill its
+     prompt and generated tokens again (most of them found in that cache) and decode on;
+  3. admit: waiting rows, first come first served, while rows are free and the cache has the
+     blocks of their prompt and first token, and WATERMARK of the cache spare; the others wait.
+     A row takes the cached blocks of its prompt's longest known prefix (blocks.py's prefix
+     cache; not a row that scores its prompt) and prefills only the tokens after them. With CUDA graphs, while
      rows are decoding, admission waits up to `prefill_wait_s` to gather arrivals into one prompt
      step (whole short prompts replay a prompt bucket's graph, runner.py; longer ones run eager);
-  3. chunk: the token budget (`max_tokens` less one per decoding row) goes to the prefilling rows'
+  4. chunk: the token budget (`max_tokens` less one per decoding row) goes to the prefilling rows'
      prompts in order, a chunk each, so a long prompt never stalls the decoding rows; a row that
      scores its prompt (prompt_logprobs) gets logits at every token of its chunk, such rows
      PROMPT_LOGITS tokens a step in all;
-  4. one forward (runner.py): every decoding row's newest token and every chunk, each row against
+  5. one forward (runner.py): every decoding row's newest token and every chunk, each row against
      its own blocks; a decode-only step replays a CUDA graph;
-  5. decoding rows sample their next token; a row whose prompt is complete samples its first and
-     starts decoding.
+  6. decoding rows sample their next token; a row whose prompt is complete samples its first and
+     starts decoding (a preempted row's prefill ends in no token: it decodes on from its newest).
 Pipelined (CUDA graphs; decoding rows only, all greedy, none waiting to be admitted), a step
 instead launches the rows' next step, its tokens read on the device from the last launch's picks,
 then pushes the last launch's tokens while the device computes: the host's work per token
-(sampling's copy, detokenizing, the events) overlaps the step rather than following it.
+(sampling's copy, detokenizing, the events) overlaps the step rather than following it. Only
+while every row has its launch's block free to take: a step that must preempt waits.
 
 A row's attention sees only its own blocks (shared ones hold the same tokens at the same
 positions), so batching and the prefix cache change no row's tokens beyond floating-point
@@ -45,22 +50,32 @@ from .logits import sample_rows
 from .sampling import PROMPT_LOGITS, Row, TokenEvent
 
 
-class Seq:
-    """A row's place in the cache: its blocks, how much of its prompt is in (from the first
-    block past its prefix cache hits), and whether a launched step's token for it is still on its
-    way (`ahead`: 0 or 1). `names`: its prompt's whole blocks' names (blocks.py)."""
+WATERMARK = 0.01                        # of the cache's blocks left free by an admission (vLLM's)
 
-    def __init__(self, row: Row, table: list[int], prompt_names: list[bytes], prefilled: int = 0):
-        self.row, self.table, self.names, self.prefilled, self.ahead = row, table, prompt_names, prefilled, 0
+
+def feed(row: Row) -> list[int]:
+    """What a row's prefill writes: its prompt, and once preempted its generated tokens but the
+    newest (which its next decode step feeds)."""
+    return row.prompt_ids + row.ids[:-1]
+
+
+class Seq:
+    """A row's place in the cache: its blocks, how much of its feed is in (from the first block
+    past its prefix cache hits, `hit` tokens), and whether a launched step's token for it is still
+    on its way (`ahead`: 0 or 1). `names`: its feed's whole blocks' names (blocks.py)."""
+
+    def __init__(self, row: Row, table: list[int], feed_names: list[bytes], hit: int = 0):
+        self.row, self.table, self.names, self.prefilled, self.hit, self.ahead = row, table, feed_names, hit, hit, 0
+        self.feed, self.resumed = feed(row), bool(row.ids)
 
     def written(self) -> list[int]:
-        """The tokens whose keys and values its returned steps wrote: the prompt's prefilled part,
-        then, once it decodes, each generated token but the newest (not fed yet)."""
-        return self.row.prompt_ids[:self.prefilled] + (self.row.ids[:-1] if self.prompt_done else [])
+        """The tokens whose keys and values its returned steps wrote: the feed's prefilled part,
+        then, once it decodes, each token but the newest (not fed yet)."""
+        return (self.row.prompt_ids + self.row.ids)[:-1] if self.prefill_done else self.feed[:self.prefilled]
 
     @property
-    def prompt_done(self) -> bool:
-        return self.prefilled == len(self.row.prompt_ids)
+    def prefill_done(self) -> bool:
+        return self.prefilled == len(self.feed)
 
     def decode(self) -> Decode:
         """Its next decode step; with a token on its way, the token is the device's (0 here)."""
@@ -84,7 +99,8 @@ class Scheduler:
         self.on_token, self.on_finish = on_token, on_finish
         self.waiting: deque[Row] = deque()      # appended by other threads (deque ops are atomic)
         self.arrived: dict[int, float] = {}
-        self.prompt_names: dict[int, list[bytes]] = {}     # a waiting row's (add: off the engine's thread)
+        self.prompt_names: dict[int, list[bytes]] = {}     # a waiting row's feed's (add: off the engine's thread)
+        self.preempted = 0                      # rows preempted so far (wcodec_generate_preemptions_total)
         self.running: list[Seq] = []            # decoding
         self.prefilling: list[Seq] = []
         self.pending: Pending | None = None     # a launched step (pipelined: below)
@@ -109,6 +125,7 @@ class Scheduler:
 
     @torch.inference_mode()
     def step(self) -> Step:
+        was = self.preempted
         self._leave()
         drop_cancelled(self.waiting, self._gone)
         if self.pending is None:
@@ -116,11 +133,12 @@ class Scheduler:
         if self._pipelines():
             return self._launch()
         self._drain()
+        self._make_room(preempt=True)
         self._admit()
         chunks = self._chunks(self.max_tokens - len(self.running))
         decoding = list(self.running)
         if not decoding and not chunks:
-            return Step(0, 0)
+            return Step(0, 0, self.preempted - was)
         logits = self.runner.run([s.decode() for s in decoding], [c for _, c in chunks])   # [B + P, V]
         self.runner.start_warming(now=True)         # a request has been served: its kernels may compile
         self._emit([s.row for s in decoding], logits[:len(decoding)])
@@ -132,15 +150,17 @@ class Scheduler:
             if self._advance(s, c):
                 done.append((at - 1, s))
             self.blocks.name(s.table, s.names[:s.prefilled // self.blocks.block_size])
-        if done:
-            for _, s in done:
+        if fresh := [(i, s) for i, s in done if not s.resumed]:   # a resumed row decodes on from its newest token
+            for _, s in fresh:
                 s.row.prompt_in()
-            self._emit([s.row for _, s in done], logits[[i for i, _ in done]])
+            self._emit([s.row for _, s in fresh], logits[[i for i, _ in fresh]])
+        if done:
             for _, s in done:
                 self.prefilling.remove(s)
                 self.running.append(s)
         self._leave()
-        return Step(len(decoding) + len(chunks), len(decoding) + sum(len(c.tokens) for _, c in chunks))
+        return Step(len(decoding) + len(chunks), len(decoding) + sum(len(c.tokens) for _, c in chunks),
+                    self.preempted - was)
 
     def reset(self) -> list[Row]:
         """Forget every running and prefilling row (after a failed step); returns their rows."""
@@ -154,15 +174,50 @@ class Scheduler:
     def _pipelines(self) -> bool:
         """Whether this step is queued behind the last one before the last one's tokens are known
         (the host's work on those tokens then overlaps the device's step): CUDA graphs, decoding
-        rows only, every one greedy without a penalty, and no waiting row that could be admitted."""
+        rows only, every one greedy without a penalty, no waiting row that could be admitted, and
+        the block of each row's launched position at hand."""
         return self.runner.pipelined and bool(self.running) and not self.prefilling \
             and len(self.running) <= self.runner.max_rows and not self._admissible() \
-            and all(s.row.greedy for s in self.running)
+            and all(s.row.greedy for s in self.running) and self._make_room(preempt=False)
 
     def _admissible(self) -> bool:
         return bool(self.waiting) and len(self.running) + len(self.prefilling) < self.max_rows \
-            and self.blocks.can_allocate(self._budget(self.waiting[0]), self._hits(self.waiting[0])) \
-            and self._ready_to_admit()
+            and self._fits_now(self.waiting[0]) and self._ready_to_admit()
+
+    def _fits_now(self, row: Row) -> bool:
+        """Whether the cache has the blocks of `row`'s feed and first decoded token (past its hits),
+        with WATERMARK of the cache spare for the decoding rows' next blocks; a preempted row needs
+        no spare (it held its blocks before)."""
+        spare = 0 if row.ids else int(self.blocks.blocks * WATERMARK)
+        return self.blocks.can_allocate(len(feed(row)) + 1, self._hits(row), spare)
+
+    def _make_room(self, preempt: bool) -> bool:
+        """Give each decoding row, oldest arrival first, the block of its next position (with a
+        launched token on its way, the one after). None free: False, or with `preempt` the row
+        that arrived last is preempted until one is; True once every remaining row has its block."""
+        for s in sorted(self.running, key=self._arrival):
+            while s in self.running and s.decode().position >= len(s.table) * self.blocks.block_size:
+                if self.blocks.can_allocate(self.blocks.block_size):
+                    s.table += self.blocks.allocate(self.blocks.block_size)
+                elif not preempt:
+                    return False
+                else:
+                    self._preempt(max(self.running, key=self._arrival))
+        return True
+
+    def _preempt(self, s: Seq) -> None:
+        """Back to the head of the line: its written blocks named and released (no launched step is
+        on its way: the caller drained them), to be prefilled again from the prefix cache."""
+        self.running.remove(s)
+        self._name_written(s)
+        self.blocks.release(s.table)
+        if self.blocks.prefix_caching:
+            self.prompt_names[id(s.row)] = names(feed(s.row), self.blocks.block_size, [])
+        self.waiting.appendleft(s.row)
+        self.preempted += 1
+
+    def _arrival(self, s: Seq) -> float:
+        return self.arrived.get(id(s.row), 0.0)
 
     def _launch(self) -> Step:
         """Launch a step of the running rows, then push the previous launch's tokens. A row that
@@ -191,19 +246,19 @@ class Scheduler:
 
     def _advance(self, s: Seq, c: Chunk) -> bool:
         s.prefilled = c.start + len(c.tokens)
-        return s.prompt_done
+        return s.prefill_done
 
     def _chunks(self, budget: int) -> list[tuple[Seq, Chunk]]:
         """Each prefilling row's next chunk while the token budget lasts; rows scoring their
         prompts (prompt_logprobs: logits at every token) share PROMPT_LOGITS tokens a step."""
         out, scored = [], PROMPT_LOGITS
         for s in self.prefilling:
-            every = s.row.params.prompt_logprobs is not None
+            every = s.row.params.prompt_logprobs is not None and not s.resumed     # scored once
             if (budget <= 0 or (every and scored <= 0)) and out:
                 break
-            n = max(1, min(len(s.row.prompt_ids) - s.prefilled, budget, scored if every else budget))
-            whole = s.prefilled == s.row.cached_tokens and n == len(s.row.prompt_ids) - s.prefilled
-            out.append((s, Chunk(s.row.prompt_ids[s.prefilled:s.prefilled + n], s.prefilled, s.table, every, whole)))
+            n = max(1, min(len(s.feed) - s.prefilled, budget, scored if every else budget))
+            whole = s.prefilled == s.hit and n == len(s.feed) - s.prefilled
+            out.append((s, Chunk(s.feed[s.prefilled:s.prefilled + n], s.prefilled, s.table, every, whole)))
             budget, scored = budget - n, scored - (n if every else 0)
         return out
 
@@ -211,10 +266,11 @@ class Scheduler:
         return len(row.prompt_ids) + row.params.max_new_tokens
 
     def _hits(self, row: Row) -> list[int]:
-        """A waiting row's prefix cache hits: none for a row that scores its prompt (every token's logits)."""
-        if row.params.prompt_logprobs is not None:
+        """A waiting row's prefix cache hits: none for a row that scores its prompt (every token's
+        logits), but once it did."""
+        if row.params.prompt_logprobs is not None and not row.ids:
             return []
-        return self.blocks.hits(self.prompt_names.get(id(row), []), len(row.prompt_ids))
+        return self.blocks.hits(self.prompt_names.get(id(row), []), len(feed(row)))
 
     def _ready_to_admit(self) -> bool:
         """Now, unless graphs run the decoding rows and the first waiting row arrived under
@@ -231,13 +287,15 @@ class Scheduler:
             if row.cancelled:
                 self._gone(self.waiting.popleft())
                 continue
-            need, hits = self._budget(row), self._hits(row)
-            if not self.blocks.can_allocate(need, hits) or not self._ready_to_admit():
+            if not self._fits_now(row) or not self._ready_to_admit():
                 return                                      # waits for blocks (or for company)
+            hits = self._hits(row)
+            hit = len(hits) * self.blocks.block_size
             self.waiting.popleft()
-            row.admit().cached_tokens = len(hits) * self.blocks.block_size
-            table = self.blocks.allocate(need, hits)
-            self.prefilling.append(Seq(row, table, self.prompt_names.pop(id(row), []), row.cached_tokens))
+            if not row.ids:                                 # not a preempted row, admitted again
+                row.admit().cached_tokens = hit
+            table = self.blocks.allocate(len(feed(row)) + 1, hits)
+            self.prefilling.append(Seq(row, table, self.prompt_names.pop(id(row), []), hit))
 
     def _gone(self, row: Row) -> None:
         self.arrived.pop(id(row), None)
@@ -254,10 +312,12 @@ class Scheduler:
             gone = [s for s in seqs if s.row.done]
             for s in gone:
                 seqs.remove(s)
-                if self.blocks.prefix_caching:              # its answer's blocks too: a chat's next turn
-                    written = s.written()
-                    self.blocks.name(s.table, names(written, self.blocks.block_size,
-                                                    s.names[:len(written) // self.blocks.block_size]))
+                self._name_written(s)                       # its answer's blocks too: a chat's next turn
                 self.blocks.release(s.table)
                 self._gone(s.row)
 
+    def _name_written(self, s: Seq) -> None:
+        if self.blocks.prefix_caching:
+            written = s.written()
+            self.blocks.name(s.table, names(written, self.blocks.block_size,
+                                            s.names[:len(written) // self.blocks.block_size]))

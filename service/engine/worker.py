@@ -221,6 +221,8 @@ class Engine:
         if step.tokens:
             m.batch_size.labels(name).observe(step.rows)
             m.batch_tokens.labels(name).observe(step.tokens)
+        if step.preempted:
+            m.preemptions.labels(name).inc(step.preempted)
         runner = self._runner
         if runner is not None:
             m.set_graphs(name, len(runner.graphs), runner.capture_seconds, runner.shape_count)

@@ -266,20 +266,30 @@ def test_a_prompt_bucket_that_cannot_be_captured_leaves_the_decode_graphs(tiny, 
     assert "prompt step failed" in caplog.text
 
 
-def test_a_full_cache_makes_requests_wait(tiny) -> None:
+def test_a_full_cache_preempts_the_latest_arrival_and_makes_requests_wait(tiny) -> None:
+    """Rows take blocks as they decode: 5 requests of 3 prompt tokens and 20 new ones (2 blocks
+    each by their end) in a 4-block cache start 4 at once, a block each; when a row needs its
+    second and none is free, the row that arrived last goes back to the head of the queue and is
+    prefilled again (its prompt and tokens, from the prefix cache where they are named) before it
+    decodes on. The fifth waits. Every row ends with the tokens it makes alone, the cache is never
+    over-full, and no block stays held."""
     s = paged(tiny, max_rows=8, nbytes=1, max_total_tokens=64)        # 64 tokens: 4 blocks
     assert s.blocks.blocks == 4
-    rows = [Row(tiny.tokenizer.encode("a b c"), SamplingParams(20), tiny) for _ in range(5)]
-    need = s.blocks.blocks_for(len(rows[0].prompt_ids) + 20)
-    held = []
+    prompt = tiny.tokenizer.encode("a b c")
+    rows = [Row(prompt, SamplingParams(20), tiny) for _ in range(5)]
+    held, steps = [], []
     for row in rows:
         s.add(row)
     while not s.idle:
-        s.step()
+        steps.append(s.step().preempted)
         held.append(len(s.running) + len(s.prefilling))
-        assert s.blocks.used == need * held[-1] <= s.blocks.blocks
-    assert max(held) == s.blocks.blocks // need < len(rows)             # the others waited
+        assert s.blocks.used == len({b for q in s.running + s.prefilling for b in q.table}) <= s.blocks.blocks
+    assert max(held) == 4 < len(rows) and s.preempted == sum(steps) > 0
+    (alone,) = generate(paged(tiny), [Row(prompt, SamplingParams(20), tiny)], False)
     assert all(r.finish_reason == "length" and len(r.ids) == 20 for r in rows) and s.blocks.used == 0
+    for r in rows:
+        if first_divergence_is_a_near_tie(tiny, prompt, alone, r.ids) == len(alone):
+            assert r.ids == alone
 
 
 @pytest.mark.parametrize("engine", [paged, padded])
@@ -298,6 +308,36 @@ def test_a_row_is_marked_admitted_when_a_batch_takes_it(tiny, engine) -> None:
     while not e.idle:
         e.step()
     assert rows[2].admitted_at > rows[1].admitted_at and all(len(r.ids) == 4 for r in rows)
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["waiting", "pipelined"])
+def test_preempted_rows_resume_as_they_were(tiny, pipelined) -> None:
+    """In a cache that holds about two of them, 6 rows preempt each other: greedy ones, a seeded
+    sampling one, one scoring its prompt; pipelined steps (CUDA's, run eagerly here) too. Each
+    resumes where it was: a greedy row's tokens are its tokens alone (or part at a near-tie), the
+    sampling row's its seed's, the scored prompt's scores are those alone and come once."""
+    rng = random.Random(6)
+    prompts = [p for p in prompts_of(tiny, 40, rng) if 20 <= len(p) <= 40][:6]
+    assert len(prompts) == 6
+    params = [SamplingParams(40, ignore_eos=True) for _ in prompts]
+    params[2] = SamplingParams(40, ignore_eos=True, temperature=0.9, do_sample=True, seed=11)
+    params[3] = SamplingParams(40, ignore_eos=True, prompt_logprobs=2)     # the latest of the first 4: preempted
+    per = paging.paged.PagedCache.token_bytes(tiny.model.config, paging.cache_dtype(tiny))
+    s = paged(tiny, max_rows=6, max_tokens=64, nbytes=per * 160, max_total_tokens=96)   # 10 blocks
+    s.runner.pipelined = pipelined
+    together, preempt, victims = [Row(p, q, tiny) for p, q in zip(prompts, params)], s._preempt, []
+    s._preempt = lambda q: victims.append(together.index(q.row)) or preempt(q)
+    generate(s, together, True)
+    assert {2, 3} <= set(victims) and s.preempted == len(victims) and s.blocks.used == 0
+    for p, q, row in zip(prompts, params, together):
+        alone = Row(p, q, tiny)
+        generate(paged(tiny), [alone], False)
+        assert len(row.ids) == 40 and row.finish_reason == "length"
+        if q.prompt_logprobs:                       # scored once, before any preemption
+            scores = lambda r: [lp for lp, _ in r.prompt_scores]
+            assert scores(row) == pytest.approx(scores(alone), abs=1e-4)
+        if q.seed is not None or first_divergence_is_a_near_tie(tiny, p, alone.ids, row.ids) == len(alone.ids):
+            assert row.ids == alone.ids
 
 
 def test_a_request_larger_than_the_cache_is_refused(tiny) -> None:
