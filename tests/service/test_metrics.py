@@ -29,6 +29,7 @@ FAMILIES = [
     "wcodec_generate_queue_duration_seconds", "wcodec_generate_prefill_duration_seconds",
     "wcodec_generate_time_per_output_token_seconds", "wcodec_generate_prompt_tokens_total",
     "wcodec_generate_generated_tokens_total", "wcodec_generate_prompt_cached_tokens_total",
+    "wcodec_generate_preemptions_total",
     "wcodec_generate_queue_depth", "wcodec_generate_batch_size",
     "wcodec_generate_running_requests",
     "wcodec_generate_batch_tokens", "wcodec_generate_inter_token_latency_seconds",
