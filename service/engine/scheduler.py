@@ -77,10 +77,14 @@ class Seq:
     def prefill_done(self) -> bool:
         return self.prefilled == len(self.feed)
 
+    @property
+    def position(self) -> int:
+        """Where its next decode step writes (past a launched token on its way)."""
+        return len(self.row.prompt_ids) + len(self.row.ids) - 1 + self.ahead
+
     def decode(self) -> Decode:
         """Its next decode step; with a token on its way, the token is the device's (0 here)."""
-        token = self.row.ids[-1] if not self.ahead else 0
-        return Decode(token, len(self.row.prompt_ids) + len(self.row.ids) - 1 + self.ahead, self.table)
+        return Decode(self.row.ids[-1] if not self.ahead else 0, self.position, self.table)
 
 
 @dataclass
@@ -195,8 +199,9 @@ class Scheduler:
         """Give each decoding row, oldest arrival first, the block of its next position (with a
         launched token on its way, the one after). None free: False, or with `preempt` the row
         that arrived last is preempted until one is; True once every remaining row has its block."""
-        for s in sorted(self.running, key=self._arrival):
-            while s in self.running and s.decode().position >= len(s.table) * self.blocks.block_size:
+        short = lambda s: s.position >= len(s.table) * self.blocks.block_size
+        for s in sorted((s for s in self.running if short(s)), key=self._arrival):
+            while s in self.running and short(s):
                 if self.blocks.can_allocate(self.blocks.block_size):
                     s.table += self.blocks.allocate(self.blocks.block_size)
                 elif not preempt:
