@@ -186,14 +186,14 @@ class Scheduler:
 
     def _admissible(self) -> bool:
         return bool(self.waiting) and len(self.running) + len(self.prefilling) < self.max_rows \
-            and self._fits_now(self.waiting[0]) and self._ready_to_admit()
+            and self._fits_now(self.waiting[0], self._hits(self.waiting[0])) and self._ready_to_admit()
 
-    def _fits_now(self, row: Row) -> bool:
+    def _fits_now(self, row: Row, hits: list[int]) -> bool:
         """Whether the cache has the blocks of `row`'s feed and first decoded token (past its hits),
         with WATERMARK of the cache spare for the decoding rows' next blocks; a preempted row needs
         no spare (it held its blocks before)."""
         spare = 0 if row.ids else int(self.blocks.blocks * WATERMARK)
-        return self.blocks.can_allocate(len(feed(row)) + 1, self._hits(row), spare)
+        return self.blocks.can_allocate(len(feed(row)) + 1, hits, spare)
 
     def _make_room(self, preempt: bool) -> bool:
         """Give each decoding row, oldest arrival first, the block of its next position (with a
@@ -292,9 +292,9 @@ class Scheduler:
             if row.cancelled:
                 self._gone(self.waiting.popleft())
                 continue
-            if not self._fits_now(row) or not self._ready_to_admit():
-                return                                      # waits for blocks (or for company)
             hits = self._hits(row)
+            if not self._fits_now(row, hits) or not self._ready_to_admit():
+                return                                      # waits for blocks (or for company)
             hit = len(hits) * self.blocks.block_size
             self.waiting.popleft()
             if not row.ids:                                 # not a preempted row, admitted again
